@@ -1,0 +1,1 @@
+"""The attnlab command line: a thin client over the library."""

@@ -1,0 +1,359 @@
+"""attnlab.attention: PyTorch SDPA's arguments and semantics, plus patterns, weights and a tiled kernel.
+
+Legend: N batch (leading dims flattened), H heads, Hkv key/value heads, L query length, S key length,
+E head dim, Ev value head dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import patterns as P
+from .kernels import dense as _dense
+from .kernels import fused as _fused
+from .kernels import sparse as _sparse
+from .kernels import tiled as _tiled
+from .kernels.masks import MaskSpec
+from .shapes import AttentionInputs, check_attention_inputs, shape_str
+
+__all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "Plan", "METHODS", "Prepared", "prepare"]
+
+METHODS = ("auto", "dense", "sdpa", "tiled", "sparse")
+#: auto returns weights from the dense kernel while its [N, H, L, S] scores stay under this budget
+DENSE_WEIGHTS_BUDGET = 256 * 2**20
+#: auto uses the gathered block-sparse kernel when at least this fraction of blocks is empty
+SPARSE_MIN_EMPTY = 0.25
+DEFAULT_SPARSE_BLOCK = 128
+DEFAULT_TILED_BLOCK = (512, 512)
+
+
+# -- preparation: validate, flatten to 4-D, describe the mask ---------------------------------------
+@dataclass
+class Prepared:
+    info: AttentionInputs
+    q: torch.Tensor  # (N, H, L, E)
+    k: torch.Tensor  # (N, H, S, E), key/value heads repeated under GQA
+    v: torch.Tensor  # (N, H, S, Ev)
+    mask: MaskSpec
+    is_causal_only: bool  # the mask is exactly top-left causal (SDPA's is_causal)
+    out_shape: tuple[int, ...]
+    dropout_p: float
+    mask_requires_grad: bool
+
+    @property
+    def N(self) -> int:
+        return self.q.shape[0]
+
+
+def _to4d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 2:
+        return t.unsqueeze(0).unsqueeze(0)
+    if t.dim() == 3:
+        return t.unsqueeze(0)
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _mask4d(m: torch.Tensor, batch_shape: tuple[int, ...], L: int, S: int) -> torch.Tensor:
+    full_rank = len(batch_shape) + 2
+    m = m.reshape((1,) * (full_rank - m.dim()) + tuple(m.shape))
+    if full_rank == 2:
+        return m.unsqueeze(0).unsqueeze(0)
+    if full_rank == 3:
+        return m.unsqueeze(0)
+    lead = m.shape[:-3]
+    if all(s == 1 for s in lead):
+        return m.reshape(1, *m.shape[-3:])
+    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+
+
+def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False, pattern=None) -> Prepared:
+    """Validate inputs and bring them to the kernels' 4-D form (see the module legend)."""
+    info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if pattern is not None and not isinstance(pattern, P.Pattern):
+        raise TypeError(f"pattern must be an attnlab.patterns.Pattern, got {type(pattern).__name__}")
+    q, k, v = _to4d(query), _to4d(key), _to4d(value)
+    if info.H != info.Hkv:
+        k = k.repeat_interleave(info.groups, dim=1)  # (N, H, S, E)
+        v = v.repeat_interleave(info.groups, dim=1)
+    N = q.shape[0]
+    if pattern is not None and pattern.batch_size and pattern.batch_size != N:
+        raise ValueError(
+            f"pattern {pattern!r} is for batch size {pattern.batch_size}, but query {shape_str(query)} "
+            f"has batch size {N}"
+        )
+    keep = bias = None
+    if attn_mask is not None:
+        m4 = _mask4d(attn_mask, info.batch_shape, info.L, info.S)
+        if attn_mask.dtype == torch.bool:
+            keep = m4
+        else:
+            bias = m4
+    pat = pattern
+    if is_causal:
+        pat = P.causal() if pat is None else (pat & P.causal())
+    mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias)
+    causal_only = is_causal and pattern is None and attn_mask is None
+    return Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
+                    bool(attn_mask is not None and attn_mask.requires_grad))
+
+
+# -- the plan: which method runs, why, and what it costs -------------------------------------------
+@dataclass
+class Plan:
+    """What ``attention`` will do for these inputs: the method, why, what was refused, and the cost."""
+
+    method: str
+    reason: str
+    refused: dict[str, str] = field(default_factory=dict)
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    flops: dict[str, int] = field(default_factory=dict)
+    sdpa_backend: str = "unknown"
+    block_size: tuple[int, int] | None = None
+    density: float = 1.0  # fraction of (query, key) blocks that are computed
+
+    def __str__(self) -> str:
+        lines = [f"method: {self.method} — {self.reason}"]
+        for m in METHODS[1:]:
+            cost = ""
+            if m in self.peak_bytes:
+                cost = f"peak ≈ {_fmt_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
+            state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
+            lines.append(f"  {m:<7} {state:<50} {cost}")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
+def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size) -> Plan:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    info, mask = p.info, p.mask
+    N, H, L, S, E, Ev = p.N, info.H, info.L, info.S, info.E, info.Ev
+    el = p.q.element_size()
+    io = N * H * L * (E + 2 * Ev) * el + 2 * N * H * S * (E + Ev) * el
+    pairs = N * H * L * S
+    has_pattern = mask.pattern is not None and not p.is_causal_only
+    bs = block_size or DEFAULT_SPARSE_BLOCK
+    tq, tk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
+    refused: dict[str, str] = {}
+    peak: dict[str, int] = {}
+    flops: dict[str, int] = {}
+    unit_flops = 2 * (E + Ev)
+
+    # sparse layout at its block size: computed blocks and their area
+    lay = mask.layout(bs, bs) if has_pattern or mask.keep is not None else None
+    if lay is not None and lay.numel():
+        nonempty = (lay != P.EMPTY)
+        computed = int(nonempty.sum()) * bs * bs
+        density = float(nonempty.float().mean())
+        gathered = int(nonempty.sum()) * bs
+    else:
+        computed, density, gathered = L * S, 1.0, (-(-L // bs)) * max(S, 1)
+    tl = mask.layout(tq, tk) if not mask.is_trivial else None
+    t_computed = int((tl != P.EMPTY).sum()) * tq * tk if tl is not None else L * S
+    t_computed = min(t_computed, max(L, 1) * max(S, 1) * 4)
+
+    backend = _fused.sdpa_backend(p.q, p.k, p.v, None if p.mask.is_trivial or p.is_causal_only else (
+        p.mask.keep if p.mask.keep is not None else p.mask.bias), p.dropout_p, p.is_causal_only, info.scale)
+    # dense
+    peak["dense"] = io + 3 * pairs * 4
+    flops["dense"] = pairs * unit_flops
+    # sdpa
+    sdpa_mask_bytes = 0 if (mask.is_trivial or p.is_causal_only) else (L * S * (4 if mask.bias is not None else 1))
+    peak["sdpa"] = io + N * H * L * 4 + sdpa_mask_bytes + (3 * pairs * 4 if backend == "math" else 0)
+    flops["sdpa"] = pairs * unit_flops // (2 if p.is_causal_only and backend != "math" else 1)
+    # tiled
+    peak["tiled"] = io + N * H * L * (Ev + 3) * 4 + 3 * N * H * tq * tk * 4
+    flops["tiled"] = N * H * t_computed * unit_flops
+    # sparse
+    peak["sparse"] = io + N * H * gathered * (E + Ev) * el + computed * 4 + N * H * L * 4
+    flops["sparse"] = N * H * computed * unit_flops
+
+    if need_weights:
+        for m in ("sdpa", "sparse"):
+            refused[m] = "cannot return attention weights (need_weights=True)"
+        for m in ("dense", "tiled"):
+            peak[m] += pairs * el
+    if p.dropout_p > 0:
+        refused["tiled"] = "no dropout (its backward recomputes the weights; use sdpa, sparse or dense)"
+    if p.mask_requires_grad:
+        refused.setdefault("tiled", "does not differentiate a float attn_mask that requires grad")
+        refused.setdefault("sparse", "does not differentiate a float attn_mask that requires grad")
+    if strict:
+        refused.setdefault("dense", "strict=True: it materialises the L×S scores")
+        if need_weights:
+            for m in ("dense", "tiled"):
+                refused[m] = ("strict=True: need_weights returns an L×S tensor; use attnlab.probe(...) "
+                              "for streaming summaries")
+        if backend == "math":
+            refused.setdefault("sdpa", "strict=True: PyTorch would run its math backend, which materialises L×S")
+        elif has_pattern:
+            refused.setdefault("sdpa", "strict=True: the pattern would be materialised as an L×S mask")
+    if not has_pattern and mask.keep is None and mask.bias is None:
+        refused.setdefault("sparse", "no pattern or mask to skip work with (nothing is sparse)")
+
+    if method != "auto":
+        if method in refused:
+            raise ValueError(f"method={method!r} cannot run these inputs: {refused[method]}")
+        chosen, reason = method, "requested"
+    else:
+        if need_weights:
+            if "dense" not in refused and pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
+                chosen, reason = "dense", "weights requested and the L×S scores are small"
+            elif "tiled" not in refused:
+                chosen, reason = "tiled", "weights requested: output by online softmax, weights by a second pass over the saved log-sum-exp"
+            else:
+                chosen, reason = "dense", "weights requested with dropout: only the dense kernel does both"
+        elif has_pattern and "sparse" not in refused and (1 - density >= SPARSE_MIN_EMPTY or "sdpa" in refused):
+            chosen, reason = "sparse", f"the pattern leaves {density:.1%} of {bs}×{bs} blocks; the fused kernel runs on just those"
+        elif "sdpa" not in refused:
+            chosen, reason = "sdpa", f"delegated to PyTorch's fused attention ({backend} backend)"
+        elif "tiled" not in refused:
+            chosen, reason = "tiled", "exact online softmax without materialising L×S"
+        elif "sparse" not in refused:
+            chosen, reason = "sparse", "gathered key blocks through the fused kernel"
+        else:
+            reasons = "; ".join(f"{m}: {r}" for m, r in refused.items())
+            raise ValueError(f"no attention method can run these inputs ({reasons})")
+    return Plan(chosen, reason, refused, peak, flops, backend,
+                (bs, bs) if chosen == "sparse" else (tq, tk) if chosen == "tiled" else None, density)
+
+
+# -- public API ------------------------------------------------------------------------------------
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False, *, pattern: P.Pattern | None = None, method: str = "auto",
+              need_weights: bool = False, strict: bool = False, block_size: int | None = None):
+    """Scaled dot-product attention with PyTorch's semantics, structured patterns and a tiled kernel.
+
+    Args:
+        query: [..., L, E]; key: [..., S, E]; value: [..., S, Ev]; leading dims must agree (attnlab
+            does not broadcast them); the dim before L/S is the head dim (GQA with ``enable_gqa``).
+        attn_mask: bool (True = takes part) or float (added to the scores), broadcast to [..., L, S].
+        dropout_p: dropout on the attention weights (as in PyTorch, applied whenever > 0).
+        is_causal: key j visible to query i when j <= i (top-left). Combined with ``attn_mask`` and
+            ``pattern`` by logical AND (PyTorch's math kernel raises for that; its CPU flash kernel ANDs).
+        scale: score scale, default 1/sqrt(E).
+        pattern: an ``attnlab.patterns`` mask; same result as ``attn_mask=pattern.materialize(L, S)``,
+            but empty blocks are skipped.
+        method: "auto" | "dense" | "sdpa" | "tiled" | "sparse"; ``explain()`` says what auto picks and why.
+        need_weights: also return the weights [..., L, S] (dense, or tiled by a second streaming pass).
+        strict: refuse any path that would materialise an L×S tensor.
+        block_size: block edge for the tiled and sparse kernels (default: 512 and 128).
+
+    Returns: output [..., L, Ev], or (output, weights) with need_weights.
+
+    A query row with no key left after masking gets output 0 and weights 0 (never NaN).
+    Equivalent to: ``softmax(q @ k.transpose(-2, -1) * scale + mask) @ v`` with masked scores at -inf.
+    """
+    p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
+    plan = _plan(p, method, need_weights, strict, block_size)
+    out, weights = _run(p, plan, need_weights)
+    out = out.reshape(p.out_shape)
+    if need_weights:
+        return out, weights.reshape(p.out_shape[:-1] + (p.info.S,))
+    return out
+
+
+def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+            pattern=None, method="auto", need_weights=False, strict=False, block_size=None) -> Plan:
+    """Which method ``attention`` would run for these arguments, why the others were refused, and the
+    predicted peak memory and FLOPs of each. Runs no attention."""
+    p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
+    return _plan(p, method, need_weights, strict, block_size)
+
+
+def _run(p: Prepared, plan: Plan, need_weights: bool):
+    info, mask = p.info, p.mask
+    if info.L == 0 or info.S == 0:
+        out = torch.zeros(*p.q.shape[:-1], info.Ev, dtype=p.q.dtype, device=p.q.device)
+        # keep autograd connected for empty inputs
+        out = out + 0 * (p.q.sum() + p.k.sum() + p.v.sum())
+        return out, torch.zeros(*p.q.shape[:-1], info.S, dtype=p.q.dtype, device=p.q.device)
+    m = plan.method
+    if m == "dense":
+        return _dense.dense_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p)
+    if m == "sdpa":
+        if mask.is_trivial or p.is_causal_only:
+            out = _fused.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
+        else:
+            out = _fused.sdpa(p.q, p.k, p.v, _materialize(mask, p), p.dropout_p, False, info.scale)
+        return out, None
+    if m == "sparse":
+        bq, bk = plan.block_size
+        return _sparse.gathered_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p, bq, bk), None
+    bq, bk = plan.block_size
+    out, lse = _tiled.tiled_attention(p.q, p.k, p.v, mask, info.scale, bq, bk)
+    weights = _weights_from_lse(p, lse, bq, bk) if need_weights else None
+    return out, weights
+
+
+def _materialize(mask: MaskSpec, p: Prepared) -> torch.Tensor:
+    """One SDPA mask (bool, or float when there is a bias) for the whole [N|1, H|1, L, S]."""
+    i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
+    j = torch.arange(mask.S, device=p.q.device).unsqueeze(0)
+    keep, bias = mask.block(i, j, p.N)
+    if bias is None:
+        return keep
+    b = bias.to(p.q.dtype)
+    return b.masked_fill(~keep, float("-inf")) if keep is not None else b
+
+
+def _weights_from_lse(p: Prepared, lse: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
+    """Second streaming pass: weights = exp(scores - lse), block by block, no extra L×S scratch."""
+    info = p.info
+    w = torch.zeros(p.N, info.H, info.L, info.S, dtype=p.q.dtype, device=p.q.device)
+    acc = _tiled._acc_dtype(p.q.dtype)
+    lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+    qa, ka = p.q.detach().to(acc), p.k.detach().to(acc)
+    for q0, q1, k0, k1, kind in _tiled.iter_blocks(p.mask.layout(bq, bk), info.L, info.S, bq, bk):
+        s = _tiled.block_scores(qa[:, :, q0:q1], ka[:, :, k0:k1], p.mask, info.scale, q0, q1, k0, k1, kind, p.N)
+        w[:, :, q0:q1, k0:k1] = torch.exp(s - lse_b[:, :, q0:q1].unsqueeze(-1)).to(w.dtype)
+    return w
+
+
+def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
+                       pattern=None, block_size=None):
+    """(output [..., L, Ev], lse [..., L]) where lse is the log-sum-exp of each query row's scaled,
+    masked scores (float32; float64 for float64 inputs; -inf for a row with no key).
+
+    The pair is what partial attentions over disjoint key sets need to be merged exactly
+    (``merge_partials``): ring attention and split-KV decoding build on it.
+    """
+    p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern)
+    lead = p.out_shape[:-1]
+    if p.info.S == 0 or p.info.L == 0:
+        out = torch.zeros(p.out_shape, dtype=p.q.dtype, device=p.q.device)
+        return out, torch.full(lead, float("-inf"), dtype=_tiled._acc_dtype(p.q.dtype), device=p.q.device)
+    needs_grad = torch.is_grad_enabled() and (p.q.requires_grad or p.k.requires_grad or p.v.requires_grad)
+    if (p.mask.is_trivial or p.is_causal_only) and not needs_grad:
+        r = _fused.flash_cpu_with_lse(p.q, p.k, p.v, None, p.is_causal_only, p.info.scale)
+        if r is not None:
+            return r[0].reshape(p.out_shape), r[1].to(_tiled._acc_dtype(p.q.dtype)).reshape(lead)
+    tq, tk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
+    out, lse = _tiled.tiled_attention(p.q, p.k, p.v, p.mask, p.info.scale, tq, tk)
+    return out.reshape(p.out_shape), lse.reshape(lead)
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Merge attention over two disjoint key sets: out [..., L, Ev] and lse [..., L] each.
+
+    Equivalent to attention over the union of the keys. A side with lse = -inf contributes nothing.
+    """
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)
+    tot = wa + wb
+    denom = torch.where(tot > 0, tot, torch.ones_like(tot))
+    out = (out_a * (wa / denom).unsqueeze(-1).to(out_a.dtype) + out_b * (wb / denom).unsqueeze(-1).to(out_b.dtype))
+    lse = torch.where(tot > 0, m_safe + torch.log(denom), torch.full_like(m, float("-inf")))
+    return out, lse

@@ -1,0 +1,44 @@
+"""Dense attention: materialise the [N, H, L, S] scores. Simple, supports everything, O(L·S) memory."""
+from __future__ import annotations
+
+import torch
+
+from .masks import MaskSpec
+
+__all__ = ["dense_attention", "masked_softmax"]
+
+
+def masked_softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim where masked entries get exactly 0 and a row with nothing kept is 0.
+
+    # Note [Fully masked rows]: PyTorch's kernels return 0 for a query row whose every key is masked;
+    # attnlab does the same in every kernel (no NaN), and the log-sum-exp of such a row is -inf.
+    """
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    return p / torch.where(denom == 0, torch.ones_like(denom), denom)
+
+
+def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.0, training_dropout: bool = True):
+    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> (out [N, H, L, Ev], weights [N, H, L, S]).
+
+    Computes in float32 for half types (as PyTorch's math path does), returns the input dtype.
+    """
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    L, S = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale  # (N, H, L, S)
+    i = torch.arange(L, device=q.device).unsqueeze(-1)
+    j = torch.arange(S, device=q.device).unsqueeze(0)
+    keep, bias = mask.block(i, j, q.shape[0]) if not mask.is_trivial else (None, None)
+    if bias is not None:
+        scores = scores + bias.to(compute)
+    weights = masked_softmax(scores, keep)
+    attn = weights
+    if dropout_p > 0.0 and training_dropout:
+        attn = torch.nn.functional.dropout(weights, p=dropout_p)
+    out = torch.matmul(attn, v.to(compute))  # (N, H, L, Ev)
+    return out.to(q.dtype), weights.to(q.dtype)

@@ -1,0 +1,93 @@
+"""One description of everything that masks a score: causal, a pattern, a user bool or float mask.
+
+Kernels never see the user's arguments; they ask a ``MaskSpec`` for the keep/bias of a block of
+queries x keys, and for the block layout (which blocks are empty, partial or full).
+
+Tensors inside are 4-D: [N, H, L, S] with N the flattened batch (each dim may be 1 to broadcast).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import patterns as P
+
+__all__ = ["MaskSpec"]
+
+
+@dataclass
+class MaskSpec:
+    L: int
+    S: int
+    pattern: P.Pattern | None = None  # includes causal when is_causal was given
+    keep: torch.Tensor | None = None  # user bool mask, 4-D broadcastable, True = takes part
+    bias: torch.Tensor | None = None  # user float mask, 4-D broadcastable, added to the scores
+
+    @property
+    def is_trivial(self) -> bool:
+        return self.pattern is None and self.keep is None and self.bias is None
+
+    def block(self, i: torch.Tensor, j: torch.Tensor, N: int):
+        """keep, bias for query positions i [..., bq, 1] and key positions j [..., 1, bk].
+
+        Leading dims of i/j are 'block group' dims G (possibly none). Returns tensors shaped
+        [*G, N|1, H|1, bq, bk] (or None). Positions past L or S are clamped for evaluation and
+        keys past S are dropped (keep False).
+        """
+        ic = i.clamp(max=max(self.L - 1, 0))
+        jc = j.clamp(max=max(self.S - 1, 0))
+        keep = (j < self.S) if bool((j >= self.S).any()) else None
+        g = i.dim() - 2  # number of group dims
+        if keep is not None:
+            keep = keep.unsqueeze(g).unsqueeze(g)  # [*G, 1, 1, 1, bk]
+        if self.pattern is not None:
+            m = self.pattern.keep(ic, jc, self.L, self.S)
+            if self.pattern.batch_size:
+                m = torch.movedim(m, 0, g).unsqueeze(g + 1)  # [*G, N, 1, bq, bk]
+            else:
+                m = m.unsqueeze(g).unsqueeze(g)  # [*G, 1, 1, bq, bk]
+            keep = m if keep is None else keep & m
+        if self.keep is not None:
+            keep = self._gather(self.keep, ic, jc, g) if keep is None else keep & self._gather(self.keep, ic, jc, g)
+        bias = self._gather(self.bias, ic, jc, g) if self.bias is not None else None
+        return keep, bias
+
+    @staticmethod
+    def _gather(m: torch.Tensor, i, j, g):
+        ii = i if m.shape[-2] != 1 else torch.zeros_like(i)
+        jj = j if m.shape[-1] != 1 else torch.zeros_like(j)
+        x = m[:, :, ii, jj]  # [N|1, H|1, *G, bq, bk]
+        for _ in range(g):
+            x = torch.movedim(x, 2, 0)
+        return x
+
+    def layout(self, block_q: int, block_k: int, device=None) -> torch.Tensor:
+        """int8 [nq, nk] of EMPTY/PARTIAL/FULL blocks for the combined mask (conservative)."""
+        nq, nk = -(-self.L // block_q), -(-self.S // block_k)
+        if self.pattern is not None:
+            lay = self.pattern.block_layout(self.L, self.S, block_q, block_k, device=device)
+        else:
+            lay = torch.full((nq, nk), P.FULL, dtype=torch.int8, device=device)
+        if self.S % block_k and nk:
+            lay[:, -1] = torch.where(lay[:, -1] == P.FULL, P.PARTIAL, lay[:, -1]).to(torch.int8)
+        if self.keep is not None:
+            k = self.keep.any(0).any(0) if self.keep.shape[0] * self.keep.shape[1] > 1 else self.keep[0, 0]
+            k_all = self.keep.all(0).all(0) if self.keep.shape[0] * self.keep.shape[1] > 1 else self.keep[0, 0]
+            any_, all_ = _block_reduce(torch.broadcast_to(k, (self.L, self.S)), block_q, block_k, "any"), \
+                _block_reduce(torch.broadcast_to(k_all, (self.L, self.S)), block_q, block_k, "all")
+            lay = torch.where(~any_, torch.zeros_like(lay), lay)
+            lay = torch.where((lay == P.FULL) & ~all_, torch.ones_like(lay), lay)
+        if self.bias is not None:
+            lay = torch.where(lay == P.FULL, torch.ones_like(lay), lay)
+        return lay
+
+
+def _block_reduce(m: torch.Tensor, bq: int, bk: int, how: str) -> torch.Tensor:
+    L, S = m.shape
+    nq, nk = -(-L // bq), -(-S // bk)
+    fill = how == "all"
+    x = torch.full((nq * bq, nk * bk), fill, dtype=torch.bool, device=m.device)
+    x[:L, :S] = m
+    x = x.view(nq, bq, nk, bk)
+    return x.any(3).any(1) if how == "any" else x.all(3).all(1)

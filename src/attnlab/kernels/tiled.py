@@ -1,0 +1,131 @@
+"""Exact tiled attention: online softmax over key blocks, backward by recomputation.
+
+Forward keeps, per query block, a running max m, denominator l and accumulator o, and visits only
+the key blocks the mask layout marks non-empty (FULL blocks need no mask). It saves only the output
+and the log-sum-exp, so training memory is O(L·(E + Ev)) plus one block of scores, not O(L·S).
+
+Note [Online softmax rescaling]: when a new key block raises the running max from m to m', the old
+denominator and accumulator are multiplied by exp(m - m'); with m = -inf (nothing seen yet) that
+factor is 0, and a row that never sees a kept key keeps l = 0, giving output 0 and lse = -inf.
+
+Works on any device with plain tensor ops; computes in float32 for half types.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import patterns as P
+from .masks import MaskSpec
+
+__all__ = ["tiled_attention", "iter_blocks", "block_scores"]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def iter_blocks(layout: torch.Tensor, L: int, S: int, bq: int, bk: int):
+    """Yield (q0, q1, k0, k1, kind) for every non-empty block, query-block major."""
+    nz = (layout != P.EMPTY).nonzero().tolist()
+    lay = layout.tolist()
+    for qi, ki in nz:
+        yield qi * bq, min(L, (qi + 1) * bq), ki * bk, min(S, (ki + 1) * bk), lay[qi][ki]
+
+
+def block_scores(qc, kb, mask: MaskSpec, scale, q0, q1, k0, k1, kind, N):
+    """Scaled, masked scores of one block: [N, H, q1-q0, k1-k0]; masked entries are -inf."""
+    s = torch.matmul(qc, kb.transpose(-2, -1)) * scale  # (N, H, bl, bk)
+    if kind == P.PARTIAL:
+        i = torch.arange(q0, q1, device=qc.device).unsqueeze(-1)
+        j = torch.arange(k0, k1, device=qc.device).unsqueeze(0)
+        keep, bias = mask.block(i, j, N)
+        if bias is not None:
+            s = s + bias.to(s.dtype)
+        if keep is not None:
+            s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
+    N, H, L, _ = q.shape
+    S, Ev = k.shape[2], v.shape[-1]
+    acc = _acc_dtype(q.dtype)
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    out = torch.zeros(N, H, L, Ev, dtype=q.dtype, device=q.device)
+    lse = torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
+    layout = mask.layout(bq, bk, device="cpu")
+    cur = None
+    for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
+        if cur != q0:
+            if cur is not None:
+                _finish(out, lse, cur, cq1, m, l, o)
+            cur, cq1 = q0, q1
+            qc = qa[:, :, q0:q1]
+            m = torch.full((N, H, q1 - q0), float("-inf"), dtype=acc, device=q.device)
+            l = torch.zeros_like(m)
+            o = torch.zeros(N, H, q1 - q0, Ev, dtype=acc, device=q.device)
+        s = block_scores(qc, ka[:, :, k0:k1], mask, scale, q0, q1, k0, k1, kind, N)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(s - m_safe.unsqueeze(-1))  # (N, H, bl, bk)
+        alpha = torch.exp(m - m_safe)  # Note [Online softmax rescaling]
+        l = l * alpha + p.sum(dim=-1)
+        o = o * alpha.unsqueeze(-1) + torch.matmul(p, va[:, :, k0:k1])
+        m = m_new
+    if cur is not None:
+        _finish(out, lse, cur, cq1, m, l, o)
+    return out, lse
+
+
+def _finish(out, lse, q0, q1, m, l, o):
+    nonzero = l > 0
+    out[:, :, q0:q1] = (o / torch.where(nonzero, l, torch.ones_like(l)).unsqueeze(-1)).to(out.dtype)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    lse[:, :, q0:q1] = torch.where(nonzero, m_safe + torch.log(torch.where(nonzero, l, torch.ones_like(l))),
+                                   torch.full_like(l, float("-inf")))
+
+
+def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk: int):
+    N, H, L, _ = q.shape
+    S = k.shape[2]
+    acc = _acc_dtype(q.dtype)
+    qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
+    delta = (doa * out.to(acc)).sum(dim=-1)  # (N, H, L): rowsum(dO ∘ O)
+    lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # masked rows: p = 0
+    dq, dk, dv = torch.zeros_like(qa), torch.zeros_like(ka), torch.zeros_like(va)
+    layout = mask.layout(bq, bk, device="cpu")
+    for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
+        qc, kb, vb, doc = qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], doa[:, :, q0:q1]
+        s = block_scores(qc, kb, mask, scale, q0, q1, k0, k1, kind, N)
+        p = torch.exp(s - lse_b[:, :, q0:q1].unsqueeze(-1))  # (N, H, bl, bk)
+        dv[:, :, k0:k1] += torch.matmul(p.transpose(-2, -1), doc)
+        dp = torch.matmul(doc, vb.transpose(-2, -1))
+        ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
+        dq[:, :, q0:q1] += torch.matmul(ds, kb) * scale
+        dk[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), qc) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _TiledFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, bq, bk):
+        out, lse = _forward(q, k, v, mask, scale, bq, bk)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.scale, ctx.bq, ctx.bk = mask, scale, bq, bk
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale, ctx.bq, ctx.bk)
+        return dq, dk, dv, None, None, None, None
+
+
+def tiled_attention(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):
+    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
+
+    Differentiable in q, k, v (not in a float attn_mask; functional refuses that case).
+    Time O(L·S·(E+Ev)) over non-empty blocks; memory O(L·(E+Ev) + block_q·block_k) per head.
+    """
+    return _TiledFunction.apply(q, k, v, mask, scale, block_q, block_k)

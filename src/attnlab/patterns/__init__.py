@@ -1,0 +1,489 @@
+"""Structured attention masks that materialise themselves, give a block layout and cost themselves.
+
+A pattern is a predicate ``keep(i, j)`` over query positions i and key positions j (True = the pair
+takes part), valid for any (L, S) without rebuilding. Passing ``pattern=p`` to ``attnlab.attention``
+gives exactly what passing ``attn_mask=p.materialize(L, S)`` gives, but the kernels use
+``block_layout`` to skip empty blocks and to drop the mask on full ones.
+
+Block layouts are *conservative*: EMPTY blocks are truly empty and FULL blocks truly full; anything the
+analytic bounds cannot decide is PARTIAL (computed with its mask), which is always correct.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "Pattern", "EMPTY", "PARTIAL", "FULL",
+    "causal", "sliding_window", "dilated", "strided", "fixed", "block_sparse", "longformer", "bigbird",
+    "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full",
+]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_INF = float("inf")
+
+
+def _check_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class Pattern:
+    """Base class. Subclasses implement ``keep(i, j, L, S)`` and, where they can, ``_bounds``."""
+
+    #: leading batch size for patterns that differ per batch element (key padding), else None
+    batch_size: int | None = None
+
+    def keep(self, i: torch.Tensor, j: torch.Tensor, L: int, S: int) -> torch.Tensor:
+        """Bool tensor of broadcast(i, j) shape (with a leading batch dim when ``batch_size``)."""
+        raise NotImplementedError
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        """(any, all) per block for blocks [qlo, qhi] x [klo, khi] (inclusive), or None if unknown."""
+        return None
+
+    # -- derived ---------------------------------------------------------------------------------
+    def materialize(self, L: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Bool mask [L, S] (or [batch, 1, L, S] for per-batch patterns), True = takes part."""
+        i = torch.arange(L, device=device).unsqueeze(-1)  # (L, 1)
+        j = torch.arange(S, device=device).unsqueeze(0)  # (1, S)
+        m = self.keep(i, j, L, S)
+        m = torch.broadcast_to(m, ((self.batch_size,) if self.batch_size else ()) + (L, S))
+        return m.unsqueeze(1) if self.batch_size else m
+
+    def block_layout(self, L: int, S: int, block_q: int, block_k: int | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+        """int8 [ceil(L/block_q), ceil(S/block_k)]: EMPTY (0), PARTIAL (1) or FULL (2) per block."""
+        block_k = block_q if block_k is None else block_k
+        _check_int("block_q", block_q, 1)
+        _check_int("block_k", block_k, 1)
+        nq, nk = -(-L // block_q), -(-S // block_k)
+        qlo = (torch.arange(nq, device=device) * block_q).unsqueeze(1)  # (nq, 1)
+        klo = (torch.arange(nk, device=device) * block_k).unsqueeze(0)  # (1, nk)
+        qhi = torch.clamp(qlo + block_q - 1, max=L - 1)
+        khi = torch.clamp(klo + block_k - 1, max=S - 1)
+        b = self._bounds(qlo, qhi, klo, khi, L, S)
+        if b is None:
+            any_, all_ = self._exact_bounds(L, S, block_q, block_k, device)
+        else:
+            any_, all_ = (torch.broadcast_to(x, (nq, nk)) for x in b)
+        layout = torch.full((nq, nk), PARTIAL, dtype=torch.int8, device=device)
+        layout[~any_] = EMPTY
+        layout[all_ & any_] = FULL
+        return layout
+
+    def _exact_bounds(self, L, S, block_q, block_k, device):
+        """Any/all per block by materialising one band of query blocks at a time (O(L*S) work)."""
+        nq, nk = -(-L // block_q), -(-S // block_k)
+        any_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+        all_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+        j = torch.arange(nk * block_k, device=device)
+        j_valid = j < S
+        rows = max(1, (1 << 22) // max(1, nk * block_k * block_q))
+        for q0 in range(0, nq, rows):
+            q1 = min(nq, q0 + rows)
+            i = torch.arange(q0 * block_q, q1 * block_q, device=device)
+            i_valid = (i < L).unsqueeze(-1)
+            m = self.keep(i.clamp(max=max(L - 1, 0)).unsqueeze(-1), j.clamp(max=max(S - 1, 0)).unsqueeze(0), L, S)
+            if self.batch_size:
+                m_any, m_all = m.any(0), m.all(0)
+            else:
+                m_any = m_all = torch.broadcast_to(m, (i.numel(), j.numel()))
+            valid = i_valid & j_valid.unsqueeze(0)
+            a = (m_any & valid).view(q1 - q0, block_q, nk, block_k)
+            f = (m_all | ~valid).view(q1 - q0, block_q, nk, block_k)
+            any_[q0:q1] = a.any(3).any(1)
+            all_[q0:q1] = f.all(3).all(1)
+        return any_, all_
+
+    def nnz(self, L: int, S: int) -> int:
+        """Number of (query, key) pairs kept (per batch element, averaged for per-batch patterns)."""
+        total, rows = 0, max(1, (1 << 22) // max(S, 1))
+        j = torch.arange(S).unsqueeze(0)
+        for r0 in range(0, L, rows):
+            i = torch.arange(r0, min(L, r0 + rows)).unsqueeze(-1)
+            m = torch.broadcast_to(self.keep(i, j, L, S), ((self.batch_size,) if self.batch_size else ()) + (i.shape[0], S))
+            total += int(m.sum()) / (self.batch_size or 1)
+        return int(round(total))
+
+    def density(self, L: int, S: int) -> float:
+        """Fraction of the L x S pairs that take part."""
+        return self.nnz(L, S) / max(1, L * S)
+
+    def flops(self, L: int, S: int, E: int, Ev: int | None = None) -> int:
+        """Multiply-add FLOPs of exact attention restricted to the pattern (2·nnz·(E + Ev))."""
+        Ev = E if Ev is None else Ev
+        return 2 * self.nnz(L, S) * (E + Ev)
+
+    def __and__(self, other: "Pattern") -> "Pattern":
+        return _Combine("and", self, _as_pattern(other))
+
+    def __or__(self, other: "Pattern") -> "Pattern":
+        return _Combine("or", self, _as_pattern(other))
+
+
+def _as_pattern(p) -> Pattern:
+    if not isinstance(p, Pattern):
+        raise TypeError(f"can only combine a Pattern with another Pattern, got {type(p).__name__}")
+    return p
+
+
+def _batched(a, b):
+    return a.batch_size or b.batch_size
+
+
+@dataclass(frozen=True, eq=False)
+class _Combine(Pattern):
+    op: str
+    a: Pattern
+    b: Pattern
+
+    def __post_init__(self):
+        ba, bb = self.a.batch_size, self.b.batch_size
+        if ba and bb and ba != bb:
+            raise ValueError(f"cannot combine patterns for batch sizes {ba} and {bb}")
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return self.a.batch_size or self.b.batch_size
+
+    def keep(self, i, j, L, S):
+        x, y = self.a.keep(i, j, L, S), self.b.keep(i, j, L, S)
+        return (x & y) if self.op == "and" else (x | y)
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        ba = self.a._bounds(qlo, qhi, klo, khi, L, S)
+        bb = self.b._bounds(qlo, qhi, klo, khi, L, S)
+        if ba is None or bb is None:
+            return None
+        if self.op == "and":
+            # any(a & b) is at most any(a) & any(b): conservative (PARTIAL where it over-approximates)
+            return ba[0] & bb[0], ba[1] & bb[1]
+        return ba[0] | bb[0], ba[1] | bb[1]
+
+    def __repr__(self):
+        return f"({self.a!r} {'&' if self.op == 'and' else '|'} {self.b!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class _Band(Pattern):
+    """Keep j - i (after alignment) within [lo, hi]; the shared core of causal and windows."""
+
+    lo: float = -_INF
+    hi: float = _INF
+    align: str = "top_left"
+    name: str = "band"
+
+    def _offset(self, L, S):
+        return (S - L) if self.align == "bottom_right" else 0
+
+    def keep(self, i, j, L, S):
+        d = j - i - self._offset(L, S)
+        return (d >= self.lo) & (d <= self.hi)
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        off = self._offset(L, S)
+        dmin, dmax = klo - qhi - off, khi - qlo - off
+        any_ = (dmax >= self.lo) & (dmin <= self.hi)
+        all_ = (dmin >= self.lo) & (dmax <= self.hi)
+        return any_, all_
+
+    def __repr__(self):
+        return self.name
+
+
+def full() -> Pattern:
+    """Every pair takes part (the identity for &)."""
+    return _Band(name="full()")
+
+
+def causal(align: str = "top_left") -> Pattern:
+    """Key j visible to query i when j <= i (top_left, PyTorch's is_causal) or j <= i + S - L
+    (bottom_right, the KV-cache convention)."""
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    return _Band(hi=0, align=align, name=f"causal(align={align!r})")
+
+
+def sliding_window(window: int, causal: bool = False, align: str = "top_left") -> Pattern:
+    """Local attention: keys within ``window`` positions on each side of the query; with causal, the
+    query's own token and the ``window`` previous ones (Beltagy et al. 2020; Child et al. 2019)."""
+    _check_int("window", window, 0)
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    return _Band(lo=-window, hi=0 if causal else window, align=align,
+                 name=f"sliding_window({window}, causal={causal})")
+
+
+@dataclass(frozen=True, eq=False)
+class _Dilated(Pattern):
+    window: int
+    dilation: int
+    causal: bool
+
+    def keep(self, i, j, L, S):
+        d = j - i
+        hi = 0 if self.causal else self.window * self.dilation
+        return (d >= -self.window * self.dilation) & (d <= hi) & (torch.remainder(d, self.dilation) == 0)
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        band = _Band(lo=-self.window * self.dilation, hi=0 if self.causal else self.window * self.dilation)
+        any_, all_ = band._bounds(qlo, qhi, klo, khi, L, S)
+        return any_, all_ & (self.dilation == 1)
+
+    def __repr__(self):
+        return f"dilated({self.window}, {self.dilation}, causal={self.causal})"
+
+
+def dilated(window: int, dilation: int, causal: bool = False) -> Pattern:
+    """Dilated window: ``window`` keys on each side, ``dilation`` apart (Beltagy et al. 2020)."""
+    _check_int("window", window, 0)
+    _check_int("dilation", dilation, 1)
+    return _Dilated(window, dilation, causal)
+
+
+@dataclass(frozen=True, eq=False)
+class _Strided(Pattern):
+    stride: int
+    causal: bool
+
+    def keep(self, i, j, L, S):
+        d = i - j
+        local = d.abs() < self.stride
+        column = torch.remainder(d, self.stride) == 0
+        m = local | column
+        return m & (d >= 0) if self.causal else m
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        if not self.causal:
+            return None
+        c = _Band(hi=0)._bounds(qlo, qhi, klo, khi, L, S)
+        return c[0], c[1] & (self.stride == 1)
+
+    def __repr__(self):
+        return f"strided({self.stride}, causal={self.causal})"
+
+
+def strided(stride: int, causal: bool = True) -> Pattern:
+    """Sparse Transformer strided pattern (Child et al. 2019): the previous ``stride`` tokens plus
+    every ``stride``-th token before them."""
+    _check_int("stride", stride, 1)
+    return _Strided(stride, causal)
+
+
+@dataclass(frozen=True, eq=False)
+class _Fixed(Pattern):
+    block: int
+    summary: int
+    causal: bool
+
+    def keep(self, i, j, L, S):
+        same = torch.div(i, self.block, rounding_mode="floor") == torch.div(j, self.block, rounding_mode="floor")
+        summ = torch.remainder(j, self.block) >= self.block - self.summary
+        m = same | summ
+        return m & (j <= i) if self.causal else m
+
+    def __repr__(self):
+        return f"fixed({self.block}, {self.summary}, causal={self.causal})"
+
+
+def fixed(block: int, summary: int, causal: bool = True) -> Pattern:
+    """Sparse Transformer fixed pattern (Child et al. 2019): each token sees its own block of
+    ``block`` tokens plus the last ``summary`` positions of every block."""
+    _check_int("block", block, 1)
+    _check_int("summary", summary, 0)
+    if summary > block:
+        raise ValueError(f"summary ({summary}) must be <= block ({block})")
+    return _Fixed(block, summary, causal)
+
+
+@dataclass(frozen=True, eq=False)
+class _BlockTable(Pattern):
+    """Keep pair (i, j) when table[i // block_size, j // block_size]; tables grow by a rule."""
+
+    block_size: int
+    name: str = "block_table"
+
+    def table(self, nq: int, nk: int, device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def keep(self, i, j, L, S):
+        bs = self.block_size
+        t = self.table(-(-L // bs), -(-S // bs), i.device)
+        return t[torch.div(i, bs, rounding_mode="floor"), torch.div(j, bs, rounding_mode="floor")]
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        bs = self.block_size
+        t = self.table(-(-L // bs), -(-S // bs), qlo.device)
+        # blocks of the caller's grid that lie inside one table cell
+        bq0, bq1 = torch.div(qlo, bs, rounding_mode="floor"), torch.div(qhi, bs, rounding_mode="floor")
+        bk0, bk1 = torch.div(klo, bs, rounding_mode="floor"), torch.div(khi, bs, rounding_mode="floor")
+        if not (bool((bq0 == bq1).all()) and bool((bk0 == bk1).all())):
+            return None
+        v = t[bq0.expand(-1, klo.shape[1]), bk0.expand(qlo.shape[0], -1)]
+        return v, v
+
+    def __repr__(self):
+        return self.name
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout(_BlockTable):
+    layout: torch.Tensor = field(default=None)  # type: ignore[assignment]
+
+    def table(self, nq, nk, device):
+        lq, lk = self.layout.shape
+        if nq > lq or nk > lk:
+            raise ValueError(
+                f"block_sparse layout {list(self.layout.shape)} with block_size {self.block_size} covers "
+                f"{lq * self.block_size} queries x {lk * self.block_size} keys, but attention asked for "
+                f"{nq} x {nk} blocks"
+            )
+        return self.layout[:nq, :nk].to(device)
+
+
+def block_sparse(layout: torch.Tensor, block_size: int) -> Pattern:
+    """Keep the (block_size x block_size) blocks where ``layout`` [n_query_blocks, n_key_blocks] is True."""
+    _check_int("block_size", block_size, 1)
+    if not isinstance(layout, torch.Tensor) or layout.dim() != 2:
+        raise ValueError(f"layout must be a 2-D tensor [n_query_blocks, n_key_blocks], got {layout!r:.60}")
+    return _Layout(block_size=block_size, name=f"block_sparse({list(layout.shape)}, {block_size})",
+                   layout=layout.bool().clone())
+
+
+@dataclass(frozen=True, eq=False)
+class _Global(Pattern):
+    """Keep rows and columns of the global tokens."""
+
+    tokens: tuple[int, ...]
+
+    def keep(self, i, j, L, S):
+        t = torch.tensor(self.tokens, dtype=torch.long, device=i.device)
+        return torch.isin(i, t) | torch.isin(j, t)
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        t = torch.tensor(self.tokens, device=qlo.device).view(1, 1, -1)
+        q_has = ((t >= qlo.unsqueeze(-1)) & (t <= qhi.unsqueeze(-1))).any(-1)  # (nq, 1)
+        k_has = ((t >= klo.unsqueeze(-1)) & (t <= khi.unsqueeze(-1))).any(-1)  # (1, nk)
+        # a block is all-global when every query row in it is global
+        n_q = ((t >= qlo.unsqueeze(-1)) & (t <= qhi.unsqueeze(-1))).sum(-1)
+        n_k = ((t >= klo.unsqueeze(-1)) & (t <= khi.unsqueeze(-1))).sum(-1)
+        q_all = n_q == (qhi - qlo + 1)
+        k_all = n_k == (khi - klo + 1)
+        return q_has | k_has, q_all | k_all
+
+    def __repr__(self):
+        return f"global({list(self.tokens)[:4]}{'...' if len(self.tokens) > 4 else ''})"
+
+
+def longformer(window: int, global_tokens: int | list[int] | tuple[int, ...] = 1) -> Pattern:
+    """Longformer (Beltagy et al. 2020): a sliding window of ``window`` keys on each side, plus global
+    tokens (an int n for the first n positions, or explicit positions) that see and are seen by all."""
+    w = sliding_window(window)
+    if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
+        _check_int("global_tokens", global_tokens, 0)
+        toks = tuple(range(global_tokens))
+    else:
+        toks = tuple(sorted({_check_int("global_tokens[i]", int(t), 0) for t in global_tokens}))
+    return w | _Global(toks) if toks else w
+
+
+@dataclass(frozen=True, eq=False)
+class _BigBird(_BlockTable):
+    window_blocks: int = 3
+    global_blocks: int = 1
+    random_blocks: int = 1
+    seed: int = 0
+
+    def table(self, nq, nk, device):
+        bq = torch.arange(nq).unsqueeze(1)
+        bk = torch.arange(nk).unsqueeze(0)
+        half = (self.window_blocks - 1) // 2
+        t = (bk - bq).abs() <= half
+        t |= (bq < self.global_blocks) | (bk < self.global_blocks)
+        if self.random_blocks and nk:
+            g = torch.Generator().manual_seed(self.seed)
+            r = torch.rand(nq, nk, generator=g).argsort(dim=1)[:, : min(self.random_blocks, nk)]
+            t[torch.arange(nq).unsqueeze(1), r] = True
+        return t.to(device)
+
+
+def bigbird(block_size: int, window_blocks: int = 3, global_blocks: int = 1, random_blocks: int = 1,
+            seed: int = 0) -> Pattern:
+    """BigBird (Zaheer et al. 2020) at block granularity: ``window_blocks`` centred blocks, the first
+    ``global_blocks`` blocks as global rows and columns, and ``random_blocks`` random key blocks per
+    query block (seeded, so one (L, S) always gives one mask)."""
+    _check_int("block_size", block_size, 1)
+    _check_int("window_blocks", window_blocks, 1)
+    _check_int("global_blocks", global_blocks, 0)
+    _check_int("random_blocks", random_blocks, 0)
+    return _BigBird(block_size=block_size, window_blocks=window_blocks, global_blocks=global_blocks,
+                    random_blocks=random_blocks, seed=seed,
+                    name=f"bigbird({block_size}, {window_blocks}, {global_blocks}, {random_blocks}, seed={seed})")
+
+
+@dataclass(frozen=True, eq=False)
+class _KeyKeep(Pattern):
+    """Per-batch key mask: keep[b, j] True = key j of batch element b takes part."""
+
+    keep_keys: torch.Tensor
+    name: str = "key_padding"
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return self.keep_keys.shape[0]
+
+    def keep(self, i, j, L, S):
+        if S > self.keep_keys.shape[1]:
+            raise ValueError(f"{self.name} covers {self.keep_keys.shape[1]} keys but attention has S={S}")
+        kk = self.keep_keys.to(j.device)[:, j]  # (B, *j.shape)
+        return kk & torch.ones_like(i, dtype=torch.bool)  # broadcast over i
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        kk = self.keep_keys
+        nk = klo.shape[1]
+        bk = int(klo[0, 1] - klo[0, 0]) if nk > 1 else S
+        pad = nk * bk - kk.shape[1]
+        kk = torch.nn.functional.pad(kk, (0, max(0, pad)), value=False)[:, : nk * bk].view(kk.shape[0], nk, bk)
+        valid = torch.nn.functional.pad(torch.ones(S, dtype=torch.bool), (0, max(0, nk * bk - S)))[: nk * bk].view(nk, bk)
+        any_ = (kk & valid).any(-1).any(0).unsqueeze(0).to(qlo.device)  # union over the batch
+        all_ = (kk | ~valid).all(-1).all(0).unsqueeze(0).to(qlo.device)
+        return any_, all_
+
+    def __repr__(self):
+        return f"{self.name}(batch={self.keep_keys.shape[0]}, S={self.keep_keys.shape[1]})"
+
+
+def key_padding(lengths: torch.Tensor | list[int], max_len: int | None = None) -> Pattern:
+    """Keys j < lengths[b] take part for batch element b."""
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(f"lengths must be a 1-D integer tensor [batch], got {lengths!r:.60}")
+    if (lengths < 0).any():
+        raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
+    n = int(lengths.max()) if max_len is None and lengths.numel() else (max_len or 0)
+    keep = torch.arange(n).unsqueeze(0) < lengths.unsqueeze(1)
+    return _KeyKeep(keep, name="key_padding")
+
+
+def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
+    """From an ``nn.MultiheadAttention``-style key_padding_mask [batch, S] (True = ignore)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError(f"key_padding_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
+    if mask.dtype == torch.bool:
+        return _KeyKeep(~mask, name="key_padding_mask")
+    if mask.dtype.is_floating_point:
+        raise TypeError("a float key_padding_mask is additive; pass it as attn_mask instead")
+    raise TypeError(f"key_padding_mask must be bool (True = ignore), got {mask.dtype}")
+
+
+def from_hf_attention_mask(mask: torch.Tensor) -> Pattern:
+    """From a Hugging Face 2-D attention_mask [batch, S] (1 = attend, 0 = padding)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise ValueError(f"attention_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
+    return _KeyKeep(mask != 0, name="hf_attention_mask")
