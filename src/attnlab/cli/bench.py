@@ -1,0 +1,21 @@
+"""attnlab bench SUITE: benchmarks measured side by side with PyTorch in one run (JSON + plots)."""
+from __future__ import annotations
+
+from ._suites import add_suites, run_suite
+
+SUITES = {
+    "core": ("attnlab.bench.core", "tiled / sparse / auto vs torch SDPA vs naive: time and peak memory"),
+    "all": ("attnlab.bench.mechanisms", "every mechanism and pattern x sequence length, fitted exponents"),
+    "minilm": ("attnlab.bench.minilm", "MiniLM encode throughput: attnlab vs transformers"),
+    "generate": ("attnlab.bench.generate", "TransformerLM generation with vs without KV cache"),
+    "ring": ("attnlab.bench.ring", "ring attention: per-rank memory and time vs one process"),
+    "layers": ("attnlab.bench.layers", "self-attention vs recurrence vs convolution (Vaswani et al. Table 1)"),
+}
+
+
+def build_parser(parser):
+    add_suites(parser, SUITES, "suite")
+
+
+def run(args):
+    return run_suite(args)
