@@ -52,7 +52,7 @@ def _to4d(t: torch.Tensor) -> torch.Tensor:
         return t.unsqueeze(0).unsqueeze(0)
     if t.dim() == 3:
         return t.unsqueeze(0)
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def _mask4d(m: torch.Tensor, batch_shape: tuple[int, ...], L: int, S: int) -> torch.Tensor:
@@ -95,9 +95,41 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if is_causal:
         pat = P.causal() if pat is None else (pat & P.causal())
     mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias)
+    v = _zero_dead_values(v, mask)
     causal_only = is_causal and pattern is None and attn_mask is None
     return Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
                     bool(attn_mask is not None and attn_mask.requires_grad))
+
+
+def _zero_dead_values(v: torch.Tensor, mask: MaskSpec) -> torch.Tensor:
+    """Zero the value rows of keys that no query may attend (padding), so that whatever they hold —
+    even NaN — cannot reach the output through 0·NaN in a matrix product.
+
+    # Note [Dead keys]: only keys masked for *every* query are zeroed; the gradient reaching them is 0,
+    # which is also the true gradient. Costs one pass over the bool mask (already L×S) when given.
+    """
+    dead = None
+    if mask.keep is not None:
+        dead = ~mask.keep.any(dim=-2)  # (N|1, H|1, S|1)
+    if mask.pattern is not None and mask.pattern.batch_size:
+        kk = _pattern_keys(mask.pattern)
+        if kk is not None:
+            d = ~kk[:, : mask.S].to(v.device).view(kk.shape[0], 1, -1)  # (N, 1, S)
+            dead = d if dead is None else dead | d
+    if dead is None or not bool(dead.any()):
+        return v
+    return v.masked_fill(dead.unsqueeze(-1), 0)
+
+
+def _pattern_keys(p):
+    """Per-batch key keep vector [N, S] of a key-padding pattern (or an AND containing one)."""
+    kk = getattr(p, "keep_keys", None)
+    if kk is not None:
+        return kk
+    if getattr(p, "op", None) == "and":
+        a, b = _pattern_keys(p.a), _pattern_keys(p.b)
+        return a if b is None else b if a is None else a & b
+    return None
 
 
 # -- the plan: which method runs, why, and what it costs -------------------------------------------
@@ -150,7 +182,7 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
     unit_flops = 2 * (E + Ev)
 
     # sparse layout at its block size: computed blocks and their area
-    lay = mask.layout(bs, bs) if has_pattern or mask.keep is not None else None
+    lay = mask.layout(bs, bs) if not mask.is_trivial else None
     if lay is not None and lay.numel():
         nonempty = (lay != P.EMPTY)
         computed = int(nonempty.sum()) * bs * bs
@@ -198,7 +230,7 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
             refused.setdefault("sdpa", "strict=True: PyTorch would run its math backend, which materialises L×S")
         elif has_pattern:
             refused.setdefault("sdpa", "strict=True: the pattern would be materialised as an L×S mask")
-    if not has_pattern and mask.keep is None and mask.bias is None:
+    if mask.is_trivial:
         refused.setdefault("sparse", "no pattern or mask to skip work with (nothing is sparse)")
 
     if method != "auto":
