@@ -114,7 +114,8 @@ def _zero_dead_values(v: torch.Tensor, mask: MaskSpec) -> torch.Tensor:
     if mask.pattern is not None and mask.pattern.batch_size:
         kk = _pattern_keys(mask.pattern)
         if kk is not None:
-            d = ~kk[:, : mask.S].to(v.device).view(kk.shape[0], 1, -1)  # (N, 1, S)
+            kk = torch.nn.functional.pad(kk, (0, max(0, mask.S - kk.shape[1])), value=False)[:, : mask.S]
+            d = ~kk.to(v.device).view(kk.shape[0], 1, -1)  # (N, 1, S)
             dead = d if dead is None else dead | d
     if dead is None or not bool(dead.any()):
         return v

@@ -433,19 +433,25 @@ class _KeyKeep(Pattern):
 
     keep_keys: torch.Tensor
     name: str = "key_padding"
+    extends: bool = False  # lengths-based: keys past the stored width are padding for any S
 
     @property
     def batch_size(self):  # type: ignore[override]
         return self.keep_keys.shape[0]
 
     def keep(self, i, j, L, S):
-        if S > self.keep_keys.shape[1]:
-            raise ValueError(f"{self.name} covers {self.keep_keys.shape[1]} keys but attention has S={S}")
-        kk = self.keep_keys.to(j.device)[:, j]  # (B, *j.shape)
+        kk = self.keep_keys
+        if S > kk.shape[1]:
+            if not self.extends:
+                raise ValueError(f"{self.name} covers {kk.shape[1]} keys but attention has S={S}")
+            kk = torch.nn.functional.pad(kk, (0, S - kk.shape[1]), value=False)
+        kk = kk.to(j.device)[:, j]  # (B, *j.shape)
         return kk & torch.ones_like(i, dtype=torch.bool)  # broadcast over i
 
     def _bounds(self, qlo, qhi, klo, khi, L, S):
         kk = self.keep_keys
+        if S > kk.shape[1] and not self.extends:
+            raise ValueError(f"{self.name} covers {kk.shape[1]} keys but attention has S={S}")
         nk = klo.shape[1]
         bk = int(klo[0, 1] - klo[0, 0]) if nk > 1 else S
         pad = nk * bk - kk.shape[1]
@@ -468,7 +474,7 @@ def key_padding(lengths: torch.Tensor | list[int], max_len: int | None = None) -
         raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
     n = int(lengths.max()) if max_len is None and lengths.numel() else (max_len or 0)
     keep = torch.arange(n).unsqueeze(0) < lengths.unsqueeze(1)
-    return _KeyKeep(keep, name="key_padding")
+    return _KeyKeep(keep, name="key_padding", extends=True)
 
 
 def from_key_padding_mask(mask: torch.Tensor) -> Pattern:

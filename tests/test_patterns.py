@@ -1,0 +1,156 @@
+"""Patterns against loop-written definitions; block layouts are conservative; pattern= equals attn_mask=."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import patterns as P
+from attnlab import reference
+from helpers import TOL, assert_close
+
+
+def loop_mask(fn, L, S):
+    return torch.tensor([[bool(fn(i, j, L, S)) for j in range(S)] for i in range(L)], dtype=torch.bool).reshape(L, S)
+
+
+BB_TABLE_CACHE = {}
+
+
+def definitions():
+    """(pattern, oracle(i, j, L, S)) pairs written from the papers' definitions, one loop at a time."""
+    layout = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    return [
+        (P.causal(), lambda i, j, L, S: j <= i),
+        (P.causal("bottom_right"), lambda i, j, L, S: j <= i + S - L),
+        (P.sliding_window(2), lambda i, j, L, S: abs(i - j) <= 2),
+        (P.sliding_window(3, causal=True), lambda i, j, L, S: 0 <= i - j <= 3),
+        (P.dilated(2, 3), lambda i, j, L, S: abs(i - j) <= 6 and (i - j) % 3 == 0),
+        (P.dilated(2, 2, causal=True), lambda i, j, L, S: 0 <= i - j <= 4 and (i - j) % 2 == 0),
+        (P.strided(3), lambda i, j, L, S: j <= i and (i - j < 3 or (i - j) % 3 == 0)),
+        (P.fixed(4, 1), lambda i, j, L, S: j <= i and (i // 4 == j // 4 or j % 4 == 3)),
+        (P.fixed(4, 2, causal=False), lambda i, j, L, S: i // 4 == j // 4 or j % 4 >= 2),
+        (P.block_sparse(layout, 3), lambda i, j, L, S: bool(layout[i // 3, j // 3])),
+        (P.longformer(1, [0, 5]), lambda i, j, L, S: abs(i - j) <= 1 or i in (0, 5) or j in (0, 5)),
+        (P.longformer(2, 1), lambda i, j, L, S: abs(i - j) <= 2 or i == 0 or j == 0),
+        (P.sliding_window(1) | P.causal(), lambda i, j, L, S: abs(i - j) <= 1 or j <= i),
+        (P.sliding_window(4) & P.causal(), lambda i, j, L, S: 0 <= i - j <= 4),
+    ]
+
+
+@pytest.mark.parametrize("idx", range(len(definitions())))
+@pytest.mark.parametrize("L,S", [(11, 11), (7, 12), (12, 7), (1, 5)])
+def test_materialize_matches_definition(idx, L, S):
+    pat, fn = definitions()[idx]
+    if "block_sparse" in repr(pat) and (L > 12 or S > 9):
+        return
+    assert torch.equal(pat.materialize(L, S), loop_mask(fn, L, S)), repr(pat)
+    assert pat.density(L, S) == pytest.approx(loop_mask(fn, L, S).float().mean().item())
+
+
+def test_bigbird_definition():
+    pat = P.bigbird(block_size=2, window_blocks=3, global_blocks=1, random_blocks=1, seed=7)
+    m = pat.materialize(12, 12)
+    table = m[::2, ::2]
+    for bi, bj in itertools.product(range(6), range(6)):
+        block = m[2 * bi:2 * bi + 2, 2 * bj:2 * bj + 2]
+        assert block.all() or not block.any()  # block granular
+        if abs(bi - bj) <= 1 or bi == 0 or bj == 0:
+            assert table[bi, bj]
+    # each query block gets at least its window + global + (up to) one random block, and no more
+    extra = table.sum(1) - torch.tensor([sum(abs(bi - bj) <= 1 or bi == 0 or bj == 0 for bj in range(6))
+                                         for bi in range(6)])
+    assert ((extra == 0) | (extra == 1)).all()
+    assert torch.equal(m, P.bigbird(2, 3, 1, 1, seed=7).materialize(12, 12))  # seeded: reproducible
+
+
+ALL = [p for p, _ in definitions()] + [P.bigbird(2, 3, 1, 2, seed=1), P.key_padding([9, 4, 0])]
+
+
+@pytest.mark.parametrize("pat", ALL, ids=repr)
+@pytest.mark.parametrize("bq,bk", [(1, 1), (2, 3), (4, 4), (5, 2), (16, 16)])
+def test_block_layout_is_conservative_and_exact_where_it_claims(pat, bq, bk):
+    L, S = 11, 9
+    if "block_sparse" in repr(pat):
+        L, S = 12, 9
+    m = pat.materialize(L, S)
+    if pat.batch_size:
+        m_any, m_all = m.any(0)[0], m.all(0)[0]
+    else:
+        m_any = m_all = m
+    lay = pat.block_layout(L, S, bq, bk)
+    assert lay.shape == (-(-L // bq), -(-S // bk))
+    for qi, ki in itertools.product(range(lay.shape[0]), range(lay.shape[1])):
+        blk_any = m_any[qi * bq:(qi + 1) * bq, ki * bk:(ki + 1) * bk]
+        blk_all = m_all[qi * bq:(qi + 1) * bq, ki * bk:(ki + 1) * bk]
+        if lay[qi, ki] == P.EMPTY:
+            assert not blk_any.any(), (qi, ki)
+        if lay[qi, ki] == P.FULL:
+            assert blk_all.all(), (qi, ki)
+
+
+def test_band_layouts_are_tight():
+    """Analytic bounds should not waste work: a sliding window marks exactly the blocks it touches."""
+    pat = P.sliding_window(8, causal=True)
+    lay = pat.block_layout(64, 64, 8, 8)
+    m = pat.materialize(64, 64).view(8, 8, 8, 8)
+    assert torch.equal(lay != P.EMPTY, m.any(3).any(1))
+    assert torch.equal(lay == P.FULL, m.all(3).all(1))
+
+
+@pytest.mark.parametrize("pat", ALL, ids=repr)
+@pytest.mark.parametrize("method", ["dense", "sdpa", "tiled", "sparse"])
+def test_pattern_equals_materialized_mask(pat, method):
+    L, S = (12, 9) if "block_sparse" in repr(pat) else (11, 9)
+    B = pat.batch_size or 2
+    q, k, v = (torch.randn(B, 2, n, 4, dtype=torch.float64) for n in (L, S, S))
+    m = pat.materialize(L, S)
+    ro, _ = reference.attention(q, k, v, attn_mask=m)
+    out_p = attnlab.attention(q, k, v, pattern=pat, method=method, block_size=4)
+    out_m = attnlab.attention(q, k, v, attn_mask=m, method=method, block_size=4)
+    assert_close(out_p, ro, **TOL[torch.float64], what=f"{method} pattern")
+    assert_close(out_m, out_p, **TOL[torch.float64], what=f"{method} pattern vs mask")
+
+
+def test_converters_polarity():
+    kpm = torch.tensor([[False, False, True], [False, True, True]])  # nn.MultiheadAttention: True = ignore
+    hf = torch.tensor([[1, 1, 0], [1, 0, 0]])  # Hugging Face: 1 = attend
+    a = P.from_key_padding_mask(kpm).materialize(2, 3)
+    b = P.from_hf_attention_mask(hf).materialize(2, 3)
+    c = P.key_padding([2, 1]).materialize(2, 3)
+    assert a.shape == (2, 1, 2, 3)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(a[1, 0, 0], torch.tensor([True, False, False]))
+
+
+def test_flops_and_density_follow_nnz():
+    pat = P.sliding_window(4, causal=True)
+    n = 64
+    nnz = int(pat.materialize(n, n).sum())
+    assert pat.nnz(n, n) == nnz
+    assert pat.flops(n, n, 16, 8) == 2 * nnz * (16 + 8)
+
+
+@pytest.mark.parametrize("bad,err", [
+    (lambda: P.sliding_window(-1), ValueError),
+    (lambda: P.sliding_window(2.5), TypeError),
+    (lambda: P.dilated(2, 0), ValueError),
+    (lambda: P.fixed(4, 5), ValueError),
+    (lambda: P.block_sparse(torch.ones(3), 2), ValueError),
+    (lambda: P.causal("middle"), ValueError),
+    (lambda: P.key_padding([3, -1]), ValueError),
+    (lambda: P.from_key_padding_mask(torch.ones(2, 3, dtype=torch.long)), TypeError),
+    (lambda: P.causal() & torch.ones(2, 2), TypeError),
+    (lambda: P.block_sparse(torch.ones(2, 2), 2).materialize(8, 4), ValueError),
+])
+def test_bad_pattern_arguments(bad, err):
+    with pytest.raises(err):
+        bad()
+
+
+def test_pattern_batch_mismatch_is_refused():
+    q = torch.randn(3, 2, 4, 8)
+    with pytest.raises(ValueError, match="batch size"):
+        attnlab.attention(q, q, q, pattern=P.key_padding([4, 2]))
