@@ -1,0 +1,390 @@
+"""Multi-head attention as an nn.Module, running on attnlab's attention (any method or mechanism).
+
+Legend: B batch, L query length, S key length (cache included), T new key length, H heads,
+Hkv key/value heads (GQA/MQA when Hkv < H), D query/key head dim, Dv value head dim.
+
+    MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_O,  head_h = Attention(Q W_Q^h, K W_K^h, V W_V^h)
+(Vaswani et al. 2017, §3.2.2; grouped-query heads: Ainslie et al. 2023; multi-query: Shazeer 2019).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import patterns as P
+from ..functional import METHODS, attention
+from ..positional.base import AttentionPositional
+from .cache import LayerCache
+
+__all__ = ["MultiHeadAttention", "AttentionIntermediates", "resolve_mechanism"]
+
+_ids = itertools.count()
+
+
+def resolve_mechanism(mechanism):
+    """A core method name stays a string (run through attnlab.attention); anything else goes through
+    ``attnlab.mechanisms.resolve`` (contract 1) and becomes a callable."""
+    if isinstance(mechanism, str) and mechanism in METHODS:
+        return mechanism
+    from .. import mechanisms  # lazy: built by another module, only needed for approximations
+
+    return mechanisms.resolve(mechanism)
+
+
+@dataclass
+class AttentionIntermediates:
+    """What one call computed, on request: output, weights and the per-head q, k, v.
+
+    q: [B, H, L, D] (after RoPE); k: [B, Hkv, S, D]; v: [B, Hkv, S, Dv]; weights [B, H, L, S] or None.
+    """
+
+    output: torch.Tensor
+    weights: torch.Tensor | None
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class _Shifted(P.Pattern):
+    """A pattern seen from query rows ``offset .. offset + L - 1`` of the full (S × S) square.
+
+    Under a KV cache the L new queries are the last rows of the sequence; patterns (and causal) are
+    defined over absolute positions, so row i here is row i + offset there.
+    """
+
+    def __init__(self, inner: P.Pattern, offset: int):
+        self.inner, self.offset = inner, offset
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return self.inner.batch_size
+
+    def keep(self, i, j, L, S):
+        return self.inner.keep(i + self.offset, j, S, S)
+
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        return self.inner._bounds(qlo + self.offset, qhi + self.offset, klo, khi, S, S)
+
+    def __repr__(self):
+        return f"shifted({self.inner!r}, offset={self.offset})"
+
+
+class MultiHeadAttention(nn.Module):
+    """Batch-first multi-head attention with separate W_Q, W_K, W_V, W_O (``q_proj``, ``k_proj``,
+    ``v_proj``, ``out_proj``).
+
+    Args:
+        embed_dim: model width d (query features in, output features out).
+        num_heads: query heads H.
+        num_kv_heads: key/value heads Hkv (default H); H % Hkv == 0. 1 is multi-query attention.
+        head_dim: query/key head dim D (default embed_dim // num_heads, which must then divide).
+        kdim, vdim: features of the key and value inputs (default embed_dim), for cross-attention.
+        value_head_dim: value head dim Dv (default D), so d_k != d_v is possible.
+        bias: biases on the four projections.
+        dropout: dropout on the attention weights while training.
+        mechanism: "auto" | "dense" | "sdpa" | "tiled" | "sparse" (exact, attnlab.attention), or a
+            name / instance accepted by ``attnlab.mechanisms.resolve``.
+        pattern: an ``attnlab.patterns`` pattern applied on every call (AND with the other masks).
+        positional: an ``attnlab.positional.AttentionPositional`` (RoPE, ALiBi, T5 bias) or None.
+        scale: score scale; None means 1/sqrt(D).
+
+    Cost per call: O(B·L·d·(H·D)) for the projections plus whatever the mechanism costs.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, kdim: int | None = None, vdim: int | None = None,
+                 value_head_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 mechanism="auto", pattern: P.Pattern | None = None,
+                 positional: AttentionPositional | None = None, scale: float | None = None):
+        super().__init__()
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"num_heads ({num_heads}) must divide embed_dim ({embed_dim}) when head_dim is not given; "
+                    f"pick a divisor of {embed_dim} or pass head_dim explicitly"
+                )
+            head_dim = embed_dim // num_heads
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+            raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}): each key/value head serves "
+                f"a whole group of query heads"
+            )
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        for name, val in (("head_dim", head_dim), ("value_head_dim", value_head_dim),
+                          ("kdim", kdim if kdim is not None else 1), ("vdim", vdim if vdim is not None else 1)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if pattern is not None and not isinstance(pattern, P.Pattern):
+            raise TypeError(f"pattern must be an attnlab.patterns.Pattern or None, got {type(pattern).__name__}")
+        if positional is not None and not isinstance(positional, AttentionPositional):
+            raise TypeError(
+                "positional must be an attnlab.positional.AttentionPositional (RotaryEmbedding, ALiBi, "
+                f"T5RelativeBias) or None, got {type(positional).__name__}; absolute encodings are added to "
+                "the embeddings, not given to attention"
+            )
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim, self.value_head_dim = head_dim, value_head_dim
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self.dropout, self.scale, self.pattern = float(dropout), scale, pattern
+        self.positional = positional
+        self.mechanism = mechanism
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, num_kv_heads * value_head_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * value_head_dim, embed_dim, bias=bias)
+        self._id = next(_ids)
+
+    # -- configuration -----------------------------------------------------------------------------
+    @property
+    def mechanism(self):
+        return self._mechanism_spec
+
+    @mechanism.setter
+    def mechanism(self, spec) -> None:
+        self._mechanism = resolve_mechanism(spec)
+        self._mechanism_spec = spec
+
+    # -- import from PyTorch ---------------------------------------------------------------------
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention, **kwargs) -> "MultiHeadAttention":
+        """Copy an ``nn.MultiheadAttention`` (packed or separate projections). The result is always
+        batch-first: give it [B, L, E] whatever ``m.batch_first`` was. ``kwargs`` (mechanism, pattern,
+        ...) go to the constructor."""
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects an nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("nn.MultiheadAttention with add_bias_kv=True or add_zero_attn=True is not supported")
+        has_bias = m.in_proj_bias is not None
+        new = cls(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim, bias=has_bias, dropout=m.dropout, **kwargs)
+        E = m.embed_dim
+        with torch.no_grad():
+            if m._qkv_same_embed_dim:
+                wq, wk, wv = m.in_proj_weight.split(E, dim=0)
+            else:
+                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            new.to(dtype=wq.dtype, device=wq.device)
+            new.q_proj.weight.copy_(wq)
+            new.k_proj.weight.copy_(wk)
+            new.v_proj.weight.copy_(wv)
+            new.out_proj.weight.copy_(m.out_proj.weight)
+            if has_bias:
+                bq, bk, bv = m.in_proj_bias.split(E, dim=0)
+                new.q_proj.bias.copy_(bq)
+                new.k_proj.bias.copy_(bk)
+                new.v_proj.bias.copy_(bv)
+                new.out_proj.bias.copy_(m.out_proj.bias)
+        return new
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
+                key_padding_mask: torch.Tensor | None = None, attn_mask=None, is_causal: bool = False,
+                need_weights: bool = False, average_attn_weights: bool = True,
+                cache: LayerCache | None = None):
+        """Attend from query [B, L, embed_dim] to key [B, S, kdim] / value [B, S, vdim] (both default
+        to query: self-attention). Unbatched [L, embed_dim] inputs work too.
+
+        key_padding_mask: bool [B, S], True = ignore that key (nn.MultiheadAttention's polarity),
+            S counting cached keys.
+        attn_mask: bool (True = takes part; attnlab/SDPA polarity, NOT nn.MultiheadAttention's) or
+            float (added) of shape [L, S], [B, L, S] or [B, H|1, L, S]; or an attnlab Pattern.
+        is_causal: query i sees keys at absolute positions <= its own (cache offset included).
+        cache: a ``LayerCache``; new keys/values are appended (self-attention) or, for a static
+            (cross-attention) cache, computed once from key/value and reused.
+
+        Returns (output [B, L, embed_dim], weights) with weights [B, L, S] averaged over heads,
+        [B, H, L, S] with average_attn_weights=False, or None unless need_weights.
+        """
+        r = self.forward_intermediates(query, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                       is_causal=is_causal, need_weights=need_weights, cache=cache)
+        w = r.weights
+        if w is not None and average_attn_weights:
+            w = w.mean(dim=-3)  # (B, L, S)
+        return r.output, w
+
+    def _check_input(self, name: str, x, features: int, what: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be [batch, seq, {what}] (batch first), got {list(x.shape)}")
+        if x.shape[-1] != features:
+            raise ValueError(
+                f"{name} has {x.shape[-1]} features (shape {list(x.shape)}) but this layer expects "
+                f"{what}={features}"
+            )
+
+    def forward_intermediates(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
+                              is_causal=False, need_weights=False, cache=None) -> AttentionIntermediates:
+        """Same as ``forward`` but returns per-head weights and the projected q, k, v as well."""
+        unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
+        if unbatched:
+            query = query.unsqueeze(0)
+            key = key.unsqueeze(0) if isinstance(key, torch.Tensor) else key
+            value = value.unsqueeze(0) if isinstance(value, torch.Tensor) else value
+            if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_input("query", query, self.embed_dim, "embed_dim")
+        static = cache is not None and cache.static
+        if cache is not None:
+            if not isinstance(cache, LayerCache):
+                raise TypeError(f"cache must be an attnlab.nn.LayerCache, got {type(cache).__name__}")
+            cache.claim(self, f"MultiHeadAttention #{self._id}")
+        reuse = static and cache.length > 0
+        if not reuse:
+            self._check_input("key", key, self.kdim, "kdim")
+            self._check_input("value", value, self.vdim, "vdim")
+            if key.shape[:2] != value.shape[:2]:
+                raise ValueError(f"key {list(key.shape)} and value {list(value.shape)} must agree on [batch, seq]")
+            if key.shape[0] != query.shape[0]:
+                raise ValueError(f"query {list(query.shape)} and key {list(key.shape)} must agree on batch size")
+        B, L, _ = query.shape
+        H, Hkv, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim
+        offset = cache.length if (cache is not None and not static) else 0
+
+        # 1) project and split heads
+        q = self.q_proj(query).view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+        if reuse:
+            k, v = cache.keys, cache.values  # (B, Hkv, S, D), (B, Hkv, S, Dv)
+            if k.shape[0] != B:
+                raise ValueError(f"cross-attention cache holds batch {k.shape[0]} but query has batch {B}")
+        else:
+            T = key.shape[1]
+            k = self.k_proj(key).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+            v = self.v_proj(value).view(B, T, Hkv, Dv).transpose(1, 2)  # (B, Hkv, T, Dv)
+
+        # 2) positions: rotate q and the *new* keys, then extend the cache
+        pos = self.positional
+        q_pos = torch.arange(offset, offset + L, device=query.device)
+        if pos is not None and not reuse:
+            k_new_pos = torch.arange(offset, offset + k.shape[2], device=query.device)
+            q, k = pos.apply(q, k, q_pos, k_new_pos)
+        elif pos is not None:
+            q, _ = pos.apply(q, q[:, :0], q_pos, q_pos[:0])
+        if cache is not None and not reuse:
+            if static:
+                cache.set_static(k, v)
+            else:
+                k, v = cache.append(k, v)
+        S = k.shape[2]
+
+        # 3) masks: pattern (+ causal, + key padding) as typed patterns, attn_mask and position bias as tensors
+        pattern = self.pattern
+        if isinstance(attn_mask, P.Pattern):
+            pattern = attn_mask if pattern is None else pattern & attn_mask
+            attn_mask = None
+        causal_flag = False
+        if is_causal:
+            if pattern is None and offset == 0 and L == S:
+                causal_flag = True  # plain top-left causal: PyTorch's fused causal path
+            elif not (L == 1 and offset == S - 1 and pattern is None):  # one new token sees every key
+                pattern = P.causal() if pattern is None else pattern & P.causal()
+        if pattern is not None and offset:
+            pattern = _Shifted(pattern, offset)
+        if key_padding_mask is not None:
+            kp = self._key_padding(key_padding_mask, B, S)
+            pattern = kp if pattern is None else pattern & kp
+        mask = self._attn_mask(attn_mask, B, L, S)
+        if pos is not None and pos.has_bias:
+            k_pos = torch.arange(S, device=query.device)
+            bias = pos.bias(q_pos, k_pos).to(q.dtype).unsqueeze(0)  # (1, H, L, S)
+            if mask is None:
+                mask = bias
+            elif mask.dtype == torch.bool:
+                mask = bias.masked_fill(~mask, float("-inf"))
+            else:
+                mask = mask + bias
+
+        # 4) attend
+        out, weights = self._attend(q, k, v, mask, causal_flag, pattern, need_weights)
+
+        # 5) merge heads and project out
+        y = out.transpose(1, 2).reshape(B, L, H * Dv)  # (B, L, H*Dv)
+        y = self.out_proj(y)  # (B, L, embed_dim)
+        if unbatched:
+            y = y.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        return AttentionIntermediates(y, weights, q, k, v)
+
+    def _key_padding(self, kpm, B: int, S: int) -> P.Pattern:
+        if not isinstance(kpm, torch.Tensor):
+            raise TypeError(f"key_padding_mask must be a bool tensor [batch, S] (True = ignore), got {type(kpm).__name__}")
+        if kpm.dim() != 2 or kpm.shape[0] != B or kpm.shape[1] != S:
+            raise ValueError(
+                f"key_padding_mask must be [batch, S] = [{B}, {S}] (S counts cached keys), got {list(kpm.shape)}"
+            )
+        if kpm.dtype != torch.bool:
+            raise TypeError(
+                f"key_padding_mask must be bool with True = ignore (nn.MultiheadAttention's polarity), got {kpm.dtype}; "
+                "for a Hugging Face 0/1 attention_mask pass key_padding_mask=attention_mask == 0; "
+                "an additive float mask goes in attn_mask"
+            )
+        return P.from_key_padding_mask(kpm)
+
+    def _attn_mask(self, m, B: int, L: int, S: int):
+        if m is None:
+            return None
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"attn_mask must be a tensor, an attnlab Pattern or None, got {type(m).__name__}")
+        if m.dtype != torch.bool and not m.dtype.is_floating_point:
+            raise TypeError(
+                f"attn_mask must be bool (True = takes part) or float (added to scores), got {m.dtype}"
+            )
+        H = self.num_heads
+        shape = list(m.shape)
+        if m.dim() == 2 and shape == [L, S]:
+            return m.view(1, 1, L, S)
+        if m.dim() == 3 and shape == [B, L, S]:
+            return m.unsqueeze(1)
+        if m.dim() == 4 and m.shape[0] in (1, B) and m.shape[1] in (1, H) and m.shape[2] in (1, L) and m.shape[3] == S:
+            return m
+        raise ValueError(
+            f"attn_mask has shape {shape}; expected [L, S] = [{L}, {S}], [B, L, S] = [{B}, {L}, {S}] or "
+            f"[B|1, H|1, L, S] = [{B}, {H}, {L}, {S}] (S counts cached keys)"
+        )
+
+    def _attend(self, q, k, v, mask, is_causal, pattern, need_weights):
+        """q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> (out [B, H, L, Dv], weights | None)."""
+        dropout_p = self.dropout if self.training else 0.0
+        gqa = self.num_kv_heads != self.num_heads
+        mech = self._mechanism
+        if isinstance(mech, str):
+            method = mech
+            if need_weights and method in ("sdpa", "sparse"):
+                method = "auto"  # every exact method gives the same output; these two cannot give weights
+            r = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
+                          enable_gqa=gqa, pattern=pattern, method=method, need_weights=need_weights)
+            return r if need_weights else (r, None)
+        # a mechanism callable (contract 1) takes no pattern: give it the pattern as a bool mask
+        if pattern is not None:
+            keep = pattern.materialize(q.shape[2], k.shape[2], device=q.device)  # (L, S) or (B, 1, L, S)
+            keep = keep.view(1, 1, *keep.shape) if keep.dim() == 2 else keep
+            if mask is None:
+                mask = keep
+            elif mask.dtype == torch.bool:
+                mask = mask & keep
+            else:
+                mask = mask.masked_fill(~keep, float("-inf"))
+        r = mech(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p,
+                 enable_gqa=gqa, need_weights=need_weights)
+        return r if need_weights else (r, None)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}, mechanism={self._mechanism_spec!r}, "
+                f"pattern={self.pattern!r}, scale={self.scale}, dropout={self.dropout}")
