@@ -1,0 +1,139 @@
+"""attnlab trace: every step of attention on real numbers (example, MiniLM, given matrices, or sizes)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..report import atomic_write_text
+from .main import UsageError
+
+__all__ = ["build_parser", "run", "load_matrix"]
+
+
+def build_parser(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("where the numbers come from (pick one; default --example)")
+    src.add_argument("--example", action="store_true",
+                     help='the 4-token worked example "I love machine learning" (d_model=8, d_k=d_v=4, seeded)')
+    src.add_argument("--text", help="a sentence run through MiniLM; trace --layer/--head")
+    src.add_argument("--scores", help="a score matrix QKᵀ as JSON ('[[1.2,0.8],[0.6,1.5]]') or a .json/.npy file")
+    src.add_argument("--q", help="query matrix [L, d_k] (JSON or .json/.npy file); needs --k")
+    src.add_argument("--k", help="key matrix [S, d_k]")
+    src.add_argument("--v", help="value matrix [S, d_v] (optional: adds the ·V step)")
+    src.add_argument("--summary", action="store_true", help="shapes, FLOPs, bytes and statistics at a real size")
+    p.add_argument("--d-k", type=int, dest="d_k", help="head dim used by the scale (default: the columns of Q)")
+    p.add_argument("--layer", type=int, default=0, help="MiniLM layer for --text (0..5)")
+    p.add_argument("--head", type=int, default=0, help="MiniLM head for --text (0..11)")
+    p.add_argument("--heads", type=int, default=None, help="heads (example: default 1; summary: default 12)")
+    p.add_argument("--d-model", type=int, default=768, dest="d_model", help="--summary: model width")
+    p.add_argument("--seq-len", type=int, default=512, dest="seq_len", help="--summary: sequence length")
+    p.add_argument("--batch", type=int, default=1, help="--summary: batch size")
+    p.add_argument("--dtype", default="float32", help="--summary: dtype whose bytes are counted")
+    p.add_argument("--seed", type=int, default=0, help="seed of the example's / summary's random numbers")
+    fm = p.add_argument_group("failure modes from the tutorial")
+    fm.add_argument("--scale", choices=("none", "sqrt", "dk"), default="sqrt",
+                    help="divide scores by 1, √d_k (standard) or d_k")
+    fm.add_argument("--no-softmax", action="store_true", help="use the scaled scores as weights")
+    fm.add_argument("--cosine", action="store_true", help="cosine similarity instead of the dot product")
+    p.add_argument("--causal", action="store_true", help="causal mask (key j visible to query i when j <= i)")
+    p.add_argument("--format", choices=("rich", "markdown", "html", "json"), default="rich")
+    p.add_argument("--out", help="write the rendered trace to this file instead of the terminal")
+    p.add_argument("--max-show", type=int, default=8, dest="max_show", help="rows/columns printed per matrix")
+    p.add_argument("--digits", type=int, default=3, help="decimals printed")
+
+
+def load_matrix(name: str, spec: str) -> np.ndarray:
+    """A 2-D matrix from inline JSON or a .json/.npy file; ValueError with the argument's name otherwise."""
+    from ..trace import as_matrix
+
+    s = spec.strip()
+    path = Path(s)
+    if s.endswith(".npy"):
+        if not path.is_file():
+            raise ValueError(f"{name}: file not found: {s}")
+        try:
+            data = np.load(path, allow_pickle=False)
+        except Exception as e:  # corrupt or pickled file
+            raise ValueError(f"{name}: cannot read {s} as a .npy array: {e}") from None
+    elif s.endswith(".json") and not s.startswith("["):
+        if not path.is_file():
+            raise ValueError(f"{name}: file not found: {s}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: {s} is not valid JSON: {e}") from None
+    else:
+        try:
+            data = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be a JSON matrix like [[1, 2], [3, 4]] or a .json/.npy file: {e}") from None
+    if isinstance(data, dict):
+        raise ValueError(f"{name} must be a matrix (list of rows), got a JSON object")
+    if isinstance(data, list) and data and all(isinstance(r, list) for r in data):
+        lens = {len(r) for r in data}
+        if len(lens) > 1:
+            raise ValueError(f"{name} is not rectangular: its rows have lengths {sorted(lens)}")
+    return as_matrix(name, data)
+
+
+def run(args: argparse.Namespace):
+    from .. import trace as tr
+
+    sources = [n for n, on in (("--example", args.example), ("--text", args.text is not None),
+                               ("--scores", args.scores is not None), ("--q/--k", args.q is not None or args.k is not None),
+                               ("--summary", args.summary)) if on]
+    if len(sources) > 1:
+        raise UsageError(f"choose one starting point, got {', '.join(sources)}")
+    if args.v is not None and not ({"--scores", "--q/--k"} & set(sources)):
+        raise UsageError("--v goes with --scores or --q/--k")
+    if args.max_show < 2:
+        raise UsageError(f"--max-show must be >= 2, got {args.max_show}")
+    if args.d_k is not None and args.d_k < 1:
+        raise UsageError(f"--d-k must be a positive int, got {args.d_k}")
+    opts = tr.TraceOptions(scale=args.scale, softmax=not args.no_softmax, cosine=args.cosine, causal=args.causal)
+    source = sources[0] if sources else "--example"
+    if source == "--example":
+        heads = 1 if args.heads is None else args.heads
+        if heads not in (1, 2):
+            raise UsageError(f"--heads for --example must be 1 or 2 (d_model=8 = heads × d_k=4), got {heads}")
+        trace = tr.trace_example(seed=args.seed, num_heads=heads, options=opts)
+    elif source == "--text":
+        trace = tr.trace_text(args.text, layer=args.layer, head=args.head, options=opts)
+    elif source == "--scores":
+        v = load_matrix("--v", args.v) if args.v is not None else None
+        trace = tr.trace_scores(load_matrix("--scores", args.scores), d_k=args.d_k, v=v, options=opts)
+    elif source == "--q/--k":
+        if args.q is None or args.k is None:
+            raise UsageError("--q and --k go together (and --v optionally)")
+        v = load_matrix("--v", args.v) if args.v is not None else None
+        trace = tr.trace_qkv(load_matrix("--q", args.q), load_matrix("--k", args.k), v, d_k=args.d_k, options=opts)
+    else:
+        trace = tr.trace_summary(args.d_model, args.seq_len, 12 if args.heads is None else args.heads,
+                                 batch=args.batch, dtype=args.dtype, seed=args.seed, options=opts)
+    fmt = args.format
+    kw = {"max_show": args.max_show, "digits": args.digits}
+    text = None
+    if fmt == "json":
+        text = tr.to_json(trace)
+    elif fmt == "markdown":
+        text = tr.to_markdown(trace, **kw)
+    elif fmt == "html":
+        text = tr.to_html(trace, **kw)
+    if args.out:
+        if text is None:
+            from io import StringIO
+
+            from rich.console import Console
+
+            buf = StringIO()
+            tr.to_rich(trace, Console(file=buf, width=140, no_color=True), **kw)
+            text = buf.getvalue()
+        atomic_write_text(args.out, text)
+        print(f"wrote {args.out}")
+    elif text is not None:
+        print(text, end="")
+    else:
+        tr.to_rich(trace, **kw)
+    return {"trace": trace, "format": fmt, "text": text, "out": args.out, "exit_code": 0}
