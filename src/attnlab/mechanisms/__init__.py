@@ -176,6 +176,10 @@ class Mechanism:
                  attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                  dropout_p: float = 0.0, enable_gqa: bool = False, need_weights: bool = False):
         p = _prepare(self, query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, need_weights)
+        if p.q.shape[-2] == 0 or p.S == 0:  # nothing to attend: output 0, graph kept connected
+            out = (p.q.new_zeros(*p.q.shape[:-1], p.v.shape[-1])
+                   + 0 * (p.q.sum() + p.k.sum() + p.v.sum())).reshape(p.out_shape)
+            return (out, p.q.new_zeros(p.out_shape[:-1] + (p.S,))) if need_weights else out
         out, w = self._forward(p.q, p.k, p.v, key_keep=p.key_keep, attn_mask=p.mask, is_causal=is_causal,
                                scale=p.scale, dropout_p=p.dropout_p, need_weights=need_weights)
         out = out.reshape(p.out_shape)
