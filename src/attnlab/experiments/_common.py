@@ -1,0 +1,625 @@
+"""Shared plumbing for attnlab's experiments: attention choices, a tiny model with switches, training
+with checkpoints, peak-memory probes, progress and report writing.
+
+Legend: B batch, T sequence length, H heads, D head dim (d_k), C classes.
+
+The model here is deliberately small and has switches the library modules do not have (no softmax,
+cosine similarity, any score scale): the experiments need them to put the tutorials' failure modes
+to the test. It is built on ``attnlab.attention`` (exact methods and patterns) and, for approximate
+mechanisms, on ``attnlab.mechanisms.resolve`` (imported lazily).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "add_common_args", "out_dir", "seeds_of", "attention_fn", "pattern_catalog", "mechanism_names",
+    "RunConfig", "TinyTransformer", "train_run", "stdlib_text", "text_task", "scale_value",
+    "peak_rss_bytes", "reset_peak_rss", "progress", "write_results", "fmt_table", "save_plot",
+]
+
+EXACT_METHODS = ("auto", "dense", "sdpa", "tiled", "sparse")
+
+
+# -- command line -------------------------------------------------------------------------------------
+def add_common_args(p: argparse.ArgumentParser, *, seeds: str = "0,1,2") -> None:
+    p.add_argument("--out", default=None, help="output folder (default reports/<name>)")
+    p.add_argument("--quick", action="store_true", help="a toy-size run that finishes in seconds")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoints of a killed run")
+    p.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default {seeds})")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (overrides the default)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def out_dir(args, name: str) -> Path:
+    return Path(args.out) if getattr(args, "out", None) else Path("reports") / name
+
+
+def seeds_of(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in str(text).split(",") if s.strip() != ""]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ValueError(f"--seeds must name at least one seed, got {text!r}")
+    return seeds
+
+
+def ints_of(text: str, name: str) -> list[int]:
+    try:
+        vals = [int(s) for s in str(text).split(",") if s.strip() != ""]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{name} must be positive integers, got {text!r}")
+    return vals
+
+
+# -- attention choices ----------------------------------------------------------------------------------
+def pattern_catalog(seq_len: int, causal: bool = False) -> dict:
+    """Every structured pattern with parameters sized for ``seq_len`` (name -> Pattern)."""
+    from attnlab import patterns as P
+
+    w = max(1, min(128, seq_len // 8))
+    blk = max(1, min(64, seq_len // 8))
+    stride = max(1, int(round(math.sqrt(seq_len))))
+    cat = {
+        "sliding_window": P.sliding_window(w, causal=causal),
+        "dilated": P.dilated(max(1, w // 2), 2, causal=causal),
+        "longformer": P.longformer(w, global_tokens=1),
+        "bigbird": P.bigbird(blk),
+        "strided": P.strided(stride, causal=causal),
+        "fixed": P.fixed(stride, max(1, stride // 8), causal=causal),
+    }
+    if causal:
+        cat = {k: (v & P.causal()) for k, v in cat.items()}
+    return cat
+
+
+def mechanism_names() -> tuple[list[str], str | None]:
+    """Registered mechanism names (contract 1), or ([], why) when ``attnlab.mechanisms`` is not there yet."""
+    try:
+        import attnlab.mechanisms as M
+    except ImportError as e:
+        return [], f"attnlab.mechanisms not available yet ({e})"
+    try:
+        names = list(M.available())
+    except Exception as e:  # a registry still being built: say so, measure the rest
+        return [], f"attnlab.mechanisms.available() failed: {type(e).__name__}: {e}"
+    return [str(n) for n in names], None
+
+
+def attention_fn(spec: str, seq_len: int | None = None, causal: bool = False) -> Callable:
+    """A callable ``f(q, k, v, *, is_causal=False, scale=None) -> out`` on [B, H, T, D] tensors.
+
+    spec: "torch_sdpa" (PyTorch directly), an exact method ("auto", "dense", "sdpa", "tiled",
+    "sparse"), "pattern:<name>" (``pattern_catalog``) or a registered mechanism name.
+    """
+    import attnlab
+
+    if spec == "torch_sdpa":
+        def f(q, k, v, *, is_causal=False, scale=None):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return f
+    if spec == "naive":
+        def f(q, k, v, *, is_causal=False, scale=None):
+            s = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, H, T, T)
+            if is_causal:
+                T = q.shape[-2]
+                s = s.masked_fill(~torch.ones(T, k.shape[-2], dtype=torch.bool, device=q.device).tril(), float("-inf"))
+            return torch.softmax(s, dim=-1) @ v
+        return f
+    if spec in EXACT_METHODS:
+        def f(q, k, v, *, is_causal=False, scale=None):
+            return attnlab.attention(q, k, v, is_causal=is_causal, scale=scale, method=spec)
+        return f
+    if spec.startswith("pattern:"):
+        name = spec.split(":", 1)[1]
+        if seq_len is None:
+            raise ValueError(f"attention spec {spec!r} needs seq_len")
+        cat = pattern_catalog(seq_len, causal)
+        if name not in cat:
+            raise ValueError(f"unknown pattern {name!r}; choose from {sorted(cat)}")
+        pat = cat[name]
+
+        def f(q, k, v, *, is_causal=False, scale=None):
+            return attnlab.attention(q, k, v, is_causal=is_causal, scale=scale, pattern=pat)
+        return f
+    names, why = mechanism_names()
+    if why is not None:
+        raise ValueError(f"mechanism {spec!r}: {why}")
+    if spec not in names:
+        raise ValueError(f"unknown attention {spec!r}; choose from torch_sdpa, naive, {', '.join(EXACT_METHODS)}, "
+                         f"pattern:<name>, or a registered mechanism: {', '.join(names)}")
+    import attnlab.mechanisms as M
+
+    mech = M.resolve(spec)
+
+    def f(q, k, v, *, is_causal=False, scale=None):
+        return mech(q, k, v, is_causal=is_causal, scale=scale)
+    return f
+
+
+# -- the model ------------------------------------------------------------------------------------------
+SCORES = ("softmax", "none", "cosine")
+
+
+def scale_value(scale: str | float | None, head_dim: int) -> float:
+    """"sqrt" -> 1/sqrt(d_k), "none" -> 1, "dk" -> 1/d_k, a number -> itself."""
+    if scale is None or scale == "sqrt":
+        return 1.0 / math.sqrt(head_dim)
+    if scale == "none":
+        return 1.0
+    if scale == "dk":
+        return 1.0 / head_dim
+    if isinstance(scale, (int, float)):
+        return float(scale)
+    raise ValueError(f"scale must be 'sqrt', 'none', 'dk' or a number, got {scale!r}")
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with switches: score "softmax" (attention via ``attend``), "none"
+    (weights = scaled scores, no softmax, no normalisation), "cosine" (softmax over cosine
+    similarities times ``cosine_temperature``)."""
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, *, score: str = "softmax", scale: float,
+                 attend: Callable, causal: bool = False, cosine_temperature: float = 1.0, qk_init: str = "unit"):
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        self.H, self.D, self.score, self.scale, self.causal = num_heads, head_dim, score, scale, causal
+        self.attend, self.cosine_temperature = attend, cosine_temperature
+        self.q_proj = nn.Linear(d_model, num_heads * head_dim)
+        self.k_proj = nn.Linear(d_model, num_heads * head_dim)
+        self.v_proj = nn.Linear(d_model, num_heads * head_dim)
+        self.out_proj = nn.Linear(num_heads * head_dim, d_model)
+        if qk_init == "unit":
+            # q, k entries ~ unit variance for unit-variance inputs: the premise of Var(q·k) = d_k
+            for lin in (self.q_proj, self.k_proj):
+                nn.init.normal_(lin.weight, std=d_model ** -0.5)
+                nn.init.zeros_(lin.bias)
+        elif qk_init != "torch":
+            raise ValueError(f"qk_init must be 'unit' or 'torch', got {qk_init!r}")
+
+    def forward(self, x: torch.Tensor, stats: list | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.H, self.D).transpose(1, 2)  # (B, H, T, D)
+        v = self.v_proj(x).view(B, T, self.H, self.D).transpose(1, 2)  # (B, H, T, D)
+        if self.score == "cosine":
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            scale = self.cosine_temperature
+        else:
+            scale = self.scale
+        if self.score == "none":
+            s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T), unbounded, possibly negative
+            if self.causal:
+                s = s * torch.ones(T, T, device=x.device).tril()
+            out = s @ v  # (B, H, T, D)
+        else:
+            out = self.attend(q, k, v, is_causal=self.causal, scale=scale)
+        if stats is not None:
+            stats.append(_weight_stats(q.detach(), k.detach(), scale, self.score, self.causal))
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, self.H * self.D))  # (B, T, d_model)
+
+
+def _weight_stats(q, k, scale, score, causal, max_items: int = 4) -> dict:
+    """Entropy (nats) and max weight of the attention rows, and the score std, on a few items."""
+    q, k = q[:max_items].float(), k[:max_items].float()
+    s = (q @ k.transpose(-2, -1)) * scale  # (b, H, T, T)
+    T = s.shape[-1]
+    if causal:
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    finite = torch.isfinite(s)
+    res = {"score_std": float(s[finite].std()) if finite.sum() > 1 else 0.0}
+    if score == "none":
+        res.update(entropy=None, max_weight=None)
+        return res
+    w = torch.softmax(s, dim=-1)
+    ent = -(w * torch.log(w.clamp_min(1e-30))).sum(-1)  # (b, H, T)
+    res.update(entropy=float(ent.mean()), max_weight=float(w.amax(-1).mean()),
+               entropy_uniform=float(torch.log(finite.sum(-1).float()).mean()))
+    return res
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, num_heads, head_dim, **attn_kw):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, num_heads, head_dim, **attn_kw)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x, stats=None):
+        x = x + self.attn(self.ln1(x), stats)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    """Pre-norm Transformer for classification (mean pool over non-pad tokens), per-position read-out
+    (``target_positions``) or causal language modelling. ids [B, T] -> logits [B, C] or [B, m, C]."""
+
+    def __init__(self, vocab_size: int, num_classes: int, max_len: int, *, d_model: int = 64, num_heads: int = 2,
+                 head_dim: int = 32, num_layers: int = 2, **attn_kw):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(d_model, num_heads, head_dim, **attn_kw) for _ in range(num_layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, ids: torch.Tensor, target_positions: torch.Tensor | None = None, *, pool: bool = True,
+                stats: list | None = None) -> torch.Tensor:
+        B, T = ids.shape
+        x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device))  # (B, T, d)
+        for blk in self.blocks:
+            x = blk(x, stats)
+        x = self.ln(x)
+        if target_positions is not None:
+            return self.head(x[:, target_positions])  # (B, m, C)
+        if pool:
+            keep = (ids != 0).unsqueeze(-1).to(x.dtype)  # (B, T, 1)
+            return self.head((x * keep).sum(1) / keep.sum(1).clamp_min(1.0))  # (B, C)
+        return self.head(x)  # (B, T, C)
+
+
+# -- text that ships with Python ------------------------------------------------------------------------
+_TEXT_MODULES = ("json", "collections", "itertools", "functools", "re", "string", "textwrap", "pathlib",
+                 "argparse", "random", "statistics", "heapq", "bisect", "csv", "datetime", "fractions",
+                 "decimal", "difflib", "shutil", "tempfile", "typing", "dataclasses", "enum", "contextlib")
+
+
+def stdlib_text(max_chars: int = 400_000) -> str:
+    """Docstrings of a fixed list of standard-library modules and their public members (no download)."""
+    import importlib
+    import inspect
+
+    parts = []
+    for name in _TEXT_MODULES:
+        mod = importlib.import_module(name)
+        if mod.__doc__:
+            parts.append(inspect.cleandoc(mod.__doc__))
+        for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
+            if attr.startswith("_"):
+                continue
+            doc = getattr(getattr(mod, attr, None), "__doc__", None)
+            if isinstance(doc, str) and len(doc) > 40:
+                parts.append(inspect.cleandoc(doc))
+    text = "\n\n".join(dict.fromkeys(parts))  # drop duplicates, keep order
+    return text[:max_chars]
+
+
+def text_task(num_samples: int, seq_len: int, seed: int = 0):
+    """Byte-level next-token windows from ``stdlib_text()``: inputs [N, T] (ids = byte + 1), targets [N, T]."""
+    from attnlab.data import TaskData
+
+    data = torch.tensor(list(stdlib_text().encode("utf-8")), dtype=torch.long) + 1  # 0 stays padding
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, data.numel() - seq_len - 1, (num_samples,), generator=g)
+    idx = starts.unsqueeze(1) + torch.arange(seq_len + 1)  # (N, T+1)
+    win = data[idx]
+    return TaskData("text", win[:, :-1], win[:, 1:], vocab_size=257, num_classes=257,
+                    meta={"source": "docstrings of Python stdlib modules " + ",".join(_TEXT_MODULES),
+                          "python": sys.version.split()[0], "chars": int(data.numel())})
+
+
+# -- training ---------------------------------------------------------------------------------------------
+@dataclass
+class RunConfig:
+    """One training run. ``scale``: "sqrt" | "none" | "dk" | a number; ``score``: softmax | none | cosine."""
+
+    name: str
+    task: str = "recall"
+    seq_len: int = 64
+    d_model: int = 64
+    num_heads: int = 2
+    head_dim: int = 32
+    num_layers: int = 2
+    score: str = "softmax"
+    scale: str | float = "sqrt"
+    attention: str = "sdpa"
+    causal: bool = False
+    steps: int = 200
+    batch_size: int = 32
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    seed: int = 0
+    log_every: int = 10
+    qk_init: str = "unit"
+    cosine_temperature: float = 1.0
+    grad_clip: float | None = None
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.name}-seed{self.seed}"
+
+
+def build_model(cfg: RunConfig, data) -> TinyTransformer:
+    torch.manual_seed(cfg.seed)
+    attend = attention_fn(cfg.attention, cfg.seq_len, cfg.causal)
+    return TinyTransformer(data.vocab_size, data.num_classes, cfg.seq_len, d_model=cfg.d_model,
+                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_layers=cfg.num_layers,
+                           score=cfg.score, scale=scale_value(cfg.scale, cfg.head_dim), attend=attend,
+                           causal=cfg.causal, cosine_temperature=cfg.cosine_temperature, qk_init=cfg.qk_init)
+
+
+def _loss(model, data, ids, tgt, stats=None):
+    if data.name == "text":
+        logits = model(ids, pool=False, stats=stats)  # (B, T, C)
+    else:
+        logits = model(ids, data.target_positions, stats=stats)  # (B, C) or (B, m, C)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+    correct = (logits.argmax(-1) == tgt).float()
+    return loss, correct
+
+
+@torch.no_grad()
+def evaluate(model, data, batch_size: int = 64) -> dict:
+    model.eval()
+    tot_loss = tot_acc = n = 0.0
+    for i in range(0, len(data), batch_size):
+        ids, tgt = data.inputs[i:i + batch_size], data.targets[i:i + batch_size]
+        loss, correct = _loss(model, data, ids, tgt)
+        b = ids.shape[0]
+        tot_loss += float(loss) * b
+        tot_acc += float(correct.mean()) * b
+        n += b
+    model.train()
+    return {"loss": tot_loss / max(n, 1), "accuracy": tot_acc / max(n, 1)}
+
+
+def _grad_norm(params) -> float:
+    gs = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return float(torch.stack(gs).norm()) if gs else 0.0
+
+
+def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: bool = False,
+              advance: Callable[[int], None] | None = None, checkpoint_every_s: float = 20.0) -> dict:
+    """Train one model; returns {config, history, eval, steps_per_s, ...}. With ``resume`` and a
+    checkpoint for the same config, training continues from it (a finished run is not repeated)."""
+    model = build_model(cfg, train)
+    params = list(model.parameters())
+    if cfg.optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    elif cfg.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    else:
+        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {cfg.optimizer!r}")
+    qk_params = [p for n, p in model.named_parameters() if ".q_proj." in n or ".k_proj." in n]
+    gen = torch.Generator().manual_seed(10_000 + cfg.seed)
+    hist = {"step": [], "loss": [], "grad_norm": [], "qk_grad_norm": [], "entropy": [], "max_weight": [],
+            "score_std": []}
+    step, train_time, done, resumed_from = 0, 0.0, False, None
+    cfg_dict = asdict(cfg)
+    if resume and ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        if state.get("config") == cfg_dict:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            gen.set_state(state["gen"])
+            torch.set_rng_state(state["rng"])
+            hist, step, train_time, done = state["history"], int(state["step"]), float(state["train_time"]), bool(state["done"])
+            resumed_from = step
+            if advance:
+                advance(step)
+
+    def save(done_now: bool):
+        if ckpt is None:
+            return
+        import io
+
+        from attnlab.report import atomic_write_bytes
+
+        buf = io.BytesIO()
+        torch.save({"config": cfg_dict, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                    "rng": torch.get_rng_state(), "history": hist, "step": step, "train_time": train_time,
+                    "done": done_now}, buf)
+        atomic_write_bytes(ckpt, buf.getvalue())
+
+    last_save = time.perf_counter()
+    nonfinite_step = None
+    for i, v in enumerate(hist["loss"]):
+        if not math.isfinite(v):
+            nonfinite_step = hist["step"][i]
+            break
+    while not done and step < cfg.steps:
+        t0 = time.perf_counter()
+        idx = torch.randint(0, len(train), (cfg.batch_size,), generator=gen)
+        ids, tgt = train.inputs[idx], train.targets[idx]
+        log = step % cfg.log_every == 0 or step == cfg.steps - 1
+        stats: list | None = [] if log else None
+        loss, _ = _loss(model, train, ids, tgt, stats)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = _grad_norm(params) if log else None
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        train_time += time.perf_counter() - t0
+        lv = float(loss)
+        if log:
+            ents = [s["entropy"] for s in stats if s["entropy"] is not None]
+            mws = [s["max_weight"] for s in stats if s["max_weight"] is not None]
+            hist["step"].append(step)
+            hist["loss"].append(lv if math.isfinite(lv) else float("nan"))
+            hist["grad_norm"].append(gnorm if math.isfinite(gnorm) else float("nan"))
+            hist["qk_grad_norm"].append(_grad_norm(qk_params))
+            hist["entropy"].append(sum(ents) / len(ents) if ents else None)
+            hist["max_weight"].append(sum(mws) / len(mws) if mws else None)
+            hist["score_std"].append(sum(s["score_std"] for s in stats) / len(stats))
+        step += 1
+        if advance:
+            advance(1)
+        if not math.isfinite(lv):
+            nonfinite_step = step - 1
+            break  # diverged: nothing more to learn from this run
+        if ckpt is not None and time.perf_counter() - last_save > checkpoint_every_s:
+            save(False)
+            last_save = time.perf_counter()
+    if advance and step < cfg.steps:
+        advance(cfg.steps - step)
+    ev = evaluate(model, test)
+    save(True)
+    return {"config": cfg_dict, "run_id": cfg.run_id, "history": hist, "eval": ev, "steps": step,
+            "steps_per_s": step / train_time if train_time > 0 else None, "train_time_s": train_time,
+            "nonfinite_step": nonfinite_step, "resumed_from": resumed_from,
+            "final_loss": _tail_mean(hist["loss"])}
+
+
+def _tail_mean(xs: list, frac: float = 0.2) -> float | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    k = max(1, int(len(xs) * frac))
+    tail = xs[-k:]
+    return float(sum(tail) / len(tail))
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS to its current RSS (Linux ``clear_refs`` 5); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM; ru_maxrss where /proc is missing)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+def rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    return (kib or 0) * 1024
+
+
+# -- progress and reports -----------------------------------------------------------------------------------
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def advance(self, *a, **k):
+        pass
+
+    def update(self, *a, **k):
+        pass
+
+
+def progress(disable: bool = False):
+    """A rich progress bar on stderr (or a no-op)."""
+    if disable:
+        return _NoProgress()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+
+
+def write_results(out: Path, results: dict, report_md: str) -> dict:
+    """Write results.json and report.md atomically; returns the paths."""
+    from attnlab.report import atomic_write_json, atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", results)
+    atomic_write_text(out / "report.md", report_md)
+    return {"results": str(out / "results.json"), "report": str(out / "report.md")}
+
+
+def save_plot(fig, path: Path) -> str:
+    from attnlab.report import save_figure
+
+    save_figure(fig, path)
+    return str(path)
+
+
+def plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def fmt_table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def mean_std(xs: list) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+    return m, sd
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in fields(RunConfig)]
+
+
+def render(console_lines: list[str]) -> None:
+    """Print a short summary with rich (stdout)."""
+    from rich.console import Console
+
+    Console().print("\n".join(console_lines))
+
+
+def env_record(seeds: list[int] | None = None) -> dict:
+    from attnlab.report import environment
+
+    env = environment()
+    env["seeds"] = seeds
+    env["argv"] = sys.argv
+    env["cwd"] = os.getcwd()
+    return env
