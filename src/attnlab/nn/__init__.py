@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from .attention import AttentionIntermediates, MultiHeadAttention
+from .blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward, Transformer
 from .cache import KVCache, LayerCache
 
-__all__ = ["MultiHeadAttention", "AttentionIntermediates", "KVCache", "LayerCache"]
+__all__ = [
+    "MultiHeadAttention", "AttentionIntermediates", "KVCache", "LayerCache",
+    "FeedForward", "EncoderLayer", "DecoderLayer", "Encoder", "Decoder", "Transformer",
+]

@@ -296,9 +296,9 @@ class MultiHeadAttention(nn.Module):
                 pattern = P.causal() if pattern is None else pattern & P.causal()
         if pattern is not None and offset:
             pattern = _Shifted(pattern, offset)
+        key_keep = None
         if key_padding_mask is not None:
-            kp = self._key_padding(key_padding_mask, B, S)
-            pattern = kp if pattern is None else pattern & kp
+            key_keep = ~self._check_key_padding(key_padding_mask, B, S)  # (B, S), True = takes part
         mask = self._attn_mask(attn_mask, B, L, S)
         if pos is not None and pos.has_bias:
             k_pos = torch.arange(S, device=query.device)
@@ -311,7 +311,7 @@ class MultiHeadAttention(nn.Module):
                 mask = mask + bias
 
         # 4) attend
-        out, weights = self._attend(q, k, v, mask, causal_flag, pattern, need_weights)
+        out, weights = self._attend(q, k, v, mask, causal_flag, pattern, key_keep, need_weights)
 
         # 5) merge heads and project out
         y = out.transpose(1, 2).reshape(B, L, H * Dv)  # (B, L, H*Dv)
@@ -321,7 +321,7 @@ class MultiHeadAttention(nn.Module):
             weights = weights.squeeze(0) if weights is not None else None
         return AttentionIntermediates(y, weights, q, k, v)
 
-    def _key_padding(self, kpm, B: int, S: int) -> P.Pattern:
+    def _check_key_padding(self, kpm, B: int, S: int) -> torch.Tensor:
         if not isinstance(kpm, torch.Tensor):
             raise TypeError(f"key_padding_mask must be a bool tensor [batch, S] (True = ignore), got {type(kpm).__name__}")
         if kpm.dim() != 2 or kpm.shape[0] != B or kpm.shape[1] != S:
@@ -334,7 +334,8 @@ class MultiHeadAttention(nn.Module):
                 "for a Hugging Face 0/1 attention_mask pass key_padding_mask=attention_mask == 0; "
                 "an additive float mask goes in attn_mask"
             )
-        return P.from_key_padding_mask(kpm)
+        P.from_key_padding_mask(kpm)  # the core's own polarity check
+        return kpm
 
     def _attn_mask(self, m, B: int, L: int, S: int):
         if m is None:
@@ -358,12 +359,19 @@ class MultiHeadAttention(nn.Module):
             f"[B|1, H|1, L, S] = [{B}, {H}, {L}, {S}] (S counts cached keys)"
         )
 
-    def _attend(self, q, k, v, mask, is_causal, pattern, need_weights):
-        """q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> (out [B, H, L, Dv], weights | None)."""
+    def _attend(self, q, k, v, mask, is_causal, pattern, key_keep, need_weights):
+        """q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> (out [B, H, L, Dv], weights | None).
+
+        key_keep [B, S] (True = takes part) becomes a typed key-padding pattern for the core methods,
+        and a [B, 1, 1, S] bool mask for mechanisms (which can then treat it as key padding).
+        """
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.num_kv_heads != self.num_heads
         mech = self._mechanism
         if isinstance(mech, str):
+            if key_keep is not None:
+                kp = P.from_key_padding_mask(~key_keep)
+                pattern = kp if pattern is None else pattern & kp
             method = mech
             if need_weights and method in ("sdpa", "sparse"):
                 method = "auto"  # every exact method gives the same output; these two cannot give weights
@@ -380,6 +388,14 @@ class MultiHeadAttention(nn.Module):
                 mask = mask & keep
             else:
                 mask = mask.masked_fill(~keep, float("-inf"))
+        if key_keep is not None:
+            kk = key_keep.view(key_keep.shape[0], 1, 1, -1)  # (B, 1, 1, S)
+            if mask is None:
+                mask = kk
+            elif mask.dtype == torch.bool:
+                mask = mask & kk
+            else:
+                mask = mask.masked_fill(~kk, float("-inf"))
         r = mech(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p,
                  enable_gqa=gqa, need_weights=need_weights)
         return r if need_weights else (r, None)
