@@ -37,41 +37,122 @@ def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float =
     S, Ev = k.shape[2], v.shape[-1]
     nq, nk = -(-L // block_q), -(-S // block_k)
     layout = mask.layout(block_q, block_k, device="cpu")
-    qp = F.pad(q, (0, 0, 0, nq * block_q - L)).view(N, H, nq, block_q, E)
-    kp = F.pad(k, (0, 0, 0, nk * block_k - S)).view(N, H, nk, block_k, E)
-    vp = F.pad(v, (0, 0, 0, nk * block_k - S)).view(N, H, nk, block_k, Ev)
+    qp = F.pad(q, (0, 0, 0, nq * block_q - L)) if nq * block_q != L else q.contiguous()
+    kp = F.pad(k, (0, 0, 0, nk * block_k - S)) if nk * block_k != S else k.contiguous()
+    vp = F.pad(v, (0, 0, 0, nk * block_k - S)) if nk * block_k != S else v.contiguous()
     dev = q.device
-    ar_q = torch.arange(block_q, device=dev)
-    ar_k = torch.arange(block_k, device=dev)
     rows_all, outs = [], []
     for rows, cols, full in plan_groups(layout):
-        G, c = cols.shape
-        rows_d, cols_d = rows.to(dev), cols.to(dev)
-        qg = qp[:, :, rows_d].permute(2, 0, 1, 3, 4).reshape(G * N, H, block_q, E)  # (G·N, H, bq, E)
-        kg = kp[:, :, cols_d].permute(2, 0, 1, 3, 4, 5).reshape(G * N, H, c * block_k, E)  # (G·N, H, c·bk, E)
-        vg = vp[:, :, cols_d].permute(2, 0, 1, 3, 4, 5).reshape(G * N, H, c * block_k, Ev)
-        attn_mask = None
-        if not full:
-            i = (rows_d.view(G, 1, 1) * block_q + ar_q.view(1, block_q, 1))  # (G, bq, 1)
-            j = (cols_d.view(G, c, 1) * block_k + ar_k.view(1, 1, block_k)).view(G, 1, c * block_k)
-            keep, bias = mask.block(i, j, N)  # (G, N|1, H|1, bq, c·bk)
-            attn_mask = _to_sdpa_mask(keep, bias, G, N, q.dtype)
-        og = sdpa(qg, kg, vg, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)  # (G·N, H, bq, Ev)
-        rows_all.append(rows_d)
-        outs.append(og.view(G, N, H, block_q, Ev))
+        for r_rows, r_cols, step in _runs(rows, cols):
+            og = _attend_run(qp, kp, vp, r_rows, r_cols, step, full, mask, scale, dropout_p, block_q, block_k)
+            rows_all.append(r_rows.to(dev))
+            outs.append(og)  # (G, N, H, bq, Ev)
     out = torch.zeros(nq, N, H, block_q, Ev, dtype=q.dtype, device=dev)
     if outs:
         out = out.index_copy(0, torch.cat(rows_all), torch.cat(outs))  # query blocks with no keys stay 0
     return out.permute(1, 2, 0, 3, 4).reshape(N, H, nq * block_q, Ev)[:, :, :L]
 
 
+def _runs(rows: torch.Tensor, cols: torch.Tensor):
+    """Split a group into runs that need no gather.
+
+    step 1: consecutive query blocks whose consecutive key blocks slide by one (a band): the keys of
+    the whole run are one overlapping-window view (unfold) of the key tensor.
+    step 0: query blocks that all need the same consecutive key blocks: one rectangle.
+    step None: anything else, gathered by index.
+    """
+    G, c = cols.shape
+    contiguous = bool((cols == cols[:, :1] + torch.arange(c)).all()) if G else False
+    if not contiguous:
+        return [(rows, cols, None)]
+    out, start = [], 0
+    d_rows, d_cols = rows[1:] - rows[:-1], cols[1:, 0] - cols[:-1, 0]
+    for g in range(1, G + 1):
+        if g == G or not (d_rows[g - 1] == 1 and d_cols[g - 1] == (d_cols[start] if g - 1 > start else d_cols[g - 1])
+                          and d_cols[g - 1] in (0, 1)):
+            if g - start >= 2:
+                out.append((rows[start:g], cols[start:g], int(d_cols[start])))
+            else:
+                out.append((rows[start:g], cols[start:g], None))
+            start = g
+    return out
+
+
+def _attend_run(qp, kp, vp, rows, cols, step, full, mask, scale, dropout_p, bq, bk):
+    """Attention of one run of query blocks -> (G, N, H, bq, Ev)."""
+    N, H, _, E = qp.shape
+    Ev = vp.shape[-1]
+    G, c = cols.shape
+    dev = qp.device
+    r0, k0 = int(rows[0]), int(cols[0, 0])
+    ar_q, ar_k = torch.arange(bq, device=dev), torch.arange(bk, device=dev)
+    i = rows.to(dev).view(G, 1, 1) * bq + ar_q.view(1, bq, 1)  # (G, bq, 1)
+    j = (cols.to(dev).view(G, c, 1) * bk + ar_k.view(1, 1, bk)).view(G, 1, c * bk)  # (G, 1, c·bk)
+    if step == 0:
+        # one rectangle: all G·bq queries against the same c·bk keys
+        qg = qp[:, :, r0 * bq:(r0 + G) * bq]  # (N, H, G·bq, E)
+        kg, vg = kp[:, :, k0 * bk:(k0 + c) * bk], vp[:, :, k0 * bk:(k0 + c) * bk]
+        attn_mask = None if full else _combine(*mask.block(i.view(G * bq, 1), j[0], N), qp.dtype)
+        og = sdpa(qg, kg, vg, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)  # (N, H, G·bq, Ev)
+        return og.view(N, H, G, bq, Ev).permute(2, 0, 1, 3, 4)
+    if step == 1 and bq == bk:
+        # a band: keys of row g are key blocks [k0 + g, k0 + g + c): overlapping windows, no copy
+        qv = qp[:, :, r0 * bq:(r0 + G) * bq].unflatten(2, (G, bq))  # (N, H, G, bq, E)
+        kw = kp.unfold(2, c * bk, bk)[:, :, k0:k0 + G]  # (N, H, G, E, c·bk)
+        vw = vp.unfold(2, c * bk, bk)[:, :, k0:k0 + G]
+        invariant = (mask.keep is None and mask.bias is None and _translation_invariant(mask.pattern)
+                     and (k0 + G - 1 + c) * bk <= mask.S)
+        m = None
+        if not full and invariant:
+            m = _combine(*mask.block(i[:1], j[:1], N), qp.dtype)  # (1, 1, 1, bq, c·bk): same for every row
+        elif not full:
+            m = _combine(*mask.block(i, j, N), qp.dtype)  # (G, N|1, H|1, bq, c·bk)
+        outs = []
+        for n in range(N):
+            qn = qv[n].permute(1, 0, 2, 3)  # (G, H, bq, E)
+            kn = kw[n].permute(1, 0, 3, 2)  # (G, H, c·bk, E)
+            vn = vw[n].permute(1, 0, 3, 2)
+            mn = None if m is None else m[0] if invariant else m[:, n if m.shape[1] > 1 else 0]
+            outs.append(sdpa(qn, kn, vn, attn_mask=mn, dropout_p=dropout_p, scale=scale))  # (G, H, bq, Ev)
+        return torch.stack(outs, 1)  # (G, N, H, bq, Ev)
+    # general case: gather the key blocks each query block needs
+    rows_d, cols_d = rows.to(dev), cols.to(dev)
+    qb = qp.unflatten(2, (-1, bq))
+    kb, vb = kp.unflatten(2, (-1, bk)), vp.unflatten(2, (-1, bk))
+    qg = qb[:, :, rows_d].permute(2, 0, 1, 3, 4).reshape(G * N, H, bq, E)  # (G·N, H, bq, E)
+    kg = kb[:, :, cols_d].permute(2, 0, 1, 3, 4, 5).reshape(G * N, H, c * bk, E)  # (G·N, H, c·bk, E)
+    vg = vb[:, :, cols_d].permute(2, 0, 1, 3, 4, 5).reshape(G * N, H, c * bk, Ev)
+    attn_mask = None
+    if not full:
+        keep, bias = mask.block(i, j, N)  # (G, N|1, H|1, bq, c·bk)
+        attn_mask = _to_sdpa_mask(keep, bias, G, N, qp.dtype)
+    og = sdpa(qg, kg, vg, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)  # (G·N, H, bq, Ev)
+    return og.view(G, N, H, bq, Ev)
+
+
+def _translation_invariant(p) -> bool:
+    """True when keep(i, j) depends on j - i only (bands and their combinations)."""
+    if p is None:
+        return True
+    if isinstance(p, P._Band):
+        return True
+    if isinstance(p, P._Combine):
+        return _translation_invariant(p.a) and _translation_invariant(p.b)
+    return False
+
+
+def _combine(keep, bias, dtype):
+    """One SDPA mask from keep (bool) and bias (float): bool when there is no bias."""
+    if bias is None:
+        return keep
+    b = bias.to(dtype)
+    return b if keep is None else b.masked_fill(~keep, float("-inf"))
+
+
 def _to_sdpa_mask(keep, bias, G, N, dtype):
-    if bias is not None:
-        m = bias.to(dtype)
-        if keep is not None:
-            m = m.masked_fill(~keep, float("-inf"))
-    else:
-        m = keep
+    m = _combine(keep, bias, dtype)
+    if m is None:
+        return None
     n_dim, h_dim = m.shape[1], m.shape[2]
     m = m.expand(G, N, h_dim, *m.shape[3:]) if n_dim != N else m
     return m.reshape(G * N, h_dim, *m.shape[3:])

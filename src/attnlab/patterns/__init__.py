@@ -18,7 +18,7 @@ import torch
 __all__ = [
     "Pattern", "EMPTY", "PARTIAL", "FULL",
     "causal", "sliding_window", "dilated", "strided", "fixed", "block_sparse", "longformer", "bigbird",
-    "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full",
+    "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full", "parse",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -493,3 +493,39 @@ def from_hf_attention_mask(mask: torch.Tensor) -> Pattern:
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"attention_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     return _KeyKeep(mask != 0, name="hf_attention_mask")
+
+
+_PARSEABLE = ("causal", "sliding_window", "dilated", "strided", "fixed", "longformer", "bigbird", "key_padding", "full")
+
+
+def parse(spec: str) -> Pattern:
+    """Build a pattern from text such as ``"sliding_window(256, causal=True)"`` or
+    ``"sliding_window(64) | causal()"`` (literal arguments only; no code is evaluated)."""
+    import ast
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"pattern spec must be a non-empty string, got {spec!r}")
+    try:
+        tree = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ValueError(f"cannot parse pattern {spec!r}: {e.msg}") from None
+
+    def build(node):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+            a, b = build(node.left), build(node.right)
+            return a & b if isinstance(node.op, ast.BitAnd) else a | b
+        if isinstance(node, ast.Name):
+            node = ast.Call(func=node, args=[], keywords=[])
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            raise ValueError(f"pattern {spec!r}: expected calls like sliding_window(256) joined by & or |")
+        name = node.func.id
+        if name not in _PARSEABLE:
+            raise ValueError(f"unknown pattern {name!r}; choose from {', '.join(_PARSEABLE)}")
+        try:
+            args = [ast.literal_eval(a) for a in node.args]
+            kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        except ValueError:
+            raise ValueError(f"pattern {spec!r}: arguments must be literals") from None
+        return globals()[name](*args, **kwargs)
+
+    return build(tree)

@@ -1,0 +1,311 @@
+"""attnlab bench core: attnlab's methods vs torch SDPA vs naive attention, side by side in one run.
+
+Time: median of repeats after a warm-up, implementations interleaved per configuration. Peak memory:
+each configuration in a fresh process (attnlab.bench._child). Configurations predicted to exceed the
+time or memory budget are skipped and listed with the reason. Writes results.json, a log-log plot and
+prints ratios against SDPA.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..report import atomic_write_json, atomic_write_text, environment, save_figure
+from .impls import build_call, make_inputs, pattern_density
+
+__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent"]
+
+PATTERNS = {
+    "sliding_window_256": {"name": "sliding_window", "window": 256, "causal": True},
+    "bigbird": {"name": "bigbird", "block_size": 128, "window_blocks": 3, "global_blocks": 1, "random_blocks": 1},
+    "block_sparse_10pct": {"name": "block_sparse", "block_size": 128, "keep": 0.1},
+}
+
+
+@dataclass
+class Record:
+    section: str
+    impl: str
+    n: int
+    dtype: str
+    causal: bool
+    pattern: str | None = None
+    backward: bool = False
+    seconds: float | None = None
+    peak_bytes: int | None = None
+    gflops: float | None = None  # achieved, counting only the work the pattern needs
+    ratio_vs_sdpa: float | None = None  # sdpa time / this time (>1: faster than SDPA)
+    density: float = 1.0
+
+
+@dataclass
+class Result:
+    out_dir: str
+    records: list[Record] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    peak_gflops: dict = field(default_factory=dict)
+    exponents: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    exit_code: int = 0
+
+
+def build_parser(p):
+    p.add_argument("--quick", action="store_true", help="a small grid that finishes in seconds")
+    p.add_argument("--out", default="reports/bench-core", help="output folder (default reports/bench-core)")
+    p.add_argument("--max-n", type=int, default=65536, help="largest sequence length (default 65536)")
+    p.add_argument("--time-budget", type=float, default=20.0, help="skip calls predicted to exceed this (s)")
+    p.add_argument("--mem-budget-gib", type=float, default=12.0, help="skip configs predicted above this")
+    p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurements")
+
+
+def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
+    """Measured matrix-product GFLOP/s on this machine for this dtype (the ceiling for attention)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    t = time_call(lambda: a @ b, repeats)
+    return 2 * n**3 / t / 1e9
+
+
+def time_call(f, repeats=3, warmup=1) -> float:
+    for _ in range(warmup):
+        f()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def fit_exponent(ns, ys) -> float | None:
+    """Slope of log y against log n (least squares)."""
+    pts = [(math.log(n), math.log(y)) for n, y in zip(ns, ys) if y and y > 0]
+    if len(pts) < 2:
+        return None
+    x, y = np.array(pts).T
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def _flops(n, causal, density, B=1, H=8, D=64):
+    return 4 * B * H * n * n * D * density * (0.5 if causal and density == 1.0 else 1.0)
+
+
+def _predict_bytes(impl, n, dtype_bytes, B=1, H=8, D=64, density=1.0, backward=False):
+    io = 6 * B * H * n * D * dtype_bytes * (2 if backward else 1)
+    if impl == "naive":
+        return io + B * H * n * n * 4 * (4 if backward else 3)
+    if impl == "dense":
+        return io + B * H * n * n * 4 * 3
+    return io + 3 * B * H * n * D * 4 * max(1.0, density * n / 256)
+
+
+def _mem_child(spec: dict, timeout=600) -> int | None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    r = subprocess.run([sys.executable, "-m", "attnlab.bench._child", json.dumps(spec)], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"memory child failed for {spec}: {r.stderr[-500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+def run(args) -> Result:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(width=max(120, Console().width))
+    out = Path(args.out)
+    res = Result(out_dir=str(out), env=environment())
+    quick = args.quick
+    ns = [128, 256] if quick else [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+                                    if n <= args.max_n]
+    dtypes = ["float32"] if quick else ["float32", "bfloat16"]
+    reps = 2 if quick else 3
+    budget_t, budget_m = (1.0, 2.0) if quick else (args.time_budget, args.mem_budget_gib)
+    res.peak_gflops = {d: matmul_peak(getattr(torch, d), n=512 if quick else 2048) for d in dtypes}
+
+    def skip(reason, **cfg):
+        res.skipped.append(dict(cfg, reason=reason))
+
+    def measure(section, impls, n, dtype, causal, pattern=None, backward=False):
+        spec0 = dict(n=n, dtype=dtype, causal=causal, pattern=PATTERNS.get(pattern), backward=backward)
+        density = pattern_density(spec0["pattern"], n) if pattern else 1.0
+        flops = _flops(n, causal, density) * (3.5 if backward else 1.0)
+        sdpa_time = None
+        inputs = make_inputs(spec0)
+        for impl in impls:
+            eff = 0.15 if impl == "naive" else 0.4 if impl == "tiled" else 0.6
+            work = _flops(n, causal and impl != "naive", 1.0 if impl in ("sdpa", "naive") else density)
+            pred_t = work * (3.5 if backward else 1) / (res.peak_gflops[dtype] * 1e9 * eff)
+            el = 2 if dtype == "bfloat16" else 4
+            pred_m = _predict_bytes(impl, n, el, density=density, backward=backward) / 2**30
+            cfg = dict(section=section, impl=impl, n=n, dtype=dtype, causal=causal, pattern=pattern)
+            if pred_t > budget_t:
+                skip(f"predicted {pred_t:.1f} s per call > time budget {budget_t} s", **cfg)
+                continue
+            if pred_m > budget_m:
+                skip(f"predicted {pred_m:.1f} GiB > memory budget {budget_m} GiB", **cfg)
+                continue
+            f = build_call(dict(spec0, impl=impl))
+            if backward:
+                def call(f=f):
+                    for t in inputs:
+                        t.grad = None
+                    f(*inputs).float().sum().backward()
+            else:
+                def call(f=f):
+                    with torch.no_grad():
+                        f(*inputs)
+            secs = time_call(call, repeats=reps if pred_t < 2 else 1)
+            rec = Record(section, impl, n, dtype, causal, pattern, backward, secs, density=density,
+                         gflops=flops / secs / 1e9)
+            if impl == "sdpa":
+                sdpa_time = secs
+            res.records.append(rec)
+        for r in res.records[-len(impls):]:
+            if sdpa_time and r.n == n and r.seconds and r.section == section:
+                r.ratio_vs_sdpa = sdpa_time / r.seconds
+
+    configs = []
+    for dtype in dtypes:
+        for causal in (False, True):
+            for n in ns:
+                configs.append(("dense", ["sdpa", "auto", "tiled", "naive"], n, dtype, causal, None, False))
+    pats = ["sliding_window_256"] if quick else list(PATTERNS)
+    for pat in pats:
+        for n in ns:
+            causal = pat == "sliding_window_256"
+            configs.append(("pattern", ["sdpa", "auto"], n, "float32", causal, pat, False))
+    for n in ns:
+        configs.append(("train", ["sdpa", "auto"], n, "float32", True, "sliding_window_256", True))
+
+    with Progress(console=console, transient=True) as prog:
+        task = prog.add_task("timing", total=len(configs))
+        for c in configs:
+            prog.update(task, description=f"{c[0]} n={c[2]} {c[3]} causal={c[4]} {c[5] or ''}")
+            measure(*c)
+            prog.advance(task)
+
+        if not args.no_memory:
+            mem_ns = [256] if quick else [n for n in (1024, 4096, 16384) if n <= args.max_n]
+            sw_ns = [512] if quick else [n for n in (4096, 16384, 65536) if n <= args.max_n]
+            jobs = [("memory", impl, n, None, True) for n in mem_ns for impl in ("sdpa", "tiled", "naive")]
+            jobs += [("memory", "auto", n, "sliding_window_256", True) for n in sw_ns]
+            task = prog.add_task("memory (fresh processes)", total=len(jobs))
+            for section, impl, n, pat, bwd in jobs:
+                pred = _predict_bytes(impl, n, 4, backward=bwd) / 2**30
+                cfg = dict(section=section, impl=impl, n=n, dtype="float32", causal=True, pattern=pat)
+                if pred > budget_m * 2:
+                    skip(f"predicted {pred:.1f} GiB > memory budget", **cfg)
+                else:
+                    spec = dict(impl=impl, n=n, dtype="float32", causal=True, backward=bwd, pattern=PATTERNS.get(pat))
+                    res.records.append(Record(section, impl, n, "float32", True, pat, bwd,
+                                              peak_bytes=_mem_child(spec)))
+                prog.advance(task)
+
+    _exponents(res)
+    _write(res, out)
+    _render(res, console)
+    return res
+
+
+def _exponents(res: Result):
+    groups: dict[str, list] = {}
+    for r in res.records:
+        if r.seconds is not None and r.n >= 1024:
+            groups.setdefault(f"time {r.section} {r.impl} {r.dtype} causal={r.causal} {r.pattern or ''}".strip(), []) \
+                .append((r.n, r.seconds))
+        if r.peak_bytes:
+            groups.setdefault(f"memory {r.impl} {r.pattern or ''}".strip(), []).append((r.n, r.peak_bytes))
+    res.exponents = {k: fit_exponent(*zip(*v)) for k, v in groups.items() if len(v) >= 2}
+
+
+def _write(res: Result, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", asdict(res))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, (title, pick) in zip(axes, [
+        ("fp32 forward, dense inputs", lambda r: r.section == "dense" and r.dtype == "float32" and not r.causal),
+        ("fp32 forward, causal", lambda r: r.section == "dense" and r.dtype == "float32" and r.causal),
+        ("patterns (forward) and training (fwd+bwd)", lambda r: r.section in ("pattern", "train")),
+    ]):
+        lines: dict[str, list] = {}
+        for r in res.records:
+            if r.seconds is not None and pick(r):
+                lines.setdefault(f"{r.impl} {r.pattern or ''}{' fwd+bwd' if r.backward else ''}", []).append((r.n, r.seconds))
+        for label, pts in sorted(lines.items()):
+            x, y = zip(*sorted(pts))
+            ax.loglog(x, y, marker="o", label=label)
+        ax.set_title(title)
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("seconds per call")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    save_figure(fig, out / "time.png")
+    mem = [r for r in res.records if r.peak_bytes]
+    if mem:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        lines = {}
+        for r in mem:
+            lines.setdefault(f"{r.impl} {r.pattern or ''} fwd+bwd", []).append((r.n, r.peak_bytes / 2**20))
+        for label, pts in sorted(lines.items()):
+            x, y = zip(*sorted(pts))
+            ax.loglog(x, y, marker="o", label=label)
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("peak extra memory (MiB)")
+        ax.set_title("peak memory, forward + backward (fresh process each)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        save_figure(fig, out / "memory.png")
+    atomic_write_text(out / "report.md", _markdown(res))
+
+
+def _markdown(res: Result) -> str:
+    lines = ["# attnlab bench core", "", f"Machine: {res.env.get('cpu')} · {res.env.get('threads')} threads · "
+             f"torch {res.env.get('torch')}", "",
+             "Matrix-product peak measured in this run: " +
+             ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()), "",
+             "| section | impl | pattern | dtype | causal | n | fwd+bwd | ms | GFLOP/s | × SDPA speed | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res.records:
+        lines.append(f"| {r.section} | {r.impl} | {r.pattern or ''} | {r.dtype} | {r.causal} | {r.n} | {r.backward} | "
+                     f"{'' if r.seconds is None else f'{r.seconds * 1e3:.2f}'} | "
+                     f"{'' if r.gflops is None else f'{r.gflops:.1f}'} | "
+                     f"{'' if r.ratio_vs_sdpa is None else f'{r.ratio_vs_sdpa:.2f}'} | "
+                     f"{'' if r.peak_bytes is None else f'{r.peak_bytes / 2**20:.1f}'} |")
+    lines += ["", "## Fitted exponents (log-log slope in n, n >= 1024)", ""]
+    lines += [f"- {k}: {v:.2f}" for k, v in sorted(res.exponents.items()) if v is not None]
+    lines += ["", "## Skipped", ""] + [f"- {s['impl']} n={s['n']} {s.get('pattern') or ''} {s['dtype']}: {s['reason']}"
+                                       for s in res.skipped]
+    return "\n".join(lines) + "\n"
+
+
+def _render(res: Result, console):
+    from rich.table import Table
+
+    t = Table(title="attnlab bench core — ratios are SDPA time / impl time, same run")
+    for c in ("section", "impl", "pattern", "dtype", "causal", "n", "ms", "GFLOP/s", "× SDPA", "peak MiB"):
+        t.add_column(c, justify="right" if c in ("n", "ms", "GFLOP/s", "× SDPA", "peak MiB") else "left")
+    for r in res.records:
+        t.add_row(r.section + (" (bwd)" if r.backward else ""), r.impl, r.pattern or "", r.dtype, str(r.causal), str(r.n),
+                  "" if r.seconds is None else f"{r.seconds * 1e3:.1f}",
+                  "" if r.gflops is None else f"{r.gflops:.1f}",
+                  "" if r.ratio_vs_sdpa is None else f"{r.ratio_vs_sdpa:.2f}",
+                  "" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}")
+    console.print(t)
+    console.print("matrix-product peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()))
+    if res.skipped:
+        console.print(f"[yellow]skipped {len(res.skipped)} configurations (see report.md for reasons)[/yellow]")
+    console.print(f"wrote {res.out_dir}/results.json, time.png, report.md")

@@ -1,0 +1,78 @@
+"""The implementations the core benchmark compares, built from a JSON-able spec (shared with _child)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab import patterns as P
+
+__all__ = ["make_inputs", "build_call", "make_pattern", "naive_attention", "pattern_density"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def naive_attention(q, k, v, attn_mask=None, is_causal=False):
+    """softmax(Q Kᵀ/√d + mask) V with separate tensor ops: the textbook O(n²)-memory baseline."""
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, L, S)
+    if is_causal:
+        s = s.masked_fill(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def make_pattern(spec: dict | None):
+    """{"name": "sliding_window", "window": 256, "causal": true} -> a Pattern (None passes through)."""
+    if not spec:
+        return None
+    spec = dict(spec)
+    name = spec.pop("name")
+    if name == "block_sparse":
+        n, bs, keep = spec["n"], spec["block_size"], spec.get("keep", 0.1)
+        nb = -(-n // bs)
+        g = torch.Generator().manual_seed(spec.get("seed", 0))
+        layout = (torch.rand(nb, nb, generator=g) < keep) | torch.eye(nb, dtype=torch.bool)
+        return P.block_sparse(layout, bs)
+    return getattr(P, name)(**spec)
+
+
+def pattern_density(spec: dict | None, n: int) -> float:
+    p = make_pattern(spec)
+    if p is None:
+        return 1.0
+    bs = 128
+    lay = p.block_layout(n, n, bs, bs)
+    # exact density from the layout blocks (pattern.density would need O(n²) work at 65k)
+    return float((lay != P.EMPTY).float().mean()) if n > 8192 else p.density(n, n)
+
+
+def make_inputs(spec: dict):
+    dtype = DTYPES[spec.get("dtype", "float32")]
+    g = torch.Generator().manual_seed(spec.get("seed", 0))
+    shape = (spec.get("B", 1), spec.get("H", 8), spec["n"], spec.get("D", 64))
+    qkv = [torch.randn(shape, generator=g).to(dtype) for _ in range(3)]
+    if spec.get("backward"):
+        for t in qkv:
+            t.requires_grad_(True)
+    return qkv
+
+
+def build_call(spec: dict):
+    impl, causal = spec["impl"], bool(spec.get("causal", False))
+    pat_spec = spec.get("pattern")
+    if pat_spec and pat_spec.get("name") == "block_sparse":
+        pat_spec = dict(pat_spec, n=spec["n"])
+    pattern = make_pattern(pat_spec)
+    if impl == "sdpa":
+        # the baseline for a pattern is SDPA's dense (or causal) attention: what a user runs without attnlab
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if impl == "naive":
+        mask = pattern.materialize(spec["n"], spec["n"]) if pattern is not None else None
+        return lambda q, k, v: naive_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    method = {"auto": "auto", "tiled": "tiled", "sparse": "sparse", "dense": "dense"}[impl]
+    bs = spec.get("block_size")
+    return lambda q, k, v: attnlab.attention(q, k, v, is_causal=causal, pattern=pattern, method=method,
+                                             block_size=bs)

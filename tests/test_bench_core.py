@@ -1,0 +1,40 @@
+"""Smoke-run the core benchmark and the explain command at toy size: outputs, not times."""
+from __future__ import annotations
+
+import json
+
+from attnlab.cli import main as cli
+
+
+def test_bench_core_quick_writes_results(tmp_path):
+    code = cli.main(["bench", "core", "--quick", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    impls = {(r["section"], r["impl"]) for r in data["records"]}
+    assert {("dense", "sdpa"), ("dense", "auto"), ("dense", "tiled"), ("dense", "naive")} <= impls
+    assert ("pattern", "auto") in impls and ("train", "auto") in impls
+    timed = [r for r in data["records"] if r["seconds"] is not None]
+    assert timed and all(r["seconds"] > 0 for r in timed)
+    assert all(r["ratio_vs_sdpa"] is not None for r in timed if r["section"] == "dense")
+    mem = [r for r in data["records"] if r["section"] == "memory"]
+    assert {r["impl"] for r in mem} == {"sdpa", "tiled", "naive", "auto"}
+    assert all(r["peak_bytes"] is not None and r["peak_bytes"] >= 0 for r in mem)
+    assert data["peak_gflops"]["float32"] > 0
+    assert (tmp_path / "time.png").stat().st_size > 1000
+    assert "× SDPA speed" in (tmp_path / "report.md").read_text()
+
+
+def test_explain_cli_returns_plans(capsys):
+    code = cli.main(["explain", "--shape", "1,8,4096,64", "--pattern", "sliding_window(128, causal=True)"])
+    assert code == 0
+    plan = cli.LAST_RESULT["plans"][0]
+    assert plan["method"] == "sparse"
+    assert plan["flops"]["sparse"] < plan["flops"]["sdpa"] / 4
+    assert "sparse" in capsys.readouterr().out
+
+
+def test_explain_cli_bad_input_exit_2(capsys):
+    assert cli.main(["explain", "--shape", "1,x,4"]) == 2
+    assert "--shape" in capsys.readouterr().err
+    assert cli.main(["explain", "--pattern", "__import__('os')"]) == 2
+    assert cli.main(["explain", "--shape", "1,2,8,4", "--kv-heads", "3"]) == 2
