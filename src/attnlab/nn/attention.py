@@ -9,7 +9,7 @@ Hkv key/value heads (GQA/MQA when Hkv < H), D query/key head dim, Dv value head 
 from __future__ import annotations
 
 import itertools
-import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +148,7 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(self.vdim, num_kv_heads * value_head_dim, bias=bias)
         self.out_proj = nn.Linear(num_heads * value_head_dim, embed_dim, bias=bias)
         self._id = next(_ids)
+        self._warned_bias = False
 
     # -- configuration -----------------------------------------------------------------------------
     @property
@@ -375,6 +376,16 @@ class MultiHeadAttention(nn.Module):
             method = mech
             if need_weights and method in ("sdpa", "sparse"):
                 method = "auto"  # every exact method gives the same output; these two cannot give weights
+            if (method in ("tiled", "sparse") and mask is not None and mask.requires_grad
+                    and torch.is_grad_enabled()):
+                # Note [Learned bias and the tiled kernel]: the core's tiled/sparse backward does not
+                # differentiate a float mask; a learned bias (T5) is trained through sdpa/dense instead
+                if not self._warned_bias:
+                    warnings.warn(f"mechanism={method!r} cannot train a learned attention bias "
+                                  f"({type(self.positional).__name__}); this layer uses method='auto' while "
+                                  "gradients are on", stacklevel=4)
+                    self._warned_bias = True
+                method = "auto"
             r = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
                           enable_gqa=gqa, pattern=pattern, method=method, need_weights=need_weights)
             return r if need_weights else (r, None)
