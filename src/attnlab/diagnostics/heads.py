@@ -1,0 +1,90 @@
+"""What each head does, measured: attention to the previous / same / next token, to [CLS] and [SEP],
+mean attention distance and entropy, averaged over the real tokens of a set of sentences, plus a label.
+
+Only query rows of ordinary tokens count (not [CLS], [SEP] or padding), so "previous token" means the
+previous word piece. Keys are the real tokens (padding gets no weight in the model anyway).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["head_stats", "label_head", "LABEL_RULES", "DEFAULT_SENTENCES"]
+
+#: label -> (measure, threshold): the first rule that holds names the head (checked in this order)
+LABEL_RULES = (
+    ("previous-token", "prev", 0.5),
+    ("next-token", "next", 0.5),
+    ("self", "same", 0.5),
+    ("[CLS]", "cls", 0.5),
+    ("delimiter", "sep", 0.5),
+    ("broad", "norm_entropy", 0.75),
+    ("local", "mean_distance", 2.0),  # mean distance below this
+)
+
+DEFAULT_SENTENCES = (
+    "The cat sat on the mat because it was tired.",
+    "Attention lets every token look at every other token in one step.",
+    "She gave the book to her brother, who read it twice.",
+    "Stock prices fell sharply after the central bank raised interest rates.",
+    "The quick brown fox jumps over the lazy dog.",
+    "When the rain stopped, the children ran outside to play in the puddles.",
+    "Researchers trained a small model on millions of sentences.",
+    "I love machine learning.",
+)
+
+
+def label_head(s: dict) -> str:
+    """The first rule of LABEL_RULES that holds, else "mixed"."""
+    for label, key, thr in LABEL_RULES:
+        if key == "mean_distance":
+            if s[key] < thr:
+                return label
+        elif s[key] >= thr:
+            return label
+    return "mixed"
+
+
+def head_stats(attentions, attention_mask: torch.Tensor, special: torch.Tensor, cls_mask: torch.Tensor,
+               sep_mask: torch.Tensor) -> list[dict]:
+    """Per (layer, head) measures from weights.
+
+    attentions: sequence of [B, H, T, T] per layer; attention_mask [B, T] (1 = token);
+    special, cls_mask, sep_mask: bool [B, T] marking special tokens, [CLS] and [SEP].
+    Returns dicts with layer, head, prev, same, next, cls, sep, mean_distance, entropy,
+    norm_entropy (entropy / log(number of keys)) and label.
+    """
+    real = attention_mask.bool()  # (B, T)
+    qrow = real & ~special  # query rows that count
+    B, T = real.shape
+    idx = torch.arange(T)
+    dist = (idx.unsqueeze(0) - idx.unsqueeze(1)).abs().double()  # (T, T) |i - j|
+    n_rows = qrow.sum().clamp_min(1).double()
+    out = []
+    for li, a in enumerate(attentions):
+        w = a.detach().double() * real[:, None, None, :]  # (B, H, T, T); padded keys carry nothing
+        H = w.shape[1]
+        rowmask = qrow[:, None, :].double()  # (B, 1, T)
+
+        def mean_over_rows(x):  # x: (B, H, T) -> (H,)
+            return (x * rowmask).sum((0, 2)) / n_rows
+
+        prev = torch.zeros(B, H, T, dtype=torch.float64)
+        nxt = torch.zeros(B, H, T, dtype=torch.float64)
+        prev[..., 1:] = torch.diagonal(w, offset=-1, dim1=-2, dim2=-1)
+        nxt[..., :-1] = torch.diagonal(w, offset=1, dim1=-2, dim2=-1)
+        same = torch.diagonal(w, dim1=-2, dim2=-1)
+        cls = (w * cls_mask[:, None, None, :]).sum(-1)
+        sep = (w * sep_mask[:, None, None, :]).sum(-1)
+        md = (w * dist).sum(-1)
+        ent = -torch.where(w > 0, w * torch.log(w.clamp_min(1e-300)), torch.zeros_like(w)).sum(-1)
+        nkeys = real.sum(-1).double().clamp_min(2)[:, None, None]  # (B, 1, 1)
+        nent = ent / torch.log(nkeys)
+        m = {k: mean_over_rows(v) for k, v in (("prev", prev), ("same", same), ("next", nxt), ("cls", cls),
+                                               ("sep", sep), ("mean_distance", md), ("entropy", ent),
+                                               ("norm_entropy", nent))}
+        for h in range(H):
+            s = {"layer": li, "head": h, **{k: float(v[h]) for k, v in m.items()}}
+            s["label"] = label_head(s)
+            out.append(s)
+    return out
+

@@ -1,0 +1,220 @@
+"""The numbers behind ``attnlab viz``: per-layer, per-head attention of a text, dense or streamed.
+
+Short inputs (at most ``dense_max_tokens`` tokens) carry every weight, quantised to 8 bits
+(weight·255, base64). Longer inputs switch to streaming summaries from ``attnlab.probe`` (top-k keys
+per query, entropy, sink mass, distance histogram): no [L, S] tensor per head is built or shipped.
+
+Models: "minilm" (all-MiniLM-L6-v2 through attnlab, WordPiece tokens) or "random" (a seeded
+2-layer, 4-head toy encoder on whitespace tokens: no checkpoint, any length).
+"""
+from __future__ import annotations
+
+import base64
+import math
+import re
+import zlib
+
+import numpy as np
+import torch
+
+from .. import patterns as P
+from ..diagnostics import entropy as _entropy
+from ..diagnostics import streaming_summary
+
+__all__ = ["attention_data", "MODELS", "tokenize_words", "pattern_grid"]
+
+MODELS = ("minilm", "random")
+
+
+def _b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
+
+
+def _q8(w: torch.Tensor) -> np.ndarray:
+    return np.clip(np.rint(w.detach().double().cpu().numpy() * 255.0), 0, 255).astype(np.uint8)
+
+
+def tokenize_words(text: str) -> list[str]:
+    """Words and punctuation marks (the random model's tokens)."""
+    return re.findall(r"\w+|[^\w\s]", text)
+
+
+def _mechanism(name, params):
+    """(mechanism instance or None, its pattern or None, its name)."""
+    if name is None:
+        return None, None, "auto"
+    from .. import mechanisms as M
+
+    mech = M.get(name, **(params or {}))
+    pat = mech.pattern_for() if hasattr(mech, "pattern_for") else None
+    return mech, pat, name
+
+
+# -- the random toy model ---------------------------------------------------------------------------
+class _RandomEncoder:
+    """Seeded toy encoder: hashed token embeddings + sinusoidal positions, 2 layers × 4 heads, d=64."""
+
+    num_layers, num_heads, d = 2, 4, 64
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        d = self.d
+        self.W = [{n: torch.randn(d, d, generator=g) / math.sqrt(d) for n in ("q", "k", "v", "o")}
+                  for _ in range(self.num_layers)]
+
+    def embed(self, tokens: list[str]) -> torch.Tensor:
+        d, T = self.d, len(tokens)
+        x = torch.stack([torch.randn(d, generator=torch.Generator().manual_seed(zlib.crc32(t.lower().encode())))
+                         for t in tokens])  # (T, d)
+        pos = torch.arange(T, dtype=torch.float32).unsqueeze(1)
+        freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)
+        pe = torch.zeros(T, d)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
+        return x + 2.0 * pe
+
+    def layer_qkv(self, x: torch.Tensor, i: int):
+        H, D = self.num_heads, self.d // self.num_heads
+        T = x.shape[0]
+        split = lambda y: y.view(T, H, D).transpose(0, 1).unsqueeze(0)  # noqa: E731  (1, H, T, D)
+        W = self.W[i]
+        return split(x @ W["q"]), split(x @ W["k"]), split(x @ W["v"])
+
+    def next_x(self, x, out, i):
+        T = x.shape[0]
+        y = out[0].transpose(0, 1).reshape(T, self.d) @ self.W[i]["o"]  # (T, d)
+        return torch.nn.functional.layer_norm(x + y, (self.d,))
+
+
+# -- public -------------------------------------------------------------------------------------------
+def pattern_grid(pattern, L: int, n: int = 96) -> np.ndarray:
+    """A picture of ``pattern`` at L × L, at most n × n cells (nearest sample when L > n): uint8 0/255."""
+    m = min(L, n)
+    idx = torch.linspace(0, L - 1, m).round().long() if L > n else torch.arange(L)
+    keep = pattern.keep(idx.unsqueeze(-1), idx.unsqueeze(0), L, L)
+    keep = torch.broadcast_to(keep, keep.shape[:-2] + (m, m))
+    keep = keep.reshape(-1, m, m)[0] if keep.dim() > 2 else keep
+    return keep.to(torch.uint8).numpy() * 255
+
+
+def _pattern_entries(T: int, mech_pattern, mech_name: str) -> list[dict]:
+    pats = {}
+    if mech_pattern is not None:
+        pats[f"{mech_name} (this run)"] = mech_pattern
+    else:
+        pats["full (this run)"] = P.full()
+    w = max(1, T // 8)
+    s = max(2, int(math.isqrt(max(T, 1))))
+    pats.setdefault(f"sliding_window({w})", P.sliding_window(w))
+    pats.setdefault("causal", P.causal())
+    pats.setdefault(f"strided({s})", P.strided(s))
+    pats.setdefault(f"longformer({w}, global=1)", P.longformer(w, 1))
+    out = []
+    for name, p in pats.items():
+        dens = p.density(T, T) if T * T <= 2**24 else float(pattern_grid(p, T, 256).mean() / 255)
+        out.append({"name": name, "density": dens, "flops_saved": 1.0 - dens, "n": min(T, 96),
+                    "grid": _b64(pattern_grid(p, T))})
+    return out
+
+
+def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = None, params: dict | None = None,
+                   dense_max_tokens: int = 96, max_length: int = 512, topk: int = 4, seed: int = 0,
+                   model_obj=None) -> dict:
+    """Everything the viz page shows, as a JSON-ready dict (see the module docstring)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("text is empty: give some words to look at")
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if dense_max_tokens < 1:
+        raise ValueError(f"dense_max_tokens must be >= 1, got {dense_max_tokens}")
+    mech, mech_pattern, mech_name = _mechanism(mechanism, params)
+    notes: list[str] = []
+    layers_w: list[torch.Tensor] = []  # (H, T, T) per layer (dense mode)
+    layers_qk: list[tuple] = []  # (q, k) per layer (summary mode)
+
+    if model == "minilm":
+        from ..trace.minilm import load_minilm
+
+        m = model_obj if model_obj is not None else load_minilm()
+        enc = m.tokenize(text, max_length=max_length)
+        tokens = list(enc["tokens"][0])
+        T = len(tokens)
+        if T >= max_length:
+            notes.append(f"input truncated to MiniLM's {max_length} tokens")
+        dense = T <= dense_max_tokens
+        old = (getattr(m, "mechanism", "auto"), getattr(m, "pattern", None))
+        if mech is not None:
+            m.set_mechanism(mech)
+        try:
+            with torch.no_grad():
+                out = m.forward(enc["input_ids"], enc["attention_mask"], output_attentions=dense, output_qkv=not dense)
+        finally:
+            if mech is not None:
+                m.set_mechanism(*old)
+        L_, H = m.num_layers, m.num_heads
+        if dense:
+            if out.attentions is None or any(a is None for a in out.attentions):
+                raise ValueError(f"mechanism {mech_name!r} cannot return attention weights; pick an exact or "
+                                 "pattern mechanism (see `attnlab list`)")
+            layers_w = [a[0] for a in out.attentions]
+        else:
+            layers_qk = [(q[0], k[0]) for q, k, _ in out.qkv]
+        model_desc = "all-MiniLM-L6-v2 (attnlab)"
+    else:
+        tokens = tokenize_words(text)
+        if not tokens:
+            raise ValueError("text has no words to tokenize")
+        T = len(tokens)
+        enc_model = _RandomEncoder(seed)
+        L_, H = enc_model.num_layers, enc_model.num_heads
+        dense = T <= dense_max_tokens
+        from ..functional import attention
+
+        x = enc_model.embed(tokens)
+        with torch.no_grad():
+            for i in range(L_):
+                q, k, v = enc_model.layer_qkv(x, i)
+                if dense:
+                    if mech is not None:
+                        if not mech.spec.weights:
+                            raise ValueError(f"mechanism {mech_name!r} cannot return attention weights; pick an "
+                                             "exact or pattern mechanism (see `attnlab list`)")
+                        o, w = mech(q, k, v, need_weights=True)
+                    else:
+                        o, w = attention(q, k, v, need_weights=True)
+                    layers_w.append(w[0])
+                else:
+                    o = mech(q, k, v) if mech is not None else attention(q, k, v, pattern=mech_pattern)
+                    layers_qk.append((q[0], k[0]))
+                x = enc_model.next_x(x, o, i)
+        model_desc = f"random toy encoder (seed {seed}, {L_} layers × {H} heads, d=64)"
+
+    data: dict = {"title": "attnlab viz", "text": text, "model": model_desc, "mechanism": mech_name,
+                  "tokens": tokens, "T": T, "layers": L_, "heads": H, "mode": "dense" if dense else "summary",
+                  "notes": notes}
+    head_stats = []
+    if dense:
+        data["dense"] = {"b64": [_b64(_q8(w)) for w in layers_w]}
+        for li, w in enumerate(layers_w):
+            ent = _entropy(w).mean(-1)  # (H,)
+            mx = w.double().amax(-1).mean(-1)
+            head_stats.append([{"entropy": float(ent[h]), "max_weight": float(mx[h])} for h in range(H)])
+    else:
+        if mech is not None and not (mech.spec.exact or mech_pattern is not None):
+            raise ValueError(f"{T} tokens needs streaming summaries, which only exact or pattern mechanisms "
+                             f"provide; {mech_name!r} is an approximation (lower --dense-max or pick another)")
+        notes.append(f"long input: {T} tokens > {dense_max_tokens}, so the page shows streaming summaries "
+                     f"(top-{topk} keys per query, entropy, distance histogram) instead of dense weights")
+        k_ = max(1, min(topk, T))
+        summ = {"k": k_, "idx": [], "w": [], "hist": [], "edges": None}
+        for li, (q, k) in enumerate(layers_qk):
+            s = streaming_summary(q, k, pattern=mech_pattern, k=k_)
+            summ["idx"].append(_b64(s.topk_indices.numpy().astype("<u2")))
+            summ["w"].append(_b64(_q8(s.topk_weights)))
+            summ["hist"].append(s.distance_hist.double().tolist())
+            summ["edges"] = s.distance_edges.tolist()
+            head_stats.append([{"entropy": float(s.entropy[h].mean()), "max_weight": float(s.max_weight[h].mean()),
+                                "sink": float(s.sink_mass[h].mean())} for h in range(H)])
+        data["summary"] = summ
+    data["head_stats"] = head_stats
+    data["patterns"] = _pattern_entries(T, mech_pattern, mech_name)
+    return data

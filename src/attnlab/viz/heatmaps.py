@@ -1,0 +1,150 @@
+"""PNG heatmaps: attention weights per head, structured patterns (density, FLOPs saved), diagnostics.
+
+All figures use matplotlib's Agg backend and are written atomically by ``attnlab.report.save_figure``.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from ..report import save_figure  # noqa: E402
+
+__all__ = ["plot_heads", "plot_pattern", "plot_patterns", "plot_diagnostics", "plot_head_stats", "pattern_cost"]
+
+
+def _np(x) -> np.ndarray:
+    return x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+
+
+def _tick_labels(ax, tokens, n_rows, n_cols, max_ticks=40):
+    if tokens is None:
+        return
+    if n_cols <= max_ticks:
+        ax.set_xticks(range(n_cols))
+        ax.set_xticklabels(tokens[:n_cols], rotation=90, fontsize=7)
+    if n_rows <= max_ticks:
+        ax.set_yticks(range(n_rows))
+        ax.set_yticklabels(tokens[:n_rows], fontsize=7)
+
+
+def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", heads=None, cols: int = 4):
+    """One heatmap per head. weights: [H, L, S] (or [L, S]); rows = queries, columns = keys."""
+    w = _np(weights)
+    if w.ndim == 2:
+        w = w[None]
+    if w.ndim != 3:
+        raise ValueError(f"weights must be [H, L, S] or [L, S], got shape {list(w.shape)}")
+    heads = list(range(w.shape[0])) if heads is None else list(heads)
+    n = len(heads)
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, h in zip(axes.flat, heads):
+        ax.axis("on")
+        im = ax.imshow(w[h], cmap="viridis", vmin=0.0, vmax=max(1e-12, float(w[h].max())), aspect="auto",
+                       interpolation="nearest")
+        ax.set_title(f"head {h}", fontsize=9)
+        _tick_labels(ax, tokens, w.shape[1], w.shape[2])
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def pattern_cost(pattern, L: int, S: int | None = None, E: int = 64) -> dict:
+    """Density of a pattern at L × S and the FLOPs it saves against dense attention (head dim E)."""
+    S = L if S is None else S
+    dense = 2 * L * S * (2 * E)
+    flops = pattern.flops(L, S, E)
+    return {"L": L, "S": S, "density": pattern.density(L, S), "flops": flops, "dense_flops": dense,
+            "flops_saved": 1.0 - flops / dense if dense else 0.0}
+
+
+def plot_pattern(pattern, L: int, path, *, S: int | None = None, E: int = 64, name: str | None = None):
+    """Heatmap of a pattern's mask at L × S, titled with its density and FLOPs saved."""
+    return plot_patterns({name or repr(pattern): pattern}, L, path, S=S, E=E)
+
+
+def plot_patterns(patterns: dict, L: int, path, *, S: int | None = None, E: int = 64, cols: int = 4):
+    """Several patterns side by side (name -> Pattern)."""
+    S = L if S is None else S
+    n = len(patterns)
+    if n == 0:
+        raise ValueError("patterns is empty")
+    cols = min(cols, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, (name, p) in zip(axes.flat, patterns.items()):
+        ax.axis("on")
+        m = p.materialize(L, S)
+        m = m.reshape(-1, L, S)[0] if m.dim() > 2 else m
+        c = pattern_cost(p, L, S, E)
+        ax.imshow(m.numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest", aspect="auto")
+        ax.set_title(f"{name}\ndensity {c['density']:.1%}, saves {c['flops_saved']:.0%} FLOPs", fontsize=8)
+        ax.set_xlabel("key j", fontsize=7)
+        ax.set_ylabel("query i", fontsize=7)
+    fig.suptitle(f"attention patterns at L={L} (black = takes part)")
+    return save_figure(fig, path)
+
+
+def plot_diagnostics(sweep, path, *, title: str = "score scale vs d_k"):
+    """Plots of ``attnlab.diagnostics.scale_sweep`` rows: score variance, max weight, entropy and the
+    gradient norm reaching the scores, against d_k, one line per scale."""
+    rows = list(sweep)
+    if not rows:
+        raise ValueError("sweep is empty")
+    scales = sorted({r.scale for r in rows}, key=["none", "sqrt", "dk"].index)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    panels = (("score_var", "variance of scaled scores", True), ("mean_max_weight", "mean max weight", False),
+              ("mean_entropy", "mean entropy (nats)", False), ("mean_grad_norm", "gradient norm at scores", True))
+    for ax, (attr, label, logy) in zip(axes, panels):
+        for s in scales:
+            pts = [(r.d_k, getattr(r, attr)) for r in rows if r.scale == s]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"scale={s}")
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel("d_k")
+        ax.set_title(label, fontsize=10)
+    axes[2].plot([r.d_k for r in rows if r.scale == scales[0]], [r.max_entropy for r in rows if r.scale == scales[0]],
+                 "k:", label="uniform (log S)")
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
+                    measures=("prev", "same", "next", "cls", "sep", "mean_distance", "entropy")):
+    """Layers × heads grids, one per measure, each cell annotated with the head's label initial."""
+    n = len(measures)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, meas in zip(axes.flat, measures):
+        ax.axis("on")
+        grid = np.zeros((num_layers, num_heads))
+        for s in stats:
+            grid[s["layer"], s["head"]] = s[meas]
+        im = ax.imshow(grid, cmap="magma", aspect="auto", interpolation="nearest")
+        for s in stats:
+            ax.text(s["head"], s["layer"], s["label"][:3], ha="center", va="center", fontsize=6,
+                    color="white" if grid[s["layer"], s["head"]] < grid.max() * 0.6 else "black")
+        ax.set_title(meas, fontsize=10)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.suptitle("what MiniLM's heads do (text: label)")
+    return save_figure(fig, Path(path))
