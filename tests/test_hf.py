@@ -1,0 +1,117 @@
+"""attnlab registered with transformers' AttentionInterface: HF's own BertModel (MiniLM weights) and a
+tiny random Llama (causal, GQA, HF's KV cache) run on attnlab and reproduce HF's own output."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close
+
+from attnlab import patterns as P
+from attnlab.models import minilm
+
+transformers = pytest.importorskip("transformers")
+from attnlab.integrations import hf  # noqa: E402
+
+SENTENCES = ["Hello world!", "The quick brown fox jumps over the lazy dog.", "Attention, please."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _setup():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    from transformers import BertModel
+
+    hf.register_all()
+    m = BertModel.from_pretrained(str(minilm.model_path()), local_files_only=True, attn_implementation="eager").eval()
+    ours = minilm.load()
+    batch = ours.tokenize(SENTENCES)
+    return m, ours, batch
+
+
+def _run(m, batch, impl, **kw):
+    m.set_attn_implementation(impl)
+    with torch.no_grad():
+        return m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kw)
+
+
+def test_registered_names():
+    names = hf.register_all()
+    for n in ("attnlab", "attnlab_tiled", "attnlab_sparse", "attnlab_dense", "attnlab_sdpa"):
+        assert n in names
+    assert hf.registered()["attnlab_tiled"] == ("tiled", None)
+    from transformers import AttentionInterface
+
+    assert "attnlab_tiled" in AttentionInterface._global_mapping
+
+
+@pytest.mark.parametrize("impl", ["attnlab", "attnlab_dense", "attnlab_tiled", "attnlab_sdpa", "attnlab_sparse"])
+def test_exact_mechanisms_reproduce_hf_bert(bert, impl):
+    """Within the spread of HF's own two exact implementations (see Note [MiniLM fp32 budget])."""
+    m, _, batch = bert
+    eager = _run(m, batch, "eager").last_hidden_state
+    sdpa = _run(m, batch, "sdpa").last_hidden_state
+    ours = _run(m, batch, impl).last_hidden_state
+    spread = float((eager - sdpa).abs().max())
+    assert_close(ours, sdpa, atol=3 * spread + 1e-6, what=impl)
+
+
+def test_attention_weights_through_the_interface(bert):
+    m, _, batch = bert
+    ref = _run(m, batch, "eager", output_attentions=True).attentions
+    got = _run(m, batch, "attnlab_tiled", output_attentions=True).attentions
+    assert got is not None and len(got) == 6
+    for a, b in zip(got, ref):
+        assert_close(a, b, atol=5e-6, what="attentions")
+
+
+def test_approximate_and_pattern_mechanisms_match_attnlab_minilm(bert):
+    """The same mechanism through HF and through attnlab.models.minilm gives the same model output."""
+    m, ours, batch = bert
+    a = _run(m, batch, "attnlab_performer").last_hidden_state
+    ours.set_mechanism("performer")
+    b = ours(batch["input_ids"], batch["attention_mask"]).last_hidden_state
+    assert_close(a, b, atol=1e-5, what="performer")
+    hf.register("attnlab_test_local", "sparse", P.sliding_window(2))
+    a = _run(m, batch, "attnlab_test_local").last_hidden_state
+    ours.set_mechanism("sparse", P.sliding_window(2))
+    b = ours(batch["input_ids"], batch["attention_mask"]).last_hidden_state
+    ours.set_mechanism("auto")
+    assert_close(a, b, atol=1e-5, what="sliding window pattern")
+    exact = _run(m, batch, "sdpa").last_hidden_state
+    assert float((a - exact).abs().max()) > 1e-3  # the window really restricted attention
+
+
+def test_causal_gqa_llama_with_hf_cache():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf.register_all()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    model.set_attn_implementation("sdpa")
+    ref = model(input_ids=ids, attention_mask=mask).logits
+    ref_gen = model.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for impl in ("attnlab", "attnlab_tiled", "attnlab_dense"):
+        model.set_attn_implementation(impl)
+        out = model(input_ids=ids, attention_mask=mask).logits
+        keep = mask.bool()
+        assert_close(out[keep], ref[keep], atol=1e-5, what=f"llama {impl}")
+        assert torch.equal(model.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), ref_gen)
+
+
+def test_bad_registration():
+    with pytest.raises(TypeError, match="pattern must be an attnlab Pattern"):
+        hf.register("attnlab_bad", "dense", pattern="window")
+    with pytest.raises(ValueError, match="unknown|valid"):
+        hf.register("attnlab_bad", "no_such_mechanism")
