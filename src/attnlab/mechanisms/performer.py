@@ -34,7 +34,10 @@ def orthogonal_gaussian(num_features: int, dim: int, *, orthogonal: bool = True,
     blocks = []
     for _ in range(-(-num_features // dim)):
         g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        qm, _ = torch.linalg.qr(g)  # (dim, dim), orthonormal columns
+        qm, r = torch.linalg.qr(g)  # (dim, dim), orthonormal columns
+        # sign fix: without it Householder QR's Q is not uniformly (Haar) distributed and the kernel
+        # estimate is biased (Mezzadri 2007)
+        qm = qm * torch.sign(torch.diagonal(r)).unsqueeze(0)
         blocks.append(qm.T)
     w = torch.cat(blocks, 0)[:num_features]  # (M, dim), unit rows, orthogonal within a block
     norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
@@ -48,7 +51,7 @@ def _features(seed: int, num_features: int, dim: int, orthogonal: bool) -> torch
 
 
 def positive_features(x: torch.Tensor, omega: torch.Tensor, scale: float, is_query: bool,
-                      causal: bool = False) -> torch.Tensor:
+                      causal: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
     """φ(x) for x [N, H, T, E] and ω [M, E] -> [N, H, T, M] (positive).
 
     # Note [Performer stabiliser]: the exp is shifted by a constant that cancels in the normalisation:
@@ -65,8 +68,9 @@ def positive_features(x: torch.Tensor, omega: torch.Tensor, scale: float, is_que
         stab = logits.amax(dim=-1, keepdim=True)
     elif causal:
         stab = (omega * omega).sum(-1).amax() / 2
-    else:
-        stab = logits.amax(dim=(-1, -2), keepdim=True)
+    else:  # masked keys (keep [N|1, H|1, T] False) must not set the shift
+        lg = logits if keep is None else logits.masked_fill(~keep.unsqueeze(-1), float("-inf"))
+        stab = lg.amax(dim=(-1, -2), keepdim=True)
     stab = torch.where(torch.isfinite(stab), stab, torch.zeros_like(stab)).detach()
     return (torch.exp(logits - stab) + _STABILIZER) / math.sqrt(omega.shape[0])
 
@@ -110,7 +114,7 @@ class Performer(Mechanism):
         cd = _compute_dtype(q.dtype)
         w = self.omega(q.shape[-1], q.device, cd) if omega is None else omega.to(device=q.device, dtype=cd)
         pq = positive_features(q.to(cd), w, scale, True)
-        pk = positive_features(k.to(cd), w, scale, False, causal=is_causal)
+        pk = positive_features(k.to(cd), w, scale, False, causal=is_causal, keep=key_keep)
         out, weights = kernel_attention(pq, pk, v.to(cd), key_keep=key_keep, is_causal=is_causal,
                                         chunk_size=self.chunk_size, need_weights=need_weights)
         return out.to(q.dtype), (weights.to(q.dtype) if weights is not None else None)
