@@ -251,3 +251,28 @@ def test_gradients_match_torch_sdpa_fp32():
         aq, ak, av = torch.autograd.grad(out.square().sum(), (q, k, v))
         for a, b, n in ((aq, gq, "dq"), (ak, gk, "dk"), (av, gv, "dv")):
             assert_close(a, b, atol=1e-4, rtol=1e-4, what=f"{method} {n}")
+
+
+@pytest.mark.parametrize("engine", ["auto", "torch"])
+def test_tiled_engines_agree_with_reference(engine, monkeypatch):
+    """The tiled kernel per tile uses PyTorch's fused CPU op (auto) or plain tensor ops (torch)."""
+    from attnlab.kernels import tiled
+
+    monkeypatch.setattr(tiled, "ENGINE", engine)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        q, k, v = (torch.randn(2, 3, n, 8, dtype=dtype, requires_grad=True) for n in (37, 29, 29))
+        m = torch.rand(37, 29) > 0.3
+        m[5] = False
+        ro, _ = reference.attention(q, k, v, attn_mask=m, is_causal=True)
+        out = attnlab.attention(q, k, v, attn_mask=m, is_causal=True, method="tiled", block_size=8)
+        assert_close(out, ro, atol=tol, rtol=tol, what=f"{engine} {dtype}")
+        g = torch.autograd.grad(out.square().sum(), (q, k, v))
+        gd = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=m, is_causal=True, method="dense").square().sum(),
+                                 (q, k, v))
+        for a, b in zip(g, gd):
+            assert_close(a, b, atol=tol * 10, rtol=tol * 10, what=f"{engine} {dtype} grad")
+    q = torch.randn(1, 2, 5, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 7, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 7, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: attnlab.attention(
+        q, k, v, pattern=P.sliding_window(2, causal=True), method="tiled", block_size=2), (q, k, v))

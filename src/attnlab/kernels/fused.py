@@ -7,7 +7,7 @@ import torch.nn.functional as F
 __all__ = ["sdpa", "flash_cpu_with_lse", "HAS_CPU_FLASH", "sdpa_backend"]
 
 _flash = getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu", None)
-HAS_CPU_FLASH = _flash is not None
+HAS_CPU_FLASH = _flash is not None and getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu_backward", None) is not None
 
 
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
@@ -30,6 +30,15 @@ def flash_cpu_with_lse(q, k, v, attn_mask=None, is_causal=False, scale=None):
     except RuntimeError:
         return None
     return out, lse
+
+
+_flash_bwd = getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def flash_cpu_backward(grad_out, q, k, v, out, lse, attn_mask, scale):
+    """(dq, dk, dv) of one tile from the private CPU flash backward, given the global out and lse."""
+    return _flash_bwd(grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+                      lse.contiguous(), 0.0, False, attn_mask=attn_mask, scale=scale)
 
 
 def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None) -> str:

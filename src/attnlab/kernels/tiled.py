@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import patterns as P
+from . import fused as _fused
 from .masks import MaskSpec
 
 __all__ = ["tiled_attention", "iter_blocks", "block_scores"]
@@ -46,11 +47,58 @@ def block_scores(qc, kb, mask: MaskSpec, scale, q0, q1, k0, k1, kind, N):
     return s
 
 
+#: "auto" uses PyTorch's private CPU flash op per tile where it applies; "torch" forces plain tensor ops
+ENGINE = "auto"
+
+
+def _use_flash(q, v) -> bool:
+    """The fused CPU op applies: CPU tensors and equal query/value head dims (its backward needs that)."""
+    return ENGINE == "auto" and _fused.HAS_CPU_FLASH and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def _tile_mask(mask: MaskSpec, q0, q1, k0, k1, N, device, dtype):
+    """SDPA-style mask of one PARTIAL tile and the rows it leaves empty: (mask, dead [N|1, H|1, bl])."""
+    i = torch.arange(q0, q1, device=device).unsqueeze(-1)
+    j = torch.arange(k0, k1, device=device).unsqueeze(0)
+    keep, bias = mask.block(i, j, N)
+    if keep is None and bias is None:
+        return None, None
+    m = torch.zeros((), dtype=dtype, device=device) if bias is None else bias.to(dtype)
+    if keep is not None:
+        m = m.masked_fill(~keep, float("-inf"))  # the private op takes additive masks only
+    alive = torch.isfinite(m).any(-1)
+    return m, ~alive
+
+
+def _flash_tile(qc, kb, vb, mask, scale, q0, q1, k0, k1, kind, N):
+    """(o [N, H, bl, Ev] float, lse [N, H, bl]) of one tile by the fused CPU op; lse -inf on empty rows."""
+    attn_mask, dead = (None, None)
+    if kind == P.PARTIAL:
+        attn_mask, dead = _tile_mask(mask, q0, q1, k0, k1, N, qc.device, qc.dtype)
+    r = _fused.flash_cpu_with_lse(qc, kb, vb, attn_mask, False, scale)
+    acc = _acc_dtype(qc.dtype)
+    if r is None:  # the op refused these inputs: the same tile with plain tensor ops
+        s = block_scores(qc.to(acc), kb.to(acc), mask, scale, q0, q1, k0, k1, kind, N)
+        lse = torch.logsumexp(s, dim=-1)  # -inf for an empty row
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+        return torch.matmul(p, vb.to(acc)), lse
+    o, lse = r
+    o, lse = o.to(acc), lse.to(acc)
+    if dead is not None and bool(dead.any()):
+        lse = lse.masked_fill(dead, float("-inf"))
+        o = o.masked_fill(dead.unsqueeze(-1), 0.0)
+    return o, lse
+
+
 def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
     N, H, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[-1]
     acc = _acc_dtype(q.dtype)
-    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    flash = _use_flash(q, v)
+    if flash:
+        qa, ka, va = q.contiguous(), k.contiguous(), v.contiguous()
+    else:
+        qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     out = torch.zeros(N, H, L, Ev, dtype=q.dtype, device=q.device)
     lse = torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
     layout = mask.layout(bq, bk, device="cpu")
@@ -58,12 +106,23 @@ def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
     for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
         if cur != q0:
             if cur is not None:
-                _finish(out, lse, cur, cq1, m, l, o)
+                _finish(out, lse, cur, cq1, m, l, o) if not flash else _finish_lse(out, lse, cur, cq1, m, o)
             cur, cq1 = q0, q1
             qc = qa[:, :, q0:q1]
             m = torch.full((N, H, q1 - q0), float("-inf"), dtype=acc, device=q.device)
             l = torch.zeros_like(m)
             o = torch.zeros(N, H, q1 - q0, Ev, dtype=acc, device=q.device)
+        if flash:
+            # merge the tile's normalised output by log-sum-exp (Note [Online softmax rescaling])
+            o_t, lse_t = _flash_tile(qc, ka[:, :, k0:k1], va[:, :, k0:k1], mask, scale, q0, q1, k0, k1, kind, N)
+            m_new = torch.maximum(m, lse_t)
+            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            a, b = torch.exp(m - m_safe), torch.exp(lse_t - m_safe)
+            tot = a + b
+            denom = torch.where(tot > 0, tot, torch.ones_like(tot))
+            o = o * (a / denom).unsqueeze(-1) + o_t * (b / denom).unsqueeze(-1)
+            m = torch.where(tot > 0, m_safe + torch.log(denom), m_new)
+            continue
         s = block_scores(qc, ka[:, :, k0:k1], mask, scale, q0, q1, k0, k1, kind, N)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
@@ -73,8 +132,13 @@ def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
         o = o * alpha.unsqueeze(-1) + torch.matmul(p, va[:, :, k0:k1])
         m = m_new
     if cur is not None:
-        _finish(out, lse, cur, cq1, m, l, o)
+        _finish(out, lse, cur, cq1, m, l, o) if not flash else _finish_lse(out, lse, cur, cq1, m, o)
     return out, lse
+
+
+def _finish_lse(out, lse, q0, q1, m, o):
+    out[:, :, q0:q1] = o.to(out.dtype)
+    lse[:, :, q0:q1] = m
 
 
 def _finish(out, lse, q0, q1, m, l, o):
@@ -89,11 +153,27 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
     N, H, L, _ = q.shape
     S = k.shape[2]
     acc = _acc_dtype(q.dtype)
+    lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # masked rows: p = 0
+    layout = mask.layout(bq, bk, device="cpu")
+    if _use_flash(q, v):
+        # Each tile's gradient from the fused backward, given the *global* output and log-sum-exp:
+        # P = exp(S - lse) and D = rowsum(dO ∘ O) are then exactly the full-attention quantities.
+        qc_, kc_, vc_, do_ = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous().to(q.dtype)
+        oc_, lf = out.contiguous(), lse_b.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk, dv = torch.zeros(k.shape, dtype=acc, device=q.device), torch.zeros(v.shape, dtype=acc, device=q.device)
+        for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
+            tm = _tile_mask(mask, q0, q1, k0, k1, N, q.device, q.dtype)[0] if kind == P.PARTIAL else None
+            gq, gk, gv = _fused.flash_cpu_backward(
+                do_[:, :, q0:q1], qc_[:, :, q0:q1], kc_[:, :, k0:k1], vc_[:, :, k0:k1], oc_[:, :, q0:q1],
+                lf[:, :, q0:q1], tm, scale)
+            dq[:, :, q0:q1] += gq
+            dk[:, :, k0:k1] += gk
+            dv[:, :, k0:k1] += gv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     delta = (doa * out.to(acc)).sum(dim=-1)  # (N, H, L): rowsum(dO ∘ O)
-    lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # masked rows: p = 0
     dq, dk, dv = torch.zeros_like(qa), torch.zeros_like(ka), torch.zeros_like(va)
-    layout = mask.layout(bq, bk, device="cpu")
     for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
         qc, kb, vb, doc = qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], doa[:, :, q0:q1]
         s = block_scores(qc, kb, mask, scale, q0, q1, k0, k1, kind, N)
