@@ -64,14 +64,15 @@ class AttentionProbe:
         """Weights [N, h, r, S] for the chosen heads (dim 1 of the 4-D view) and query rows only."""
         p = self._p
         hs = list(range(p.info.H)) if heads is None else list(heads)
-        rs = torch.arange(self.L)[rows] if rows is not None else torch.arange(self.L)
-        out = torch.zeros(p.N, len(hs), len(rs), self.S, dtype=self._q.dtype)
+        dev = self._q.device
+        rs = torch.arange(self.L, device=dev)[rows] if rows is not None else torch.arange(self.L, device=dev)
+        out = torch.zeros(p.N, len(hs), len(rs), self.S, dtype=self._q.dtype, device=dev)
         q, k, lse = self._q[:, hs][:, :, rs], self._k[:, hs], self._lse_b[:, hs][:, :, rs]
         i = rs.unsqueeze(-1)
         for k0 in range(0, self.S, self._bk):
             k1 = min(self.S, k0 + self._bk)
             s = torch.matmul(q, k[:, :, k0:k1].transpose(-2, -1)) * p.info.scale
-            keep, bias = _HeadView(p.mask, hs).block(i, torch.arange(k0, k1).unsqueeze(0), p.N)
+            keep, bias = _HeadView(p.mask, hs).block(i, torch.arange(k0, k1, device=dev).unsqueeze(0), p.N)
             if bias is not None:
                 s = s + bias
             if keep is not None:
@@ -102,11 +103,11 @@ class AttentionProbe:
         if k < 1 or k > self.S:
             raise ValueError(f"k must be in [1, S={self.S}], got {k}")
         N, H, L = self.lse.shape
-        vals = torch.full((N, H, L, k), -1.0, dtype=self.lse.dtype)
-        idx = torch.zeros((N, H, L, k), dtype=torch.long)
+        vals = torch.full((N, H, L, k), -1.0, dtype=self.lse.dtype, device=self.lse.device)
+        idx = torch.zeros((N, H, L, k), dtype=torch.long, device=self.lse.device)
         for q0, q1, k0, k1, _, w in self._blocks():
             cand_v = torch.cat([vals[:, :, q0:q1], w], dim=-1)
-            cand_i = torch.cat([idx[:, :, q0:q1], torch.arange(k0, k1).expand_as(w)], dim=-1)
+            cand_i = torch.cat([idx[:, :, q0:q1], torch.arange(k0, k1, device=w.device).expand_as(w)], dim=-1)
             top = cand_v.topk(k, dim=-1)
             vals[:, :, q0:q1], idx[:, :, q0:q1] = top.values, cand_i.gather(-1, top.indices)
         vals = vals.clamp_min(0)
@@ -116,7 +117,7 @@ class AttentionProbe:
     def column_sums(self) -> torch.Tensor:
         """Attention received by each key, summed over query rows: [..., S]."""
         N, H, _ = self.lse.shape
-        col = torch.zeros(N, H, self.S, dtype=self.lse.dtype)
+        col = torch.zeros(N, H, self.S, dtype=self.lse.dtype, device=self.lse.device)
         for _, _, k0, k1, _, w in self._blocks():
             col[:, :, k0:k1] += w.sum(-2)
         return col.reshape(self._lead[:-1] + (self.S,))
@@ -136,11 +137,11 @@ class AttentionProbe:
         if bins is None:
             top = max(self.L, self.S)
             bins = [0, 1, 2, 4] + [2**e for e in range(3, max(3, top.bit_length()) + 1)]
-        edges = torch.tensor(sorted(set(bins)), dtype=torch.long)
+        edges = torch.tensor(sorted(set(bins)), dtype=torch.long, device=self.lse.device)
         N, H, L = self.lse.shape
-        hist = torch.zeros(N, H, len(edges), dtype=self.lse.dtype)
+        hist = torch.zeros(N, H, len(edges), dtype=self.lse.dtype, device=self.lse.device)
         for q0, q1, k0, k1, _, w in self._blocks():
-            d = (torch.arange(k0, k1).unsqueeze(0) - torch.arange(q0, q1).unsqueeze(1)).abs()  # (bl, bk)
+            d = (torch.arange(k0, k1, device=w.device).unsqueeze(0) - torch.arange(q0, q1, device=w.device).unsqueeze(1)).abs()  # (bl, bk)
             b = torch.bucketize(d, edges, right=True) - 1  # bin index per pair
             hist.scatter_add_(2, b.flatten().expand(N, H, -1), w.reshape(N, H, -1))
         hist = hist / max(L, 1)

@@ -76,6 +76,7 @@ class MaskSpec:
             k_all = self.keep.all(0).all(0) if self.keep.shape[0] * self.keep.shape[1] > 1 else self.keep[0, 0]
             any_, all_ = _block_reduce(torch.broadcast_to(k, (self.L, self.S)), block_q, block_k, "any"), \
                 _block_reduce(torch.broadcast_to(k_all, (self.L, self.S)), block_q, block_k, "all")
+            any_, all_ = any_.to(lay.device), all_.to(lay.device)
             lay = torch.where(~any_, torch.zeros_like(lay), lay)
             lay = torch.where((lay == P.FULL) & ~all_, torch.ones_like(lay), lay)
         if self.bias is not None:
