@@ -5,8 +5,9 @@ Legend: N batch, H heads, L queries, S keys, k projected length, E head dim, Ev 
     out = softmax(Q (P_K K)ᵀ · scale) (P_V V),   P_K, P_V: [k, S]       (Wang et al. 2020, arXiv:2006.04768)
 
 Cost O(L·k·D + k·S·D) time, O(L·k) memory. With k = S and identity projections it is exact attention.
-The projections here are fixed: Gaussian N(0, 1/k) drawn from ``seed`` (one [k, S] matrix per S), or
-the identity. ``as_module(max_len)`` gives learnable projections (initialised from the fixed ones).
+The projections here are fixed: Gaussian N(0, 1/k) drawn from ``seed`` (one [k, S] matrix per S, the
+paper's JL choice), segment means (row r averages keys ⌊r·S/k⌋..: rows sum to 1, so each projected
+key/value is a mean — far better than Gaussian on untrained inputs), or the identity. ``as_module(max_len)`` gives learnable projections (initialised from the fixed ones).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..kernels.dense import masked_softmax
 
 __all__ = ["Linformer", "LinformerModule"]
 
-PROJECTIONS = ("random", "identity")
+PROJECTIONS = ("random", "mean", "identity")
 
 
 @functools.lru_cache(maxsize=64)
@@ -48,7 +49,8 @@ def linformer_attention(q, k, v, proj_k, proj_v, scale, dropout_p=0.0):
     summary="keys/values projected along the sequence to k rows (fixed random, identity, or learned)"))
 @dataclass(frozen=True)
 class Linformer(Mechanism):
-    """k: projected length; projection: "random" (N(0, 1/k), from ``seed``) or "identity" (needs k = S);
+    """k: projected length; projection: "random" (N(0, 1/k), from ``seed``), "mean" (segment means) or
+    "identity" (needs k = S);
     share_kv: one projection for keys and values (the paper's 'key-value sharing')."""
 
     k: int = 64
@@ -71,6 +73,12 @@ class Linformer(Mechanism):
         if self.projection == "identity":
             e = torch.eye(S, device=device, dtype=dtype)
             return e, e
+        if self.projection == "mean":
+            k = min(self.k, S)
+            seg = torch.div(torch.arange(S, device=device) * k, S, rounding_mode="floor")  # (S,)
+            p = torch.nn.functional.one_hot(seg, k).T.to(dtype)  # (k, S)
+            p = p / p.sum(1, keepdim=True)
+            return p, p
         pk = _gaussian(self.seed, self.k, S, 0).to(device=device, dtype=dtype)
         pv = pk if self.share_kv else _gaussian(self.seed, self.k, S, 1).to(device=device, dtype=dtype)
         return pk, pv
