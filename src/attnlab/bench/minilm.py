@@ -1,0 +1,167 @@
+"""attnlab bench minilm: all-MiniLM-L6-v2 sentence encoding on attnlab vs Hugging Face transformers
+(sdpa and eager attention), the same weights and inputs, timed side by side in one run.
+
+What is timed: the model forward plus sentence-transformers' mean pooling and L2 normalisation on a
+pre-tokenised batch (tokenisation is identical for every implementation and left out). Repeats are
+interleaved (a, b, c, a, b, c, ...) so load changes on a shared machine hit every implementation
+alike; the median is reported. Ratios are throughputs divided by transformers-sdpa's, same run.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..report import atomic_write_json, environment, save_figure
+
+__all__ = ["build_parser", "run", "MiniLMBench"]
+
+
+@dataclass
+class MiniLMBench:
+    out_dir: str
+    batch: int
+    tokens: int
+    repeats: int
+    threads: int
+    rows: list[dict] = field(default_factory=list)  # impl, seconds (median), sentences_per_s, ratio_vs_sdpa, ...
+    skipped: list[dict] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    exit_code: int = 0
+
+    def row(self, impl: str) -> dict | None:
+        return next((r for r in self.rows if r["impl"] == impl), None)
+
+
+def build_parser(p):
+    p.add_argument("--quick", action="store_true", help="batch 4 x 32 tokens, 2 repeats (seconds)")
+    p.add_argument("--out", default="reports/bench-minilm", help="output folder (default reports/bench-minilm)")
+    p.add_argument("--batch", type=int, default=32, help="sentences per batch (default 32)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per sentence incl. [CLS]/[SEP] (default 128)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per implementation (default 5)")
+    p.add_argument("--mechanisms", default="auto,tiled", help="attnlab mechanisms to time (default auto,tiled)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
+
+
+def _pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.unsqueeze(-1).to(h.dtype)  # (B, T, 1)
+    return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1)
+
+
+def run(args) -> MiniLMBench:
+    for name in ("batch", "tokens", "repeats"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.tokens > 512:
+        raise ValueError(f"--tokens must be <= 512 (MiniLM's positions), got {args.tokens}")
+    batch, tokens, repeats = (4, 32, 2) if args.quick else (args.batch, args.tokens, args.repeats)
+    if args.threads is not None:
+        if args.threads <= 0:
+            raise ValueError(f"--threads must be > 0, got {args.threads}")
+        prev = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+        try:
+            return _run(args, batch, tokens, repeats)
+        finally:
+            torch.set_num_threads(prev)
+    return _run(args, batch, tokens, repeats)
+
+
+def _run(args, batch: int, tokens: int, repeats: int) -> MiniLMBench:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ..models import minilm
+
+    console = Console()
+    res = MiniLMBench(str(args.out), batch, tokens, repeats, torch.get_num_threads(), env=environment())
+
+    # one fixed batch: [CLS] random WordPiece ids [SEP], every token real (no padding)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 29000, (batch, tokens), generator=g)
+    ids[:, 0], ids[:, -1] = 101, 102
+    mask = torch.ones_like(ids)
+
+    impls: dict[str, callable] = {}
+    for mech in [m.strip() for m in args.mechanisms.split(",") if m.strip()]:
+        model = minilm.load(mechanism=mech)
+        impls[f"attnlab[{mech}]"] = (lambda model=model: _pool(model(ids, mask).last_hidden_state, mask))
+    try:
+        from transformers import BertModel
+
+        for impl in ("sdpa", "eager"):
+            hf = BertModel.from_pretrained(str(minilm.model_path()), local_files_only=True,
+                                           attn_implementation=impl).eval()
+            impls[f"transformers[{impl}]"] = (
+                lambda hf=hf: _pool(hf(input_ids=ids, attention_mask=mask).last_hidden_state, mask))
+    except ImportError as e:
+        res.skipped.append({"impl": "transformers", "reason": f"transformers not installed ({e}); pip install 'attnlab[hf]'"})
+
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    outputs: dict[str, torch.Tensor] = {}
+    with torch.inference_mode(), Progress(console=console, transient=True) as progress:
+        task = progress.add_task("minilm encode", total=(repeats + 1) * len(impls))
+        for rep in range(repeats + 1):  # the first round is a warm-up
+            for name, f in impls.items():
+                t0 = time.perf_counter()
+                out = f()
+                dt = time.perf_counter() - t0
+                if rep == 0:
+                    outputs[name] = out
+                else:
+                    times[name].append(dt)
+                progress.advance(task)
+
+    ref = outputs.get("transformers[sdpa]")
+    for name, ts in times.items():
+        sec = float(np.median(ts))
+        res.rows.append({
+            "impl": name, "seconds": sec, "seconds_all": ts, "sentences_per_s": batch / sec,
+            "tokens_per_s": batch * tokens / sec,
+            "max_abs_diff_vs_transformers_sdpa": None if ref is None else float((outputs[name] - ref).abs().max()),
+        })
+    sdpa, eager = res.row("transformers[sdpa]"), res.row("transformers[eager]")
+    for r in res.rows:
+        r["ratio_vs_sdpa"] = sdpa["seconds"] / r["seconds"] if sdpa else None
+        r["ratio_vs_eager"] = eager["seconds"] / r["seconds"] if eager else None
+
+    out_dir = Path(args.out)
+    atomic_write_json(out_dir / "minilm.json", {
+        "suite": "minilm", "batch": batch, "tokens": tokens, "repeats": repeats, "threads": res.threads,
+        "rows": res.rows, "skipped": res.skipped, "env": res.env,
+        "note": "throughput ratios are transformers time / impl time in the same run (>1: faster)",
+    })
+    _plot(res, out_dir / "minilm.png")
+
+    t = Table(title=f"MiniLM encode, batch {batch} x {tokens} tokens, {res.threads} threads "
+                    "(ratios: same run, >1 = faster)")
+    for col in ("impl", "median s", "sentences/s", "vs sdpa", "vs eager", "max |diff| vs sdpa"):
+        t.add_column(col, justify="right" if col != "impl" else "left")
+    for r in res.rows:
+        fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
+        t.add_row(escape(r["impl"]), f"{r['seconds']:.4f}", f"{r['sentences_per_s']:.1f}", fmt(r["ratio_vs_sdpa"], ".2f"),
+                  fmt(r["ratio_vs_eager"], ".2f"), fmt(r["max_abs_diff_vs_transformers_sdpa"], ".1e"))
+    console.print(t)
+    for s in res.skipped:
+        console.print(f"[yellow]skipped {escape(s['impl'])}: {escape(s['reason'])}")
+    console.print(f"wrote {out_dir / 'minilm.json'}")
+    return res
+
+
+def _plot(res: MiniLMBench, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    names = [r["impl"] for r in res.rows]
+    ax.barh(names, [r["sentences_per_s"] for r in res.rows], color="tab:blue")
+    ax.set_xlabel("sentences / s (higher is better)")
+    ax.set_title(f"MiniLM encode, batch {res.batch} x {res.tokens} tokens")
+    save_figure(fig, path)
