@@ -32,7 +32,7 @@ from .layout import LAYOUTS, check_layout, chunk_sizes, shard_segments
 __all__ = ["ring_attention", "RingAttentionError", "DEFAULT_BLOCK_SIZE"]
 
 #: longest key/value piece that travels in one message, and longest query chunk per kernel call
-DEFAULT_BLOCK_SIZE = 2048
+DEFAULT_BLOCK_SIZE = 1024
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
