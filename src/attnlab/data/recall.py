@@ -2,7 +2,7 @@
 
 Layout of one example of length T: noise tokens, with ``num_pairs`` adjacent (key, value) pairs at
 random non-overlapping positions in the first T-1 tokens; the last token is a query key drawn from
-those pairs. The label is the value that followed that key (``num_values`` classes). Keys within an
+those pairs. The label is the value that followed that key (``num_values`` classes), read at the last token. Keys within an
 example are distinct, so the answer is unique (cf. Ba et al. 2016; Arora et al. 2023 "Zoology").
 Token ids: 0 pad, 1..num_noise noise, then keys, then values.
 """
@@ -38,4 +38,4 @@ def associative_recall(num_samples: int, seq_len: int, seed: int = 0, *, num_pai
     targets = vals[torch.arange(N), which]
     return TaskData("recall", inputs, targets, vocab_size=val0 + num_values, num_classes=num_values,
                     meta={"num_pairs": num_pairs, "key_ids": [key0, key0 + num_keys], "value_ids": [val0, val0 + num_values],
-                          "seed": seed})
+                          "seed": seed}, readout="last")

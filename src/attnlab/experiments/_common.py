@@ -40,6 +40,27 @@ def add_common_args(p: argparse.ArgumentParser, *, seeds: str = "0,1,2") -> None
     p.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default {seeds})")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (overrides the default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads while this runs (default 1: tiny models train fastest single-threaded, "
+                        "and a shared machine stays usable)")
+
+
+class threads:
+    """Context manager: ``torch.set_num_threads(n)`` inside, the previous value restored after."""
+
+    def __init__(self, n: int | None):
+        if n is not None and n < 1:
+            raise ValueError(f"--threads must be >= 1, got {n}")
+        self.n, self.prev = n, torch.get_num_threads()
+
+    def __enter__(self):
+        if self.n:
+            torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *a):
+        torch.set_num_threads(self.prev)
+        return False
 
 
 def out_dir(args, name: str) -> Path:
@@ -120,7 +141,7 @@ def attention_fn(spec: str, seq_len: int | None = None, causal: bool = False) ->
                 s = s.masked_fill(~torch.ones(T, k.shape[-2], dtype=torch.bool, device=q.device).tril(), float("-inf"))
             return torch.softmax(s, dim=-1) @ v
         return f
-    if spec in EXACT_METHODS:
+    if spec in EXACT_METHODS and mechanism_names()[1] is not None:  # registry not there: exact methods directly
         def f(q, k, v, *, is_causal=False, scale=None):
             return attnlab.attention(q, k, v, is_causal=is_causal, scale=scale, method=spec)
         return f
@@ -136,19 +157,33 @@ def attention_fn(spec: str, seq_len: int | None = None, causal: bool = False) ->
         def f(q, k, v, *, is_causal=False, scale=None):
             return attnlab.attention(q, k, v, is_causal=is_causal, scale=scale, pattern=pat)
         return f
-    names, why = mechanism_names()
-    if why is not None:
-        raise ValueError(f"mechanism {spec!r}: {why}")
-    if spec not in names:
-        raise ValueError(f"unknown attention {spec!r}; choose from torch_sdpa, naive, {', '.join(EXACT_METHODS)}, "
-                         f"pattern:<name>, or a registered mechanism: {', '.join(names)}")
-    import attnlab.mechanisms as M
-
-    mech = M.resolve(spec)
+    mech = make_mechanism(spec, seq_len)
 
     def f(q, k, v, *, is_causal=False, scale=None):
         return mech(q, k, v, is_causal=is_causal, scale=scale)
     return f
+
+
+def make_mechanism(name: str, seq_len: int | None = None):
+    """``attnlab.mechanisms.get(name)`` with its defaults; mechanisms that need parameters get them sized
+    for ``seq_len`` (block_sparse: a band of 3 blocks plus the first block column)."""
+    names, why = mechanism_names()
+    if why is not None:
+        raise ValueError(f"mechanism {name!r}: {why}")
+    if name not in names:
+        raise ValueError(f"unknown attention {name!r}; choose from torch_sdpa, naive, pattern:<name>, "
+                         f"or a registered mechanism: {', '.join(names)}")
+    import attnlab.mechanisms as M
+
+    if name == "block_sparse":
+        if seq_len is None:
+            raise ValueError("mechanism 'block_sparse' needs seq_len to build its layout")
+        bs = 64 if seq_len >= 256 else max(1, seq_len // 4)
+        nb = -(-seq_len // bs)
+        i = torch.arange(nb)
+        layout = ((i[:, None] - i[None, :]).abs() <= 1) | (i[None, :] == 0)  # (nb, nb) band + first column
+        return M.get(name, layout=layout, block_size=bs)
+    return M.get(name)
 
 
 # -- the model ------------------------------------------------------------------------------------------
@@ -259,8 +294,9 @@ class TinyTransformer(nn.Module):
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, num_classes)
 
-    def forward(self, ids: torch.Tensor, target_positions: torch.Tensor | None = None, *, pool: bool = True,
+    def forward(self, ids: torch.Tensor, target_positions: torch.Tensor | None = None, *, readout: str = "mean",
                 stats: list | None = None) -> torch.Tensor:
+        """readout: "mean" (pool non-pad tokens), "last" (last token) or "all" (every position)."""
         B, T = ids.shape
         x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device))  # (B, T, d)
         for blk in self.blocks:
@@ -268,9 +304,11 @@ class TinyTransformer(nn.Module):
         x = self.ln(x)
         if target_positions is not None:
             return self.head(x[:, target_positions])  # (B, m, C)
-        if pool:
+        if readout == "mean":
             keep = (ids != 0).unsqueeze(-1).to(x.dtype)  # (B, T, 1)
             return self.head((x * keep).sum(1) / keep.sum(1).clamp_min(1.0))  # (B, C)
+        if readout == "last":
+            return self.head(x[:, -1])  # (B, C)
         return self.head(x)  # (B, T, C)
 
 
@@ -309,7 +347,7 @@ def text_task(num_samples: int, seq_len: int, seed: int = 0):
     starts = torch.randint(0, data.numel() - seq_len - 1, (num_samples,), generator=g)
     idx = starts.unsqueeze(1) + torch.arange(seq_len + 1)  # (N, T+1)
     win = data[idx]
-    return TaskData("text", win[:, :-1], win[:, 1:], vocab_size=257, num_classes=257,
+    return TaskData("text", win[:, :-1], win[:, 1:], vocab_size=257, num_classes=257, readout="all",
                     meta={"source": "docstrings of Python stdlib modules " + ",".join(_TEXT_MODULES),
                           "python": sys.version.split()[0], "chars": int(data.numel())})
 
@@ -356,9 +394,9 @@ def build_model(cfg: RunConfig, data) -> TinyTransformer:
 
 def _loss(model, data, ids, tgt, stats=None):
     if data.name == "text":
-        logits = model(ids, pool=False, stats=stats)  # (B, T, C)
+        logits = model(ids, readout="all", stats=stats)  # (B, T, C)
     else:
-        logits = model(ids, data.target_positions, stats=stats)  # (B, C) or (B, m, C)
+        logits = model(ids, data.target_positions, readout=data.readout, stats=stats)  # (B, C) or (B, m, C)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
     correct = (logits.argmax(-1) == tgt).float()
     return loss, correct
@@ -428,6 +466,8 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         atomic_write_bytes(ckpt, buf.getvalue())
 
     last_save = time.perf_counter()
+    peak_reset = reset_peak_rss()
+    rss0 = rss_bytes()
     nonfinite_step = None
     for i, v in enumerate(hist["loss"]):
         if not math.isfinite(v):
@@ -447,7 +487,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         train_time += time.perf_counter() - t0
-        lv = float(loss)
+        lv = float(loss.detach())
         if log:
             ents = [s["entropy"] for s in stats if s["entropy"] is not None]
             mws = [s["max_weight"] for s in stats if s["max_weight"] is not None]
@@ -467,13 +507,14 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         if ckpt is not None and time.perf_counter() - last_save > checkpoint_every_s:
             save(False)
             last_save = time.perf_counter()
+    peak_train = peak_rss_bytes() - rss0 if peak_reset else None
     if advance and step < cfg.steps:
         advance(cfg.steps - step)
     ev = evaluate(model, test)
     save(True)
     return {"config": cfg_dict, "run_id": cfg.run_id, "history": hist, "eval": ev, "steps": step,
             "steps_per_s": step / train_time if train_time > 0 else None, "train_time_s": train_time,
-            "nonfinite_step": nonfinite_step, "resumed_from": resumed_from,
+            "nonfinite_step": nonfinite_step, "resumed_from": resumed_from, "peak_rss_delta_bytes": peak_train,
             "final_loss": _tail_mean(hist["loss"])}
 
 
@@ -499,7 +540,19 @@ def _status_kib(key: str) -> int | None:
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS to its current RSS (Linux ``clear_refs`` 5); False if unsupported."""
+    """Reset this process's peak RSS to its current RSS (Linux ``clear_refs`` 5); False if unsupported.
+
+    Freed heap memory is first handed back to the OS (glibc ``malloc_trim``), so that later allocations
+    show up in the RSS instead of silently reusing memory the allocator kept."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -623,3 +676,227 @@ def env_record(seeds: list[int] | None = None) -> dict:
     env["argv"] = sys.argv
     env["cwd"] = os.getcwd()
     return env
+
+
+def run_grid(configs: list[RunConfig], datasets: dict, out: Path, *, resume: bool = False, quiet: bool = False,
+             title: str = "training") -> list[dict]:
+    """Train every config (checkpoints in ``out/checkpoints``); a partial results file is kept up to date
+    so a killed run leaves what it finished, and ``resume`` continues it."""
+    from attnlab.report import atomic_write_json
+
+    ckdir = out / "checkpoints"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
+    with progress(quiet) as prog:
+        tid = prog.add_task(title, total=sum(c.steps for c in configs))
+        for cfg in configs:
+            train, test = datasets[cfg.task]
+            r = train_run(cfg, train, test, ckdir / f"{cfg.run_id}.pt", resume=resume,
+                          advance=lambda n: prog.advance(tid, n))
+            runs.append(r)
+            atomic_write_json(out / "results.partial.json", {"complete": False, "runs": runs})
+    return runs
+
+
+def summarize_runs(runs: list[dict], key_fields: list[str]) -> list[dict]:
+    """Group runs by ``key_fields`` of their config; mean ± std over seeds of the outcome measures."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(tuple(r["config"][k] for k in key_fields), []).append(r)
+    rows = []
+    for key, rs in groups.items():
+        row = dict(zip(key_fields, key))
+        row["seeds"] = [r["config"]["seed"] for r in rs]
+        for name, get in (("final_loss", lambda r: r["final_loss"]), ("eval_loss", lambda r: r["eval"]["loss"]),
+                          ("eval_accuracy", lambda r: r["eval"]["accuracy"]),
+                          ("first_loss", lambda r: r["history"]["loss"][0] if r["history"]["loss"] else None),
+                          ("grad_norm_init", lambda r: r["history"]["grad_norm"][0] if r["history"]["grad_norm"] else None),
+                          ("qk_grad_norm_init", lambda r: r["history"]["qk_grad_norm"][0] if r["history"]["qk_grad_norm"] else None),
+                          ("entropy_init", lambda r: r["history"]["entropy"][0] if r["history"]["entropy"] else None),
+                          ("entropy_final", lambda r: r["history"]["entropy"][-1] if r["history"]["entropy"] else None),
+                          ("max_weight_init", lambda r: r["history"]["max_weight"][0] if r["history"]["max_weight"] else None),
+                          ("max_weight_final", lambda r: r["history"]["max_weight"][-1] if r["history"]["max_weight"] else None),
+                          ("steps_per_s", lambda r: r["steps_per_s"])):
+            m, sd = mean_std([get(r) for r in rs])
+            row[name], row[name + "_std"] = m, sd
+        row["diverged"] = sum(1 for r in rs if r["nonfinite_step"] is not None)
+        rows.append(row)
+    return rows
+
+
+def plot_curves(runs: list[dict], group_of: Callable[[dict], str], panel_of: Callable[[dict], str], path: Path,
+                keys=(("loss", "training loss", True), ("qk_grad_norm", "‖grad‖ of W_Q, W_K", True),
+                      ("entropy", "attention entropy (nats)", False))) -> str:
+    """One row of panels per ``panel_of`` value, one column per measure; a line per run coloured by group."""
+    pyplot = plt()
+    panels = sorted({panel_of(r) for r in runs})
+    groups = sorted({group_of(r) for r in runs})
+    colors = {g: pyplot.cm.tab10(i % 10) for i, g in enumerate(groups)}
+    fig, axes = pyplot.subplots(len(panels), len(keys), figsize=(5 * len(keys), 3.2 * len(panels)), squeeze=False)
+    for pi, panel in enumerate(panels):
+        for ki, (key, title, logy) in enumerate(keys):
+            ax = axes[pi][ki]
+            seen = set()
+            for r in runs:
+                if panel_of(r) != panel:
+                    continue
+                h = r["history"]
+                pts = [(s, v) for s, v in zip(h["step"], h[key]) if v is not None and math.isfinite(v) and (v > 0 or not logy)]
+                if not pts:
+                    continue
+                g = group_of(r)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[g], lw=1, alpha=0.8,
+                        label=g if g not in seen else None)
+                seen.add(g)
+            if logy:
+                ax.set_yscale("log")
+            ax.set_title(f"{panel}: {title}", fontsize=9)
+            ax.set_xlabel("step")
+            if ki == 0 and seen:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_plot(fig, path)
+
+
+# -- the two training experiments (scaling, failure-modes) share this driver ------------------------------
+QUICK_SIZES = {"seq_len": {"recall": 16, "text": 32}, "train": 512, "test": 128, "steps": 12,
+               "d_model": 32, "num_layers": 1, "batch_size": 16, "log_every": 3}
+FULL_SIZES = {"seq_len": {"recall": 32, "text": 64}, "train": 20000, "test": 1000, "steps": 400,
+              "d_model": 64, "num_layers": 2, "batch_size": 32, "log_every": 10}
+
+
+def task_data(task: str, sizes: dict, seed: int = 0):
+    from attnlab.data import make_task
+
+    T, n = sizes["seq_len"][task], sizes["train"] + sizes["test"]
+    if task == "text":
+        data = text_task(n, T, seed)
+    elif task == "recall":
+        data = make_task("recall", n, T, seed=seed, num_pairs=4)
+    else:
+        raise ValueError(f"task must be 'recall' or 'text', got {task!r}")
+    return data.split(sizes["train"])
+
+
+def add_training_args(p) -> None:
+    add_common_args(p)
+    p.add_argument("--tasks", default="recall,text", help="comma-separated: recall (associative recall), "
+                   "text (byte-level LM on Python's own docstrings)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
+    p.add_argument("--qk-init", default="unit", choices=("unit", "torch"),
+                   help="unit: q, k entries start with unit variance (the tutorial's premise); torch: nn.Linear's default")
+
+
+def training_experiment(args, name: str, arms: list[tuple[str, dict]], d_ks: list[int], intro: list[str],
+                        baseline: str) -> dict:
+    """Train every (task, d_k, arm, seed); write report.md, results.json, curves.png per experiment."""
+    with threads(args.threads):
+        return _training_experiment(args, name, arms, d_ks, intro, baseline)
+
+
+def _training_experiment(args, name, arms, d_ks, intro, baseline) -> dict:
+    t0 = time.perf_counter()
+    seeds = seeds_of(args.seeds)
+    tasks = [t.strip() for t in str(args.tasks).split(",") if t.strip()]
+    for t in tasks:
+        if t not in ("recall", "text"):
+            raise ValueError(f"--tasks must name recall and/or text, got {args.tasks!r}")
+    sizes = dict(QUICK_SIZES if args.quick else FULL_SIZES)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        sizes["steps"] = args.steps
+    lr = args.lr if args.lr is not None else (1e-3 if args.optimizer == "adamw" else 0.05)
+    out = out_dir(args, name)
+    datasets = {t: task_data(t, sizes) for t in tasks}
+    configs = []
+    for task in tasks:
+        for dk in d_ks:
+            for label, over in arms:
+                for seed in seeds:
+                    configs.append(RunConfig(
+                        name=f"{task}-dk{dk}-{label}", task=task, seq_len=sizes["seq_len"][task], d_model=sizes["d_model"],
+                        num_heads=2, head_dim=dk, num_layers=sizes["num_layers"], causal=(task == "text"),
+                        steps=sizes["steps"], batch_size=sizes["batch_size"], lr=lr, optimizer=args.optimizer, seed=seed,
+                        log_every=sizes["log_every"], qk_init=args.qk_init, **over))
+    runs = run_grid(configs, datasets, out, resume=args.resume, quiet=args.no_progress, title=name)
+    label_of = {f"{t}-dk{dk}-{lab}": lab for t in tasks for dk in d_ks for lab, _ in arms}
+    for r in runs:
+        r["arm"] = label_of[r["config"]["name"]]
+        r["config"]["arm"] = r["arm"]
+    summary = summarize_runs(runs, ["task", "head_dim", "arm"])
+    files = [plot_curves(runs, lambda r: r["arm"], lambda r: f"{r['config']['task']} d_k={r['config']['head_dim']}",
+                         out / "curves.png")]
+    verdicts = _verdicts(summary, baseline, [a for a, _ in arms if a != baseline])
+    results = {"experiment": name, "arms": {a: o for a, o in arms}, "baseline": baseline, "d_k": d_ks, "tasks": tasks,
+               "sizes": sizes, "optimizer": args.optimizer, "lr": lr, "qk_init": args.qk_init, "seeds": seeds,
+               "quick": bool(args.quick), "summary": summary, "verdicts": verdicts, "runs": runs,
+               "task_meta": {t: datasets[t][0].meta for t in tasks}, "environment": env_record(seeds),
+               "files": files, "complete": True, "wall_s": time.perf_counter() - t0}
+    md = _training_report(results, intro)
+    results["paths"] = write_results(out, results, md)
+    partial = out / "results.partial.json"
+    if partial.exists():
+        partial.unlink()
+    lines = [f"[bold]{name}[/bold] -> {out}/report.md ({len(runs)} runs, {time.perf_counter() - t0:.0f} s)"]
+    lines += [f"  {v['task']} d_k={v['d_k']} {v['arm']}: {v['verdict']}" for v in verdicts]
+    render(lines)
+    results["summary_lines"] = lines
+    return results
+
+
+def _verdicts(summary: list[dict], baseline: str, others: list[str]) -> list[dict]:
+    """Per (task, d_k): is each arm worse than the baseline by more than the seed spread (eval loss)?"""
+    out = []
+    by = {(r["task"], r["head_dim"], r["arm"]): r for r in summary}
+    for (task, dk, arm), r in by.items():
+        if arm == baseline or (task, dk, baseline) not in by:
+            continue
+        b = by[(task, dk, baseline)]
+        if r["eval_loss"] is None or b["eval_loss"] is None:
+            verdict = "diverged (non-finite loss)" if r["diverged"] else "no result"
+            delta = None
+        else:
+            delta = r["eval_loss"] - b["eval_loss"]
+            noise = 2 * max(r["eval_loss_std"] or 0.0, b["eval_loss_std"] or 0.0, 0.01)
+            if r["diverged"]:
+                verdict = f"worse: diverged in {r['diverged']} of {len(r['seeds'])} seeds"
+            elif delta > noise:
+                verdict = f"worse than {baseline} (eval loss +{delta:.3g}, noise ±{noise:.2g})"
+            elif delta < -noise:
+                verdict = f"better than {baseline} (eval loss {delta:.3g}, noise ±{noise:.2g})"
+            else:
+                verdict = f"no clear difference from {baseline} (eval loss {delta:+.3g}, noise ±{noise:.2g})"
+        out.append({"task": task, "d_k": dk, "arm": arm, "baseline": baseline, "eval_loss_delta": delta,
+                    "verdict": verdict, "seeds": len(r["seeds"])})
+    return out
+
+
+def _training_report(res: dict, intro: list[str]) -> str:
+    sz = res["sizes"]
+    md = [f"# attnlab experiment {res['experiment']}", "", *intro, "",
+          f"Setup: a {sz['num_layers']}-layer pre-norm Transformer, d_model {sz['d_model']}, 2 heads of d_k each, "
+          f"{sz['steps']} steps of batch {sz['batch_size']}, {res['optimizer']} at lr {res['lr']}, seeds {res['seeds']}, "
+          f"W_Q/W_K init: {res['qk_init']}. Tasks: "
+          + ", ".join({"recall": f"associative recall (length {sz['seq_len']['recall']}, 4 key-value pairs, 16 classes, "
+                                 "read at the last token)",
+                       "text": f"byte-level next-token prediction on docstrings of Python's standard library "
+                               f"(length {sz['seq_len']['text']}, causal)"}[t] for t in res["tasks"])
+          + f". {sz['train']} training and {sz['test']} held-out examples."
+          + (" **Quick mode: toy sizes, the numbers say nothing.**" if res["quick"] else ""), "",
+          "![curves](curves.png)", "", "## Outcomes (mean ± std over seeds)", ""]
+    rows = []
+    for r in res["summary"]:
+        pm = lambda k: None if r[k] is None else (f"{r[k]:.3g} ± {r[k + '_std']:.2g}" if r[k + "_std"] else f"{r[k]:.3g}")  # noqa: E731
+        rows.append([r["task"], r["head_dim"], r["arm"], pm("eval_loss"), pm("eval_accuracy"), pm("final_loss"),
+                     pm("entropy_init"), pm("entropy_final"), pm("max_weight_init"), pm("qk_grad_norm_init"),
+                     r["diverged"], pm("steps_per_s")])
+    md.append(fmt_table(["task", "d_k", "arm", "held-out loss", "held-out acc", "final train loss", "entropy at init",
+                         "entropy at end", "max weight at init", "‖grad W_Q,W_K‖ at init", "diverged", "steps/s"], rows))
+    md += ["", "## Verdicts", "",
+           "An arm counts as worse or better only when its mean held-out loss differs from the baseline's by more "
+           "than twice the larger seed standard deviation (at least 0.02).", ""]
+    md += [f"- {v['task']}, d_k = {v['d_k']}, **{v['arm']}**: {v['verdict']}" for v in res["verdicts"]]
+    md += ["", "## Environment", "", "```", *[f"{k}: {v}" for k, v in res["environment"].items() if k != "argv"], "```", ""]
+    return "\n".join(md)

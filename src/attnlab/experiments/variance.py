@@ -203,6 +203,11 @@ def _plots(out, recs, source_name: str, fname: str):
 
 
 def run(args):
+    with C.threads(args.threads):
+        return _run(args)
+
+
+def _run(args):
     t0 = time.perf_counter()
     seeds = C.seeds_of(args.seeds)
     dks = C.ints_of(args.d_k, "--d-k") if args.d_k else (QUICK_DK if args.quick else FULL_DK)
