@@ -169,11 +169,11 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
 # -- the driver ------------------------------------------------------------------------------------
 def _settings(args) -> dict:
     q = args.quick
-    threads = args.threads or len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     s = dict(procs=args.procs, n=args.seq_len or (512 if q else TARGET_N), batch=args.batch,
              heads=args.heads or (2 if q else 4), head_dim=args.head_dim or (16 if q else 64),
              causal=not args.no_causal, backward=args.backward, block_size=args.block_size,
-             threads=int(args.threads or threads or 1), layouts=list(dict.fromkeys(args.layouts)),
+             threads=args.threads if args.threads is not None else cores, layouts=list(dict.fromkeys(args.layouts)),
              timeout=args.timeout or (180.0 if q else 1800.0), quick=q)
     for name in ("procs", "n", "batch", "heads", "head_dim", "threads"):
         if s[name] < 1:
