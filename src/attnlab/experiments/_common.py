@@ -382,6 +382,13 @@ class RunConfig:
     def run_id(self) -> str:
         return f"{self.name}-seed{self.seed}"
 
+    @property
+    def file_id(self) -> str:
+        """``run_id`` made safe as a file name."""
+        import re
+
+        return re.sub(r"[^A-Za-z0-9_.=-]+", "_", self.run_id).strip("_")
+
 
 def build_model(cfg: RunConfig, data) -> TinyTransformer:
     torch.manual_seed(cfg.seed)
@@ -691,7 +698,7 @@ def run_grid(configs: list[RunConfig], datasets: dict, out: Path, *, resume: boo
         tid = prog.add_task(title, total=sum(c.steps for c in configs))
         for cfg in configs:
             train, test = datasets[cfg.task]
-            r = train_run(cfg, train, test, ckdir / f"{cfg.run_id}.pt", resume=resume,
+            r = train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=resume,
                           advance=lambda n: prog.advance(tid, n))
             runs.append(r)
             atomic_write_json(out / "results.partial.json", {"complete": False, "runs": runs})

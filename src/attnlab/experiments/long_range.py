@@ -93,7 +93,7 @@ def _run(args):
         for cfg in configs:
             train, test = datasets[cfg.task]
             try:
-                r = C.train_run(cfg, train, test, ckdir / f"{cfg.run_id}.pt", resume=args.resume,
+                r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume,
                                 advance=lambda n: prog.advance(tid, n))
             except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
                 refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
