@@ -207,16 +207,16 @@ class MiniLM(nn.Module):
     @torch.no_grad()
     def encode(self, sentences: str | list[str], batch_size: int = 32, max_length: int = 256,
                show_progress: bool = False) -> torch.Tensor:
-        """Sentence embeddings [n, 384] as sentence-transformers computes them: mean of the last hidden
-        states over real tokens, then L2-normalised. Sentences are batched by length (longest first)
+        """Sentence embeddings [n, 384] (on the model's device) as sentence-transformers computes them:
+        mean of the last hidden states over real tokens, then L2-normalised. Sentences are batched by length (longest first)
         so little padding is computed; the result is in input order."""
         if isinstance(sentences, str):
             sentences = [sentences]
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         sentences = list(sentences)
-        dtype = self.embed_norm.weight.dtype
-        out = torch.zeros(len(sentences), self.hidden_size, dtype=dtype)
+        dtype, device = self.embed_norm.weight.dtype, self.embed_norm.weight.device
+        out = torch.zeros(len(sentences), self.hidden_size, dtype=dtype, device=device)
         order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
         starts = range(0, len(order), batch_size)
         if show_progress:
@@ -229,10 +229,11 @@ class MiniLM(nn.Module):
             for s in starts:
                 idx = order[s: s + batch_size]
                 t = self.tokenize([sentences[i] for i in idx], max_length=max_length)
-                h = self(t["input_ids"], t["attention_mask"]).last_hidden_state  # (b, T, d)
-                m = t["attention_mask"].unsqueeze(-1).to(h.dtype)  # (b, T, 1)
+                ids, am = t["input_ids"].to(device), t["attention_mask"].to(device)
+                h = self(ids, am).last_hidden_state  # (b, T, d)
+                m = am.unsqueeze(-1).to(h.dtype)  # (b, T, 1)
                 pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-                out[idx] = torch.nn.functional.normalize(pooled, p=2, dim=-1).to(out.dtype)
+                out[torch.tensor(idx, device=device)] = torch.nn.functional.normalize(pooled, p=2, dim=-1).to(out.dtype)
         finally:
             self.train(was_training)
         return out
