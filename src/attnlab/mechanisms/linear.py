@@ -28,8 +28,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den with 0 where den == 0 (a query with no key gets output 0, as in attnlab.attention)."""
-    return num / torch.where(den == 0, torch.ones_like(den), den)
+    """num / den with 0 where den == 0 (a query with no key gets output 0, as in attnlab.attention).
+
+    Every term of den = Σ φ(q)·φ(k) is >= 0, so den == 0 only when every term is 0, and then num is 0
+    too: clamping den to the smallest normal number gives exactly 0 there, in one pass."""
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
 
 
 def kernel_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, key_keep=None,
@@ -43,25 +46,27 @@ def kernel_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     S = phi_k.shape[-2]
     if key_keep is not None:
         phi_k = phi_k * key_keep.unsqueeze(-1).to(phi_k.dtype)  # masked keys contribute nothing
+    # Note [Normaliser column]: a column of ones appended to V makes one product give both the
+    # numerator Σ φ(k_j) v_jᵀ and the normaliser Σ φ(k_j): out = num / den with den the last column.
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (N, H, S, Ev + 1)
     if not is_causal:
-        kv = torch.einsum("nhsf,nhse->nhfe", phi_k, v)  # (N, H, F, Ev)
-        z = phi_k.sum(dim=-2)  # (N, H, F)
-        num = torch.einsum("nhlf,nhfe->nhle", phi_q, kv)  # (N, H, L, Ev)
-        den = torch.einsum("nhlf,nhf->nhl", phi_q, z).unsqueeze(-1)  # (N, H, L, 1)
-        out = _safe_div(num, den)
+        kv = torch.matmul(phi_k.transpose(-2, -1), v1)  # (N, H, F, Ev + 1)
+        nd = torch.matmul(phi_q, kv)  # (N, H, L, Ev + 1)
     else:
-        out, den = _causal_chunked(phi_q, phi_k, v, chunk_size)
+        nd = _causal_chunked(phi_q, phi_k, v1, chunk_size)
+    out = _safe_div(nd[..., :-1], nd[..., -1:])
     weights = None
     if need_weights:
-        a = torch.einsum("nhlf,nhsf->nhls", phi_q, phi_k)  # (N, H, L, S)
+        a = torch.matmul(phi_q, phi_k.transpose(-2, -1))  # (N, H, L, S)
         if is_causal:
             a = a.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=a.device).tril(), 0.0)
         weights = _safe_div(a, a.sum(-1, keepdim=True))
     return out, weights
 
 
-def _causal_chunked(phi_q, phi_k, v, C):
-    """Causal kernel attention by chunks.
+def _causal_chunked(phi_q, phi_k, v1, C):
+    """Causal kernel attention by chunks; v1 is V with the normaliser column (Note [Normaliser column]).
+    Returns [N, H, L, Ev + 1]: numerators and, in the last column, normalisers.
 
     # Note [Chunked prefix sums]: split positions into chunks of C. For a query in chunk t,
     #   Σ_{j<=i} φ(k_j) v_jᵀ = (Σ over chunks < t of φ(K_c)ᵀ V_c)  +  Σ_{j in chunk t, j<=i} φ(k_j) v_jᵀ.
@@ -70,34 +75,30 @@ def _causal_chunked(phi_q, phi_k, v, C):
     # and no key j > i enters query i, so the outputs before j cannot depend on token j.
     """
     N, H, L, Fd = phi_q.shape
-    S, Ev = phi_k.shape[-2], v.shape[-1]
+    S, Ev1 = phi_k.shape[-2], v1.shape[-1]
     T = -(-max(L, S) // C) * C  # common padded length; query i and key i share position i
-    pq = F.pad(phi_q, (0, 0, 0, T - L))
-    pk = F.pad(phi_k, (0, 0, 0, T - S))  # padded keys are zero: they add nothing
-    pv = F.pad(v, (0, 0, 0, T - S))
+    C = min(C, T)
     nc = T // C
-    qc = pq.view(N, H, nc, C, Fd)  # (N, H, nc, C, F)
-    kc = pk.view(N, H, nc, C, Fd)
-    vc = pv.view(N, H, nc, C, Ev)
+    qc = F.pad(phi_q, (0, 0, 0, T - L)).view(N, H, nc, C, Fd)  # (N, H, nc, C, F)
+    kc = F.pad(phi_k, (0, 0, 0, T - S)).view(N, H, nc, C, Fd)  # padded keys are zero: they add nothing
+    vc = F.pad(v1, (0, 0, 0, T - S)).view(N, H, nc, C, Ev1)
     # 1) per-chunk states and their exclusive prefix sums
-    state = torch.einsum("nhcjf,nhcje->nhcfe", kc, vc)  # (N, H, nc, F, Ev)
-    zst = kc.sum(dim=-2)  # (N, H, nc, F)
-    state = torch.cumsum(state, dim=2) - state  # exclusive: chunks strictly before
-    zst = torch.cumsum(zst, dim=2) - zst
-    inter_num = torch.einsum("nhcif,nhcfe->nhcie", qc, state)  # (N, H, nc, C, Ev)
-    inter_den = torch.einsum("nhcif,nhcf->nhci", qc, zst)  # (N, H, nc, C)
+    state = torch.matmul(kc.transpose(-2, -1), vc)  # (N, H, nc, F, Ev + 1)
+    # exclusive sum (chunks strictly before), built so that chunk t's own keys never enter it, not even
+    # as rounding error (an inclusive cumsum minus the chunk's own state would)
+    state = F.pad(torch.cumsum(state[:, :, :-1], dim=2), (0, 0, 0, 0, 1, 0))
+    inter = torch.matmul(qc, state)  # (N, H, nc, C, Ev + 1)
     # 2) inside the chunk: C×C scores, lower-triangular
-    a = torch.einsum("nhcif,nhcjf->nhcij", qc, kc)  # (N, H, nc, C, C)
+    a = torch.matmul(qc, kc.transpose(-2, -1))  # (N, H, nc, C, C)
     a = a * torch.ones(C, C, dtype=a.dtype, device=a.device).tril()
-    intra_num = torch.einsum("nhcij,nhcje->nhcie", a, vc)
-    intra_den = a.sum(-1)
-    den = (inter_den + intra_den).unsqueeze(-1)  # (N, H, nc, C, 1)
-    out = _safe_div(inter_num + intra_num, den)
-    return out.reshape(N, H, T, Ev)[:, :, :L], den.reshape(N, H, T, 1)[:, :, :L]
+    nd = inter + torch.matmul(a, vc)  # (N, H, nc, C, Ev + 1)
+    return nd.reshape(N, H, T, Ev1)[:, :, :L]
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    return F.elu(x) + 1.0
+    if x.requires_grad and torch.is_grad_enabled():
+        return F.elu(x) + 1.0
+    return F.elu(x).add_(1.0)  # in place on a fresh tensor: one pass fewer when no graph is built
 
 
 @register("linear", Spec(
