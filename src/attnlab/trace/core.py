@@ -137,12 +137,12 @@ def as_matrix(name: str, x) -> np.ndarray:
         a = np.asarray(x, dtype=np.float64)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{name} must be a rectangular matrix of numbers (a list of equal-length rows): {e}") from None
-    if a.ndim == 1 and a.size:
+    if a.size == 0:
+        raise ValueError(f"{name} is empty (shape {list(a.shape)}); give at least one row and one column")
+    if a.ndim == 1:
         a = a[None, :]
     if a.ndim != 2:
         raise ValueError(f"{name} must be a 2-D matrix [rows, cols], got an array of shape {list(a.shape)}")
-    if a.size == 0:
-        raise ValueError(f"{name} is empty (shape {list(a.shape)}); give at least one row and one column")
     if not np.isfinite(a).all():
         raise ValueError(f"{name} contains NaN or infinity")
     return a
