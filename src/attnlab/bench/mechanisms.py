@@ -54,6 +54,8 @@ def build_parser(p):
     p.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: all cores)")
     p.add_argument("--no-lra", action="store_true", help="skip the LRA-style training-efficiency table")
     p.add_argument("--no-production", action="store_true", help="skip the tutorial's production table")
+    p.add_argument("--production-lengths", default=None,
+                   help="lengths of the production table (default the tutorial's 128,512,2048,4096)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -358,7 +360,8 @@ def run(args):
                 raise ValueError(f"--mechanisms: {e}") from None
 
     lra_lengths = [] if args.no_lra else list(QUICK_LRA_LENGTHS if quick else LRA_LENGTHS)
-    prod_ns = [] if args.no_production else sorted(TUTORIAL_TABLE)
+    prod_ns = [] if args.no_production else (sorted(C.ints_of(args.production_lengths, "--production-lengths"))
+                                             if args.production_lengths else sorted(TUTORIAL_TABLE))
     total = 1 + len(mechs) * len(lengths) + 2 * len(prod_ns) + len(mechs) * len(lra_lengths)
     records, stopped, lra, prod = [], {}, [], []
     with C.progress(args.no_progress) as prog:
@@ -556,8 +559,8 @@ def _report(res) -> str:
                "n×n scores, as the tutorial's memory column assumes); torch SDPA is PyTorch's fused kernel.", ""]
         rows = []
         by = {(r["mechanism"], r["n"]): r for r in res["production"]}
-        for n in sorted(TUTORIAL_TABLE):
-            ops, lat, mem = TUTORIAL_TABLE[n]
+        for n in sorted({r["n"] for r in res["production"]}):
+            ops, lat, mem = TUTORIAL_TABLE.get(n, ("—", "—", "—"))
             nv, sd = by.get(("naive", n), {}), by.get((REFERENCE, n), {})
             rows.append([n, ops, f"{n * n * 64 / 1e6:.3g}M", lat, _fmt_time(nv.get("time_s")), _fmt_time(sd.get("time_s")),
                          mem, _fmt_bytes(n * n * 4), _fmt_bytes(nv.get("peak_bytes")), _fmt_bytes(sd.get("peak_bytes"))])

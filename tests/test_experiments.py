@@ -1,0 +1,185 @@
+"""Experiments at toy size: their outputs, checked against oracles computed here (never timed)."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.cli.main import main
+from attnlab.data import make_task
+from attnlab.experiments import _common as C
+from attnlab.experiments import variance as V
+
+
+def _read(path):
+    return json.loads(path.read_text())
+
+
+# -- variance ----------------------------------------------------------------------------------------
+def test_measure_matches_numpy_softmax_jacobian():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(7, 24, generator=g, dtype=torch.float64), torch.randn(11, 24, generator=g, dtype=torch.float64)
+    scale = 0.37
+    m = V.measure(q, k, scale, seed=4)
+    # oracle: the same V, G (same generator recipe), softmax Jacobian by hand in NumPy
+    g2 = torch.Generator().manual_seed(4)
+    Vv = torch.randn(11, 64, generator=g2, dtype=torch.float64).numpy()
+    G = torch.randn(7, 64, generator=g2, dtype=torch.float64).numpy()
+    z = (q.numpy() @ k.numpy().T) * scale
+    w = np.exp(z - z.max(1, keepdims=True))
+    w /= w.sum(1, keepdims=True)
+    gw = G @ Vv.T  # dL/dw
+    gz = w * (gw - (w * gw).sum(1, keepdims=True))  # softmax backward
+    assert m["grad_norm_logits"] == pytest.approx(np.linalg.norm(gz, axis=1).mean(), rel=1e-10)
+    assert m["grad_norm"] == pytest.approx(scale * np.linalg.norm(gz, axis=1).mean(), rel=1e-10)
+    assert m["score_var"] == pytest.approx(z.var(ddof=1), rel=1e-10)
+    assert m["max_weight"] == pytest.approx(w.max(1).mean(), rel=1e-10)
+    assert m["entropy"] == pytest.approx((-(w * np.log(w)).sum(1)).mean(), rel=1e-10)
+
+
+def test_variance_experiment_quick(tmp_path):
+    assert main(["experiment", "variance", "--quick", "--no-minilm", "--no-progress", "--out", str(tmp_path)]) == 0
+    res = _read(tmp_path / "results.json")
+    recs = res["variance"]
+    assert {r["scaling"] for r in recs} == {"none", "sqrt", "dk"}
+    for r in recs:
+        assert set(r) >= {"d_k", "scaling", "score_var", "max_weight", "entropy", "grad_norm"}
+        # unit-variance inputs: Var(scale * q.k) = d_k * scale^2, within sampling error (128 x 64 scores)
+        assert r["score_var"] == pytest.approx(r["d_k"] * r["scale"] ** 2, rel=0.2)
+        assert 1 / 64 - 1e-12 <= r["max_weight"] <= 1
+        assert 0 <= r["entropy"] <= math.log(64) + 1e-9
+    by = {(r["d_k"], r["scaling"]): r for r in recs}
+    for d in {r["d_k"] for r in recs}:  # a larger scale never raises the entropy of a softmax
+        assert by[(d, "none")]["entropy"] < by[(d, "sqrt")]["entropy"] < by[(d, "dk")]["entropy"]
+    slopes = res["fitted_log_slope_of_var_vs_dk"]
+    assert slopes["none"] == pytest.approx(1, abs=0.1) and slopes["sqrt"] == pytest.approx(0, abs=0.1)
+    assert slopes["dk"] == pytest.approx(-1, abs=0.1)
+    assert (tmp_path / "report.md").read_text().startswith("# Var(q·k)")
+    assert (tmp_path / "variance.png").read_bytes()[:4] == b"\x89PNG"
+    assert res["environment"]["torch"] == torch.__version__
+
+
+# -- the model's switches --------------------------------------------------------------------------------
+def _attn(score, scale=0.5, causal=False):
+    torch.manual_seed(0)
+    return C.Attention(8, 2, 4, score=score, scale=scale, attend=C.attention_fn("torch_sdpa"), causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_switches_match_hand_written(causal):
+    x = torch.randn(3, 5, 8)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril() if causal else torch.ones(5, 5, dtype=torch.bool)
+    for score in ("softmax", "none", "cosine"):
+        a = _attn(score, causal=causal)
+        q = a.q_proj(x).view(3, 5, 2, 4).transpose(1, 2)
+        k = a.k_proj(x).view(3, 5, 2, 4).transpose(1, 2)
+        v = a.v_proj(x).view(3, 5, 2, 4).transpose(1, 2)
+        if score == "cosine":
+            s = torch.nn.functional.cosine_similarity(q.unsqueeze(-2), k.unsqueeze(-3), dim=-1)  # temperature 1
+        else:
+            s = (q @ k.transpose(-2, -1)) * 0.5
+        if score == "none":
+            w = s * mask
+        else:
+            w = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+        want = a.out_proj((w @ v).transpose(1, 2).reshape(3, 5, 8))
+        got = a(x)
+        assert torch.allclose(got, want, atol=1e-5), (score, (got - want).abs().max())
+
+
+def test_scale_value():
+    assert C.scale_value("sqrt", 64) == 0.125 and C.scale_value("none", 64) == 1.0 and C.scale_value("dk", 64) == 1 / 64
+    with pytest.raises(ValueError):
+        C.scale_value("half", 64)
+
+
+# -- training, checkpoints and resume -----------------------------------------------------------------------
+def _tiny(tmp_path, steps=6):
+    tr, te = make_task("recall", 96, 16, seed=0, num_pairs=3).split(64)
+    cfg = C.RunConfig(name="t/1", task="recall", seq_len=16, d_model=16, num_heads=2, head_dim=8, num_layers=1,
+                      steps=steps, batch_size=8, log_every=1)
+    return cfg, tr, te
+
+
+@pytest.fixture
+def one_thread():
+    with C.threads(1):
+        yield
+
+
+def test_resume_after_kill_gives_the_uninterrupted_run(tmp_path, one_thread):
+    cfg, tr, te = _tiny(tmp_path)
+    straight = C.train_run(cfg, tr, te)
+
+    class Killed(Exception):
+        pass
+
+    seen = []
+
+    def kill_at_4(n):
+        seen.append(n)
+        if sum(seen) == 4:
+            raise Killed
+
+    ck = tmp_path / f"{cfg.file_id}.pt"
+    with pytest.raises(Killed):
+        C.train_run(cfg, tr, te, ck, advance=kill_at_4, checkpoint_every_s=0.0)
+    state = torch.load(ck, weights_only=True)
+    assert state["step"] == 3 and not state["done"]
+    resumed = C.train_run(cfg, tr, te, ck, resume=True)
+    assert resumed["resumed_from"] == 3
+    assert resumed["history"]["loss"] == pytest.approx(straight["history"]["loss"], rel=1e-6)
+    assert resumed["eval"]["loss"] == pytest.approx(straight["eval"]["loss"], rel=1e-6)
+    # a finished run is not repeated
+    again = C.train_run(cfg, tr, te, ck, resume=True)
+    assert again["resumed_from"] == cfg.steps and again["history"] == resumed["history"]
+
+
+def test_scaling_quick_entropy_order_and_resume(tmp_path):
+    argv = ["experiment", "scaling", "--quick", "--tasks", "recall", "--d-k", "16", "--seeds", "0", "--steps", "3",
+            "--no-progress", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    res = _read(tmp_path / "results.json")
+    assert len(res["runs"]) == 3 and res["complete"]
+    ent = {s["arm"]: s["entropy_init"] for s in res["summary"]}
+    # same init weights in every arm: the score scale alone orders the entropy (1 > 1/sqrt(16) > 1/16)
+    assert ent["1 (no scaling)"] < ent["1/sqrt(d_k)"] < ent["1/d_k"]
+    assert {v["arm"] for v in res["verdicts"]} == {"1 (no scaling)", "1/d_k"}
+    assert (tmp_path / "curves.png").exists() and "Verdicts" in (tmp_path / "report.md").read_text()
+    assert main(argv + ["--resume"]) == 0
+    again = _read(tmp_path / "results.json")
+    assert all(r["resumed_from"] == 3 for r in again["runs"])
+    assert [r["eval"] for r in again["runs"]] == [r["eval"] for r in res["runs"]]
+
+
+def test_failure_modes_quick(tmp_path):
+    assert main(["experiment", "failure-modes", "--quick", "--tasks", "text", "--seeds", "0", "--steps", "2",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
+    res = _read(tmp_path / "results.json")
+    arms = {r["arm"]: r for r in res["runs"]}
+    assert set(arms) == {"standard", "no scaling", "no softmax", "cosine"}
+    assert arms["no softmax"]["history"]["entropy"][0] is None
+    assert arms["cosine"]["history"]["entropy"][0] is not None
+    assert res["tasks"] == ["text"] and "docstrings" in res["task_meta"]["text"]["source"]
+
+
+def test_long_range_quick(tmp_path):
+    assert main(["experiment", "long-range", "--quick", "--seq-len", "64", "--tasks", "recall,copy", "--steps", "2",
+                 "--mechanisms", "sdpa,sliding_window,no_such_thing", "--no-progress", "--out", str(tmp_path)]) == 0
+    res = _read(tmp_path / "results.json")
+    rows = {r["mechanism"]: r for r in res["table"]}
+    assert set(rows) == {"sdpa", "sliding_window"}
+    assert rows["sdpa"]["speed_vs_vanilla"] == pytest.approx(1.0)
+    for r in rows.values():
+        assert set(r["accuracy"]) == {"recall", "copy"} and all(0 <= a <= 1 for a in r["accuracy"].values())
+    assert "no_such_thing" in res["refused"]
+    assert "LRA" in (tmp_path / "report.md").read_text() or "Long-range" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [["experiment", "scaling", "--quick", "--seeds", "x"],
+                                  ["experiment", "scaling", "--quick", "--tasks", "poems"],
+                                  ["experiment", "long-range", "--quick", "--tasks", "sorting"],
+                                  ["experiment", "variance", "--quick", "--d-k", "0"]])
+def test_bad_input_exit_code_2(argv, tmp_path):
+    assert main(argv + ["--out", str(tmp_path)]) == 2
