@@ -13,6 +13,15 @@ from attnlab.bench import layers as BL
 from attnlab.cli import main as cli
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread. Two threads on a busy 2-core machine stall in every parallel region."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _counted(fn) -> int:
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         fn()

@@ -13,6 +13,15 @@ from attnlab import retrieval as R
 from attnlab.cli.main import main
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread. Two threads on a busy 2-core machine stall in every parallel region."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def corpus():
     return R.generate_corpus(48, seed=0)

@@ -63,9 +63,9 @@ RELATIONS: tuple[str, ...] = tuple(_VALUES)
 _FACT_TEMPLATES = {
     "lives": ("{name} lives in {value}.", "{name} moved to {value} years ago and still lives there.",
               "Home for {name} is a flat in {value}."),
-    "job": ("{name} works as a {value}.", "By profession, {name} is a {value}.",
-            "{name} has been employed as a {value} for a decade."),
-    "pet": ("{name} has a pet {value}.", "{name} keeps a {value} at home.", "{name} looks after a {value}."),
+    "job": ("{name} works as {a} {value}.", "By profession, {name} is {a} {value}.",
+            "{name} has been employed as {a} {value} for a decade."),
+    "pet": ("{name} has a pet {value}.", "{name} keeps {a} {value} at home.", "{name} looks after {a} {value}."),
     "food": ("{name}'s favourite food is {value}.", "{name} loves eating {value}.",
              "Given the choice, {name} orders {value}."),
     "instrument": ("{name} plays the {value}.", "{name} practises the {value} every evening.",
@@ -132,7 +132,8 @@ def generate_corpus(num_subjects: int = 48, seed: int = 0) -> Corpus:
         for rel in RELATIONS:
             value = rng.choice(_VALUES[rel])
             template = rng.choice(_FACT_TEMPLATES[rel])
-            entries.append(CorpusEntry(template.format(name=name, value=value), name, rel, value))
+            article = "an" if value[0] in "aeiou" else "a"
+            entries.append(CorpusEntry(template.format(name=name, value=value, a=article), name, rel, value))
     rng.shuffle(entries)
     return Corpus(tuple(entries), seed)
 
@@ -350,8 +351,12 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
     a_k = (0.01 * torch.randn(d, rank, generator=gen)).requires_grad_()
     b_q = torch.zeros(rank, d, requires_grad=True)  # (rank, d)
     b_k = torch.zeros(rank, d, requires_grad=True)
-    proj = Projection(a_q, b_q, a_k, b_k)
-    opt = torch.optim.Adam([a_q, b_q, a_k, b_k], lr=lr)
+    params = [a_q, b_q, a_k, b_k]
+    proj = Projection(*params)
+    # Adam (Kingma & Ba 2015), written out: torch.optim's first construction imports torch._dynamo, seconds
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    m1 = [torch.zeros_like(p) for p in params]
+    m2 = [torch.zeros_like(p) for p in params]
     losses = []
     for step in range(steps + 1):
         scores = proj.queries(queries) @ proj.keys(keys).T / tau  # (m, n)
@@ -359,9 +364,13 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
         losses.append(float(loss.detach()))
         if step == steps:
             break
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g, u, v in zip(params, grads, m1, m2):
+                u.mul_(beta1).add_(g, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                u_hat, v_hat = u / (1 - beta1 ** (step + 1)), v / (1 - beta2 ** (step + 1))
+                p.sub_(lr * u_hat / (v_hat.sqrt() + eps))
     return Projection(a_q.detach(), b_q.detach(), a_k.detach(), b_k.detach(), losses)
 
 

@@ -431,9 +431,10 @@ def _plots(result: dict, out: Path) -> dict:
 # --quick runs on one thread: toy sizes gain nothing from more, and on a busy machine a second thread that
 # is descheduled stalls every parallel region
 QUICK = {"ns": [8, 16, 32], "ds": [8, 16], "batch": 1, "window": 2, "kernel": 3, "min_time": 0.0, "max_reps": 3,
-         "structure_ns": [8, 16], "threads": 1}
+         "structure_ns": [8, 16], "threads": 1, "memory_at": "largest n"}
 FULL = {"ns": [16, 32, 64, 128, 256, 512, 1024, 2048], "ds": [16, 64, 256], "batch": 1, "window": 16,
-        "kernel": 3, "min_time": 0.1, "max_reps": 10, "structure_ns": [32, 64], "threads": None}
+        "kernel": 3, "min_time": 0.1, "max_reps": 10, "structure_ns": [32, 64], "threads": None,
+        "memory_at": "every n"}
 
 
 def _int_list(text: str) -> list[int]:
@@ -508,7 +509,8 @@ def _run(args: argparse.Namespace, cfg: dict, out: Path) -> dict:
         for name, n, d in grid:
             bar.update(task, description=f"{name} n={n} d={d}")
             rows.append(measure(name, n, d, batch=cfg["batch"], window=cfg["window"], kernel=cfg["kernel"],
-                                min_time=cfg["min_time"], max_reps=cfg["max_reps"], memory=not args.no_memory))
+                                min_time=cfg["min_time"], max_reps=cfg["max_reps"],
+                                memory=not args.no_memory and (cfg["memory_at"] == "every n" or n == max(cfg["ns"]))))
             bar.advance(task)
 
     cross = []

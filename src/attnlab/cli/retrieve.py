@@ -125,15 +125,17 @@ def figure(r: R.RetrievalResult):
     # 1) weights per entry, entries sorted by raw score, at three temperatures
     raw_w = r.soft["all_weights"]
     sweep = r.sweep
-    picks = [sweep[0], min(sweep, key=lambda row: abs(math.log(row["tau"] / r.tau))), sweep[-1]]
     order = sorted(range(n), key=lambda i: -raw_w[i])[:30]
     ax = axes[0]
-    for row in picks:
-        ax.plot(range(len(order)), [_weights_at(r, row["tau"])[i] for i in order], marker=".",
-                label=f"τ={row['tau']:.3g}: exp(H)={row['effective_entries']:.1f}")
+    for tau in (sweep[0]["tau"], r.tau, sweep[-1]["tau"]):
+        w = _weights_at(r, tau)
+        eff = math.exp(-sum(x * math.log(x) for x in w if x > 0))
+        ax.plot(range(len(order)), [max(w[i], 1e-7) for i in order], marker=".",
+                label=f"τ={tau:.3g}: exp(H)={eff:.1f}")
     ax.set_xlabel("entry, ranked by q·k (top 30)")
-    ax.set_ylabel("attention weight")
+    ax.set_ylabel("attention weight (clipped at 1e-7)")
     ax.set_yscale("log")
+    ax.set_ylim(5e-8, 2)
     ax.set_title("weight per entry")
     ax.legend(fontsize=7)
     # 2) effective number of entries vs τ
