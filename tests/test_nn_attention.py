@@ -217,3 +217,15 @@ def test_bad_forward_inputs():
         m(x, attn_mask=torch.ones(4, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="vdim=16"):
         m(x, x, torch.randn(2, 5, 3))
+
+
+def test_bad_mask_leaves_the_cache_untouched():
+    m = MultiHeadAttention(8, 2).eval()
+    cache = LayerCache()
+    x = torch.randn(1, 4, 8)
+    m(x, is_causal=True, cache=cache)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        m(x[:, :1], is_causal=True, cache=cache, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+    assert cache.length == 4
+    out, _ = m(x[:, :1], is_causal=True, cache=cache, key_padding_mask=torch.zeros(1, 5, dtype=torch.bool))
+    assert cache.length == 5 and out.shape == (1, 1, 8)

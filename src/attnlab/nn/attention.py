@@ -277,18 +277,21 @@ class MultiHeadAttention(nn.Module):
             q, k = pos.apply(q, k, q_pos, k_new_pos)
         elif pos is not None:
             q, _ = pos.apply(q, q[:, :0], q_pos, q_pos[:0])
+        S = k.shape[2] + (offset if cache is not None and not reuse else 0)  # keys after the cache update
+        key_keep = None  # masks are checked before the cache is touched, so a bad call leaves it intact
+        if key_padding_mask is not None:
+            key_keep = ~self._check_key_padding(key_padding_mask, B, S)  # (B, S), True = takes part
+        mask = self._attn_mask(attn_mask, B, L, S) if not isinstance(attn_mask, P.Pattern) else None
         if cache is not None and not reuse:
             if static:
                 cache.set_static(k, v)
             else:
                 k, v = cache.append(k, v)
-        S = k.shape[2]
 
         # 3) masks: pattern (+ causal, + key padding) as typed patterns, attn_mask and position bias as tensors
         pattern = self.pattern
         if isinstance(attn_mask, P.Pattern):
             pattern = attn_mask if pattern is None else pattern & attn_mask
-            attn_mask = None
         causal_flag = False
         if is_causal:
             if pattern is None and offset == 0 and L == S:
@@ -297,10 +300,6 @@ class MultiHeadAttention(nn.Module):
                 pattern = P.causal() if pattern is None else pattern & P.causal()
         if pattern is not None and offset:
             pattern = _Shifted(pattern, offset)
-        key_keep = None
-        if key_padding_mask is not None:
-            key_keep = ~self._check_key_padding(key_padding_mask, B, S)  # (B, S), True = takes part
-        mask = self._attn_mask(attn_mask, B, L, S)
         if pos is not None and pos.has_bias:
             k_pos = torch.arange(S, device=query.device)
             bias = pos.bias(q_pos, k_pos).to(q.dtype).unsqueeze(0)  # (1, H, L, S)
