@@ -225,6 +225,8 @@ def test_cli_formats_and_failure_switches(tmp_path, capsys):
         assert main(["trace", "--example", "--scale", "none", "--format", fmt, "--out", str(out)]) == 0
         text = out.read_text()
         assert "what changes vs standard attention" in text
+    assert main(["trace", "--example", "--heads", "2", "--format", "json", "--png", str(tmp_path / "w.png")]) == 0
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert main(["trace", "--summary", "--d-model", "64", "--seq-len", "32", "--heads", "2", "--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -1,6 +1,8 @@
 """`attnlab trace --text` on MiniLM, checked against Hugging Face transformers' BertModel."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -12,14 +14,20 @@ from attnlab.cli.main import main
 TEXT = "The cat sat on the mat because it was tired."
 
 
-@pytest.fixture(scope="module")
-def hf():
+@functools.lru_cache(maxsize=1)
+def hf_model():
+    """Hugging Face's BertModel on the same checkpoint: the independent oracle (loaded once per process)."""
     from transformers import BertModel, BertTokenizerFast
 
     from attnlab.models.minilm import model_path
 
     path = str(model_path())
     return BertModel.from_pretrained(path, attn_implementation="eager").eval(), BertTokenizerFast.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model()
 
 
 def test_text_trace_matches_transformers(hf):

@@ -56,12 +56,15 @@ def run(args: argparse.Namespace):
         if args.sentence or args.sentences:
             raise UsageError("the sentences given are all empty")
         sentences = list(DEFAULT_SENTENCES)
-    res = measure_heads(sentences)
-    nl = res["num_layers"]
+    from ..trace.minilm import load_minilm
+
+    model = load_minilm()
+    nl = model.num_layers
     layers = args.layer if args.layer is not None else list(range(nl))
     for li in layers:
         if not 0 <= li < nl:
             raise UsageError(f"--layer {li} out of range: MiniLM has {nl} layers (0..{nl - 1})")
+    res = measure_heads(sentences, model)
     out = Path(args.out)
     files = [str(atomic_write_json(out / "heads.json", {k: v for k, v in res.items()} | {"sentences": sentences}))]
     if not args.no_plot:

@@ -40,6 +40,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", action="store_true", help="causal mask (key j visible to query i when j <= i)")
     p.add_argument("--format", choices=("rich", "markdown", "html", "json"), default="rich")
     p.add_argument("--out", help="write the rendered trace to this file instead of the terminal")
+    p.add_argument("--png", help="also write a PNG: the weights per head, or (with --summary) score scale vs d_k")
     p.add_argument("--max-show", type=int, default=8, dest="max_show", help="rows/columns printed per matrix")
     p.add_argument("--digits", type=int, default=3, help="decimals printed")
 
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace):
     else:
         trace = tr.trace_summary(args.d_model, args.seq_len, 12 if args.heads is None else args.heads,
                                  batch=args.batch, dtype=args.dtype, seed=args.seed, options=opts)
+    png = _write_png(trace, args.png) if args.png else None
     fmt = args.format
     kw = {"max_show": args.max_show, "digits": args.digits}
     text = None
@@ -136,4 +138,27 @@ def run(args: argparse.Namespace):
         print(text, end="")
     else:
         tr.to_rich(trace, **kw)
-    return {"trace": trace, "format": fmt, "text": text, "out": args.out, "exit_code": 0}
+    if png:
+        print(f"wrote {png}")
+    return {"trace": trace, "format": fmt, "text": text, "out": args.out, "png": png, "exit_code": 0}
+
+
+def _write_png(trace, path: str) -> str:
+    """Weights heatmap per shown head; for --summary the diagnostics of score scale vs d_k."""
+    from .. import diagnostics as dg
+    from .. import viz
+
+    if trace.source == "summary":
+        d_k = trace.d_k
+        d_ks = sorted({4, 16, 64, 256, d_k})
+        return str(viz.plot_diagnostics(dg.scale_sweep(d_ks=d_ks, seq_len=min(128, trace.meta["seq_len"])), path,
+                                        title=f"score scale vs d_k (this model: d_k={d_k})"))
+    w = trace.step("weights")
+    heads = trace.heads if (w.per_head and trace.heads) else None
+    value = w.value if w.per_head else w.value[None]
+    labels = trace.labels
+    title = "attention weights" + (f", layer {trace.meta['layer']}" if "layer" in trace.meta else "")
+    if heads is None and trace.heads and len(trace.heads) == 1:
+        title += f", head {trace.heads[0]}"
+    return str(viz.plot_heads(value, path, tokens=labels, title=title,
+                              heads=None if heads is None else list(range(len(heads)))))

@@ -146,18 +146,20 @@ class SweepRow:
     mean_grad_norm: float
 
 
-def scale_sweep(d_ks=(4, 16, 64, 256, 512), scales=SCALES, *, seq_len: int = 64, seed: int = 0) -> list[SweepRow]:
+def scale_sweep(d_ks=(4, 16, 64, 256, 512), scales=SCALES, *, seq_len: int = 64, d_v: int = 16,
+                seed: int = 0) -> list[SweepRow]:
     """For q, k, v ~ N(0, 1): how each scale's score variance, spread and gradient flow change with d_k.
 
-    The tutorial's claim, measured: with scale none the score variance grows like d_k, rows saturate
-    and the Jacobian (hence the gradient reaching the scores) shrinks towards 0; sqrt keeps variance ≈ 1.
+    The tutorial's claim, measured: with scale none the score variance grows like d_k and rows
+    saturate (near one-hot), where the softmax Jacobian, hence the gradient reaching the scores, is 0;
+    sqrt keeps the variance ≈ 1. ``d_v`` is held fixed so gradient norms compare across d_k.
     """
     rows = []
     for d_k in d_ks:
         gen = torch.Generator().manual_seed(seed + d_k)
         q = torch.randn(seq_len, d_k, generator=gen, dtype=torch.float64)
         k = torch.randn(seq_len, d_k, generator=gen, dtype=torch.float64)
-        v = torch.randn(seq_len, d_k, generator=gen, dtype=torch.float64)
+        v = torch.randn(seq_len, d_v, generator=gen, dtype=torch.float64)
         raw = q @ k.T  # (L, S)
         for mode in scales:
             s = raw * scale_value(mode, d_k)

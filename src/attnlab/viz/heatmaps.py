@@ -104,9 +104,10 @@ def plot_diagnostics(sweep, path, *, title: str = "score scale vs d_k"):
     if not rows:
         raise ValueError("sweep is empty")
     scales = sorted({r.scale for r in rows}, key=["none", "sqrt", "dk"].index)
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3.6))
     panels = (("score_var", "variance of scaled scores", True), ("mean_max_weight", "mean max weight", False),
-              ("mean_entropy", "mean entropy (nats)", False), ("mean_grad_norm", "gradient norm at scores", True))
+              ("mean_entropy", "mean entropy (nats)", False), ("mean_jacobian_norm", "softmax Jacobian norm", False),
+              ("mean_grad_norm", "gradient norm at scores", False))
     for ax, (attr, label, logy) in zip(axes, panels):
         for s in scales:
             pts = [(r.d_k, getattr(r, attr)) for r in rows if r.scale == s]
