@@ -62,7 +62,8 @@ def test_quick_run_writes_json_plots_and_report(tmp_path):
     assert (out / "error_vs_budget_random.png").stat().st_size > 1000
     if res["minilm"]:  # MiniLM (contract 3) present: every layer measured
         assert {r["layer"] for r in res["minilm"]} == set(range(6))
-        assert (out / "error_vs_budget_minilm.png").exists()
+        assert (out / "error_vs_budget_minilm.png").exists() and (out / "frontier_minilm.png").exists()
+        assert all(r["time_s"] > 0 for r in res["minilm"] if r["layer"] == 0)
     else:
         assert res["minilm_error"]
 

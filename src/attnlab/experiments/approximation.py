@@ -116,9 +116,10 @@ def _instance(name, params, n):
     return M.get(name, **p)
 
 
-def pareto(points: list[dict], x: str = "time_s", y: str = "rel_fro") -> list[dict]:
-    """Points not dominated (another point at most as slow and at most as wrong, better in one)."""
-    pts = [p for p in points if p.get(x) is not None and p.get(y) is not None]
+def pareto(points: list[dict], x: str = "time_s", y: str = "rel_fro", max_y: float | None = None) -> list[dict]:
+    """Points not dominated (another point at most as slow and at most as wrong, better in one).
+    ``max_y``: leave out points with y >= max_y first (rel_fro >= 1 is worse than outputting zeros)."""
+    pts = [p for p in points if p.get(x) is not None and p.get(y) is not None and (max_y is None or p[y] < max_y)]
     front = []
     for p in pts:
         dominated = any((o[x] <= p[x] and o[y] <= p[y]) and (o[x] < p[x] or o[y] < p[y]) for o in pts)
@@ -198,6 +199,16 @@ def minilm_qkv(tokens: int):
 
 
 # -- report ---------------------------------------------------------------------------------------------
+def minilm_points(res: dict) -> list[dict]:
+    """One point per configuration: MiniLM error averaged over layers, time from layer 0."""
+    rows = res.get("minilm") or []
+    pts = []
+    for r0 in (r for r in rows if r["layer"] == 0 and r.get("time_s")):
+        same = [r for r in rows if r["mechanism"] == r0["mechanism"] and r["budget"] == r0["budget"]]
+        pts.append(dict(r0, rel_fro=statistics.mean(r["rel_fro"] for r in same)))
+    return pts
+
+
 def _plots(res: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -240,25 +251,29 @@ def _plots(res: dict, out: Path) -> list[str]:
                 ax.legend(fontsize=7)
         fig.suptitle(f"error vs budget — {source} inputs")
         files.append(str(save_figure(fig, out / f"error_vs_budget_{source}.png")))
-    rows = [r for r in res.get("random", []) if r.get("time_s")]
-    if rows:
+    for source, rows, t_sdpa, what in (
+            ("random", [r for r in res.get("random", []) if r.get("time_s")], res.get("sdpa_time_s"),
+             f"random inputs n={res['config']['n']}"),
+            ("minilm", minilm_points(res), res.get("minilm_sdpa_time_s"), "MiniLM Q/K/V (error: mean over layers)")):
+        if not rows:
+            continue
         fig, ax = plt.subplots(figsize=(8, 6))
         for label in labels:
             s = [r for r in rows if r["mechanism"] == label]
             if s:
                 ax.scatter([r["time_s"] for r in s], [r["rel_fro"] for r in s], label=label, s=25)
-        front = pareto(rows)
-        ax.plot([p["time_s"] for p in front], [p["rel_fro"] for p in front], "k--", lw=1, label="frontier")
-        if res.get("sdpa_time_s"):
-            ax.axvline(res["sdpa_time_s"], color="grey", ls=":", label="SDPA (exact)")
+        front = pareto(rows, max_y=1.0)
+        ax.plot([p["time_s"] for p in front], [p["rel_fro"] for p in front], "k--", lw=1, label="frontier (error < 1)")
+        if t_sdpa:
+            ax.axvline(t_sdpa, color="grey", ls=":", label="SDPA (exact)")
         ax.set_xscale("log")
         ax.set_yscale("log")
         logy(ax, x=True)
         ax.set_xlabel("seconds per call")
         ax.set_ylabel("relative Frobenius error")
-        ax.set_title(f"error–speed frontier, random inputs n={res['config']['n']}")
+        ax.set_title(f"error–speed frontier, {what}")
         ax.legend(fontsize=7)
-        files.append(str(save_figure(fig, out / "frontier_random.png")))
+        files.append(str(save_figure(fig, out / f"frontier_{source}.png")))
     return files
 
 
@@ -298,7 +313,9 @@ def _report(res: dict) -> str:
               _table(["mechanism", "budget", "rel Frobenius", "cosine", "KL(w‖w*)", "s/call", "speed-up vs SDPA"],
                      [[r["mechanism"], f"{r['budget_param']}={r['budget']}", r["rel_fro"], r["cosine"], r["kl"],
                        r.get("time_s"), r.get("speedup_vs_sdpa")] for r in rnd]), "",
-              "### Error–speed frontier (no other configuration is both faster and more accurate)", "",
+              "### Error–speed frontier", "",
+              "Configurations that no other one beats on both time and error, among those better than "
+              "outputting zeros (relative error < 1):", "",
               _table(["mechanism", "budget", "s/call", "rel Frobenius", "speed-up vs SDPA"],
                      [[p["mechanism"], f"{p['budget_param']}={p['budget']}", p["time_s"], p["rel_fro"],
                        p["speedup_vs_sdpa"]] for p in pareto(rnd)]), "",
@@ -318,7 +335,15 @@ def _report(res: dict) -> str:
             rows.append([label, f"{bp}={b}", f"{statistics.mean(rel):.3g} ({max(rel):.3g})",
                          statistics.mean(r["cosine"] for r in s), statistics.mean(kls) if kls else None])
         L += [_table(["mechanism", "budget", "rel Frobenius mean (max)", "cosine", "KL(w‖w*)"], rows), "",
-              "![minilm](error_vs_budget_minilm.png)", ""]
+              "![minilm](error_vs_budget_minilm.png)", "",
+              f"### Error–speed frontier on MiniLM (error: mean over layers; time: per call on layer 0's "
+              f"[1, 12, {cfg['minilm_tokens_actual']}, 32] inputs, SDPA {_fmt(res.get('minilm_sdpa_time_s'))} s)", "",
+              _table(["mechanism", "budget", "s/call", "rel Frobenius (mean)", "speed-up vs SDPA"],
+                     [[p["mechanism"], f"{p['budget_param']}={p['budget']}", p["time_s"], p["rel_fro"],
+                       p["speedup_vs_sdpa"]] for p in pareto(minilm_points(res), max_y=1.0)]), "",
+              "![frontier on MiniLM](frontier_minilm.png)", "",
+              "At this short length the per-call overheads of the approximations weigh more than the "
+              "L×S work they save; the random-input frontier above is the long-sequence picture.", ""]
     else:
         L += [f"Not measured: {res.get('minilm_error', 'skipped')}", ""]
     L += ["## Notes", "",
@@ -327,6 +352,11 @@ def _report(res: dict) -> str:
           "- `linformer` uses segment-mean projections; `linformer_random` the paper's Gaussian N(0, 1/k) ones, "
           "which without training do poorly on both inputs.",
           "- `sliding_window` is exact attention restricted to a window: listed as the local baseline.",
+          "- Performer's estimator variance grows like exp(scale·(|q|² + |k|²)); N(0, 1) inputs at D = 64 have "
+          "scale·|q|² ≈ 8, its hard regime, so its random-input errors stay large at every feature count.",
+          "- Nyström uses the paper's 6 pseudo-inverse iterations. On MiniLM, A = softmax(Q̃K̃ᵀ) is "
+          "ill-conditioned at many landmarks: more iterations or the exact pseudo-inverse make the error "
+          "larger, not smaller (the truncated iteration acts as a regulariser).",
           "- KL is KL(approximate ‖ exact) of the weights; — where weights are not returned or can be negative "
           "(Linformer, Nyström's effective weights).", ""]
     return "\n".join(L)
@@ -385,7 +415,10 @@ def run(args):
                     res["config"]["minilm_tokens_actual"] = layers[0][1].shape[-2]
                     t = prog.add_task("MiniLM layers", total=len(configs) * len(layers))
                     for layer, lq, lk, lv in layers:
-                        r, _ = measure_inputs(lq, lk, lv, configs, timed=False, progress=prog, task=t)
+                        # time per call on the first layer's inputs (the shapes are the same in every layer)
+                        r, t_sdpa = measure_inputs(lq, lk, lv, configs, timed=layer == 0, progress=prog, task=t)
+                        if layer == 0:
+                            res["minilm_sdpa_time_s"] = t_sdpa
                         rows += [dict(x, layer=layer) for x in r]
                 res["minilm"] = rows
             else:
@@ -403,6 +436,6 @@ def run(args):
     h = res["headline"]
     Console().print(f"linear vs SDPA at n={h['n']}, D={h['D']}: {h['full']['ratio']:.1f}× (non-causal), "
                     f"{h['causal']['ratio']:.1f}× (causal); frontier: "
-                    + ", ".join(f"{p['mechanism']}({p['budget']})" for p in pareto(res["random"]))
+                    + ", ".join(f"{p['mechanism']}({p['budget']})" for p in pareto(res["random"], max_y=1.0))
                     + f"\nwrote {out / 'report.md'}")
     return {"out": str(out), "results": res, "exit_code": 0}
