@@ -219,11 +219,18 @@ def _plots(res: dict, out: Path) -> list[str]:
     from attnlab.report import save_figure
 
     def logy(ax, x=False):
-        # few log ticks and no minor labels: tick-label layout dominates plotting time otherwise
-        for axis, on in ((ax.yaxis, True), (ax.xaxis, x)):
-            if on:
-                axis.set_major_locator(LogLocator(numticks=4))
+        # log axes only over wide ranges (few major ticks, no minor labels: tick-label layout
+        # dominates plotting time otherwise); narrow ranges stay linear so they keep their labels
+        for axis, on, set_scale in ((ax.yaxis, True, ax.set_yscale), (ax.xaxis, x, ax.set_xscale)):
+            if not on:
+                continue
+            lo, hi = axis.get_data_interval()
+            if lo > 0 and hi / lo > 20:
+                set_scale("log")
+                axis.set_major_locator(LogLocator(numticks=6))
                 axis.set_minor_formatter(NullFormatter())
+            else:
+                set_scale("linear")
 
     files = []
     labels = list(GRID)
@@ -243,7 +250,6 @@ def _plots(res: dict, out: Path) -> list[str]:
                 xs = [str(r["budget"]) for r in s]
                 ax.plot(xs, [r["rel_fro"] for r in s], marker="o",
                         label=f"layer {layer}" if layer >= 0 else "random")
-            ax.set_yscale("log")
             logy(ax)
             ax.set_title(f"{label} ({sel[0]['budget_param']})", fontsize=9)
             ax.set_ylabel("relative Frobenius error")
@@ -266,8 +272,6 @@ def _plots(res: dict, out: Path) -> list[str]:
         ax.plot([p["time_s"] for p in front], [p["rel_fro"] for p in front], "k--", lw=1, label="frontier (error < 1)")
         if t_sdpa:
             ax.axvline(t_sdpa, color="grey", ls=":", label="SDPA (exact)")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
         logy(ax, x=True)
         ax.set_xlabel("seconds per call")
         ax.set_ylabel("relative Frobenius error")
