@@ -107,7 +107,7 @@ def test_float64_matches_hf_float64(hf, batch):
         assert_close(a, b, atol=1e-12, what=f"float64 attentions[{i}]")
 
 
-@pytest.mark.parametrize("method", ["dense", "tiled", "sdpa", "auto"])
+@pytest.mark.parametrize("method", ["dense", "tiled", "sdpa", "sparse", "auto"])
 def test_every_exact_method_within_fp32_budget(model, hf, batch, method):
     """See Note [MiniLM fp32 budget]."""
     model.set_mechanism(method)

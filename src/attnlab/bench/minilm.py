@@ -141,7 +141,7 @@ def _run(args, batch: int, tokens: int, repeats: int) -> MiniLMBench:
     t = Table(title=f"MiniLM encode, batch {batch} x {tokens} tokens, {res.threads} threads "
                     "(ratios: same run, >1 = faster)")
     for col in ("impl", "median s", "sentences/s", "vs sdpa", "vs eager", "max |diff| vs sdpa"):
-        t.add_column(col, justify="right" if col != "impl" else "left")
+        t.add_column(col, justify="right" if col != "impl" else "left", no_wrap=True)
     for r in res.rows:
         fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
         t.add_row(escape(r["impl"]), f"{r['seconds']:.4f}", f"{r['sentences_per_s']:.1f}", fmt(r["ratio_vs_sdpa"], ".2f"),

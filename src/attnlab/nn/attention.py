@@ -375,6 +375,8 @@ class MultiHeadAttention(nn.Module):
             method = mech
             if need_weights and method in ("sdpa", "sparse"):
                 method = "auto"  # every exact method gives the same output; these two cannot give weights
+            if method == "sparse" and pattern is None and mask is None and not is_causal:
+                method = "auto"  # nothing to skip (e.g. an unpadded MiniLM batch): the core refuses sparse
             if (method in ("tiled", "sparse") and mask is not None and mask.requires_grad
                     and torch.is_grad_enabled()):
                 # Note [Learned bias and the tiled kernel]: the core's tiled/sparse backward does not
