@@ -53,6 +53,7 @@ def build_parser(p):
                         "memory reset between configurations (quick's default)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: all cores)")
     p.add_argument("--no-lra", action="store_true", help="skip the LRA-style training-efficiency table")
+    p.add_argument("--lra-lengths", default=None, help="lengths of the LRA-style table (default 1024,2048,3072,4096)")
     p.add_argument("--no-production", action="store_true", help="skip the tutorial's production table")
     p.add_argument("--production-lengths", default=None,
                    help="lengths of the production table (default the tutorial's 128,512,2048,4096)")
@@ -359,7 +360,8 @@ def run(args):
             except (ValueError, TypeError) as e:
                 raise ValueError(f"--mechanisms: {e}") from None
 
-    lra_lengths = [] if args.no_lra else list(QUICK_LRA_LENGTHS if quick else LRA_LENGTHS)
+    lra_lengths = [] if args.no_lra else (sorted(C.ints_of(args.lra_lengths, "--lra-lengths")) if args.lra_lengths
+                                          else list(QUICK_LRA_LENGTHS if quick else LRA_LENGTHS))
     prod_ns = [] if args.no_production else (sorted(C.ints_of(args.production_lengths, "--production-lengths"))
                                              if args.production_lengths else sorted(TUTORIAL_TABLE))
     total = 1 + len(mechs) * len(lengths) + 2 * len(prod_ns) + len(mechs) * len(lra_lengths)

@@ -263,8 +263,8 @@ def _run(args):
 
 
 def _report(results, recs, mini, slopes, at, dmax, keys, checks) -> str:
-    rows = [[r["d_k"], r["scaling"], r["theory_var"], r["score_var"], r["max_weight"], r["entropy"], r["grad_norm"]]
-            for r in recs]
+    rows = [[r["d_k"], r["scaling"], r["theory_var"], r["score_var"], r["max_weight"], r["entropy"], r["grad_norm_logits"],
+             r["grad_norm"]] for r in recs]
     md = ["# Var(q·k) against d_k, and what it does to the softmax", "",
           "Claim under test (tutorial): with unit-variance q and k entries Var(q·k) = d_k; without the 1/√d_k scale "
           "the softmax saturates and the gradient vanishes; with 1/d_k attention becomes nearly uniform.", "",
@@ -273,7 +273,7 @@ def _report(results, recs, mini, slopes, at, dmax, keys, checks) -> str:
           f"Seeds {results['settings']['seeds']}.", "",
           "![random](variance.png)", "",
           C.fmt_table(["d_k", "scaling", "theory Var", "measured Var", "max weight", "entropy (nats)",
-                       "‖grad‖ to q·k"], rows), "",
+                       "‖grad‖ to logits", "‖grad‖ to q·k"], rows), "",
           f"Fitted slope of log Var against log d_k: scale 1 → {C.fmt(slopes['none'])}, 1/√d_k → {C.fmt(slopes['sqrt'])}, "
           f"1/d_k → {C.fmt(slopes['dk'])} (the theory says 1, 0, −1).", "",
           "## What the numbers show", ""]
@@ -282,14 +282,23 @@ def _report(results, recs, mini, slopes, at, dmax, keys, checks) -> str:
               f"{C.fmt(n['entropy'])} nats (uniform over {keys} keys would be {C.fmt(n['entropy_uniform'])}); with 1/√d_k "
               f"they are {C.fmt(s['max_weight'])} and {C.fmt(s['entropy'])}.")
     ratio = n["grad_norm_logits"] / s["grad_norm_logits"] if s["grad_norm_logits"] else None
-    md.append(f"- The gradient reaching the logits is {C.fmt(ratio)}× the scaled one's at d_k = {dmax} "
-              f"({'smaller: the saturation claim holds' if ratio is not None and ratio < 1 else 'not smaller: the claim does not hold here'}). "
-              f"With scale 1/d_k the softmax is close to uniform (entropy {C.fmt(d['entropy'])} of "
-              f"{C.fmt(d['entropy_uniform'])}) and the gradient to q·k is {C.fmt(d['grad_norm'])}, "
-              f"{C.fmt(d['grad_norm'] / s['grad_norm'] if s['grad_norm'] else None)}× the 1/√d_k value: "
-              "it is small for a different reason (the scale multiplies it), not because of saturation.")
-    md.append("- The gradient to the raw scores without scaling is not monotone in d_k: as long as the softmax is not "
-              "yet saturated, the larger logits give larger gradients; it collapses only once rows are near one-hot.")
+    md.append(f"- Saturation: at d_k = {dmax} the gradient reaching the logits without scaling is {C.fmt(ratio)}× the "
+              f"scaled one's ({'smaller, as the tutorial says' if ratio is not None and ratio < 1 else 'not smaller: the claim does not hold here'}"
+              f"{'; reduced, not vanished' if ratio is not None and 0.1 < ratio < 1 else ''}).")
+    raw = [(r["d_k"], r["grad_norm"] / next(x for x in recs if x["d_k"] == r["d_k"] and x["scaling"] == "sqrt")["grad_norm"])
+           for r in sorted(recs, key=lambda r: r["d_k"]) if r["scaling"] == "none"]
+    lo, hi = min(v for _, v in raw), max(v for _, v in raw)
+    md.append(f"- The gradient that reaches the raw dot products q·k (and from there W_Q and W_K) is, without scaling, "
+              f"{C.fmt(lo)}× to {C.fmt(hi)}× the scaled one's over d_k = {raw[0][0]}…{raw[-1][0]} "
+              f"({'larger' if lo > 1 else 'smaller' if hi < 1 else 'larger at some d_k and smaller at others'}): the "
+              "scale also multiplies the backward pass, which offsets the softmax's saturation.")
+    nn_ = sorted((r for r in recs if r["scaling"] == "none"), key=lambda r: r["d_k"])
+    md.append(f"- Without scaling that gradient goes from {C.fmt(nn_[0]['grad_norm'])} at d_k = {nn_[0]['d_k']} to "
+              f"{C.fmt(nn_[-1]['grad_norm'])} at d_k = {nn_[-1]['d_k']}; with 1/√d_k from "
+              f"{C.fmt(next(r for r in recs if r['scaling'] == 'sqrt' and r['d_k'] == nn_[0]['d_k'])['grad_norm'])} to "
+              f"{C.fmt(s['grad_norm'])}.")
+    md.append(f"- With 1/d_k the softmax is close to uniform (entropy {C.fmt(d['entropy'])} of {C.fmt(d['entropy_uniform'])}, "
+              f"max weight {C.fmt(d['max_weight'])} vs 1/{keys} = {C.fmt(1 / keys)}), as the tutorial's follow-up says.")
     if mini:
         md += ["", f"## MiniLM's real queries and keys ({results['minilm_source']})", "",
                "d_k = 32 is one head exactly as the model computes it (its own scale is 1/√32). Larger d_k concatenate "
