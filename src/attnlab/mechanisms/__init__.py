@@ -359,8 +359,13 @@ def resolve(spec: "str | Mechanism | nn.Module | None" = "auto") -> Callable:
 
 def describe(name_or_mech: "str | Mechanism") -> dict[str, Any]:
     """One row of ``attnlab list``: name, class, declared capabilities, parameters with defaults."""
-    m = get(name_or_mech) if isinstance(name_or_mech, str) and not _needs_params(name_or_mech) else name_or_mech
-    cls = _REGISTRY[name_or_mech] if isinstance(name_or_mech, str) else type(m)
+    _load_builtins()
+    if isinstance(name_or_mech, str):
+        if name_or_mech not in _REGISTRY:
+            raise ValueError(f"unknown mechanism {name_or_mech!r}; available: {', '.join(_REGISTRY)}")
+        cls = _REGISTRY[name_or_mech]
+    else:
+        cls = type(name_or_mech)
     s = cls.spec
     return {
         "name": cls.name, "class": cls.__name__, "kind": s.kind, "exact": s.exact, "causal": s.causal,
