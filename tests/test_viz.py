@@ -127,8 +127,12 @@ def test_minilm_page_weights_match_model():
     text = "Attention is all you need."
     data = viz.attention_data(text, model="minilm")
     enc = m.tokenize(text)
-    with torch.no_grad():
-        att = m.forward(enc["input_ids"], enc["attention_mask"], output_attentions=True).attentions
+    from attnlab.inspect import capture
+
+    with torch.no_grad(), capture(m) as cap:  # capture hooks on the real model
+        out = m.forward(enc["input_ids"], enc["attention_mask"])
+    att = cap.weights()
+    assert out.attentions is None and len(att) == 6 and cap.names[0] == "layers.0.self_attn"
     assert data["tokens"] == enc["tokens"][0] and data["layers"] == 6 and data["heads"] == 12
     for li in (0, 5):
         assert_close(_dense(data, li), att[li][0], Q8 + 1e-6, what=f"layer {li}")

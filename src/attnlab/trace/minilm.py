@@ -57,6 +57,8 @@ def trace_text(text: str, *, layer: int = 0, head: int = 0, options: TraceOption
     mask = None if bool(am.all()) else np.broadcast_to(am.numpy()[None, :], (T, T)).copy()
     t = trace_projection(X, W["W_Q"], W["W_K"], W["W_V"], W["W_O"], num_heads=m.num_heads, heads=[head],
                          labels=tokens, options=options, mask=mask, source="minilm", **b)
+    if T >= max_length:
+        t.notes.append(f"text truncated to {max_length} tokens")
     t.meta.update({"model": "all-MiniLM-L6-v2", "layer": layer, "head": head, "text": text,
                    "model_weights": _np(out.attentions[layer][0, head]).tolist()})
     return t
