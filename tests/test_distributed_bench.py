@@ -16,6 +16,12 @@ def test_bench_ring_quick_writes_per_rank_records(tmp_path):
     for r in res.records:
         assert r.peak_mib >= 0 and r.attention_peak_mib >= 0 and r.seconds > 0
         assert r.memory_method in ("VmHWM", "ru_maxrss")
+    # forward: every key/value position passes each other rank once, keys and values in one message
+    B, H, E = res.settings["batch"], res.settings["heads"], res.settings["head_dim"]
+    assert res.records[0].sent_mib == 0
+    for r in res.records[1:]:
+        assert r.sent_mib * 2**20 == (2 - 1) * r.local_len * B * H * (E + E) * 4
+        assert r.wait_seconds >= 0
     assert {s["config"] for s in res.summary} == {"single", "ring-zigzag"}
     ring = next(s for s in res.summary if s["config"] == "ring-zigzag")
     single = res.records[0]

@@ -43,6 +43,8 @@ class RankRecord:
     inputs_mib: float
     seconds: float
     memory_method: str
+    sent_mib: float = 0.0  # ring messages sent by this rank
+    wait_seconds: float = 0.0  # waiting for transfers after the compute they overlap (and for slower ranks)
 
 
 @dataclass
@@ -121,7 +123,7 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
     import attnlab
-    from attnlab.distributed import ring_attention, shard_segments
+    from attnlab.distributed import comm_stats, ring_attention, shard_segments
 
     _mmap_large_allocations()
     ring = cfg["config"] != "single"
@@ -153,17 +155,19 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
     after_inputs = mem.current()
     if ring:
         dist.barrier()
-    t0 = time.perf_counter()
-    out = call(q, k, v)
-    if grad is not None:
-        out.backward(grad)
-    seconds = time.perf_counter() - t0
+    with comm_stats() as traffic:
+        t0 = time.perf_counter()
+        out = call(q, k, v)
+        if grad is not None:
+            out.backward(grad)
+        seconds = time.perf_counter() - t0
     peak = mem.peak()
     finite = bool(torch.isfinite(out).all())
     mib = 1 / 2**20
     return dict(config=cfg["config"], procs=world if ring else 1, rank=rank, threads=threads, local_len=L_r,
                 peak_mib=(peak - base) * mib, attention_peak_mib=(peak - after_inputs) * mib,
-                inputs_mib=(after_inputs - base) * mib, seconds=seconds, memory_method=mem.method, finite=finite)
+                inputs_mib=(after_inputs - base) * mib, seconds=seconds, memory_method=mem.method, finite=finite,
+                sent_mib=traffic["bytes"] * mib, wait_seconds=traffic["wait_seconds"])
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -265,13 +269,14 @@ def _write(result: RingBenchResult, out_dir: Path) -> None:
 def _render(result: RingBenchResult, console, Table) -> None:
     t = Table(title=f"attnlab bench ring (n={result.settings['n']}, {result.settings['procs']} processes)")
     for col in ("config", "rank", "threads", "positions", "peak MiB", "attention MiB", "peak / one process",
-                "seconds", "time / one process"):
+                "seconds", "time / one process", "sent MiB", "waiting s"):
         t.add_column(col, justify="right" if col != "config" else "left")
     single = next(r for r in result.records if r.config == "single")
     for r in result.records:
         t.add_row(r.config, str(r.rank), str(r.threads), str(r.local_len), f"{r.peak_mib:.1f}",
                   f"{r.attention_peak_mib:.1f}", f"{r.peak_mib / single.peak_mib:.3f}" if single.peak_mib else "-",
-                  f"{r.seconds:.3f}", f"{r.seconds / single.seconds:.2f}" if single.seconds else "-")
+                  f"{r.seconds:.3f}", f"{r.seconds / single.seconds:.2f}" if single.seconds else "-",
+                  f"{r.sent_mib:.1f}", f"{r.wait_seconds:.3f}")
     console.print(t)
     tg = result.target
     console.print(f"worst rank peak / one process: {tg['worst_peak_ratio']:.3f} (target <= {tg['ratio']} at "

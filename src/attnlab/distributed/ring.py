@@ -21,6 +21,8 @@ Time: O(L·L_r·(E + Ev)) per rank (half under causal, balanced across ranks wit
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from ..functional import attention_with_lse
 from .layout import LAYOUTS, check_layout, chunk_sizes, shard_segments
 
-__all__ = ["ring_attention", "RingAttentionError", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["ring_attention", "RingAttentionError", "DEFAULT_BLOCK_SIZE", "comm_stats"]
 
 #: longest key/value piece that travels in one message, and longest query chunk per kernel call
 DEFAULT_BLOCK_SIZE = 1024
@@ -128,6 +130,22 @@ def _build_schedule(lengths: list[int], rank: int, layout: str, causal: bool, bl
 
 
 # -- communication: batched point-to-point with errors that say what failed -------------------------
+_RECORDERS: list[dict] = []
+
+
+@contextmanager
+def comm_stats():
+    """Count this process's ring traffic inside the block: a dict with ``messages`` and ``bytes`` sent,
+    and ``wait_seconds``, the time spent waiting for transfers *after* the compute they overlap with
+    (transfer time not hidden by compute, plus waiting for slower ranks)."""
+    rec = {"messages": 0, "bytes": 0, "wait_seconds": 0.0}
+    _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDERS.remove(rec)
+
+
 class _Comm:
     def __init__(self, sched: _Schedule):
         self.s = sched
@@ -148,17 +166,24 @@ class _Comm:
         ops += [dist.P2POp(dist.irecv, t, s.prev_peer, s.group, tag) for t, tag in recvs if t.numel()]
         if not ops:
             return []
+        for rec in _RECORDERS:
+            sent = [t for t, _ in sends if t.numel()]
+            rec["messages"] += len(sent)
+            rec["bytes"] += sum(t.numel() * t.element_size() for t in sent)
         try:
             return dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise self.error(what, e) from e
 
     def wait(self, works: list, what: str) -> None:
+        t0 = time.perf_counter()
         for w in works:
             try:
                 w.wait()
             except RuntimeError as e:
                 raise self.error(what, e) from e
+        for rec in _RECORDERS:
+            rec["wait_seconds"] += time.perf_counter() - t0
 
     def error(self, what: str, e: BaseException) -> RingAttentionError:
         s = self.s
@@ -258,7 +283,7 @@ def _grad_block(q, dout, lse, delta, kp, vp, dq, dk_p, dv_p, a: int, b: int, dia
         i = torch.arange(a - diag0, b - diag0, device=q.device).unsqueeze(-1)
         j = torch.arange(kp.shape[-2], device=q.device).unsqueeze(0)
         s.masked_fill_(j > i, float("-inf"))
-    p = torch.exp(s.sub_(lse[:, :, a:b].unsqueeze(-1)))  # (B, H, m, n)
+    p = s.sub_(lse[:, :, a:b].unsqueeze(-1)).exp_()  # (B, H, m, n), in place: one score block less
     dv_p.add_(torch.matmul(p.transpose(-2, -1), doc))
     ds = torch.matmul(doc, vp.transpose(-2, -1)).sub_(delta[:, :, a:b].unsqueeze(-1)).mul_(p)  # (B, H, m, n)
     dq[:, :, a:b].add_(torch.matmul(ds, kp), alpha=scale)
@@ -272,7 +297,7 @@ def _grad_piece(q, dout, lse, delta, cur, piece: _Piece, sched: _Schedule, scale
     acc = dq.dtype
     kp, vp = cur[..., :E].to(acc), cur[..., E:].to(acc)
     dk_p, dv_p = part[..., :E], part[..., E:]
-    rows = max(1, min(sched.block, 512))  # keeps the [B, H, rows, n] score blocks small
+    rows = max(1, min(sched.block, 256))  # keeps the [B, H, rows, n] score blocks small
     for a, b in _row_chunks(diag, rows):
         _grad_block(q, dout, lse, delta, kp, vp, dq, dk_p, dv_p, a, b, diag[0], scale)
     for a, b in _row_chunks(full, rows):
