@@ -229,3 +229,27 @@ def test_bad_mask_leaves_the_cache_untouched():
     assert cache.length == 4
     out, _ = m(x[:, :1], is_causal=True, cache=cache, key_padding_mask=torch.zeros(1, 5, dtype=torch.bool))
     assert cache.length == 5 and out.shape == (1, 1, 8)
+
+
+@pytest.mark.parametrize("method", EXACT)
+def test_nan_in_padded_keys_does_not_leak(method):
+    """Note [Padded keys are zeroed] in attnlab/nn/attention.py."""
+    m = MultiHeadAttention(12, 3, mechanism=method)
+    q, kv = torch.randn(2, 5, 12), torch.randn(2, 7, 12)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[0, 4:] = True
+    ref, _ = m(q, kv, kv, key_padding_mask=kpm)
+    poisoned = kv.clone()
+    poisoned[0, 4:] = float("nan")
+    out, _ = m(q, poisoned, poisoned, key_padding_mask=kpm)
+    assert_close(out, ref, atol=1e-6, what=f"{method} with NaN padding")
+
+
+def test_permuting_key_value_pairs_changes_nothing():
+    m = MultiHeadAttention(12, 3, num_kv_heads=1, mechanism="tiled")
+    q, kv = torch.randn(2, 5, 12), torch.randn(2, 9, 12)
+    perm = torch.randperm(9)
+    a, wa = m(q, kv, kv, need_weights=True)
+    b, wb = m(q, kv[:, perm], kv[:, perm], need_weights=True)
+    assert_close(b, a, atol=1e-6, what="permuted keys")
+    assert_close(wb, wa[:, :, perm], atol=1e-6, what="permuted weights")

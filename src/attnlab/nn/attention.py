@@ -368,6 +368,12 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.num_kv_heads != self.num_heads
         mech = self._mechanism
+        if key_keep is not None:
+            # Note [Padded keys are zeroed]: a padded key's score is masked, but NaN/inf in its key
+            # (uninitialised padding) would still reach the output through NaN - inf = NaN in fused
+            # kernels; zeroing padded keys and values makes padding content irrelevant everywhere.
+            dead = ~key_keep[:, None, :, None]  # (B, 1, S, 1)
+            k, v = k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
         if isinstance(mech, str):
             if key_keep is not None:
                 kp = P.from_key_padding_mask(~key_keep)
