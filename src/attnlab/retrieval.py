@@ -333,8 +333,8 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
     on labelled pairs: minimise the cross-entropy of softmax((q W_Q)(K W_K)ᵀ/τ) against the answer index —
     the attention weights read as a classifier over the corpus. queries: [m, d], keys: [n, d], answers: m
     indices into keys. B starts at 0, so step 0 is raw dot-product matching. A low rank keeps a handful of
-    pairs from being memorised (a full d x d fit learns each training subject, not the convention: its
-    held-out accuracy falls, see docs/retrieval-and-layers.md)."""
+    pairs from being memorised: higher ranks fit the training pairs as well but learn each training subject
+    rather than the convention, and held-out accuracy falls (docs/retrieval-and-layers.md)."""
     if queries.dim() != 2 or keys.dim() != 2 or queries.shape[1] != keys.shape[1]:
         raise ValueError(f"queries must be [m, d] and keys [n, d]; got {tuple(queries.shape)}, "
                          f"{tuple(keys.shape)}")

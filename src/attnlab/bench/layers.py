@@ -10,8 +10,8 @@ Each layer maps a sequence x: [B, n, d] to [B, n, d]:
     gru, lstm         torch.nn.GRU / torch.nn.LSTM, hidden size d   (O(n·d²), n sequential steps)
     conv              torch.nn.Conv1d(d, d, k, padding=k//2)        (O(k·n·d²))
 
-Measured on this machine, side by side in one run: median wall time of the forward pass (no_grad) and of
-forward + backward; forward peak memory (bytes PyTorch's CPU allocator hands out, from torch.profiler's
+Measured on this machine, side by side in one run: best-of-reps wall time of the forward pass (no_grad) and
+of forward + backward; forward peak memory (bytes PyTorch's CPU allocator hands out, from torch.profiler's
 memory events, inputs and weights excluded); bytes autograd saves for backward (unique storages packed by
 saved_tensors_hooks, inputs and weights excluded). Derived from each layer's structure at small n: the number
 of sequential operations and the maximum path length between any input and any output position (from the
@@ -226,7 +226,8 @@ def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
 
 def measure(name: str, n: int, d: int, *, batch: int = 1, window: int = 16, kernel: int = 3,
             min_time: float = 0.2, max_reps: int = 20, memory: bool = True) -> dict:
-    """Median time of forward (no_grad) and forward+backward, plus memory, for one layer at (n, d)."""
+    """Time of forward (no_grad) and forward+backward (best of reps, see Note [Best of reps]; medians kept
+    too), FLOPs, and memory, for one layer at (n, d). x: [batch, n, d] float32."""
     torch.manual_seed(0)
     layer = make_layer(name, d, window=window, kernel=kernel)
     x = torch.randn(batch, n, d)
@@ -242,9 +243,12 @@ def measure(name: str, n: int, d: int, *, batch: int = 1, window: int = 16, kern
         layer(xg).sum().backward()
 
     t_f, t_b = _times(fwd, min_time, max_reps), _times(fwd_bwd, min_time, max_reps)
+    # Note [Best of reps]: on a shared machine interference only ever adds time, so the reported time is the
+    # fastest repetition; the median is kept beside it
     row = {"layer": name, "n": n, "d": d, "batch": batch,
-           "forward_s": statistics.median(t_f), "forward_backward_s": statistics.median(t_b),
-           "forward_min_s": min(t_f), "forward_backward_min_s": min(t_b), "reps": [len(t_f), len(t_b)],
+           "forward_s": min(t_f), "forward_backward_s": min(t_b),
+           "forward_median_s": statistics.median(t_f), "forward_backward_median_s": statistics.median(t_b),
+           "reps": [len(t_f), len(t_b)],
            "flops": flops(name, n, d, batch=batch, window=window, kernel=kernel)}
     if name in ATTENTION_LAYERS:
         q = x[:, None]
@@ -342,7 +346,8 @@ def markdown(result: dict) -> str:
         "# Self-attention vs recurrence vs convolution, per layer (Vaswani et al. 2017, Table 1)", "",
         f"Measured by `{cfg['command']}` on {env['cpu']} ({env['threads']} threads, torch {env['torch']}). "
         f"Batch {cfg['batch']}, window w = {cfg['window']} each side (r = {2 * cfg['window'] + 1} keys), "
-        f"kernel k = {cfg['kernel']}, float32. Times are medians; only ratios within this run mean anything.", "",
+        f"kernel k = {cfg['kernel']}, float32. Times are the best of {cfg['max_reps']} repetitions at most (medians in "
+        f"the JSON); only ratios within this run mean anything.", "",
         "## Structure (derived) beside the paper's Table 1", "",
         "| layer | paper: complexity per layer | paper: sequential ops | paper: max path length | "
         + " | ".join(f"derived at n={n}: seq ops / path" for n in cfg["structure_ns"]) + " |",
@@ -395,7 +400,7 @@ def _plots(result: dict, out: Path) -> dict:
 
     rows, files = result["rows"], {}
     ds = sorted({r["d"] for r in rows})
-    fig, axes = plt.subplots(2, len(ds), figsize=(4.2 * len(ds), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(ds), figsize=(4.4 * len(ds), 7.5), squeeze=False, layout="constrained")
     for col, d in enumerate(ds):
         for row, key in enumerate(("forward_s", "forward_backward_s")):
             ax = axes[row][col]
@@ -411,7 +416,7 @@ def _plots(result: dict, out: Path) -> dict:
     fig.suptitle("Per-layer time vs sequence length (log-log)")
     files["time_png"] = str(save_figure(fig, out / "layers_time.png"))
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     d = ds[-1]
     for ax, key, title in ((axes[0], "forward_peak_bytes", "forward peak"),
                            (axes[1], "saved_bytes", "saved for backward")):
