@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import attnlab
@@ -253,3 +255,22 @@ def test_permuting_key_value_pairs_changes_nothing():
     b, wb = m(q, kv[:, perm], kv[:, perm], need_weights=True)
     assert_close(b, a, atol=1e-6, what="permuted keys")
     assert_close(wb, wa[:, :, perm], atol=1e-6, what="permuted weights")
+
+
+@settings(max_examples=15, deadline=None)
+@given(chunks=st.lists(st.integers(1, 6), min_size=1, max_size=6), window=st.integers(0, 5),
+       method=st.sampled_from(["auto", "tiled", "sparse", "dense"]))
+def test_any_chunking_of_cached_decoding_equals_full(chunks, window, method):
+    """Positions (RoPE), causal masking and patterns stay right under a cache for any chunking."""
+    from attnlab.positional import RotaryEmbedding
+
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, num_kv_heads=2, mechanism=method, positional=RotaryEmbedding(4),
+                           pattern=P.sliding_window(window, causal=True)).eval()
+    x = torch.randn(2, sum(chunks), 16)
+    full, _ = m(x, is_causal=True)
+    cache, parts, t = LayerCache(), [], 0
+    for c in chunks:
+        parts.append(m(x[:, t: t + c], is_causal=True, cache=cache)[0])
+        t += c
+    assert_close(torch.cat(parts, 1), full, atol=1e-5, what=f"chunks {chunks}")
