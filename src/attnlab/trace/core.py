@@ -363,11 +363,12 @@ def trace_projection(X, W_Q, W_K, W_V, W_O=None, *, num_heads: int = 1, heads=No
         y = X @ w + (0 if b is None else np.asarray(b, dtype=np.float64))  # (L, H·E)
         proj[out] = _split_heads(y, H)  # (H, L, E)
     hsel = np.array(heads)
+    bias = {"Q": b_Q, "K": b_K, "V": b_V}
     per_head = len(heads) > 1
     for out in ("Q", "K", "V"):
         d = proj[out].shape[-1]
         steps.append(_step(out, f"1) project to {out}" + (f" (head {heads[0]})" if len(heads) == 1 and H > 1 else ""),
-                           f"{out} = X W_{out}" + (" + b" if b_Q is not None else ""), proj[out][hsel], labels,
+                           f"{out} = X W_{out}" + (" + b" if bias[out] is not None else ""), proj[out][hsel], labels,
                            [f"{out.lower()}{j}" for j in range(d)], per_head, flops=2 * L * D * d * len(heads)))
     d_k = scale_d_k if scale_d_k is not None else E
     arrs = _attend(steps, options, q=proj["Q"][hsel], k=proj["K"][hsel], v=proj["V"][hsel], d_k=d_k, mask=mask,

@@ -20,7 +20,9 @@ FORMATS = ("rich", "markdown", "html", "json")
 def _fmt(x: float, digits: int) -> str:
     if not np.isfinite(x):
         return "-inf" if x < 0 else ("inf" if x > 0 else "nan")
-    return f"{x:.{digits}f}" if abs(x) < 10**6 else f"{x:.{digits}g}"
+    if x != 0 and (abs(x) >= 10**6 or abs(x) < 0.5 * 10**-digits):
+        return f"{x:.{max(digits - 1, 1)}e}"
+    return f"{x:.{digits}f}"
 
 
 def _fmt_int(n: int) -> str:

@@ -20,6 +20,14 @@ __all__ = ["trace_summary"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n:.4g} TiB"
+
+
 def _tstats(x: torch.Tensor) -> dict:
     f = x[torch.isfinite(x)].double()
     if f.numel() == 0:
@@ -51,8 +59,10 @@ def trace_summary(d_model: int = 768, seq_len: int = 512, num_heads: int = 12, *
         cd = torch.float64 if L * D <= 2**20 else torch.float32
         X = torch.randn(L, D, generator=g, dtype=cd)
         W = {n: torch.randn(D, D, generator=g, dtype=cd) / math.sqrt(D) for n in ("W_Q", "W_K", "W_V", "W_O")}
-        rows = torch.arange(L) if L <= sample_rows else torch.randperm(L, generator=g)[:sample_rows].sort().values
-        sampled = None if L <= sample_rows else int(rows.numel())
+        # keep the sampled [H, rows, L] score block under ~2^25 entries (a few hundred MiB at most)
+        r = max(16, min(sample_rows, 2**25 // (H * L)))
+        rows = torch.arange(L) if L <= r else torch.randperm(L, generator=g)[:r].sort().values
+        sampled = None if L <= r else int(rows.numel())
         q = (X[rows] @ W["W_Q"]).reshape(-1, H, E).transpose(0, 1)  # (H, r, E)
         k = (X @ W["W_K"]).reshape(L, H, E).transpose(0, 1)  # (H, L, E)
         v = (X @ W["W_V"]).reshape(L, H, E).transpose(0, 1)  # (H, L, E)
@@ -119,7 +129,7 @@ def trace_summary(d_model: int = 768, seq_len: int = 512, num_heads: int = 12, *
                    "total_flops": total, "attention_matmul_flops": attn,
                    "score_matrix_bytes_per_layer": pairs * isz, "stats_rows_sampled": sampled})
     t.notes.append(f"Q Kᵀ and weights·V cost {attn / total:.0%} of this layer's FLOPs at L={L}; the [B, H, L, L] "
-                   f"score tensor holds {pairs * isz / 2**20:.4g} MiB in {dtype}")
+                   f"score tensor holds {_human_bytes(pairs * isz)} in {dtype}")
     if sampled:
         t.notes.append(f"statistics of scores and weights from {sampled} sampled query rows against all {L} keys")
     if L > max_stats_len:
