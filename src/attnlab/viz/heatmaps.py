@@ -45,7 +45,7 @@ def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", 
     n = len(heads)
     cols = min(cols, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.2 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.axis("off")
     for ax, h in zip(axes.flat, heads):
@@ -81,7 +81,7 @@ def plot_patterns(patterns: dict, L: int, path, *, S: int | None = None, E: int 
         raise ValueError("patterns is empty")
     cols = min(cols, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.6 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.axis("off")
     for ax, (name, p) in zip(axes.flat, patterns.items()):
@@ -104,7 +104,7 @@ def plot_diagnostics(sweep, path, *, title: str = "score scale vs d_k"):
     if not rows:
         raise ValueError("sweep is empty")
     scales = sorted({r.scale for r in rows}, key=["none", "sqrt", "dk"].index)
-    fig, axes = plt.subplots(1, 5, figsize=(20, 3.6))
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3.8), layout="constrained")
     panels = (("score_var", "variance of scaled scores", True), ("mean_max_weight", "mean max weight", False),
               ("mean_entropy", "mean entropy (nats)", False), ("mean_jacobian_norm", "softmax Jacobian norm", False),
               ("mean_grad_norm", "gradient norm at scores", False))
@@ -131,7 +131,7 @@ def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
     n = len(measures)
     cols = min(4, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.4 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.axis("off")
     for ax, meas in zip(axes.flat, measures):
