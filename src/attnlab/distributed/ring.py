@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,10 @@ def _build_schedule(lengths: list[int], rank: int, layout: str, causal: bool, bl
                 f"ring_attention(layout='zigzag'): the ranks hold {lengths} positions (sum {total}), but the "
                 f"zigzag layout of a length-{total} sequence over {P} ranks gives {got}; shard the sequence "
                 f"with attnlab.distributed.shard_sequence(x, layout='zigzag')")
+    return _Schedule(rank, P, lengths, segments, _cut_pieces(segments, block), causal, block)
+
+
+def _cut_pieces(segments: list[list[tuple[int, int]]], block: int) -> list[list[_Piece]]:
     longest = max((b - a for s in segments for a, b in s), default=0)
     per_segment = max(1, math.ceil(longest / block))  # the same on every rank, so steps stay in lock-step
     pieces: list[list[_Piece]] = []
@@ -126,7 +130,12 @@ def _build_schedule(lengths: list[int], rank: int, layout: str, causal: bool, bl
                 ps.append(_Piece(i, off, off + size, a + off - seg_start))
                 off += size
         pieces.append(ps)
-    return _Schedule(rank, P, lengths, segments, pieces, causal, block)
+    return pieces
+
+
+def _with_block(sched: _Schedule, block: int) -> _Schedule:
+    """The same ranks and positions cut into pieces of at most ``block`` positions."""
+    return replace(sched, pieces=_cut_pieces(sched.segments, block), block=block)
 
 
 # -- communication: batched point-to-point with errors that say what failed -------------------------
@@ -372,7 +381,10 @@ class _RingAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.sched, ctx.scale, _Comm(ctx.sched))
+        # Backward keeps five pieces in flight (two of keys/values, three of dK/dV sums) where forward
+        # keeps two, so its pieces are half as long: its buffers stay near the forward's.
+        sched = _with_block(ctx.sched, max(1, ctx.sched.block // 2))
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, sched, ctx.scale, _Comm(sched))
         return dq, dk, dv, None, None
 
 
