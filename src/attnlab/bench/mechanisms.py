@@ -56,7 +56,7 @@ def build_parser(p):
     p.add_argument("--lra-lengths", default=None, help="lengths of the LRA-style table (default 1024,2048,3072,4096)")
     p.add_argument("--no-production", action="store_true", help="skip the tutorial's production table")
     p.add_argument("--production-lengths", default=None,
-                   help="lengths of the production table (default the tutorial's 128,512,2048,4096)")
+                   help="lengths of the production table (default the tutorial's 128,512,2048,4096; quick 128,512)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -363,7 +363,8 @@ def run(args):
     lra_lengths = [] if args.no_lra else (sorted(C.ints_of(args.lra_lengths, "--lra-lengths")) if args.lra_lengths
                                           else list(QUICK_LRA_LENGTHS if quick else LRA_LENGTHS))
     prod_ns = [] if args.no_production else (sorted(C.ints_of(args.production_lengths, "--production-lengths"))
-                                             if args.production_lengths else sorted(TUTORIAL_TABLE))
+                                             if args.production_lengths else
+                                             [128, 512] if quick else sorted(TUTORIAL_TABLE))
     total = 1 + len(mechs) * len(lengths) + 2 * len(prod_ns) + len(mechs) * len(lra_lengths)
     records, stopped, lra, prod = [], {}, [], []
     with C.progress(args.no_progress) as prog:
