@@ -201,7 +201,7 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
     else:
         if mech is not None and not (mech.spec.exact or mech_pattern is not None):
             raise ValueError(f"{T} tokens needs streaming summaries, which only exact or pattern mechanisms "
-                             f"provide; {mech_name!r} is an approximation (lower --dense-max or pick another)")
+                             f"provide; {mech_name!r} is an approximation (raise --dense-max or pick another)")
         notes.append(f"long input: {T} tokens > {dense_max_tokens}, so the page shows streaming summaries "
                      f"(top-{topk} keys per query, entropy, distance histogram) instead of dense weights")
         k_ = max(1, min(topk, T))
