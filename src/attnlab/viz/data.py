@@ -24,6 +24,7 @@ from ..diagnostics import streaming_summary
 __all__ = ["attention_data", "MODELS", "tokenize_words", "pattern_grid"]
 
 MODELS = ("minilm", "random")
+_WEIGHTS_HINT = "pick one that can (auto, dense, tiled or a pattern mechanism; see `attnlab list`)"
 
 
 def _b64(a: np.ndarray) -> str:
@@ -153,8 +154,7 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
         L_, H = m.num_layers, m.num_heads
         if dense:
             if out.attentions is None or any(a is None for a in out.attentions):
-                raise ValueError(f"mechanism {mech_name!r} cannot return attention weights; pick an exact or "
-                                 "pattern mechanism (see `attnlab list`)")
+                raise ValueError(f"mechanism {mech_name!r} cannot return attention weights; {_WEIGHTS_HINT}")
             layers_w = [a[0] for a in out.attentions]
         else:
             layers_qk = [(q[0], k[0]) for q, k, _ in out.qkv]
@@ -176,8 +176,8 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
                 if dense:
                     if mech is not None:
                         if not mech.spec.weights:
-                            raise ValueError(f"mechanism {mech_name!r} cannot return attention weights; pick an "
-                                             "exact or pattern mechanism (see `attnlab list`)")
+                            raise ValueError(f"mechanism {mech_name!r} cannot return attention weights; "
+                                             f"{_WEIGHTS_HINT}")
                         o, w = mech(q, k, v, need_weights=True)
                     else:
                         o, w = attention(q, k, v, need_weights=True)
