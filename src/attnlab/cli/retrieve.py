@@ -35,12 +35,17 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> R.RetrievalResult:
     from rich.console import Console
 
+    from .main import UsageError
+
     console = Console(stderr=args.json)
-    with console.status("retrieving") as status:
-        result = R.retrieve(args.query, embedder=args.embedder, num_subjects=args.subjects, seed=args.seed,
-                            tau=args.tau, k=args.k, learn=not args.no_learn, target=args.target,
-                            train_subjects=args.train, rank=args.rank, steps=args.steps, lr=args.lr,
-                            show=args.show, progress=lambda msg: status.update(msg))
+    try:
+        with console.status("retrieving") as status:
+            result = R.retrieve(args.query, embedder=args.embedder, num_subjects=args.subjects, seed=args.seed,
+                                tau=args.tau, k=args.k, learn=not args.no_learn, target=args.target,
+                                train_subjects=args.train, rank=args.rank, steps=args.steps, lr=args.lr,
+                                show=args.show, progress=lambda msg: status.update(msg))
+    except ImportError as e:  # MiniLM's weights package is optional
+        raise UsageError(f"{e} (or run with --embedder hashing, which needs no weights)") from e
     out = Path(args.out)
     result.files["png"] = str(save_figure(figure(result), out / "retrieve.png"))
     result.files["json"] = str(out / "retrieve.json")
@@ -56,7 +61,9 @@ def run(args: argparse.Namespace) -> R.RetrievalResult:
 def render(r: R.RetrievalResult, console) -> None:
     from rich.table import Table
 
-    console.print(f"[bold]query:[/bold] {r.query}   [dim]embedder {r.embedder}, {len(r.corpus)} sentences, "
+    from rich.markup import escape
+
+    console.print(f"[bold]query:[/bold] {escape(r.query)}   [dim]embedder {r.embedder}, {len(r.corpus)} sentences, "
                   f"τ = {r.tau:g}[/dim]")
     t = Table(title="one query, three answers")
     t.add_column("hard top-1 (database)")
