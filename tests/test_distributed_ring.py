@@ -100,14 +100,23 @@ def _four_rank_checks(rank, world, report_dir):
     torch.set_num_threads(1)
     out = {"configs": [_one_config(rank, world, *c) for c in CONFIGS[world]]}
     dist.barrier()
-    if rank == 3:  # dies abruptly after reporting its checks: the others must not hang
+    if rank == 3:  # dies abruptly in the middle of the next ring, after reporting its checks
         with open(os.path.join(report_dir, "rank3.json"), "w") as f:
             json.dump(out, f)
-        os._exit(17)
-    time.sleep(0.5)
-    q = torch.randn(1, 2, 4, 4)
+        from attnlab.distributed import ring as R
+
+        calls, attend = [0], R._attend_piece
+
+        def attend_then_die(*a, **kw):
+            calls[0] += 1
+            if calls[0] == 3:  # third ring step of the first piece: messages are in flight
+                os._exit(17)
+            return attend(*a, **kw)
+
+        R._attend_piece = attend_then_die
+    q = torch.randn(1, 2, 8, 4)
     t0 = time.perf_counter()
-    etype, msg = _expect_error(lambda: ring_attention(q, q, q, is_causal=True))
+    etype, msg = _expect_error(lambda: ring_attention(q, q, q, is_causal=True, block_size=4))
     out["dead_peer"] = (etype, msg, time.perf_counter() - t0)
     return out
 
@@ -157,4 +166,6 @@ def test_four_ranks_match_single_process_and_survive_a_dead_rank(tmp_path):
         etype, msg, seconds = r.value["dead_peer"]
         assert etype == "RingAttentionError", (etype, msg)
         assert f"rank {r.rank} of 4" in msg and "died" in msg
+        if r.rank == 0:  # rank 3's successor: its next piece never comes
+            assert "exchange key/value piece 0" in msg, msg
         assert seconds < GROUP_TIMEOUT + 10
