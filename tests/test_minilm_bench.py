@@ -11,11 +11,12 @@ from attnlab.cli import main as cli
 
 def test_bench_minilm_quick(tmp_path):
     pytest.importorskip("transformers")
-    code = cli.main(["bench", "minilm", "--quick", "--threads", "1", "--out", str(tmp_path)])
+    code = cli.main(["bench", "minilm", "--quick", "--threads", "1", "--mechanisms", "auto,dense",
+                     "--out", str(tmp_path)])
     assert code == 0
     data = json.loads((tmp_path / "minilm.json").read_text())
     impls = {r["impl"]: r for r in data["rows"]}
-    assert {"attnlab[auto]", "attnlab[tiled]", "transformers[sdpa]", "transformers[eager]"} <= set(impls)
+    assert {"attnlab[auto]", "attnlab[dense]", "transformers[sdpa]", "transformers[eager]"} <= set(impls)
     assert impls["transformers[sdpa]"]["ratio_vs_sdpa"] == pytest.approx(1.0)
     for r in impls.values():
         assert r["sentences_per_s"] > 0 and len(r["seconds_all"]) == data["repeats"]
