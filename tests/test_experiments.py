@@ -164,6 +164,15 @@ def test_failure_modes_quick(tmp_path):
     assert res["tasks"] == ["text"] and "docstrings" in res["task_meta"]["text"]["source"]
 
 
+def test_scaling_with_library_transformer_lm(tmp_path):
+    assert main(["experiment", "scaling", "--quick", "--model", "lm", "--tasks", "text", "--d-k", "8", "--seeds", "0",
+                 "--steps", "2", "--no-progress", "--out", str(tmp_path)]) == 0
+    res = _read(tmp_path / "results.json")
+    assert res["model"] == "lm" and len(res["runs"]) == 3
+    assert all(math.isfinite(r["eval"]["loss"]) and r["history"]["qk_grad_norm"][0] > 0 for r in res["runs"])
+    assert main(["experiment", "scaling", "--quick", "--model", "lm", "--tasks", "recall", "--out", str(tmp_path)]) == 2
+
+
 def test_long_range_quick(tmp_path):
     assert main(["experiment", "long-range", "--quick", "--seq-len", "64", "--tasks", "recall,copy", "--steps", "2",
                  "--mechanisms", "sdpa,sliding_window,no_such_thing", "--no-progress", "--out", str(tmp_path)]) == 0

@@ -377,6 +377,7 @@ class RunConfig:
     qk_init: str = "unit"
     cosine_temperature: float = 1.0
     grad_clip: float | None = None
+    model: str = "tiny"
 
     @property
     def run_id(self) -> str:
@@ -390,8 +391,29 @@ class RunConfig:
         return re.sub(r"[^A-Za-z0-9_.=-]+", "_", self.run_id).strip("_")
 
 
-def build_model(cfg: RunConfig, data) -> TinyTransformer:
+class _LibraryLM(nn.Module):
+    """``attnlab.nn.TransformerLM`` (contract 2) behind TinyTransformer's call signature (no weight stats)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, target_positions=None, *, readout="all", stats=None):
+        return self.lm(ids)  # (B, T, V)
+
+
+def build_model(cfg: RunConfig, data) -> nn.Module:
     torch.manual_seed(cfg.seed)
+    if cfg.model == "lm":
+        if data.name != "text" or cfg.score != "softmax":
+            raise ValueError("--model lm (attnlab.nn.TransformerLM) runs the text task with softmax attention only")
+        from attnlab.nn import TransformerLM
+
+        lm = TransformerLM(data.vocab_size, cfg.num_heads * cfg.head_dim, cfg.num_heads, cfg.num_layers,
+                           max_len=cfg.seq_len, mechanism=cfg.attention, scale=scale_value(cfg.scale, cfg.head_dim))
+        return _LibraryLM(lm)
+    if cfg.model != "tiny":
+        raise ValueError(f"model must be 'tiny' or 'lm', got {cfg.model!r}")
     attend = attention_fn(cfg.attention, cfg.seq_len, cfg.causal)
     return TinyTransformer(data.vocab_size, data.num_classes, cfg.seq_len, d_model=cfg.d_model,
                            num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_layers=cfg.num_layers,
@@ -504,7 +526,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
             hist["qk_grad_norm"].append(_grad_norm(qk_params))
             hist["entropy"].append(sum(ents) / len(ents) if ents else None)
             hist["max_weight"].append(sum(mws) / len(mws) if mws else None)
-            hist["score_std"].append(sum(s["score_std"] for s in stats) / len(stats))
+            hist["score_std"].append(sum(s["score_std"] for s in stats) / len(stats) if stats else None)
         step += 1
         if advance:
             advance(1)
@@ -791,6 +813,9 @@ def add_training_args(p) -> None:
                    "text (byte-level LM on Python's own docstrings)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
+    p.add_argument("--model", default="tiny", choices=("tiny", "lm"),
+                   help="tiny: the experiments' own model (entropy probes, failure-mode switches); lm: "
+                        "attnlab.nn.TransformerLM with d_model = 2·d_k (text task, softmax arms only)")
     p.add_argument("--qk-init", default="unit", choices=("unit", "torch"),
                    help="unit: q, k entries start with unit variance (the tutorial's premise); torch: nn.Linear's default")
 
@@ -809,6 +834,9 @@ def _training_experiment(args, name, arms, d_ks, intro, baseline) -> dict:
     for t in tasks:
         if t not in ("recall", "text"):
             raise ValueError(f"--tasks must name recall and/or text, got {args.tasks!r}")
+    if args.model == "lm" and tasks != ["text"]:
+        raise ValueError(f"--model lm trains attnlab.nn.TransformerLM on the text task only; pass --tasks text "
+                         f"(got --tasks {args.tasks})")
     sizes = dict(QUICK_SIZES if args.quick else FULL_SIZES)
     if args.steps is not None:
         if args.steps < 1:
@@ -826,7 +854,7 @@ def _training_experiment(args, name, arms, d_ks, intro, baseline) -> dict:
                         name=f"{task}-dk{dk}-{label}", task=task, seq_len=sizes["seq_len"][task], d_model=sizes["d_model"],
                         num_heads=2, head_dim=dk, num_layers=sizes["num_layers"], causal=(task == "text"),
                         steps=sizes["steps"], batch_size=sizes["batch_size"], lr=lr, optimizer=args.optimizer, seed=seed,
-                        log_every=sizes["log_every"], qk_init=args.qk_init, **over))
+                        log_every=sizes["log_every"], qk_init=args.qk_init, model=args.model, **over))
     runs = run_grid(configs, datasets, out, resume=args.resume, quiet=args.no_progress, title=name)
     label_of = {f"{t}-dk{dk}-{lab}": lab for t in tasks for dk in d_ks for lab, _ in arms}
     for r in runs:
@@ -836,7 +864,8 @@ def _training_experiment(args, name, arms, d_ks, intro, baseline) -> dict:
     files = [plot_curves(runs, lambda r: r["arm"], lambda r: f"{r['config']['task']} d_k={r['config']['head_dim']}",
                          out / "curves.png")]
     verdicts = _verdicts(summary, baseline, [a for a, _ in arms if a != baseline])
-    results = {"experiment": name, "arms": {a: o for a, o in arms}, "baseline": baseline, "d_k": d_ks, "tasks": tasks,
+    results = {"experiment": name, "model": args.model, "arms": {a: o for a, o in arms}, "baseline": baseline,
+               "d_k": d_ks, "tasks": tasks,
                "sizes": sizes, "optimizer": args.optimizer, "lr": lr, "qk_init": args.qk_init, "seeds": seeds,
                "quick": bool(args.quick), "summary": summary, "verdicts": verdicts, "runs": runs,
                "task_meta": {t: datasets[t][0].meta for t in tasks}, "environment": env_record(seeds),
@@ -883,9 +912,11 @@ def _verdicts(summary: list[dict], baseline: str, others: list[str]) -> list[dic
 def _training_report(res: dict, intro: list[str]) -> str:
     sz = res["sizes"]
     md = [f"# attnlab experiment {res['experiment']}", "", *intro, "",
-          f"Setup: a {sz['num_layers']}-layer pre-norm Transformer, d_model {sz['d_model']}, 2 heads of d_k each, "
-          f"{sz['steps']} steps of batch {sz['batch_size']}, {res['optimizer']} at lr {res['lr']}, seeds {res['seeds']}, "
-          f"W_Q/W_K init: {res['qk_init']}. Tasks: "
+          (f"Setup: attnlab.nn.TransformerLM (RoPE, tied embeddings), {sz['num_layers']} layers, 2 heads of d_k each "
+           "(d_model = 2·d_k), " if res.get("model") == "lm" else
+           f"Setup: a {sz['num_layers']}-layer pre-norm Transformer, d_model {sz['d_model']}, 2 heads of d_k each, ")
+          + f"{sz['steps']} steps of batch {sz['batch_size']}, {res['optimizer']} at lr {res['lr']}, seeds {res['seeds']}, "
+          f"W_Q/W_K init: {res['qk_init'] if res.get('model') != 'lm' else 'the library default'}. Tasks: "
           + ", ".join({"recall": f"associative recall (length {sz['seq_len']['recall']}, 4 key-value pairs, 16 classes, "
                                  "read at the last token)",
                        "text": f"byte-level next-token prediction on docstrings of Python's standard library "
