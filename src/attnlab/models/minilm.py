@@ -245,9 +245,10 @@ def load(mechanism="auto", pattern: P.Pattern | None = None, dtype: torch.dtype 
     path = model_path()
     config, state = _checkpoint(str(path))
     with torch.device("meta"):  # no random init of 22M parameters that are overwritten next
-        m = MiniLM(config, mechanism=mechanism, pattern=pattern, path=path)
+        m = MiniLM(config, path=path)
     m.load_state_dict({k: v.to(dtype=dtype, copy=True) for k, v in state.items()}, strict=True, assign=True)
-    return m.eval()
+    # mechanisms are resolved outside the meta-device context (they may create tensors of their own)
+    return m.set_mechanism(mechanism, pattern).eval()
 
 
 @functools.lru_cache(maxsize=1)
