@@ -193,3 +193,11 @@ def test_merge_into_equals_merge_partials():
     assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=1e-6, what="merged out")
     ref_o, ref_l = attnlab.merge_partials(o1, l1, o2, l2)
     assert_close(lse, ref_l, atol=1e-6, what="merged lse")
+
+
+def test_gradcheck_one_rank_ring_float64():
+    """gradcheck of the custom backward through the whole Function (zigzag: two segments, pieces of 2, causal)."""
+    q, k, v = (torch.randn(1, 1, 5, d, dtype=torch.float64, requires_grad=True) for d in (2, 2, 3))
+    sched = _schedule([5], 0, "zigzag", True, 2)
+    assert torch.autograd.gradcheck(lambda a, b, c: R._RingAttentionFunction.apply(a, b, c, sched, 0.7), (q, k, v),
+                                   fast_mode=True)
