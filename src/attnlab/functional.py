@@ -95,15 +95,15 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if is_causal:
         pat = P.causal() if pat is None else (pat & P.causal())
     mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias)
-    v = _zero_dead_values(v, mask)
+    k, v = _zero_dead_keys(k, v, mask)
     causal_only = is_causal and pattern is None and attn_mask is None
     return Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
                     bool(attn_mask is not None and attn_mask.requires_grad))
 
 
-def _zero_dead_values(v: torch.Tensor, mask: MaskSpec) -> torch.Tensor:
-    """Zero the value rows of keys that no query may attend (padding), so that whatever they hold —
-    even NaN — cannot reach the output through 0·NaN in a matrix product.
+def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec):
+    """Zero the key and value rows of keys that no query may attend (padding), so that whatever they
+    hold — even NaN or Inf — cannot reach the output through NaN scores or 0·NaN in a matrix product.
 
     # Note [Dead keys]: only keys masked for *every* query are zeroed; the gradient reaching them is 0,
     # which is also the true gradient. Costs one pass over the bool mask (already L×S) when given.
@@ -118,8 +118,9 @@ def _zero_dead_values(v: torch.Tensor, mask: MaskSpec) -> torch.Tensor:
             d = ~kk.to(v.device).view(kk.shape[0], 1, -1)  # (N, 1, S)
             dead = d if dead is None else dead | d
     if dead is None or not bool(dead.any()):
-        return v
-    return v.masked_fill(dead.unsqueeze(-1), 0)
+        return k, v
+    dead = dead.unsqueeze(-1)  # (N|1, H|1, S, 1)
+    return k.masked_fill(dead, 0), v.masked_fill(dead, 0)
 
 
 def _pattern_keys(p):
