@@ -25,6 +25,8 @@ def build_parser(p):
                    help="comma-separated mechanisms (default: vanilla 'sdpa' and every registered pattern and "
                         "approximation); also torch_sdpa, naive, dense, tiled")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default 8; quick 4)")
+    p.add_argument("--train-examples", type=int, default=None, help="generated training examples per task (default 4000)")
+    p.add_argument("--test-examples", type=int, default=None, help="held-out examples per task (default 500)")
 
 
 def default_mechanisms() -> tuple[list[str], str | None]:
@@ -72,6 +74,9 @@ def _run(args):
     steps = args.steps or (6 if args.quick else 200)
     batch = args.batch_size or (4 if args.quick else 8)
     n_train, n_test = (64, 32) if args.quick else (4000, 500)
+    n_train, n_test = args.train_examples or n_train, args.test_examples or n_test
+    if n_train < 1 or n_test < 1:
+        raise ValueError(f"--train-examples and --test-examples must be >= 1, got {n_train} and {n_test}")
     out = C.out_dir(args, "long-range")
     datasets = _datasets(tasks, T, n_train, n_test, seed=1234)
     configs, refused = [], {}
