@@ -25,7 +25,6 @@ import argparse
 import math
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -344,7 +343,7 @@ def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [
         "# Self-attention vs recurrence vs convolution, per layer (Vaswani et al. 2017, Table 1)", "",
-        f"Measured by `{cfg['command']}` on {env['cpu']} ({env['threads']} threads, torch {env['torch']}). "
+        f"Measured by `{cfg['command']}` on {env['cpu']} ({env['threads']} thread{'s' if env['threads'] != 1 else ''}, torch {env['torch']}). "
         f"Batch {cfg['batch']}, window w = {cfg['window']} each side (r = {2 * cfg['window'] + 1} keys), "
         f"kernel k = {cfg['kernel']}, float32. Times are the best of {cfg['max_reps']} repetitions at most (medians in "
         f"the JSON); only ratios within this run mean anything.", "",
