@@ -7,6 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab import reference
 from attnlab import retrieval as R
@@ -209,3 +211,24 @@ def test_cli_retrieve_tables_and_bad_input(tmp_path, capsys):
     assert main(["retrieve", "x", "--embedder", "hashing", "--tau", "-1", "--out", str(tmp_path)]) == 2
     assert "tau" in capsys.readouterr().err
     assert main(["retrieve", "x", "--embedder", "hashing", "-k", "0", "--out", str(tmp_path)]) == 2
+
+
+# -- properties -------------------------------------------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 23), d=st.integers(1, 9), tau=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16))
+def test_soft_lookup_properties(n, d, tau, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(d, generator=g), torch.randn(n, d, generator=g), torch.randn(n, 3, generator=g)
+    out, w = R.soft_lookup(q, k, v, tau)
+    assert w.shape == (n,) and out.shape == (3,)
+    assert float(w.sum()) == pytest.approx(1.0, abs=1e-5) and bool((w >= 0).all())
+    # permuting the (key, value) entries permutes the weights and leaves the answer alone
+    perm = torch.randperm(n, generator=g)
+    out_p, w_p = R.soft_lookup(q, k[perm], v[perm], tau)
+    torch.testing.assert_close(w_p, w[perm], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out_p, out, atol=1e-5, rtol=1e-5)
+    # the answer is a convex combination of the values: inside their bounding box
+    assert bool((out >= v.min(0).values - 1e-5).all() and (out <= v.max(0).values + 1e-5).all())
+    # the largest weight sits on the hard lookup's entry (up to ties)
+    i, s = R.hard_lookup(q, k)
+    assert float(w[i]) == pytest.approx(float(w.max()), rel=1e-5)
