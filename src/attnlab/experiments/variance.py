@@ -168,6 +168,11 @@ def _tutorial_checks() -> list[dict]:
         ("numerical comparison, with scaling by 8", [5.65, 6.01, 6.49, 5.54], "[0.15, 0.19, 0.42, 0.24]"),
         ("saturation example", [10, 20, 30], "≈ [0.0, 0.0, 1.0]"),
         ("distributed example", [0.1, 0.2, 0.3], "≈ [0.30, 0.33, 0.37]"),
+        ("worked example, row 1 (scaled)", [0.6, 0.4, 0.25, 0.45], "[0.296, 0.242, 0.208, 0.254]"),
+        ("worked example, row 2 (scaled)", [0.3, 0.75, 0.15, 0.35], "[0.245, 0.398, 0.152, 0.205]"),
+        ("worked example, row 3 (scaled)", [0.2, 0.35, 0.9, 0.3], "[0.168, 0.216, 0.491, 0.125]"),
+        ("worked example, row 4 (scaled)", [0.55, 0.45, 0.2, 0.8], "[0.301, 0.273, 0.131, 0.295]"),
+        ("interview answer, without scaling", [1.2, 0.8, 0.5, 0.9], "≈ [0.34, 0.23, 0.17, 0.26]"),
     ]
     out = []
     for what, x, quoted in cases:
