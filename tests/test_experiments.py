@@ -58,6 +58,10 @@ def test_variance_experiment_quick(tmp_path):
     assert (tmp_path / "report.md").read_text().startswith("# Var(q·k)")
     assert (tmp_path / "variance.png").read_bytes()[:4] == b"\x89PNG"
     assert res["environment"]["torch"] == torch.__version__
+    for c in res["tutorial_checks"]:  # recomputed, never copied from the tutorial
+        x = np.array(c["scores"], dtype=np.float64)
+        want = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+        assert np.allclose(c["softmax"], want, atol=5e-5)
 
 
 # -- the model's switches --------------------------------------------------------------------------------
