@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +27,7 @@ __all__ = [
     "add_common_args", "out_dir", "seeds_of", "attention_fn", "pattern_catalog", "mechanism_names",
     "RunConfig", "TinyTransformer", "train_run", "stdlib_text", "text_task", "scale_value",
     "peak_rss_bytes", "reset_peak_rss", "progress", "write_results", "fmt_table", "save_plot",
+    "make_mechanism", "threads", "run_grid", "summarize_runs", "training_experiment", "build_model", "evaluate",
 ]
 
 EXACT_METHODS = ("auto", "dense", "sdpa", "tiled", "sparse")
