@@ -40,17 +40,20 @@ def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float =
     qp = F.pad(q, (0, 0, 0, nq * block_q - L)) if nq * block_q != L else q.contiguous()
     kp = F.pad(k, (0, 0, 0, nk * block_k - S)) if nk * block_k != S else k.contiguous()
     vp = F.pad(v, (0, 0, 0, nk * block_k - S)) if nk * block_k != S else v.contiguous()
-    dev = q.device
-    rows_all, outs = [], []
-    for rows, cols, full in plan_groups(layout):
+    groups = plan_groups(layout)
+    covered = sum(len(rows) for rows, _, _ in groups) == nq
+    # (N, H, nq, bq, Ev); rows with no key at all stay 0, the others are written once, in place
+    out = (q.new_empty if covered else q.new_zeros)(N, H, nq, block_q, Ev)
+    for rows, cols, full in groups:
         for r_rows, r_cols, step in _runs(rows, cols):
             og = _attend_run(qp, kp, vp, r_rows, r_cols, step, full, mask, scale, dropout_p, block_q, block_k)
-            rows_all.append(r_rows.to(dev))
-            outs.append(og)  # (G, N, H, bq, Ev)
-    out = torch.zeros(nq, N, H, block_q, Ev, dtype=q.dtype, device=dev)
-    if outs:
-        out = out.index_copy(0, torch.cat(rows_all), torch.cat(outs))  # query blocks with no keys stay 0
-    return out.permute(1, 2, 0, 3, 4).reshape(N, H, nq * block_q, Ev)[:, :, :L]
+            og = og.permute(1, 2, 0, 3, 4)  # (N, H, G, bq, Ev)
+            r0, G = int(r_rows[0]), len(r_rows)
+            if int(r_rows[-1]) - r0 + 1 == G:
+                out[:, :, r0:r0 + G] = og
+            else:
+                out[:, :, r_rows.to(q.device)] = og
+    return out.view(N, H, nq * block_q, Ev)[:, :, :L]
 
 
 def _runs(rows: torch.Tensor, cols: torch.Tensor):
@@ -114,7 +117,7 @@ def _attend_run(qp, kp, vp, rows, cols, step, full, mask, scale, dropout_p, bq, 
             vn = vw[n].permute(1, 0, 3, 2)
             mn = None if m is None else m[0] if invariant else m[:, n if m.shape[1] > 1 else 0]
             outs.append(sdpa(qn, kn, vn, attn_mask=mn, dropout_p=dropout_p, scale=scale))  # (G, H, bq, Ev)
-        return torch.stack(outs, 1)  # (G, N, H, bq, Ev)
+        return outs[0].unsqueeze(1) if N == 1 else torch.stack(outs, 1)  # (G, N, H, bq, Ev)
     # general case: gather the key blocks each query block needs
     rows_d, cols_d = rows.to(dev), cols.to(dev)
     qb = qp.unflatten(2, (-1, bq))
