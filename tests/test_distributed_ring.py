@@ -166,6 +166,6 @@ def test_four_ranks_match_single_process_and_survive_a_dead_rank(tmp_path):
         etype, msg, seconds = r.value["dead_peer"]
         assert etype == "RingAttentionError", (etype, msg)
         assert f"rank {r.rank} of 4" in msg and "died" in msg
-        if r.rank == 0:  # rank 3's successor: its next piece never comes
-            assert "exchange key/value piece 0" in msg, msg
+        if r.rank == 0:  # rank 3's successor: a piece never comes (which one depends on socket buffering)
+            assert "could not exchange key/value piece" in msg, msg
         assert seconds < GROUP_TIMEOUT + 10
