@@ -37,7 +37,8 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod_name, help_text) in SUBCOMMANDS.items():
         try:
