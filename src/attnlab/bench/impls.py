@@ -40,6 +40,8 @@ def make_pattern(spec: dict | None):
 
 
 def pattern_density(spec: dict | None, n: int) -> float:
+    if spec and spec.get("name") == "block_sparse":
+        spec = dict(spec, n=n)
     p = make_pattern(spec)
     if p is None:
         return 1.0
