@@ -13,6 +13,7 @@ def test_bench_core_quick_writes_results(tmp_path):
     impls = {(r["section"], r["impl"]) for r in data["records"]}
     assert {("dense", "sdpa"), ("dense", "auto"), ("dense", "tiled"), ("dense", "naive")} <= impls
     assert ("pattern", "auto") in impls and ("train", "auto") in impls
+    assert {r["pattern"] for r in data["records"] if r["section"] == "pattern"} == {"sliding_window_256", "block_sparse_10pct"}
     timed = [r for r in data["records"] if r["seconds"] is not None]
     assert timed and all(r["seconds"] > 0 for r in timed)
     assert all(r["ratio_vs_sdpa"] is not None for r in timed if r["section"] == "dense")

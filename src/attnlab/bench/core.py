@@ -178,7 +178,7 @@ def run(args) -> Result:
         for causal in (False, True):
             for n in ns:
                 configs.append(("dense", ["sdpa", "auto", "tiled", "naive"], n, dtype, causal, None, False))
-    pats = ["sliding_window_256"] if quick else list(PATTERNS)
+    pats = ["sliding_window_256", "block_sparse_10pct"] if quick else list(PATTERNS)
     for pat in pats:
         for n in ns:
             causal = pat == "sliding_window_256"
