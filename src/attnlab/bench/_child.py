@@ -3,8 +3,9 @@
     python -m attnlab.bench._child '{"impl": "tiled", "n": 4096, "dtype": "float32", "causal": false,
                                       "backward": true, "B": 1, "H": 8, "D": 64, "pattern": null}'
 
-Prints one JSON line {"peak_bytes": ..., "baseline_bytes": ...}. The baseline is the high-water mark
-after imports, inputs and a tiny warm-up call, so the figure is what the attention call itself adds.
+Prints one JSON line {"peak_bytes": ..., "baseline_bytes": ...}. The baseline is the resident size after
+imports, inputs and a tiny warm-up call, when the kernel's peak mark is reset (/proc/self/clear_refs);
+the figure is the peak (VmHWM) the attention call adds on top.
 """
 from __future__ import annotations
 
@@ -17,8 +18,29 @@ import torch
 from .impls import build_call, make_inputs
 
 
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> None:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0); ru_maxrss cannot be reset and, worse, keeps the
+    parent's peak across fork+exec, so a child of a large benchmark process would report nothing."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    hwm = _status_bytes("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main(argv: list[str]) -> None:
@@ -32,7 +54,8 @@ def main(argv: list[str]) -> None:
         r.float().sum().backward()
     del q, k, v, r
     q, k, v = make_inputs(spec)
-    base = _maxrss_bytes()
+    _reset_peak()
+    base = _status_bytes("VmRSS") or _maxrss_bytes()
     out = build_call(spec)(q, k, v)
     if spec.get("backward"):
         out.float().sum().backward()
