@@ -137,6 +137,11 @@ class Sparse(Exact):
 class PatternMechanism(Exact):
     """Exact attention restricted to ``pattern_for()``; ``method`` picks attnlab.attention's kernel."""
 
+    def __post_init__(self):
+        # validate at construction: a bad method or pattern argument fails here, not at the first call
+        _check_method(self.method)
+        self.pattern_for()
+
     def pattern_for(self) -> P.Pattern:
         raise NotImplementedError
 
@@ -155,10 +160,6 @@ class SlidingWindow(PatternMechanism):
     align: str = "top_left"
     method: str = "auto"
 
-    def __post_init__(self):
-        _check_method(self.method)
-        self.pattern_for()
-
     def pattern_for(self):
         return P.sliding_window(self.window, self.causal, self.align)
 
@@ -172,10 +173,6 @@ class Dilated(PatternMechanism):
     causal: bool = False
     method: str = "auto"
 
-    def __post_init__(self):
-        _check_method(self.method)
-        self.pattern_for()
-
     def pattern_for(self):
         return P.dilated(self.window, self.dilation, self.causal)
 
@@ -187,10 +184,6 @@ class Strided(PatternMechanism):
     stride: int = 64
     causal: bool = True
     method: str = "auto"
-
-    def __post_init__(self):
-        _check_method(self.method)
-        self.pattern_for()
 
     def pattern_for(self):
         return P.strided(self.stride, self.causal)
@@ -204,10 +197,6 @@ class Fixed(PatternMechanism):
     summary: int = 8
     causal: bool = True
     method: str = "auto"
-
-    def __post_init__(self):
-        _check_method(self.method)
-        self.pattern_for()
 
     def pattern_for(self):
         return P.fixed(self.block, self.summary, self.causal)
@@ -260,10 +249,6 @@ class BigBird(PatternMechanism):
     random_blocks: int = 1
     seed: int = 0
     method: str = "auto"
-
-    def __post_init__(self):
-        _check_method(self.method)
-        self.pattern_for()
 
     def pattern_for(self):
         return P.bigbird(self.block_size, self.window_blocks, self.global_blocks, self.random_blocks, self.seed)
