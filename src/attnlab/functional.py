@@ -16,6 +16,7 @@ from .kernels import fused as _fused
 from .kernels import sparse as _sparse
 from .kernels import tiled as _tiled
 from .kernels.masks import MaskSpec
+from .report import format_bytes as _fmt_bytes
 from .shapes import AttentionInputs, check_attention_inputs, shape_str
 
 __all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "Plan", "METHODS", "Prepared", "prepare"]
@@ -157,14 +158,6 @@ class Plan:
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<7} {state:<50} {cost}")
         return "\n".join(lines)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} TiB"
 
 
 def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size) -> Plan:

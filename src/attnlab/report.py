@@ -8,7 +8,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_write_json", "save_figure", "environment"]
+__all__ = ["format_bytes", "atomic_write_text", "atomic_write_bytes", "atomic_write_json", "save_figure", "environment"]
+
+
+def format_bytes(n: float | None, digits: int = 3) -> str:
+    """1536 -> '1.5 KiB' (binary units, ``digits`` significant digits); None -> '—'."""
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.{digits}g} {unit}"
+        n /= 1024
+    return f"{n:.{digits}g} TiB"
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

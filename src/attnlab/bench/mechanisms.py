@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..report import format_bytes
+
 __all__ = ["build_parser", "run", "measure_job", "fit_exponent", "TUTORIAL_TABLE", "REFERENCE"]
 
 REFERENCE = "torch_sdpa"
@@ -279,14 +281,7 @@ def _predict(points: list[tuple[int, float]], n: int, default_exp: float = 2.0) 
     return y0 * (n / n0) ** e
 
 
-def _fmt_bytes(b) -> str:
-    if b is None:
-        return "—"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(b) < 1024 or unit == "GiB":
-            return f"{b:.3g} {unit}"
-        b /= 1024
-    return str(b)
+_fmt_bytes = format_bytes
 
 
 def _fmt_time(t) -> str:

@@ -5,6 +5,7 @@ import torch
 
 import attnlab
 from attnlab import patterns as P
+from attnlab.report import format_bytes as _fmt_bytes
 
 from .main import UsageError
 
@@ -94,8 +95,6 @@ def run(args):
             for m in attnlab.METHODS[1:]:
                 status = "[bold green]chosen[/]: " + r["reason"] if m == r["method"] else \
                     f"[red]refused[/]: {r['refused'][m]}" if m in r["refused"] else "available"
-                from attnlab.functional import _fmt_bytes
-
                 t.add_row(m, status, _fmt_bytes(r["peak_bytes"][m]), f"{r['flops'][m] / 1e9:.3g}")
             console.print(t)
     return {"plans": results, "exit_code": 0}

@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 
+from ..report import format_bytes
 from .core import Step, Trace
 
 __all__ = ["to_json", "to_markdown", "to_html", "to_rich", "FORMATS"]
@@ -33,11 +34,7 @@ def _fmt_int(n: int) -> str:
 
 
 def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n:.4g} TiB"
+    return format_bytes(n, digits=4)
 
 
 def _cut(labels, n, prefix):
