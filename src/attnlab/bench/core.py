@@ -21,6 +21,7 @@ import torch
 
 from ..report import atomic_write_json, atomic_write_text, environment, save_figure
 from .impls import build_call, make_inputs, pattern_density
+from .mechanisms import fit_exponent
 
 __all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent"]
 
@@ -83,15 +84,6 @@ def time_call(f, repeats=3, warmup=1) -> float:
         f()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
-
-
-def fit_exponent(ns, ys) -> float | None:
-    """Slope of log y against log n (least squares)."""
-    pts = [(math.log(n), math.log(y)) for n, y in zip(ns, ys) if y and y > 0]
-    if len(pts) < 2:
-        return None
-    x, y = np.array(pts).T
-    return float(np.polyfit(x, y, 1)[0])
 
 
 def _flops(n, causal, density, B=1, H=8, D=64):
