@@ -171,3 +171,21 @@ def test_sparse_runs_bands_rectangles_and_gathers(pat, L, S):
     gd = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=m, method="dense").sum(), (q, k, v))
     for a, b in zip(g, gd):
         assert_close(a, b, atol=1e-10, what="grad")
+
+
+@pytest.mark.parametrize("bq,bk", [(1, 1), (2, 3), (3, 2), (5, 5), (8, 4), (16, 16)])
+def test_block_table_layouts_are_tight(bq, bk):
+    """Block tables (BigBird, block_sparse) give exact layouts at any block size, finer or coarser."""
+    g = torch.Generator().manual_seed(3)
+    pats = [P.bigbird(2, 3, 1, 1, seed=4), P.block_sparse(torch.rand(7, 6, generator=g) < 0.4, 2)]
+    L, S = 13, 11
+    for pat in pats:
+        m = pat.materialize(L, S)
+        x = torch.zeros(-(-L // bq) * bq, -(-S // bk) * bk, dtype=torch.bool)
+        x[:L, :S] = m
+        lay = pat.block_layout(L, S, bq, bk)
+        blocks = x.view(lay.shape[0], bq, lay.shape[1], bk)
+        assert torch.equal(lay != P.EMPTY, blocks.any(3).any(1)), repr(pat)
+        y = torch.ones_like(x)
+        y[:L, :S] = m
+        assert torch.equal(lay == P.FULL, y.view_as(blocks).all(3).all(1)), repr(pat)

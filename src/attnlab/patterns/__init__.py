@@ -320,13 +320,13 @@ class _BlockTable(Pattern):
     def _bounds(self, qlo, qhi, klo, khi, L, S):
         bs = self.block_size
         t = self.table(-(-L // bs), -(-S // bs), qlo.device)
-        # blocks of the caller's grid that lie inside one table cell
+        # table cells each caller block touches: [bq0, bq1] x [bk0, bk1]. Counting the kept cells with
+        # a 2-D prefix sum makes any block size (finer or coarser than the table's) cost O(cells).
         bq0, bq1 = torch.div(qlo, bs, rounding_mode="floor"), torch.div(qhi, bs, rounding_mode="floor")
         bk0, bk1 = torch.div(klo, bs, rounding_mode="floor"), torch.div(khi, bs, rounding_mode="floor")
-        if not (bool((bq0 == bq1).all()) and bool((bk0 == bk1).all())):
-            return None
-        v = t[bq0.expand(-1, klo.shape[1]), bk0.expand(qlo.shape[0], -1)]
-        return v, v
+        c = torch.nn.functional.pad(t.to(torch.int32).cumsum(0).cumsum(1), (1, 0, 1, 0))
+        kept = c[bq1 + 1, bk1 + 1] - c[bq0, bk1 + 1] - c[bq1 + 1, bk0] + c[bq0, bk0]
+        return kept > 0, kept == (bq1 - bq0 + 1) * (bk1 - bk0 + 1)
 
     def __repr__(self):
         return self.name
