@@ -91,3 +91,13 @@ def test_probe_answers_match_dense_weights(pattern):
     b = torch.bucketize(d, edges, right=True) - 1
     expect = torch.stack([(w * (b == i)).sum((-1, -2)) / 13 for i in range(3)], -1)
     assert_close(hist, expect, atol=1e-12, what="distance histogram")
+
+
+def test_causal_block_count_matches_the_layout():
+    """explain() counts plain causal blocks arithmetically; the count must equal the pattern's layout."""
+    import itertools
+
+    from attnlab.functional import _causal_blocks
+    for L, S, bq, bk in itertools.product([1, 5, 17, 130], [1, 7, 129], [1, 4, 16], [1, 3, 16]):
+        lay = P.causal().block_layout(L, S, bq, bk)
+        assert _causal_blocks(L, S, bq, bk) == int((lay != P.EMPTY).sum()), (L, S, bq, bk)

@@ -176,17 +176,23 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
     flops: dict[str, int] = {}
     unit_flops = 2 * (E + Ev)
 
-    # sparse layout at its block size: computed blocks and their area
-    lay = mask.layout(bs, bs) if not mask.is_trivial else None
+    # sparse layout at its block size: computed blocks and their area (plain causal is counted, not laid out)
+    lay = mask.layout(bs, bs) if not (mask.is_trivial or p.is_causal_only) else None
     if lay is not None and lay.numel():
-        nonempty = (lay != P.EMPTY)
-        computed = int(nonempty.sum()) * bs * bs
-        density = float(nonempty.float().mean())
-        gathered = int(nonempty.sum()) * bs
+        blocks = int((lay != P.EMPTY).sum())
+        density = blocks / lay.numel()
+    elif p.is_causal_only:
+        blocks = _causal_blocks(L, S, bs, bs)
+        density = blocks / max(1, (-(-L // bs)) * (-(-S // bs)))
     else:
-        computed, density, gathered = L * S, 1.0, (-(-L // bs)) * max(S, 1)
-    tl = mask.layout(tq, tk) if not mask.is_trivial else None
-    t_computed = int((tl != P.EMPTY).sum()) * tq * tk if tl is not None else L * S
+        blocks, density = None, 1.0
+    computed = blocks * bs * bs if blocks is not None else L * S
+    gathered = blocks * bs if blocks is not None else (-(-L // bs)) * max(S, 1)
+    if p.is_causal_only:
+        t_computed = _causal_blocks(L, S, tq, tk) * tq * tk
+    else:
+        tl = mask.layout(tq, tk) if not mask.is_trivial else None
+        t_computed = int((tl != P.EMPTY).sum()) * tq * tk if tl is not None else L * S
     t_computed = min(t_computed, max(L, 1) * max(S, 1) * 4)
 
     backend = _fused.sdpa_backend(p.q, p.k, p.v, None if p.mask.is_trivial or p.is_causal_only else (
@@ -255,6 +261,12 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
                 (bs, bs) if chosen == "sparse" else (tq, tk) if chosen == "tiled" else None, density)
 
 
+def _causal_blocks(L: int, S: int, bq: int, bk: int) -> int:
+    """Non-empty (bq x bk) blocks of a top-left causal mask, counted without building the layout."""
+    nk = -(-S // bk)
+    return sum(min(nk, min(L - 1, qi * bq + bq - 1) // bk + 1) for qi in range(-(-L // bq)))
+
+
 # -- public API ------------------------------------------------------------------------------------
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
@@ -283,6 +295,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     Equivalent to: ``softmax(q @ k.transpose(-2, -1) * scale + mask) @ v`` with masked scores at -inf.
     """
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
+    if (method == "auto" and not need_weights and not strict and (p.mask.is_trivial or p.is_causal_only)
+            and p.info.L and p.info.S):
+        # what _plan's rule picks for plain dense or causal inputs, without costing the other methods
+        out = _fused.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, p.info.scale)
+        return out.reshape(p.out_shape)
     plan = _plan(p, method, need_weights, strict, block_size)
     out, weights = _run(p, plan, need_weights)
     out = out.reshape(p.out_shape)
