@@ -27,6 +27,9 @@ DENSE_WEIGHTS_BUDGET = 256 * 2**20
 #: auto uses the gathered block-sparse kernel when at least this fraction of blocks is empty
 SPARSE_MIN_EMPTY = 0.25
 DEFAULT_SPARSE_BLOCK = 128
+#: fused-kernel speed (GFLOP/s) at query blocks of this many rows, measured on the 2-core reference
+#: machine (B·H batches of [block, ~block + 256] problems); relative values choose a band's block size
+SPARSE_BLOCK_SPEED = {32: 49.0, 64: 60.0, 128: 65.0, 256: 77.0}
 DEFAULT_TILED_BLOCK = (512, 512)
 
 
@@ -169,7 +172,7 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
     io = N * H * L * (E + 2 * Ev) * el + 2 * N * H * S * (E + Ev) * el
     pairs = N * H * L * S
     has_pattern = mask.pattern is not None and not p.is_causal_only
-    bs = block_size or DEFAULT_SPARSE_BLOCK
+    bs = block_size or _sparse_block(p)
     tq, tk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
     refused: dict[str, str] = {}
     peak: dict[str, int] = {}
@@ -259,6 +262,22 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
             raise ValueError(f"no attention method can run these inputs ({reasons})")
     return Plan(chosen, reason, refused, peak, flops, backend,
                 (bs, bs) if chosen == "sparse" else (tq, tk) if chosen == "tiled" else None, density)
+
+
+def _sparse_block(p: Prepared) -> int:
+    """The sparse kernel's block edge: a block table's own block; for bands (masks that depend on j - i
+    only) the edge minimising computed area / fused speed; else DEFAULT_SPARSE_BLOCK."""
+    pat, mask = p.mask.pattern, p.mask
+    if pat is None or mask.keep is not None or mask.bias is not None or p.is_causal_only:
+        return DEFAULT_SPARSE_BLOCK
+    if isinstance(pat, P._BlockTable):
+        return pat.block_size if 32 <= pat.block_size <= 512 else DEFAULT_SPARSE_BLOCK
+    if not _sparse._translation_invariant(pat):
+        return DEFAULT_SPARSE_BLOCK
+
+    def cost(b):
+        return int((mask.layout(b, b) != P.EMPTY).sum()) * b * b / SPARSE_BLOCK_SPEED[b]
+    return min(SPARSE_BLOCK_SPEED, key=cost)
 
 
 def _causal_blocks(L: int, S: int, bq: int, bk: int) -> int:

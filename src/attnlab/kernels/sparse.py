@@ -49,10 +49,13 @@ def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float =
     for rows, cols, full in groups:
         # chunks keep each gathered K/V and each output below CHUNK_BYTES: larger fresh buffers are
         # mmap-ed and page-faulted on every call (measured: one 76 MB gather 4.7x slower than 16 MB ones)
-        per_row = N * H * max(cols.shape[1] * block_k * max(E, Ev), block_q * Ev) * q.element_size()
-        per = max(1, CHUNK_BYTES // per_row)
-        for r_rows, r_cols, step in ((r[a:a + per], c[a:a + per], st)
-                                     for r, c, st in _runs(rows, cols) for a in range(0, len(r), per)):
+        out_row = N * H * block_q * Ev * q.element_size()
+        gather_row = N * H * cols.shape[1] * block_k * max(E, Ev) * q.element_size()
+        runs = []
+        for r, c, st in _runs(rows, cols):
+            per = max(1, CHUNK_BYTES // (out_row if st is not None else max(out_row, gather_row)))
+            runs += [(r[a:a + per], c[a:a + per], st) for a in range(0, len(r), per)]
+        for r_rows, r_cols, step in runs:
             og = _attend_run(qp, kp, vp, r_rows, r_cols, step, full, mask, scale, dropout_p, block_q, block_k)
             og = og.permute(1, 2, 0, 3, 4)  # (N, H, G, bq, Ev)
             if _contiguous(r_rows):
