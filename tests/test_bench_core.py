@@ -17,6 +17,10 @@ def test_bench_core_quick_writes_results(tmp_path):
     timed = [r for r in data["records"] if r["seconds"] is not None]
     assert timed and all(r["seconds"] > 0 for r in timed)
     assert all(r["ratio_vs_sdpa"] is not None for r in timed if r["section"] == "dense")
+    dense = {r["n"]: r["seconds"] for r in timed if r["section"] == "dense" and r["impl"] == "sdpa"
+             and r["dtype"] == "float32" and not r["causal"]}
+    pats = [r for r in timed if r["section"] == "pattern" and r["impl"] == "auto"]
+    assert pats and all(r["vs_density_dense"] == r["seconds"] / (r["density"] * dense[r["n"]]) for r in pats)
     mem = [r for r in data["records"] if r["section"] == "memory"]
     assert {r["impl"] for r in mem} == {"sdpa", "tiled", "naive", "auto"}
     assert all(r["peak_bytes"] is not None and r["peak_bytes"] >= 0 for r in mem)

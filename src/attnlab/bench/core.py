@@ -46,6 +46,8 @@ class Record:
     gflops: float | None = None  # achieved, counting only the work the pattern needs
     ratio_vs_sdpa: float | None = None  # sdpa time / this time (>1: faster than SDPA)
     density: float = 1.0
+    # patterns: this time / (density x SDPA's dense non-causal fp32 time at the same n); target <= 1.5
+    vs_density_dense: float | None = None
 
 
 @dataclass
@@ -206,10 +208,19 @@ def run(args) -> Result:
                                               peak_bytes=_mem_child(spec)))
                 prog.advance(task)
 
+    _density_ratios(res)
     _exponents(res)
     _write(res, out)
     _render(res, console)
     return res
+
+
+def _density_ratios(res: Result):
+    dense = {r.n: r.seconds for r in res.records if r.section == "dense" and r.impl == "sdpa"
+             and r.dtype == "float32" and not r.causal and r.seconds}
+    for r in res.records:
+        if r.section == "pattern" and r.impl != "sdpa" and r.seconds and r.n in dense:
+            r.vs_density_dense = r.seconds / (r.density * dense[r.n])
 
 
 def _exponents(res: Result):
@@ -273,13 +284,16 @@ def _markdown(res: Result) -> str:
              f"torch {res.env.get('torch')}", "",
              "Matrix-product peak measured in this run: " +
              ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()), "",
-             "| section | impl | pattern | dtype | causal | n | fwd+bwd | ms | GFLOP/s | × SDPA speed | peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "`time/(ρ·dense)`: a pattern's time over its density ρ times SDPA's dense (non-causal) time at the same n.",
+             "",
+             "| section | impl | pattern | dtype | causal | n | fwd+bwd | ms | GFLOP/s | × SDPA speed | time/(ρ·dense) | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.records:
         lines.append(f"| {r.section} | {r.impl} | {r.pattern or ''} | {r.dtype} | {r.causal} | {r.n} | {r.backward} | "
                      f"{'' if r.seconds is None else f'{r.seconds * 1e3:.2f}'} | "
                      f"{'' if r.gflops is None else f'{r.gflops:.1f}'} | "
                      f"{'' if r.ratio_vs_sdpa is None else f'{r.ratio_vs_sdpa:.2f}'} | "
+                     f"{'' if r.vs_density_dense is None else f'{r.vs_density_dense:.2f}'} | "
                      f"{'' if r.peak_bytes is None else f'{r.peak_bytes / 2**20:.1f}'} |")
     lines += ["", "## Fitted exponents (log-log slope in n, n >= 1024)", ""]
     lines += [f"- {k}: {v:.2f}" for k, v in sorted(res.exponents.items()) if v is not None]
@@ -292,13 +306,14 @@ def _render(res: Result, console):
     from rich.table import Table
 
     t = Table(title="attnlab bench core — ratios are SDPA time / impl time, same run")
-    for c in ("section", "impl", "pattern", "dtype", "causal", "n", "ms", "GFLOP/s", "× SDPA", "peak MiB"):
-        t.add_column(c, justify="right" if c in ("n", "ms", "GFLOP/s", "× SDPA", "peak MiB") else "left")
+    for c in ("section", "impl", "pattern", "dtype", "causal", "n", "ms", "GFLOP/s", "× SDPA", "t/(ρ·dense)", "peak MiB"):
+        t.add_column(c, justify="left" if c in ("section", "impl", "pattern", "dtype", "causal") else "right")
     for r in res.records:
         t.add_row(r.section + (" (bwd)" if r.backward else ""), r.impl, r.pattern or "", r.dtype, str(r.causal), str(r.n),
                   "" if r.seconds is None else f"{r.seconds * 1e3:.1f}",
                   "" if r.gflops is None else f"{r.gflops:.1f}",
                   "" if r.ratio_vs_sdpa is None else f"{r.ratio_vs_sdpa:.2f}",
+                  "" if r.vs_density_dense is None else f"{r.vs_density_dense:.2f}",
                   "" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}")
     console.print(t)
     console.print("matrix-product peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()))
