@@ -43,3 +43,37 @@ def test_explain_cli_bad_input_exit_2(capsys):
     assert "--shape" in capsys.readouterr().err
     assert cli.main(["explain", "--pattern", "__import__('os')"]) == 2
     assert cli.main(["explain", "--shape", "1,2,8,4", "--kv-heads", "3"]) == 2
+
+
+def test_bench_core_resume_keeps_finished_configurations(tmp_path, monkeypatch):
+    """A killed run leaves results.json with every finished configuration; --resume re-times none of them."""
+    from attnlab.bench import core
+
+    calls = {"n": 0}
+    real = core.time_call
+
+    def dying(f, repeats=3, warmup=1):
+        calls["n"] += 1
+        if calls["n"] > 6:
+            raise KeyboardInterrupt
+        return real(f, repeats, warmup)
+
+    monkeypatch.setattr(core, "time_call", dying)
+    try:
+        cli.main(["bench", "core", "--quick", "--no-memory", "--out", str(tmp_path)])
+    except KeyboardInterrupt:
+        pass
+    partial = json.loads((tmp_path / "results.json").read_text())
+    assert not partial["complete"] and partial["records"]
+    kept = {(r["section"], r["impl"], r["n"], r["dtype"], r["causal"], r["pattern"]) for r in partial["records"]}
+
+    timed = []
+    monkeypatch.setattr(core, "time_call", lambda f, repeats=3, warmup=1: timed.append(1) or real(f, repeats, warmup))
+    assert cli.main(["bench", "core", "--quick", "--no-memory", "--resume", "--out", str(tmp_path)]) == 0
+    final = json.loads((tmp_path / "results.json").read_text())
+    assert final["complete"]
+    keys = [(r["section"], r["impl"], r["n"], r["dtype"], r["causal"], r["pattern"]) for r in final["records"]]
+    assert len(keys) == len(set(keys)) and kept < set(keys)
+    matmul_calls = 1  # the matrix-product peak is measured again in every run
+    assert len(timed) == len(set(keys)) - len(kept) + matmul_calls
+    assert cli.main(["bench", "core", "--quick", "--resume", "--out", str(tmp_path)]) == 2  # other settings

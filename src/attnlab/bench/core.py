@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +58,8 @@ class Result:
     peak_gflops: dict = field(default_factory=dict)
     exponents: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    complete: bool = False
     exit_code: int = 0
 
 
@@ -68,6 +70,8 @@ def build_parser(p):
     p.add_argument("--time-budget", type=float, default=20.0, help="skip calls predicted to exceed this (s)")
     p.add_argument("--mem-budget-gib", type=float, default=12.0, help="skip configs predicted above this")
     p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurements")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the measurements a killed run with the same settings left in --out, measure the rest")
 
 
 def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
@@ -118,24 +122,41 @@ def run(args) -> Result:
     out = Path(args.out)
     res = Result(out_dir=str(out), env=environment())
     quick = args.quick
+    res.settings = dict(quick=quick, max_n=args.max_n, time_budget=args.time_budget,
+                        mem_budget_gib=args.mem_budget_gib, memory=not args.no_memory)
+    done = _previous(out, res.settings, console) if getattr(args, "resume", False) else {}
     ns = [128, 256] if quick else [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
                                     if n <= args.max_n]
     dtypes = ["float32"] if quick else ["float32", "bfloat16"]
     reps = 2 if quick else 3
     budget_t, budget_m = (1.0, 2.0) if quick else (args.time_budget, args.mem_budget_gib)
     res.peak_gflops = {d: matmul_peak(getattr(torch, d), n=512 if quick else 2048) for d in dtypes}
-    res.peak_gflops.setdefault("float32", matmul_peak(torch.float32, n=512))
+    if "float32" not in res.peak_gflops:
+        res.peak_gflops["float32"] = matmul_peak(torch.float32, n=512)
 
     def skip(reason, **cfg):
         res.skipped.append(dict(cfg, reason=reason))
+
+    def reuse(key) -> Record | None:
+        """A record the resumed run already measured (kept as measured, not re-timed)."""
+        old = done.get(key)
+        if old is not None:
+            res.records.append(old)
+        return old
 
     def measure(section, impls, n, dtype, causal, pattern=None, backward=False):
         spec0 = dict(n=n, dtype=dtype, causal=causal, pattern=PATTERNS.get(pattern), backward=backward)
         density = pattern_density(spec0["pattern"], n) if pattern else 1.0
         flops = _flops(n, causal, density) * (3.5 if backward else 1.0)
         sdpa_time = None
-        inputs = make_inputs(spec0)
+        mine: list[Record] = []
+        inputs = None
         for impl in impls:
+            old = reuse((section, impl, n, dtype, causal, pattern, backward))
+            if old is not None:
+                mine.append(old)
+                sdpa_time = old.seconds if impl == "sdpa" else sdpa_time
+                continue
             eff = 0.15 if impl == "naive" else 0.4 if impl == "tiled" else 0.6
             work = _flops(n, causal and impl != "naive", 1.0 if impl in ("sdpa", "naive") else density)
             # fused kernels upcast half types internally: only the naive path runs at the dtype's matmul peak
@@ -152,6 +173,7 @@ def run(args) -> Result:
                 skip(f"predicted {pred_m:.1f} GiB > memory budget {budget_m} GiB", **cfg)
                 continue
             f = build_call(dict(spec0, impl=impl))
+            inputs = make_inputs(spec0) if inputs is None else inputs
             if backward:
                 def call(f=f):
                     for t in inputs:
@@ -167,9 +189,11 @@ def run(args) -> Result:
             if impl == "sdpa":
                 sdpa_time = secs
             res.records.append(rec)
-        for r in res.records[-len(impls):]:
-            if sdpa_time and r.n == n and r.seconds and r.section == section:
+            mine.append(rec)
+        for r in mine:
+            if sdpa_time and r.seconds:
                 r.ratio_vs_sdpa = sdpa_time / r.seconds
+        _save(res, out)  # each finished configuration lands on disk: a killed run keeps it
 
     configs = []
     for dtype in dtypes:
@@ -202,17 +226,44 @@ def run(args) -> Result:
                 cfg = dict(section=section, impl=impl, n=n, dtype="float32", causal=True, pattern=pat)
                 if pred > budget_m * 2:
                     skip(f"predicted {pred:.1f} GiB > memory budget", **cfg)
-                else:
+                elif reuse((section, impl, n, "float32", True, pat, bwd)) is None:
                     spec = dict(impl=impl, n=n, dtype="float32", causal=True, backward=bwd, pattern=PATTERNS.get(pat))
                     res.records.append(Record(section, impl, n, "float32", True, pat, bwd,
                                               peak_bytes=_mem_child(spec)))
+                    _save(res, out)
                 prog.advance(task)
 
+    res.complete = True
     _density_ratios(res)
     _exponents(res)
     _write(res, out)
     _render(res, console)
     return res
+
+
+def _key(r: Record):
+    return (r.section, r.impl, r.n, r.dtype, r.causal, r.pattern, r.backward)
+
+
+def _save(res: Result, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", asdict(res))
+
+
+def _previous(out: Path, settings: dict, console) -> dict:
+    """Records of an earlier run in ``out`` with the same settings, by configuration."""
+    path = out / "results.json"
+    if not path.exists():
+        console.print(f"--resume: no {path}; measuring everything")
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("settings") != settings:
+        raise ValueError(f"--resume: {path} was measured with settings {data.get('settings')}, this run has "
+                         f"{settings}; use another --out or the same settings")
+    names = {f.name for f in fields(Record)}
+    recs = [Record(**{k: v for k, v in r.items() if k in names}) for r in data.get("records", [])]
+    console.print(f"--resume: keeping {len(recs)} measurements from {path}")
+    return {_key(r): r for r in recs}
 
 
 def _density_ratios(res: Result):
