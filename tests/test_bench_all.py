@@ -1,6 +1,8 @@
 """attnlab bench all at toy size: structure, ratios and budgets of its output (never its speed)."""
 import csv
 import json
+import os
+import signal
 
 import pytest
 
@@ -71,3 +73,62 @@ def test_bench_all_stops_at_the_time_budget_and_says_so(tmp_path):
 
 def test_bench_all_rejects_unknown_mechanism(tmp_path):
     assert main(["bench", "all", "--quick", "--mechanisms", "warp_drive", "--out", str(tmp_path)]) == 2
+
+
+def _config_key(r):
+    return (r.get("table", "grid"), r["kind"], r["mechanism"], r["n"])
+
+
+def test_bench_all_interrupted_then_resumed_measures_nothing_twice(tmp_path, monkeypatch, capsys):
+    argv = ["bench", "all", "--quick", "--mechanisms", "sdpa", "--lengths", "32,64", "--production-lengths", "32",
+            "--lra-lengths", "32", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    measured = []
+    stop_after = [5]  # of the 8 configurations: 4 grid, 2 production, 2 LRA
+
+    def measure(self, job):
+        if job["kind"] != "matmul" and len(measured) == stop_after[0]:
+            # what finished is on disk before any handler runs, so a SIGKILL here would keep it too
+            part = json.loads((tmp_path / "results.partial.json").read_text())
+            assert sum(len(part[s]) for s in ("records", "production", "lra")) == stop_after[0]
+            assert "Partial report" in (tmp_path / "report.md").read_text()
+            os.kill(os.getpid(), signal.SIGTERM)  # `kill PID`: the driver turns it into a partial report
+        rec = BM.measure_job(job)  # in this process: the worker protocol is test_bench_all_quick's
+        rec["threads"] = 1
+        if job["kind"] != "matmul":
+            measured.append(_config_key(rec))
+        return rec
+
+    monkeypatch.setattr(BM._Runner, "measure", measure)
+    assert main(argv) == 130
+    first = list(measured)
+    assert len(first) == 5 and not (tmp_path / "results.json").exists()
+    text = (tmp_path / "report.md").read_text()
+    assert "Partial report" in text and "terminated" in text and "![time](time.png)" in text
+    assert (tmp_path / "time.png").read_bytes()[:4] == b"\x89PNG"
+
+    measured.clear()
+    stop_after[0] = None
+    assert main(argv + ["--resume"]) == 0
+    second = list(measured)
+    assert "reused" in capsys.readouterr().out
+    assert not set(first) & set(second), "a configuration was measured twice"
+    res = json.loads((tmp_path / "results.json").read_text())
+    every = [_config_key(r) for s in ("records", "production", "lra") for r in res[s]]
+    assert sorted(every) == sorted(first + second) and len(every) == 8
+    assert res["complete"] and res["reused"] == 5 and res["measured_this_session"] == 3
+    assert sum(1 for s in ("records", "production", "lra") for r in res[s] if r.get("reused")) == 5
+    assert len(res["sessions"]) == 2 and len(res["matmul_runs"]) == 3  # start of each session, and the end
+    assert res["matmul_gflops"] == max(m["gflops"] for m in res["matmul_runs"])
+    assert not (tmp_path / "results.partial.json").exists()
+    text = (tmp_path / "report.md").read_text()
+    assert "Partial report" not in text and "2 sessions" in text
+    for r in res["records"]:  # ratios recomputed across sessions from the raw records
+        ref = next(x for x in res["records"] if x["mechanism"] == "torch_sdpa" and x["n"] == r["n"])
+        assert r["time_vs_sdpa"] == pytest.approx(r["time_s"] / ref["time_s"])
+
+    # a finished run resumed: nothing to measure; other settings: nothing reused
+    measured.clear()
+    assert main(argv + ["--resume"]) == 0 and measured == []
+    argv[argv.index("--lengths") + 1] = "32"
+    assert main(argv + ["--resume", "--no-lra", "--no-production", "--repeats", "2"]) == 0
+    assert sorted(measured) == [("grid", "attn", "sdpa", 32), ("grid", "attn", "torch_sdpa", 32)]

@@ -8,6 +8,11 @@ GFLOP/s against a matrix-product peak measured in the same run, and every figure
 Also: fitted exponents of time and memory in n, the tutorial's production table regenerated, and an
 LRA-style training-efficiency table (Tay et al. 2020, Table 2). Writes reports/bench-all/.
 
+Long runs survive being killed: every finished configuration lands atomically in
+``results.partial.json`` (and a partial ``report.md``) before the next one starts; Ctrl-C or SIGTERM
+writes a partial report with plots; ``--resume`` reuses every configuration already measured with the
+same settings and measures only the rest.
+
 Legend: B batch, H heads, n sequence length (L = S = n), D head dim.
 """
 from __future__ import annotations
@@ -59,6 +64,9 @@ def build_parser(p):
     p.add_argument("--no-production", action="store_true", help="skip the tutorial's production table")
     p.add_argument("--production-lengths", default=None,
                    help="lengths of the production table (default the tutorial's 128,512,2048,4096; quick 128,512)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the configurations a killed or finished run in --out already measured with the same "
+                        "settings (results.partial.json, else results.json); measure only the rest")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -161,8 +169,19 @@ def measure_job(job: dict) -> dict:
 def _worker_main(argv: list[str]) -> int:
     """``python -m attnlab.bench.mechanisms --worker [--threads N]``: one JSON job per stdin line, one
     ``RESULT {...}`` line per job on stdout."""
+    import signal
+
     import torch
 
+    # Ctrl-C reaches the whole process group: the driver handles it (and kills this worker), so that an
+    # interrupt never shows up as a measurement ("worker exited ..."). If the driver dies, so do we.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     if "--threads" in argv:
         torch.set_num_threads(int(argv[argv.index("--threads") + 1]))
     for line in sys.stdin:
@@ -303,28 +322,106 @@ def default_mechanisms() -> tuple[list[str], str | None]:
 class _Runner:
     """Hands jobs to workers: a fresh process per job ("config") or one long-lived process ("suite")."""
 
-    def __init__(self, isolation, threads, prog, task_id):
-        self.isolation, self.threads, self.prog, self.tid = isolation, threads, prog, task_id
+    def __init__(self, isolation, threads):
+        self.isolation, self.threads = isolation, threads
         self.worker: _Worker | None = None
 
-    def measure(self, jobs: list[dict]) -> list[dict]:
-        recs = []
-        for j in jobs:
-            timeout = 180 + 3 * j.get("time_budget", 60)
-            if self.isolation == "config":
-                w = _Worker(self.threads)
-                recs.append(w.measure(j, timeout))
-                w.close()
-            else:
-                if self.worker is None or not self.worker.alive():
-                    self.worker = _Worker(self.threads)
-                recs.append(self.worker.measure(j, timeout))
-            self.prog.advance(self.tid, 1)
-        return recs
+    def measure(self, job: dict) -> dict:
+        timeout = 180 + 3 * job.get("time_budget", 60)
+        if self.worker is None or not self.worker.alive():
+            self.worker = _Worker(self.threads)
+        rec = self.worker.measure(job, timeout)
+        if self.isolation == "config":
+            self.close()
+        return rec
 
-    def close(self):
+    def close(self, kill: bool = False):
         if self.worker is not None:
-            self.worker.close()
+            self.worker.close(kill=kill)
+            self.worker = None
+
+
+class _Interrupted(Exception):
+    """SIGTERM, turned into an exception so that the partial report still gets written."""
+
+
+class _Store:
+    """The measurements of one output folder, kept on disk as they arrive.
+
+    Each finished configuration is appended and ``results.partial.json`` rewritten atomically, so a run
+    killed at any moment (even SIGKILL) keeps everything it finished. A configuration's identity is its
+    job (mechanism, n, shape, repeats, warm-up, budget, table) plus the isolation and worker threads:
+    ``--resume`` reuses a stored record only when all of these match.
+    """
+
+    SECTIONS = ("records", "production", "lra")
+
+    def __init__(self, out: Path, resume: bool, context: dict):
+        self.out, self.context = out, context
+        self.partial = out / "results.partial.json"
+        self.state = {"complete": False, "sessions": [], "matmul": [], "stopped": {},
+                      **{s: [] for s in self.SECTIONS}}
+        self.earlier: dict[str, dict] = {}
+        self.earlier_other = 0  # stored records whose settings differ: measured again
+        self.source = None
+        if resume:
+            for path in (self.partial, out / "results.json"):
+                if path.exists():
+                    try:
+                        old = json.loads(path.read_text())
+                    except (OSError, ValueError) as e:
+                        raise ValueError(f"--resume: cannot read {path}: {e}") from None
+                    self.source = str(path)
+                    for sec in self.SECTIONS:
+                        for r in old.get(sec, []):
+                            if r.get("settings_key"):
+                                self.earlier[r["settings_key"]] = r
+                    self.state["sessions"] = list(old.get("sessions", []))
+                    self.state["matmul"] = [m for m in old.get("matmul_runs", old.get("matmul", []))
+                                            if isinstance(m, dict) and m.get("gflops")]
+                    break
+        self.session = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.state["sessions"].append(self.session)
+        self.reused = self.measured = 0
+        self.settings: dict = {}
+
+    def key(self, job: dict) -> str:
+        return json.dumps({**job, **self.context}, sort_keys=True)
+
+    def lookup(self, job: dict) -> dict | None:
+        rec = self.earlier.get(self.key(job))
+        return None if rec is None else json.loads(json.dumps(rec))  # a copy: analysis writes into records
+
+    def add(self, section: str | None, rec: dict) -> None:
+        if section is None:
+            self.state["matmul"].append(rec)
+        else:
+            self.state[section].append(rec)
+        self.save()
+
+    def save(self) -> None:
+        from attnlab.report import atomic_write_json
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.partial, {**self.state, "context": self.context})
+
+
+def _measure(runner: _Runner, store: _Store, job: dict, section: str, prog, tid) -> dict:
+    """One configuration: the stored record when ``--resume`` found one with the same settings, else a
+    fresh measurement. Either way it is on disk before this returns."""
+    rec = store.lookup(job)
+    if rec is not None:
+        rec["reused"] = True
+        store.reused += 1
+    else:
+        rec = runner.measure(job)
+        rec.update(settings_key=store.key(job), session=store.session)
+        rec.pop("reused", None)
+        store.measured += 1
+    store.add(section, rec)
+    _write_partial(store)
+    prog.advance(tid, 1)
+    return rec
 
 
 def run(args):
@@ -360,67 +457,109 @@ def run(args):
     prod_ns = [] if args.no_production else (sorted(C.ints_of(args.production_lengths, "--production-lengths"))
                                              if args.production_lengths else
                                              [128, 512] if quick else sorted(TUTORIAL_TABLE))
+    store = _Store(out, bool(getattr(args, "resume", False)), {"isolation": isolation, "threads": args.threads})
+    if not getattr(args, "resume", False) and store.partial.exists():
+        store.partial.unlink()  # a fresh run does not mix with an earlier one
     total = 2 + len(mechs) * len(lengths) + 2 * len(prod_ns) + len(mechs) * len(lra_lengths)
-    records, stopped, lra, prod = [], {}, [], []
-    with C.progress(args.no_progress) as prog:
-        tid = prog.add_task("bench all", total=total)
-        runner = _Runner(isolation, args.threads, prog, tid)
-        peak = runner.measure([{"kind": "matmul", "size": 512 if quick else 2048, "repeats": 5}])[0]
-        # 1) the grid: lengths ascending per mechanism until a budget would be passed
-        for m in mechs:
-            pts_t, pts_m = [], []
-            for i, n in enumerate(lengths):
-                pt, pm = _predict(pts_t, n), _predict(pts_m, n)
-                fl, mb = _cost(m, n, B, H, D)
-                pm = max(pm or 0, mb or 0) or None
-                # the reference gets 4x the time budget: every other mechanism's ratios need it
-                budget_m = tbudget * (4 if m == REFERENCE else 1)
-                if pt is not None and pt * (repeats + args.warmup) > budget_m:
-                    stopped[m] = (f"stopped before n={n}: predicted {pt * (repeats + args.warmup):.3g} s for "
-                                  f"{args.warmup}+{repeats} calls > time budget {budget_m:g} s")
-                elif pm is not None and pm > mbudget:
-                    stopped[m] = (f"stopped before n={n}: predicted peak {_fmt_bytes(pm)} > memory budget "
-                                  f"{_fmt_bytes(mbudget)}")
-                if m in stopped:
-                    prog.advance(tid, len(lengths) - i)
-                    break
-                rec = runner.measure([{"kind": "attn", "mechanism": m, "n": n, "B": B, "H": H, "D": D,
-                                       "repeats": repeats, "warmup": args.warmup, "time_budget": budget_m}])[0]
-                records.append(rec)
-                if "error" in rec:
-                    stopped[m] = f"stopped at n={n}: {rec['error']}"
-                    prog.advance(tid, len(lengths) - i - 1)
-                    break
-                pts_t.append((n, rec["time_s"]))
-                pts_m.append((n, rec["peak_bytes"]))
-        # 2) the tutorial's production table: one head, d_k = 64
-        if prod_ns:
-            prod = runner.measure([{"kind": "attn", "mechanism": m, "n": n, "B": 1, "H": 1, "D": 64, "repeats": repeats,
-                                    "warmup": args.warmup, "time_budget": tbudget, "table": "production"}
-                                   for n in prod_ns for m in ("naive", REFERENCE)])
-        # 3) LRA-style training efficiency
-        if lra_lengths:
-            lra = runner.measure([{"kind": "train", "mechanism": m, "n": n, "B": 4 if not quick else 2, "repeats": 2 if quick else 3,
-                                   "warmup": 1, "time_budget": tbudget, "table": "lra"}
-                                  for m in mechs for n in lra_lengths])
-        # the matrix-product peak again at the end: on a shared machine the larger of the two is the peak
-        peak2 = runner.measure([{"kind": "matmul", "size": 512 if quick else 2048, "repeats": 5}])[0]
-        if (peak2.get("gflops") or 0) > (peak.get("gflops") or 0):
-            peak, peak2 = peak2, peak
-        peak["other_measurement_gflops"] = peak2.get("gflops")
-        runner.close()
-    res = _analyse(records, mechs, lengths, peak, stopped, prod, lra, lra_lengths)
-    res.update({"suite": "all", "quick": quick, "isolation": isolation, "shape": {"B": B, "H": H, "D": D},
-                "repeats": repeats, "warmup": args.warmup, "time_budget_s": tbudget, "memory_budget_bytes": mbudget,
-                "lengths": lengths, "mechanisms": mechs, "mechanisms_note": why, "reference": REFERENCE,
-                "environment": {**C.env_record(), "worker_threads": (records or lra or [{}])[0].get("threads")},
-                "wall_s": time.perf_counter() - t0})
+    stopped = store.state["stopped"]
+    runner = _Runner(isolation, args.threads)
+    mm_job = {"kind": "matmul", "size": 512 if quick else 2048, "repeats": 5}
+    settings = dict(quick=quick, isolation=isolation, B=B, H=H, D=D, repeats=repeats, warmup=args.warmup,
+                    tbudget=tbudget, mbudget=mbudget, mechs=mechs, lengths=lengths, lra_lengths=lra_lengths, why=why,
+                    threads=args.threads)
+    store.settings = settings
+    if store.source:
+        C.render([f"[bold]bench all --resume[/bold]: {len(store.earlier)} stored configuration(s) in {store.source}; "
+                  "those with the same settings are reused, not measured again"])
+    interrupted = None
+
+    def on_term(signum, frame):
+        raise _Interrupted(f"signal {signum}")
+
+    import signal
+    import threading
+
+    old_term = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
+    try:
+        with C.progress(args.no_progress) as prog:
+            tid = prog.add_task("bench all", total=total)
+            try:
+                # the matrix-product peak of this session (every session measures its own; the largest counts)
+                store.add(None, {**runner.measure(mm_job), "session": store.session, "when": "start"})
+                prog.advance(tid, 1)
+                # 1) the grid: lengths ascending per mechanism until a budget would be passed
+                for m in mechs:
+                    stopped.pop(m, None)
+                    pts_t, pts_m = [], []
+                    for i, n in enumerate(lengths):
+                        pt, pm = _predict(pts_t, n), _predict(pts_m, n)
+                        fl, mb = _cost(m, n, B, H, D)
+                        pm = max(pm or 0, mb or 0) or None
+                        # the reference gets 4x the time budget: every other mechanism's ratios need it
+                        budget_m = tbudget * (4 if m == REFERENCE else 1)
+                        if pt is not None and pt * (repeats + args.warmup) > budget_m:
+                            stopped[m] = (f"stopped before n={n}: predicted {pt * (repeats + args.warmup):.3g} s for "
+                                          f"{args.warmup}+{repeats} calls > time budget {budget_m:g} s")
+                        elif pm is not None and pm > mbudget:
+                            stopped[m] = (f"stopped before n={n}: predicted peak {_fmt_bytes(pm)} > memory budget "
+                                          f"{_fmt_bytes(mbudget)}")
+                        if m in stopped:
+                            prog.advance(tid, len(lengths) - i)
+                            break
+                        job = {"kind": "attn", "mechanism": m, "n": n, "B": B, "H": H, "D": D, "repeats": repeats,
+                               "warmup": args.warmup, "time_budget": budget_m}
+                        rec = _measure(runner, store, job, "records", prog, tid)
+                        if "error" in rec:
+                            stopped[m] = f"stopped at n={n}: {rec['error']}"
+                            prog.advance(tid, len(lengths) - i - 1)
+                            break
+                        pts_t.append((n, rec["time_s"]))
+                        pts_m.append((n, rec["peak_bytes"]))
+                # 2) the tutorial's production table: one head, d_k = 64
+                for n in prod_ns:
+                    for m in ("naive", REFERENCE):
+                        _measure(runner, store, {"kind": "attn", "mechanism": m, "n": n, "B": 1, "H": 1, "D": 64,
+                                                 "repeats": repeats, "warmup": args.warmup, "time_budget": tbudget,
+                                                 "table": "production"}, "production", prog, tid)
+                # 3) LRA-style training efficiency
+                for m in mechs:
+                    for n in lra_lengths:
+                        _measure(runner, store, {"kind": "train", "mechanism": m, "n": n, "B": 4 if not quick else 2,
+                                                 "repeats": 2 if quick else 3, "warmup": 1, "time_budget": tbudget,
+                                                 "table": "lra"}, "lra", prog, tid)
+                # the matrix-product peak again at the end: on a shared machine the larger counts
+                store.add(None, {**runner.measure(mm_job), "session": store.session, "when": "end"})
+                prog.advance(tid, 1)
+            except (KeyboardInterrupt, _Interrupted) as e:
+                interrupted = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"terminated ({e})"
+                runner.close(kill=True)
+            finally:
+                runner.close()
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    res = _result(store, settings, C, complete=interrupted is None)
+    res["wall_s"] = time.perf_counter() - t0
+    res["interrupted"] = interrupted
     out.mkdir(parents=True, exist_ok=True)
     res["files"] = _plots(out, res) + [_csv(out, res)]
     md = _report(res)
-    res["paths"] = C.write_results(out, res, md)
-    lines = [f"[bold]bench all[/bold] -> {out}/report.md  (matmul peak {res['matmul_gflops']:.3g} GFLOP/s, "
-             f"{isolation} isolation, {time.perf_counter() - t0:.0f} s)"]
+    if interrupted is None:
+        res["paths"] = C.write_results(out, res, md)
+        if store.partial.exists():
+            store.partial.unlink()  # results.json now holds every record (and is what --resume reads)
+    else:
+        from attnlab.report import atomic_write_text
+
+        atomic_write_text(out / "report.md", md)
+        res["paths"] = {"partial": str(store.partial), "report": str(out / "report.md")}
+        res["exit_code"] = 130
+    lines = [f"[bold]bench all[/bold] -> {out}/report.md  (matmul peak {C.fmt(res['matmul_gflops'])} GFLOP/s, "
+             f"{isolation} isolation, {time.perf_counter() - t0:.0f} s; measured {store.measured}, "
+             f"reused {store.reused})"]
+    if interrupted:
+        lines.append(f"[bold red]{interrupted}[/bold red]: partial report written; `--resume` with the same "
+                     "options continues where this stopped")
     for m in mechs:
         f = res["fits"].get(m, {})
         lines.append(f"  {m:<16} time ∝ n^{C.fmt(f.get('time'))}, memory ∝ n^{C.fmt(f.get('memory'))}"
@@ -428,6 +567,35 @@ def run(args):
     C.render(lines)
     res["summary_lines"] = lines
     return res
+
+
+def _result(store: _Store, s: dict, C, complete: bool) -> dict:
+    """The report's data from what the store holds now (a finished run, or part of one)."""
+    st = json.loads(json.dumps(store.state))  # analysis annotates records: never the stored ones
+    peaks = sorted((m for m in st["matmul"] if m.get("gflops")), key=lambda m: -m["gflops"])
+    peak = dict(peaks[0]) if peaks else {"size": None, "gflops": None}
+    peak["other_measurement_gflops"] = peaks[1]["gflops"] if len(peaks) > 1 else None
+    res = _analyse(st["records"], s["mechs"], s["lengths"], peak, dict(st["stopped"]), st["production"], st["lra"],
+                   s["lra_lengths"])
+    threads_seen = [r.get("threads") for r in st["records"] + st["lra"] + st["matmul"] if r.get("threads")]
+    res.update({"suite": "all", "quick": s["quick"], "isolation": s["isolation"],
+                "shape": {"B": s["B"], "H": s["H"], "D": s["D"]}, "repeats": s["repeats"], "warmup": s["warmup"],
+                "time_budget_s": s["tbudget"], "memory_budget_bytes": s["mbudget"], "lengths": s["lengths"],
+                "mechanisms": s["mechs"], "mechanisms_note": s["why"], "reference": REFERENCE,
+                "environment": {**C.env_record(), "worker_threads": threads_seen[0] if threads_seen else None},
+                "complete": complete, "sessions": st["sessions"], "matmul_runs": st["matmul"],
+                "measured_this_session": store.measured, "reused": store.reused, "resumed_from": store.source})
+    return res
+
+
+def _write_partial(store: _Store) -> None:
+    """report.md of what is measured so far (text only; plots come at the end or on an interrupt)."""
+    from attnlab.experiments import _common as C
+    from attnlab.report import atomic_write_text
+
+    res = _result(store, store.settings, C, complete=False)
+    res["files"], res["interrupted"] = [], None
+    atomic_write_text(store.out / "report.md", _report(res))
 
 
 def _analyse(records, mechs, lengths, peak, stopped, prod, lra, lra_lengths) -> dict:
@@ -533,18 +701,30 @@ def _report(res) -> str:
     from attnlab.experiments import _common as C
 
     sh = res["shape"]
-    md = ["# attnlab bench all: every mechanism × sequence length", "",
+    md = ["# attnlab bench all: every mechanism × sequence length", ""]
+    if not res.get("complete", True):
+        n_done = len(res["records"]) + len(res["production"]) + len(res["lra"])
+        md += [f"> **Partial report** ({res.get('interrupted') or 'run in progress or killed'}): {n_done} "
+               "configuration(s) measured so far. `attnlab bench all --resume` with the same options and `--out` "
+               "measures only the rest.", ""]
+    if len(res.get("sessions") or []) > 1:
+        md += [f"> Measured over {len(res['sessions'])} sessions (`--resume`): {', '.join(res['sessions'])}. "
+               f"{res.get('reused', 0)} configuration(s) were reused from earlier sessions, "
+               f"{res.get('measured_this_session', 0)} measured in the last one; each record's `session` says when. "
+               "A ratio between records of different sessions compares measurements taken at different times.", ""]
+    pics = {Path(f).name for f in res.get("files") or []}
+    md += [
           f"Forward pass, float32, B={sh['B']}, H={sh['H']}, D={sh['D']}, L = S = n; median of {res['repeats']} calls "
           f"after {res['warmup']} warm-up call(s). Peak memory: growth of the worker's peak RSS over its RSS once the "
           f"inputs exist ({'a fresh process per configuration' if res['isolation'] == 'config' else 'one worker process; peak reset between configurations'}). "
           f"FLOPs from each mechanism's cost model (`flops()`); GFLOP/s against a {res['matmul'].get('size')}² float32 "
-          f"matrix product measured at the start and the end of the run (the larger counts): **{C.fmt(res['matmul_gflops'])} "
+          f"matrix product measured at the start of each session and at the end of the run (the largest counts): **{C.fmt(res['matmul_gflops'])} "
           f"GFLOP/s** (other: {C.fmt(res['matmul'].get('other_measurement_gflops'))}). Every ratio is to "
           f"`{REFERENCE}` (torch.nn.functional.scaled_dot_product_attention) at the same n, in the same run. "
           f"Budgets: {res['time_budget_s']:g} s per configuration ({4 * res['time_budget_s']:g} s for the reference), "
           f"{_fmt_bytes(res['memory_budget_bytes'])} memory."
           + (" **Quick mode: toy sizes.**" if res["quick"] else ""), "",
-          "![time](time.png)", "", "![memory](memory.png)", "", "![ratio](ratio.png)", "",
+          *[x for f in ("time", "memory", "ratio") if f + ".png" in pics for x in (f"![{f}]({f}.png)", "")],
           "## Fitted exponents (log-log least squares over n ≥ 1024 where there are two such points, else all)", ""]
     rows = [[m, f["time"], f["memory"], f["time_all"], f["max_n"], res["stopped"].get(m, "")] for m, f in res["fits"].items()]
     md += [C.fmt_table(["mechanism", "time exponent", "memory exponent", "time exponent (all n)", "largest n",
@@ -587,7 +767,7 @@ def _report(res) -> str:
             errs = [by.get((m, n), {}).get("error") for n in ns if by.get((m, n), {}).get("error")]
             rows.append([m, *cells_s, *cells_m, (errs[0][:60] if errs else "")])
         md += [C.fmt_table(["mechanism", *[f"steps/s ×, n={n}" for n in ns], *[f"memory ×, n={n}" for n in ns], "note"], rows),
-               "", "![lra](lra.png)", ""]
+               "", *(["![lra](lra.png)", ""] if "lra.png" in pics else [])]
     if res["mechanisms_note"]:
         md += [f"Mechanism registry: {res['mechanisms_note']}", ""]
     md += ["## Environment", "", "```", *[f"{k}: {v}" for k, v in res["environment"].items() if k != "argv"], "```", ""]
