@@ -93,6 +93,20 @@ def test_recall_answer_is_value_after_query_key():
         assert row[pos + 1] - v0 == label
 
 
+def test_multi_query_recall_answers_every_query_in_place():
+    d = make_task("recall", 40, 101, seed=6, num_pairs=7, num_queries=5)
+    k0, k1 = d.meta["key_ids"]
+    v0, _ = d.meta["value_ids"]
+    assert d.target_positions.tolist() == list(range(96, 101)) and d.targets.shape == (40, 5)
+    for row, labels in zip(d.inputs.tolist(), d.targets.tolist()):
+        body, queries = row[:96], row[96:]
+        assert all(k0 <= q < k1 for q in queries) and len(set(queries)) == 5
+        assert len([t for t in body if k0 <= t < k1]) == 7
+        assert [body[body.index(q) + 1] - v0 for q in queries] == labels
+    one = make_task("recall", 40, 101, seed=6, num_pairs=7)
+    assert one.targets.shape == (40,) and one.target_positions is None
+
+
 def test_copy_targets_are_scattered_tokens_in_order():
     d = make_task("copy", 30, 50, seed=2, num_tokens=5)
     assert d.target_positions.tolist() == list(range(45, 50))
@@ -102,6 +116,7 @@ def test_copy_targets_are_scattered_tokens_in_order():
 
 
 @pytest.mark.parametrize("name,kw", [("listops", {"min_length": 80}), ("recall", {"num_pairs": 40}),
+                                     ("recall", {"num_queries": 9}),
                                      ("copy", {"num_tokens": 50}), ("nope", {})])
 def test_bad_arguments_raise(name, kw):
     with pytest.raises(ValueError):

@@ -187,7 +187,15 @@ def test_long_range_quick(tmp_path):
     for r in rows.values():
         assert set(r["accuracy"]) == {"recall", "copy"} and all(0 <= a <= 1 for a in r["accuracy"].values())
     assert "no_such_thing" in res["refused"]
-    assert "LRA" in (tmp_path / "report.md").read_text() or "Long-range" in (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report.md").read_text()
+    assert "Long-range" in text and "majority class" in text
+    for t in ("recall", "copy"):  # the baselines are the held-out set's own, recomputed here
+        b = res["baselines"][t]
+        assert b["chance"] == 1 / 16 and 1 / 16 <= b["majority"] <= 1
+        for r in rows.values():
+            assert r["learned"][t] == (r["accuracy"][t] > b["majority"] + b["margin"])
+    assert res["token_shift"] and all(r["config"]["token_shift"] for r in res["runs"])
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("argv", [["experiment", "scaling", "--quick", "--seeds", "x"],
@@ -196,3 +204,31 @@ def test_long_range_quick(tmp_path):
                                   ["experiment", "variance", "--quick", "--d-k", "0"]])
 def test_bad_input_exit_code_2(argv, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
+
+
+def test_token_shift_adds_the_predecessor_embedding():
+    torch.manual_seed(0)
+    m = C.TinyTransformer(11, 5, 7, d_model=8, num_heads=2, head_dim=4, num_layers=1, token_shift=True,
+                          scale=0.5, attend=C.attention_fn("torch_sdpa"))
+    seen = {}
+    m.blocks[0].register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    m(ids, readout="all")
+    want = torch.stack([m.tok.weight[t] + m.pos.weight[i] + m.prev.weight[ids[0, i - 1] if i else 0]
+                        for i, t in enumerate(ids[0].tolist())])  # written out token by token
+    assert torch.allclose(seen["x"][0], want, atol=1e-6)
+    plain = C.TinyTransformer(11, 5, 7, d_model=8, num_heads=2, head_dim=4, num_layers=1, scale=0.5,
+                              attend=C.attention_fn("torch_sdpa"))
+    assert plain.prev is None
+
+
+def test_long_range_baselines_count_the_majority_class():
+    from attnlab.experiments import long_range as LR
+
+    tr, te = make_task("copy", 40, 32, seed=3, num_tokens=4).split(10)
+    b = LR.baseline_accuracy(te)
+    flat = te.targets.reshape(-1).tolist()
+    best = max(set(flat), key=flat.count)
+    assert b["items"] == 30 * 4 and b["majority"] == flat.count(best) / len(flat) and b["chance"] == 1 / 16
+    assert b["margin"] == pytest.approx(3 * math.sqrt(b["majority"] * (1 - b["majority"]) / 120))
+    assert LR.learned(b["majority"] + b["margin"] + 1e-9, b) and not LR.learned(b["majority"] + b["margin"], b)

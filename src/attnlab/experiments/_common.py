@@ -286,11 +286,16 @@ class TinyTransformer(nn.Module):
     (``target_positions``) or causal language modelling. ids [B, T] -> logits [B, C] or [B, m, C]."""
 
     def __init__(self, vocab_size: int, num_classes: int, max_len: int, *, d_model: int = 64, num_heads: int = 2,
-                 head_dim: int = 32, num_layers: int = 2, **attn_kw):
+                 head_dim: int = 32, num_layers: int = 2, token_shift: bool = False, **attn_kw):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_len, d_model)
         nn.init.normal_(self.pos.weight, std=0.02)
+        # Note [Token shift]: each position also gets an embedding of the token before it (a 2-tap causal
+        # convolution over tokens, as in RWKV's token shift and H3/Based's short convolutions). One attention
+        # layer can then match a query key against "value whose predecessor is that key" (associative
+        # recall) instead of first having to learn a previous-token head from position embeddings.
+        self.prev = nn.Embedding(vocab_size, d_model) if token_shift else None
         self.blocks = nn.ModuleList(Block(d_model, num_heads, head_dim, **attn_kw) for _ in range(num_layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, num_classes)
@@ -300,6 +305,8 @@ class TinyTransformer(nn.Module):
         """readout: "mean" (pool non-pad tokens), "last" (last token) or "all" (every position)."""
         B, T = ids.shape
         x = self.tok(ids) + self.pos(torch.arange(T, device=ids.device))  # (B, T, d)
+        if self.prev is not None:
+            x = x + self.prev(F.pad(ids, (1, 0))[:, :T])  # (B, T, d): token t-1's embedding (0 = pad before t=0)
         for blk in self.blocks:
             x = blk(x, stats)
         x = self.ln(x)
@@ -379,6 +386,7 @@ class RunConfig:
     cosine_temperature: float = 1.0
     grad_clip: float | None = None
     model: str = "tiny"
+    token_shift: bool = False
 
     @property
     def run_id(self) -> str:
@@ -419,7 +427,8 @@ def build_model(cfg: RunConfig, data) -> nn.Module:
     return TinyTransformer(data.vocab_size, data.num_classes, cfg.seq_len, d_model=cfg.d_model,
                            num_heads=cfg.num_heads, head_dim=cfg.head_dim, num_layers=cfg.num_layers,
                            score=cfg.score, scale=scale_value(cfg.scale, cfg.head_dim), attend=attend,
-                           causal=cfg.causal, cosine_temperature=cfg.cosine_temperature, qk_init=cfg.qk_init)
+                           causal=cfg.causal, cosine_temperature=cfg.cosine_temperature, qk_init=cfg.qk_init,
+                           token_shift=cfg.token_shift)
 
 
 def _loss(model, data, ids, tgt, stats=None):

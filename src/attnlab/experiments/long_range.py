@@ -7,7 +7,10 @@ Tay et al. 2020 (Long Range Arena), Tables 1 and 2. Writes reports/long-range/.
 """
 from __future__ import annotations
 
+import math
 import time
+
+import torch
 
 from . import _common as C
 
@@ -15,6 +18,9 @@ __all__ = ["build_parser", "run", "default_mechanisms", "VANILLA"]
 
 VANILLA = "sdpa"
 TASKS = ("listops", "recall", "copy")
+#: the default budget (every mechanism and task gets the same); quick mode shrinks it to toy size
+FULL = {"seq_len": 1024, "steps": 200, "batch": 8, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 4000, "test": 500}
+QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 64, "test": 32}
 
 
 def build_parser(p):
@@ -24,9 +30,15 @@ def build_parser(p):
     p.add_argument("--mechanisms", default=None,
                    help="comma-separated mechanisms (default: vanilla 'sdpa' and every registered pattern and "
                         "approximation); also torch_sdpa, naive, dense, tiled")
-    p.add_argument("--batch-size", type=int, default=None, help="batch size (default 8; quick 4)")
-    p.add_argument("--train-examples", type=int, default=None, help="generated training examples per task (default 4000)")
-    p.add_argument("--test-examples", type=int, default=None, help="held-out examples per task (default 500)")
+    p.add_argument("--batch-size", type=int, default=None, help=f"batch size (default {FULL['batch']}; quick 4)")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']:g})")
+    p.add_argument("--d-model", type=int, default=None, help=f"model width (default {FULL['d_model']}; heads of 32)")
+    p.add_argument("--layers", type=int, default=None, help=f"Transformer layers (default {FULL['layers']})")
+    p.add_argument("--no-token-shift", action="store_true",
+                   help="do not give each position the embedding of its predecessor (see Note [Token shift])")
+    p.add_argument("--train-examples", type=int, default=None,
+                   help=f"generated training examples per task (default {FULL['train']})")
+    p.add_argument("--test-examples", type=int, default=None, help=f"held-out examples per task (default {FULL['test']})")
 
 
 def default_mechanisms() -> tuple[list[str], str | None]:
@@ -58,7 +70,8 @@ def run(args):
 def _run(args):
     t0 = time.perf_counter()
     seeds = C.seeds_of(args.seeds)
-    T = args.seq_len or (128 if args.quick else 1024)
+    size = QUICK if args.quick else FULL
+    T = args.seq_len or size["seq_len"]
     if T < 32:
         raise ValueError(f"--seq-len must be >= 32, got {T}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -71,12 +84,20 @@ def _run(args):
         mechs, why = default_mechanisms()
         if args.quick:
             mechs = mechs[:4]
-    steps = args.steps or (6 if args.quick else 200)
-    batch = args.batch_size or (4 if args.quick else 8)
-    n_train, n_test = (64, 32) if args.quick else (4000, 500)
-    n_train, n_test = args.train_examples or n_train, args.test_examples or n_test
-    if n_train < 1 or n_test < 1:
-        raise ValueError(f"--train-examples and --test-examples must be >= 1, got {n_train} and {n_test}")
+    steps = args.steps or size["steps"]
+    batch = args.batch_size or size["batch"]
+    lr = args.lr or size["lr"]
+    d_model, layers = args.d_model or size["d_model"], args.layers or size["layers"]
+    n_train, n_test = args.train_examples or size["train"], args.test_examples or size["test"]
+    for name, v in (("--steps", steps), ("--batch-size", batch), ("--layers", layers), ("--train-examples", n_train),
+                    ("--test-examples", n_test)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if d_model < 32 or d_model % 32:
+        raise ValueError(f"--d-model must be a positive multiple of 32 (heads of 32), got {d_model}")
+    if not lr > 0:
+        raise ValueError(f"--lr must be > 0, got {lr}")
+    token_shift = not args.no_token_shift
     out = C.out_dir(args, "long-range")
     datasets = _datasets(tasks, T, n_train, n_test, seed=1234)
     configs, refused = [], {}
@@ -88,9 +109,10 @@ def _run(args):
             continue
         for task in tasks:
             for seed in seeds:
-                configs.append(C.RunConfig(name=f"{task}-{m}", task=task, seq_len=T, d_model=64, num_heads=2,
-                                           head_dim=32, num_layers=2, attention=m, steps=steps, batch_size=batch,
-                                           lr=1e-3, seed=seed, log_every=max(1, steps // 10)))
+                configs.append(C.RunConfig(name=f"{task}-{m}", task=task, seq_len=T, d_model=d_model,
+                                           num_heads=d_model // 32, head_dim=32, num_layers=layers, attention=m,
+                                           steps=steps, batch_size=batch, lr=lr, seed=seed,
+                                           log_every=max(1, steps // 20), token_shift=token_shift))
     runs = []
     with C.progress(args.no_progress) as prog:
         tid = prog.add_task("long-range", total=sum(c.steps for c in configs))
@@ -109,12 +131,18 @@ def _run(args):
             from attnlab.report import atomic_write_json
 
             atomic_write_json(out / "results.partial.json", {"complete": False, "runs": runs, "refused": refused})
-    table = _lra_table(runs, tasks)
-    files = [_plot(out, table, tasks)] if table else []
+    baselines = {t: baseline_accuracy(datasets[t][1]) for t in tasks}
+    table = _lra_table(runs, tasks, baselines)
+    files = [_plot(out, table, tasks, baselines)] if table else []
+    if runs:
+        files.append(C.plot_curves(runs, lambda r: r["mechanism"], lambda r: r["task"], out / "curves.png",
+                                   keys=(("loss", "training loss", False),
+                                         ("entropy", "attention entropy (nats)", False))))
     results = {"experiment": "long-range", "seq_len": T, "tasks": tasks, "mechanisms": mechs,
-               "mechanisms_note": why, "vanilla": VANILLA, "steps": steps, "batch_size": batch,
+               "mechanisms_note": why, "vanilla": VANILLA, "steps": steps, "batch_size": batch, "lr": lr,
+               "d_model": d_model, "num_layers": layers, "num_heads": d_model // 32, "token_shift": token_shift,
                "train_examples": n_train, "test_examples": n_test, "seeds": seeds, "quick": bool(args.quick),
-               "table": table, "refused": refused, "runs": runs,
+               "baselines": baselines, "table": table, "refused": refused, "runs": runs,
                "task_meta": {t: {k: v for k, v in datasets[t][0].meta.items() if k != "lengths"} for t in tasks},
                "environment": C.env_record(seeds), "files": files, "complete": True,
                "wall_s": time.perf_counter() - t0}
@@ -135,7 +163,23 @@ def _run(args):
     return results
 
 
-def _lra_table(runs, tasks) -> list[dict]:
+def baseline_accuracy(test) -> dict:
+    """What a model that learned nothing scores on ``test``: chance (1/classes) and the majority class
+    (the best constant answer), with the number of scored items and the margin an accuracy must beat
+    the majority by to count as learned (3 binomial standard errors of the majority rate)."""
+    y = test.targets.reshape(-1)  # (N,) or (N·m,): every scored prediction
+    counts = torch.bincount(y, minlength=test.num_classes)
+    maj = float(counts.max()) / y.numel()
+    return {"chance": 1.0 / test.num_classes, "majority": maj, "majority_class": int(counts.argmax()),
+            "items": int(y.numel()), "margin": 3.0 * math.sqrt(maj * (1.0 - maj) / y.numel())}
+
+
+def learned(acc: float | None, base: dict) -> bool | None:
+    """True when ``acc`` beats the majority-class accuracy by more than ``base["margin"]``."""
+    return None if acc is None else acc > base["majority"] + base["margin"]
+
+
+def _lra_table(runs, tasks, baselines) -> list[dict]:
     by = {}
     for r in runs:
         by.setdefault(r["mechanism"], []).append(r)
@@ -146,6 +190,7 @@ def _lra_table(runs, tasks) -> list[dict]:
         mem = C.mean_std([r["peak_rss_delta_bytes"] for r in rs if r["peak_rss_delta_bytes"] is not None])[0]
         vals = [a for a in acc.values() if a is not None]
         rows.append({"mechanism": m, "accuracy": acc, "avg_accuracy": sum(vals) / len(vals) if vals else None,
+                     "learned": {t: learned(acc[t], baselines[t]) for t in tasks},
                      "steps_per_s": sps, "peak_bytes": mem})
     van = next((r for r in rows if r["mechanism"] == VANILLA), None)
     for r in rows:
@@ -154,47 +199,82 @@ def _lra_table(runs, tasks) -> list[dict]:
     return rows
 
 
-def _plot(out, table, tasks):
+def _plot(out, table, tasks, baselines):
     plt = C.plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for r in table:
-        if r["steps_per_s"] and r["avg_accuracy"] is not None:
-            size = 30 + 300 * (r["memory_vs_vanilla"] or 1.0)
-            ax.scatter(r["steps_per_s"], r["avg_accuracy"], s=size, alpha=0.5)
-            ax.annotate(r["mechanism"], (r["steps_per_s"], r["avg_accuracy"]), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("training steps/s")
-    ax.set_ylabel(f"mean accuracy ({', '.join(tasks)})")
-    ax.set_title("accuracy vs speed (marker area ∝ peak memory vs vanilla)", fontsize=10)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4.2), squeeze=False)
+    for ax, t in zip(axes[0], tasks):
+        for r in table:
+            a = r["accuracy"].get(t)
+            if r["steps_per_s"] and a is not None:
+                size = 30 + 200 * (r["memory_vs_vanilla"] or 1.0)
+                ax.scatter(r["steps_per_s"], a, s=size, alpha=0.5, color="black" if r["mechanism"] == VANILLA else None)
+                ax.annotate(r["mechanism"], (r["steps_per_s"], a), fontsize=7)
+        b = baselines[t]
+        ax.axhline(b["majority"], color="red", ls="--", lw=1, label="majority class")
+        ax.axhline(b["majority"] + b["margin"], color="red", ls=":", lw=0.8, label="+3 s.e. (learned above)")
+        ax.set_xscale("log")
+        ax.set_xlabel("training steps/s")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title(t, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle("accuracy vs training speed (marker area ∝ peak memory vs vanilla)", fontsize=10)
+    fig.tight_layout()
     return C.save_plot(fig, out / "lra.png")
 
 
+_TASK_TEXT = {
+    "listops": "ListOps (LRA generator rules: MIN, MAX, MED, SM; depth ≤ 10; up to 10 arguments; closing ] kept; "
+               "10 classes, mean-pooled read-out)",
+    "recall": "associative recall (8 key–value pairs in noise, the query key last; 16 values, read at the last token)",
+    "copy": "selective copy (8 data tokens scattered among blanks, reproduced in order at the 8 final marker "
+            "positions; 16 symbols, scored per token)",
+}
+
+
 def _report(res) -> str:
-    tasks = res["tasks"]
-    chance = {"listops": "≈0.1–0.2 (majority class)", "recall": "1/16", "copy": "1/16 per token"}
-    md = ["# Long-range tasks: every mechanism, one small budget", "",
-          f"Sequence length {res['seq_len']}; a 2-layer pre-norm Transformer (d_model 64, 2 heads of 32), "
-          f"{res['steps']} AdamW steps of batch {res['batch_size']} per task and mechanism, seeds {res['seeds']}, "
-          f"{res['train_examples']} generated training and {res['test_examples']} held-out examples per task. "
-          "ListOps follows the LRA generator (MIN, MAX, MED, SM; depth ≤ 10; up to 10 arguments; closing ] kept); "
-          "associative recall reads the value of the queried key at the last token; selective copy reproduces 8 "
-          "scattered tokens at the 8 final positions. Padding is not masked (every mechanism sees the same input; "
-          "classification pools over non-pad tokens). Chance: "
-          + "; ".join(f"{t} {chance[t]}" for t in tasks) + "."
+    tasks, base = res["tasks"], res["baselines"]
+    md = ["# Long-range tasks: every mechanism, one budget", "",
+          f"Sequence length {res['seq_len']}; a {res['num_layers']}-layer pre-norm Transformer (d_model "
+          f"{res['d_model']}, {res['num_heads']} heads of 32, learned position embeddings"
+          + (", token shift (Note [Token shift])" if res["token_shift"] else "") + "), "
+          f"{res['steps']} AdamW steps of batch {res['batch_size']} at lr {res['lr']:g} per task and mechanism — the "
+          f"same budget for every mechanism — seeds {res['seeds']}, {res['train_examples']} generated training and "
+          f"{res['test_examples']} held-out examples per task. Tasks: "
+          + "; ".join(_TASK_TEXT[t] for t in tasks) + ". Padding is not masked (every mechanism sees the same "
+          "input; ListOps pools over non-pad tokens)."
           + (" **Quick mode: toy sizes, the numbers say nothing.**" if res["quick"] else ""), "",
-          "Steps/s is training throughput (forward, backward, optimiser) on this machine's CPU; memory is the growth "
-          "of the process's resident set during training, after returning freed memory to the OS (it includes "
-          "activations, gradients and optimiser state, as LRA's Table 2 does). Both are relative to vanilla "
-          f"attention ({res['vanilla']}) measured in the same run.", ""]
+          "What a model that learned nothing scores on the held-out set, and the bar an accuracy must clear to "
+          "count as learned (majority rate + 3 binomial standard errors):", ""]
+    md += [C.fmt_table(["task", "chance (1/classes)", "majority class", "scored items", "learned above"],
+                       [[t, base[t]["chance"], base[t]["majority"], base[t]["items"],
+                         base[t]["majority"] + base[t]["margin"]] for t in tasks]), ""]
+    md += ["## Accuracy, speed and memory (LRA Tables 1 and 2 layout)", "",
+           "Accuracy on held-out examples; ✓ marks an accuracy above the bar. Steps/s is training throughput "
+           "(forward, backward, optimiser) on this machine's CPU; memory is the growth of the process's resident "
+           "set during training, after returning freed memory to the OS (activations, gradients and optimiser "
+           f"state, as LRA's Table 2). Both relative to vanilla attention (`{res['vanilla']}`) in the same run.", ""]
     if res["mechanisms_note"]:
         md += [f"Mechanism registry: {res['mechanisms_note']}", ""]
-    rows = [[r["mechanism"], *[r["accuracy"].get(t) for t in tasks], r["avg_accuracy"], r["steps_per_s"],
+
+    def cell(r, t):
+        a = r["accuracy"].get(t)
+        return "—" if a is None else f"{a:.3f}" + (" ✓" if r["learned"].get(t) else "")
+
+    rows = [[r["mechanism"], *[cell(r, t) for t in tasks], r["avg_accuracy"], r["steps_per_s"],
              r["speed_vs_vanilla"], None if r["peak_bytes"] is None else r["peak_bytes"] / 2**20, r["memory_vs_vanilla"]]
             for r in res["table"]]
     md += [C.fmt_table(["mechanism", *[f"{t} acc" for t in tasks], "avg", "steps/s", "speed vs vanilla",
                         "peak MiB", "memory vs vanilla"], rows), ""]
-    if res["files"]:
-        md += ["![lra](lra.png)", ""]
+    md += ["## What learned what", ""]
+    for t in tasks:
+        yes = [r["mechanism"] for r in res["table"] if r["learned"].get(t)]
+        md.append(f"- {t}: " + (f"{len(yes)} of {len(res['table'])} mechanisms beat the majority class clearly: "
+                                + ", ".join(yes) if yes else
+                                f"no mechanism beat the majority class ({base[t]['majority']:.3f}) clearly"))
+    md.append("")
+    for f in ("lra.png", "curves.png"):
+        if any(str(x).endswith(f) for x in res["files"]):
+            md += [f"![{f[:-4]}]({f})", ""]
     if res["refused"]:
         md += ["## Not run", ""] + [f"- {k}: {v}" for k, v in res["refused"].items()] + [""]
     md += ["## Environment", "", "```", *[f"{k}: {v}" for k, v in res["environment"].items() if k != "argv"], "```", ""]
