@@ -189,3 +189,13 @@ def test_block_table_layouts_are_tight(bq, bk):
         y = torch.ones_like(x)
         y[:L, :S] = m
         assert torch.equal(lay == P.FULL, y.view_as(blocks).all(3).all(1)), repr(pat)
+
+
+@pytest.mark.parametrize("pat", [P.causal(), P.causal("bottom_right"), P.sliding_window(3), P.full(),
+                                 P.sliding_window(2, causal=True, align="bottom_right"), P.bigbird(3, 3, 1, 1, seed=5),
+                                 P.block_sparse(torch.rand(6, 6, generator=torch.Generator().manual_seed(2)) < 0.5, 3)],
+                         ids=repr)
+@pytest.mark.parametrize("L,S", [(1, 1), (7, 12), (12, 7), (16, 16), (0, 5)])
+def test_fast_nnz_equals_materialised_count(pat, L, S):
+    """Bands and block tables count kept pairs arithmetically; the count must equal the mask's."""
+    assert pat.nnz(L, S) == int(pat.materialize(L, S).sum())

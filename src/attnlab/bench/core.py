@@ -97,12 +97,17 @@ def _flops(n, causal, density, B=1, H=8, D=64):
 
 
 def _predict_bytes(impl, n, dtype_bytes, B=1, H=8, D=64, density=1.0, backward=False):
+    """Rough peak bytes, used only to skip what would not fit (the real peak is measured)."""
     io = 6 * B * H * n * D * dtype_bytes * (2 if backward else 1)
     if impl == "naive":
         return io + B * H * n * n * 4 * (4 if backward else 3)
     if impl == "dense":
         return io + B * H * n * n * 4 * 3
-    return io + 3 * B * H * n * D * 4 * max(1.0, density * n / 256)
+    if density < 1.0:
+        # sparse: forward in chunks of <= 16 MiB; backward keeps the gathered key/value blocks (~ρ·n² rows·D)
+        return io + 2 * 16 * 2**20 + (B * H * density * n * n * 2 * D * 4 / 128 if backward else 0)
+    # sdpa, auto (delegates) and tiled: O(n·D) plus tiles and the log-sum-exp
+    return io + B * H * n * (D + 3) * 4 + 3 * B * H * 512 * 512 * 4
 
 
 def _mem_child(spec: dict, timeout=600) -> int | None:
@@ -222,7 +227,8 @@ def run(args) -> Result:
             jobs += [("memory", "auto", n, "sliding_window_256", True) for n in sw_ns]
             task = prog.add_task("memory (fresh processes)", total=len(jobs))
             for section, impl, n, pat, bwd in jobs:
-                pred = _predict_bytes(impl, n, 4, backward=bwd) / 2**30
+                dens = pattern_density(PATTERNS[pat], n) if pat else 1.0
+                pred = _predict_bytes(impl, n, 4, density=dens, backward=bwd) / 2**30
                 cfg = dict(section=section, impl=impl, n=n, dtype="float32", causal=True, pattern=pat)
                 if pred > budget_m * 2:
                     skip(f"predicted {pred:.1f} GiB > memory budget", **cfg)

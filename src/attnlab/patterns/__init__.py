@@ -186,6 +186,13 @@ class _Band(Pattern):
         d = j - i - self._offset(L, S)
         return (d >= self.lo) & (d <= self.hi)
 
+    def nnz(self, L: int, S: int) -> int:
+        """Kept pairs counted per row in O(L): keys [i + off + lo, i + off + hi] clipped to [0, S)."""
+        i = torch.arange(L, dtype=torch.float64) + self._offset(L, S)
+        first = torch.clamp(i + self.lo, min=0)
+        last = torch.clamp(i + self.hi, max=S - 1)
+        return int((last - first + 1).clamp(min=0).sum())
+
     def _bounds(self, qlo, qhi, klo, khi, L, S):
         off = self._offset(L, S)
         dmin, dmax = klo - qhi - off, khi - qlo - off
@@ -327,6 +334,14 @@ class _BlockTable(Pattern):
         c = torch.nn.functional.pad(t.to(torch.int32).cumsum(0).cumsum(1), (1, 0, 1, 0))
         kept = c[bq1 + 1, bk1 + 1] - c[bq0, bk1 + 1] - c[bq1 + 1, bk0] + c[bq0, bk0]
         return kept > 0, kept == (bq1 - bq0 + 1) * (bk1 - bk0 + 1)
+
+    def nnz(self, L: int, S: int) -> int:
+        """Kept pairs from the table in O(cells): each kept cell counts its rows x columns inside L x S."""
+        bs = self.block_size
+        nq, nk = -(-L // bs), -(-S // bs)
+        rows = torch.clamp(L - torch.arange(nq, dtype=torch.float64) * bs, max=bs)
+        cols = torch.clamp(S - torch.arange(nk, dtype=torch.float64) * bs, max=bs)
+        return int(rows @ self.table(nq, nk, "cpu").to(torch.float64) @ cols) if nq and nk else 0
 
     def __repr__(self):
         return self.name
