@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -478,6 +479,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
     hist = {"step": [], "loss": [], "grad_norm": [], "qk_grad_norm": [], "entropy": [], "max_weight": [],
             "score_std": []}
     step, train_time, done, resumed_from = 0, 0.0, False, None
+    step_times: list[float] = []  # Note [Median step time]
     cfg_dict = asdict(cfg)
     if resume and ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
@@ -487,6 +489,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
             gen.set_state(state["gen"])
             torch.set_rng_state(state["rng"])
             hist, step, train_time, done = state["history"], int(state["step"]), float(state["train_time"]), bool(state["done"])
+            step_times = list(state.get("step_times", []))
             resumed_from = step
             if advance:
                 advance(step)
@@ -501,6 +504,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         buf = io.BytesIO()
         torch.save({"config": cfg_dict, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
                     "rng": torch.get_rng_state(), "history": hist, "step": step, "train_time": train_time,
+                    "step_times": step_times,
                     "done": done_now}, buf)
         atomic_write_bytes(ckpt, buf.getvalue())
 
@@ -525,7 +529,8 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        train_time += time.perf_counter() - t0
+        step_times.append(time.perf_counter() - t0)
+        train_time += step_times[-1]
         lv = float(loss.detach())
         if log:
             ents = [s["entropy"] for s in stats if s["entropy"] is not None]
@@ -552,7 +557,11 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
     ev = evaluate(model, test)
     save(True)
     return {"config": cfg_dict, "run_id": cfg.run_id, "history": hist, "eval": ev, "steps": step,
-            "steps_per_s": step / train_time if train_time > 0 else None, "train_time_s": train_time,
+            # Note [Median step time]: throughput is 1 / the median step time, not steps / total time: on a
+            # shared machine a process can be paused (SIGSTOP) or starved for minutes inside one step, and the
+            # median ignores such outliers where the mean does not. The mean is kept beside it.
+            "steps_per_s": 1.0 / statistics.median(step_times) if step_times else None,
+            "steps_per_s_mean": step / train_time if train_time > 0 else None, "train_time_s": train_time,
             "nonfinite_step": nonfinite_step, "resumed_from": resumed_from, "peak_rss_delta_bytes": peak_train,
             "final_loss": _tail_mean(hist["loss"])}
 

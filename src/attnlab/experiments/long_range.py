@@ -19,8 +19,9 @@ __all__ = ["build_parser", "run", "default_mechanisms", "VANILLA"]
 VANILLA = "sdpa"
 TASKS = ("listops", "recall", "copy")
 #: the default budget (every mechanism and task gets the same); quick mode shrinks it to toy size
-FULL = {"seq_len": 1024, "steps": 200, "batch": 8, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 4000, "test": 500}
-QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 64, "test": 32}
+FULL = {"seq_len": 1024, "steps": 200, "batch": 8, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 4000, "test": 500,
+        "queries": 8}
+QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 64, "test": 32, "queries": 4}
 
 
 def build_parser(p):
@@ -34,6 +35,9 @@ def build_parser(p):
     p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']:g})")
     p.add_argument("--d-model", type=int, default=None, help=f"model width (default {FULL['d_model']}; heads of 32)")
     p.add_argument("--layers", type=int, default=None, help=f"Transformer layers (default {FULL['layers']})")
+    p.add_argument("--recall-queries", type=int, default=None,
+                   help=f"queries per associative-recall example, answered in place (default {FULL['queries']}; "
+                        "1 = one query read at the last token)")
     p.add_argument("--no-token-shift", action="store_true",
                    help="do not give each position the embedding of its predecessor (see Note [Token shift])")
     p.add_argument("--train-examples", type=int, default=None,
@@ -52,12 +56,12 @@ def default_mechanisms() -> tuple[list[str], str | None]:
     return [VANILLA] + [n for n in names if specs[n].kind != "exact"], None
 
 
-def _datasets(tasks, T, n_train, n_test, seed):
+def _datasets(tasks, T, n_train, n_test, seed, recall_queries=1):
     from attnlab.data import make_task
 
     out = {}
     for t in tasks:
-        kw = {"min_length": T // 4} if t == "listops" else {}
+        kw = {"listops": {"min_length": T // 4}, "recall": {"num_queries": recall_queries}}.get(t, {})
         out[t] = make_task(t, n_train + n_test, T, seed=seed, **kw).split(n_train)
     return out
 
@@ -98,8 +102,11 @@ def _run(args):
     if not lr > 0:
         raise ValueError(f"--lr must be > 0, got {lr}")
     token_shift = not args.no_token_shift
+    queries = args.recall_queries or size["queries"]
+    if not 1 <= queries <= 8:
+        raise ValueError(f"--recall-queries must be in [1, 8] (8 key-value pairs), got {queries}")
     out = C.out_dir(args, "long-range")
-    datasets = _datasets(tasks, T, n_train, n_test, seed=1234)
+    datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=queries)
     configs, refused = [], {}
     for m in mechs:
         try:
@@ -141,7 +148,7 @@ def _run(args):
     results = {"experiment": "long-range", "seq_len": T, "tasks": tasks, "mechanisms": mechs,
                "mechanisms_note": why, "vanilla": VANILLA, "steps": steps, "batch_size": batch, "lr": lr,
                "d_model": d_model, "num_layers": layers, "num_heads": d_model // 32, "token_shift": token_shift,
-               "train_examples": n_train, "test_examples": n_test, "seeds": seeds, "quick": bool(args.quick),
+               "recall_queries": queries, "train_examples": n_train, "test_examples": n_test, "seeds": seeds, "quick": bool(args.quick),
                "baselines": baselines, "table": table, "refused": refused, "runs": runs,
                "task_meta": {t: {k: v for k, v in datasets[t][0].meta.items() if k != "lengths"} for t in tasks},
                "environment": C.env_record(seeds), "files": files, "complete": True,
@@ -225,7 +232,8 @@ def _plot(out, table, tasks, baselines):
 _TASK_TEXT = {
     "listops": "ListOps (LRA generator rules: MIN, MAX, MED, SM; depth ≤ 10; up to 10 arguments; closing ] kept; "
                "10 classes, mean-pooled read-out)",
-    "recall": "associative recall (8 key–value pairs in noise, the query key last; 16 values, read at the last token)",
+    "recall": "associative recall (8 key–value pairs in noise, then {q} of their keys as queries, each answered at "
+              "its own position; 16 values, scored per query)",
     "copy": "selective copy (8 data tokens scattered among blanks, reproduced in order at the 8 final marker "
             "positions; 16 symbols, scored per token)",
 }
@@ -240,7 +248,7 @@ def _report(res) -> str:
           f"{res['steps']} AdamW steps of batch {res['batch_size']} at lr {res['lr']:g} per task and mechanism — the "
           f"same budget for every mechanism — seeds {res['seeds']}, {res['train_examples']} generated training and "
           f"{res['test_examples']} held-out examples per task. Tasks: "
-          + "; ".join(_TASK_TEXT[t] for t in tasks) + ". Padding is not masked (every mechanism sees the same "
+          + "; ".join(_TASK_TEXT[t].format(q=res["recall_queries"]) for t in tasks) + ". Padding is not masked (every mechanism sees the same "
           "input; ListOps pools over non-pad tokens)."
           + (" **Quick mode: toy sizes, the numbers say nothing.**" if res["quick"] else ""), "",
           "What a model that learned nothing scores on the held-out set, and the bar an accuracy must clear to "
