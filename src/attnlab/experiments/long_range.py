@@ -19,7 +19,7 @@ __all__ = ["build_parser", "run", "default_mechanisms", "VANILLA"]
 VANILLA = "sdpa"
 TASKS = ("listops", "recall", "copy")
 #: the default budget (every mechanism and task gets the same); quick mode shrinks it to toy size
-FULL = {"seq_len": 1024, "steps": 200, "batch": 8, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 4000, "test": 500,
+FULL = {"seq_len": 1024, "steps": 1000, "batch": 8, "lr": 3e-3, "d_model": 64, "layers": 1, "train": 4000, "test": 500,
         "queries": 8}
 QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 64, "test": 32, "queries": 4}
 
