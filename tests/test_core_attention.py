@@ -286,8 +286,8 @@ def test_tiled_engines_agree_with_reference(engine, monkeypatch):
     P.strided(6) | P.sliding_window(2),
 ], ids=repr)
 def test_sparse_in_small_chunks_matches_reference_with_gradients(pattern, monkeypatch):
-    """Force the sparse kernel to split every group into chunks of a few query blocks: gathered runs,
-    bands and rectangles must still cover every row once, with per-batch masks and gradients."""
+    """Force the sparse kernel to split every group into chunks of one query block: gathered runs, bands
+    and rectangles must still cover every row once, with per-batch masks; gradients still match."""
     from attnlab.kernels import sparse
     monkeypatch.setattr(sparse, "CHUNK_BYTES", 1)
     g = torch.Generator().manual_seed(0)
@@ -296,11 +296,55 @@ def test_sparse_in_small_chunks_matches_reference_with_gradients(pattern, monkey
     v = torch.randn(2, 3, 37, 6, generator=g, dtype=torch.float64, requires_grad=True)
     mask = pattern.materialize(37, 37)
     ro, _ = reference.attention(q.detach(), k.detach(), v.detach(), attn_mask=mask)
+    with torch.no_grad():  # chunks are for inference; under autograd each run is one call
+        chunked = attnlab.attention(q, k, v, pattern=pattern, method="sparse", block_size=4)
+    assert_close(chunked, ro, **F64, what="chunked sparse output")
     out = attnlab.attention(q, k, v, pattern=pattern, method="sparse", block_size=4)
-    assert_close(out, ro, **F64, what="chunked sparse output")
+    assert_close(out, ro, **F64, what="sparse output under autograd")
     w = torch.randn_like(out)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     ref_out = attnlab.attention(q, k, v, attn_mask=mask, method="dense")
     ref_grads = torch.autograd.grad((ref_out * w).sum(), (q, k, v))
     for a, b, name in zip(grads, ref_grads, "qkv"):
         assert_close(a, b, **F64, what=f"chunked sparse d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sparse_training_function_matches_dense_gradients(dtype, monkeypatch):
+    """Training through the sparse kernel's own autograd Function (bands, rectangles, gathered runs,
+    bool and float masks, per-batch padding, a fully masked row) gives dense attention's gradients."""
+    from attnlab.kernels import sparse
+
+    used = []
+    real = sparse._SparseFunction.backward
+    monkeypatch.setattr(sparse._SparseFunction, "backward",
+                        staticmethod(lambda ctx, d: used.append(1) or real(ctx, d)))
+    g = torch.Generator().manual_seed(5)
+    L = S = 45
+    bias = torch.randn(3, L, S, generator=g, dtype=dtype)
+    keep = torch.rand(L, S, generator=g) > 0.2
+    keep[7] = False  # a query row with no key
+    cases = [
+        dict(pattern=P.sliding_window(6, causal=True)),
+        dict(pattern=P.bigbird(4, 3, 1, 1, seed=3) & P.key_padding([45, 30])),
+        dict(pattern=P.sliding_window(9), attn_mask=bias),
+        dict(pattern=P.longformer(3, [0, 20]), attn_mask=keep),
+        dict(pattern=P.causal() & P.strided(5)),
+    ]
+    tol = F64 if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
+    for kw in cases:
+        q = torch.randn(2, 3, L, 8, generator=g, dtype=dtype, requires_grad=True)
+        k = torch.randn(2, 3, S, 8, generator=g, dtype=dtype, requires_grad=True)
+        v = torch.randn(2, 3, S, 8, generator=g, dtype=dtype, requires_grad=True)
+        w = torch.randn(2, 3, L, 8, generator=g, dtype=dtype)
+        n_used = len(used)
+        out = attnlab.attention(q, k, v, method="sparse", block_size=4, **kw)
+        grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+        assert len(used) == n_used + 1, "the sparse autograd Function did not run"
+        mask = kw["pattern"].materialize(L, S)
+        m = kw.get("attn_mask")
+        full = mask if m is None else (mask & m if m.dtype == torch.bool else m.masked_fill(~mask, float("-inf")))
+        ref = attnlab.attention(q, k, v, attn_mask=full, method="dense")
+        assert_close(out, ref, **tol, what=f"{kw} output")
+        for a, b, name in zip(grads, torch.autograd.grad((ref * w).sum(), (q, k, v)), "qkv"):
+            assert_close(a, b, **tol, what=f"{kw} d{name}")

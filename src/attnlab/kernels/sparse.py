@@ -3,7 +3,9 @@ and PyTorch's fused kernel runs on the gathered blocks with a small edge mask.
 
 Query blocks are grouped by how many key blocks they need, so each group is one fused call (per
 chunk of at most CHUNK_BYTES) over a [G, N·H, block_q, c·block_k] problem. Empty blocks cost nothing; work and memory are O(nnz blocks).
-Autograd flows through the gather (index) and the fused kernel, so training works.
+Training (CPU, no dropout) uses a custom autograd Function that saves only q, k, v, out and the
+log-sum-exp and adds each run's fused-backward gradients straight into dq, dk, dv; otherwise autograd
+flows through the views, gathers and SDPA.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import patterns as P
+from . import fused as _fused
 from .fused import sdpa
 from .masks import MaskSpec
 
@@ -35,34 +38,162 @@ def plan_groups(layout: torch.Tensor):
 def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.0,
                        block_q: int = 128, block_k: int = 128):
     """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> out [N, H, L, Ev]."""
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if training and dropout_p == 0.0 and _fused.HAS_CPU_FLASH and q.device.type == "cpu" \
+            and q.shape[-1] == v.shape[-1] and not (mask.bias is not None and mask.bias.requires_grad):
+        try:
+            return _SparseFunction.apply(q, k, v, mask, scale, block_q, block_k)
+        except _NoFlash:
+            pass  # the private op refused these inputs: the autograd path below
+    # inference (chunked), dropout, or no fused CPU op: autograd through the views, gathers and SDPA
+    out, _ = _forward(q, k, v, mask, scale, dropout_p, block_q, block_k, chunked=not training, with_lse=False)
+    return out
+
+
+def _plan_runs(q, k, v, mask, block_q, block_k, chunked):
+    """[(rows, cols, step, full)] covering every query block with a key block once each."""
     N, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[-1]
-    nq, nk = -(-L // block_q), -(-S // block_k)
     layout = mask.layout(block_q, block_k, device="cpu")
-    qp = F.pad(q, (0, 0, 0, nq * block_q - L)) if nq * block_q != L else q.contiguous()
-    kp = F.pad(k, (0, 0, 0, nk * block_k - S)) if nk * block_k != S else k.contiguous()
-    vp = F.pad(v, (0, 0, 0, nk * block_k - S)) if nk * block_k != S else v.contiguous()
-    groups = plan_groups(layout)
-    covered = sum(len(rows) for rows, _, _ in groups) == nq
-    # (N, H, nq, bq, Ev); rows with no key at all stay 0, the others are written once, in place
-    out = (q.new_empty if covered else q.new_zeros)(N, H, nq, block_q, Ev)
-    for rows, cols, full in groups:
+    runs = []
+    for rows, cols, full in plan_groups(layout):
         # chunks keep each gathered K/V and each output below CHUNK_BYTES: larger fresh buffers are
-        # mmap-ed and page-faulted on every call (measured: one 76 MB gather 4.7x slower than 16 MB ones)
+        # mmap-ed and page-faulted on every call (measured: one 76 MB gather 4.7x slower than 16 MB ones).
+        # Not under autograd: each chunk's backward would materialise full-size gradients of k and v.
         out_row = N * H * block_q * Ev * q.element_size()
         gather_row = N * H * cols.shape[1] * block_k * max(E, Ev) * q.element_size()
-        runs = []
         for r, c, st in _runs(rows, cols):
             per = max(1, CHUNK_BYTES // (out_row if st is not None else max(out_row, gather_row)))
-            runs += [(r[a:a + per], c[a:a + per], st) for a in range(0, len(r), per)]
-        for r_rows, r_cols, step in runs:
-            og = _attend_run(qp, kp, vp, r_rows, r_cols, step, full, mask, scale, dropout_p, block_q, block_k)
-            og = og.permute(1, 2, 0, 3, 4)  # (N, H, G, bq, Ev)
-            if _contiguous(r_rows):
-                out[:, :, int(r_rows[0]):int(r_rows[0]) + len(r_rows)] = og
+            per = per if chunked else len(r)
+            runs += [(r[a:a + per], c[a:a + per], st, full) for a in range(0, len(r), per)]
+    return runs
+
+
+def _padded(x, n, b):
+    return F.pad(x, (0, 0, 0, n * b - x.shape[2])) if n * b != x.shape[2] else x.contiguous()
+
+
+def _forward(q, k, v, mask, scale, dropout_p, bq, bk, chunked, with_lse):
+    """(out [N, H, L, Ev], lse [N, H, nq·bq] (float32, float64 for float64) or None). With lse, each run goes through the private
+    CPU flash op (which returns it); otherwise through SDPA (dropout, any device)."""
+    N, H, L, E = q.shape
+    S, Ev = k.shape[2], v.shape[-1]
+    nq, nk = -(-L // bq), -(-S // bk)
+    qp, kp, vp = _padded(q, nq, bq), _padded(k, nk, bk), _padded(v, nk, bk)
+    runs = _plan_runs(q, k, v, mask, bq, bk, chunked)
+    covered = sum(len(r[0]) for r in runs) == nq
+    # (N, H, nq, bq, Ev); rows with no key at all stay 0, the others are written once, in place
+    out = (q.new_empty if covered else q.new_zeros)(N, H, nq, bq, Ev)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # what the fused op returns
+    lse = torch.full((N, H, nq, bq), float("-inf"), dtype=lse_dtype, device=q.device) if with_lse else None
+    for rows, cols, step, full in runs:
+        qg, kg, vg, m = _run_inputs(qp, kp, vp, rows, cols, step, full, mask, bq, bk, additive=with_lse)
+        if with_lse:
+            r = _fused.flash_cpu_with_lse(qg, kg, vg, m, False, scale)
+            if r is None:
+                raise _NoFlash
+            og, lg = r
+            dead = _dead_rows(m)
+            if dead is not None:
+                og = og.masked_fill(dead.unsqueeze(-1), 0.0)
+                lg = lg.masked_fill(dead, float("-inf"))
+            _put_rows(lse, rows, _unfold_rows(lg.unsqueeze(-1), step, N, H, len(rows), bq).squeeze(-1))
+        else:
+            og = sdpa(qg, kg, vg, attn_mask=m, dropout_p=dropout_p, scale=scale)
+        _put_rows(out, rows, _unfold_rows(og, step, N, H, len(rows), bq))
+    return out.view(N, H, nq * bq, Ev)[:, :, :L], lse
+
+
+def _unfold_rows(x, step, N, H, G, bq):
+    """A run's result -> (N, H, G, bq, ...): rectangles are (N, H, G·bq, ...), the rest (G, N·H, bq, ...)."""
+    if step == 0:
+        return x.view(N, H, G, bq, *x.shape[3:])
+    return x.view(G, N, H, bq, *x.shape[3:]).permute(1, 2, 0, *range(3, x.dim() + 1))
+
+
+def _put_rows(dst, rows, x):
+    """dst[:, :, rows] = x for a run's query blocks (a slice when they are consecutive)."""
+    if _contiguous(rows):
+        dst[:, :, int(rows[0]):int(rows[0]) + len(rows)] = x
+    else:
+        dst.index_copy_(2, rows.to(dst.device), x)
+
+
+def _take_rows(src, rows, step, N, H, bq):
+    """The run's rows of a [N, H, nq·bq, D] tensor, shaped like the run's queries."""
+    G = len(rows)
+    x = src.view(N, H, -1, bq * src.shape[-1])
+    x = x[:, :, int(rows[0]):int(rows[0]) + G] if _contiguous(rows) else x.index_select(2, rows.to(src.device))
+    x = x.reshape(N, H, G, bq, src.shape[-1])
+    return x.reshape(N, H, G * bq, -1) if step == 0 else _fold(x)
+
+
+def _dead_rows(m):
+    """Rows of an additive mask with no finite entry (no key left): [.., bq] bool, or None."""
+    if m is None:
+        return None
+    dead = ~torch.isfinite(m).any(-1)
+    return dead if bool(dead.any()) else None
+
+
+class _NoFlash(Exception):
+    """The private CPU flash op is missing or refused a run's inputs."""
+
+
+class _SparseFunction(torch.autograd.Function):
+    """Sparse attention whose backward stores only q, k, v, out and the log-sum-exp: per run, the fused
+    CPU backward (given the *global* out and lse) yields that run's gradients, which are added straight
+    into dq, dk, dv. Training memory is O(n·d) and no full-size gradient is built per run."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, bq, bk):
+        out, lse = _forward(q, k, v, mask, scale, 0.0, bq, bk, chunked=False, with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mask, ctx.scale, ctx.bq, ctx.bk = mask, scale, bq, bk
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        mask, scale, bq, bk = ctx.mask, ctx.scale, ctx.bq, ctx.bk
+        N, H, L, E = q.shape
+        S, Ev = k.shape[2], v.shape[-1]
+        nq, nk = -(-L // bq), -(-S // bk)
+        qp, kp, vp = _padded(q, nq, bq), _padded(k, nk, bk), _padded(v, nk, bk)
+        op, dop = _padded(out, nq, bq), _padded(dout.to(q.dtype), nq, bq)
+        lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # dead rows: p = 0
+        lse_b = lse_b.view(N, H, nq * bq, 1)
+        acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        dq = torch.zeros(N, H, nq, bq, E, dtype=acc, device=q.device)
+        dk = torch.zeros(N, H, nk, bk, E, dtype=acc, device=q.device)
+        dv = torch.zeros(N, H, nk, bk, Ev, dtype=acc, device=q.device)
+        for rows, cols, step, full in _plan_runs(q, k, v, mask, bq, bk, chunked=False):
+            G, c = cols.shape
+            qg, kg, vg, m = _run_inputs(qp, kp, vp, rows, cols, step, full, mask, bq, bk, additive=True)
+            og, dog = _take_rows(op, rows, step, N, H, bq), _take_rows(dop, rows, step, N, H, bq)
+            lg = _take_rows(lse_b, rows, step, N, H, bq).squeeze(-1)
+            gq, gk, gv = _fused.flash_cpu_backward(dog, qg, kg, vg, og, lg, m, scale)
+            _put_rows(dq, rows, _unfold_rows(gq, step, N, H, G, bq).to(acc))
+            if step == 0:  # one rectangle of key blocks [k0, k0 + c)
+                k0 = int(cols[0, 0])
+                dk[:, :, k0:k0 + c] += gk.view(N, H, c, bk, E)
+                dv[:, :, k0:k0 + c] += gv.view(N, H, c, bk, Ev)
+                continue
+            gk = gk.view(G, N, H, c, bk, E).permute(1, 2, 0, 3, 4, 5)  # (N, H, G, c, bk, E)
+            gv = gv.view(G, N, H, c, bk, Ev).permute(1, 2, 0, 3, 4, 5)
+            if step == 1 and bq == bk:  # a band: row g's j-th key block is k0 + g + j
+                k0 = int(cols[0, 0])
+                for j in range(c):
+                    dk[:, :, k0 + j:k0 + j + G] += gk[:, :, :, j]
+                    dv[:, :, k0 + j:k0 + j + G] += gv[:, :, :, j]
             else:
-                out.index_copy_(2, r_rows.to(q.device), og)
-    return out.view(N, H, nq * block_q, Ev)[:, :, :L]
+                idx = cols.to(q.device).reshape(-1)
+                dk.index_add_(2, idx, gk.reshape(N, H, G * c, bk, E).to(acc))
+                dv.index_add_(2, idx, gv.reshape(N, H, G * c, bk, Ev).to(acc))
+        dq = dq.view(N, H, nq * bq, E)[:, :, :L].to(q.dtype)
+        dk = dk.view(N, H, nk * bk, E)[:, :, :S].to(k.dtype)
+        dv = dv.view(N, H, nk * bk, Ev)[:, :, :S].to(v.dtype)
+        return dq, dk, dv, None, None, None, None
 
 
 def _runs(rows: torch.Tensor, cols: torch.Tensor):
@@ -90,11 +221,12 @@ def _runs(rows: torch.Tensor, cols: torch.Tensor):
     return out
 
 
-def _attend_run(qp, kp, vp, rows, cols, step, full, mask, scale, dropout_p, bq, bk):
-    """Attention of one run of query blocks -> (G, N, H, bq, Ev).
+def _run_inputs(qp, kp, vp, rows, cols, step, full, mask, bq, bk, additive=False):
+    """(q, k, v, mask) of one run for one fused call.
 
-    Every case hands the fused kernel a [G, N·H, rows, E] problem built from views where it can
-    (batch and heads fold into one dim without a copy), so one call covers the whole run.
+    Rectangles (step 0) are [N, H, G·bq, ·] slices; everything else is [G, N·H, bq | c·bk, ·], built from
+    views where it can (batch and heads fold into one dim without a copy). ``additive``: the mask as
+    float 0 / -inf (what the private op takes) instead of bool.
     """
     N, H, _, E = qp.shape
     Ev = vp.shape[-1]
@@ -104,13 +236,17 @@ def _attend_run(qp, kp, vp, rows, cols, step, full, mask, scale, dropout_p, bq, 
     ar_q, ar_k = torch.arange(bq, device=dev), torch.arange(bk, device=dev)
     i = rows.to(dev).view(G, 1, 1) * bq + ar_q.view(1, bq, 1)  # (G, bq, 1)
     j = (cols.to(dev).view(G, c, 1) * bk + ar_k.view(1, 1, bk)).view(G, 1, c * bk)  # (G, 1, c·bk)
+    dtype = qp.dtype
+
+    def fix(m):
+        return _additive(m, dtype) if additive and m is not None else m
+
     if step == 0:
         # one rectangle: all G·bq queries against the same c·bk keys
         qg = qp[:, :, r0 * bq:(r0 + G) * bq]  # (N, H, G·bq, E)
         kg, vg = kp[:, :, k0 * bk:(k0 + c) * bk], vp[:, :, k0 * bk:(k0 + c) * bk]
-        attn_mask = None if full else _combine(*mask.block(i.view(G * bq, 1), j[0], N), qp.dtype)
-        og = sdpa(qg, kg, vg, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)  # (N, H, G·bq, Ev)
-        return og.view(N, H, G, bq, Ev).permute(2, 0, 1, 3, 4)
+        m = None if full else _combine(*mask.block(i.view(G * bq, 1), j[0], N), dtype)
+        return qg, kg, vg, fix(m)
     if _contiguous(rows):
         qg = qp[:, :, r0 * bq:(r0 + G) * bq].view(N, H, G, bq, E)
     else:
@@ -118,20 +254,26 @@ def _attend_run(qp, kp, vp, rows, cols, step, full, mask, scale, dropout_p, bq, 
     m = None
     if step == 1 and bq == bk:
         # a band: keys of row g are key blocks [k0 + g, k0 + g + c): overlapping windows, no copy
-        kg = kp.unfold(2, c * bk, bk)[:, :, k0:k0 + G].transpose(-1, -2)  # (N, H, G, c·bk, E)
-        vg = vp.unfold(2, c * bk, bk)[:, :, k0:k0 + G].transpose(-1, -2)
+        span = slice(k0 * bk, (k0 + G - 1 + c) * bk)
+        kg = kp[:, :, span].unfold(2, c * bk, bk).transpose(-1, -2)  # (N, H, G, c·bk, E)
+        vg = vp[:, :, span].unfold(2, c * bk, bk).transpose(-1, -2)
         if not full and (mask.keep is None and mask.bias is None and _translation_invariant(mask.pattern)
                          and (k0 + G - 1 + c) * bk <= mask.S):
-            m = _combine(*mask.block(i[:1], j[:1], N), qp.dtype)[0]  # (1, 1, bq, c·bk): same for every row
+            m = _combine(*mask.block(i[:1], j[:1], N), dtype)[0]  # (1, 1, bq, c·bk): same for every row
     else:
         # anything else: gather the key blocks each query block needs (index_select copies whole blocks)
         idx = cols.to(dev).reshape(-1)
         kg = kp.view(N, H, -1, bk * E).index_select(2, idx).view(N, H, G, c * bk, E)
         vg = vp.view(N, H, -1, bk * Ev).index_select(2, idx).view(N, H, G, c * bk, Ev)
     if not full and m is None:
-        m = _fold_mask(_combine(*mask.block(i, j, N), qp.dtype), N, H)  # (G, N·H|1, bq, c·bk)
-    og = sdpa(_fold(qg), _fold(kg), _fold(vg), attn_mask=m, dropout_p=dropout_p, scale=scale)  # (G, N·H, bq, Ev)
-    return og.view(G, N, H, bq, Ev)
+        m = _fold_mask(_combine(*mask.block(i, j, N), dtype), N, H)  # (G, N·H|1, bq, c·bk)
+    return _fold(qg), _fold(kg), _fold(vg), fix(m)
+
+
+def _additive(m, dtype):
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+    return m
 
 
 def _fold(x):

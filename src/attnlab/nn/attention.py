@@ -399,21 +399,9 @@ class MultiHeadAttention(nn.Module):
         # a mechanism callable (contract 1) takes no pattern: give it the pattern as a bool mask
         if pattern is not None:
             keep = pattern.materialize(q.shape[2], k.shape[2], device=q.device)  # (L, S) or (B, 1, L, S)
-            keep = keep.view(1, 1, *keep.shape) if keep.dim() == 2 else keep
-            if mask is None:
-                mask = keep
-            elif mask.dtype == torch.bool:
-                mask = mask & keep
-            else:
-                mask = mask.masked_fill(~keep, float("-inf"))
+            mask = _and_keep(mask, keep.view(1, 1, *keep.shape) if keep.dim() == 2 else keep)
         if key_keep is not None:
-            kk = key_keep.view(key_keep.shape[0], 1, 1, -1)  # (B, 1, 1, S)
-            if mask is None:
-                mask = kk
-            elif mask.dtype == torch.bool:
-                mask = mask & kk
-            else:
-                mask = mask.masked_fill(~kk, float("-inf"))
+            mask = _and_keep(mask, key_keep.view(key_keep.shape[0], 1, 1, -1))  # (B, 1, 1, S)
         r = mech(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p,
                  enable_gqa=gqa, need_weights=need_weights)
         return r if need_weights else (r, None)
@@ -422,3 +410,12 @@ class MultiHeadAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}, mechanism={self._mechanism_spec!r}, "
                 f"pattern={self.pattern!r}, scale={self.scale}, dropout={self.dropout}")
+
+
+def _and_keep(mask: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
+    """Combine an SDPA-style mask (None, bool True = takes part, or float bias) with a bool keep mask."""
+    if mask is None:
+        return keep
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, float("-inf"))
