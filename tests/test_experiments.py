@@ -232,3 +232,33 @@ def test_long_range_baselines_count_the_majority_class():
     assert b["items"] == 30 * 4 and b["majority"] == flat.count(best) / len(flat) and b["chance"] == 1 / 16
     assert b["margin"] == pytest.approx(3 * math.sqrt(b["majority"] * (1 - b["majority"]) / 120))
     assert LR.learned(b["majority"] + b["margin"] + 1e-9, b) and not LR.learned(b["majority"] + b["margin"], b)
+
+
+def test_long_range_killed_leaves_a_report_and_resumes(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from attnlab.experiments import long_range as LR
+
+    argv = ["experiment", "long-range", "--quick", "--seq-len", "48", "--tasks", "recall,copy", "--steps", "2",
+            "--mechanisms", "sdpa,linear", "--no-progress", "--out", str(tmp_path)]
+    real, calls = C.train_run, []
+
+    def killed_at_third(cfg, *a, **k):
+        calls.append(cfg.run_id)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(cfg, *a, **k)
+
+    monkeypatch.setattr(LR.C, "train_run", killed_at_third)
+    assert main(argv) == 130
+    res = _read(tmp_path / "results.json")
+    # task by task: the finished task has every mechanism
+    assert not res["complete"] and [(r["task"], r["mechanism"]) for r in res["runs"]] == [("recall", "sdpa"),
+                                                                                        ("recall", "linear")]
+    assert "Partial report" in (tmp_path / "report.md").read_text()
+    monkeypatch.setattr(LR.C, "train_run", real)
+    assert main(argv + ["--resume"]) == 0
+    res = _read(tmp_path / "results.json")
+    assert res["complete"] and len(res["runs"]) == 4 and "Partial report" not in (tmp_path / "report.md").read_text()
+    assert [r["resumed_from"] for r in res["runs"][:2]] == [2, 2]  # finished runs are not trained again

@@ -8,6 +8,8 @@ Tay et al. 2020 (Long Range Arena), Tables 1 and 2. Writes reports/long-range/.
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 
 import torch
@@ -108,36 +110,52 @@ def _run(args):
     out = C.out_dir(args, "long-range")
     datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=queries)
     configs, refused = [], {}
+    usable = []
     for m in mechs:
         try:
             C.attention_fn(m, T)  # unknown names fail here, before any training
+            usable.append(m)
         except (ValueError, TypeError) as e:
             refused[m] = str(e)
-            continue
-        for task in tasks:
+    # task by task: a run cut short still has every mechanism on the tasks it finished
+    for task in tasks:
+        for m in usable:
             for seed in seeds:
                 configs.append(C.RunConfig(name=f"{task}-{m}", task=task, seq_len=T, d_model=d_model,
                                            num_heads=d_model // 32, head_dim=32, num_layers=layers, attention=m,
                                            steps=steps, batch_size=batch, lr=lr, seed=seed,
                                            log_every=max(1, steps // 20), token_shift=token_shift))
-    runs = []
-    with C.progress(args.no_progress) as prog:
-        tid = prog.add_task("long-range", total=sum(c.steps for c in configs))
-        ckdir = out / "checkpoints"
-        for cfg in configs:
-            train, test = datasets[cfg.task]
-            try:
-                r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume,
-                                advance=lambda n: prog.advance(tid, n))
-            except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
-                refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
-                prog.advance(tid, cfg.steps)
-                continue
-            r["mechanism"], r["task"] = cfg.attention, cfg.task
-            runs.append(r)
-            from attnlab.report import atomic_write_json
+    runs, interrupted = [], None
 
-            atomic_write_json(out / "results.partial.json", {"complete": False, "runs": runs, "refused": refused})
+    def on_term(signum, frame):
+        raise _Interrupted(f"signal {signum}")
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, on_term) if main_thread else None
+    try:
+        with C.progress(args.no_progress) as prog:
+            tid = prog.add_task("long-range", total=sum(c.steps for c in configs))
+            ckdir = out / "checkpoints"
+            for cfg in configs:
+                train, test = datasets[cfg.task]
+                try:
+                    r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume,
+                                    advance=lambda n: prog.advance(tid, n))
+                except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
+                    refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
+                    prog.advance(tid, cfg.steps)
+                    continue
+                r["mechanism"], r["task"] = cfg.attention, cfg.task
+                runs.append(r)
+                from attnlab.report import atomic_write_json
+
+                atomic_write_json(out / "results.partial.json", {"complete": False, "runs": runs, "refused": refused})
+    except (KeyboardInterrupt, _Interrupted) as e:
+        # the run in progress keeps its last checkpoint (every 20 s): --resume continues it
+        interrupted = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"terminated ({e})"
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     baselines = {t: baseline_accuracy(datasets[t][1]) for t in tasks}
     table = _lra_table(runs, tasks, baselines)
     files = [_plot(out, table, tasks, baselines)] if table else []
@@ -153,12 +171,18 @@ def _run(args):
                "task_meta": {t: {k: v for k, v in datasets[t][0].meta.items() if k != "lengths"} for t in tasks},
                "environment": C.env_record(seeds), "files": files, "complete": True,
                "wall_s": time.perf_counter() - t0}
+    results["complete"], results["interrupted"] = interrupted is None, interrupted
     md = _report(results)
     results["paths"] = C.write_results(out, results, md)
     partial = out / "results.partial.json"
-    if partial.exists():
+    if interrupted:
+        results["exit_code"] = 130
+    elif partial.exists():
         partial.unlink()
     lines = [f"[bold]long-range[/bold] n={T} -> {out}/report.md"]
+    if interrupted:
+        lines.append(f"[bold red]{interrupted}[/bold red] after {len(runs)} of {len(configs)} runs: partial report "
+                     "written; `--resume` with the same options continues")
     for row in table:
         accs = ", ".join(f"{t} {C.fmt(row['accuracy'].get(t))}" for t in tasks)
         lines.append(f"  {row['mechanism']:<16} {accs}; steps/s ×{C.fmt(row['speed_vs_vanilla'])}, "
@@ -168,6 +192,10 @@ def _run(args):
     C.render(lines)
     results["summary_lines"] = lines
     return results
+
+
+class _Interrupted(BaseException):
+    """SIGTERM, raised where the training loop is, so that the finished runs still get a report."""
 
 
 def baseline_accuracy(test) -> dict:
@@ -251,6 +279,9 @@ def _report(res) -> str:
           + "; ".join(_TASK_TEXT[t].format(q=res["recall_queries"]) for t in tasks) + ". Padding is not masked (every mechanism sees the same "
           "input; ListOps pools over non-pad tokens)."
           + (" **Quick mode: toy sizes, the numbers say nothing.**" if res["quick"] else ""), "",
+          *([f"> **Partial report** ({res['interrupted']}): {len(res['runs'])} runs finished. "
+             "`attnlab experiment long-range --resume` with the same options continues.", ""]
+            if res.get("interrupted") else []),
           "What a model that learned nothing scores on the held-out set, and the bar an accuracy must clear to "
           "count as learned (majority rate + 3 binomial standard errors):", ""]
     md += [C.fmt_table(["task", "chance (1/classes)", "majority class", "scored items", "learned above"],
