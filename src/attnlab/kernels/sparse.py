@@ -46,7 +46,8 @@ def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float =
         except _NoFlash:
             pass  # the private op refused these inputs: the autograd path below
     # inference (chunked), dropout, or no fused CPU op: autograd through the views, gathers and SDPA
-    out, _ = _forward(q, k, v, mask, scale, dropout_p, block_q, block_k, chunked=not training, with_lse=False)
+    out, _ = _forward(q, k, v, mask, scale, dropout_p, block_q, block_k, chunked="forward" if not training else False,
+                      with_lse=False)
     return out
 
 
@@ -59,11 +60,15 @@ def _plan_runs(q, k, v, mask, block_q, block_k, chunked):
     for rows, cols, full in plan_groups(layout):
         # chunks keep each gathered K/V and each output below CHUNK_BYTES: larger fresh buffers are
         # mmap-ed and page-faulted on every call (measured: one 76 MB gather 4.7x slower than 16 MB ones).
-        # Not under autograd: each chunk's backward would materialise full-size gradients of k and v.
+        # Not under autograd through the views (chunked=False): each chunk's backward would materialise
+        # full-size gradients of k and v. The autograd Function chunks both passes ("backward" also counts
+        # each run's key/value gradients).
         out_row = N * H * block_q * Ev * q.element_size()
         gather_row = N * H * cols.shape[1] * block_k * max(E, Ev) * q.element_size()
         for r, c, st in _runs(rows, cols):
-            per = max(1, CHUNK_BYTES // (out_row if st is not None else max(out_row, gather_row)))
+            # a run's key/value side is a copy when gathered, and always in the backward (its gradients)
+            copies_kv = st is None or chunked == "backward"
+            per = max(1, CHUNK_BYTES // (max(out_row, gather_row) if copies_kv else out_row))
             per = per if chunked else len(r)
             runs += [(r[a:a + per], c[a:a + per], st, full) for a in range(0, len(r), per)]
     return runs
@@ -147,7 +152,7 @@ class _SparseFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, bq, bk):
-        out, lse = _forward(q, k, v, mask, scale, 0.0, bq, bk, chunked=False, with_lse=True)
+        out, lse = _forward(q, k, v, mask, scale, 0.0, bq, bk, chunked="forward", with_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.scale, ctx.bq, ctx.bk = mask, scale, bq, bk
         return out
@@ -167,7 +172,7 @@ class _SparseFunction(torch.autograd.Function):
         dq = torch.zeros(N, H, nq, bq, E, dtype=acc, device=q.device)
         dk = torch.zeros(N, H, nk, bk, E, dtype=acc, device=q.device)
         dv = torch.zeros(N, H, nk, bk, Ev, dtype=acc, device=q.device)
-        for rows, cols, step, full in _plan_runs(q, k, v, mask, bq, bk, chunked=False):
+        for rows, cols, step, full in _plan_runs(q, k, v, mask, bq, bk, chunked="backward"):
             G, c = cols.shape
             qg, kg, vg, m = _run_inputs(qp, kp, vp, rows, cols, step, full, mask, bq, bk, additive=True)
             og, dog = _take_rows(op, rows, step, N, H, bq), _take_rows(dop, rows, step, N, H, bq)
