@@ -135,7 +135,11 @@ def run(args) -> Result:
     dtypes = ["float32"] if quick else ["float32", "bfloat16"]
     reps = 2 if quick else 3
     budget_t, budget_m = (1.0, 2.0) if quick else (args.time_budget, args.mem_budget_gib)
-    res.peak_gflops = {d: matmul_peak(getattr(torch, d), n=512 if quick else 2048) for d in dtypes}
+    # a resumed run keeps the peaks its kept measurements were taken beside
+    res.peak_gflops = dict(done.get("peak_gflops", {})) if done else {}
+    for d in dtypes:
+        if d not in res.peak_gflops:
+            res.peak_gflops[d] = matmul_peak(getattr(torch, d), n=512 if quick else 2048)
     if "float32" not in res.peak_gflops:
         res.peak_gflops["float32"] = matmul_peak(torch.float32, n=512)
 
@@ -269,7 +273,7 @@ def _previous(out: Path, settings: dict, console) -> dict:
     names = {f.name for f in fields(Record)}
     recs = [Record(**{k: v for k, v in r.items() if k in names}) for r in data.get("records", [])]
     console.print(f"--resume: keeping {len(recs)} measurements from {path}")
-    return {_key(r): r for r in recs}
+    return {**{_key(r): r for r in recs}, "peak_gflops": data.get("peak_gflops", {})}
 
 
 def _density_ratios(res: Result):
