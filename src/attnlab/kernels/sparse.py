@@ -1,10 +1,12 @@
 """Block-sparse attention by gathering: each query block gets exactly the key blocks its layout needs,
-and PyTorch's fused kernel runs on the gathered blocks with a small edge mask.
+and PyTorch's fused kernel runs on them with a small edge mask.
 
-Query blocks are grouped by how many key blocks they need, so each group is one fused call (per
-chunk of at most CHUNK_BYTES) over a [G, N·H, block_q, c·block_k] problem. Empty blocks cost nothing; work and memory are O(nnz blocks).
-Training (CPU, no dropout) uses a custom autograd Function that saves only q, k, v, out and the
-log-sum-exp and adds each run's fused-backward gradients straight into dq, dk, dv; otherwise autograd
+Query blocks are grouped by how many key blocks they need and split into runs (bands, rectangles,
+gathers); each run is one fused call over a [G, N·H, block_q, c·block_k] problem, cut into chunks of at
+most CHUNK_BYTES. Empty blocks cost nothing; work and memory are O(non-empty blocks).
+
+Training (CPU, no dropout) goes through ``_SparseFunction``: it saves only q, k, v, out and the
+log-sum-exp and adds each run's fused-backward gradients straight into dq, dk, dv. Otherwise autograd
 flows through the views, gathers and SDPA.
 """
 from __future__ import annotations
