@@ -306,7 +306,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         method: "auto" | "dense" | "sdpa" | "tiled" | "sparse"; ``explain()`` says what auto picks and why.
         need_weights: also return the weights [..., L, S] (dense, or tiled by a second streaming pass).
         strict: refuse any path that would materialise an L×S tensor.
-        block_size: block edge for the tiled and sparse kernels (default: 512 and 128).
+        block_size: block edge for the tiled and sparse kernels (default: 512 for tiled; for sparse a
+            block table's own block, the fastest predicted edge for bands, else 128).
 
     Returns: output [..., L, Ev], or (output, weights) with need_weights.
 
