@@ -258,6 +258,11 @@ def test_long_range_killed_leaves_a_report_and_resumes(tmp_path, monkeypatch):
                                                                                         ("recall", "linear")]
     assert "Partial report" in (tmp_path / "report.md").read_text()
     monkeypatch.setattr(LR.C, "train_run", real)
+    assert main(argv + ["--report-only"]) == 0  # trains nothing: reports the finished runs, lists the rest
+    res = _read(tmp_path / "results.json")
+    assert [r["resumed_from"] for r in res["runs"]] == [2, 2] and not res["complete"]
+    assert sorted(res["not_run"]) == ["copy-linear-seed0", "copy-sdpa-seed0"]
+    assert "copy: not run" in (tmp_path / "report.md").read_text()
     assert main(argv + ["--resume"]) == 0
     res = _read(tmp_path / "results.json")
     assert res["complete"] and len(res["runs"]) == 4 and "Partial report" not in (tmp_path / "report.md").read_text()

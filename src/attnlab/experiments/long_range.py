@@ -42,6 +42,9 @@ def build_parser(p):
                         "1 = one query read at the last token)")
     p.add_argument("--no-token-shift", action="store_true",
                    help="do not give each position the embedding of its predecessor (see Note [Token shift])")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: report the runs whose checkpoints in --out are finished (same settings) "
+                        "and list the others as not run")
     p.add_argument("--train-examples", type=int, default=None,
                    help=f"generated training examples per task (default {FULL['train']})")
     p.add_argument("--test-examples", type=int, default=None, help=f"held-out examples per task (default {FULL['test']})")
@@ -125,7 +128,7 @@ def _run(args):
                                            num_heads=d_model // 32, head_dim=32, num_layers=layers, attention=m,
                                            steps=steps, batch_size=batch, lr=lr, seed=seed,
                                            log_every=max(1, steps // 20), token_shift=token_shift))
-    runs, interrupted = [], None
+    runs, interrupted, not_run = [], None, []
 
     def on_term(signum, frame):
         raise _Interrupted(f"signal {signum}")
@@ -138,8 +141,12 @@ def _run(args):
             ckdir = out / "checkpoints"
             for cfg in configs:
                 train, test = datasets[cfg.task]
+                if args.report_only and not _finished(ckdir / f"{cfg.file_id}.pt", cfg):
+                    not_run.append(cfg.run_id)
+                    prog.advance(tid, cfg.steps)
+                    continue
                 try:
-                    r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume,
+                    r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume or args.report_only,
                                     advance=lambda n: prog.advance(tid, n))
                 except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
                     refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
@@ -171,13 +178,14 @@ def _run(args):
                "task_meta": {t: {k: v for k, v in datasets[t][0].meta.items() if k != "lengths"} for t in tasks},
                "environment": C.env_record(seeds), "files": files, "complete": True,
                "wall_s": time.perf_counter() - t0}
-    results["complete"], results["interrupted"] = interrupted is None, interrupted
+    results["complete"] = interrupted is None and not not_run
+    results["interrupted"], results["not_run"] = interrupted, not_run
     md = _report(results)
     results["paths"] = C.write_results(out, results, md)
     partial = out / "results.partial.json"
     if interrupted:
         results["exit_code"] = 130
-    elif partial.exists():
+    elif results["complete"] and partial.exists():
         partial.unlink()
     lines = [f"[bold]long-range[/bold] n={T} -> {out}/report.md"]
     if interrupted:
@@ -192,6 +200,16 @@ def _run(args):
     C.render(lines)
     results["summary_lines"] = lines
     return results
+
+
+def _finished(ckpt, cfg) -> bool:
+    """Whether ``ckpt`` holds a finished training run of exactly ``cfg``."""
+    from dataclasses import asdict
+
+    if not ckpt.exists():
+        return False
+    state = torch.load(ckpt, weights_only=True)
+    return bool(state.get("done")) and state.get("config") == asdict(cfg)
 
 
 class _Interrupted(BaseException):
@@ -279,9 +297,10 @@ def _report(res) -> str:
           + "; ".join(_TASK_TEXT[t].format(q=res["recall_queries"]) for t in tasks) + ". Padding is not masked (every mechanism sees the same "
           "input; ListOps pools over non-pad tokens)."
           + (" **Quick mode: toy sizes, the numbers say nothing.**" if res["quick"] else ""), "",
-          *([f"> **Partial report** ({res['interrupted']}): {len(res['runs'])} runs finished. "
-             "`attnlab experiment long-range --resume` with the same options continues.", ""]
-            if res.get("interrupted") else []),
+          *([f"> **Partial report** ({res.get('interrupted') or 'report only'}): {len(res['runs'])} runs finished"
+             + (f", {len(res['not_run'])} not run" if res.get("not_run") else "")
+             + ". `attnlab experiment long-range --resume` with the same options continues.", ""]
+            if not res.get("complete", True) else []),
           "What a model that learned nothing scores on the held-out set, and the bar an accuracy must clear to "
           "count as learned (majority rate + 3 binomial standard errors):", ""]
     md += [C.fmt_table(["task", "chance (1/classes)", "majority class", "scored items", "learned above"],
@@ -307,6 +326,9 @@ def _report(res) -> str:
     md += ["## What learned what", ""]
     for t in tasks:
         yes = [r["mechanism"] for r in res["table"] if r["learned"].get(t)]
+        if not any(r["task"] == t for r in res["runs"]):
+            md.append(f"- {t}: not run")
+            continue
         md.append(f"- {t}: " + (f"{len(yes)} of {len(res['table'])} mechanisms beat the majority class clearly: "
                                 + ", ".join(yes) if yes else
                                 f"no mechanism beat the majority class ({base[t]['majority']:.3f}) clearly"))
@@ -314,7 +336,11 @@ def _report(res) -> str:
     for f in ("lra.png", "curves.png"):
         if any(str(x).endswith(f) for x in res["files"]):
             md += [f"![{f[:-4]}]({f})", ""]
-    if res["refused"]:
-        md += ["## Not run", ""] + [f"- {k}: {v}" for k, v in res["refused"].items()] + [""]
+    if res["refused"] or res.get("not_run"):
+        md += ["## Not run", ""] + [f"- {k}: {v}" for k, v in res["refused"].items()]
+        if res.get("not_run"):
+            md += ["- not trained within this report's budget (`--report-only` over finished checkpoints): "
+                   + ", ".join(res["not_run"])]
+        md += [""]
     md += ["## Environment", "", "```", *[f"{k}: {v}" for k, v in res["environment"].items() if k != "argv"], "```", ""]
     return "\n".join(md)
