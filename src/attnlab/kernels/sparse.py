@@ -208,7 +208,8 @@ def _runs(rows: torch.Tensor, cols: torch.Tensor):
 
     step 1: consecutive query blocks whose consecutive key blocks slide by one (a band): the keys of
     the whole run are one overlapping-window view (unfold) of the key tensor.
-    step 0: query blocks that all need the same consecutive key blocks: one rectangle.
+    step 0: query blocks that all need the same consecutive key blocks (or one query block alone):
+    one rectangle.
     step None: anything else, gathered by index.
     """
     G, c = cols.shape
@@ -220,10 +221,9 @@ def _runs(rows: torch.Tensor, cols: torch.Tensor):
     for g in range(1, G + 1):
         if g == G or not (d_rows[g - 1] == 1 and d_cols[g - 1] == (d_cols[start] if g - 1 > start else d_cols[g - 1])
                           and d_cols[g - 1] in (0, 1)):
-            if g - start >= 2:
-                out.append((rows[start:g], cols[start:g], int(d_cols[start])))
-            else:
-                out.append((rows[start:g], cols[start:g], None))
+            # a lone query block with consecutive key blocks is a rectangle of one row: a slice, no copy
+            step = int(d_cols[start]) if g - start >= 2 else 0
+            out.append((rows[start:g], cols[start:g], step))
             start = g
     return out
 
