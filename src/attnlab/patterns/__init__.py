@@ -133,10 +133,6 @@ def _as_pattern(p) -> Pattern:
     return p
 
 
-def _batched(a, b):
-    return a.batch_size or b.batch_size
-
-
 @dataclass(frozen=True, eq=False)
 class _Combine(Pattern):
     op: str
