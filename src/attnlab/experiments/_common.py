@@ -551,7 +551,8 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         if ckpt is not None and time.perf_counter() - last_save > checkpoint_every_s:
             save(False)
             last_save = time.perf_counter()
-    peak_train = peak_rss_bytes() - rss0 if peak_reset else None
+    # no step taken here (a finished run resumed): this process measured no training memory
+    peak_train = peak_rss_bytes() - rss0 if peak_reset and step != resumed_from else None
     if advance and step < cfg.steps:
         advance(cfg.steps - step)
     ev = evaluate(model, test)
