@@ -138,6 +138,10 @@ def test_resume_after_kill_gives_the_uninterrupted_run(tmp_path, one_thread):
     # a finished run is not repeated
     again = C.train_run(cfg, tr, te, ck, resume=True)
     assert again["resumed_from"] == cfg.steps and again["history"] == resumed["history"]
+    # ... and keeps the training memory the process that trained it measured
+    if C.reset_peak_rss():
+        assert resumed["peak_rss_delta_bytes"] is not None
+    assert again["peak_rss_delta_bytes"] == resumed["peak_rss_delta_bytes"]
 
 
 def test_scaling_quick_entropy_order_and_resume(tmp_path):

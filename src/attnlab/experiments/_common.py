@@ -480,6 +480,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
             "score_std": []}
     step, train_time, done, resumed_from = 0, 0.0, False, None
     step_times: list[float] = []  # Note [Median step time]
+    stored_peak: int | None = None  # training memory a killed or finished earlier process measured
     cfg_dict = asdict(cfg)
     if resume and ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, weights_only=True)
@@ -490,11 +491,17 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
             torch.set_rng_state(state["rng"])
             hist, step, train_time, done = state["history"], int(state["step"]), float(state["train_time"]), bool(state["done"])
             step_times = list(state.get("step_times", []))
+            stored_peak = state.get("peak_rss_delta_bytes")
             resumed_from = step
             if advance:
                 advance(step)
 
-    def save(done_now: bool):
+    def measured_peak() -> int | None:
+        # no step taken here (a finished run resumed): this process measured no training memory
+        here = peak_rss_bytes() - rss0 if peak_reset and step != resumed_from else None
+        return max((m for m in (here, stored_peak) if m is not None), default=None)
+
+    def save(done_now: bool, peak: int | None = None):
         if ckpt is None:
             return
         import io
@@ -504,7 +511,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         buf = io.BytesIO()
         torch.save({"config": cfg_dict, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
                     "rng": torch.get_rng_state(), "history": hist, "step": step, "train_time": train_time,
-                    "step_times": step_times,
+                    "step_times": step_times, "peak_rss_delta_bytes": peak if done_now else measured_peak(),
                     "done": done_now}, buf)
         atomic_write_bytes(ckpt, buf.getvalue())
 
@@ -551,12 +558,11 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         if ckpt is not None and time.perf_counter() - last_save > checkpoint_every_s:
             save(False)
             last_save = time.perf_counter()
-    # no step taken here (a finished run resumed): this process measured no training memory
-    peak_train = peak_rss_bytes() - rss0 if peak_reset and step != resumed_from else None
+    peak_train = measured_peak()
     if advance and step < cfg.steps:
         advance(cfg.steps - step)
     ev = evaluate(model, test)
-    save(True)
+    save(True, peak_train)  # measured before evaluation, which is not training
     return {"config": cfg_dict, "run_id": cfg.run_id, "history": hist, "eval": ev, "steps": step,
             # Note [Median step time]: throughput is 1 / the median step time, not steps / total time: on a
             # shared machine a process can be paused (SIGSTOP) or starved for minutes inside one step, and the
