@@ -199,3 +199,40 @@ def test_block_table_layouts_are_tight(bq, bk):
 def test_fast_nnz_equals_materialised_count(pat, L, S):
     """Bands and block tables count kept pairs arithmetically; the count must equal the mask's."""
     assert pat.nnz(L, S) == int(pat.materialize(L, S).sum())
+
+
+@pytest.mark.parametrize("block,summary,causal", [(4, 1, True), (4, 2, False), (6, 4, True), (5, 0, False),
+                                                  (8, 8, True)])
+@pytest.mark.parametrize("bq,bk", [(1, 1), (2, 3), (4, 2), (8, 1), (12, 4)])
+def test_fixed_layouts_are_analytic_and_tight(block, summary, causal, bq, bk):
+    """fixed's layout comes from its own bounds (no L×S pass) and marks exactly the blocks it touches."""
+    pat = P.fixed(block, summary, causal)
+    L, S = 23, 19
+    nq, nk = -(-L // bq), -(-S // bk)
+    qlo, klo = (torch.arange(nq) * bq).unsqueeze(1), (torch.arange(nk) * bk).unsqueeze(0)
+    assert pat._bounds(qlo, (qlo + bq - 1).clamp(max=L - 1), klo, (klo + bk - 1).clamp(max=S - 1), L, S) is not None
+    x = torch.zeros(nq * bq, nk * bk, dtype=torch.bool)
+    x[:L, :S] = pat.materialize(L, S)
+    assert torch.equal(pat.block_layout(L, S, bq, bk) != P.EMPTY, x.view(nq, bq, nk, bk).any(3).any(1))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fixed_pattern_skips_work_on_narrow_key_blocks(causal):
+    """Every query block of fixed touches every 64-key block (a summary column in each), so square blocks
+    skip nothing; the planner takes narrow key blocks instead, and values and gradients stay exact."""
+    pat = P.fixed(64, 8, causal)
+    L = 2048
+    q, k, v = (torch.randn(1, 2, L, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    plan = attnlab.explain(q, k, v, pattern=pat)
+    bq, bk = plan.block_size
+    assert plan.method == "sparse" and bk < bq and bq % 64 == 0
+    square = attnlab.explain(q, k, v, pattern=pat, block_size=64)
+    assert plan.flops["sparse"] < square.flops["sparse"] / 2
+    out = attnlab.attention(q, k, v, pattern=pat)
+    ro, _ = reference.attention(q, k, v, attn_mask=pat.materialize(L, L))
+    assert_close(out, ro, **TOL[torch.float64], what="fixed, narrow key blocks")
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    gd = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=pat.materialize(L, L), method="dense").sum(),
+                             (q, k, v))
+    for a, b in zip(g, gd):
+        assert_close(a, b, atol=1e-10, what="grad")

@@ -27,6 +27,7 @@ DENSE_WEIGHTS_BUDGET = 256 * 2**20
 #: auto uses the gathered block-sparse kernel when at least this fraction of blocks is empty
 SPARSE_MIN_EMPTY = 0.25
 DEFAULT_SPARSE_BLOCK = 128
+SPARSE_QUERY_ROWS = 256  # query rows per block for patterns with narrow key blocks (see _sparse_block)
 #: fused-kernel speed (GFLOP/s) at query blocks of this many rows, measured on the 2-core reference
 #: machine (B·H batches of [block, ~block + 256] problems); relative values choose a band's block size
 SPARSE_BLOCK_SPEED = {32: 49.0, 64: 60.0, 128: 65.0, 256: 77.0}
@@ -172,7 +173,7 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
     io = N * H * L * (E + 2 * Ev) * el + 2 * N * H * S * (E + Ev) * el
     pairs = N * H * L * S
     has_pattern = mask.pattern is not None and not p.is_causal_only
-    bs = block_size or _sparse_block(p)
+    sq, sk = (block_size, block_size) if block_size else _sparse_block(p)
     tq, tk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
     refused: dict[str, str] = {}
     peak: dict[str, int] = {}
@@ -180,17 +181,17 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
     unit_flops = 2 * (E + Ev)
 
     # sparse layout at its block size: computed blocks and their area (plain causal is counted, not laid out)
-    lay = mask.layout(bs, bs) if not (mask.is_trivial or p.is_causal_only) else None
+    lay = mask.layout(sq, sk) if not (mask.is_trivial or p.is_causal_only) else None
     if lay is not None and lay.numel():
         blocks = int((lay != P.EMPTY).sum())
         density = blocks / lay.numel()
     elif p.is_causal_only:
-        blocks = _causal_blocks(L, S, bs, bs)
-        density = blocks / max(1, (-(-L // bs)) * (-(-S // bs)))
+        blocks = _causal_blocks(L, S, sq, sk)
+        density = blocks / max(1, (-(-L // sq)) * (-(-S // sk)))
     else:
         blocks, density = None, 1.0
-    computed = blocks * bs * bs if blocks is not None else L * S
-    gathered = blocks * bs if blocks is not None else (-(-L // bs)) * max(S, 1)
+    computed = blocks * sq * sk if blocks is not None else L * S
+    gathered = blocks * sk if blocks is not None else (-(-L // sq)) * max(S, 1)
     if p.is_causal_only:
         t_computed = _causal_blocks(L, S, tq, tk) * tq * tk
     else:
@@ -250,7 +251,7 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
             else:
                 chosen, reason = "dense", "weights requested with dropout: only the dense kernel does both"
         elif has_pattern and "sparse" not in refused and (1 - density >= SPARSE_MIN_EMPTY or "sdpa" in refused):
-            chosen, reason = "sparse", f"the pattern leaves {density:.1%} of {bs}×{bs} blocks; the fused kernel runs on just those"
+            chosen, reason = "sparse", f"the pattern leaves {density:.1%} of {sq}×{sk} blocks; the fused kernel runs on just those"
         elif "sdpa" not in refused:
             chosen, reason = "sdpa", f"delegated to PyTorch's fused attention ({backend} backend)"
         elif "tiled" not in refused:
@@ -261,23 +262,36 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
             reasons = "; ".join(f"{m}: {r}" for m, r in refused.items())
             raise ValueError(f"no attention method can run these inputs ({reasons})")
     return Plan(chosen, reason, refused, peak, flops, backend,
-                (bs, bs) if chosen == "sparse" else (tq, tk) if chosen == "tiled" else None, density)
+                (sq, sk) if chosen == "sparse" else (tq, tk) if chosen == "tiled" else None, density)
 
 
-def _sparse_block(p: Prepared) -> int:
-    """The sparse kernel's block edge: a block table's own block; for bands (masks that depend on j - i
-    only) the edge minimising computed area / fused speed; else DEFAULT_SPARSE_BLOCK."""
+def _sparse_block(p: Prepared) -> tuple[int, int]:
+    """The sparse kernel's (block_q, block_k): for bands (masks that depend on j - i only) the square edge
+    minimising computed area / fused speed; for a pattern with a natural block shape (block tables, the
+    fixed pattern) that shape when it computes less than the default; else DEFAULT_SPARSE_BLOCK square."""
     pat, mask = p.mask.pattern, p.mask
+    default = (DEFAULT_SPARSE_BLOCK, DEFAULT_SPARSE_BLOCK)
     if pat is None or mask.keep is not None or mask.bias is not None or p.is_causal_only:
-        return DEFAULT_SPARSE_BLOCK
-    if isinstance(pat, P._BlockTable):
-        return pat.block_size if 32 <= pat.block_size <= 512 else DEFAULT_SPARSE_BLOCK
-    if not _sparse._translation_invariant(pat):
-        return DEFAULT_SPARSE_BLOCK
+        return default
 
-    def cost(b):
-        return int((mask.layout(b, b) != P.EMPTY).sum()) * b * b / SPARSE_BLOCK_SPEED[b]
-    return min(SPARSE_BLOCK_SPEED, key=cost)
+    def cost(bq, bk):
+        speed = SPARSE_BLOCK_SPEED[min(SPARSE_BLOCK_SPEED, key=lambda b: abs(b - bq))]
+        return int((mask.layout(bq, bk) != P.EMPTY).sum()) * bq * bk / speed
+
+    if _sparse._translation_invariant(pat):
+        return min(((b, b) for b in SPARSE_BLOCK_SPEED), key=lambda s: cost(*s))
+    shape = pat._block_shape()
+    if shape is None:
+        return default
+    if isinstance(pat, P._BlockTable):
+        return shape if 32 <= shape[0] <= 512 else default
+    # Query blocks: whole multiples of the pattern's, about 256 rows, since each run is one fused call and
+    # small calls are slow (measured on fixed(64, 8), n = 16384, one thread: 0.39x / 0.31x / 0.29x SDPA's
+    # time at 64 / 128 / 256 rows). Key blocks at least 8 wide; the shape only when it computes less.
+    bq = shape[0] * -(-SPARSE_QUERY_ROWS // shape[0])
+    if bq > 512:
+        return default
+    return min(((bq, max(8, shape[1])), default), key=lambda s: cost(*s))
 
 
 def _causal_blocks(L: int, S: int, bq: int, bk: int) -> int:

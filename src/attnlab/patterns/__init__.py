@@ -47,6 +47,10 @@ class Pattern:
         """(any, all) per block for blocks [qlo, qhi] x [klo, khi] (inclusive), or None if unknown."""
         return None
 
+    def _block_shape(self) -> tuple[int, int] | None:
+        """(block_q, block_k) at which this pattern's layout is exact and sparse, when it has one."""
+        return None
+
     # -- derived ---------------------------------------------------------------------------------
     def materialize(self, L: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Bool mask [L, S] (or [batch, 1, L, S] for per-batch patterns), True = takes part."""
@@ -291,6 +295,34 @@ class _Fixed(Pattern):
         m = same | summ
         return m & (j <= i) if self.causal else m
 
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        b, c = self.block, self.summary
+        # own block: the block indices t both ranges cover; under causal the lowest such t decides, since
+        # every t above it leaves a whole block of queries after its first key
+        t = torch.maximum(torch.div(qlo, b, rounding_mode="floor"), torch.div(klo, b, rounding_mode="floor"))
+        own = t <= torch.minimum(torch.div(qhi, b, rounding_mode="floor"), torch.div(khi, b, rounding_mode="floor"))
+        if self.causal:
+            own = own & (torch.maximum(klo, t * b) <= torch.minimum(qhi, t * b + b - 1))
+        # summary columns: the first position p >= klo with p mod b >= b - c, if it is in range
+        kh = torch.minimum(khi, qhi) if self.causal else khi
+        first = torch.where(torch.remainder(klo, b) >= b - c, klo, torch.div(klo, b, rounding_mode="floor") * b + b - c)
+        summ = (first <= kh) if c > 0 else torch.zeros_like(own)
+        # all: conservative (PARTIAL is always correct): every key is a summary column of one block, or
+        # queries and keys share one block; and under causal no key comes after a query
+        same_block = torch.div(klo, b, rounding_mode="floor") == torch.div(khi, b, rounding_mode="floor")
+        all_summ = same_block & (torch.remainder(klo, b) >= b - c) if c > 0 else torch.zeros_like(own)
+        all_own = same_block & (torch.div(qlo, b, rounding_mode="floor") == torch.div(klo, b, rounding_mode="floor")) \
+            & (torch.div(qhi, b, rounding_mode="floor") == torch.div(klo, b, rounding_mode="floor"))
+        all_ = all_summ | all_own
+        if self.causal:
+            all_ = all_ & (khi <= qlo)
+        return own | summ, all_
+
+    def _block_shape(self):
+        # a query block per fixed block; key blocks as wide as the summary's alignment, so own-block and
+        # summary keys fall in separate key blocks and the rest are empty
+        return self.block, math.gcd(self.block, self.summary)
+
     def __repr__(self):
         return f"fixed({self.block}, {self.summary}, causal={self.causal})"
 
@@ -319,6 +351,9 @@ class _BlockTable(Pattern):
         bs = self.block_size
         t = self.table(-(-L // bs), -(-S // bs), i.device)
         return t[torch.div(i, bs, rounding_mode="floor"), torch.div(j, bs, rounding_mode="floor")]
+
+    def _block_shape(self):
+        return self.block_size, self.block_size
 
     def _bounds(self, qlo, qhi, klo, khi, L, S):
         bs = self.block_size
