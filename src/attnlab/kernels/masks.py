@@ -7,7 +7,7 @@ Tensors inside are 4-D: [N, H, L, S] with N the flattened batch (each dim may be
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class MaskSpec:
     pattern: P.Pattern | None = None  # includes causal when is_causal was given
     keep: torch.Tensor | None = None  # user bool mask, 4-D broadcastable, True = takes part
     bias: torch.Tensor | None = None  # user float mask, 4-D broadcastable, added to the scores
+    # layouts already built for this call: the planner costs block shapes and the kernel then asks again
+    _layouts: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_trivial(self) -> bool:
@@ -63,7 +65,14 @@ class MaskSpec:
         return x
 
     def layout(self, block_q: int, block_k: int, device=None) -> torch.Tensor:
-        """int8 [nq, nk] of EMPTY/PARTIAL/FULL blocks for the combined mask (conservative)."""
+        """int8 [nq, nk] of EMPTY/PARTIAL/FULL blocks for the combined mask (conservative). Read-only: it is
+        built once per block shape and device and shared."""
+        key = (block_q, block_k, str(torch.device(device)) if device is not None else None)
+        if key not in self._layouts:
+            self._layouts[key] = self._layout(block_q, block_k, device)
+        return self._layouts[key]
+
+    def _layout(self, block_q: int, block_k: int, device=None) -> torch.Tensor:
         nq, nk = -(-self.L // block_q), -(-self.S // block_k)
         if self.pattern is not None:
             lay = self.pattern.block_layout(self.L, self.S, block_q, block_k, device=device)
