@@ -766,7 +766,7 @@ class _MaskMod(Pattern):
                 self._cache[key] = (_pool(any_, block_q // base[2], block_k // base[3], "any"),
                                     _pool(all_, block_q // base[2], block_k // base[3], "all"))
             else:
-                self._cache[key] = self._exact_bounds(L, S, block_q, block_k, device)
+                self._cache[key] = self._grid_bounds(L, S, block_q, block_k, device)
             while len(self._cache) > 32:  # bounded: a long-running process sees many shapes
                 self._cache.pop(next(iter(self._cache)))
         any_, all_ = self._cache[key]
@@ -775,14 +775,53 @@ class _MaskMod(Pattern):
         layout[all_ & any_] = FULL
         return layout
 
+    def _slices(self, L, S, rows, device):
+        """(r0, r1, mask [r1 - r0, S] or [B, r1 - r0, S]) over the grid, int32 indices, about 1M pairs each:
+        small enough to stay in cache between the function's element-wise ops (measured 2-3x faster than
+        4M-pair int64 slices at n = 16384)."""
+        j = torch.arange(S, dtype=torch.int32, device=device).unsqueeze(0)  # (1, S)
+        step = max(1, (1 << 20) // max(1, rows * S)) * rows
+        for r0 in range(0, L, step):
+            r1 = min(L, r0 + step)
+            i = torch.arange(r0, r1, dtype=torch.int32, device=device).unsqueeze(1)  # (r, 1)
+            yield r0, r1, self.keep(i, j, L, S)
+
+    def _grid_bounds(self, L, S, block_q, block_k, device):
+        """Exact (any, all) per block from the full L x S grid, slice by slice of whole query blocks."""
+        nq, nk = -(-L // block_q), -(-S // block_k)
+        any_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+        all_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+        for r0, r1, m in self._slices(L, S, block_q, device):
+            m_any, m_all = (m.any(0), m.all(0)) if self.B is not None else (m, m)
+            q0, q1 = r0 // block_q, -(-r1 // block_q)
+            any_[q0:q1] = _reduce_blocks(_reduce_blocks(m_any, block_k, 1, "any"), block_q, 0, "any")
+            all_[q0:q1] = _reduce_blocks(_reduce_blocks(m_all, block_k, 1, "all"), block_q, 0, "all")
+        return any_, all_
+
     def nnz(self, L: int, S: int) -> int:
+        """Kept pairs (averaged over the batch when per-batch), counted once per (L, S) and cached."""
         key = ("nnz", L, S)
         if key not in self._cache:
-            self._cache[key] = Pattern.nnz(self, L, S)
+            total = sum(int(m.sum()) for _, _, m in self._slices(L, S, 1, "cpu"))
+            self._cache[key] = int(round(total / (self.B or 1)))
         return self._cache[key]
 
     def __repr__(self):
         return f"from_mask_mod({self.name}" + (f", B={self.B})" if self.B is not None else ")")
+
+
+def _reduce_blocks(m: torch.Tensor, b: int, dim: int, how: str) -> torch.Tensor:
+    """any/all over consecutive runs of ``b`` along ``dim`` (0 or 1) of a 2-D bool tensor; a shorter last
+    run is reduced on its own, so no padded copy is made."""
+    n = m.shape[dim]
+    nf = n // b * b
+    red = torch.any if how == "any" else torch.all
+    x = m.narrow(dim, 0, nf)
+    full = red(x.reshape(n // b, b, m.shape[1]), 1) if dim == 0 else red(x.reshape(m.shape[0], n // b, b), 2)
+    if nf == n:
+        return full
+    tail = red(m.narrow(dim, nf, n - nf), dim, keepdim=True)
+    return torch.cat([full, tail], dim)
 
 
 def _pool(x: torch.Tensor, fq: int, fk: int, how: str) -> torch.Tensor:
