@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu as _cpu
 from . import patterns as P
 from .kernels import dense as _dense
 from .kernels import fused as _fused
@@ -161,6 +162,7 @@ class Plan:
                 cost = f"peak ≈ {_fmt_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<7} {state:<50} {cost}")
+        lines.append(f"cpu: {_cpu.summary()}")
         return "\n".join(lines)
 
 
