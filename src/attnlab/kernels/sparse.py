@@ -44,6 +44,9 @@ def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float =
     N, H, L, _ = q.shape
     if 0 in (N, H, L, k.shape[2]):  # nothing to attend (and block views cannot fold a zero batch)
         return _connected(q.new_zeros(N, H, L, v.shape[-1]), q, k, v)
+    if mask.bias_finer_than(q.dtype):  # the fused kernel takes the mask in q's dtype: Note [Bias precision]
+        return gathered_attention(q.float(), k.float(), v.float(), mask, scale, dropout_p, block_q,
+                                  block_k).to(q.dtype)
     if training and dropout_p == 0.0 and _fused.HAS_CPU_FLASH and q.device.type == "cpu" \
             and q.shape[-1] == v.shape[-1] and not (mask.bias is not None and mask.bias.requires_grad):
         try:
