@@ -308,7 +308,9 @@ def patch_heads(model, layer: int, heads, source) -> Iterator[None]:
     """Replace the per-head output z of ``heads`` in module ``layer`` by another run's while the block runs.
 
     source: an :class:`ActivationCache` holding ``blocks.{layer}.attn.z`` (e.g. from :func:`run_with_cache`
-    on a second input of the same token count) or that z tensor itself, [B, H, L, Dv].
+    on a second input of the same token count) or that z tensor itself, [B, H, L, Dv]. Patching a run with
+    its own z is the identity bit for bit when the source cache did not record weights (recording weights
+    runs a weights-returning kernel whose z agrees to float rounding, not bitwise).
     """
     m = _layer_module(model, layer)
     hs = _head_list(heads, m.num_heads)
