@@ -173,9 +173,14 @@ def _grads(fn, q, k, v, do):
                                      P.bigbird(4), P.dilated(2, 2) & P.key_padding([9, 17])], ids=repr)
 def test_gradcheck_float64(pattern):
     q, k, v = _qkv((2, 4, 13, 4), (2, 2, 17, 4), Ev=3, dtype=torch.float64, requires_grad=True)
+    # the full Jacobian once through the public API; the kernel directly (layout built once) in fast mode
+    if pattern is None:
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: attnlab.attention(q, k, v, enable_gqa=True, method="compiled", block_size=8), (q, k, v))
+    spec = MaskSpec(13, 17, pattern=pattern)
+    lay = compiled.build_layout(spec, 8, 8)
     assert torch.autograd.gradcheck(
-        lambda q, k, v: attnlab.attention(q, k, v, pattern=pattern, enable_gqa=True, method="compiled", block_size=8),
-        (q, k, v))
+        lambda q, k, v: compiled.compiled_attention(q, k, v, spec, 0.5, layout=lay)[0], (q, k, v), fast_mode=True)
 
 
 def test_gradcheck_float64_masks_softcap_alibi():
@@ -184,9 +189,11 @@ def test_gradcheck_float64_masks_softcap_alibi():
     bias = torch.randn(12, 14, dtype=torch.float64)
     spec = MaskSpec(12, 14, pattern=P.sliding_window(4), keep=keep, bias=bias.view(1, 1, 12, 14))
     slopes = torch.tensor([0.5, 0.125])
+    lay = compiled.build_layout(spec, 8, 8)
     for kw in ({}, {"softcap": 1.5}, {"alibi_slopes": slopes}, {"alibi_slopes": slopes, "alibi_causal": True}):
         assert torch.autograd.gradcheck(
-            lambda q, k, v: compiled.compiled_attention(q, k, v, spec, 0.6, 8, 8, **kw)[0], (q, k, v)), kw
+            lambda q, k, v: compiled.compiled_attention(q, k, v, spec, 0.6, layout=lay, **kw)[0], (q, k, v),
+            fast_mode=True), kw
 
 
 def test_softcap_and_alibi_match_formula():
