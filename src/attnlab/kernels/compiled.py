@@ -29,7 +29,7 @@ from .. import patterns as P
 from .masks import MaskSpec
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm"]
+           "has_fast_gemm", "uses_brgemm"]
 
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
@@ -212,13 +212,26 @@ def build_layout(mask: MaskSpec, block_q: int, block_k: int) -> KernelLayout:
     return _compress(visit, tid, tiles, block_q, block_k)
 
 
+def _allow_brgemm() -> bool:
+    """Tiles go through oneDNN's brgemm micro-kernel where it applies (AVX-512 builds), else MKL's gemm;
+    ``ATTNLAB_EXT_GEMM=mkl`` forces MKL (for comparisons)."""
+    return os.environ.get("ATTNLAB_EXT_GEMM", "auto") != "mkl"
+
+
+def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
+    """Whether tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX or
+    AVX512-BF16 instructions) rather than MKL's gemm."""
+    ext = _load()
+    return bool(ext is not None and _allow_brgemm() and ext.brgemm_for(str(dtype).replace("torch.", ""), E, Ev, block_k))
+
+
 # -- autograd --------------------------------------------------------------------------------------
 class _CompiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset):
         ext = _load()
         out, lse = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
-                               alibi_offset, lay.block_q, lay.block_k)
+                               alibi_offset, lay.block_q, lay.block_k, _allow_brgemm())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset)
         ctx.mark_non_differentiable(lse)
@@ -229,7 +242,7 @@ class _CompiledFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
         dq, dk, dv = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
-                                      alibi_causal, alibi_offset, lay.block_q, lay.block_k)
+                                      alibi_causal, alibi_offset, lay.block_q, lay.block_k, _allow_brgemm())
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
