@@ -31,6 +31,8 @@ from .masks import MaskSpec
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
            "has_fast_gemm", "uses_brgemm"]
 
+#: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
+ABI_VERSION = 2
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -51,7 +53,12 @@ def _load():
     errors = []
     for name in _MODULES.get(cap, ("_C",)):
         try:
-            _ext = importlib.import_module(f"attnlab.{name}")
+            mod = importlib.import_module(f"attnlab.{name}")
+            if getattr(mod, "abi_version", None) != ABI_VERSION:
+                errors.append(f"{name}: built from older sources (abi {getattr(mod, 'abi_version', None)}, "
+                              f"need {ABI_VERSION}); rebuild: pip install --no-build-isolation -e .")
+                continue
+            _ext = mod
             return _ext
         except ImportError as e:
             errors.append(f"{name}: {e}")
