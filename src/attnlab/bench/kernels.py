@@ -79,6 +79,8 @@ class KernelsConfig:
     #: fewer rounds (never under min_rounds) when one round of a case would take longer than this
     case_budget_s: float = 120.0
     min_rounds: int = 3
+    #: a sample repeats a short call until it lasts about this long (median of per-call means)
+    min_sample_s: float = 0.05
     #: an implementation whose warm-up call takes longer than this is skipped, with the reason
     max_call_s: float = 60.0
     threads: int | None = None
@@ -112,7 +114,8 @@ class Measurement:
     pattern: str | None = None
     density: float = 1.0  # fraction of (query, key) pairs the pattern keeps
     seconds: float | None = None
-    times: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # seconds per call, one per round
+    calls_per_sample: int = 1  # calls averaged in each round's sample (short calls are repeated)
     skipped: str | None = None
     compile_s: float | None = None  # torch:flex: first call minus the median call (compilation)
     mask_s: float | None = None  # torch:flex: building its BlockMask
@@ -258,24 +261,30 @@ def _measure_case(cfg, case, section, n, dtype, backward, load, impls, pattern=N
         ms[name].compile_s = first  # replaced by (first - median) for compiled ones below
         live[name] = f
     if live:
-        # a round's cost from one more timed call each decides how many rounds fit the case budget
-        probe = {}
+        # One more timed call each gives a round's cost, which decides how many rounds fit the case budget,
+        # and each implementation's calls per sample: short calls are repeated to fill min_sample_s, so a
+        # scheduler hiccup on a shared machine is averaged over many calls instead of deciding a sample.
+        probe, inner = {}, {}
         for name, f in live.items():
             t0 = time.perf_counter()
             _call(f, inputs, backward)
             probe[name] = time.perf_counter() - t0
-            ms[name].times.append(probe[name])
-        per_round = sum(probe.values())
-        rounds = max(cfg.min_rounds, min(cfg.rounds, int(cfg.case_budget_s / max(per_round, 1e-9))))
+            inner[name] = max(1, min(1000, int(cfg.min_sample_s / max(probe[name], 1e-6))))
+        per_round = sum(probe[nm] * inner[nm] for nm in live)
+        lo = min(cfg.min_rounds, cfg.rounds)
+        rounds = max(lo, min(cfg.rounds, int(cfg.case_budget_s / max(per_round, 1e-9))))
         order = list(live)
-        for r in range(1, rounds):
+        for r in range(rounds):
             for name in order[r % len(order):] + order[:r % len(order)]:  # rotate: no implementation always first
+                f, k = live[name], inner[name]
                 t0 = time.perf_counter()
-                _call(live[name], inputs, backward)
-                ms[name].times.append(time.perf_counter() - t0)
+                for _ in range(k):
+                    _call(f, inputs, backward)
+                ms[name].times.append((time.perf_counter() - t0) / k)
         for name in live:
             m = ms[name]
             m.seconds = statistics.median(m.times)
+            m.calls_per_sample = inner[name]
             m.compile_s = max(0.0, m.compile_s - m.seconds) if name.startswith("torch:flex") else None
     return list(ms.values())
 
@@ -693,7 +702,8 @@ def _markdown(res: KernelsResult) -> str:
              "Measured matrix-product peak (best of repeats, this run): " +
              ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peaks_gflops.items()), "",
              f"torch {res.env.get('torch')} · {res.env.get('threads')} threads · B={c['B']}, H={c['H']}, D={c['D']} · "
-             f"up to {c['rounds']} interleaved rounds per case (at least {c['min_rounds']}), median · "
+             f"{min(c['rounds'], c['min_rounds'])}–{c['rounds']} interleaved rounds per case (fewer for slow cases), "
+             f"median of per-call means (short calls repeated to fill {c['min_sample_s']} s) · "
              f"run took {res.seconds:.0f} s", "",
              "Busy = the same case while another process loops 1024³ matrix products "
              f"({c['contention_threads']} thread{'s' if c['contention_threads'] != 1 else ''}).", ""]
@@ -701,11 +711,12 @@ def _markdown(res: KernelsResult) -> str:
     for r in res.ratios:
         lines.append(f"| {r.name} | {r.impl} | {r.load} | {_fmt(r.value)} | {r.target} | {r.definition} |")
     lines += ["", "## Measurements (median seconds)", "",
-              "| case | implementation | load | ρ | median ms | rounds | Flex compile s | Flex mask s | skipped because |",
+              "| case | implementation | load | ρ | median ms | rounds × calls | Flex compile s | Flex mask s | skipped because |",
               "|---|---|---|---|---|---|---|---|---|"]
     for m in res.measurements:
         lines.append(f"| {m.case} | {m.impl} | {m.load} | {_fmt(m.density, 3) if m.density < 1 else ''} | "
-                     f"{_fmt(m.seconds * 1e3 if m.seconds else None)} | {len(m.times) or ''} | "
+                     f"{_fmt(m.seconds * 1e3 if m.seconds else None)} | "
+                     f"{f'{len(m.times)} × {m.calls_per_sample}' if m.times else ''} | "
                      f"{_fmt(m.compile_s, 1)} | {_fmt(m.mask_s, 2)} | {m.skipped or ''} |")
     if res.memory:
         lines += ["", "## Peak memory, forward+backward (fresh process each)", "",
