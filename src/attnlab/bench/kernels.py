@@ -624,6 +624,7 @@ def _write(res: KernelsResult, out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     files = [out / "results.json", out / "report.md"]
     impls = sorted({m.impl.split(" [")[0] for m in res.measurements})
@@ -638,6 +639,10 @@ def _write(res: KernelsResult, out: Path) -> list[str]:
             x, y = zip(*pts)
             ax.loglog(x, y, marker="o" if load == "quiet" else "x", linestyle="-" if load == "quiet" else "--",
                       color=colours[impl], label=f"{impl} ({load})")
+        ns = sorted({m.n for m in win})
+        ax.set_xticks(ns)
+        ax.set_xticklabels([str(n) for n in ns], rotation=30 if len(ns) > 4 else 0)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the measured n are labelled
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("seconds per forward call (median)")
         ax.set_title(f"causal sliding window {res.config['window']}: forward time")
