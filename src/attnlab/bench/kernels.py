@@ -359,6 +359,30 @@ def _flex_compiler():
         return None, f"torch.compile(flex_attention) failed: {type(e).__name__}: {e}"
 
 
+_FLEX_BWD_PROBE = """
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+q, k, v = (torch.randn(1, 1, 128, 16, requires_grad=True) for _ in range(3))
+bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, 128, 128, device="cpu")
+torch.compile(flex_attention)(q, k, v, block_mask=bm).sum().backward()
+"""
+
+
+def _flex_backward_reason(timeout: float = 600) -> str | None:
+    """Why compiled FlexAttention cannot train here (None when it can). Probed in a separate process:
+    in torch 2.13 a failed backward leaves this process's compiled flex_attention running its slow
+    fallback for every later forward call, which would corrupt every Flex figure after it."""
+    try:
+        r = subprocess.run([sys.executable, "-c", _FLEX_BWD_PROBE], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"FlexAttention backward probe did not finish in {timeout:.0f} s"
+    if r.returncode == 0:
+        return None
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    err = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "failed")
+    return f"FlexAttention backward (compiled, CPU) fails here: {err.strip()[:200]}"
+
+
 def _plan_cases(cfg: KernelsConfig):
     """[(case, section, n, dtype, backward, kind, headline)]: kind None = dense, else a case pattern."""
     cases = []
@@ -377,7 +401,7 @@ def _plan_cases(cfg: KernelsConfig):
     return cases
 
 
-def _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, block_mask=None):
+def _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, block_mask=None, flex_bwd_reason=None):
     impls: dict = {}
     baseline_ok = n <= cfg.baseline_max_n
     if section in ("dense", "bf16"):
@@ -391,6 +415,8 @@ def _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, block_mask=Non
             impls["torch:flex"] = flex_reason
         elif not baseline_ok:
             impls["torch:flex"] = f"FlexAttention measured only up to baseline_max_n={cfg.baseline_max_n}"
+        elif flex_bwd_reason:
+            impls["torch:flex"] = flex_bwd_reason
         else:
             impls["torch:flex"] = build_impl("torch:flex", block_mask=block_mask, compiled_flex=flex)
     for m in (cfg.methods if pattern is None else cfg.pattern_methods):
@@ -427,6 +453,11 @@ def run(config: KernelsConfig | None = None, progress: Callable[[int, int, str],
         cases = _plan_cases(cfg)
         busy = [c for c in cases if c[6]] if cfg.contention else []
         total = len(cases) + len(busy) + (1 if cfg.memory_n else 0)
+        flex_bwd_reason = None
+        if flex is not None and any(c[4] for c in cases):
+            if progress:
+                progress(0, total, "probing FlexAttention backward (separate process)")
+            flex_bwd_reason = _flex_backward_reason()
         done = 0
         sparse_pats = _sparse_patterns(cfg)
         masks: dict = {}
@@ -434,16 +465,17 @@ def run(config: KernelsConfig | None = None, progress: Callable[[int, int, str],
         def one(c, load):
             case, section, n, dtype, bwd, kind, _ = c
             if section == "sparse":
-                return _measure_sparse(cfg, case, n, bwd, load, sparse_pats, flex, flex_reason, masks)
+                return _measure_sparse(cfg, case, n, bwd, load, sparse_pats, flex, flex_reason, masks,
+                                       flex_bwd_reason if bwd else None)
             pattern = make_case_pattern("window", n, window=cfg.window) if kind == "window" else None
             bm = None
             if kind == "window" and flex is not None and n <= cfg.baseline_max_n:
                 bm = _mask_for(masks, ("window", n), pattern, n, cfg.block_size, window_mask_mod(cfg.window))
-            impls = _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, bm)
+            impls = _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, bm, flex_bwd_reason if bwd else None)
             dens = pattern.density(n, n) if pattern is not None else 1.0
             ms = _measure_case(cfg, case, section, n, dtype, bwd, load, impls, pattern, dens)
             for m in ms:
-                if m.impl == "torch:flex" and ("window", n) in masks:
+                if m.impl == "torch:flex" and m.seconds and ("window", n) in masks:
                     m.mask_s = masks[("window", n)][1]
             return ms
 
@@ -468,6 +500,8 @@ def run(config: KernelsConfig | None = None, progress: Callable[[int, int, str],
             done += 1
         if flex is None:
             res.notes.append(f"FlexAttention not measured: {flex_reason}")
+        elif flex_bwd_reason:
+            res.notes.append(f"FlexAttention forward+backward not measured: {flex_bwd_reason}")
         res.ratios = compute_ratios(res, cfg)
         res.seconds = time.perf_counter() - t_start
         res.files = _write(res, out)
@@ -495,7 +529,7 @@ def _sparse_patterns(cfg):
     return pats
 
 
-def _measure_sparse(cfg, case, n, bwd, load, pats, flex, flex_reason, masks):
+def _measure_sparse(cfg, case, n, bwd, load, pats, flex, flex_reason, masks, flex_bwd_reason=None):
     """One interleaved group: dense SDPA (the ρ·dense reference) beside every pattern x implementation."""
     impls, meta = {"torch:sdpa": build_impl("torch:sdpa")}, {}
     for label, pat in pats:
@@ -507,6 +541,8 @@ def _measure_sparse(cfg, case, n, bwd, load, pats, flex, flex_reason, masks):
         name = f"torch:flex [{label}]"
         if not cfg.flex or flex is None:
             impls[name] = flex_reason
+        elif flex_bwd_reason:
+            impls[name] = flex_bwd_reason
         else:
             impls[name] = build_impl("torch:flex", block_mask=_mask_for(masks, (label, n), pat, n, cfg.block_size),
                                      compiled_flex=flex)
@@ -516,7 +552,7 @@ def _measure_sparse(cfg, case, n, bwd, load, pats, flex, flex_reason, masks):
         if m.impl in meta:
             pat, label = meta[m.impl]
             m.pattern, m.density = label, pat.density(n, n)
-            if m.impl.startswith("torch:flex") and (label, n) in masks:
+            if m.impl.startswith("torch:flex") and m.seconds and (label, n) in masks:
                 m.mask_s = masks[(label, n)][1]
     return ms
 
