@@ -73,7 +73,12 @@ def run(args):
         else:
             print(line, file=sys.stderr, flush=True)
 
-    res = run_kernels(cfg, progress=progress)
+    try:
+        res = run_kernels(cfg, progress=progress)
+    except KeyboardInterrupt:
+        if tty:
+            print(file=sys.stderr)  # end the progress line; main() says what was kept
+        raise
     print(f"cpu: {res.cpu_summary}")
     print("matmul peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peaks_gflops.items()))
     for r in res.ratios:
