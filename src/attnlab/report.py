@@ -98,4 +98,12 @@ def environment() -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
+        # the instruction-set flags that decide kernel speed (detected, never assumed; attnlab.cpu)
+        "cpu_features": _cpu_features(),
     }
+
+
+def _cpu_features() -> dict:
+    from . import cpu
+
+    return cpu.INFO.as_dict()

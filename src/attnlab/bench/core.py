@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import cpu
 from ..report import atomic_write_json, atomic_write_text, environment, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
@@ -342,7 +343,7 @@ def _write(res: Result, out: Path):
 
 def _markdown(res: Result) -> str:
     lines = ["# attnlab bench core", "", f"Machine: {res.env.get('cpu')} · {res.env.get('threads')} threads · "
-             f"torch {res.env.get('torch')}", "",
+             f"torch {res.env.get('torch')}", "", f"CPU: {cpu.summary(peaks=False)}", "",
              "Matrix-product peak measured in this run: " +
              ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()), "",
              "`time/(ρ·dense)`: a pattern's time over its density ρ times SDPA's dense (non-causal) time at the same n.",
