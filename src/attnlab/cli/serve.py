@@ -1,12 +1,14 @@
-"""attnlab serve: the live attention explorer in the browser (a local web app; Ctrl-C stops it)."""
+"""attnlab serve: the live attention explorer in the browser (a local web app; Ctrl-C stops it).
+
+Bad arguments raise ValueError (``main`` prints it as one line, exit 2): the class, unlike ``UsageError``,
+is the same object when ``attnlab.cli.main`` also runs as ``__main__`` (``python -m attnlab.cli.main``).
+"""
 from __future__ import annotations
 
 import argparse
 import ipaddress
 import socket
 import sys
-
-from .main import UsageError
 
 __all__ = ["build_parser", "run", "bind"]
 
@@ -21,13 +23,13 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); UsageError naming the address if it cannot be bound."""
+    """A listening TCP socket on (host, port); ValueError naming the address if it cannot be bound."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise UsageError(f"--port must be in 0..65535 (0 = a free port), got {port!r}")
+        raise ValueError(f"--port must be in 0..65535 (0 = a free port), got {port!r}")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise UsageError(f"--host {host!r} is not an address this machine can listen on: {e.strerror}") from None
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on: {e.strerror}") from None
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -36,7 +38,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(128)
     except OSError as e:
         sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror} (try --port 0 for a free port)") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (try --port 0 for a free port)") from None
     return sock
 
 
@@ -54,10 +56,10 @@ def run(args: argparse.Namespace) -> dict:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise UsageError(f"attnlab serve needs Starlette and uvicorn ({e.name} is missing): "
+        raise ValueError(f"attnlab serve needs Starlette and uvicorn ({e.name} is missing): "
                          "pip install starlette uvicorn") from None
     if not 2 <= args.max_tokens <= 512:
-        raise UsageError(f"--max-tokens must be in 2..512 (MiniLM has 512 positions), got {args.max_tokens}")
+        raise ValueError(f"--max-tokens must be in 2..512 (MiniLM has 512 positions), got {args.max_tokens}")
     from ..serve import Explorer, create_app, serve_forever
 
     sock = bind(args.host, args.port)

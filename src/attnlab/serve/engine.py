@@ -345,8 +345,8 @@ class Explorer:
         with self._lock:
             self._tokenize(s.text)
             opts = TraceOptions(scale=s.scale, softmax=s.softmax, cosine=s.similarity == "cosine")
-            with torch.no_grad():
-                t = trace_text(s.text, layer=s.layer, head=s.head, options=opts, model=m, max_length=self.max_tokens)
+            # not under no_grad: the trace's diagnostics differentiate softmax (its model forward is no_grad itself)
+            t = trace_text(s.text, layer=s.layer, head=s.head, options=opts, model=m, max_length=self.max_tokens)
         d = t.to_dict()
         steps = []
         for name in d["order"]:

@@ -2,8 +2,9 @@
 
 Everything that came from a user or a model (tokens, error messages, pattern text) is written with
 ``textContent`` or as an attribute value, never with ``innerHTML``. Each weight cell carries its exact
-value in ``data-w``; ``body[data-seq]`` counts finished updates and ``body[data-busy]`` is "1" while a
-request is in flight (tests wait on them).
+value in ``data-w``; ``body[data-seq]`` counts finished updates, ``body[data-busy]`` is "1" while a
+request is in flight and ``window.shownSettings`` holds the settings the drawn weights were computed
+with (tests wait on them).
 """
 from __future__ import annotations
 
@@ -196,6 +197,7 @@ async function update() {
     const r = await post("/api/attention", body);
     if (my !== seq) return;
     render(r);
+    window.shownSettings = r.settings;  // what the drawn weights were computed with
     finish(my, r.tokens.length + " tokens · layer " + r.layer + ", head " + r.head, false);
     if ($("trace-box").open) loadTrace();
   } catch (e) {
