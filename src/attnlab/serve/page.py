@@ -14,6 +14,7 @@ PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>attnlab explorer</title>
+<link rel="icon" href="data:,">
 <style>
 :root{--fg:#1d1d1f;--mut:#666;--line:#ddd;--err:#b00020;--warn:#8a5300}
 *{box-sizing:border-box}
@@ -249,7 +250,7 @@ async function loadTrace() {
     const box = $("steps"); box.replaceChildren();
     r.steps.forEach((s, k) => { const b = el("button", "", s.name); b.type = "button"; b.dataset.step = s.name;
       b.addEventListener("click", () => { stepIndex = k; showStep(); }); box.appendChild(b); });
-    $("trace-status").textContent = "layer " + r.layer + ", head " + r.head + (r.notes.length ? " · " + r.notes.join(" ") : "");
+    $("trace-status").textContent = "layer " + r.layer + ", head " + r.head + (r.notes.length ? " · " + r.notes.join(" · ") : "");
     showStep();
   } catch (e) { if (my === traceSeq) $("trace-status").textContent = e.message; }
 }
