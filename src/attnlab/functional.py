@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu as _cpu
 from . import patterns as P
 from .kernels import dense as _dense
 from .kernels import fused as _fused
@@ -110,12 +111,16 @@ def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec):
     """Zero the key and value rows of keys that no query may attend (padding), so that whatever they
     hold — even NaN or Inf — cannot reach the output through NaN scores or 0·NaN in a matrix product.
 
-    # Note [Dead keys]: only keys masked for *every* query are zeroed; the gradient reaching them is 0,
-    # which is also the true gradient. Costs one pass over the bool mask (already L×S) when given.
+    # Note [Dead keys]: only keys masked for *every* query are zeroed — by a bool mask (False) or a float
+    # mask (-inf) — ; the gradient reaching them is 0, which is also the true gradient. Costs one pass
+    # over the user's mask (already L×S) when given.
     """
     dead = None
     if mask.keep is not None:
         dead = ~mask.keep.any(dim=-2)  # (N|1, H|1, S|1)
+    if mask.bias is not None:
+        d = torch.isneginf(mask.bias.detach()).all(dim=-2)  # (N|1, H|1, S|1)
+        dead = d if dead is None else dead | d
     if mask.pattern is not None and mask.pattern.batch_size:
         kk = _pattern_keys(mask.pattern)
         if kk is not None:
@@ -161,6 +166,7 @@ class Plan:
                 cost = f"peak ≈ {_fmt_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<7} {state:<50} {cost}")
+        lines.append(f"cpu: {_cpu.summary()}")
         return "\n".join(lines)
 
 
@@ -363,6 +369,10 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
     if m == "sdpa":
         if mask.is_trivial or p.is_causal_only:
             out = _fused.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
+        elif mask.bias_finer_than(p.q.dtype):
+            # SDPA takes a float mask in q's dtype only: compute in float32 (Note [Bias precision])
+            out = _fused.sdpa(p.q.float(), p.k.float(), p.v.float(), _materialize(mask, p, torch.float32),
+                              p.dropout_p, False, info.scale).to(p.q.dtype)
         else:
             out = _fused.sdpa(p.q, p.k, p.v, _materialize(mask, p), p.dropout_p, False, info.scale)
         return out, None
@@ -375,14 +385,15 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
     return out, weights
 
 
-def _materialize(mask: MaskSpec, p: Prepared) -> torch.Tensor:
-    """One SDPA mask (bool, or float when there is a bias) for the whole [N|1, H|1, L, S]."""
+def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One SDPA mask (bool, or float in ``dtype``, default q's, when there is a bias) for the whole
+    [N|1, H|1, L, S]."""
     i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
     j = torch.arange(mask.S, device=p.q.device).unsqueeze(0)
     keep, bias = mask.block(i, j, p.N)
     if bias is None:
         return keep
-    b = bias.to(p.q.dtype)
+    b = bias.to(dtype or p.q.dtype)
     return b.masked_fill(~keep, float("-inf")) if keep is not None else b
 
 

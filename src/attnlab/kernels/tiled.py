@@ -51,9 +51,11 @@ def block_scores(qc, kb, mask: MaskSpec, scale, q0, q1, k0, k1, kind, N):
 ENGINE = "auto"
 
 
-def _use_flash(q, v) -> bool:
-    """The fused CPU op applies: CPU tensors and equal query/value head dims (its backward needs that)."""
-    return ENGINE == "auto" and _fused.HAS_CPU_FLASH and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+def _use_flash(q, v, mask: MaskSpec) -> bool:
+    """The fused CPU op applies: CPU tensors, equal query/value head dims (its backward needs that) and no
+    float mask finer than the inputs (the op takes it in their dtype; Note [Bias precision])."""
+    return (ENGINE == "auto" and _fused.HAS_CPU_FLASH and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+            and not mask.bias_finer_than(q.dtype))
 
 
 def _tile_mask(mask: MaskSpec, q0, q1, k0, k1, N, device, dtype):
@@ -94,7 +96,7 @@ def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
     N, H, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[-1]
     acc = _acc_dtype(q.dtype)
-    flash = _use_flash(q, v)
+    flash = _use_flash(q, v, mask)
     if flash:
         qa, ka, va = q.contiguous(), k.contiguous(), v.contiguous()
     else:
@@ -155,7 +157,7 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
     acc = _acc_dtype(q.dtype)
     lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))  # masked rows: p = 0
     layout = mask.layout(bq, bk, device="cpu")
-    if _use_flash(q, v):
+    if _use_flash(q, v, mask):
         # Each tile's gradient from the fused backward, given the *global* output and log-sum-exp:
         # P = exp(S - lse) and D = rowsum(dO ∘ O) are then exactly the full-attention quantities.
         qc_, kc_, vc_, do_ = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous().to(q.dtype)
