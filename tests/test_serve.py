@@ -96,6 +96,7 @@ def entropy(w: np.ndarray) -> np.ndarray:
     return -np.where(w > 0, w * np.log(np.where(w > 0, w, 1)), 0).sum(-1)
 
 
+@pytest.mark.slow  # MiniLM
 @pytest.mark.parametrize("layer,head", [(0, 3), (4, 7)])
 def test_standard_weights_equal_float64_reference(client, model, layer, head):
     r = attention(client, layer=layer, head=head)
@@ -121,6 +122,7 @@ EXPERIMENTS = [
 ]
 
 
+@pytest.mark.slow  # MiniLM
 @pytest.mark.parametrize("exp", EXPERIMENTS, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()))
 def test_experiments_change_weights_as_the_reference_says(client, model, exp):
     r = attention(client, **exp)
@@ -137,6 +139,7 @@ def test_experiments_change_weights_as_the_reference_says(client, model, exp):
     assert r["output"]["cosine_to_baseline"] < 1.0 - 1e-6  # the sentence embedding moved too
 
 
+@pytest.mark.slow  # MiniLM
 def test_registered_mechanism_runs_and_moves_the_output(client):
     r = attention(client, mechanism="performer", params={"num_features": 64})
     w = np.array(r["weights"])
@@ -173,6 +176,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow  # MiniLM
 @pytest.mark.parametrize("what,kwargs,status,needle", BAD, ids=[b[0] for b in BAD])
 def test_bad_requests_get_4xx_with_a_message(client, what, kwargs, status, needle):
     r = client.post("/api/attention", **kwargs)
@@ -182,6 +186,7 @@ def test_bad_requests_get_4xx_with_a_message(client, what, kwargs, status, needl
     assert needle in msg and "Traceback" not in msg
 
 
+@pytest.mark.slow  # MiniLM
 def test_routes_and_page(client):
     assert client.get("/api/attention").status_code == 405
     r = client.get("/nowhere")
@@ -197,6 +202,7 @@ def test_routes_and_page(client):
     assert "innerHTML" not in page.text and "insertAdjacentHTML" not in page.text
 
 
+@pytest.mark.slow  # MiniLM
 def test_trace_steps_have_formulas_and_match_the_weights(client, model):
     r = client.post("/api/trace", json={"text": TEXT, "layer": 1, "head": 6})
     assert r.status_code == 200, r.text
@@ -235,10 +241,19 @@ def _env():
     return env
 
 
-def test_cli_refuses_a_bad_port_in_one_line():
-    p = subprocess.run([sys.executable, "-m", "attnlab.cli.main", "serve", "--port", "70000"], capture_output=True,
-                       text=True, env=_env(), timeout=120)
-    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--port must be in 0..65535" in p.stderr
+def test_cli_refuses_bad_arguments_in_one_line(capsys):
+    from attnlab.cli.main import main
+
+    for argv, needle in ((["--port", "70000"], "--port must be in 0..65535"),
+                         (["--max-tokens", "1000"], "--max-tokens must be in 2..512")):
+        assert main(["serve", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().count("\n") == 0 and needle in err, err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+        assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -259,7 +274,8 @@ def test_cli_prints_url_serves_and_stops_on_ctrl_c():
     finally:
         if p.poll() is None:
             p.kill()
-    assert rc == 130 and err.strip().splitlines()[-1] == "attnlab serve: stopped" and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert rc == 130 and last.startswith("attnlab serve: interrupted") and "Traceback" not in err, err
 
 
 # -- in the browser ---------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ __all__ = ["build_parser", "run", "bind"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; anything but a loopback address exposes the explorer to your network")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one (the URL is printed)")
@@ -74,10 +73,9 @@ def run(args: argparse.Namespace) -> dict:
         shown = f"[{host}]" if ":" in host else host
         url = f"http://{shown}:{port}/"
         print(f"attnlab serve: {url}  (Ctrl-C stops)", flush=True)
+        # Ctrl-C: uvicorn shuts down gracefully, then re-raises SIGINT; main turns the KeyboardInterrupt into
+        # one stderr line and exit code 130 (Note [One error boundary] in cli/main.py)
         serve_forever(create_app(explorer), sock)
-    except KeyboardInterrupt:
-        print("attnlab serve: stopped", file=sys.stderr, flush=True)
-        return {"exit_code": 130}
     finally:
         sock.close()
     return {"exit_code": 0}
