@@ -268,6 +268,9 @@ def test_cli_prints_url_serves_and_stops_on_ctrl_c():
         assert m, line + p.stderr.read() if p.poll() is not None else line
         info = httpx.get(m.group(0) + "api/info", timeout=60).json()
         assert info["available"]
+        rebound = httpx.get(m.group(0) + "api/info", headers={"Host": "evil.example:80"}, timeout=60)
+        assert rebound.status_code == 400 and "not served here" in rebound.json()["error"]
+        assert httpx.get(f"http://localhost:{m.group(1)}/api/info", timeout=60).status_code == 200
         p.send_signal(signal.SIGINT)
         rc = p.wait(timeout=60)
         err = p.stderr.read()
@@ -291,7 +294,10 @@ def live_url(model):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
-    server = uvicorn.Server(uvicorn.Config(create_app(Explorer(model)), log_level="warning", lifespan="off"))
+    from attnlab.serve.app import LOOPBACK_HOSTS
+
+    app = create_app(Explorer(model), allowed_hosts=LOOPBACK_HOSTS)  # as attnlab serve runs it
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.time() + 30

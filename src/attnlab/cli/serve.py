@@ -75,7 +75,10 @@ def run(args: argparse.Namespace) -> dict:
         print(f"attnlab serve: {url}  (Ctrl-C stops)", flush=True)
         # Ctrl-C: uvicorn shuts down gracefully, then re-raises SIGINT; main turns the KeyboardInterrupt into
         # one stderr line and exit code 130 (Note [One error boundary] in cli/main.py)
-        serve_forever(create_app(explorer), sock)
+        from ..serve.app import LOOPBACK_HOSTS
+
+        hosts = LOOPBACK_HOSTS if _is_loopback(args.host) else None
+        serve_forever(create_app(explorer, allowed_hosts=hosts), sock)
     finally:
         sock.close()
     return {"exit_code": 0}

@@ -20,11 +20,14 @@ __all__ = ["create_app", "serve_forever", "Explorer", "ExplorerError", "Settings
            "MAX_TOKENS"]
 
 
-def create_app(explorer: Explorer | None = None, **kwargs):
-    """The Starlette app around ``explorer`` (default: ``Explorer(**kwargs)``, which loads MiniLM)."""
+def create_app(explorer: Explorer | None = None, *, allowed_hosts=None, **kwargs):
+    """The Starlette app around ``explorer`` (default: ``Explorer(**kwargs)``, which loads MiniLM).
+
+    allowed_hosts: Host header names answered (``attnlab.serve.app.LOOPBACK_HOSTS`` when bound to
+    loopback); None answers any."""
     from .app import create_app as _create
 
-    return _create(explorer if explorer is not None else Explorer(**kwargs))
+    return _create(explorer if explorer is not None else Explorer(**kwargs), allowed_hosts=allowed_hosts)
 
 
 def serve_forever(app, sock) -> None:

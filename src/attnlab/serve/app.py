@@ -18,7 +18,7 @@ from starlette.routing import Route
 from .engine import Explorer, ExplorerError
 from .page import PAGE
 
-__all__ = ["create_app", "serve_forever", "MAX_BODY"]
+__all__ = ["create_app", "serve_forever", "MAX_BODY", "LOOPBACK_HOSTS"]
 
 MAX_BODY = 64 * 1024  # bytes; a request is a sentence and a few switches
 _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
@@ -41,8 +41,32 @@ async def _json_body(request: Request):
         raise ExplorerError(f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(explorer: Explorer) -> Starlette:
-    """Routes: GET / (the page), GET /api/info, POST /api/attention, POST /api/trace."""
+class _HostCheck:
+    """Answer 400 (JSON) to requests whose Host header is not one of ``hosts``: a page on another site that
+    rebinds its DNS name to 127.0.0.1 then cannot use the explorer from the visitor's browser."""
+
+    def __init__(self, app, hosts: set[str]):
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name not in self.hosts:
+                await _error(f"Host {host!r} is not served here (use {sorted(self.hosts)[0]})", 400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
+
+
+def create_app(explorer: Explorer, allowed_hosts=None) -> Starlette:
+    """Routes: GET / (the page), GET /api/info, POST /api/attention, POST /api/trace.
+
+    allowed_hosts: Host header names to answer (e.g. :data:`LOOPBACK_HOSTS` for a loopback bind); None
+    answers any (tests, or a deliberate bind to another address).
+    """
 
     async def page(request: Request) -> HTMLResponse:
         return HTMLResponse(PAGE, headers={"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff",
@@ -76,6 +100,8 @@ def create_app(explorer: Explorer) -> Starlette:
     app = Starlette(routes=routes, exception_handlers={ExplorerError: explorer_error, HTTPException: http_error,
                                                        Exception: server_error})
     app.state.explorer = explorer
+    if allowed_hosts is not None:
+        app.add_middleware(_HostCheck, hosts=set(allowed_hosts))
     return app
 
 
