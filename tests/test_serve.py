@@ -10,7 +10,6 @@ largest weight.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -107,6 +106,7 @@ def test_standard_weights_equal_float64_reference(client, model, layer, head):
     assert r["stats"]["entropy"] == pytest.approx(float(entropy(ref).mean()), abs=50 * budget)
     assert r["stats"]["max_weight"] == pytest.approx(float(ref.max(-1).mean()), abs=budget)
     assert r["output"]["cosine_to_baseline"] == 1.0 and r["output"]["max_abs_diff"] == 0.0
+    assert len(r["heads"]) == 12 and r["heads"][head]["entropy"] == r["stats"]["entropy"]
 
 
 EXPERIMENTS = [
@@ -361,6 +361,11 @@ def test_explorer_in_chromium(live_url, model):
             ent = float(page.locator("#ent-now").text_content())
             assert ent == pytest.approx(float(entropy(ref3).mean()), abs=1e-3)
             assert float(page.locator("#cos-now").text_content()) < 1.0
+
+            page.click("#heads button[data-head='5']")  # another head of the layer, picked from the strip
+            w5 = _shown(page, text=text, temperature=2, scale="none", head=5)
+            ref5, budget5 = reference(model, text, 0, 5, scale="none", temperature=2.0)
+            assert np.abs(w5 - ref5).max() <= budget5
 
             page.click("#trace-box summary")  # the trace, stepped through
             page.wait_for_selector("#steps button[data-step='weights']")

@@ -331,6 +331,8 @@ class Explorer:
             "tokens": list(enc["tokens"][0]), "layer": s.layer, "head": s.head, "settings": asdict(s),
             "weights": head.tolist(), "baseline_weights": base_w[s.head].tolist(),
             "stats": _row_stats(head, s.softmax), "baseline_stats": _row_stats(base_w[s.head], True),
+            "heads": [{k: v for k, v in _row_stats(w[h], s.softmax).items() if k in ("entropy", "max_weight")}
+                      for h in range(w.shape[0])],
             "output": {"cosine_to_baseline": cos, "max_abs_diff": float((a - b).abs().max())},
             "notes": notes,
         }

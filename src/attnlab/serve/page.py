@@ -55,6 +55,9 @@ summary{cursor:pointer;font-weight:600}
 .steps button{border:1px solid var(--line);background:#fafafa;border-radius:12px;padding:2px 10px;cursor:pointer}
 .steps button.on{background:#1d1d1f;color:#fff}
 #step-matrix{overflow:auto;max-height:70vh;max-width:100%}
+.heads{display:inline-flex;gap:3px;flex-wrap:wrap}
+.heads button{border:1px solid var(--line);border-radius:4px;padding:2px 6px;font-size:12px;cursor:pointer;min-width:34px}
+.heads button.on{outline:2px solid #000}
 </style></head>
 <body data-seq="0" data-busy="0">
 <header><h1>attnlab explorer</h1><span id="model">loading…</span></header>
@@ -89,6 +92,8 @@ summary{cursor:pointer;font-weight:600}
   <td>1</td><td id="cos-now"></td></tr>
 </tbody></table>
 <div id="notes"></div>
+<div class="row"><span title="every head of this layer under the experiment; darker = sharper (lower entropy or higher max weight)">heads of this layer:</span>
+ <span id="heads" class="heads"></span></div>
 <div class="views">
  <div><h2 id="now-title">weights</h2><div id="matrix" class="mat"></div><div class="legend" id="legend"></div><div id="readout"></div></div>
  <div><h2>unmodified model</h2><div id="baseline" class="mat"></div></div>
@@ -226,6 +231,18 @@ function render(r) {
   $("cos-now").textContent = fmt(r.output.cosine_to_baseline, 4);
   $("ntok").textContent = t.length + " tokens";
   $("notes").textContent = r.notes.join(" ");
+  const hb = $("heads"); hb.replaceChildren();
+  const logT = Math.log(Math.max(2, t.length));
+  r.heads.forEach((h, k) => {
+    // sharpness in [0, 1]: 1 - entropy / log T with softmax, the mean max weight (clipped) without
+    const sharp = h.entropy === null ? Math.min(1, Math.abs(h.max_weight)) : 1 - h.entropy / logT;
+    const b = el("button", k === r.head ? "on" : "", "h" + k);
+    b.type = "button"; b.dataset.head = k;
+    b.style.background = seqColour(1 - sharp); b.style.color = sharp > 0.45 ? "#fff" : "#000";
+    b.title = "head " + k + ": entropy " + fmt(h.entropy) + ", max weight " + fmt(h.max_weight);
+    b.addEventListener("click", () => { $("head").value = String(k); schedule(); });
+    hb.appendChild(b);
+  });
   const cells = $("matrix").querySelectorAll(".cell");
   cells.forEach((c) => c.addEventListener("mouseenter", () => {
     cells.forEach((x) => x.classList.remove("hi")); c.classList.add("hi");
