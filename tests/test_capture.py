@@ -190,3 +190,34 @@ def test_inspect_is_a_deprecated_alias():
         warnings.simplefilter("ignore")
         with pytest.raises(AttributeError, match="deprecated alias"):
             mod.nothing_here
+
+
+def test_scores_follow_cache_offset_gqa_pattern_and_padding():
+    """Generic MultiHeadAttention: GQA, a sliding-window pattern, causal decoding with a KV cache and key
+    padding; softmax(cached scores) equals the layer's own weights and masked pairs are exactly -inf."""
+    from attnlab import patterns as P
+    from attnlab.nn import LayerCache, MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, pattern=P.sliding_window(2)).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 0] = True  # the first key of sequence 1 is padding
+    cache = LayerCache()
+    names = [C.activation_name(0, "scores"), C.activation_name(0, "weights"), C.activation_name(0, "k")]
+    with C.cache_activations(mha, names) as prefill:
+        mha(x[:, :5], key_padding_mask=kpm[:, :5], is_causal=True, cache=cache)
+    with C.cache_activations(mha, names) as step:
+        _, w = mha(x[:, 5:], key_padding_mask=kpm, is_causal=True, cache=cache, need_weights=True,
+                   average_attn_weights=False)
+    assert step[names[2]].shape == (2, 2, 6, 4)  # GQA keys, cache included
+    assert torch.equal(step[names[1]], w)
+    for got, L, off in ((prefill, 5, 0), (step, 1, 5)):
+        s = got[names[0]]
+        i = torch.arange(off, off + L)[:, None]
+        j = torch.arange(off + L)[None, :]
+        keep = (j <= i) & (i - j <= 2)  # causal and within the window
+        keep = keep[None, None] & ~kpm[:, None, None, :off + L]
+        assert torch.isinf(s[~keep.expand_as(s)]).all() and torch.isfinite(s[keep.expand_as(s)]).all()
+        sm = torch.nan_to_num(torch.softmax(s, -1))  # a row with no key left: zeros, as attention gives
+        assert_close(sm, got[names[1]], 1e-12, what=f"softmax(scores), offset {off}")
