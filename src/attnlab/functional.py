@@ -70,7 +70,7 @@ def _mask4d(m: torch.Tensor, batch_shape: tuple[int, ...], L: int, S: int) -> to
     lead = m.shape[:-3]
     if all(s == 1 for s in lead):
         return m.reshape(1, *m.shape[-3:])
-    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(batch_shape[:-1]), *m.shape[-3:])
 
 
 def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
