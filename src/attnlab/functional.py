@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu as _cpu
 from . import patterns as P
 from .kernels import dense as _dense
 from .kernels import fused as _fused
@@ -165,6 +166,7 @@ class Plan:
                 cost = f"peak ≈ {_fmt_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<7} {state:<50} {cost}")
+        lines.append(f"cpu: {_cpu.summary()}")
         return "\n".join(lines)
 
 
@@ -390,6 +392,10 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
 def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:
     """One SDPA mask (bool, or float in ``dtype``, default q's, when there is a bias) for the whole
     [N|1, H|1, L, S]."""
+    kk = getattr(mask.pattern, "keep_keys", None)
+    if kk is not None and mask.keep is None and mask.bias is None and kk.shape[1] >= mask.S:
+        # key padding alone: SDPA broadcasts a [N, 1, 1, S] mask, so no L×S tensor is built
+        return kk[:, : mask.S].to(p.q.device).view(kk.shape[0], 1, 1, mask.S)
     i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
     j = torch.arange(mask.S, device=p.q.device).unsqueeze(0)
     keep, bias = mask.block(i, j, p.N)

@@ -97,4 +97,5 @@ def run(args):
                     f"[red]refused[/]: {r['refused'][m]}" if m in r["refused"] else "available"
                 t.add_row(m, status, _fmt_bytes(r["peak_bytes"][m]), f"{r['flops'][m] / 1e9:.3g}")
             console.print(t)
-    return {"plans": results, "exit_code": 0}
+        console.print(f"cpu: {attnlab.cpu.summary()}", highlight=False)
+    return {"plans": results, "cpu": attnlab.cpu.INFO.as_dict(), "exit_code": 0}
