@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..options import output_dir, positive_int
 from .main import UsageError
 
 __all__ = ["build_parser", "run", "parse_params"]
@@ -20,7 +21,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-max", type=int, default=96, dest="dense_max",
                    help="longer inputs show streaming summaries instead of dense weights (default 96 tokens)")
     p.add_argument("--topk", type=int, default=4, help="keys kept per query in summary mode")
-    p.add_argument("--max-length", type=int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
+    p.add_argument("--max-length", type=positive_int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
     p.add_argument("--png", action="store_true", help="also write heads.png (layer 0 heatmaps, dense mode only)")
 
 
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace):
 
     if not args.text.strip():
         raise UsageError("TEXT is empty: give some words to look at")
+    output_dir(args.out)
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
     params = parse_params(args.param)
