@@ -139,3 +139,12 @@ def test_long_input_summaries_and_histogram_match_loops():
     assert np.allclose(np.array(d["distance"]["hist"][0]), ref / T, atol=1e-9)
     assert np.allclose(np.array(d["distance"]["hist"][0]).sum(-1), 1.0)
     assert d["head_stats"][0][1]["entropy"] == pytest.approx(float(-torch.xlogy(w[1], w[1]).sum(-1).mean()), rel=1e-5)
+
+
+def test_cli_viz_out_defaults_to_reports(tmp_path, monkeypatch):
+    from attnlab.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["viz", "The <cat> sat, on the mat!", "--model", "random"]) == 0
+    page = tmp_path / "reports" / "viz" / "random-the-cat-sat-on-the-mat" / "index.html"
+    assert page.is_file() and "&lt;cat&gt;" in page.read_text()
