@@ -97,7 +97,7 @@ def run(args):
         o.update({k: v for k, v in extra.items() if k != "pattern"})
         results.append(explain_shape(_shape(text), kv_len=args.kv_len, kv_heads=args.kv_heads,
                                      dtype=DTYPES[args.dtype], pattern=extra.get("pattern"), **o))
-    console = Console(width=140)
+    console = Console()  # follows the terminal (or $COLUMNS)
     if args.json:
         import json
 
