@@ -60,6 +60,8 @@ def run(args: argparse.Namespace):
 
     if not args.text.strip():
         raise UsageError("TEXT is empty: give some words to look at")
+    if args.out is None:
+        args.out = str(default_out(args.text, args.model))
     output_dir(args.out)
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
@@ -76,8 +78,6 @@ def run(args: argparse.Namespace):
                                   dense_max_tokens=args.dense_max, max_length=args.max_length, topk=args.topk)
     except KeyError as e:  # a mechanism's unknown parameter, reported by the registry
         raise UsageError(str(e)) from None
-    if args.out is None:
-        args.out = str(default_out(args.text, args.model))
     path = viz.write_page(args.out, data)
     files = [str(path)]
     if args.png and data["mode"] == "dense":
