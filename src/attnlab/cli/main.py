@@ -155,4 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m attnlab.cli.main` runs this file as __main__, a second copy of the module: the
+    # subcommands raise attnlab.cli.main.UsageError, which only the imported copy's boundary knows
+    from attnlab.cli.main import main as _main
+
+    sys.exit(_main())
