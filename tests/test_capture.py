@@ -90,6 +90,21 @@ def test_cached_weights_equal_hf_eager_attentions(model, batch, cached):
         assert torch.isinf(cache[f"blocks.{i}.attn.scores"][1, :, :, batch["attention_mask"][1] == 0]).all()
 
 
+def test_cache_draws_in_viz_show(model, batch, cached, tmp_path):
+    from attnlab import viz
+
+    _, cache = cached
+    assert [w.shape for w in cache.weights()] == [cache[f"blocks.{i}.attn.weights"].shape for i in range(6)]
+    show = getattr(viz, "show", None)
+    if show is None:
+        pytest.skip("attnlab.viz.show is not on this branch")
+    show(cache, batch["tokens"][0]).save(tmp_path / "cache.html")
+    assert (tmp_path / "cache.html").stat().st_size > 0
+    _, only_q = C.run_with_cache(model, batch["input_ids"], names=["blocks.0.attn.q"])
+    with pytest.raises(ValueError, match="no weights were cached"):
+        only_q.weights()
+
+
 def test_z_and_out_are_the_layer_arithmetic(model, cached):
     _, cache = cached
     for i in (0, 4):
