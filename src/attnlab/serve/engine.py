@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import capture as C
+from ..functional import METHODS
 from .. import mechanisms as M
 from .. import patterns as P
 from ..mechanisms import Mechanism, Spec
@@ -264,7 +265,11 @@ class Explorer:
         factor = {"sqrt": 1 / math.sqrt(d_k), "none": 1.0, "dk": 1 / d_k}[s.scale]
         try:
             mech = None
-            if s.mechanism is not None:
+            if s.mechanism in METHODS and not s.params:
+                # a core method by name: the layer then runs it through attnlab.attention, which falls back to
+                # an exact method that returns weights where this one cannot (sdpa, sparse) -- same output
+                mech = s.mechanism
+            elif s.mechanism is not None:
                 try:
                     mech = M.get(s.mechanism, **(s.params or {}))
                 except (TypeError, ValueError) as e:
