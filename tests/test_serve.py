@@ -140,7 +140,6 @@ def test_experiments_change_weights_as_the_reference_says(client, model, exp):
 
 
 @pytest.mark.slow  # MiniLM
-@pytest.mark.slow  # MiniLM
 @pytest.mark.parametrize("how", ["zero", "mean"])
 def test_ablating_the_head_moves_only_the_output(client, model, how):
     r = attention(client, layer=2, head=9, ablate=how)
@@ -150,6 +149,16 @@ def test_ablating_the_head_moves_only_the_output(client, model, how):
     assert r["output"]["cosine_to_baseline"] < 1 - 1e-6
 
 
+@pytest.mark.slow  # MiniLM
+@pytest.mark.parametrize("method", ["auto", "sdpa", "tiled", "sparse"])
+def test_exact_methods_agree_under_a_pattern(client, model, method):
+    """sdpa and sparse return no weights: the chosen layer falls back to an exact method that does."""
+    r = attention(client, layer=0, head=6, mechanism=method, pattern="sliding_window(2)")
+    ref, budget = reference(model, TEXT, 0, 6, pattern="sliding_window(2)")
+    assert np.abs(np.array(r["weights"]) - ref).max() <= budget
+
+
+@pytest.mark.slow  # MiniLM
 def test_registered_mechanism_runs_and_moves_the_output(client):
     r = attention(client, mechanism="performer", params={"num_features": 64})
     w = np.array(r["weights"])
