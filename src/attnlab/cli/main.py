@@ -35,6 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "heads": ("attnlab.cli.heads", "what MiniLM's heads do, measured"),
     "experiment": ("attnlab.cli.experiment", "experiments that write reports with plots"),
     "retrieve": ("attnlab.cli.retrieve", "attention as retrieval over a MiniLM-embedded corpus"),
+    "serve": ("attnlab.cli.serve", "live attention explorer in the browser (local web app)"),
 }
 
 LAST_RESULT: object = None
@@ -154,4 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m attnlab.cli.main` runs this file as __main__, a second copy of the module: the
+    # subcommands raise attnlab.cli.main.UsageError, which only the imported copy's boundary knows
+    from attnlab.cli.main import main as _main
+
+    sys.exit(_main())

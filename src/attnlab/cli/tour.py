@@ -16,6 +16,8 @@ import time
 from contextlib import redirect_stdout
 from pathlib import Path
 
+from ..options import output_dir
+
 __all__ = ["build_parser", "run", "SENTENCE"]
 
 SENTENCE = "The cat sat on the mat because it was warm."
@@ -120,7 +122,7 @@ def _viz(out: Path, sentence: str):
 def _bench(out: Path):
     if not _suite_available("attnlab.bench.core"):
         return "not available yet", "attnlab bench core is not there yet", []
-    code, res, _ = _call(["bench", "core", "--quick", "--out", str(out / "bench-core")])
+    code, res, _ = _call(["bench", "core", "--quick", "--force", "--out", str(out / "bench-core")])
     if code != 0:
         return "failed", f"attnlab bench core exited with {code}", []
     links = [(f"bench-core/{p.name}", f"benchmark: {p.name}") for p in sorted((out / "bench-core").glob("*"))
@@ -130,7 +132,7 @@ def _bench(out: Path):
 
 def run(args):
     t0 = time.perf_counter()
-    out = Path(args.out)
+    out = output_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     names = ("explain", "trace", "variance", "viz", "bench")

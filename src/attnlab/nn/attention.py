@@ -18,6 +18,7 @@ from torch import nn
 from .. import patterns as P
 from ..functional import METHODS, attention
 from ..positional.base import AttentionPositional
+from ..shapes import AttentionDtypeError
 from .cache import LayerCache
 from .hooks import AttentionHooks, HookContext
 
@@ -229,6 +230,12 @@ class MultiHeadAttention(nn.Module):
                 f"{name} has {x.shape[-1]} features (shape {list(x.shape)}) but this layer expects "
                 f"{what}={features}"
             )
+        w = self.q_proj.weight
+        if x.dtype != w.dtype:  # else the projection fails inside torch with "mat1 and mat2 ..."
+            fix = f"pass {name}.to({w.dtype})" + (f" or convert the layer with .to({x.dtype})"
+                                                 if x.dtype.is_floating_point else "")
+            raise AttentionDtypeError(f"{name} has dtype {x.dtype} but this layer's parameters are {w.dtype}; {fix}")
+
 
     def forward_intermediates(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
                               is_causal=False, need_weights=False, cache=None) -> AttentionIntermediates:
