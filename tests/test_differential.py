@@ -5,6 +5,9 @@ masks (float32 masks with bfloat16 inputs too), fully masked rows, and keys remo
 the mask whose key and value rows hold NaN or ±Inf (they must not leak). Dtypes float64, float32 and
 bfloat16.
 
+Outputs are compared with ``attnlab.reference``; gradients with autograd through the naive computation
+in float64 (plain torch ops, no attnlab kernel).
+
 Tolerance, the way PyTorch budgets its fused kernels: a method's error against the float64 reference may
 be at most ERROR_FACTOR times the error of the naive computation in the input's own dtype
 (softmax(q kᵀ·scale + mask) v with every op in that dtype) against the same reference, plus a floor
