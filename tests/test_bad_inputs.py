@@ -53,6 +53,18 @@ def test_zero_heads_attention_with_lse(causal):
     assert out.shape == (2, 0, 8, 16) and lse.shape == (2, 0, 8)
 
 
+@pytest.mark.parametrize("shape", [(2, 0, 8, 16), (0, 2, 16, 8)], ids=str)
+def test_zero_batch_or_heads_probe(shape):
+    q, k = torch.randn(*shape), torch.randn(*shape[:2], 5, shape[-1])
+    _, w = attnlab.attention(q, k, k, is_causal=True, need_weights=True, method="dense")  # (N, H, L, S), empty
+    pr = attnlab.probe(q, k, is_causal=True)
+    assert pr.entropy().shape == pr.max_weight().shape == w.shape[:-1]
+    assert pr.column_sums().shape == w.shape[:-2] + (5,)
+    assert pr.weights().shape == w.shape
+    hist, edges = pr.distance_histogram()
+    assert hist.shape == w.shape[:-2] + (len(edges),)
+
+
 # -- is_causal with scale <= 0 -----------------------------------------------------------------------
 @pytest.mark.parametrize("scale", [0.0, -0.5])
 @pytest.mark.parametrize("method", EXACT)
