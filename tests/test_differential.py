@@ -5,7 +5,8 @@ masks (float32 masks with bfloat16 inputs too), fully masked rows, and keys remo
 the mask whose key and value rows hold NaN or ±Inf (they must not leak). Dtypes float64, float32 and
 bfloat16.
 
-Outputs are compared with ``attnlab.reference``; gradients with autograd through the naive computation
+Outputs are compared with ``attnlab.reference`` (and attention_with_lse's log-sum-exp with float64
+logsumexp); gradients with autograd through the naive computation
 in float64 (plain torch ops, no attnlab kernel).
 
 Tolerance, the way PyTorch budgets its fused kernels: a method's error against the float64 reference may
@@ -114,6 +115,32 @@ def _naive(q, k, v, mask, is_causal, scale, gqa):
     return (p / torch.where(d == 0, torch.ones_like(d), d)) @ v
 
 
+def _scores(q, k, mask, is_causal, scale, gqa):
+    """Scaled, masked scores in q's dtype (masked: -inf): what the log-sum-exp is taken over."""
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(E) if scale is None else scale)
+    keep = torch.ones(L, S, dtype=torch.bool)
+    if is_causal:
+        keep = keep.tril()
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    elif mask is not None:
+        s = s + mask.to(q.dtype)
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def _lse_err(a, ref):
+    """Largest |a - ref| over rows, where rows with no key must be -inf in both."""
+    if not a.numel():
+        return 0.0
+    a = a.double()
+    both = torch.isneginf(a) & torch.isneginf(ref)
+    assert torch.equal(torch.isneginf(a), torch.isneginf(ref)), "rows with no key must have lse = -inf"
+    return float(torch.where(both, torch.zeros_like(a), a - ref).abs().max())
+
+
 def _err(a, ref):
     return float((a.double() - ref).abs().max()) if a.numel() else 0.0
 
@@ -143,6 +170,18 @@ def test_every_exact_method_matches_the_float64_reference(c):
         assert err <= budget, f"{method}: error {err:.3g} > {ERROR_FACTOR} x naive {naive:.3g} + {floor:.3g} ({c})"
         ran.append(method)
     assert "dense" in ran and "tiled" in ran
+    # attention_with_lse: the fused path for plain and causal inputs, the tiled kernel otherwise
+    out, lse = attnlab.attention_with_lse(q, k, v, **kw, block_size=c["block"])
+    assert _err(out, ref) <= budget, f"attention_with_lse: error {_err(out, ref):.3g} > {budget:.3g} ({c})"
+    s64 = _scores(q.double(), ck.double(), mask.double() if mask is not None and mask.dtype != torch.bool else mask,
+                  c["is_causal"], c["scale"], gqa)
+    lse_ref = torch.logsumexp(s64, -1) if c["S"] else torch.full(s64.shape[:-1], float("-inf"), dtype=torch.float64)
+    naive_s = _scores(q, ck, mask, c["is_causal"], c["scale"], gqa)
+    lse_naive = torch.logsumexp(naive_s, -1) if c["S"] else lse_ref.to(q.dtype)
+    lse_budget = ERROR_FACTOR * _lse_err(lse_naive, lse_ref) + FLOOR_EPS * eps * max(
+        1.0, float(lse_ref[torch.isfinite(lse_ref)].abs().max()) if torch.isfinite(lse_ref).any() else 1.0)
+    assert lse.shape == lse_ref.shape and not torch.isnan(lse).any()
+    assert _lse_err(lse, lse_ref) <= lse_budget, f"lse: error {_lse_err(lse, lse_ref):.3g} > {lse_budget:.3g} ({c})"
 
 
 @pytest.mark.parametrize("method", EXACT)
