@@ -77,6 +77,8 @@ def out_dir(args, name: str, *, resumable: bool = True) -> Path:
     resume = (bool(getattr(args, "resume", False)) or bool(getattr(args, "report_only", False))) if resumable else None
     path = output_dir(path, "--out", resume=resume, force=bool(getattr(args, "force", False)))
     args.out = str(path)
+    if resumable:
+        args.checkpoint_dir = str(path)  # Ctrl-C says it is kept and how to resume (cli.main)
     return path
 
 
