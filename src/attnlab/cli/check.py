@@ -254,7 +254,7 @@ def run(args):
     rows = check(args.mechanism, shape, args.kv_len, DTYPES[args.dtype], args.seed, args.case)
     failures = [r for r in rows if r["status"] == "FAIL"]
     exact_fail = [r for r in failures if r["exact"]]
-    console = Console(width=200)
+    console = Console()  # follows the terminal (or $COLUMNS)
     if args.json:
         console.print_json(json.dumps(rows))
     else:

@@ -97,7 +97,7 @@ def run(args):
         o.update({k: v for k, v in extra.items() if k != "pattern"})
         results.append(explain_shape(_shape(text), kv_len=args.kv_len, kv_heads=args.kv_heads,
                                      dtype=DTYPES[args.dtype], pattern=extra.get("pattern"), **o))
-    console = Console(width=140)
+    console = Console()  # follows the terminal (or $COLUMNS)
     if args.json:
         import json
 
@@ -113,4 +113,5 @@ def run(args):
                     f"[red]refused[/]: {r['refused'][m]}" if m in r["refused"] else "available"
                 t.add_row(m, status, _fmt_bytes(r["peak_bytes"][m]), f"{r['flops'][m] / 1e9:.3g}")
             console.print(t)
-    return {"plans": results, "exit_code": 0}
+        console.print(f"cpu: {attnlab.cpu.summary()}", highlight=False)
+    return {"plans": results, "cpu": attnlab.cpu.INFO.as_dict(), "exit_code": 0}

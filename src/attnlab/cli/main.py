@@ -35,6 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "heads": ("attnlab.cli.heads", "what MiniLM's heads do, measured"),
     "experiment": ("attnlab.cli.experiment", "experiments that write reports with plots"),
     "retrieve": ("attnlab.cli.retrieve", "attention as retrieval over a MiniLM-embedded corpus"),
+    "serve": ("attnlab.cli.serve", "live attention explorer in the browser (local web app)"),
 }
 
 LAST_RESULT: object = None

@@ -45,6 +45,15 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--png", help="also write a PNG: the weights per head, or (with --summary) score scale vs d_k")
     p.add_argument("--max-show", type=int, default=8, dest="max_show", help="rows/columns printed per matrix")
     p.add_argument("--digits", type=nonneg_int, default=3, help="decimals printed")
+    ck = p.add_argument_group("check a printed table (a textbook's, say)")
+    ck.add_argument("--expect", metavar="TABLE",
+                    help="a printed table to check, as JSON ('[[0.296, 0.242], ...]', '#' comments allowed) or a file "
+                         "holding it: every cell further than half a unit of its last printed digit from the exact "
+                         "value is marked with the correct value. Exit status 1 when any cell is wrong, 0 when all "
+                         "are right (like diff)")
+    ck.add_argument("--expect-step", default="weights", dest="expect_step",
+                    choices=("scores", "scaled", "masked", "weights", "output"),
+                    help="which step the printed table shows (default: weights, the softmax table)")
 
 
 def load_matrix(name: str, spec: str) -> np.ndarray:
@@ -122,6 +131,8 @@ def run(args: argparse.Namespace):
     else:
         trace = tr.trace_summary(args.d_model, args.seq_len, 12 if args.heads is None else args.heads,
                                  batch=args.batch, dtype=args.dtype, seed=args.seed, options=opts)
+    if args.expect is not None:
+        return _check(trace, args)
     png = _write_png(trace, args.png) if args.png else None
     fmt = args.format
     kw = {"max_show": args.max_show, "digits": args.digits}
@@ -150,6 +161,48 @@ def run(args: argparse.Namespace):
     if png:
         print(f"wrote {png}")
     return {"trace": trace, "format": fmt, "text": text, "out": args.out, "png": png, "exit_code": 0}
+
+
+def _expect_text(spec: str) -> str:
+    """--expect's table: the file's text when SPEC names a file, else SPEC itself."""
+    s = spec.strip()
+    if not s.startswith("[") and Path(s).is_file():
+        return Path(s).read_text()
+    if not s.startswith("[") and (s.endswith(".json") or s.endswith(".txt") or "/" in s):
+        raise ValueError(f"--expect: file not found: {s}")
+    return s
+
+
+def _check(trace, args: argparse.Namespace):
+    from .. import trace as tr
+
+    if trace.source == "summary":
+        raise UsageError("--expect checks a small printed table; --summary has none (use --scores or --q/--k)")
+    check = tr.check_table(_expect_text(args.expect), trace, step=args.expect_step)
+    text = None
+    if args.format == "json":
+        text = json.dumps(check.to_dict(), indent=2) + "\n"
+    elif args.format == "markdown":
+        text = tr.check_markdown(check)
+    elif args.format == "html":
+        text = tr.check_html(check)
+    if args.out:
+        if text is None:
+            from io import StringIO
+
+            from rich.console import Console
+
+            buf = StringIO()
+            tr.check_rich(check, Console(file=buf, width=140, no_color=True))
+            text = buf.getvalue()
+        atomic_write_text(args.out, text)
+        print(f"wrote {args.out}: {check.summary()}")
+    elif text is not None:
+        print(text, end="")
+    else:
+        tr.check_rich(check)
+    return {"trace": trace, "check": check, "format": args.format, "text": text, "out": args.out,
+            "exit_code": 0 if check.ok else 1}
 
 
 def _write_png(trace, path: str) -> str:

@@ -19,9 +19,9 @@ import torch
 
 from .. import patterns as P
 from ..diagnostics import entropy as _entropy
-from ..diagnostics import streaming_summary
 
-__all__ = ["attention_data", "MODELS", "tokenize_words", "pattern_grid"]
+__all__ = ["attention_data", "weights_page_data", "distance_histogram", "distance_edges", "MODELS", "tokenize_words",
+           "pattern_grid"]
 
 MODELS = ("minilm", "random")
 _WEIGHTS_HINT = "pick one that can (auto, dense, tiled or a pattern mechanism; see `attnlab list`)"
@@ -191,30 +191,134 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
     data: dict = {"title": "attnlab viz", "text": text, "model": model_desc, "mechanism": mech_name,
                   "tokens": tokens, "T": T, "layers": L_, "heads": H, "mode": "dense" if dense else "summary",
                   "notes": notes}
-    head_stats = []
     if dense:
-        data["dense"] = {"b64": [_b64(_q8(w)) for w in layers_w]}
-        for li, w in enumerate(layers_w):
-            ent = _entropy(w).mean(-1)  # (H,)
-            mx = w.double().amax(-1).mean(-1)
-            head_stats.append([{"entropy": float(ent[h]), "max_weight": float(mx[h])} for h in range(H)])
+        _add_dense(data, layers_w)
     else:
         if mech is not None and not (mech.spec.exact or mech_pattern is not None):
             raise ValueError(f"{T} tokens needs streaming summaries, which only exact or pattern mechanisms "
                              f"provide; {mech_name!r} is an approximation (raise --dense-max or pick another)")
-        notes.append(f"long input: {T} tokens > {dense_max_tokens}, so the page shows streaming summaries "
-                     f"(top-{topk} keys per query, entropy, distance histogram) instead of dense weights")
-        k_ = max(1, min(topk, T))
-        summ = {"k": k_, "idx": [], "w": [], "hist": [], "edges": None}
-        for li, (q, k) in enumerate(layers_qk):
-            s = streaming_summary(q, k, pattern=mech_pattern, k=k_)
-            summ["idx"].append(_b64(s.topk_indices.numpy().astype("<u2")))
-            summ["w"].append(_b64(_q8(s.topk_weights)))
-            summ["hist"].append(s.distance_hist.double().tolist())
-            summ["edges"] = s.distance_edges.tolist()
-            head_stats.append([{"entropy": float(s.entropy[h].mean()), "max_weight": float(s.max_weight[h].mean()),
-                                "sink": float(s.sink_mass[h].mean())} for h in range(H)])
-        data["summary"] = summ
-    data["head_stats"] = head_stats
+        notes.append(_summary_note(T, dense_max_tokens, topk))
+        _add_summary(data, [_qk_rows(q, k, mech_pattern) for q, k in layers_qk], topk)
     data["patterns"] = _pattern_entries(T, mech_pattern, mech_name)
+    return data
+
+
+def _qk_rows(q: torch.Tensor, k: torch.Tensor, pattern=None):
+    """rows(i0, i1) -> softmax(q kᵀ/√E) [H, i1 - i0, S] for query rows i0..i1 (q: [H, L, E], k: [H, S, E]);
+    pairs outside ``pattern`` get weight 0, a row with no key left is all zeros."""
+    L, S, E = q.shape[1], k.shape[1], q.shape[2]
+    kt = k.transpose(-2, -1)  # (H, E, S)
+
+    def rows(i0: int, i1: int) -> torch.Tensor:
+        s = (q[:, i0:i1] @ kt) / math.sqrt(E)  # (H, l, S)
+        if pattern is not None:
+            keep = pattern.keep(torch.arange(i0, i1).unsqueeze(-1), torch.arange(S).unsqueeze(0), L, S)
+            keep = keep.reshape(-1, i1 - i0, S)[0] if keep.dim() > 2 else keep  # a per-batch pattern: its first
+            s = s.masked_fill(~keep, float("-inf"))
+            return torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # a row with no key: NaN -> 0
+        return torch.softmax(s, dim=-1)
+
+    return rows
+
+
+def _add_summary(data: dict, layer_rows: list, topk: int) -> None:
+    """Top-k keys, head statistics and distance histogram per layer, from rows(i0, i1) -> [H, i1 - i0, T]
+    weights, a block of query rows at a time (about 4 M weights per block: no [T, T] tensor per head)."""
+    T, H = data["T"], data["heads"]
+    if T > 65535:
+        raise ValueError(f"the page indexes keys with 16 bits: at most 65535 tokens, got {T}")
+    k_ = max(1, min(topk, T))
+    step = max(1, (1 << 22) // max(1, H * T))
+    edges = torch.tensor(distance_edges(T))
+    summ = {"k": k_, "idx": [], "w": []}
+    head_stats, hists = [], []
+    for rows in layer_rows:
+        idx = torch.empty(H, T, k_, dtype=torch.long)
+        val = torch.empty(H, T, k_, dtype=torch.float64)
+        ent, mx, sink = (torch.zeros(H, dtype=torch.float64) for _ in range(3))
+        hist = torch.zeros(H, len(edges), dtype=torch.float64)
+        for i0 in range(0, T, step):
+            i1 = min(T, i0 + step)
+            w = rows(i0, i1)  # (H, l, T)
+            top = w.topk(k_, dim=-1)
+            idx[:, i0:i1], val[:, i0:i1] = top.indices, top.values
+            ent -= torch.special.xlogy(w, w).sum(-1).double().sum(-1)
+            mx += w.amax(-1).double().sum(-1)
+            sink += w[..., 0].double().sum(-1)
+            d = (torch.arange(T).unsqueeze(0) - torch.arange(i0, i1).unsqueeze(1)).abs()  # (l, T)
+            b = (torch.bucketize(d, edges, right=True) - 1).flatten()
+            hist.scatter_add_(1, b.expand(H, -1), w.reshape(H, -1).double())
+        summ["idx"].append(_b64(idx.numpy().astype("<u2")))
+        summ["w"].append(_b64(_q8(val)))
+        head_stats.append([{"entropy": float(ent[h] / T), "max_weight": float(mx[h] / T), "sink": float(sink[h] / T)}
+                           for h in range(H)])
+        hists.append((hist / T).tolist())
+    data["summary"] = summ
+    data["head_stats"] = head_stats
+    data["distance"] = {"edges": distance_edges(T), "hist": hists}
+
+
+def _summary_note(T: int, dense_max_tokens: int, topk: int) -> str:
+    return (f"long input: {T} tokens > {dense_max_tokens}, so the page shows streaming summaries "
+            f"(top-{topk} keys per query, entropy, distance histogram) instead of dense weights")
+
+
+def distance_edges(T: int) -> list[int]:
+    """Lower edges of the |i - j| bins of the distance histogram: 0, 1, 2, 4, 8, … up to T - 1 (the bins of
+    ``attnlab.probe``, without the empty ones past the longest distance)."""
+    top = max(T, 1)
+    edges = sorted(set([0, 1, 2, 4] + [2**e for e in range(3, max(3, top.bit_length()) + 1)]))
+    return [e for e in edges if e <= max(top - 1, 0)]
+
+
+def distance_histogram(weights: torch.Tensor) -> torch.Tensor:
+    """Mean attention mass per query row by |i - j| bin: weights [H, L, S] -> [H, nbins] (edges from
+    ``distance_edges(max(L, S))``)."""
+    H, L, S = weights.shape
+    edges = torch.tensor(distance_edges(max(L, S)))
+    d = (torch.arange(S).unsqueeze(0) - torch.arange(L).unsqueeze(1)).abs()  # (L, S)
+    b = (torch.bucketize(d, edges, right=True) - 1).flatten()  # bin per pair
+    hist = torch.zeros(H, len(edges), dtype=torch.float64)
+    hist.scatter_add_(1, b.expand(H, -1), weights.double().reshape(H, -1))
+    return hist / max(L, 1)
+
+
+def _add_dense(data: dict, layers_w: list[torch.Tensor]) -> None:
+    """Dense weights [H, T, T] per layer -> the page's 8-bit weights, head statistics and distances."""
+    H = data["heads"]
+    data["dense"] = {"b64": [_b64(_q8(w)) for w in layers_w]}
+    head_stats, hist = [], []
+    for w in layers_w:
+        ent = _entropy(w).mean(-1)  # (H,)
+        mx = w.double().amax(-1).mean(-1)
+        sink = w.double()[..., 0].mean(-1)
+        head_stats.append([{"entropy": float(ent[h]), "max_weight": float(mx[h]), "sink": float(sink[h])}
+                           for h in range(H)])
+        hist.append(distance_histogram(w).tolist())
+    data["head_stats"] = head_stats
+    data["distance"] = {"edges": distance_edges(data["T"]), "hist": hist}
+
+
+def weights_page_data(layers_w: list[torch.Tensor], tokens: list[str], *, model: str = "given weights",
+                      mechanism: str = "given", title: str = "attnlab viz", text: str | None = None,
+                      dense_max_tokens: int = 128, topk: int = 4, notes: list[str] | None = None) -> dict:
+    """The viz page's data from attention weights someone else computed.
+
+    layers_w: one [H, T, T] tensor per layer (rows = queries, columns = keys, values in [0, 1]);
+    tokens: T strings. Up to ``dense_max_tokens`` tokens every weight is shipped (8 bits); longer
+    inputs ship the top-``topk`` keys per query, entropy, max weight, sink mass and distance histogram.
+    Shapes are the caller's to check (``attnlab.viz.show`` does).
+    """
+    T, H = len(tokens), int(layers_w[0].shape[0])
+    notes = list(notes or [])
+    dense = T <= dense_max_tokens
+    data: dict = {"title": title, "text": " ".join(tokens) if text is None else text, "model": model,
+                  "mechanism": mechanism, "tokens": list(tokens), "T": T, "layers": len(layers_w), "heads": H,
+                  "mode": "dense" if dense else "summary", "notes": notes}
+    if dense:
+        _add_dense(data, layers_w)
+    else:
+        notes.append(_summary_note(T, dense_max_tokens, topk))
+        _add_summary(data, [(lambda i0, i1, w=w: w[:, i0:i1]) for w in layers_w], topk)
+    data["patterns"] = _pattern_entries(T, None, "given")
     return data

@@ -1,8 +1,17 @@
 """The self-contained viz page: one HTML file, inline CSS and JS, no network.
 
-Views: a head view (hover or click a query token to see where it attends in the chosen layer, one
-colour per head), a model view (layers × heads grid of thumbnails; click one to open it in the head
-view) and a pattern view (the mask in use and common patterns, with density and FLOPs saved).
+Views, all drawn at load:
+- head view: tokens on the left (queries) and right (keys); at load every query's links in layer 0,
+  all heads, one colour-blind-safe colour per head, line opacity = weight (the strongest links up to
+  a budget). Hover or click a query to see only its links; the readout says where it attends.
+- matrix view: a canvas of the layer's weights (queries down, keys across; one head or the max over
+  heads), any length: the wheel or the buttons zoom, dragging pans, the readout follows the pointer.
+  Beside it, the distance histogram (attention mass by |i - j|) per head.
+- model view: layers × heads thumbnails; click one to open it in the head view.
+- pattern view: the mask in use and common patterns, with density and FLOPs saved.
+Inputs longer than 512 tokens open on the matrix view; the page never grows past the window (the
+token columns scroll inside their box, the readout stays above them).
+
 User text reaches the page only as escaped HTML or as JSON inside a script tag whose '<', '>' and '&'
 are \\u-escaped; the script writes tokens with ``textContent``, never ``innerHTML``.
 """
@@ -15,115 +24,246 @@ from pathlib import Path
 
 from ..report import atomic_write_text
 
-__all__ = ["render_page", "write_page"]
+__all__ = ["render_page", "write_page", "HEAD_COLOURS"]
+
+# Okabe & Ito's eight colour-blind-safe colours, then four of Paul Tol's "muted" set that stay apart from
+# them (wine, olive, indigo, teal). Past 12 heads the colours repeat and the head's lines are dashed.
+HEAD_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000",
+                "#882255", "#999933", "#332288", "#44AA99")
 
 _CSS = r"""
-:root{--fg:#1d1d1f;--mut:#666;--line:#ddd}
+:root{--fg:#1d1d1f;--mut:#555;--line:#ddd}
 *{box-sizing:border-box}body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:var(--fg)}
-header{padding:12px 20px;border-bottom:1px solid var(--line)}header h1{font-size:18px;margin:0 0 4px}
-.meta{color:var(--mut);font-size:13px}.note{color:#a55a00;font-size:13px;margin-top:4px}
-nav{display:flex;gap:4px;padding:8px 20px;border-bottom:1px solid var(--line)}
-nav button{border:1px solid var(--line);background:#fafafa;padding:5px 12px;border-radius:6px;cursor:pointer}
+header{padding:10px 20px 8px;border-bottom:1px solid var(--line)}header h1{font-size:18px;margin:0 0 4px}
+.meta{color:var(--mut);font-size:13px}.note{color:#8a4b00;font-size:13px;margin-top:2px}
+#textline{display:-webkit-box;-webkit-line-clamp:2;-webkit-box-orient:vertical;overflow:hidden}
+nav{display:flex;gap:4px;padding:6px 20px;border-bottom:1px solid var(--line)}
+nav button{border:1px solid var(--line);background:#fafafa;padding:4px 12px;border-radius:6px;cursor:pointer;font-size:13px}
 nav button.on{background:#1d1d1f;color:#fff}
-section{padding:14px 20px;display:none}section.on{display:block}
-.controls{display:flex;flex-wrap:wrap;gap:8px;align-items:center;margin-bottom:10px;font-size:13px}
-.chip{display:inline-block;margin:0 3px 3px 0;padding:2px 8px;border-radius:10px;color:#fff;cursor:pointer;font-size:12px;opacity:.35}
-.chip.on{opacity:1}
+section{padding:10px 20px;display:none}section.on{display:block}
+.controls{display:flex;flex-wrap:wrap;gap:8px;align-items:center;margin-bottom:6px;font-size:13px}
+.controls button{font-size:13px;padding:2px 9px;border:1px solid #bbb;background:#f6f6f6;border-radius:5px;cursor:pointer}
+.chip{display:inline-block;margin:0 3px 3px 0;padding:2px 8px;border-radius:10px;cursor:pointer;font-size:12px;
+font-weight:600;border:2px solid transparent}
+.chip.off{background:#fff!important;color:#444!important;font-weight:400}
+.readout{font-size:13px;color:#222;min-height:18px;margin:2px 0 6px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
+#hvbox{overflow:auto;border:1px solid var(--line);border-radius:4px;max-height:480px}
 #hv{display:flex;align-items:flex-start}
-.col{display:flex;flex-direction:column}
-.tok{font-family:ui-monospace,monospace;font-size:13px;padding:0 6px;height:20px;line-height:20px;white-space:pre;
-cursor:default;border-radius:3px}
+.col{display:flex;flex-direction:column;min-width:60px}
+.tok{font-family:ui-monospace,monospace;font-size:12px;padding:0 6px;height:18px;line-height:18px;white-space:pre;
+cursor:default;border-radius:3px;max-width:220px;overflow:hidden;text-overflow:ellipsis}
 .q .tok{text-align:right;cursor:pointer}.q .tok.active{outline:2px solid #1d1d1f}
 #lines{flex:none}
+#mwrap{display:flex;gap:18px;align-items:flex-start}
+#mat{border:1px solid #999;image-rendering:pixelated;cursor:crosshair;display:block;touch-action:none}
+#tip{position:fixed;pointer-events:none;background:rgba(29,29,31,.92);color:#fff;font-size:12px;padding:3px 6px;
+border-radius:4px;display:none;white-space:pre;z-index:5}
+#hists{display:grid;grid-template-columns:repeat(3,150px);gap:6px 10px;font-size:11px;color:var(--mut)}
+#hists svg{display:block;background:#fbfbfb;border:1px solid #eee}
 .grid{display:grid;gap:6px}.cell{text-align:center;font-size:11px;color:var(--mut);cursor:pointer}
 .cell canvas{border:1px solid var(--line);image-rendering:pixelated;display:block}
 .cell.sel canvas{outline:2px solid #1d1d1f}
 .pat{display:inline-block;margin:0 18px 18px 0;vertical-align:top;font-size:12px;max-width:220px}
 .pat canvas{border:1px solid var(--line);image-rendering:pixelated;width:192px;height:192px}
-#readout{font-size:12px;color:var(--mut);min-height:16px;margin-top:8px}
 """
 
 _JS = r"""
 (function(){
 "use strict";
 const D = JSON.parse(document.getElementById("attn-data").textContent);
-const T = D.T, NL = D.layers, NH = D.heads;
+const T = D.T, NL = D.layers, NH = D.heads, PAL = D.palette;
+const NS = "http://www.w3.org/2000/svg";
 function b64u8(s){const b=atob(s);const a=new Uint8Array(b.length);for(let i=0;i<b.length;i++)a[i]=b.charCodeAt(i);return a;}
-function hue(h){return Math.round(h*360/NH);}
-function col(h,a){return "hsla("+hue(h)+",75%,45%,"+a+")";}
-// weights[l][h] -> function(i) giving Float32Array row of length T
+function colour(h){return PAL[h%PAL.length];}
+function rgba(h,a){const c=colour(h);return "rgba("+parseInt(c.substr(1,2),16)+","+parseInt(c.substr(3,2),16)+","+parseInt(c.substr(5,2),16)+","+a+")";}
+function luminance(hex){const v=[1,3,5].map(function(i){const x=parseInt(hex.substr(i,2),16)/255;
+  return x<=0.03928?x/12.92:Math.pow((x+0.055)/1.055,2.4);});return 0.2126*v[0]+0.7152*v[1]+0.0722*v[2];}
+// chip text: black or white, whichever contrasts more with the head's colour (WCAG contrast ratio)
+function ink(hex){const L=luminance(hex);return (L+0.05)/0.05>=1.05/(L+0.05)?"#000000":"#ffffff";}
+function tokName(i){return "\u201c"+D.tokens[i]+"\u201d";}
+// ---- weights: W[l] is the layer's data; each(l,h,i,j0,j1,f) calls f(j,w) for keys j0 <= j < j1 with w > 0
 const W = [];
-if (D.mode === "dense") {
-  for (let l=0;l<NL;l++){ W.push(b64u8(D.dense.b64[l])); }
-} else {
-  for (let l=0;l<NL;l++){
-    const iu8=b64u8(D.summary.idx[l]);
-    W.push({idx:new Uint16Array(iu8.buffer), w:b64u8(D.summary.w[l])});
-  }
+for (let l=0;l<NL;l++){
+  if (D.mode==="dense") W.push(b64u8(D.dense.b64[l]));
+  else {const iu8=b64u8(D.summary.idx[l]);W.push({idx:new Uint16Array(iu8.buffer), w:b64u8(D.summary.w[l])});}
 }
-function row(l,h,i){
-  const r=new Float32Array(T);
-  if (D.mode==="dense"){const a=W[l];const o=(h*T+i)*T;for(let j=0;j<T;j++)r[j]=a[o+j]/255;}
-  else {const k=D.summary.k;const o=(h*T+i)*k;for(let t=0;t<k;t++){r[W[l].idx[o+t]]+=W[l].w[o+t]/255;}}
-  return r;
+function each(l,h,i,j0,j1,f){
+  if (D.mode==="dense"){const a=W[l],o=(h*T+i)*T;for(let j=j0;j<j1;j++){const v=a[o+j];if(v)f(j,v/255);}}
+  else {const k=D.summary.k,o=(h*T+i)*k,L=W[l];for(let t=0;t<k;t++){const j=L.idx[o+t],v=L.w[o+t];if(v&&j>=j0&&j<j1)f(j,v/255);}}
 }
+function row(l,h,i){const r=new Float32Array(T);each(l,h,i,0,T,function(j,w){r[j]+=w;});return r;}
 // ---- tabs
-document.querySelectorAll("nav button").forEach(function(b){
-  b.addEventListener("click",function(){
-    document.querySelectorAll("nav button").forEach(function(x){x.classList.toggle("on",x===b);});
-    document.querySelectorAll("section").forEach(function(s){s.classList.toggle("on",s.id===b.dataset.view);});
-  });
-});
+function show(view){
+  document.querySelectorAll("nav button").forEach(function(x){x.classList.toggle("on",x.dataset.view===view);});
+  document.querySelectorAll("section").forEach(function(s){s.classList.toggle("on",s.id===view);});
+  fit();
+}
+document.querySelectorAll("nav button").forEach(function(b){b.addEventListener("click",function(){show(b.dataset.view);});});
 // ---- head view
+const ROW=18, SVGW=170, MINW=0.02, BUDGET=4000;
 const state={layer:0, heads:new Set(Array.from({length:NH},function(_,h){return h;})), sel:null, pinned:false};
-const layerSel=document.getElementById("layer");
-for(let l=0;l<NL;l++){const o=document.createElement("option");o.value=l;o.textContent="layer "+l;layerSel.appendChild(o);}
+const layerSel=document.getElementById("layer"), mlayerSel=document.getElementById("mlayer");
+for(let l=0;l<NL;l++){[layerSel,mlayerSel].forEach(function(s){const o=document.createElement("option");o.value=l;o.textContent="layer "+l;s.appendChild(o);});}
 layerSel.addEventListener("change",function(){state.layer=+layerSel.value;render();});
 const chips=document.getElementById("chips");
+function paintChip(c,h){const on=state.heads.has(h);c.classList.toggle("off",!on);
+  c.style.background=colour(h);c.style.color=ink(colour(h));c.style.borderColor=colour(h);}
 for(let h=0;h<NH;h++){
-  const c=document.createElement("span");c.className="chip on";c.dataset.head=h;c.textContent="head "+h;
-  c.style.background=col(h,1);
-  c.addEventListener("click",function(){if(state.heads.has(h))state.heads.delete(h);else state.heads.add(h);
-    c.classList.toggle("on",state.heads.has(h));render();});
+  const c=document.createElement("span");c.className="chip";c.dataset.head=h;c.textContent="head "+h;
+  c.title="click: show or hide head "+h+"; double-click: this head only";
+  c.addEventListener("click",function(){if(state.heads.has(h))state.heads.delete(h);else state.heads.add(h);render();});
+  c.addEventListener("dblclick",function(){state.heads=new Set([h]);render();});
   chips.appendChild(c);
 }
+document.getElementById("allheads").addEventListener("click",function(){for(let h=0;h<NH;h++)state.heads.add(h);render();});
 const qcol=document.getElementById("qcol"), kcol=document.getElementById("kcol"), svg=document.getElementById("lines");
-const qs=[], ks=[];
+const qs=[], ks=[], fq=document.createDocumentFragment(), fk=document.createDocumentFragment();
 D.tokens.forEach(function(t,i){
-  const a=document.createElement("div");a.className="tok";a.textContent=t;a.dataset.i=i;qcol.appendChild(a);qs.push(a);
-  const b=document.createElement("div");b.className="tok";b.textContent=t;b.dataset.j=i;kcol.appendChild(b);ks.push(b);
-  a.addEventListener("mouseenter",function(){if(!state.pinned){state.sel=i;render();}});
-  a.addEventListener("mouseleave",function(){if(!state.pinned){state.sel=null;render();}});
-  a.addEventListener("click",function(){if(state.pinned&&state.sel===i){state.pinned=false;}else{state.pinned=true;state.sel=i;}render();});
+  const a=document.createElement("div");a.className="tok";a.textContent=t;a.dataset.i=i;fq.appendChild(a);qs.push(a);
+  const b=document.createElement("div");b.className="tok";b.textContent=t;b.dataset.j=i;fk.appendChild(b);ks.push(b);
 });
-svg.setAttribute("height", String(Math.max(20, T*20)));
-const NS="http://www.w3.org/2000/svg";
+qcol.appendChild(fq);kcol.appendChild(fk);
+qcol.addEventListener("mouseover",function(e){const i=e.target.dataset.i;if(i!==undefined&&!state.pinned){state.sel=+i;render();}});
+qcol.addEventListener("mouseleave",function(){if(!state.pinned&&state.sel!==null){state.sel=null;render();}});
+qcol.addEventListener("click",function(e){const d=e.target.dataset.i;if(d===undefined)return;const i=+d;
+  if(state.pinned&&state.sel===i){state.pinned=false;}else{state.pinned=true;state.sel=i;}render();});
+svg.setAttribute("width",String(SVGW));svg.setAttribute("height",String(Math.max(ROW,T*ROW)));
+const readout=document.getElementById("readout");
 function render(){
+  for(let h=0;h<NH;h++)paintChip(chips.children[h],h);
   while(svg.firstChild)svg.removeChild(svg.firstChild);
   qs.forEach(function(q,i){q.classList.toggle("active",i===state.sel);});
-  const readout=document.getElementById("readout");
-  if(state.sel===null){ks.forEach(function(k){k.style.background="";k.dataset.w="0";});readout.textContent="hover or click a token on the left";return;}
-  const i=state.sel, best=new Float32Array(T), arg=new Int16Array(T).fill(-1);
-  state.heads.forEach(function(h){
-    const r=row(state.layer,h,i);
-    for(let j=0;j<T;j++){
-      if(r[j]>best[j]){best[j]=r[j];arg[j]=h;}
-      if(r[j]>0.02){
-        const ln=document.createElementNS(NS,"line");
-        ln.setAttribute("x1","0");ln.setAttribute("y1",String(i*20+10));ln.setAttribute("x2","160");ln.setAttribute("y2",String(j*20+10));
-        ln.setAttribute("stroke",col(h,1));ln.setAttribute("stroke-opacity",String(Math.min(1,r[j])));ln.setAttribute("stroke-width","2");
-        svg.appendChild(ln);
-      }
-    }
+  const l=state.layer, heads=Array.from(state.heads).sort(function(a,b){return a-b;});
+  const rows=state.sel===null?null:[state.sel];
+  // candidate links (weight, query, key, head), strongest first, at most BUDGET drawn
+  const cw=[],ci=[],cj=[],ch=[];
+  heads.forEach(function(h){
+    const add=function(i){each(l,h,i,0,T,function(j,w){if(w>=MINW){cw.push(w);ci.push(i);cj.push(j);ch.push(h);}});};
+    if(rows)add(rows[0]);else for(let i=0;i<T;i++)add(i);
   });
+  let order=cw.map(function(_,t){return t;});
+  if(order.length>BUDGET){order.sort(function(a,b){return cw[b]-cw[a];});order=order.slice(0,BUDGET);}
+  const frag=document.createDocumentFragment();
+  order.forEach(function(t){
+    const ln=document.createElementNS(NS,"line"),h=ch[t];
+    ln.setAttribute("x1","0");ln.setAttribute("y1",String(ci[t]*ROW+ROW/2));
+    ln.setAttribute("x2",String(SVGW));ln.setAttribute("y2",String(cj[t]*ROW+ROW/2));
+    ln.setAttribute("stroke",colour(h));ln.setAttribute("stroke-opacity",String(Math.min(1,cw[t]).toFixed(3)));
+    ln.setAttribute("stroke-width",rows?"2.5":"1.6");
+    if(h>=PAL.length)ln.setAttribute("stroke-dasharray","5 3");
+    frag.appendChild(ln);
+  });
+  svg.appendChild(frag);
+  const hs=heads.length===NH?"all "+NH+" heads":(heads.length===1?"head "+heads[0]:heads.length+" heads");
+  if(state.sel===null){
+    ks.forEach(function(k){k.style.background="";k.dataset.w="0";});
+    readout.textContent="layer "+l+", "+hs+": links of every query (line opacity = weight; weights < "+MINW+
+      " hidden"+(cw.length>BUDGET?"; the "+BUDGET+" strongest of "+cw.length+" shown":"")+
+      "). Hover or click a token on the left for one query.";
+    return;
+  }
+  const i=state.sel, best=new Float32Array(T), arg=new Int16Array(T).fill(-1);
+  heads.forEach(function(h){each(l,h,i,0,T,function(j,w){if(w>best[j]){best[j]=w;arg[j]=h;}});});
   let top=-1;
   ks.forEach(function(k,j){
     k.dataset.w=best[j].toFixed(3);
-    k.style.background=arg[j]>=0&&best[j]>0?col(arg[j],Math.min(1,0.15+best[j])):"";
+    k.style.background=arg[j]>=0?rgba(arg[j],Math.min(1,0.12+best[j])):"";
     if(top<0||best[j]>best[top])top=j;
   });
-  readout.textContent="layer "+state.layer+", query \u201c"+D.tokens[i]+"\u201d: strongest key \u201c"+
-    (top>=0?D.tokens[top]:"")+"\u201d ("+(top>=0?best[top].toFixed(3):"0")+")"+(D.mode==="summary"?" \u2014 top-"+D.summary.k+" keys only":"");
+  readout.textContent=(state.pinned?"[pinned] ":"")+"layer "+l+", "+hs+", query "+i+" "+tokName(i)+": strongest key "+
+    (top>=0&&best[top]>0?top+" "+tokName(top)+" ("+best[top].toFixed(3)+(arg[top]>=0?", head "+arg[top]:"")+")":"none")+
+    (D.mode==="summary"?" \u2014 top-"+D.summary.k+" keys per query only":"")+(state.pinned?"; click it again to unpin":"");
+  if(kcol.parentNode&&top>=0){const box=document.getElementById("hvbox");const y=top*ROW;
+    if(y<box.scrollTop||y>box.scrollTop+box.clientHeight-ROW){/* keep the strongest key in sight */}}
+}
+// ---- matrix view (canvas; zoom and pan; the readout follows the pointer)
+const mat=document.getElementById("mat"), mctx=mat.getContext("2d"), MSZ=512;
+mat.width=MSZ;mat.height=MSZ;
+const mhead=document.getElementById("mhead"), mread=document.getElementById("mreadout"), tip=document.getElementById("tip");
+(function(){const o=document.createElement("option");o.value="-1";o.textContent="max over heads";mhead.appendChild(o);
+  for(let h=0;h<NH;h++){const p=document.createElement("option");p.value=h;p.textContent="head "+h;mhead.appendChild(p);}})();
+const ms={layer:0, head:-1, i0:0, j0:0, n:T, pin:null, G:null, AI:null, AJ:null, AH:null, m:1};
+function clampView(){ms.n=Math.max(Math.min(T,8),Math.min(T,Math.round(ms.n)));
+  ms.i0=Math.max(0,Math.min(T-ms.n,Math.round(ms.i0)));ms.j0=Math.max(0,Math.min(T-ms.n,Math.round(ms.j0)));}
+function mrender(){
+  clampView();
+  const n=ms.n, m=Math.min(n,MSZ), l=ms.layer;
+  const G=new Float32Array(m*m), AI=new Int32Array(m*m).fill(-1), AJ=new Int32Array(m*m), AH=new Int16Array(m*m);
+  const heads=ms.head<0?Array.from({length:NH},function(_,h){return h;}):[ms.head];
+  for(let i=ms.i0;i<ms.i0+n;i++){
+    const r=Math.floor((i-ms.i0)*m/n)*m;
+    for(const h of heads)each(l,h,i,ms.j0,ms.j0+n,function(j,w){const c=r+Math.floor((j-ms.j0)*m/n);
+      if(w>G[c]){G[c]=w;AI[c]=i;AJ[c]=j;AH[c]=h;}});
+  }
+  const off=document.createElement("canvas");off.width=m;off.height=m;
+  const octx=off.getContext("2d"), img=octx.createImageData(m,m);
+  for(let c=0;c<m*m;c++){const v=Math.sqrt(G[c]),o=4*c;  // square-root scale: small weights stay visible
+    img.data[o]=255-Math.round(v*247);img.data[o+1]=255-Math.round(v*207);img.data[o+2]=255-Math.round(v*148);img.data[o+3]=255;}
+  octx.putImageData(img,0,0);
+  mctx.imageSmoothingEnabled=false;mctx.clearRect(0,0,MSZ,MSZ);mctx.drawImage(off,0,0,MSZ,MSZ);
+  Object.assign(ms,{G:G,AI:AI,AJ:AJ,AH:AH,m:m});
+  document.getElementById("mview").textContent="queries "+ms.i0+"\u2013"+(ms.i0+n-1)+" (down) \u00d7 keys "+ms.j0+"\u2013"+
+    (ms.j0+n-1)+" (across); "+(n>MSZ?"one pixel = "+(n/MSZ).toFixed(1)+" tokens (max shown)":"one cell = one token pair")+
+    "; darker = more weight (square-root scale)";
+  if(ms.pin)describe(ms.pin.x,ms.pin.y,true);
+  drawHists();
+}
+function cellAt(x,y){const m=ms.m,c=Math.min(m-1,Math.max(0,Math.floor(x*m))),r=Math.min(m-1,Math.max(0,Math.floor(y*m)));return r*m+c;}
+function span(a,b){return a===b?String(a):a+"\u2013"+b;}
+function describe(x,y,pinned){
+  const m=ms.m,n=ms.n,c=cellAt(x,y),r=Math.floor(c/m),cc=c%m;
+  const qa=ms.i0+Math.ceil(r*n/m),qb=ms.i0+Math.ceil((r+1)*n/m)-1,ka=ms.j0+Math.ceil(cc*n/m),kb=ms.j0+Math.ceil((cc+1)*n/m)-1;
+  let s;
+  if(ms.AI[c]<0)s="queries "+span(qa,qb)+" \u00d7 keys "+span(ka,kb)+": no weight shown there";
+  else s="query "+ms.AI[c]+" "+tokName(ms.AI[c])+" \u2192 key "+ms.AJ[c]+" "+tokName(ms.AJ[c])+": weight "+ms.G[c].toFixed(3)+
+    ", head "+ms.AH[c]+(qb>qa||kb>ka?" (strongest in queries "+span(qa,qb)+" \u00d7 keys "+span(ka,kb)+")":"");
+  mread.textContent=(pinned?"[pinned] ":"")+"layer "+ms.layer+": "+s;
+  return s;
+}
+function rel(e){const b=mat.getBoundingClientRect();return [(e.clientX-b.left)/b.width,(e.clientY-b.top)/b.height];}
+let drag=null;
+mat.addEventListener("mousemove",function(e){const p=rel(e);
+  if(drag){const b=mat.getBoundingClientRect();ms.j0=drag.j0-(e.clientX-drag.x)*ms.n/b.width;ms.i0=drag.i0-(e.clientY-drag.y)*ms.n/b.height;
+    if(Math.abs(e.clientX-drag.x)+Math.abs(e.clientY-drag.y)>3){drag.moved=true;mrender();}return;}
+  const s=describe(p[0],p[1],false);tip.textContent=s;tip.style.display="block";
+  tip.style.left=Math.min(innerWidth-tip.offsetWidth-4,e.clientX+14)+"px";tip.style.top=(e.clientY+14)+"px";});
+mat.addEventListener("mouseleave",function(){tip.style.display="none";drag=null;if(ms.pin)describe(ms.pin.x,ms.pin.y,true);});
+mat.addEventListener("mousedown",function(e){drag={x:e.clientX,y:e.clientY,i0:ms.i0,j0:ms.j0,moved:false};});
+mat.addEventListener("mouseup",function(e){const d=drag;drag=null;if(d&&d.moved)return;const p=rel(e);
+  ms.pin=(ms.pin&&Math.abs(ms.pin.x-p[0])<1e-3&&Math.abs(ms.pin.y-p[1])<1e-3)?null:{x:p[0],y:p[1]};
+  if(ms.pin)describe(p[0],p[1],true);else describe(p[0],p[1],false);});
+function zoom(f,x,y){const ci=ms.i0+y*ms.n,cj=ms.j0+x*ms.n;ms.n=ms.n/f;clampView();ms.i0=ci-y*ms.n;ms.j0=cj-x*ms.n;ms.pin=null;mrender();}
+mat.addEventListener("wheel",function(e){e.preventDefault();const p=rel(e);zoom(e.deltaY<0?2:0.5,p[0],p[1]);
+  const s=describe(p[0],p[1],false);tip.textContent=s;},{passive:false});
+document.getElementById("zin").addEventListener("click",function(){zoom(2,0.5,0.5);});
+document.getElementById("zout").addEventListener("click",function(){zoom(0.5,0.5,0.5);});
+document.getElementById("zreset").addEventListener("click",function(){ms.n=T;ms.i0=0;ms.j0=0;ms.pin=null;mrender();});
+document.getElementById("zdiag").addEventListener("click",function(){ms.n=Math.min(T,64);ms.j0=ms.i0;ms.pin=null;mrender();});
+mlayerSel.addEventListener("change",function(){ms.layer=+mlayerSel.value;mrender();});
+mhead.addEventListener("change",function(){ms.head=+mhead.value;mrender();});
+// distance histogram: mean attention mass per query by |i - j| bin, one small chart per head
+const hists=document.getElementById("hists");
+function binLabel(b){const e=D.distance.edges,a=e[b],z=b+1<e.length?e[b+1]-1:null;return z===null?"\u2265"+a:(z===a?String(a):a+"\u2013"+z);}
+function drawHists(){
+  while(hists.firstChild)hists.removeChild(hists.firstChild);
+  const H=D.distance.hist[ms.layer], nb=D.distance.edges.length, w=150, h=78, pad=14;
+  document.getElementById("histtitle").textContent="attention mass by distance |i \u2212 j|, layer "+ms.layer+
+    " (bins "+(nb>4?[0,1,2,3].map(binLabel).join(", ")+", \u2026, "+binLabel(nb-1):D.distance.edges.map(function(_,b){return binLabel(b);}).join(", "))+
+    "; bar = mean weight per query)";
+  for(let hd=0;hd<NH;hd++){
+    const box=document.createElement("div"),s=document.createElementNS(NS,"svg");
+    s.setAttribute("width",String(w));s.setAttribute("height",String(h));s.dataset.head=hd;
+    const mx=Math.max(1e-9,Math.max.apply(null,H[hd])),bw=(w-4)/nb;
+    for(let b=0;b<nb;b++){const v=H[hd][b],rh=(h-pad-4)*v/mx,r=document.createElementNS(NS,"rect");
+      r.setAttribute("x",String(2+b*bw+0.5));r.setAttribute("y",String(h-pad-rh));r.setAttribute("width",String(Math.max(1,bw-1)));
+      r.setAttribute("height",String(Math.max(0,rh)));r.setAttribute("fill",colour(hd));
+      const t=document.createElementNS(NS,"title");t.textContent="|i\u2212j| "+binLabel(b)+": "+v.toFixed(3);r.appendChild(t);s.appendChild(r);}
+    [[0,"start",2],[nb>>1,"middle",2+((nb>>1)+0.5)*bw],[nb-1,"end",w-2]].forEach(function(p){const tx=document.createElementNS(NS,"text");
+      tx.setAttribute("x",String(p[2]));tx.setAttribute("y",String(h-3));tx.setAttribute("font-size","9");
+      tx.setAttribute("text-anchor",p[1]);tx.setAttribute("fill","#555");tx.textContent=binLabel(p[0]);s.appendChild(tx);});
+    const cap=document.createElement("div");cap.textContent="head "+hd+" (max "+mx.toFixed(2)+")";
+    box.appendChild(cap);box.appendChild(s);hists.appendChild(box);
+  }
 }
 // ---- model view
 const grid=document.getElementById("grid");
@@ -140,19 +280,19 @@ for(let l=0;l<NL;l++)for(let h=0;h<NH;h++){
       const j0=Math.floor(x*T/px), j1=Math.max(j0+1,Math.floor((x+1)*T/px));
       let v=0;for(let j=j0;j<j1;j++)v=Math.max(v,r[j]);
       const a=mx>0?v/mx:0, o=(y*px+x)*4;
-      img.data[o]=255-Math.round(a*200);img.data[o+1]=255-Math.round(a*120);img.data[o+2]=255-Math.round(a*40);img.data[o+3]=255;
+      img.data[o]=255-Math.round(a*247);img.data[o+1]=255-Math.round(a*207);img.data[o+2]=255-Math.round(a*148);img.data[o+3]=255;
     }
   }
   ctx.putImageData(img,0,0);
   const st=D.head_stats[l][h];
   const cap=document.createElement("div");cap.textContent="L"+l+" H"+h;
-  cell.title="layer "+l+", head "+h+": mean entropy "+st.entropy.toFixed(2)+" nats, mean max weight "+st.max_weight.toFixed(2);
+  cell.title="layer "+l+", head "+h+": mean entropy "+st.entropy.toFixed(2)+" nats, mean max weight "+st.max_weight.toFixed(2)+
+    (st.sink!==undefined?", mean weight on token 0 "+st.sink.toFixed(2):"");
   cell.appendChild(cv);cell.appendChild(cap);
   cell.addEventListener("click",function(){
-    state.layer=l;layerSel.value=String(l);state.heads=new Set([h]);
-    document.querySelectorAll(".chip").forEach(function(c){c.classList.toggle("on",+c.dataset.head===h);});
+    state.layer=l;layerSel.value=String(l);state.heads=new Set([h]);state.sel=null;state.pinned=false;
     document.querySelectorAll(".cell").forEach(function(c){c.classList.toggle("sel",c===cell);});
-    document.querySelector("nav button[data-view=head]").click();render();
+    show("head");render();
   });
   grid.appendChild(cell);
 }
@@ -168,34 +308,56 @@ D.patterns.forEach(function(p){
   cap.textContent=p.name+": density "+(100*p.density).toFixed(1)+"%, saves "+(100*p.flops_saved).toFixed(0)+"% of the FLOPs";
   box.appendChild(cv);box.appendChild(cap);pv.appendChild(box);
 });
-render();
+// ---- fit the page to the window: the token box and the matrix take what is left, the readout stays above
+function fit(){
+  const box=document.getElementById("hvbox");
+  if(box.offsetParent!==null){box.style.maxHeight=Math.max(160,innerHeight-box.getBoundingClientRect().top-16)+"px";}
+  if(mat.offsetParent!==null){const s=Math.max(240,Math.min(640,innerHeight-mat.getBoundingClientRect().top-16));
+    mat.style.width=s+"px";mat.style.height=s+"px";}
+}
+addEventListener("resize",fit);
+show(T>D.matrix_first?"matrix":"head");
+render();mrender();fit();
 document.body.dataset.ready="1";
+window.attnlabReadyMs=performance.now();
+requestAnimationFrame(function(){requestAnimationFrame(function(){document.body.dataset.painted=String(performance.now());});});
 })();
 """
 
 _HTML = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:">
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="icon" href="data:,">
 <title>__TITLE__</title><style>__CSS__</style></head>
 <body>
 <header><h1>__TITLE__</h1>
 <div class="meta">model: __MODEL__ · mechanism: __MECH__ · __T__ tokens · __LAYERS__ layers × __HEADS__ heads · mode: __MODE__</div>
-<div class="meta">text: <span id="text">__TEXT__</span></div>
+<div class="meta" id="textline">text: <span id="text">__TEXT__</span></div>
 __NOTES__
 </header>
-<nav><button class="on" data-view="head">head view</button><button data-view="model">model view</button><button data-view="pattern">pattern view</button></nav>
-<section id="head" class="on">
-<div class="controls"><label>layer <select id="layer"></select></label><span id="chips"></span></div>
-<div id="hv"><div class="col q" id="qcol"></div><svg id="lines" width="160" height="20"></svg><div class="col k" id="kcol"></div></div>
-<div id="readout"></div>
+<nav><button data-view="head">head view</button><button data-view="matrix">matrix view</button><button data-view="model">model view</button><button data-view="pattern">pattern view</button></nav>
+<section id="head">
+<div class="controls"><label>layer <select id="layer"></select></label><span id="chips"></span><button id="allheads">all heads</button></div>
+<div id="readout" class="readout"></div>
+<div id="hvbox"><div id="hv"><div class="col q" id="qcol"></div><svg id="lines" width="170" height="18"></svg><div class="col k" id="kcol"></div></div></div>
 </section>
-<section id="model"><div class="meta">rows: layers, columns: heads (darker = more weight, each row scaled to its max). Click one to open it.</div><div class="grid" id="grid"></div></section>
+<section id="matrix">
+<div class="controls"><label>layer <select id="mlayer"></select></label><label>show <select id="mhead"></select></label>
+<button id="zin" title="zoom in (or the mouse wheel)">zoom in</button><button id="zout">zoom out</button><button id="zreset">whole matrix</button>
+<button id="zdiag" title="64 tokens at the top-left of the view, on the diagonal">diagonal close-up</button></div>
+<div id="mreadout" class="readout">move the pointer over the matrix (wheel: zoom, drag: pan, click: pin)</div>
+<div id="mwrap"><canvas id="mat"></canvas><div><div class="meta" id="mview"></div><div class="meta" id="histtitle" style="margin:8px 0 4px"></div><div id="hists"></div></div></div>
+</section>
+<section id="model"><div class="meta">rows: layers, columns: heads (darker = more weight, each row scaled to its max). Click one to open it in the head view.</div><div class="grid" id="grid"></div></section>
 <section id="pattern"><div class="meta">which (query, key) pairs take part; dark = computed</div><div id="patterns"></div></section>
+<div id="tip"></div>
 <script id="attn-data" type="application/json">__DATA__</script>
 <script>__JS__</script>
 </body></html>
 """
+
+MATRIX_FIRST = 512  # inputs longer than this open on the matrix view
 
 
 def _json_for_script(data: dict) -> str:
@@ -215,7 +377,7 @@ def render_page(data: dict) -> str:
            "__MECH__": e(data["mechanism"]), "__T__": str(int(data["T"])), "__LAYERS__": str(int(data["layers"])),
            "__HEADS__": str(int(data["heads"])), "__MODE__": e(data["mode"]), "__TEXT__": e(text),
            "__NOTES__": notes, "__CSS__": _CSS, "__JS__": _JS}
-    rep["__DATA__"] = _json_for_script(data)
+    rep["__DATA__"] = _json_for_script({**data, "palette": list(HEAD_COLOURS), "matrix_first": MATRIX_FIRST})
     # one pass: text inserted for one placeholder is never scanned for another
     return re.sub(r"__[A-Z]+__", lambda m: rep.get(m.group(0), m.group(0)), _HTML)
 
