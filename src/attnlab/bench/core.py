@@ -132,6 +132,7 @@ def run(args) -> Result:
     if not args.quick and args.max_n < 256:
         raise ValueError(f"--max-n must be >= 256, the shortest length measured, got {args.max_n}")
     out = output_dir(args.out, resume=bool(getattr(args, "resume", False)), force=bool(getattr(args, "force", False)))
+    args.checkpoint_dir = str(out)  # Ctrl-C says it is kept and how to resume (cli.main)
     res = Result(out_dir=str(out), env=environment())
     quick = args.quick
     res.settings = dict(quick=quick, max_n=args.max_n, time_budget=args.time_budget,

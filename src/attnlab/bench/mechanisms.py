@@ -456,7 +456,7 @@ def run(args):
                 raise ValueError(f"--mechanisms: {e}") from None
     # checked last, since --force removes the earlier run: only once every other option is known good
     output_dir(out, resume=bool(getattr(args, "resume", False)), force=bool(getattr(args, "force", False)))
-    args.out = str(out)
+    args.out = args.checkpoint_dir = str(out)  # Ctrl-C says it is kept and how to resume (cli.main)
 
     lra_lengths = [] if args.no_lra else (sorted(C.ints_of(args.lra_lengths, "--lra-lengths")) if args.lra_lengths
                                           else list(QUICK_LRA_LENGTHS if quick else LRA_LENGTHS))
@@ -666,7 +666,8 @@ def _plots(out: Path, res) -> list[str]:
         ax.set_ylabel(ylabel)
         sh = res["shape"]
         ax.set_title(f"B={sh['B']}, H={sh['H']}, D={sh['D']}, float32, forward", fontsize=10)
-        ax.legend(fontsize=6, ncol=2)
+        if ax.get_legend_handles_labels()[0]:  # an interrupted run may have nothing to label yet
+            ax.legend(fontsize=6, ncol=2)
         files.append(C.save_plot(fig, out / fname))
     if res["lra"]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
