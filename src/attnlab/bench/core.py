@@ -23,7 +23,7 @@ from ..report import atomic_write_json, atomic_write_text, environment, save_fig
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
 
-__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent"]
+__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
 
 PATTERNS = {
     "sliding_window_256": {"name": "sliding_window", "window": 256, "causal": True},
@@ -117,6 +117,15 @@ def _mem_child(spec: dict, timeout=600) -> int | None:
     if r.returncode != 0:
         raise RuntimeError(f"memory child failed for {spec}: {r.stderr[-500:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+def peak_bytes(spec: dict, timeout: float = 600) -> int | None:
+    """Extra peak resident bytes of one attention call, measured in a fresh process.
+
+    spec: {"impl": "sdpa"|"auto"|"tiled"|"naive"|"dense", "n", "dtype", "causal", "backward", "B", "H", "D",
+    "pattern"} as in ``attnlab.bench.impls.build_call``. RuntimeError with the child's stderr if it fails.
+    """
+    return _mem_child(spec, timeout=timeout)
 
 
 def run(args) -> Result:
