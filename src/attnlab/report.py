@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["format_bytes", "atomic_write_text", "atomic_write_bytes", "atomic_write_json", "save_figure", "environment",
-           "markdown_to_html", "render_markdown_file"]
+           "markdown_to_html", "render_markdown_file", "line_styles", "legend_outside"]
 
 
 def format_bytes(n: float | None, digits: int = 3) -> str:
@@ -127,3 +127,23 @@ def render_markdown_file(path: str | os.PathLike, title: str | None = None) -> P
     """Write PATH.html (same folder, same stem) rendered from the Markdown file PATH; return its path."""
     p = Path(path)
     return atomic_write_text(p.with_suffix(".html"), markdown_to_html(p.read_text(encoding="utf-8"), title or p.stem))
+
+
+# Okabe & Ito's colour-blind-safe colours (black kept for references) and four of Paul Tol's "muted" set.
+_LINE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442", "#882255",
+                 "#44AA99", "#332288", "#999933")
+_LINE_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+_LINE_DASHES = ("-", "--", "-.", ":")
+
+
+def line_styles(n: int) -> list[dict]:
+    """``n`` distinct matplotlib styles (color, marker, linestyle) for line plots: 11 colour-blind-safe
+    colours first; past 11 lines the marker and dash change too, so no two lines look alike."""
+    nc = len(_LINE_COLOURS)
+    return [{"color": _LINE_COLOURS[i % nc], "marker": _LINE_MARKERS[(i // nc) % len(_LINE_MARKERS)],
+             "linestyle": _LINE_DASHES[(i // nc) % len(_LINE_DASHES)]} for i in range(n)]
+
+
+def legend_outside(ax, fontsize: float = 7, **kw):
+    """A legend to the right of the axes, outside the data (use with bbox_inches="tight", as save_figure does)."""
+    return ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kw)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..report import atomic_write_json, atomic_write_text, environment, save_figure
+from ..report import atomic_write_json, atomic_write_text, environment, line_styles, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
 
@@ -304,6 +304,17 @@ def _exponents(res: Result):
     res.exponents = {k: fit_exponent(*zip(*v)) for k, v in groups.items() if len(v) >= 2}
 
 
+def _n_ticks(ax, ns) -> None:
+    """One tick per measured n, labelled 256, 1k, 64k (the default log ticks overlap or vanish)."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    if not ns:
+        return
+    ax.xaxis.set_major_locator(FixedLocator(ns))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n) for n in ns], fontsize=8)
+
+
 def _write(res: Result, out: Path):
     import matplotlib
 
@@ -322,14 +333,15 @@ def _write(res: Result, out: Path):
         for r in res.records:
             if r.seconds is not None and pick(r):
                 lines.setdefault(f"{r.impl} {r.pattern or ''}{' fwd+bwd' if r.backward else ''}", []).append((r.n, r.seconds))
-        for label, pts in sorted(lines.items()):
+        for (label, pts), st in zip(sorted(lines.items()), line_styles(len(lines))):
             x, y = zip(*sorted(pts))
-            ax.loglog(x, y, marker="o", label=label)
+            ax.loglog(x, y, label=label, **st)
         ax.set_title(title)
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("seconds per call")
+        _n_ticks(ax, sorted({p[0] for pts in lines.values() for p in pts}))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     save_figure(fig, out / "time.png")
     mem = [r for r in res.records if r.peak_bytes]
     if mem:
@@ -337,9 +349,10 @@ def _write(res: Result, out: Path):
         lines = {}
         for r in mem:
             lines.setdefault(f"{r.impl} {r.pattern or ''} fwd+bwd", []).append((r.n, r.peak_bytes / 2**20))
-        for label, pts in sorted(lines.items()):
+        for (label, pts), st in zip(sorted(lines.items()), line_styles(len(lines))):
             x, y = zip(*sorted(pts))
-            ax.loglog(x, y, marker="o", label=label)
+            ax.loglog(x, y, label=label, **st)
+        _n_ticks(ax, sorted({p[0] for pts in lines.values() for p in pts}))
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("peak extra memory (MiB)")
         ax.set_title("peak memory, forward + backward (fresh process each)")

@@ -786,7 +786,9 @@ def plot_curves(runs: list[dict], group_of: Callable[[dict], str], panel_of: Cal
     pyplot = plt()
     panels = sorted({panel_of(r) for r in runs})
     groups = sorted({group_of(r) for r in runs})
-    colors = {g: pyplot.cm.tab10(i % 10) for i, g in enumerate(groups)}
+    from ..report import line_styles
+
+    styles = {g: st for g, st in zip(groups, line_styles(len(groups)))}  # distinct past 10 groups
     fig, axes = pyplot.subplots(len(panels), len(keys), figsize=(5 * len(keys), 3.2 * len(panels)), squeeze=False)
     for pi, panel in enumerate(panels):
         for ki, (key, title, logy) in enumerate(keys):
@@ -800,8 +802,9 @@ def plot_curves(runs: list[dict], group_of: Callable[[dict], str], panel_of: Cal
                 if not pts:
                     continue
                 g = group_of(r)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[g], lw=1, alpha=0.8,
-                        label=g if g not in seen else None)
+                st = styles[g]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=st["color"], linestyle=st["linestyle"], lw=1,
+                        alpha=0.8, label=g if g not in seen else None)
                 seen.add(g)
             if logy:
                 ax.set_yscale("log")
