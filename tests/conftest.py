@@ -13,3 +13,22 @@ torch.set_num_threads(1) if os.environ.get("PYTEST_XDIST_WORKER") else None
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# Integration tests that take seconds each (subprocesses, training runs, benchmarks, MiniLM, browsers)
+# are marked slow here in one table, so `make test-fast` (-m "not slow") stays under a minute.
+SLOW_MODULES = {
+    "test_bench_all", "test_bench_core", "test_bench_layers", "test_browser", "test_distributed",
+    "test_distributed_bench", "test_distributed_ring", "test_experiments", "test_approximation",
+    "test_retrieve", "test_retrieve_minilm", "test_heads", "test_minilm_bench", "test_trace_minilm",
+    "test_hf", "test_tour", "test_bench_kernels",
+}
+SLOW_TESTS = {"test_png_heatmaps", "test_cli_viz", "test_fixed_pattern_skips_work_on_narrow_key_blocks",
+              "test_list_shows_every_mechanism_with_its_spec", "test_cli_formats_and_failure_switches"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

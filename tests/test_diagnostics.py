@@ -1,4 +1,4 @@
-"""attnlab.diagnostics and attnlab.inspect against independent computations (autograd Jacobians,
+"""attnlab.diagnostics and attnlab.capture against independent computations (autograd Jacobians,
 torch.distributions, dense float64 weights)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from helpers import assert_close
 import attnlab
 from attnlab import diagnostics as dg
 from attnlab import patterns as P
-from attnlab.inspect import capture
+from attnlab.capture import capture
 
 
 def test_entropy_max_weight_match_categorical():

@@ -63,12 +63,25 @@ def test_exact_mechanisms_reproduce_hf_bert(bert, impl):
 
 
 def test_attention_weights_through_the_interface(bert):
+    """Weights through HF's interface, budgeted against a float64 run of the same model.
+
+    Note [HF weights budget]: the weights of layer i depend on the hidden states of layers < i, so
+    float32 rounding compounds with depth and differs by CPU (1e-6 at layer 0, ~7e-6 at layer 3 seen).
+    The budget is therefore the error of HF's own float32 eager weights against a float64 run, times 4,
+    per layer (PyTorch's way of budgeting a fused kernel against the naive same-dtype computation).
+    """
+    import copy
+
     m, _, batch = bert
     ref = _run(m, batch, "eager", output_attentions=True).attentions
+    m64 = copy.deepcopy(m).double()
+    oracle = _run(m64, batch, "eager", output_attentions=True).attentions
     got = _run(m, batch, "attnlab_tiled", output_attentions=True).attentions
     assert got is not None and len(got) == 6
-    for a, b in zip(got, ref):
-        assert_close(a, b, atol=5e-6, what="attentions")
+    for layer, (a, b, o) in enumerate(zip(got, ref, oracle)):
+        naive = float((b.double() - o).abs().max())
+        err = float((a.double() - o).abs().max())
+        assert err <= 4 * naive + 1e-7, f"layer {layer}: tiled weights err {err:.3g} vs eager fp32 err {naive:.3g}"
 
 
 def test_approximate_and_pattern_mechanisms_match_attnlab_minilm(bert):

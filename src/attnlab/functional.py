@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu as _cpu
 from . import patterns as P
 from .kernels import dense as _dense
 from .kernels import fused as _fused
@@ -17,7 +18,7 @@ from .kernels import sparse as _sparse
 from .kernels import tiled as _tiled
 from .kernels.masks import MaskSpec
 from .report import format_bytes as _fmt_bytes
-from .shapes import AttentionInputs, check_attention_inputs, shape_str
+from .shapes import AttentionInputError, AttentionInputs, check_attention_inputs, check_block_size, shape_str
 
 __all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "Plan", "METHODS", "Prepared", "prepare"]
 
@@ -70,7 +71,7 @@ def _mask4d(m: torch.Tensor, batch_shape: tuple[int, ...], L: int, S: int) -> to
     lead = m.shape[:-3]
     if all(s == 1 for s in lead):
         return m.reshape(1, *m.shape[-3:])
-    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(batch_shape[:-1]), *m.shape[-3:])
 
 
 def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -110,12 +111,16 @@ def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec):
     """Zero the key and value rows of keys that no query may attend (padding), so that whatever they
     hold — even NaN or Inf — cannot reach the output through NaN scores or 0·NaN in a matrix product.
 
-    # Note [Dead keys]: only keys masked for *every* query are zeroed; the gradient reaching them is 0,
-    # which is also the true gradient. Costs one pass over the bool mask (already L×S) when given.
+    # Note [Dead keys]: only keys masked for *every* query are zeroed — by a bool mask (False) or a float
+    # mask (-inf) — ; the gradient reaching them is 0, which is also the true gradient. Costs one pass
+    # over the user's mask (already L×S) when given.
     """
     dead = None
     if mask.keep is not None:
         dead = ~mask.keep.any(dim=-2)  # (N|1, H|1, S|1)
+    if mask.bias is not None:
+        d = torch.isneginf(mask.bias.detach()).all(dim=-2)  # (N|1, H|1, S|1)
+        dead = d if dead is None else dead | d
     if mask.pattern is not None and mask.pattern.batch_size:
         kk = _pattern_keys(mask.pattern)
         if kk is not None:
@@ -161,12 +166,14 @@ class Plan:
                 cost = f"peak ≈ {_fmt_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<7} {state:<50} {cost}")
+        lines.append(f"cpu: {_cpu.summary()}")
         return "\n".join(lines)
 
 
 def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size) -> Plan:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_block_size(block_size)
     info, mask = p.info, p.mask
     N, H, L, S, E, Ev = p.N, info.H, info.L, info.S, info.E, info.Ev
     el = p.q.element_size()
@@ -261,6 +268,9 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
         else:
             reasons = "; ".join(f"{m}: {r}" for m, r in refused.items())
             raise ValueError(f"no attention method can run these inputs ({reasons})")
+    if chosen == "sparse" and p.dropout_p > 0:
+        reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
+                   "the same random stream for the same RNG state (matching it would draw all L×S)")
     return Plan(chosen, reason, refused, peak, flops, backend,
                 (sq, sk) if chosen == "sparse" else (tq, tk) if chosen == "tiled" else None, density)
 
@@ -363,6 +373,10 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
     if m == "sdpa":
         if mask.is_trivial or p.is_causal_only:
             out = _fused.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
+        elif mask.bias_finer_than(p.q.dtype):
+            # SDPA takes a float mask in q's dtype only: compute in float32 (Note [Bias precision])
+            out = _fused.sdpa(p.q.float(), p.k.float(), p.v.float(), _materialize(mask, p, torch.float32),
+                              p.dropout_p, False, info.scale).to(p.q.dtype)
         else:
             out = _fused.sdpa(p.q, p.k, p.v, _materialize(mask, p), p.dropout_p, False, info.scale)
         return out, None
@@ -375,14 +389,19 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
     return out, weights
 
 
-def _materialize(mask: MaskSpec, p: Prepared) -> torch.Tensor:
-    """One SDPA mask (bool, or float when there is a bias) for the whole [N|1, H|1, L, S]."""
+def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One SDPA mask (bool, or float in ``dtype``, default q's, when there is a bias) for the whole
+    [N|1, H|1, L, S]."""
+    kk = getattr(mask.pattern, "keep_keys", None)
+    if kk is not None and mask.keep is None and mask.bias is None and kk.shape[1] >= mask.S:
+        # key padding alone: SDPA broadcasts a [N, 1, 1, S] mask, so no L×S tensor is built
+        return kk[:, : mask.S].to(p.q.device).view(kk.shape[0], 1, 1, mask.S)
     i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
     j = torch.arange(mask.S, device=p.q.device).unsqueeze(0)
     keep, bias = mask.block(i, j, p.N)
     if bias is None:
         return keep
-    b = bias.to(p.q.dtype)
+    b = bias.to(dtype or p.q.dtype)
     return b.masked_fill(~keep, float("-inf")) if keep is not None else b
 
 
@@ -407,6 +426,7 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     The pair is what partial attentions over disjoint key sets need to be merged exactly
     (``merge_partials``): ring attention and split-KV decoding build on it.
     """
+    check_block_size(block_size)
     p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern)
     lead = p.out_shape[:-1]
     if p.info.S == 0 or p.info.L == 0:
@@ -427,6 +447,16 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
     Equivalent to attention over the union of the keys. A side with lse = -inf contributes nothing.
     """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if out_a.dim() < 1 or out_a.shape != out_b.shape:
+        raise AttentionInputError(f"out_a {shape_str(out_a)} and out_b {shape_str(out_b)} must have one shape "
+                                  "[..., L, Ev] (partial attentions of the same queries)")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != out_a.shape[:-1]:
+            raise AttentionInputError(f"{name} {shape_str(t)} must be out's shape without its last dim: "
+                                      f"{list(out_a.shape[:-1])} (out_a {shape_str(out_a)})")
     m = torch.maximum(lse_a, lse_b)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)

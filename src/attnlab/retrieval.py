@@ -346,6 +346,8 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
         raise ValueError(f"rank must be an int in [1, d={d}], got {rank!r}")
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     gen = torch.Generator().manual_seed(seed)
     a_q = (0.01 * torch.randn(d, rank, generator=gen)).requires_grad_()  # (d, rank)
     a_k = (0.01 * torch.randn(d, rank, generator=gen)).requires_grad_()
@@ -362,6 +364,9 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
         scores = proj.queries(queries) @ proj.keys(keys).T / tau  # (m, n)
         loss = torch.nn.functional.cross_entropy(scores, answers_t)
         losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):  # a diverged fit would report the accuracy of NaN scores
+            raise ValueError(f"fitting the projection diverged: the loss is {losses[-1]} at step {step} with "
+                             f"lr={lr:g}, tau={tau:g}; use a smaller lr")
         if step == steps:
             break
         grads = torch.autograd.grad(loss, params)

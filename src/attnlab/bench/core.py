@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..options import output_dir, positive_float, positive_int
 from ..report import atomic_write_json, atomic_write_text, environment, line_styles, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
@@ -66,12 +67,15 @@ class Result:
 def build_parser(p):
     p.add_argument("--quick", action="store_true", help="a small grid that finishes in seconds")
     p.add_argument("--out", default="reports/bench-core", help="output folder (default reports/bench-core)")
-    p.add_argument("--max-n", type=int, default=65536, help="largest sequence length (default 65536)")
-    p.add_argument("--time-budget", type=float, default=20.0, help="skip calls predicted to exceed this (s)")
-    p.add_argument("--mem-budget-gib", type=float, default=12.0, help="skip configs predicted above this")
+    p.add_argument("--max-n", type=positive_int, default=65536,
+                   help="largest sequence length, at least 256 (default 65536; quick: 128 and 256)")
+    p.add_argument("--time-budget", type=positive_float, default=20.0, help="skip calls predicted to exceed this (s)")
+    p.add_argument("--mem-budget-gib", type=positive_float, default=12.0, help="skip configs predicted above this")
     p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurements")
     p.add_argument("--resume", action="store_true",
                    help="keep the measurements a killed run with the same settings left in --out, measure the rest")
+    p.add_argument("--force", action="store_true",
+                   help="replace the earlier run an --out folder holds (without it, such a folder is refused)")
 
 
 def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
@@ -133,7 +137,9 @@ def run(args) -> Result:
     from rich.progress import Progress
 
     console = Console(width=max(120, Console().width))
-    out = Path(args.out)
+    if not args.quick and args.max_n < 256:
+        raise ValueError(f"--max-n must be >= 256, the shortest length measured, got {args.max_n}")
+    out = output_dir(args.out, resume=bool(getattr(args, "resume", False)), force=bool(getattr(args, "force", False)))
     res = Result(out_dir=str(out), env=environment())
     quick = args.quick
     res.settings = dict(quick=quick, max_n=args.max_n, time_budget=args.time_budget,
@@ -275,7 +281,13 @@ def _previous(out: Path, settings: dict, console) -> dict:
     if not path.exists():
         console.print(f"--resume: no {path}; measuring everything")
         return {}
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume: cannot read {path} ({e}); delete it, or rerun without --resume and with "
+                         f"--force to measure everything again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--resume: {path} is not a bench core results file; delete it or pass --force")
     if data.get("settings") != settings:
         raise ValueError(f"--resume: {path} was measured with settings {data.get('settings')}, this run has "
                          f"{settings}; use another --out or the same settings")

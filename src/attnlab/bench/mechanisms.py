@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..options import nonneg_int, output_dir, positive_float, positive_int
 from ..report import format_bytes
 
 __all__ = ["build_parser", "run", "measure_job", "fit_exponent", "TUTORIAL_TABLE", "REFERENCE"]
@@ -46,19 +47,19 @@ def build_parser(p):
     p.add_argument("--mechanisms", default=None,
                    help="comma-separated (default: torch_sdpa, naive and every registered mechanism)")
     p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 128..65536)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats after warm-up (default 5; quick 3)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--time-budget", type=float, default=None,
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size")
+    p.add_argument("--heads", type=positive_int, default=4, help="heads")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dim")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed repeats after warm-up (default 5; quick 3)")
+    p.add_argument("--warmup", type=nonneg_int, default=1, help="untimed calls before the timed repeats")
+    p.add_argument("--time-budget", type=positive_float, default=None,
                    help="seconds one configuration may take (warm-up + repeats; default 60, quick 5)")
-    p.add_argument("--memory-budget", type=float, default=None,
+    p.add_argument("--memory-budget", type=positive_float, default=None,
                    help="GiB one configuration may use (default: half of this machine's available memory)")
     p.add_argument("--isolation", choices=("config", "suite"), default=None,
                    help="config: a fresh process per configuration (default); suite: one worker process, peak "
                         "memory reset between configurations (quick's default)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: all cores)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads in the workers (default: all cores)")
     p.add_argument("--no-lra", action="store_true", help="skip the LRA-style training-efficiency table")
     p.add_argument("--lra-lengths", default=None, help="lengths of the LRA-style table (default 1024,2048,3072,4096)")
     p.add_argument("--no-production", action="store_true", help="skip the tutorial's production table")
@@ -67,7 +68,9 @@ def build_parser(p):
     p.add_argument("--resume", action="store_true",
                    help="reuse the configurations a killed or finished run in --out already measured with the same "
                         "settings (results.partial.json, else results.json); measure only the rest")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="replace the earlier run an --out folder holds (without it, such a folder is refused)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # -- the worker: one process measures the jobs it is given ---------------------------------------------
@@ -439,8 +442,8 @@ def run(args):
     for name, v in (("--batch", args.batch), ("--heads", args.heads), ("--head-dim", args.head_dim)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
-    repeats = args.repeats or (3 if quick else 5)
-    tbudget = args.time_budget or (5.0 if quick else 60.0)
+    repeats = args.repeats if args.repeats is not None else (3 if quick else 5)
+    tbudget = args.time_budget if args.time_budget is not None else (5.0 if quick else 60.0)
     mbudget = int(args.memory_budget * 2**30) if args.memory_budget else _available_bytes() // 2
     isolation = args.isolation or ("suite" if quick else "config")
     B, H, D = args.batch, args.heads, args.head_dim
@@ -451,6 +454,9 @@ def run(args):
                 C.attention_fn(m, max(lengths))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"--mechanisms: {e}") from None
+    # checked last, since --force removes the earlier run: only once every other option is known good
+    output_dir(out, resume=bool(getattr(args, "resume", False)), force=bool(getattr(args, "force", False)))
+    args.out = str(out)
 
     lra_lengths = [] if args.no_lra else (sorted(C.ints_of(args.lra_lengths, "--lra-lengths")) if args.lra_lengths
                                           else list(QUICK_LRA_LENGTHS if quick else LRA_LENGTHS))

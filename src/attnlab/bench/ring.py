@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..options import output_dir, positive_float, positive_int
 from ..report import atomic_write_json, environment, save_figure
 
 __all__ = ["build_parser", "run", "RingBenchResult"]
@@ -59,18 +60,19 @@ class RingBenchResult:
 
 
 def build_parser(p):
-    p.add_argument("--procs", type=int, default=4, help="ranks in the ring (default 4)")
+    p.add_argument("--procs", type=positive_int, default=4, help="ranks in the ring (default 4)")
     p.add_argument("--quick", action="store_true", help="toy size: finishes in seconds")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length n (default 32768; quick 512)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=None, help="heads (default 4; quick 2)")
-    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 64; quick 16)")
-    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"], choices=["contiguous", "zigzag"])
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length n (default 32768; quick 512)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size")
+    p.add_argument("--heads", type=positive_int, default=None, help="heads (default 4; quick 2)")
+    p.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default 64; quick 16)")
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"], choices=["contiguous", "zigzag"],
+                   help="how the sequence is split over the ranks")
     p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--backward", action="store_true", help="measure forward + backward (training step)")
-    p.add_argument("--block-size", type=int, default=None, help="ring piece size (default: ring_attention's)")
-    p.add_argument("--threads", type=int, default=None, help="total threads per configuration (default: cores)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 1800; quick 180)")
+    p.add_argument("--block-size", type=positive_int, default=None, help="ring piece size (default: ring_attention's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="total threads per configuration (default: cores)")
+    p.add_argument("--timeout", type=positive_float, default=None, help="seconds per configuration (default 1800; quick 180)")
     p.add_argument("--out", default="reports/bench-ring", help="output folder (default reports/bench-ring)")
 
 
@@ -174,11 +176,14 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
 def _settings(args) -> dict:
     q = args.quick
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    s = dict(procs=args.procs, n=args.seq_len or (512 if q else TARGET_N), batch=args.batch,
-             heads=args.heads or (2 if q else 4), head_dim=args.head_dim or (16 if q else 64),
+    def given(v, default):  # 0 is refused by the parser, never replaced by a default here
+        return default if v is None else v
+
+    s = dict(procs=args.procs, n=given(args.seq_len, 512 if q else TARGET_N), batch=args.batch,
+             heads=given(args.heads, 2 if q else 4), head_dim=given(args.head_dim, 16 if q else 64),
              causal=not args.no_causal, backward=args.backward, block_size=args.block_size,
              threads=args.threads if args.threads is not None else cores, layouts=list(dict.fromkeys(args.layouts)),
-             timeout=args.timeout or (180.0 if q else 1800.0), quick=q)
+             timeout=given(args.timeout, 180.0 if q else 1800.0), quick=q)
     for name in ("procs", "n", "batch", "heads", "head_dim", "threads"):
         if s[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
@@ -198,6 +203,7 @@ def run(args) -> RingBenchResult:
     from ..distributed import run_local
 
     s = _settings(args)
+    output_dir(args.out)
     out_dir = Path(args.out)
     console = Console(stderr=True)
     result = RingBenchResult(str(out_dir), s, env=environment())

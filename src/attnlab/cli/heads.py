@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from ..diagnostics.heads import measure_heads
+from ..options import nonneg_int, output_dir
 from .main import UsageError
 
 __all__ = ["build_parser", "run", "measure_heads"]
@@ -14,7 +15,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sentence", action="append", default=[], help="a sentence to use (repeatable)")
     p.add_argument("--sentences", help="a text file with one sentence per line")
     p.add_argument("--out", default="reports/heads", help="folder for heads.png and heads.json (default reports/heads)")
-    p.add_argument("--layer", type=int, action="append", default=None, help="only these layers in the table")
+    p.add_argument("--layer", type=nonneg_int, action="append", default=None,
+                   help="only this layer in the table (repeatable; default every layer)")
     p.add_argument("--no-plot", action="store_true", help="skip heads.png")
 
 
@@ -22,6 +24,7 @@ def run(args: argparse.Namespace):
     from ..diagnostics.heads import DEFAULT_SENTENCES
     from ..report import atomic_write_json
 
+    out = output_dir(args.out)
     sentences = list(args.sentence)
     if args.sentences:
         path = Path(args.sentences)
@@ -41,7 +44,6 @@ def run(args: argparse.Namespace):
         if not 0 <= li < nl:
             raise UsageError(f"--layer {li} out of range: MiniLM has {nl} layers (0..{nl - 1})")
     res = measure_heads(sentences, model)
-    out = Path(args.out)
     files = [str(atomic_write_json(out / "heads.json", {k: v for k, v in res.items()} | {"sentences": sentences}))]
     if not args.no_plot:
         from ..viz.heatmaps import plot_head_stats

@@ -5,15 +5,23 @@
 
 ``main(argv)`` returns the process exit code; the result of the last command is kept in ``LAST_RESULT``
 so tests can call ``main([...])`` and inspect what it returned and wrote.
-Bad input raises ``UsageError`` (or ValueError/TypeError from the library): message, exit code 2.
+
+Note [One error boundary]: every failure leaves through ``main`` as one line on stderr and a non-zero
+exit code, never a traceback: bad options (argparse, and ``UsageError`` / ``ValueError`` / ``TypeError``
+from the commands and the library) exit 2; files that cannot be read or written, memory that cannot be
+had and nesting too deep to parse exit 1; anything else exits 1 with its type named (``ATTNLAB_TRACEBACK=1``
+shows the traceback for a bug report). Ctrl-C exits 130 with one line saying what was kept and how to
+resume.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import shlex
 import sys
 
-__all__ = ["main", "UsageError", "SUBCOMMANDS"]
+__all__ = ["main", "UsageError", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter"]
 
 # name -> (module, one-line help). Modules are imported when the parser is built.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,6 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "heads": ("attnlab.cli.heads", "what MiniLM's heads do, measured"),
     "experiment": ("attnlab.cli.experiment", "experiments that write reports with plots"),
     "retrieve": ("attnlab.cli.retrieve", "attention as retrieval over a MiniLM-embedded corpus"),
+    "serve": ("attnlab.cli.serve", "live attention explorer in the browser (local web app)"),
 }
 
 LAST_RESULT: object = None
@@ -36,9 +45,35 @@ class UsageError(Exception):
     """Bad command-line input: printed without a traceback, exit code 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower()
+                or not action.option_strings or isinstance(action.default, bool)):
+            return text
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else action.default
+        return f"{text} (default: {str(shown).replace('%', '%%')})" if text else f"(default: {str(shown).replace('%', '%%')})"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (Note [One error boundary]): no usage block, a pointer to --help."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*a, **kw)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from attnlab import __version__
+
+    parser = ArgumentParser(
         prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")
+    parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod_name, help_text) in SUBCOMMANDS.items():
         try:
@@ -53,26 +88,75 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(args) -> str:
+    sub = {"bench": "suite", "experiment": "name"}.get(args.command)
+    return " ".join(x for x in (args.command, getattr(args, sub, None) if sub else None) if isinstance(x, str))
+
+
+def interrupted_message(args, argv: list[str]) -> str:
+    """One line for Ctrl-C: what was kept on disk and the command that continues from it."""
+    prog = f"attnlab {_command(args)}" if args is not None else "attnlab"
+    out = getattr(args, "out", None)
+    if args is not None and hasattr(args, "resume") and out:
+        again = ["attnlab", *argv] + ([] if "--resume" in argv else ["--resume"])
+        return (f"{prog}: interrupted; the finished work is kept in {out} (checkpoints and partial results); "
+                f"resume with: {shlex.join(again)}")
+    kept = f"{out} keeps what it held before (files are written whole or not at all)" if out else "nothing was written"
+    return f"{prog}: interrupted; {kept}; rerun `{shlex.join(['attnlab', *argv])}` to start again"
+
+
+def _error_line(prog: str, e: BaseException) -> tuple[str, int]:
+    if isinstance(e, (UsageError, ValueError, TypeError)):
+        return f"{prog}: error: {e}", 2
+    if isinstance(e, RecursionError):
+        return f"{prog}: error: input nested too deeply to process ({e})", 2
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and ("can't allocate memory" in str(e)
+                                                                       or "out of memory" in str(e))):
+        msg = str(e).split("DefaultCPUAllocator: ")[-1].split(". Error code")[0] or "out of memory"
+        return f"{prog}: error: not enough memory: {msg}; use smaller sizes", 1
+    if isinstance(e, FileNotFoundError):
+        return f"{prog}: error: file not found: {e.filename or e}", 2
+    if isinstance(e, OSError):
+        return f"{prog}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), 1
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return (f"{prog}: error: {type(e).__name__}: {first} (unexpected; ATTNLAB_TRACEBACK=1 shows the traceback)"), 1
+
+
 def main(argv: list[str] | None = None) -> int:
     global LAST_RESULT
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse already printed its message
-        return int(e.code or 0)
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
-    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # argparse already printed its message (or --help / --version)
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 2
         LAST_RESULT = args._run(args)
-    except (UsageError, ValueError, TypeError, FileNotFoundError) as e:
-        print(f"attnlab {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(interrupted_message(args, argv), file=sys.stderr)
+        return 130
+    except Exception as e:  # Note [One error boundary]
+        if os.environ.get("ATTNLAB_TRACEBACK"):
+            raise
+        prog = f"attnlab {_command(args)}" if args is not None else "attnlab"
+        line, code = _error_line(prog, e)
+        print(" ".join(line.split("\n")), file=sys.stderr)
+        return code
     code = getattr(LAST_RESULT, "exit_code", None)
     if code is None and isinstance(LAST_RESULT, dict):
         code = LAST_RESULT.get("exit_code")
+    if code == 130:  # the command caught Ctrl-C itself, after writing what it had
+        print(interrupted_message(args, argv), file=sys.stderr)
     return int(code or 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m attnlab.cli.main` runs this file as __main__, a second copy of the module: the
+    # subcommands raise attnlab.cli.main.UsageError, which only the imported copy's boundary knows
+    from attnlab.cli.main import main as _main
+
+    sys.exit(_main())

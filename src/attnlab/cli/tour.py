@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..options import output_dir
 from .main import UsageError
 
 __all__ = ["build_parser", "run"]
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace):
     from ..tour import TourConfig, run_tour
 
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
-    cfg = TourConfig(out=args.out, sentence=args.sentence, skip=skip, speed_ns=_ints(args.speed_n, "--speed-n"),
+    cfg = TourConfig(out=output_dir(args.out), sentence=args.sentence, skip=skip, speed_ns=_ints(args.speed_n, "--speed-n"),
                      memory_ns=_ints(args.memory_n, "--memory-n"))
     line = None if args.no_progress else _ProgressLine()
     try:

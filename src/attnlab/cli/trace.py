@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..options import nonneg_int, output_file, positive_int
 from ..report import atomic_write_text
 from .main import UsageError
 
@@ -26,10 +27,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-k", type=int, dest="d_k", help="head dim used by the scale (default: the columns of Q)")
     p.add_argument("--layer", type=int, default=0, help="MiniLM layer for --text (0..5)")
     p.add_argument("--head", type=int, default=0, help="MiniLM head for --text (0..11)")
-    p.add_argument("--heads", type=int, default=None, help="heads (example: default 1; summary: default 12)")
-    p.add_argument("--d-model", type=int, default=768, dest="d_model", help="--summary: model width")
-    p.add_argument("--seq-len", type=int, default=512, dest="seq_len", help="--summary: sequence length")
-    p.add_argument("--batch", type=int, default=1, help="--summary: batch size")
+    p.add_argument("--heads", type=positive_int, default=None, help="heads (example: default 1; summary: default 12)")
+    p.add_argument("--d-model", type=positive_int, default=768, dest="d_model", help="--summary: model width")
+    p.add_argument("--seq-len", type=positive_int, default=512, dest="seq_len", help="--summary: sequence length")
+    p.add_argument("--batch", type=positive_int, default=1, help="--summary: batch size")
     p.add_argument("--dtype", default="float32", help="--summary: dtype whose bytes are counted")
     p.add_argument("--seed", type=int, default=0, help="seed of the example's / summary's random numbers")
     fm = p.add_argument_group("failure modes from the tutorial")
@@ -42,7 +43,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the rendered trace to this file instead of the terminal")
     p.add_argument("--png", help="also write a PNG: the weights per head, or (with --summary) score scale vs d_k")
     p.add_argument("--max-show", type=int, default=8, dest="max_show", help="rows/columns printed per matrix")
-    p.add_argument("--digits", type=int, default=3, help="decimals printed")
+    p.add_argument("--digits", type=nonneg_int, default=3, help="decimals printed")
     ck = p.add_argument_group("check a printed table (a textbook's, say)")
     ck.add_argument("--expect", metavar="TABLE",
                     help="a printed table to check, as JSON ('[[0.296, 0.242], ...]', '#' comments allowed) or a file "
@@ -74,11 +75,15 @@ def load_matrix(name: str, spec: str) -> np.ndarray:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{name}: {s} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{name}: {s} is nested too deeply to be a matrix") from None
     else:
         try:
             data = json.loads(s)
         except json.JSONDecodeError as e:
             raise ValueError(f"{name} must be a JSON matrix like [[1, 2], [3, 4]] or a .json/.npy file: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{name} is nested too deeply to be a matrix (a matrix is [[...], [...]])") from None
     if isinstance(data, dict):
         raise ValueError(f"{name} must be a matrix (list of rows), got a JSON object")
     if isinstance(data, list) and data and all(isinstance(r, list) for r in data):
@@ -98,6 +103,9 @@ def run(args: argparse.Namespace):
         raise UsageError(f"choose one starting point, got {', '.join(sources)}")
     if args.v is not None and not ({"--scores", "--q/--k"} & set(sources)):
         raise UsageError("--v goes with --scores or --q/--k")
+    for opt, path in (("--out", args.out), ("--png", args.png)):
+        if path:
+            output_file(path, opt)
     if args.max_show < 2:
         raise UsageError(f"--max-show must be >= 2, got {args.max_show}")
     if args.d_k is not None and args.d_k < 1:

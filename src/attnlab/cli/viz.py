@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..options import output_dir, positive_int
 from .main import UsageError
 
 __all__ = ["build_parser", "run", "parse_params", "default_out"]
@@ -21,7 +22,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-max", type=int, default=96, dest="dense_max",
                    help="longer inputs show streaming summaries instead of dense weights (default 96 tokens)")
     p.add_argument("--topk", type=int, default=4, help="keys kept per query in summary mode")
-    p.add_argument("--max-length", type=int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
+    p.add_argument("--max-length", type=positive_int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
     p.add_argument("--png", action="store_true", help="also write heads.png (layer 0 heatmaps, dense mode only)")
 
 
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace):
 
     if not args.text.strip():
         raise UsageError("TEXT is empty: give some words to look at")
+    if args.out is None:
+        args.out = str(default_out(args.text, args.model))
+    output_dir(args.out)
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
     params = parse_params(args.param)
@@ -74,8 +78,6 @@ def run(args: argparse.Namespace):
                                   dense_max_tokens=args.dense_max, max_length=args.max_length, topk=args.topk)
     except KeyError as e:  # a mechanism's unknown parameter, reported by the registry
         raise UsageError(str(e)) from None
-    if args.out is None:
-        args.out = str(default_out(args.text, args.model))
     path = viz.write_page(args.out, data)
     files = [str(path)]
     if args.png and data["mode"] == "dense":

@@ -49,6 +49,13 @@ def shard_segments(seq_len: int, world_size: int, rank: int, layout: str = "cont
     return [(starts[i], starts[i + 1]) for i in ids]
 
 
+def _check_dim(dim, ndim: int, what: str) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim={dim} is out of range for {what} (valid: {-ndim} .. {ndim - 1})")
+
+
 def _rank_and_world(rank, world_size, group):
     if rank is None or world_size is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -69,6 +76,7 @@ def shard_sequence(x: torch.Tensor, rank: int | None = None, world_size: int | N
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_dim(dim, x.dim(), f"x {list(x.shape)}")
     rank, world_size = _rank_and_world(rank, world_size, group)
     segs = shard_segments(x.shape[dim], world_size, rank, layout)
     parts = [x.narrow(dim, a, b - a) for a, b in segs]
@@ -81,6 +89,10 @@ def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], *, l
     check_layout(layout)
     if not shards:
         raise ValueError("unshard_sequence: need at least one shard")
+    for r, s in enumerate(shards):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"unshard_sequence: shard {r} must be a torch.Tensor, got {type(s).__name__}")
+        _check_dim(dim, s.dim(), f"shard {r} {list(s.shape)}")
     P = len(shards)
     L = sum(s.shape[dim] for s in shards)
     pieces: list[tuple[int, torch.Tensor]] = []

@@ -24,11 +24,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.options import output_dir, positive_float, positive_int
+
 __all__ = [
     "add_common_args", "out_dir", "seeds_of", "attention_fn", "pattern_catalog", "mechanism_names",
     "RunConfig", "TinyTransformer", "train_run", "stdlib_text", "text_task", "scale_value",
     "peak_rss_bytes", "reset_peak_rss", "progress", "write_results", "fmt_table", "save_plot",
-    "make_mechanism", "threads", "run_grid", "summarize_runs", "training_experiment", "build_model", "evaluate",
+    "make_mechanism", "threads", "run_grid", "load_checkpoint", "CheckpointError", "summarize_runs", "training_experiment", "build_model", "evaluate",
 ]
 
 EXACT_METHODS = ("auto", "dense", "sdpa", "tiled", "sparse")
@@ -39,10 +41,12 @@ def add_common_args(p: argparse.ArgumentParser, *, seeds: str = "0,1,2") -> None
     p.add_argument("--out", default=None, help="output folder (default reports/<name>)")
     p.add_argument("--quick", action="store_true", help="a toy-size run that finishes in seconds")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints of a killed run")
+    p.add_argument("--force", action="store_true",
+                   help="replace the earlier run an --out folder holds (without it, such a folder is refused)")
     p.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default {seeds})")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (overrides the default)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps per run (overrides the default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads while this runs (default 1: tiny models train fastest single-threaded, "
                         "and a shared machine stays usable)")
 
@@ -65,8 +69,15 @@ class threads:
         return False
 
 
-def out_dir(args, name: str) -> Path:
-    return Path(args.out) if getattr(args, "out", None) else Path("reports") / name
+def out_dir(args, name: str, *, resumable: bool = True) -> Path:
+    """``--out`` or reports/<name>, checked (``attnlab.options.output_dir``): not a file; for a
+    ``resumable`` experiment, a folder holding an earlier run needs ``--resume`` or ``--force``, so an
+    old report never mixes with a new run. ``args.out`` is set to the folder (Ctrl-C names it)."""
+    path = Path(args.out) if getattr(args, "out", None) else Path("reports") / name
+    resume = (bool(getattr(args, "resume", False)) or bool(getattr(args, "report_only", False))) if resumable else None
+    path = output_dir(path, "--out", resume=resume, force=bool(getattr(args, "force", False)))
+    args.out = str(path)
+    return path
 
 
 def seeds_of(text: str) -> list[int]:
@@ -483,7 +494,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
     stored_peak: int | None = None  # training memory a killed or finished earlier process measured
     cfg_dict = asdict(cfg)
     if resume and ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+        state = load_checkpoint(ckpt)
         if state.get("config") == cfg_dict:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
@@ -571,6 +582,25 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
             "steps_per_s_mean": step / train_time if train_time > 0 else None, "train_time_s": train_time,
             "nonfinite_step": nonfinite_step, "resumed_from": resumed_from, "peak_rss_delta_bytes": peak_train,
             "final_loss": _tail_mean(hist["loss"])}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file and what to do."""
+
+
+def load_checkpoint(path: Path) -> dict:
+    """``torch.load`` of a training checkpoint; a file that cannot be read (truncated by a full disk or a
+    copy cut short: checkpoints are written atomically, so a kill alone cannot do it) is a ValueError
+    naming the file and what to do, not a PytorchStreamReader traceback."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # zip reader, unpickler and EOF errors all mean the same here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"--resume: checkpoint {path} is unreadable ({first}); delete it to train that run again, "
+                         f"or drop --resume and pass --force to start the whole run over") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"--resume: checkpoint {path} is not an attnlab training checkpoint; delete it or pass --force")
+    return state
 
 
 def _tail_mean(xs: list, frac: float = 0.2) -> float | None:
@@ -841,7 +871,7 @@ def add_training_args(p) -> None:
     p.add_argument("--tasks", default="recall,text", help="comma-separated: recall (associative recall), "
                    "text (byte-level LM on Python's own docstrings)")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
+    p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
     p.add_argument("--model", default="tiny", choices=("tiny", "lm"),
                    help="tiny: the experiments' own model (entropy probes, failure-mode switches); lm: "
                         "attnlab.nn.TransformerLM with d_model = 2·d_k (text task, softmax arms only)")

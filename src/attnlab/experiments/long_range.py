@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from attnlab.options import check_memory, positive_float, positive_int
+
 from . import _common as C
 
 __all__ = ["build_parser", "run", "default_mechanisms", "VANILLA"]
@@ -28,16 +30,16 @@ QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "lay
 
 def build_parser(p):
     C.add_common_args(p, seeds="0")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 1024; quick 128)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default 1024; quick 128)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {', '.join(TASKS)}")
     p.add_argument("--mechanisms", default=None,
                    help="comma-separated mechanisms (default: vanilla 'sdpa' and every registered pattern and "
                         "approximation); also torch_sdpa, naive, dense, tiled")
-    p.add_argument("--batch-size", type=int, default=None, help=f"batch size (default {FULL['batch']}; quick 4)")
-    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']:g})")
-    p.add_argument("--d-model", type=int, default=None, help=f"model width (default {FULL['d_model']}; heads of 32)")
-    p.add_argument("--layers", type=int, default=None, help=f"Transformer layers (default {FULL['layers']})")
-    p.add_argument("--recall-queries", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None, help=f"batch size (default {FULL['batch']}; quick 4)")
+    p.add_argument("--lr", type=positive_float, default=None, help=f"AdamW learning rate (default {FULL['lr']:g})")
+    p.add_argument("--d-model", type=positive_int, default=None, help=f"model width (default {FULL['d_model']}; heads of 32)")
+    p.add_argument("--layers", type=positive_int, default=None, help=f"Transformer layers (default {FULL['layers']})")
+    p.add_argument("--recall-queries", type=positive_int, default=None,
                    help=f"queries per associative-recall example, answered in place (default {FULL['queries']}; "
                         "1 = one query read at the last token)")
     p.add_argument("--no-token-shift", action="store_true",
@@ -45,9 +47,9 @@ def build_parser(p):
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: report the runs whose checkpoints in --out are finished (same settings) "
                         "and list the others as not run")
-    p.add_argument("--train-examples", type=int, default=None,
+    p.add_argument("--train-examples", type=positive_int, default=None,
                    help=f"generated training examples per task (default {FULL['train']})")
-    p.add_argument("--test-examples", type=int, default=None, help=f"held-out examples per task (default {FULL['test']})")
+    p.add_argument("--test-examples", type=positive_int, default=None, help=f"held-out examples per task (default {FULL['test']})")
 
 
 def default_mechanisms() -> tuple[list[str], str | None]:
@@ -80,7 +82,7 @@ def _run(args):
     t0 = time.perf_counter()
     seeds = C.seeds_of(args.seeds)
     size = QUICK if args.quick else FULL
-    T = args.seq_len or size["seq_len"]
+    T = args.seq_len if args.seq_len is not None else size["seq_len"]
     if T < 32:
         raise ValueError(f"--seq-len must be >= 32, got {T}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -93,25 +95,26 @@ def _run(args):
         mechs, why = default_mechanisms()
         if args.quick:
             mechs = mechs[:4]
-    steps = args.steps or size["steps"]
-    batch = args.batch_size or size["batch"]
-    lr = args.lr or size["lr"]
-    d_model, layers = args.d_model or size["d_model"], args.layers or size["layers"]
-    n_train, n_test = args.train_examples or size["train"], args.test_examples or size["test"]
+    def given(v, default):  # an option's value, the default only when it was not given (0 is refused, not replaced)
+        return default if v is None else v
+
+    steps = given(args.steps, size["steps"])
+    batch = given(args.batch_size, size["batch"])
+    lr = given(args.lr, size["lr"])
+    d_model, layers = given(args.d_model, size["d_model"]), given(args.layers, size["layers"])
+    n_train, n_test = given(args.train_examples, size["train"]), given(args.test_examples, size["test"])
     for name, v in (("--steps", steps), ("--batch-size", batch), ("--layers", layers), ("--train-examples", n_train),
                     ("--test-examples", n_test)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if d_model < 32 or d_model % 32:
         raise ValueError(f"--d-model must be a positive multiple of 32 (heads of 32), got {d_model}")
-    if not lr > 0:
-        raise ValueError(f"--lr must be > 0, got {lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"--lr must be a finite number > 0, got {lr}")
     token_shift = not args.no_token_shift
-    queries = args.recall_queries or size["queries"]
+    queries = given(args.recall_queries, size["queries"])
     if not 1 <= queries <= 8:
         raise ValueError(f"--recall-queries must be in [1, 8] (8 key-value pairs), got {queries}")
-    out = C.out_dir(args, "long-range")
-    datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=queries)
     configs, refused = [], {}
     usable = []
     for m in mechs:
@@ -119,7 +122,17 @@ def _run(args):
             C.attention_fn(m, T)  # unknown names fail here, before any training
             usable.append(m)
         except (ValueError, TypeError) as e:
+            if args.mechanisms:  # asked for by name: a typo must not become an empty report marked complete
+                raise ValueError(f"--mechanisms: {e}") from None
             refused[m] = str(e)
+    if not usable:
+        raise ValueError(f"no mechanism can run at --seq-len {T}: " + "; ".join(f"{m}: {w}" for m, w in refused.items()))
+    # the generated token ids (int64, a few copies while built) and the activations of one training step
+    check_memory(f"--seq-len {T} with --train-examples {n_train} --test-examples {n_test}",
+                 3 * 8 * (n_train + n_test) * T + 4 * 32 * batch * T * d_model * layers,
+                 "the generated examples and one training step's activations")
+    out = C.out_dir(args, "long-range")
+    datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=queries)
     # task by task: a run cut short still has every mechanism on the tasks it finished
     for task in tasks:
         for m in usable:
@@ -148,6 +161,8 @@ def _run(args):
                 try:
                     r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume or args.report_only,
                                     advance=lambda n: prog.advance(tid, n))
+                except C.CheckpointError:
+                    raise  # the user's file to fix, not the mechanism's failure
                 except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
                     refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
                     prog.advance(tid, cfg.steps)
@@ -208,7 +223,7 @@ def _finished(ckpt, cfg) -> bool:
 
     if not ckpt.exists():
         return False
-    state = torch.load(ckpt, weights_only=True)
+    state = C.load_checkpoint(ckpt)
     return bool(state.get("done")) and state.get("config") == asdict(cfg)
 
 

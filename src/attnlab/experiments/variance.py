@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from attnlab.options import check_memory, positive_int
+
 from . import _common as C
 
 __all__ = ["build_parser", "run", "measure", "SCALINGS"]
@@ -34,8 +36,8 @@ SENTENCES = (
 def build_parser(p):
     C.add_common_args(p, seeds="0")
     p.add_argument("--d-k", default=None, help="comma-separated d_k values (default 16..1024)")
-    p.add_argument("--keys", type=int, default=128, help="keys per query row (default 128)")
-    p.add_argument("--rows", type=int, default=512, help="query rows per measurement (default 512)")
+    p.add_argument("--keys", type=positive_int, default=128, help="keys per query row (default 128)")
+    p.add_argument("--rows", type=positive_int, default=512, help="query rows per measurement (default 512)")
     p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K")
 
 
@@ -219,7 +221,10 @@ def _run(args):
     rows, keys = (min(args.rows, 128), min(args.keys, 64)) if args.quick else (args.rows, args.keys)
     if rows < 2 or keys < 2:
         raise ValueError(f"--rows and --keys must be >= 2, got {rows} and {keys}")
-    out = C.out_dir(args, "variance")
+    # float64 q [rows, d_k], k [keys, d_k], and a few [rows, keys] scores, weights and gradients
+    check_memory(f"--rows {rows} --keys {keys} --d-k {max(dks)}", 8 * (max(dks) * (rows + keys) + 6 * rows * keys),
+                 "the float64 scores and weights of one measurement")
+    out = C.out_dir(args, "variance", resumable=False)  # nothing is checkpointed: a rerun replaces every file
     recs = []
     for seed in seeds:
         recs += random_records(dks, rows, keys, seed)

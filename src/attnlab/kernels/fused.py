@@ -10,8 +10,27 @@ _flash = getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_at
 HAS_CPU_FLASH = _flash is not None and getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu_backward", None) is not None
 
 
+def _positive_scale(q, is_causal, scale):
+    """(q, scale) with the same scores q·k·scale and scale > 0 when causal.
+
+    # Note [Causal with scale <= 0]: PyTorch's CPU flash kernel returns NaN for is_causal=True with
+    # scale 0 or < 0 (torch 2.13; its causal fill is scaled with the scores, -inf·0 or -inf·(-s)), while
+    # an explicit mask is right. q·k·s equals (-q)·k·|s| exactly (negation is exact in every dtype), and
+    # scale 0 is zero scores: 0·k with scale 1.
+    """
+    if not is_causal or scale is None or scale > 0:
+        return q, scale
+    return (q * 0.0, 1.0) if scale == 0 else (-q, -scale)
+
+
+def _empty(q, k) -> bool:
+    """A zero batch, head, query or key dim: nothing to attend (head dims E, Ev of 0 are not empty)."""
+    return 0 in q.shape[:-1] or k.shape[-2] == 0
+
+
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     """PyTorch's scaled_dot_product_attention on 4-D tensors (4-D keeps its fused backends eligible)."""
+    q, scale = _positive_scale(q, is_causal, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale)
 
@@ -23,8 +42,9 @@ def flash_cpu_with_lse(q, k, v, attn_mask=None, is_causal=False, scale=None):
     The op reports lse = 0 for a fully masked row; callers that merge partial results must fix
     such rows to -inf (see Note [Fully masked rows]).
     """
-    if not HAS_CPU_FLASH or q.device.type != "cpu":
-        return None
+    if not HAS_CPU_FLASH or q.device.type != "cpu" or _empty(q, k):
+        return None  # zero-size dims: the op divides by them (SIGFPE, torch 2.13)
+    q, scale = _positive_scale(q, is_causal, scale)
     try:
         out, lse = _flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
     except RuntimeError:
@@ -37,6 +57,8 @@ _flash_bwd = getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flas
 
 def flash_cpu_backward(grad_out, q, k, v, out, lse, attn_mask, scale):
     """(dq, dk, dv) of one tile from the private CPU flash backward, given the global out and lse."""
+    if _empty(q, k):  # zero-size dims: nothing to differentiate, and the op would divide by 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _flash_bwd(grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
                       lse.contiguous(), 0.0, False, attn_mask=attn_mask, scale=scale)
 

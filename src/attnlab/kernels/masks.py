@@ -30,6 +30,17 @@ class MaskSpec:
     def is_trivial(self) -> bool:
         return self.pattern is None and self.keep is None and self.bias is None
 
+    def bias_finer_than(self, dtype: torch.dtype) -> bool:
+        """True when ``dtype`` is a half type and the float mask is finer (a float32 bias with bfloat16
+        inputs): a kernel that would round it to ``dtype`` must compute in float32 instead.
+
+        # Note [Bias precision]: a bias of magnitude b loses up to b·2^-9 in bfloat16 (0.1 at b = 50),
+        # a logit error no accumulation in float32 can undo; the dense kernel keeps it in float32.
+        """
+        eps = torch.finfo(dtype).eps
+        return (self.bias is not None and eps > torch.finfo(torch.float32).eps  # half inputs only
+                and torch.finfo(self.bias.dtype).eps < eps)
+
     def block(self, i: torch.Tensor, j: torch.Tensor, N: int):
         """keep, bias for query positions i [..., bq, 1] and key positions j [..., 1, bk].
 
@@ -81,8 +92,8 @@ class MaskSpec:
         if self.S % block_k and nk:
             lay[:, -1] = torch.where(lay[:, -1] == P.FULL, P.PARTIAL, lay[:, -1]).to(torch.int8)
         if self.keep is not None:
-            k = self.keep.any(0).any(0) if self.keep.shape[0] * self.keep.shape[1] > 1 else self.keep[0, 0]
-            k_all = self.keep.all(0).all(0) if self.keep.shape[0] * self.keep.shape[1] > 1 else self.keep[0, 0]
+            k = self.keep.any(0).any(0) if self.keep.shape[0] * self.keep.shape[1] != 1 else self.keep[0, 0]
+            k_all = self.keep.all(0).all(0) if self.keep.shape[0] * self.keep.shape[1] != 1 else self.keep[0, 0]
             any_, all_ = _block_reduce(torch.broadcast_to(k, (self.L, self.S)), block_q, block_k, "any"), \
                 _block_reduce(torch.broadcast_to(k_all, (self.L, self.S)), block_q, block_k, "all")
             any_, all_ = any_.to(lay.device), all_.to(lay.device)

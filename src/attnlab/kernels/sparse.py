@@ -41,6 +41,12 @@ def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float =
                        block_q: int = 128, block_k: int = 128):
     """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> out [N, H, L, Ev]."""
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    N, H, L, _ = q.shape
+    if 0 in (N, H, L, k.shape[2]):  # nothing to attend (and block views cannot fold a zero batch)
+        return _connected(q.new_zeros(N, H, L, v.shape[-1]), q, k, v)
+    if mask.bias_finer_than(q.dtype):  # the fused kernel takes the mask in q's dtype: Note [Bias precision]
+        return gathered_attention(q.float(), k.float(), v.float(), mask, scale, dropout_p, block_q,
+                                  block_k).to(q.dtype)
     if training and dropout_p == 0.0 and _fused.HAS_CPU_FLASH and q.device.type == "cpu" \
             and q.shape[-1] == v.shape[-1] and not (mask.bias is not None and mask.bias.requires_grad):
         try:
@@ -50,7 +56,15 @@ def gathered_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float =
     # inference (chunked), dropout, or no fused CPU op: autograd through the views, gathers and SDPA
     out, _ = _forward(q, k, v, mask, scale, dropout_p, block_q, block_k, chunked="forward" if not training else False,
                       with_lse=False)
-    return out
+    return _connected(out, q, k, v) if training else out
+
+
+def _connected(out, q, k, v):
+    """``out`` joined to the autograd graph of q, k, v when no run wrote into it (every block empty):
+    its gradient is 0. Sums of empty slices add exactly 0, whatever q, k, v hold (even Inf or NaN)."""
+    if out.requires_grad or not torch.is_grad_enabled():
+        return out
+    return out + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum()).to(out.dtype)
 
 
 def _plan_runs(q, k, v, mask, block_q, block_k, chunked):
@@ -70,7 +84,7 @@ def _plan_runs(q, k, v, mask, block_q, block_k, chunked):
         for r, c, st in _runs(rows, cols):
             # a run's key/value side is a copy when gathered, and always in the backward (its gradients)
             copies_kv = st is None or chunked == "backward"
-            per = max(1, CHUNK_BYTES // (max(out_row, gather_row) if copies_kv else out_row))
+            per = max(1, CHUNK_BYTES // max(1, max(out_row, gather_row) if copies_kv else out_row))
             per = per if chunked else len(r)
             runs += [(r[a:a + per], c[a:a + per], st, full) for a in range(0, len(r), per)]
     return runs

@@ -210,7 +210,7 @@ def _to4d(t: torch.Tensor) -> torch.Tensor:
         return t.unsqueeze(0).unsqueeze(0)
     if t.dim() == 3:
         return t.unsqueeze(0)
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: ambiguous when a dim is 0
 
 
 def _prepare(mech: Mechanism, query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa,
@@ -239,10 +239,17 @@ def _prepare(mech: Mechanism, query, key, value, attn_mask, is_causal, scale, dr
         elif all(s == 1 for s in lead[:-1]):
             m = m.reshape(1, *m.shape[-3:])
         else:
-            m = m.expand(*info.batch_shape[:-1], *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+            m = m.expand(*info.batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(info.batch_shape[:-1]), *m.shape[-3:])
         mask4 = m  # (N|1, H|1, L|1, S|1)
         if m.dtype == torch.bool and m.shape[-2] == 1:
             key_keep = m[..., 0, :].expand(*m.shape[:-2], info.S)  # (N|1, H|1, S)
+        # Note [Dead keys] (attnlab.functional): a key masked for every query is zeroed, so that what it
+        # holds (NaN, Inf in padding) cannot reach the output through feature maps, segment means or
+        # 0·NaN in a product; its true gradient is 0 too.
+        dead = ~m.any(dim=-2) if m.dtype == torch.bool else torch.isneginf(m.detach()).all(dim=-2)  # (N|1, H|1, S|1)
+        if bool(dead.any()):
+            dead = dead.unsqueeze(-1)  # (N|1, H|1, S|1, 1)
+            k, v = k.masked_fill(dead, 0), v.masked_fill(dead, 0)
     return Prepared(q, k, v, key_keep, mask4, info.scale, float(dropout_p),
                     tuple(query.shape[:-1]) + (info.Ev,), info.S, inputs)
 

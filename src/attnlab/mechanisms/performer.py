@@ -60,7 +60,9 @@ def positive_features(x: torch.Tensor, omega: torch.Tensor, scale: float, is_que
     # of earlier ones (through the additive _STABILIZER), so keys use the data-free bound
     # ωᵀx - |x|²/2 <= |ω|²/2 instead.
     """
-    x = x * scale ** 0.5
+    # scale <= 0 too: q·k·s = (-q)·k·|s|, so queries are negated for a negative scale (s = 0: every
+    # weight equal, which φ(0) gives)
+    x = x * (abs(scale) ** 0.5 if not (is_query and scale < 0) else -(abs(scale) ** 0.5))
     proj = torch.einsum("nhte,me->nhtm", x, omega)  # (N, H, T, M)
     sq = (x * x).sum(-1, keepdim=True) / 2
     logits = proj - sq

@@ -179,6 +179,11 @@ class MiniLM(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
             raise ValueError(f"input_ids must be an integer tensor [batch, tokens], got {getattr(input_ids, 'shape', input_ids)!r}")
         B, T = input_ids.shape
+        vocab = self.word_embeddings.num_embeddings
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+            bad = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+            raise ValueError(f"input_ids must be token ids in [0, {vocab}) (MiniLM's vocabulary), got "
+                             f"{bad.numel()} outside it, e.g. {int(bad[0])}")
         if T > self.max_position:
             raise ValueError(f"{T} tokens is more than MiniLM's {self.max_position} positions; tokenize with max_length")
         kpm = None
@@ -212,6 +217,10 @@ class MiniLM(nn.Module):
         so little padding is computed; the result is in input order."""
         if isinstance(sentences, str):
             sentences = [sentences]
+        if not isinstance(sentences, (list, tuple)) or not all(isinstance(s, str) for s in sentences):
+            raise TypeError(f"sentences must be a string or a list of strings, got {type(sentences).__name__}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise TypeError(f"batch_size must be an int > 0, got {batch_size!r}")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         sentences = list(sentences)

@@ -18,7 +18,9 @@ from torch import nn
 from .. import patterns as P
 from ..functional import METHODS, attention
 from ..positional.base import AttentionPositional
+from ..shapes import AttentionDtypeError
 from .cache import LayerCache
+from .hooks import AttentionHooks, HookContext
 
 __all__ = ["MultiHeadAttention", "AttentionIntermediates", "resolve_mechanism"]
 
@@ -149,6 +151,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(num_heads * value_head_dim, embed_dim, bias=bias)
         self._id = next(_ids)
         self._warned_bias = False
+        self.hooks = AttentionHooks()  # public hook points (q, k, v, weights, z, out): see attnlab.nn.hooks
 
     # -- configuration -----------------------------------------------------------------------------
     @property
@@ -227,6 +230,12 @@ class MultiHeadAttention(nn.Module):
                 f"{name} has {x.shape[-1]} features (shape {list(x.shape)}) but this layer expects "
                 f"{what}={features}"
             )
+        w = self.q_proj.weight
+        if x.dtype != w.dtype:  # else the projection fails inside torch with "mat1 and mat2 ..."
+            fix = f"pass {name}.to({w.dtype})" + (f" or convert the layer with .to({x.dtype})"
+                                                 if x.dtype.is_floating_point else "")
+            raise AttentionDtypeError(f"{name} has dtype {x.dtype} but this layer's parameters are {w.dtype}; {fix}")
+
 
     def forward_intermediates(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
                               is_causal=False, need_weights=False, cache=None) -> AttentionIntermediates:
@@ -287,6 +296,11 @@ class MultiHeadAttention(nn.Module):
                 cache.set_static(k, v)
             else:
                 k, v = cache.append(k, v)
+        ctx = None
+        if self.hooks:
+            ctx = HookContext(self, "", key_padding_mask, attn_mask, self.pattern, bool(is_causal), offset,
+                              self.scale if self.scale is not None else D ** -0.5)
+            q, k, v = (self.hooks.run(n, t, ctx) for n, t in (("q", q), ("k", k), ("v", v)))
 
         # 3) masks: pattern (+ causal, + key padding) as typed patterns, attn_mask and position bias as tensors
         pattern = self.pattern
@@ -311,11 +325,19 @@ class MultiHeadAttention(nn.Module):
                 mask = mask + bias
 
         # 4) attend
-        out, weights = self._attend(q, k, v, mask, causal_flag, pattern, key_keep, need_weights)
+        hook_weights = ctx is not None and self.hooks.has("weights")
+        out, weights = self._attend(q, k, v, mask, causal_flag, pattern, key_keep, need_weights or hook_weights)
+        if ctx is not None:
+            if weights is not None:
+                self.hooks.run("weights", weights, ctx)
+            weights = weights if need_weights else None
+            out = self.hooks.run("z", out, ctx)  # (B, H, L, Dv)
 
         # 5) merge heads and project out
         y = out.transpose(1, 2).reshape(B, L, H * Dv)  # (B, L, H*Dv)
         y = self.out_proj(y)  # (B, L, embed_dim)
+        if ctx is not None:
+            y = self.hooks.run("out", y, ctx)
         if unbatched:
             y = y.squeeze(0)
             weights = weights.squeeze(0) if weights is not None else None
@@ -368,13 +390,9 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.num_kv_heads != self.num_heads
         mech = self._mechanism
-        if key_keep is not None:
-            # Note [Padded keys are zeroed]: a padded key's score is masked, but NaN/inf in its key
-            # (uninitialised padding) would still reach the output through NaN - inf = NaN in fused
-            # kernels; zeroing padded keys and values makes padding content irrelevant everywhere.
-            dead = ~key_keep[:, None, :, None]  # (B, 1, S, 1)
-            k, v = k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
         if isinstance(mech, str):
+            # key padding goes to the core as a typed pattern; the core zeroes its dead keys once
+            # (functional's Note [Dead keys])
             if key_keep is not None:
                 kp = P.from_key_padding_mask(~key_keep)
                 pattern = kp if pattern is None else pattern & kp
@@ -396,6 +414,12 @@ class MultiHeadAttention(nn.Module):
             r = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
                           enable_gqa=gqa, pattern=pattern, method=method, need_weights=need_weights)
             return r if need_weights else (r, None)
+        if key_keep is not None:
+            # Note [Padded keys are zeroed]: a padded key's score is masked, but NaN/inf in its key
+            # (uninitialised padding) would still reach the output through NaN - inf = NaN in fused
+            # kernels; zeroing padded keys and values makes padding content irrelevant everywhere.
+            dead = ~key_keep[:, None, :, None]  # (B, 1, S, 1)
+            k, v = k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
         # a mechanism callable (contract 1) takes no pattern: give it the pattern as a bool mask
         if pattern is not None:
             keep = pattern.materialize(q.shape[2], k.shape[2], device=q.device)  # (L, S) or (B, 1, L, S)

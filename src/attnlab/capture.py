@@ -1,0 +1,469 @@
+"""attnlab.capture: cache, ablate and patch the attention activations of a model while it runs.
+
+Every ``attnlab.nn.MultiHeadAttention`` inside a model (in ``named_modules`` order, index ``i``) exposes
+public hook points (``attnlab.nn.hooks``); this module reads and replaces them, in the manner of
+TransformerLens' ``run_with_cache`` / ``run_with_hooks``. Activation names and shapes (legend: B batch,
+H heads, Hkv key/value heads, L queries, S keys, D head dim, Dv value head dim, E embed_dim; for
+all-MiniLM-L6-v2: i in 0..5, H = 12, D = Dv = 32, E = 384, L = S = T tokens):
+
+    blocks.{i}.attn.q        [B, H, L, D]     projected queries (after rotary positions)
+    blocks.{i}.attn.k        [B, Hkv, S, D]   projected keys
+    blocks.{i}.attn.v        [B, Hkv, S, Dv]  projected values
+    blocks.{i}.attn.scores   [B, H, L, S]     scale · q kᵀ, -inf where a key does not take part (key padding,
+                                              causal, patterns, bool attn_mask); a float attn_mask is added.
+                                              Position biases (ALiBi, T5) are not included. Recomputed from
+                                              q, k (fused kernels never materialise scores).
+    blocks.{i}.attn.weights  [B, H, L, S]     attention weights as the layer's mechanism computed them
+    blocks.{i}.attn.z        [B, H, L, Dv]    per-head output weights · V, before the heads are merged
+    blocks.{i}.attn.out      [B, L, E]        the attention layer's output (after W_O)
+
+    >>> from attnlab import capture as C
+    >>> out, cache = C.run_with_cache(model, **batch)          # model(**batch), every activation cached
+    >>> cache["blocks.3.attn.weights"].shape                     # [B, 12, T, T]
+    >>> with C.ablate_heads(model, layer=3, heads=[7], how="mean"):
+    ...     emb = model.encode(sentences)                        # head 3.7 replaced by its mean output
+    >>> with C.patch_heads(model, layer=3, heads=[7], source=cache_b):  # head 3.7 from another run
+    ...     model(**batch)
+    >>> C.head_effect(model, sentences, layer=3, heads=[7])    # cosine of MiniLM embeddings, with vs without
+
+The older weights/summary recorder (``capture(module)``, ``Capture``, ``Record``) lives here too;
+``attnlab.inspect`` is a deprecated alias of this module.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+__all__ = [
+    "capture", "Capture", "Record", "attention_modules", "ActivationCache", "ACTIVATIONS", "activation_name",
+    "cache_activations", "run_with_cache", "hooks", "run_with_hooks", "ablate_heads", "patch_heads", "head_effect",
+    "sentence_embeddings",
+]
+
+#: activation kinds cached per attention module, in the order a call computes them
+ACTIVATIONS = ("q", "k", "v", "scores", "weights", "z", "out")
+_HOOKED = ("q", "k", "v", "weights", "z", "out")  # the module's own hook points; scores are derived
+
+
+def activation_name(layer: int, kind: str) -> str:
+    """``blocks.{layer}.attn.{kind}``, checked against :data:`ACTIVATIONS`."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {kind!r}; choose from {', '.join(ACTIVATIONS)}")
+    return f"blocks.{layer}.attn.{kind}"
+
+
+def _parse_name(name: str, n_modules: int) -> tuple[int, str]:
+    parts = name.split(".") if isinstance(name, str) else []
+    if len(parts) != 4 or parts[0] != "blocks" or parts[2] != "attn" or not parts[1].isdigit() \
+            or parts[3] not in ACTIVATIONS:
+        raise ValueError(f"activation name {name!r} must look like 'blocks.{{i}}.attn.{{kind}}' with kind in "
+                         f"{', '.join(ACTIVATIONS)}")
+    i = int(parts[1])
+    if i >= n_modules:
+        raise ValueError(f"{name!r}: this model has {n_modules} attention modules (blocks.0 .. blocks.{n_modules - 1})")
+    return i, parts[3]
+
+
+def attention_modules(module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) for every attnlab.nn.MultiHeadAttention inside ``module`` (itself included)."""
+    from .nn import MultiHeadAttention
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"capture() needs a torch.nn.Module, got {type(module).__name__}")
+    return [(n or "(root)", m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+
+
+def _modules(model) -> list[tuple[str, torch.nn.Module]]:
+    mods = attention_modules(model)
+    if not mods:
+        raise ValueError(f"{type(model).__name__} contains no attnlab.nn.MultiHeadAttention to capture")
+    return mods
+
+
+@contextlib.contextmanager
+def _registered(pairs: Iterable[tuple[torch.nn.Module, str, Callable]]) -> Iterator[None]:
+    """Add each (module, point, fn) hook; remove them all on exit, whatever happened."""
+    handles = []
+    try:
+        for m, point, fn in pairs:
+            handles.append(m.hooks.add(point, fn))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# -- the activation cache -----------------------------------------------------------------------------
+@dataclass
+class ActivationCache:
+    """Activations by name (see the module docstring), from the latest call of each attention module.
+
+    ``modules[i]`` is the module path of ``blocks.{i}`` (e.g. ``layers.3.self_attn`` in MiniLM).
+    Tensors are detached; they live on the model's device and dtype.
+    """
+
+    modules: list[str]
+    store: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.store:
+            _parse_name(name, len(self.modules))  # a malformed name gets the naming rule
+            raise KeyError(f"{name!r} was not cached (cached: {len(self.store)} activations, e.g. "
+                           f"{', '.join(list(self.store)[:4])})")
+        return self.store[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def keys(self) -> list[str]:
+        return list(self.store)
+
+    def items(self):
+        return self.store.items()
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """The activations of ``blocks.{i}`` by kind (q, k, v, ...)."""
+        pre = f"blocks.{i}.attn."
+        return {n[len(pre):]: t for n, t in self.store.items() if n.startswith(pre)}
+
+    def head(self, i: int, kind: str, head: int) -> torch.Tensor:
+        """One head's slice of a per-head activation: q, scores, weights, z -> [B, L, ·]; k, v -> the key/value
+        head serving ``head`` (grouped-query heads share one)."""
+        t = self[activation_name(i, kind)]
+        if kind == "out":
+            raise ValueError("blocks.{i}.attn.out has no head axis (heads are merged by W_O)")
+        n = t.shape[1]
+        if kind in ("k", "v"):
+            H = self[activation_name(i, "q")].shape[1] if activation_name(i, "q") in self.store else n
+            return t[:, head // (H // n)]
+        return t[:, head]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, ctx) -> torch.Tensor:
+    """scale · q kᵀ with the call's masks (see the module docstring): q [B, H, L, D], k [B, Hkv, S, D] ->
+    [B, H, L, S]."""
+    from . import patterns as P
+
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, S, D)
+    s = (q @ k.transpose(-1, -2)) * ctx.scale  # (B, H, L, S)
+    B, _, L, S = s.shape
+    keep = torch.ones(B, 1, L, S, dtype=torch.bool, device=s.device)
+    pattern = ctx.pattern
+    am = ctx.attn_mask
+    if isinstance(am, P.Pattern):
+        pattern = am if pattern is None else pattern & am
+        am = None
+    if pattern is not None:
+        # patterns are defined over absolute positions: under a KV cache the queries are the last rows
+        full = pattern.materialize(S, S, device=s.device)  # (S, S) or (B, 1, S, S)
+        keep = keep & full[..., S - L:, :]
+    if ctx.is_causal:
+        qpos = torch.arange(ctx.offset, ctx.offset + L, device=s.device).unsqueeze(-1)  # (L, 1)
+        keep = keep & (torch.arange(S, device=s.device) <= qpos)
+    if ctx.key_padding_mask is not None:
+        keep = keep & ~ctx.key_padding_mask.view(B, 1, 1, S)
+    if isinstance(am, torch.Tensor):
+        if am.dtype == torch.bool:
+            keep = keep & am
+        else:
+            s = s + am.to(s.dtype)
+    return s.masked_fill(~keep, float("-inf"))
+
+
+@contextlib.contextmanager
+def cache_activations(model, names: Iterable[str] | None = None) -> Iterator[ActivationCache]:
+    """Cache activations of every attention module in ``model`` while the block runs.
+
+    names: which activations (``blocks.{i}.attn.{kind}``); None caches all of them. Caching ``weights``
+    makes those layers compute weights (their mechanism must be able to).
+    """
+    mods = _modules(model)
+    cache = ActivationCache([n for n, _ in mods])
+    wanted: dict[int, set[str]] = {}
+    if names is None:
+        wanted = {i: set(ACTIVATIONS) for i in range(len(mods))}
+    else:
+        if isinstance(names, str):
+            names = [names]
+        for name in names:
+            i, kind = _parse_name(name, len(mods))
+            wanted.setdefault(i, set()).add(kind)
+    pairs = []
+    for i, kinds in wanted.items():
+        m = mods[i][1]
+        scratch: dict[str, torch.Tensor] = {}
+
+        def hook(x, ctx, _i=i, _kinds=kinds, _scratch=scratch):
+            kind = ctx.point
+            if kind in _kinds:
+                cache.store[activation_name(_i, kind)] = x.detach()
+            if "scores" in _kinds:
+                if kind in ("q", "k"):
+                    _scratch[kind] = x.detach()
+                elif kind == "z":  # q and k of this call are known by now
+                    cache.store[activation_name(_i, "scores")] = _scores(_scratch["q"], _scratch["k"], ctx)
+            return None
+
+        points = set(kinds) - {"scores"}
+        if "scores" in kinds:
+            points |= {"q", "k", "z"}
+        pairs += [(m, p, hook) for p in _HOOKED if p in points]
+    with _registered(pairs):
+        yield cache
+
+
+def run_with_cache(model, *args, names: Iterable[str] | None = None, **kwargs):
+    """``model(*args, **kwargs)`` under :func:`cache_activations`; returns (output, ActivationCache)."""
+    with cache_activations(model, names) as cache:
+        out = model(*args, **kwargs)
+    return out, cache
+
+
+@contextlib.contextmanager
+def hooks(model, fwd_hooks: Iterable[tuple[str, Callable]]) -> Iterator[None]:
+    """Run the block with ``fwd_hooks``: pairs (activation name, fn(tensor, ctx) -> tensor | None).
+
+    A returned tensor replaces the activation (``q, k, v, z, out``; ``weights`` is read only). ``scores`` is
+    not a hook point (it is derived from q and k): hook q or k instead.
+    """
+    mods = _modules(model)
+    pairs = []
+    for name, fn in fwd_hooks:
+        i, kind = _parse_name(name, len(mods))
+        if kind == "scores":
+            raise ValueError(f"{name!r} is derived from q and k, not a hook point; hook "
+                             f"{activation_name(i, 'q')!r} or {activation_name(i, 'k')!r} instead")
+        pairs.append((mods[i][1], kind, fn))
+    with _registered(pairs):
+        yield
+
+
+def run_with_hooks(model, *args, fwd_hooks: Iterable[tuple[str, Callable]] = (), **kwargs):
+    """``model(*args, **kwargs)`` with ``fwd_hooks`` active (see :func:`hooks`); returns the output."""
+    with hooks(model, fwd_hooks):
+        return model(*args, **kwargs)
+
+
+# -- interventions on heads ---------------------------------------------------------------------------
+def _head_list(heads, H: int) -> list[int]:
+    hs = [heads] if isinstance(heads, int) and not isinstance(heads, bool) else list(heads)
+    for h in hs:
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < H:
+            raise ValueError(f"head {h!r} out of range: this layer has {H} heads (0..{H - 1})")
+    return hs
+
+
+def _layer_module(model, layer: int):
+    mods = _modules(model)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(mods):
+        raise ValueError(f"layer {layer!r} out of range: {type(model).__name__} has {len(mods)} attention modules "
+                         f"(0..{len(mods) - 1})")
+    return mods[layer][1]
+
+
+@contextlib.contextmanager
+def ablate_heads(model, layer: int, heads, how: str = "zero") -> Iterator[None]:
+    """Replace the per-head output z of ``heads`` in attention module ``layer`` while the block runs.
+
+    how="zero": z = 0 (the head contributes only W_O's bias). how="mean": z at every query position is
+    that head's mean z over the call's positions (real tokens only when a key padding mask marks padding
+    in self-attention), so the head still adds its average, not its token-specific, information.
+    ``heads=[]`` ablates nothing and leaves the output bit for bit unchanged.
+    """
+    if how not in ("zero", "mean"):
+        raise ValueError(f"how must be 'zero' or 'mean', got {how!r}")
+    m = _layer_module(model, layer)
+    hs = _head_list(heads, m.num_heads)
+
+    def hook(z, ctx):  # z: (B, H, L, Dv)
+        if not hs:
+            return None
+        z = z.clone()
+        if how == "zero":
+            z[:, hs] = 0.0
+            return z
+        sel = z[:, hs]  # (B, h, L, Dv)
+        kpm = ctx.key_padding_mask
+        if kpm is not None and kpm.shape[-1] == z.shape[2]:
+            real = (~kpm).to(z.dtype)[:, None, :, None]  # (B, 1, L, 1)
+            mean = (sel * real).sum((0, 2), keepdim=True) / real.sum((0, 2), keepdim=True).clamp(min=1)
+        else:
+            mean = sel.mean((0, 2), keepdim=True)  # (1, h, 1, Dv)
+        z[:, hs] = mean.expand_as(sel)
+        return z
+
+    with _registered([(m, "z", hook)]):
+        yield
+
+
+@contextlib.contextmanager
+def patch_heads(model, layer: int, heads, source) -> Iterator[None]:
+    """Replace the per-head output z of ``heads`` in module ``layer`` by another run's while the block runs.
+
+    source: an :class:`ActivationCache` holding ``blocks.{layer}.attn.z`` (e.g. from :func:`run_with_cache`
+    on a second input of the same token count) or that z tensor itself, [B, H, L, Dv]. Patching a run with
+    its own z is the identity bit for bit when the source cache did not record weights (recording weights
+    runs a weights-returning kernel whose z agrees to float rounding, not bitwise).
+    """
+    m = _layer_module(model, layer)
+    hs = _head_list(heads, m.num_heads)
+    src = source[activation_name(layer, "z")] if isinstance(source, ActivationCache) else source
+    if not isinstance(src, torch.Tensor) or src.dim() != 4 or src.shape[1] != m.num_heads:
+        raise ValueError(f"source must be an ActivationCache with {activation_name(layer, 'z')} or a z tensor "
+                         f"[B, H={m.num_heads}, L, Dv], got {getattr(src, 'shape', type(src).__name__)}")
+
+    def hook(z, ctx):  # z: (B, H, L, Dv)
+        if z.shape != src.shape:
+            raise ValueError(f"cannot patch layer {layer}: this run's z is {list(z.shape)} but the source's is "
+                             f"{list(src.shape)} (same batch and token count needed)")
+        if not hs:
+            return None
+        z = z.clone()
+        z[:, hs] = src[:, hs].to(z.dtype)
+        return z
+
+    with _registered([(m, "z", hook)]):
+        yield
+
+
+def sentence_embeddings(model, batch: dict) -> torch.Tensor:
+    """MiniLM sentence embeddings [B, E] from a ``model.tokenize(...)`` batch, as ``MiniLM.encode`` makes them
+    (mean of the last hidden states over real tokens, L2-normalised), in one forward pass."""
+    h = model(batch["input_ids"], batch["attention_mask"]).last_hidden_state  # (B, T, E)
+    m = batch["attention_mask"].unsqueeze(-1).to(h.dtype)  # (B, T, 1)
+    pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, p=2, dim=-1)
+
+
+@torch.no_grad()
+def head_effect(model, sentences, layer: int, heads, how="zero") -> dict:
+    """The effect of one intervention on a MiniLM model's sentence embeddings.
+
+    how: "zero" or "mean" (:func:`ablate_heads`), or an ActivationCache / z tensor to patch from
+    (:func:`patch_heads`; the source must come from a batch of the same shape as ``sentences`` tokenised
+    together). Returns a dict: layer, heads, how, cosine (per sentence, float64, with vs without),
+    mean_cosine, min_cosine, max_abs_diff.
+    """
+    if isinstance(sentences, str):
+        sentences = [sentences]
+    if not sentences:
+        raise ValueError("sentences must not be empty")
+    batch = model.tokenize(list(sentences))
+    base = sentence_embeddings(model, batch)
+    ctx = ablate_heads(model, layer, heads, how) if isinstance(how, str) else patch_heads(model, layer, heads, how)
+    with ctx:
+        changed = sentence_embeddings(model, batch)
+    a, b = base.double(), changed.double()
+    cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+    return {"layer": layer, "heads": _head_list(heads, _layer_module(model, layer).num_heads),
+            "how": how if isinstance(how, str) else "patch", "cosine": cos.tolist(),
+            "mean_cosine": float(cos.mean()), "min_cosine": float(cos.min()),
+            "max_abs_diff": float((a - b).abs().max())}
+
+
+# -- the weights / summary recorder (formerly attnlab.inspect.capture) --------------------------------
+@dataclass
+class Record:
+    name: str  # module path inside the captured model, e.g. "layers.3.self_attn"
+    index: int  # order of the module among attention modules
+    call: int  # how many times this module had been called before (0 = first call)
+    weights: torch.Tensor | None = None  # (B, H, L, S) in weights mode
+    summary: object | None = None  # StreamingSummary per batch element in summary mode (list)
+
+
+@dataclass
+class Capture:
+    mode: str
+    names: list[str]
+    records: list[Record] = field(default_factory=list)
+
+    def last(self) -> list[Record]:
+        """The latest call of each attention module, in module order."""
+        latest: dict[int, Record] = {}
+        for r in self.records:
+            latest[r.index] = r
+        return [latest[i] for i in sorted(latest)]
+
+    def weights(self) -> list[torch.Tensor]:
+        """Per-head weights [B, H, L, S] of each module's latest call (mode="weights")."""
+        if self.mode != "weights":
+            raise ValueError("this capture ran in summary mode; use .summaries() or capture(mode='weights')")
+        return [r.weights for r in self.last()]
+
+    def summaries(self) -> list:
+        """Per module: a list (one per batch element) of StreamingSummary (mode="summary")."""
+        if self.mode != "summary":
+            raise ValueError("this capture ran in weights mode; use .weights() or capture(mode='summary')")
+        return [r.summary for r in self.last()]
+
+
+@contextlib.contextmanager
+def capture(module, mode: str = "weights", *, topk: int = 5) -> Iterator[Capture]:
+    """Record attention of every attnlab MultiHeadAttention inside ``module`` during the block.
+
+    mode: "weights" keeps per-head weights [B, H, L, S] (detached); "summary" keeps streaming
+    summaries (entropy, max weight, sink mass, top-``topk`` keys, distance histogram) per head from the
+    projected q, k, without an [L, S] tensor; additive position biases (ALiBi) are not included there.
+    """
+    if mode not in ("weights", "summary"):
+        raise ValueError(f"mode must be 'weights' or 'summary', got {mode!r}")
+    mods = _modules(module)
+    cap = Capture(mode, [n for n, _ in mods])
+    calls = [0] * len(mods)
+    pairs = []
+    for idx, (name, m) in enumerate(mods):
+        if mode == "weights":
+            def on_weights(w, ctx, _idx=idx, _name=name):
+                cap.records.append(Record(_name, _idx, calls[_idx], weights=w.detach()))
+                calls[_idx] += 1
+
+            pairs.append((m, "weights", on_weights))
+        else:
+            seen: dict[str, torch.Tensor] = {}
+
+            def on_q(q, ctx, _seen=seen):
+                _seen["q"] = q.detach()
+
+            def on_k(k, ctx, _idx=idx, _name=name, _seen=seen):
+                cap.records.append(Record(_name, _idx, calls[_idx], summary=_summarise(_seen.pop("q"), k.detach(),
+                                                                                        ctx, topk)))
+                calls[_idx] += 1
+
+            pairs += [(m, "q", on_q), (m, "k", on_k)]
+    with _registered(pairs):
+        yield cap
+
+
+def _summarise(q: torch.Tensor, k: torch.Tensor, ctx, topk: int) -> list:
+    """Streaming summaries of one call from its projected q [B, H, L, D], k [B, Hkv, S, D]: one per batch element."""
+    from . import patterns as P
+    from .diagnostics import streaming_summary
+
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, S, D)
+    pattern = ctx.pattern
+    if ctx.is_causal:
+        pattern = P.causal() if pattern is None else pattern & P.causal()
+    am = ctx.attn_mask
+    if isinstance(am, P.Pattern):
+        pattern = am if pattern is None else pattern & am
+        am = None
+    kpm = ctx.key_padding_mask
+    out = []
+    for b in range(q.shape[0]):
+        pat = pattern
+        if kpm is not None:
+            kp = P.from_key_padding_mask(kpm[b:b + 1])
+            pat = kp if pat is None else pat & kp
+        mask_b = None
+        if isinstance(am, torch.Tensor):
+            mask_b = am if am.dim() == 2 else am[b if am.shape[0] > 1 else 0]
+        out.append(streaming_summary(q[b], k[b], mask_b, scale=ctx.module.scale, pattern=pat, k=topk))
+    return out

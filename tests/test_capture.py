@@ -1,0 +1,192 @@
+"""attnlab.capture (run_with_cache, hooks, head ablation and patching) on all-MiniLM-L6-v2, checked against
+Hugging Face's eager BertModel on the same weights and against interventions done by editing weights."""
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+import warnings
+
+import pytest
+import torch
+from helpers import assert_close
+
+from attnlab import capture as C
+from attnlab.models import minilm
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # MiniLM and HF BertModel loads (tests/conftest.py: MiniLM tests are slow)
+
+SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Attention, please."]  # the second one is padded
+FP32_FACTOR = 3.0  # as tests/test_minilm.py: error against float64 at most 3x HF eager's own float32 error
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _setup():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    return minilm.load()
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+    return model.tokenize(SENTENCES)
+
+
+@pytest.fixture(scope="module")
+def cached(model, batch):
+    return C.run_with_cache(model, batch["input_ids"], batch["attention_mask"])
+
+
+def test_names_and_shapes_are_as_documented(model, batch, cached):
+    out, cache = cached
+    B, T = batch["input_ids"].shape
+    assert len(cache) == 6 * len(C.ACTIVATIONS) and cache.modules[3] == "layers.3.self_attn"
+    shapes = {"q": (B, 12, T, 32), "k": (B, 12, T, 32), "v": (B, 12, T, 32), "scores": (B, 12, T, T),
+              "weights": (B, 12, T, T), "z": (B, 12, T, 32), "out": (B, T, 384)}
+    for i in range(6):
+        for kind, shape in shapes.items():
+            assert tuple(cache[f"blocks.{i}.attn.{kind}"].shape) == shape, (i, kind)
+    assert out.attentions is None  # caching weights does not change what the caller asked for
+    with pytest.raises(ValueError, match="blocks"):
+        cache["layers.0.q"]
+    with pytest.raises(ValueError, match="6 attention modules"):
+        cache["blocks.6.attn.q"]
+
+
+def test_cached_weights_equal_hf_eager_attentions(model, batch, cached):
+    from transformers import BertModel
+
+    _, cache = cached
+    hf32 = BertModel.from_pretrained(str(minilm.model_path()), local_files_only=True,
+                                     attn_implementation="eager").eval()
+    hf64 = copy.deepcopy(hf32).double()
+    kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True)
+    a32, a64 = hf32(**kw).attentions, hf64(**kw).attentions
+    real = batch["attention_mask"].bool()[:, None, :, None]  # HF's rows of padded queries are not comparable
+    for i in range(6):
+        ours = cache[f"blocks.{i}.attn.weights"].double().masked_fill(~real, 0)
+        ref = a64[i].masked_fill(~real, 0)
+        budget = FP32_FACTOR * float((a32[i].double().masked_fill(~real, 0) - ref).abs().max())
+        assert_close(ours, ref, max(budget, torch.finfo(torch.float32).eps), what=f"layer {i} weights vs HF float64")
+    # the cached q, k reproduce the weights: softmax(scores) in float64
+    for i in (0, 5):
+        sm = torch.softmax(cache[f"blocks.{i}.attn.scores"].double(), -1).masked_fill(~real, 0)
+        w = cache[f"blocks.{i}.attn.weights"].double().masked_fill(~real, 0)
+        assert_close(w, sm, 1e-6, what=f"layer {i}: weights vs softmax(cached scores)")
+        assert torch.isinf(cache[f"blocks.{i}.attn.scores"][1, :, :, batch["attention_mask"][1] == 0]).all()
+
+
+def test_z_and_out_are_the_layer_arithmetic(model, cached):
+    _, cache = cached
+    for i in (0, 4):
+        w, v, z = (cache[f"blocks.{i}.attn.{k}"].double() for k in ("weights", "v", "z"))
+        assert_close(z, w @ v, 1e-5, what=f"layer {i}: z vs weights · V")
+        B, H, T, Dv = z.shape
+        out_proj = model.layers[i].self_attn.out_proj
+        merged = cache[f"blocks.{i}.attn.z"].transpose(1, 2).reshape(B, T, H * Dv)
+        assert torch.equal(out_proj(merged), cache[f"blocks.{i}.attn.out"])
+
+
+def test_ablating_nothing_is_identity_and_a_head_matches_zeroed_w_o(model, batch):
+    base = C.sentence_embeddings(model, batch)
+    with C.ablate_heads(model, 2, heads=[]):
+        assert torch.equal(C.sentence_embeddings(model, batch), base)
+    layer, head, Dv = 2, 5, 32
+    with C.ablate_heads(model, layer, heads=[head], how="zero"):
+        ablated = C.sentence_embeddings(model, batch)
+    # oracle: the same head removed by zeroing its W_O columns in a copy of the model
+    edited = copy.deepcopy(model)
+    edited.layers[layer].self_attn.out_proj.weight[:, head * Dv:(head + 1) * Dv] = 0
+    assert_close(ablated, C.sentence_embeddings(edited, batch), 1e-6, what="zero ablation vs zeroed W_O")
+    cos = (ablated * base).sum(-1)
+    assert (cos < 1 - 1e-4).all() and (cos > 0.5).all()  # it moves the embedding, it does not destroy it
+    eff = C.head_effect(model, SENTENCES, layer, [head])
+    assert eff["cosine"] == pytest.approx(cos.double().tolist(), abs=1e-6) and eff["how"] == "zero"
+    assert not any(m.self_attn.hooks for m in model.layers)  # every hook removed
+
+
+def test_mean_ablation_matches_bias_oracle_in_float64():
+    m = minilm.load(dtype=torch.float64)
+    b = m.tokenize("Mean ablation keeps the head's average contribution.")
+    layer, head, Dv = 3, 7, 32
+    _, cache = C.run_with_cache(m, b["input_ids"], b["attention_mask"], names=[f"blocks.{layer}.attn.z"])
+    mean = cache[f"blocks.{layer}.attn.z"][0, head].mean(0)  # (Dv,) over the tokens of this run
+    with C.ablate_heads(m, layer, head, how="mean"):
+        got = C.sentence_embeddings(m, b)
+    edited = copy.deepcopy(m)
+    op = edited.layers[layer].self_attn.out_proj
+    cols = slice(head * Dv, (head + 1) * Dv)
+    op.bias += op.weight[:, cols] @ mean  # the head's constant contribution moved into the bias
+    op.weight[:, cols] = 0
+    assert_close(got, C.sentence_embeddings(edited, b), 1e-12, what="mean ablation vs bias oracle (float64)")
+
+
+def test_patching_with_own_activation_is_identity_and_full_patch_copies_the_layer(model, batch, cached):
+    base = C.sentence_embeddings(model, batch)
+    # z only: caching weights too would run the weights-returning kernel, equal to ~1 float32 ulp, not bitwise
+    _, own = C.run_with_cache(model, batch["input_ids"], batch["attention_mask"], names=["blocks.1.attn.z"])
+    with C.patch_heads(model, 1, heads=range(12), source=own):
+        assert torch.equal(C.sentence_embeddings(model, batch), base)
+    with C.patch_heads(model, 1, heads=range(12), source=cached[1]):  # from the all-activations run
+        assert_close(C.sentence_embeddings(model, batch), base, 1e-6, what="patch from a weights-kernel cache")
+    other = model.tokenize(["A slow green turtle walks under the busy bridge.", "Listen, everyone."])
+    assert other["input_ids"].shape == batch["input_ids"].shape
+    _, cache_b = C.run_with_cache(model, other["input_ids"], other["attention_mask"],
+                                 names=["blocks.4.attn.z", "blocks.4.attn.out"])
+    with C.patch_heads(model, 4, heads=range(12), source=cache_b):
+        _, patched = C.run_with_cache(model, batch["input_ids"], batch["attention_mask"], names=["blocks.4.attn.out"])
+    # every head of layer 4 from run B: the layer's output is run B's, bit for bit
+    assert torch.equal(patched["blocks.4.attn.out"], cache_b["blocks.4.attn.out"])
+    eff = C.head_effect(model, SENTENCES, 4, [0, 1], how=cache_b)
+    assert eff["how"] == "patch" and all(c < 1 for c in eff["cosine"])
+    short = model.tokenize("Hi.")
+    with pytest.raises(ValueError, match="same batch and token count"):
+        with C.patch_heads(model, 4, heads=[0], source=cache_b):
+            model(short["input_ids"], short["attention_mask"])
+
+
+def test_hooks_replace_read_and_refuse(model, batch):
+    seen = []
+    out = C.run_with_hooks(model, batch["input_ids"], batch["attention_mask"],
+                           fwd_hooks=[("blocks.0.attn.weights", lambda w, ctx: seen.append(w.shape))])
+    assert len(seen) == 1 and out.attentions is None
+    with pytest.raises(ValueError, match="read only"):
+        C.run_with_hooks(model, batch["input_ids"], fwd_hooks=[("blocks.0.attn.weights", lambda w, ctx: w * 2)])
+    with pytest.raises(ValueError, match="same shape"):
+        C.run_with_hooks(model, batch["input_ids"], fwd_hooks=[("blocks.0.attn.q", lambda q, ctx: q[:, :1])])
+    with pytest.raises(ValueError, match="derived from q and k"):
+        with C.hooks(model, [("blocks.0.attn.scores", lambda s, ctx: None)]):
+            pass
+    with pytest.raises(ValueError, match="out of range"):
+        with C.ablate_heads(model, 0, heads=[12]):
+            pass
+    with pytest.raises(ValueError, match="how must be"):
+        with C.ablate_heads(model, 0, heads=[1], how="noise"):
+            pass
+    assert not any(m.self_attn.hooks for m in model.layers)
+
+
+def test_inspect_is_a_deprecated_alias():
+    sys.modules.pop("attnlab.inspect", None)
+    with pytest.warns(DeprecationWarning, match="attnlab.capture"):
+        mod = importlib.import_module("attnlab.inspect")
+    with pytest.warns(DeprecationWarning, match="attnlab.capture.capture"):
+        assert mod.capture is C.capture
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(AttributeError, match="deprecated alias"):
+            mod.nothing_here

@@ -1,0 +1,52 @@
+"""Every ```python block in README.md and docs/*.md runs as written.
+
+Each block runs in a fresh interpreter (a block is a self-contained program, with its imports). A block
+whose first line is ``# <name>.py -- launch: torchrun ...`` is a distributed script: it is written to
+<name>.py and started with that torchrun command (the venv's torchrun, gloo on the CPU).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+LAUNCH = re.compile(r"^#\s*(\S+\.py)\s*--\s*launch:\s*(torchrun .+)$")
+
+
+def blocks():
+    for path in DOCS:
+        text = path.read_text()
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            yield pytest.param(m.group(1), id=f"{path.relative_to(ROOT)}:{line}")
+
+
+def test_the_docs_have_python_blocks():
+    assert len(list(blocks())) >= 10  # a regex slip would silently test nothing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", list(blocks()))
+def test_block_runs(code, tmp_path):
+    env = dict(os.environ, MPLBACKEND="Agg", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    first = code.splitlines()[0]
+    launch = LAUNCH.match(first)
+    if launch:
+        name, command = launch.groups()
+        (tmp_path / name).write_text(code)
+        argv = shlex.split(command)
+        torchrun = Path(sys.executable).with_name("torchrun")
+        argv = [str(torchrun) if torchrun.exists() else "torchrun", *argv[1:]]
+    else:
+        (tmp_path / "block.py").write_text(code)
+        argv = [sys.executable, "block.py"]
+    r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"block failed (rc {r.returncode}):\n{code}\n--- stderr ---\n{r.stderr[-3000:]}"
