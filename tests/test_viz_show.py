@@ -106,7 +106,7 @@ def test_layers_with_different_heads_and_none_output():
 
 
 def test_capture_result_is_accepted():
-    from attnlab.inspect import capture
+    from attnlab.capture import capture
     from attnlab.nn import MultiHeadAttention
 
     torch.manual_seed(3)
