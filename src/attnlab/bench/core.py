@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..options import output_dir, positive_float, positive_int
-from ..report import atomic_write_json, atomic_write_text, environment, line_styles, save_figure
+from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
 
@@ -372,6 +372,7 @@ def _write(res: Result, out: Path):
         ax.legend(fontsize=7)
         save_figure(fig, out / "memory.png")
     atomic_write_text(out / "report.md", _markdown(res))
+    render_markdown_file(out / "report.md", "attnlab bench core")
 
 
 def _markdown(res: Result) -> str:

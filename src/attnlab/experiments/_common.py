@@ -692,12 +692,13 @@ def progress(disable: bool = False):
 
 def write_results(out: Path, results: dict, report_md: str) -> dict:
     """Write results.json and report.md atomically; returns the paths."""
-    from attnlab.report import atomic_write_json, atomic_write_text
+    from attnlab.report import atomic_write_json, atomic_write_text, render_markdown_file
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "report.md", report_md)
-    return {"results": str(out / "results.json"), "report": str(out / "report.md")}
+    html = render_markdown_file(out / "report.md", f"attnlab {out.name} report")  # readable in a browser
+    return {"results": str(out / "results.json"), "report": str(out / "report.md"), "html": str(html)}
 
 
 def save_plot(fig, path: Path) -> str:
