@@ -140,6 +140,25 @@ def test_experiments_change_weights_as_the_reference_says(client, model, exp):
 
 
 @pytest.mark.slow  # MiniLM
+@pytest.mark.parametrize("how", ["zero", "mean"])
+def test_ablating_the_head_moves_only_the_output(client, model, how):
+    r = attention(client, layer=2, head=9, ablate=how)
+    assert r["weights"] == r["baseline_weights"]  # the head still attends; its output is removed
+    eff = C.head_effect(model, [TEXT], 2, [9], how=how)
+    assert r["output"]["cosine_to_baseline"] == pytest.approx(eff["cosine"][0], abs=1e-6)
+    assert r["output"]["cosine_to_baseline"] < 1 - 1e-6
+
+
+@pytest.mark.slow  # MiniLM
+@pytest.mark.parametrize("method", ["auto", "sdpa", "tiled", "sparse"])
+def test_exact_methods_agree_under_a_pattern(client, model, method):
+    """sdpa and sparse return no weights: the chosen layer falls back to an exact method that does."""
+    r = attention(client, layer=0, head=6, mechanism=method, pattern="sliding_window(2)")
+    ref, budget = reference(model, TEXT, 0, 6, pattern="sliding_window(2)")
+    assert np.abs(np.array(r["weights"]) - ref).max() <= budget
+
+
+@pytest.mark.slow  # MiniLM
 def test_registered_mechanism_runs_and_moves_the_output(client):
     r = attention(client, mechanism="performer", params={"num_features": 64})
     w = np.array(r["weights"])
@@ -170,6 +189,7 @@ BAD = [
     ("pattern code", {"json": {"text": "hi", "pattern": "__import__('os').system('true')"}}, 400, "pattern"),
     ("softmax off with mechanism", {"json": {"text": "hi", "softmax": False, "mechanism": "performer"}}, 400,
      "exact attention"),
+    ("ablate", {"json": {"text": "hi", "ablate": "half"}}, 400, "'ablate'"),
     ("over-long text", {"json": {"text": "word " * 200}}, 413, "at most 128"),
     ("huge text", {"json": {"text": "x" * 30_000}}, 413, "at most 20000"),
     ("form body", {"data": {"text": "hi"}}, 415, "Content-Type: application/json"),
@@ -366,6 +386,11 @@ def test_explorer_in_chromium(live_url, model):
             w5 = _shown(page, text=text, temperature=2, scale="none", head=5)
             ref5, budget5 = reference(model, text, 0, 5, scale="none", temperature=2.0)
             assert np.abs(w5 - ref5).max() <= budget5
+            cos5 = float(page.locator("#cos-now").text_content())
+            page.select_option("#ablate", "zero")  # the head's output removed: same weights, the output moves
+            w5z = _shown(page, text=text, temperature=2, scale="none", head=5, ablate="zero")
+            assert np.array_equal(w5z, w5) and float(page.locator("#cos-now").text_content()) != cos5
+            page.select_option("#ablate", "")
 
             page.click("#trace-box summary")  # the trace, stepped through
             page.wait_for_selector("#steps button[data-step='weights']")

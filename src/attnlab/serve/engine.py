@@ -12,7 +12,9 @@ An experiment (:class:`Settings`) changes attention in every layer (scope "all")
     output  = weights · V
 
 Scale and temperature go through the layer's own ``scale`` (so they combine with any registered
-mechanism or pattern); softmax off and cosine run :class:`Variant`, a mechanism written here. The
+mechanism or pattern); softmax off and cosine run :class:`Variant`, a mechanism written here. ``ablate``
+removes the chosen head's output (zero or its mean; ``attnlab.capture.ablate_heads``): its weights stay,
+the output effect shows what the head contributes. The
 shown weights are those the model computed (read through ``attnlab.capture``), and the output effect is
 the cosine similarity of the sentence embedding to the unmodified model's.
 """
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from .. import capture as C
+from ..functional import METHODS
 from .. import mechanisms as M
 from .. import patterns as P
 from ..mechanisms import Mechanism, Spec
@@ -105,16 +108,17 @@ class Settings:
     params: dict | None = None
     pattern: str | None = None
     scope: str = "all"
+    ablate: str | None = None  # "zero" | "mean": remove the chosen head's output (attnlab.capture.ablate_heads)
 
     @property
     def is_default(self) -> bool:
         return (self.scale == "sqrt" and self.temperature == 1.0 and self.softmax and self.similarity == "dot"
-                and self.mechanism is None and self.pattern is None)
+                and self.mechanism is None and self.pattern is None and self.ablate is None)
 
 
 _TYPES = {"text": str, "layer": int, "head": int, "scale": str, "temperature": (int, float), "softmax": bool,
           "similarity": str, "mechanism": (str, type(None)), "params": (dict, type(None)),
-          "pattern": (str, type(None)), "scope": str}
+          "pattern": (str, type(None)), "scope": str, "ablate": (str, type(None))}
 
 
 def parse_settings(body: Any, layers: int, heads: int) -> Settings:
@@ -152,6 +156,8 @@ def parse_settings(body: Any, layers: int, heads: int) -> Settings:
         raise ExplorerError(f"field 'similarity' is {s.similarity!r}; choose 'dot' or 'cosine'")
     if s.scope not in ("all", "layer"):
         raise ExplorerError(f"field 'scope' is {s.scope!r}; choose 'all' (every layer) or 'layer' (the chosen one)")
+    if s.ablate not in (None, "zero", "mean"):
+        raise ExplorerError(f"field 'ablate' is {s.ablate!r}; choose null, 'zero' or 'mean'")
     if s.params and s.mechanism is None:
         raise ExplorerError("field 'params' needs a 'mechanism' to apply to")
     if s.mechanism is not None and (not s.softmax or s.similarity == "cosine"):
@@ -259,7 +265,11 @@ class Explorer:
         factor = {"sqrt": 1 / math.sqrt(d_k), "none": 1.0, "dk": 1 / d_k}[s.scale]
         try:
             mech = None
-            if s.mechanism is not None:
+            if s.mechanism in METHODS and not s.params:
+                # a core method by name: the layer then runs it through attnlab.attention, which falls back to
+                # an exact method that returns weights where this one cannot (sdpa, sparse) -- same output
+                mech = s.mechanism
+            elif s.mechanism is not None:
                 try:
                     mech = M.get(s.mechanism, **(s.params or {}))
                 except (TypeError, ValueError) as e:
@@ -289,7 +299,9 @@ class Explorer:
         m = self._need_model()
         with torch.no_grad(), self._configured(s):
             try:
-                with C.cache_activations(m, [C.activation_name(s.layer, "weights")]) as cache:
+                ablation = (C.ablate_heads(m, s.layer, [s.head], s.ablate) if s.ablate is not None
+                            else contextlib.nullcontext())
+                with ablation, C.cache_activations(m, [C.activation_name(s.layer, "weights")]) as cache:
                     emb = C.sentence_embeddings(m, enc)[0]
             except ExplorerError:
                 raise

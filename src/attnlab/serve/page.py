@@ -81,6 +81,8 @@ summary{cursor:pointer;font-weight:600}
  <label>pattern <input id="pattern" type="text" list="pattern-examples" placeholder="e.g. sliding_window(3)" autocomplete="off"></label>
  <datalist id="pattern-examples"><option value="sliding_window(3)"><option value="causal()"><option value="dilated(4, 2)">
   <option value="strided(4)"><option value="longformer(3, 1)"><option value="sliding_window(2) | causal()"></datalist>
+ <label title="remove the chosen head's output (its weights stay) and see the embedding move">ablate head
+  <select id="ablate"><option value="">no</option><option value="zero">zero</option><option value="mean">mean</option></select></label>
  <label>apply to <select id="scope"><option value="all">every layer</option><option value="layer">this layer only</option></select></label>
  <button id="reset" type="button">reset</button>
 </div>
@@ -177,7 +179,7 @@ function settings() {
     text: $("text").value, layer: Number($("layer").value), head: Number($("head").value),
     scale: $("scale").value, temperature: Number($("temperature").value), softmax: $("softmax").checked,
     similarity: $("similarity").value, mechanism: $("mechanism").value || null, params: params,
-    pattern: $("pattern").value.trim() || null, scope: $("scope").value,
+    pattern: $("pattern").value.trim() || null, scope: $("scope").value, ablate: $("ablate").value || null,
   };
 }
 
@@ -304,12 +306,12 @@ async function init() {
     o.title = (m.summary || "") + " · params: " + m.params; $("mechanism").appendChild(o);
   }
   for (const id of ["text", "params", "pattern"]) $(id).addEventListener("input", schedule);
-  for (const id of ["layer", "head", "scale", "softmax", "similarity", "mechanism", "scope"]) $(id).addEventListener("change", schedule);
+  for (const id of ["layer", "head", "scale", "softmax", "similarity", "mechanism", "scope", "ablate"]) $(id).addEventListener("change", schedule);
   $("temperature").addEventListener("input", () => { $("temperature-value").textContent = Number($("temperature").value).toFixed(1); schedule(); });
   $("reset").addEventListener("click", () => {
     $("scale").value = "sqrt"; $("temperature").value = "1"; $("temperature-value").textContent = "1.0";
     $("softmax").checked = true; $("similarity").value = "dot"; $("mechanism").value = ""; $("params").value = "";
-    $("pattern").value = ""; $("scope").value = "all"; schedule();
+    $("pattern").value = ""; $("scope").value = "all"; $("ablate").value = ""; schedule();
   });
   $("trace-box").addEventListener("toggle", () => { if ($("trace-box").open) loadTrace(); });
   $("prev").addEventListener("click", () => { if (trace) { stepIndex = Math.max(0, stepIndex - 1); showStep(); } });
