@@ -21,11 +21,11 @@ import torch
 
 from .. import cpu
 from ..options import output_dir, positive_float, positive_int
-from ..report import atomic_write_json, atomic_write_text, environment, save_figure
+from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
 
-__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent"]
+__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
 
 PATTERNS = {
     "sliding_window_256": {"name": "sliding_window", "window": 256, "causal": True},
@@ -122,6 +122,15 @@ def _mem_child(spec: dict, timeout=600) -> int | None:
     if r.returncode != 0:
         raise RuntimeError(f"memory child failed for {spec}: {r.stderr[-500:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+def peak_bytes(spec: dict, timeout: float = 600) -> int | None:
+    """Extra peak resident bytes of one attention call, measured in a fresh process.
+
+    spec: {"impl": "sdpa"|"auto"|"tiled"|"naive"|"dense", "n", "dtype", "causal", "backward", "B", "H", "D",
+    "pattern"} as in ``attnlab.bench.impls.build_call``. RuntimeError with the child's stderr if it fails.
+    """
+    return _mem_child(spec, timeout=timeout)
 
 
 def run(args) -> Result:
@@ -309,6 +318,17 @@ def _exponents(res: Result):
     res.exponents = {k: fit_exponent(*zip(*v)) for k, v in groups.items() if len(v) >= 2}
 
 
+def _n_ticks(ax, ns) -> None:
+    """One tick per measured n, labelled 256, 1k, 64k (the default log ticks overlap or vanish)."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    if not ns:
+        return
+    ax.xaxis.set_major_locator(FixedLocator(ns))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n) for n in ns], fontsize=8)
+
+
 def _write(res: Result, out: Path):
     import matplotlib
 
@@ -327,14 +347,15 @@ def _write(res: Result, out: Path):
         for r in res.records:
             if r.seconds is not None and pick(r):
                 lines.setdefault(f"{r.impl} {r.pattern or ''}{' fwd+bwd' if r.backward else ''}", []).append((r.n, r.seconds))
-        for label, pts in sorted(lines.items()):
+        for (label, pts), st in zip(sorted(lines.items()), line_styles(len(lines))):
             x, y = zip(*sorted(pts))
-            ax.loglog(x, y, marker="o", label=label)
+            ax.loglog(x, y, label=label, **st)
         ax.set_title(title)
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("seconds per call")
+        _n_ticks(ax, sorted({p[0] for pts in lines.values() for p in pts}))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     save_figure(fig, out / "time.png")
     mem = [r for r in res.records if r.peak_bytes]
     if mem:
@@ -342,9 +363,10 @@ def _write(res: Result, out: Path):
         lines = {}
         for r in mem:
             lines.setdefault(f"{r.impl} {r.pattern or ''} fwd+bwd", []).append((r.n, r.peak_bytes / 2**20))
-        for label, pts in sorted(lines.items()):
+        for (label, pts), st in zip(sorted(lines.items()), line_styles(len(lines))):
             x, y = zip(*sorted(pts))
-            ax.loglog(x, y, marker="o", label=label)
+            ax.loglog(x, y, label=label, **st)
+        _n_ticks(ax, sorted({p[0] for pts in lines.values() for p in pts}))
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("peak extra memory (MiB)")
         ax.set_title("peak memory, forward + backward (fresh process each)")
@@ -352,6 +374,7 @@ def _write(res: Result, out: Path):
         ax.legend(fontsize=7)
         save_figure(fig, out / "memory.png")
     atomic_write_text(out / "report.md", _markdown(res))
+    render_markdown_file(out / "report.md", "attnlab bench core")
 
 
 def _markdown(res: Result) -> str:

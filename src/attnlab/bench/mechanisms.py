@@ -640,6 +640,7 @@ def _analyse(records, mechs, lengths, peak, stopped, prod, lra, lra_lengths) -> 
 
 def _plots(out: Path, res) -> list[str]:
     from attnlab.experiments import _common as C
+    from attnlab.report import legend_outside, line_styles
 
     plt = C.plt()
     files = []
@@ -647,11 +648,13 @@ def _plots(out: Path, res) -> list[str]:
     for key, ylabel, fname in (("time_s", "median forward time (s)", "time.png"), ("peak_bytes", "peak memory (bytes)", "memory.png"),
                                ("time_vs_sdpa", "time / torch SDPA time", "ratio.png")):
         fig, ax = plt.subplots(figsize=(8, 5.5))
+        others = [m for m in res["mechanisms"] if m != REFERENCE]
+        style = dict(zip(others, line_styles(len(others))))
+        style[REFERENCE] = {"color": "black", "marker": "o", "linestyle": "-"}
         for m in res["mechanisms"]:
             pts = sorted((r["n"], r[key]) for r in ok if r["mechanism"] == m and r.get(key))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=m,
-                        color="black" if m == REFERENCE else None)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=3, lw=1.2, label=m, **style[m])
         if key != "time_vs_sdpa" and ok:
             n0 = min(r["n"] for r in ok)
             ys = [r[key] for r in ok if r["n"] == n0 and r.get(key)]
@@ -666,22 +669,24 @@ def _plots(out: Path, res) -> list[str]:
         ax.set_ylabel(ylabel)
         sh = res["shape"]
         ax.set_title(f"B={sh['B']}, H={sh['H']}, D={sh['D']}, float32, forward", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
         if ax.get_legend_handles_labels()[0]:  # an interrupted run may have nothing to label yet
-            ax.legend(fontsize=6, ncol=2)
+            legend_outside(ax)
         files.append(C.save_plot(fig, out / fname))
     if res["lra"]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        lstyle = dict(zip(res["mechanisms"], line_styles(len(res["mechanisms"]))))
         for m in res["mechanisms"]:
             pts = sorted((r["n"], r.get("speed_vs_vanilla"), r.get("memory_vs_vanilla")) for r in res["lra"]
                          if r["mechanism"] == m and "error" not in r)
             if pts:
-                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=m)
-                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", ms=3, lw=1, label=m)
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], ms=3, lw=1.2, label=m, **lstyle[m])
+                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], ms=3, lw=1.2, label=m, **lstyle[m])
         for ax, t in zip(axes, ("training steps/s vs vanilla", "peak memory vs vanilla")):
             ax.set_xlabel("n")
             ax.set_yscale("log")
             ax.set_title(t, fontsize=10)
-        axes[0].legend(fontsize=6, ncol=2)
+        legend_outside(axes[1])
         files.append(C.save_plot(fig, out / "lra.png"))
     return files
 

@@ -264,7 +264,8 @@ def _write(result: RingBenchResult, out_dir: Path) -> None:
         ax.set_xticks(range(P))
         ax.set_xlabel("rank")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
+        # below the axes: a legend inside would cover a bar
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     st = result.settings
     fig.suptitle(f"ring attention, {P} processes vs one: n={st['n']}, B={st['batch']}, H={st['heads']}, "
                  f"E={st['head_dim']}, {'causal' if st['causal'] else 'full'}"

@@ -372,7 +372,7 @@ def run(args):
     from rich.console import Console
 
     import attnlab.mechanisms as M  # noqa: F401  (registers everything)
-    from attnlab.report import atomic_write_json, atomic_write_text, environment
+    from attnlab.report import atomic_write_json, atomic_write_text, environment, render_markdown_file
 
     quick = args.quick
     pick = lambda given, q, full: given if given is not None else (q if quick else full)  # noqa: E731
@@ -443,6 +443,7 @@ def run(args):
     res["plots"] = _plots(res, out)
     atomic_write_json(out / "results.json", res)
     atomic_write_text(out / "report.md", _report(res))
+    render_markdown_file(out / "report.md", "attnlab approximation report")
     h = res["headline"]
     Console().print(f"linear vs SDPA at n={h['n']}, D={h['D']}: {h['full']['ratio']:.1f}× (non-causal), "
                     f"{h['causal']['ratio']:.1f}× (causal); frontier: "
