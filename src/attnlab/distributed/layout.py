@@ -22,6 +22,7 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def check_layout(layout: str) -> str:
+    """``layout`` itself if it is one of LAYOUTS ("contiguous", "zigzag"); otherwise ValueError."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
