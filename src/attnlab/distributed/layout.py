@@ -86,7 +86,12 @@ def shard_sequence(x: torch.Tensor, rank: int | None = None, world_size: int | N
 
 def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], *, layout: str = "contiguous",
                      dim: int = -2) -> torch.Tensor:
-    """Inverse of ``shard_sequence`` in one process: the shards of ranks 0..P-1 -> the full sequence."""
+    """Inverse of ``shard_sequence`` in one process: the shards of ranks 0..P-1 -> the full sequence.
+
+    shards[r]: [..., L_r, ...] along ``dim`` (e.g. [B, H, L_r, E]) -> [..., L, ...] with L = Σ L_r, every
+    position back in global order. Raises ValueError if a shard's length is not what ``layout`` gives
+    that rank for length L.
+    """
     check_layout(layout)
     if not shards:
         raise ValueError("unshard_sequence: need at least one shard")
