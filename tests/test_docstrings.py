@@ -6,6 +6,8 @@ fooled by a docstring set at run time):
 - **Modules**: every ``.py`` file under ``src/attnlab``, except private modules (a file name starting with
   ``_``, other than ``__init__.py``, which is a package's public face) and anything inside a private
   package. ``cli/`` is included.
+- **The module itself** has a docstring (counted as one object, named ``<module>``): a one-line
+  summary of what the module owns, as in ``torch.nn.attention``.
 - **Top level**: every function and class whose name does not start with ``_`` (found in the module
   body, and inside top-level ``if``/``try`` blocks). Names bound by assignment (aliases such as
   ``f = g``) are not checked; a function nested in another is private to it.
@@ -57,6 +59,8 @@ NOT_YET = {
     "nn/cache.py",
     "nn/hooks.py",
     "bench/kernels.py",
+    "bench/__init__.py",  # empty package markers: no module docstring yet
+    "experiments/__init__.py",
 }
 
 
@@ -148,7 +152,7 @@ def audit() -> dict[str, tuple[int, list[str]]]:
     report = {}
     for path in public_modules():
         rel = path.relative_to(ROOT).as_posix()
-        total, missing = 0, []
+        total, missing = 1, [] if ast.get_docstring(trees[path]) else ["<module>"]
         for node in _defs(trees[path].body):
             if node.name.startswith("_"):
                 continue
