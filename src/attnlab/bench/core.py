@@ -148,9 +148,9 @@ def run(args) -> Result:
     """Run the core benchmark with the parsed options ``args`` (see :func:`build_parser`) and return its Result.
 
     Times sdpa, auto, tiled and naive attention on query, key, value of shape [1, 8, n, 64] for n from
-    256 (128 with --quick) to --max-n, float32 and bfloat16, causal and not; then attnlab's sparse patterns
-    (sliding window, BigBird, 10% block-sparse) against SDPA's dense call, and forward + backward with a
-    causal sliding window. Calls predicted to exceed the time or memory budget are skipped with the
+    256 to --max-n (128 and 256 with --quick), float32 and bfloat16 (float32 only with --quick), causal
+    and not; then attnlab's sparse patterns (sliding window, BigBird, 10% block-sparse; --quick skips
+    BigBird) against SDPA's dense call, and forward + backward with a causal sliding window. Calls predicted to exceed the time or memory budget are skipped with the
     reason. Unless --no-memory, peak memory of forward + backward is measured in a fresh process per
     configuration. Each finished configuration is saved to ``<out>/results.json`` at once (so a killed
     run can ``--resume``); at the end writes results.json, time.png, memory.png and report.md to

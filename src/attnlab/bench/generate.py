@@ -85,9 +85,9 @@ def run(args) -> GenerateBench:
 
     Builds a seeded random :class:`~attnlab.nn.TransformerLM` (vocab 1000, RoPE) and, per context length
     C, generates ``--new-tokens`` n tokens greedily from a [1, C - n] prompt with and without the KV
-    cache, timing ``generate`` and the decode steps alone. With the cache a decode step costs O(C·d) per
-    layer; without, it re-runs the whole O(C²·d) prefix. Writes generate.json and generate.png to
-    ``args.out`` and prints a table. Raises ValueError for n < 2, a context <= n, a width not divisible
+    cache, timing ``generate`` and the decode steps alone. With the cache a decode step attends in O(C·d)
+    per layer; without, it re-runs the whole prefix (O(C²·d) attention per layer). Writes generate.json and generate.png to
+    ``args.out`` and prints a table. Raises ValueError for n < 2, --repeats < 1, a context <= n, a width not divisible
     by the heads, or a size that would not fit in memory. Torch's thread count is restored afterwards.
     """
     output_dir(args.out)

@@ -83,8 +83,8 @@ def build_call(spec: dict):
     ``impl`` is "sdpa" (``F.scaled_dot_product_attention``, dense or causal: the pattern is ignored, it is
     the baseline a user would run without attnlab), "naive" (:func:`naive_attention` with the pattern
     materialised to an [n, n] mask), or "auto", "tiled", "sparse", "dense" (``attnlab.attention`` with
-    that ``method``, the pattern and ``spec.get("block_size")``). ``causal`` and ``pattern`` (a
-    :func:`make_pattern` spec) apply to all. An unknown ``impl`` raises KeyError.
+    that ``method``, the pattern and ``spec.get("block_size")``). ``causal`` applies to all, ``pattern``
+    (a :func:`make_pattern` spec) to all but sdpa. An unknown ``impl`` raises KeyError.
     """
     impl, causal = spec["impl"], bool(spec.get("causal", False))
     pat_spec = spec.get("pattern")

@@ -218,7 +218,7 @@ def run(args):
     """Measure Var(q·k), max weight, entropy and score gradients against d_k for the scales 1, 1/√d_k and
     1/d_k, on random inputs (averaged over --seeds) and, unless --no-minilm, on MiniLM's real queries
     and keys; fit the log-log slope of the variance against d_k (theory: 1, 0, -1). Writes report.md,
-    results.json, variance.png and minilm.png to --out (default reports/variance) and returns the
+    results.json, variance.png and (when MiniLM ran) minilm.png to --out (default reports/variance) and returns the
     results dict. Raises ValueError for --rows or --keys < 2."""
     with C.threads(args.threads):
         return _run(args)

@@ -94,7 +94,8 @@ class EncoderLayer(nn.Module):
         """x [B, L, d] -> [B, L, d].
 
         key_padding_mask: bool [B, L], True = ignore that key (nn.MultiheadAttention's polarity);
-        attn_mask: bool [L, L] (True = takes part), float (added to the scores) or an attnlab Pattern;
+        attn_mask: bool (True = takes part) or float (added to the scores) of shape [L, L], [B, L, L]
+        or [B, H|1, L, L], or an attnlab Pattern;
         is_causal: position i attends to positions <= i. See :class:`MultiHeadAttention`.
         """
         return self.forward_intermediates(x, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
