@@ -49,10 +49,13 @@ def _umask() -> int:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` as UTF-8 to ``path`` atomically (see :func:`atomic_write_bytes`); returns the path."""
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON to ``path`` atomically; returns the path. Tensors and arrays become
+    lists (``tolist()``), dataclasses dicts, anything else that JSON cannot hold its ``str``."""
     return atomic_write_text(path, json.dumps(obj, indent=2, default=_json_default) + "\n")
 
 

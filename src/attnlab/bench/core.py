@@ -36,6 +36,13 @@ PATTERNS = {
 
 @dataclass
 class Record:
+    """One measurement of one implementation at one configuration (a row of results.json and report.md).
+
+    ``section`` is "dense", "pattern", "train" (forward + backward) or "memory" (peak bytes measured in a
+    fresh process, ``seconds`` unset). Inputs are query, key, value of shape [B, H, n, E] =
+    [1, 8, n, 64]. ``gflops`` counts only the work the pattern keeps (``density`` of the n x n scores,
+    halved for dense causal); ``ratio_vs_sdpa`` is SDPA's time over this one in the same run.
+    """
     section: str
     impl: str
     n: int
@@ -54,6 +61,14 @@ class Record:
 
 @dataclass
 class Result:
+    """Everything one ``bench core`` run measured, as written to ``<out_dir>/results.json``.
+
+    ``skipped`` lists the configurations predicted to exceed the time or memory budget, each with its
+    reason; ``peak_gflops`` is the matrix-product GFLOP/s per dtype measured in the same run;
+    ``exponents`` the fitted log-log slope of time (or memory) against n per implementation (n >= 1024);
+    ``complete`` is False while a run is in progress or was killed (what it had measured is kept, for
+    ``--resume``); ``exit_code`` is what the CLI should exit with.
+    """
     out_dir: str
     records: list[Record] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -66,6 +81,8 @@ class Result:
 
 
 def build_parser(p):
+    """Add ``bench core``'s options (--quick, --out, --max-n, budgets, --no-memory, --resume, --force) to
+    the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="a small grid that finishes in seconds")
     p.add_argument("--out", default="reports/bench-core", help="output folder (default reports/bench-core)")
     p.add_argument("--max-n", type=positive_int, default=65536,
@@ -87,6 +104,10 @@ def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
 
 
 def time_call(f, repeats=3, warmup=1) -> float:
+    """Median wall time in seconds of ``repeats`` calls of ``f()``, after ``warmup`` untimed calls.
+
+    Uses ``time.perf_counter`` around each call; no CUDA synchronisation (the benchmarks run on the CPU).
+    """
     for _ in range(warmup):
         f()
     ts = []
@@ -134,6 +155,18 @@ def peak_bytes(spec: dict, timeout: float = 600) -> int | None:
 
 
 def run(args) -> Result:
+    """Run the core benchmark with the parsed options ``args`` (see :func:`build_parser`) and return its Result.
+
+    Times sdpa, auto, tiled and naive attention on query, key, value of shape [1, 8, n, 64] for n from
+    256 to --max-n (128 and 256 with --quick), float32 and bfloat16 (float32 only with --quick), causal
+    and not; then attnlab's sparse patterns (sliding window, BigBird, 10% block-sparse; --quick skips
+    BigBird) against SDPA's dense call, and forward + backward with a causal sliding window. Calls predicted to exceed the time or memory budget are skipped with the
+    reason. Unless --no-memory, peak memory of forward + backward is measured in a fresh process per
+    configuration. Each finished configuration is saved to ``<out>/results.json`` at once (so a killed
+    run can ``--resume``); at the end writes results.json, time.png, memory.png and report.md to
+    ``args.out`` and prints a table. Raises ValueError for --max-n < 256 without --quick, and for a
+    --resume whose earlier results cannot be read or were taken with other settings.
+    """
     from rich.console import Console
     from rich.progress import Progress
 

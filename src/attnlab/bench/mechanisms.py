@@ -42,6 +42,9 @@ TUTORIAL_TABLE = {128: ("1M", "<1ms", "64KB"), 512: ("17M", "5-10ms", "1MB"), 20
 
 
 def build_parser(p):
+    """Add ``bench all``'s options (--out, --quick, --mechanisms, --lengths, shapes, repeats, budgets,
+    --isolation, --threads, the LRA and production tables, --resume, --force, --no-progress) to the
+    argparse parser ``p``."""
     p.add_argument("--out", default=None, help="output folder (default reports/bench-all)")
     p.add_argument("--quick", action="store_true", help="small grid, one worker process, seconds")
     p.add_argument("--mechanisms", default=None,
@@ -314,6 +317,8 @@ def _fmt_time(t) -> str:
 
 # -- the driver -----------------------------------------------------------------------------------------
 def default_mechanisms() -> tuple[list[str], str | None]:
+    """(names, why): torch_sdpa, naive and every registered mechanism, with ``why`` None; if the registry
+    cannot be listed, a fixed fallback list and the reason as ``why``."""
     from attnlab.experiments._common import mechanism_names
 
     names, why = mechanism_names()
@@ -428,6 +433,17 @@ def _measure(runner: _Runner, store: _Store, job: dict, section: str, prog, tid)
 
 
 def run(args):
+    """Run ``bench all`` with the parsed options ``args`` and return the result dict.
+
+    For each mechanism, lengths ascend until the predicted time or memory of the next one would pass the
+    budget (the reason lands in the report): query, key, value are [B, H, n, D]; each record holds the
+    median forward time, peak memory, FLOPs and GFLOP/s, and ratios to torch SDPA measured in the same
+    run. Then the tutorial's production table (naive vs SDPA, one head, D = 64) and an LRA-style
+    training-efficiency table. Every configuration is stored on disk as it finishes, so ``--resume``
+    continues a killed run; Ctrl-C or SIGTERM writes a partial report and sets ``exit_code`` 130. Writes
+    results.json, report.md, a CSV and plots to ``--out`` (default reports/bench-all) and renders a
+    summary. Raises ValueError for an unknown mechanism or a size < 1, before anything is measured.
+    """
     from attnlab.experiments import _common as C
 
     t0 = time.perf_counter()

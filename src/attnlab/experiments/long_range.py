@@ -29,6 +29,8 @@ QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "lay
 
 
 def build_parser(p):
+    """Add ``experiment long-range``'s options (the common ones, --seq-len, --tasks, --mechanisms, model
+    and data sizes, --recall-queries, --no-token-shift, --report-only) to the argparse parser ``p``."""
     C.add_common_args(p, seeds="0")
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default 1024; quick 128)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {', '.join(TASKS)}")
@@ -74,6 +76,16 @@ def _datasets(tasks, T, n_train, n_test, seed, recall_queries=1):
 
 
 def run(args):
+    """Train every mechanism on every task (ListOps, associative recall, selective copy; token ids
+    [batch, seq_len]) with the same budget, and return the result dict: accuracy per task, training
+    steps/s and peak memory relative to vanilla SDPA, in the layout of Tay et al. 2020 (LRA) Tables 1-2.
+
+    Each run checkpoints to --out (default reports/long-range), so --resume continues a killed run and
+    --report-only reports finished runs without training; Ctrl-C or SIGTERM writes a partial report and
+    sets ``exit_code`` 130. Default mechanisms that cannot run at --seq-len are listed as refused (one
+    named in --mechanisms raises instead). Torch's thread count is set to --threads while it runs. Raises ValueError for bad options (--seq-len < 32, unknown
+    tasks or mechanisms, --d-model not a multiple of 32, ...).
+    """
     with C.threads(args.threads):
         return _run(args)
 
