@@ -54,6 +54,7 @@ NOT_YET = {
     "probe.py",
     "shapes.py",
     "nn/attention.py",
+    "tour.py",  # the tour moved out of cli/ in parallel with this pass
     # Not yet documented, outside the first pass's files.
     "cpu.py",
     "nn/cache.py",
