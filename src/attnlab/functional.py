@@ -19,7 +19,7 @@ from .kernels import sparse as _sparse
 from .kernels import tiled as _tiled
 from .kernels.masks import MaskSpec
 from .report import format_bytes as _fmt_bytes
-from .shapes import AttentionInputs, check_attention_inputs, shape_str
+from .shapes import AttentionInputError, AttentionInputs, check_attention_inputs, check_block_size, shape_str
 
 __all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "Plan", "METHODS", "Prepared", "prepare"]
 
@@ -101,7 +101,7 @@ def _mask4d(m: torch.Tensor, batch_shape: tuple[int, ...], L: int, S: int) -> to
     lead = m.shape[:-3]
     if all(s == 1 for s in lead):
         return m.reshape(1, *m.shape[-3:])
-    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(batch_shape[:-1]), *m.shape[-3:])
 
 
 def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -212,6 +212,7 @@ class Plan:
 def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size) -> Plan:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_block_size(block_size)
     info, mask = p.info, p.mask
     N, H, L, S, E, Ev = p.N, info.H, info.L, info.S, info.E, info.Ev
     el = p.q.element_size()
@@ -338,6 +339,9 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
         else:
             reasons = "; ".join(f"{m}: {r}" for m, r in refused.items())
             raise ValueError(f"no attention method can run these inputs ({reasons})")
+    if chosen == "sparse" and p.dropout_p > 0:
+        reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
+                   "the same random stream for the same RNG state (matching it would draw all L×S)")
     blocks_of = {"sparse": (sq, sk), "tiled": (tq, tk), "compiled": (cq, ck)}
     return Plan(chosen, reason, refused, peak, flops, backend, blocks_of.get(chosen), density)
 
@@ -492,6 +496,10 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
 def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:
     """One SDPA mask (bool, or float in ``dtype``, default q's, when there is a bias) for the whole
     [N|1, H|1, L, S]."""
+    kk = getattr(mask.pattern, "keep_keys", None)
+    if kk is not None and mask.keep is None and mask.bias is None and kk.shape[1] >= mask.S:
+        # key padding alone: SDPA broadcasts a [N, 1, 1, S] mask, so no L×S tensor is built
+        return kk[:, : mask.S].to(p.q.device).view(kk.shape[0], 1, 1, mask.S)
     i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
     j = torch.arange(mask.S, device=p.q.device).unsqueeze(0)
     keep, bias = mask.block(i, j, p.N)
@@ -522,6 +530,7 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     The pair is what partial attentions over disjoint key sets need to be merged exactly
     (``merge_partials``): ring attention and split-KV decoding build on it.
     """
+    check_block_size(block_size)
     p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern)
     lead = p.out_shape[:-1]
     if p.info.S == 0 or p.info.L == 0:
@@ -546,6 +555,16 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
 
     Equivalent to attention over the union of the keys. A side with lse = -inf contributes nothing.
     """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if out_a.dim() < 1 or out_a.shape != out_b.shape:
+        raise AttentionInputError(f"out_a {shape_str(out_a)} and out_b {shape_str(out_b)} must have one shape "
+                                  "[..., L, Ev] (partial attentions of the same queries)")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != out_a.shape[:-1]:
+            raise AttentionInputError(f"{name} {shape_str(t)} must be out's shape without its last dim: "
+                                      f"{list(out_a.shape[:-1])} (out_a {shape_str(out_a)})")
     m = torch.maximum(lse_a, lse_b)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)

@@ -13,6 +13,7 @@ import torch
 from . import patterns as P
 from .functional import DEFAULT_TILED_BLOCK, prepare
 from .kernels import tiled as _tiled
+from .shapes import check_block_size
 
 __all__ = ["probe", "AttentionProbe"]
 
@@ -22,6 +23,9 @@ class AttentionProbe:
 
     def __init__(self, query, key, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
                  pattern: P.Pattern | None = None, block_size: int | None = None):
+        if not isinstance(key, torch.Tensor):  # checked here: the zero value below is built from key
+            raise TypeError(f"key must be a torch.Tensor, got {type(key).__name__}")
+        check_block_size(block_size)
         value = key.new_zeros(*key.shape[:-1], 1)
         with torch.no_grad():
             self._p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern)
@@ -143,7 +147,7 @@ class AttentionProbe:
         for q0, q1, k0, k1, _, w in self._blocks():
             d = (torch.arange(k0, k1, device=w.device).unsqueeze(0) - torch.arange(q0, q1, device=w.device).unsqueeze(1)).abs()  # (bl, bk)
             b = torch.bucketize(d, edges, right=True) - 1  # bin index per pair
-            hist.scatter_add_(2, b.flatten().expand(N, H, -1), w.reshape(N, H, -1))
+            hist.scatter_add_(2, b.flatten().expand(N, H, -1), w.reshape(N, H, d.numel()))  # not -1: N or H may be 0
         hist = hist / max(L, 1)
         return hist.reshape(self._lead[:-2] + (H, len(edges))) if len(self._lead) >= 2 else hist[0, 0], edges
 

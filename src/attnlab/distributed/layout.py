@@ -22,6 +22,7 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def check_layout(layout: str) -> str:
+    """``layout`` itself if it is one of LAYOUTS ("contiguous", "zigzag"); otherwise ValueError."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
@@ -49,6 +50,13 @@ def shard_segments(seq_len: int, world_size: int, rank: int, layout: str = "cont
     return [(starts[i], starts[i + 1]) for i in ids]
 
 
+def _check_dim(dim, ndim: int, what: str) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim={dim} is out of range for {what} (valid: {-ndim} .. {ndim - 1})")
+
+
 def _rank_and_world(rank, world_size, group):
     if rank is None or world_size is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -69,6 +77,7 @@ def shard_sequence(x: torch.Tensor, rank: int | None = None, world_size: int | N
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_dim(dim, x.dim(), f"x {list(x.shape)}")
     rank, world_size = _rank_and_world(rank, world_size, group)
     segs = shard_segments(x.shape[dim], world_size, rank, layout)
     parts = [x.narrow(dim, a, b - a) for a, b in segs]
@@ -77,10 +86,19 @@ def shard_sequence(x: torch.Tensor, rank: int | None = None, world_size: int | N
 
 def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], *, layout: str = "contiguous",
                      dim: int = -2) -> torch.Tensor:
-    """Inverse of ``shard_sequence`` in one process: the shards of ranks 0..P-1 -> the full sequence."""
+    """Inverse of ``shard_sequence`` in one process: the shards of ranks 0..P-1 -> the full sequence.
+
+    shards[r]: [..., L_r, ...] along ``dim`` (e.g. [B, H, L_r, E]) -> [..., L, ...] with L = Σ L_r, every
+    position back in global order. Raises ValueError if a shard's length is not what ``layout`` gives
+    that rank for length L.
+    """
     check_layout(layout)
     if not shards:
         raise ValueError("unshard_sequence: need at least one shard")
+    for r, s in enumerate(shards):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"unshard_sequence: shard {r} must be a torch.Tensor, got {type(s).__name__}")
+        _check_dim(dim, s.dim(), f"shard {r} {list(s.shape)}")
     P = len(shards)
     L = sum(s.shape[dim] for s in shards)
     pieces: list[tuple[int, torch.Tensor]] = []

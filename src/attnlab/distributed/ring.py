@@ -486,6 +486,11 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """
     _check_local(query, key, value)
     check_layout(layout)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"ring_attention: is_causal must be a bool, got {is_causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"ring_attention: scale must be a finite float or None, got {scale!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring_attention needs an initialised torch.distributed process group: call "
                            "torch.distributed.init_process_group(...) or launch with torchrun "

@@ -92,8 +92,8 @@ class MaskSpec:
         if self.S % block_k and nk:
             lay[:, -1] = torch.where(lay[:, -1] == P.FULL, P.PARTIAL, lay[:, -1]).to(torch.int8)
         if self.keep is not None:
-            k = self.keep.any(0).any(0) if self.keep.shape[0] * self.keep.shape[1] > 1 else self.keep[0, 0]
-            k_all = self.keep.all(0).all(0) if self.keep.shape[0] * self.keep.shape[1] > 1 else self.keep[0, 0]
+            k = self.keep.any(0).any(0) if self.keep.shape[0] * self.keep.shape[1] != 1 else self.keep[0, 0]
+            k_all = self.keep.all(0).all(0) if self.keep.shape[0] * self.keep.shape[1] != 1 else self.keep[0, 0]
             any_, all_ = _block_reduce(torch.broadcast_to(k, (self.L, self.S)), block_q, block_k, "any"), \
                 _block_reduce(torch.broadcast_to(k_all, (self.L, self.S)), block_q, block_k, "all")
             any_, all_ = any_.to(lay.device), all_.to(lay.device)

@@ -162,30 +162,47 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
         # P = exp(S - lse) and D = rowsum(dO ∘ O) are then exactly the full-attention quantities.
         qc_, kc_, vc_, do_ = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous().to(q.dtype)
         oc_, lf = out.contiguous(), lse_b.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk, dv = torch.zeros(k.shape, dtype=acc, device=q.device), torch.zeros(v.shape, dtype=acc, device=q.device)
+        dq, dk, dv = {}, {}, {}  # block start -> summed gradient (Note [Out-of-place gradient sums])
         for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
             tm = _tile_mask(mask, q0, q1, k0, k1, N, q.device, q.dtype)[0] if kind == P.PARTIAL else None
             gq, gk, gv = _fused.flash_cpu_backward(
-                do_[:, :, q0:q1], qc_[:, :, q0:q1], kc_[:, :, k0:k1], vc_[:, :, k0:k1], oc_[:, :, q0:q1],
+                do_.narrow(2, q0, q1 - q0), qc_[:, :, q0:q1], kc_[:, :, k0:k1], vc_[:, :, k0:k1], oc_[:, :, q0:q1],
                 lf[:, :, q0:q1], tm, scale)
-            dq[:, :, q0:q1] += gq
-            dk[:, :, k0:k1] += gk
-            dv[:, :, k0:k1] += gv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            _add(dq, q0, gq.to(acc))
+            _add(dk, k0, gk.to(acc))
+            _add(dv, k0, gv.to(acc))
+        return (_assemble(dq, q, bq, acc).to(q.dtype), _assemble(dk, k, bk, acc).to(k.dtype),
+                _assemble(dv, v, bk, acc).to(v.dtype))
     qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     delta = (doa * out.to(acc)).sum(dim=-1)  # (N, H, L): rowsum(dO ∘ O)
-    dq, dk, dv = torch.zeros_like(qa), torch.zeros_like(ka), torch.zeros_like(va)
+    dq, dk, dv = {}, {}, {}  # block start -> summed gradient (Note [Out-of-place gradient sums])
     for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
-        qc, kb, vb, doc = qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], doa[:, :, q0:q1]
+        qc, kb, vb, doc = qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], doa.narrow(2, q0, q1 - q0)  # narrow: vmap-able
         s = block_scores(qc, kb, mask, scale, q0, q1, k0, k1, kind, N)
         p = torch.exp(s - lse_b[:, :, q0:q1].unsqueeze(-1))  # (N, H, bl, bk)
-        dv[:, :, k0:k1] += torch.matmul(p.transpose(-2, -1), doc)
+        _add(dv, k0, torch.matmul(p.transpose(-2, -1), doc))
         dp = torch.matmul(doc, vb.transpose(-2, -1))
-        ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
-        dq[:, :, q0:q1] += torch.matmul(ds, kb) * scale
-        dk[:, :, k0:k1] += torch.matmul(ds.transpose(-2, -1), qc) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        ds = p * (dp - delta.narrow(2, q0, q1 - q0).unsqueeze(-1))
+        _add(dq, q0, torch.matmul(ds, kb) * scale)
+        _add(dk, k0, torch.matmul(ds.transpose(-2, -1), qc) * scale)
+    return (_assemble(dq, q, bq, acc).to(q.dtype), _assemble(dk, k, bk, acc).to(k.dtype),
+            _assemble(dv, v, bk, acc).to(v.dtype))
+
+
+# Note [Out-of-place gradient sums]: the backward sums each block's gradient into a dict and assembles
+# the result with one cat, instead of adding into slices of a zero tensor in place: under torch.func.vmap
+# (batched gradients, gradcheck's check_batched_grad) the incoming gradient is batched and an in-place
+# add into an unbatched buffer is impossible. Memory: one gradient-sized set of block sums each, plus the
+# cat's copy at the end.
+def _add(parts: dict, start: int, g: torch.Tensor) -> None:
+    parts[start] = g if start not in parts else parts[start] + g
+
+
+def _assemble(parts: dict, like: torch.Tensor, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, H, T, D] from per-block sums keyed by block start along dim 2 (zeros where none)."""
+    T = like.shape[2]
+    chunks = [parts[a] if a in parts else torch.zeros_like(like[:, :, a:a + b], dtype=dtype) for a in range(0, T, b)]
+    return torch.cat(chunks, dim=2) if chunks else torch.zeros_like(like, dtype=dtype)
 
 
 class _TiledFunction(torch.autograd.Function):

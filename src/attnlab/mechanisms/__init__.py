@@ -239,7 +239,7 @@ def _prepare(mech: Mechanism, query, key, value, attn_mask, is_causal, scale, dr
         elif all(s == 1 for s in lead[:-1]):
             m = m.reshape(1, *m.shape[-3:])
         else:
-            m = m.expand(*info.batch_shape[:-1], *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+            m = m.expand(*info.batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(info.batch_shape[:-1]), *m.shape[-3:])
         mask4 = m  # (N|1, H|1, L|1, S|1)
         if m.dtype == torch.bool and m.shape[-2] == 1:
             key_keep = m[..., 0, :].expand(*m.shape[:-2], info.S)  # (N|1, H|1, S)

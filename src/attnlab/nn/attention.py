@@ -18,6 +18,7 @@ from torch import nn
 from .. import patterns as P
 from ..functional import METHODS, attention
 from ..positional.base import AttentionPositional
+from ..shapes import AttentionDtypeError
 from .cache import LayerCache
 from .hooks import AttentionHooks, HookContext
 
@@ -229,6 +230,12 @@ class MultiHeadAttention(nn.Module):
                 f"{name} has {x.shape[-1]} features (shape {list(x.shape)}) but this layer expects "
                 f"{what}={features}"
             )
+        w = self.q_proj.weight
+        if x.dtype != w.dtype:  # else the projection fails inside torch with "mat1 and mat2 ..."
+            fix = f"pass {name}.to({w.dtype})" + (f" or convert the layer with .to({x.dtype})"
+                                                 if x.dtype.is_floating_point else "")
+            raise AttentionDtypeError(f"{name} has dtype {x.dtype} but this layer's parameters are {w.dtype}; {fix}")
+
 
     def forward_intermediates(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
                               is_causal=False, need_weights=False, cache=None) -> AttentionIntermediates:
@@ -383,13 +390,9 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.num_kv_heads != self.num_heads
         mech = self._mechanism
-        if key_keep is not None:
-            # Note [Padded keys are zeroed]: a padded key's score is masked, but NaN/inf in its key
-            # (uninitialised padding) would still reach the output through NaN - inf = NaN in fused
-            # kernels; zeroing padded keys and values makes padding content irrelevant everywhere.
-            dead = ~key_keep[:, None, :, None]  # (B, 1, S, 1)
-            k, v = k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
         if isinstance(mech, str):
+            # key padding goes to the core as a typed pattern; the core zeroes its dead keys once
+            # (functional's Note [Dead keys])
             if key_keep is not None:
                 kp = P.from_key_padding_mask(~key_keep)
                 pattern = kp if pattern is None else pattern & kp
@@ -411,6 +414,12 @@ class MultiHeadAttention(nn.Module):
             r = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
                           enable_gqa=gqa, pattern=pattern, method=method, need_weights=need_weights)
             return r if need_weights else (r, None)
+        if key_keep is not None:
+            # Note [Padded keys are zeroed]: a padded key's score is masked, but NaN/inf in its key
+            # (uninitialised padding) would still reach the output through NaN - inf = NaN in fused
+            # kernels; zeroing padded keys and values makes padding content irrelevant everywhere.
+            dead = ~key_keep[:, None, :, None]  # (B, 1, S, 1)
+            k, v = k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
         # a mechanism callable (contract 1) takes no pattern: give it the pattern as a bool mask
         if pattern is not None:
             keep = pattern.materialize(q.shape[2], k.shape[2], device=q.device)  # (L, S) or (B, 1, L, S)

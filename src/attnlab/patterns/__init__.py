@@ -26,11 +26,18 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 _INF = float("inf")
 
 
+#: the largest size or offset a pattern takes: positions are int64 tensors, and a bound past any length
+#: a tensor can have changes nothing
+MAX_INT = 2**62
+
+
 def _check_int(name: str, value, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > MAX_INT:
+        raise ValueError(f"{name} must be <= 2**62 (positions are int64), got {value:.3g}")
     return value
 
 
@@ -410,7 +417,7 @@ class _BlockTable(Pattern):
         return self.name
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class _Layout(_BlockTable):
     layout: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
@@ -471,7 +478,7 @@ def longformer(window: int, global_tokens: int | list[int] | tuple[int, ...] = 1
     return w | _Global(toks) if toks else w
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class _BigBird(_BlockTable):
     window_blocks: int = 3
     global_blocks: int = 1
@@ -861,6 +868,15 @@ def from_mask_mod(mask_mod, B: int | None = None, H: int | None = None, name: st
     return _MaskMod(mask_mod, B, nm)
 
 
+#: most calls joined by & or | in one ``parse`` spec: each join is one level of a combined pattern
+#: that is evaluated recursively
+MAX_PARSE_TERMS = 256
+
+def _clip(spec: str, n: int = 60) -> str:
+    """The spec for a one-line message: its first n characters."""
+    return repr(spec) if len(spec) <= n else repr(spec[:n]) + f"... ({len(spec)} characters)"
+
+
 _PARSEABLE = ("causal", "sliding_window", "dilated", "strided", "fixed", "longformer", "bigbird", "key_padding", "full",
               "document", "prefix_lm")
 
@@ -872,10 +888,16 @@ def parse(spec: str) -> Pattern:
 
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"pattern spec must be a non-empty string, got {spec!r}")
+    terms = spec.count("&") + spec.count("|") + 1
+    if terms > MAX_PARSE_TERMS:
+        raise ValueError(f"pattern spec {_clip(spec)} joins {terms} terms with & or |; at most "
+                         f"{MAX_PARSE_TERMS} are supported")
     try:
         tree = ast.parse(spec.strip(), mode="eval").body
     except SyntaxError as e:
-        raise ValueError(f"cannot parse pattern {spec!r}: {e.msg}") from None
+        raise ValueError(f"cannot parse pattern {_clip(spec)}: {e.msg}") from None
+    except (RecursionError, MemoryError):  # nesting such as ((((...)))) past the parser's limit
+        raise ValueError(f"pattern spec {_clip(spec)} is nested too deeply to parse") from None
 
     def build(node):
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
