@@ -273,10 +273,13 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if why is not None:
         raise RuntimeError(f"compiled attention kernel unavailable: {why}")
     N, H, L, _ = q.shape
-    S = k.shape[2]
+    S, Ev = k.shape[2], v.shape[-1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if min(N, H, L, S) == 0 or k.shape[1] == 0:  # nothing to compute; rows with no key are 0 / -inf
+        out = q.new_zeros(N, H, L, Ev) + 0 * (q.sum() + k.sum() + v.sum())  # keeps autograd connected
+        return out, torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
     if layout is None:
         layout = build_layout(mask, block_q, block_k)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     keep = bias = None
     if mask.keep is not None:
         keep = mask.keep.expand(N, H, L, S)
