@@ -316,17 +316,17 @@ def test_every_option_has_help():
 # -- Ctrl-C in a real process ----------------------------------------------------------------------------------
 def test_ctrl_c_exits_130_naming_the_checkpoints_and_the_resume_command(tmp_path):
     out = tmp_path / "scaling"
+    steps = 300  # the first of three runs finishes in seconds; Ctrl-C lands in the second
     argv = ["experiment", "scaling", "--quick", "--no-progress", "--tasks", "recall", "--d-k", "16", "--seeds", "0",
-            "--steps", "100000", "--out", str(out)]
+            "--steps", str(steps), "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen([sys.executable, "-m", "attnlab.cli.main", *argv], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        # training has started once a checkpoint is written (every 20 s) or the folder exists
-        while not (out / "checkpoints").is_dir() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(1.0)
+        while not (out / "results.partial.json").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.5)  # well inside the second run's 300 steps (about 8 s on a 2-core machine)
         assert p.poll() is None, p.communicate()
         os.killpg(p.pid, signal.SIGINT)  # what a terminal sends the foreground process group
         _, err = p.communicate(timeout=60)
@@ -337,3 +337,9 @@ def test_ctrl_c_exits_130_naming_the_checkpoints_and_the_resume_command(tmp_path
     assert p.returncode == 130, err
     assert len(lines) == 1 and "Traceback" not in err, err
     assert f"kept in {out}" in lines[0] and lines[0].endswith(f"--out {out} --resume")
+    # Note [Ctrl-C between steps]: the run in progress was checkpointed at a step boundary, not lost
+    states = [torch.load(ck, weights_only=True) for ck in sorted((out / "checkpoints").glob("*.pt"))]
+    finished = [st for st in states if st["done"]]
+    cut = [st for st in states if not st["done"]]
+    assert len(finished) == 1 and finished[0]["step"] == steps
+    assert len(cut) == 1 and 0 < cut[0]["step"] < steps
