@@ -78,6 +78,19 @@ def test_absurd_sizes_are_refused_before_allocating(argv, names, capsys, budget,
     assert not (tmp_path / "o").exists()  # refused before anything was written
 
 
+def test_list_cost_at_a_large_size_answers_at_once(capsys):
+    # patterns without a closed-form pair count are counted pair by pair (O(L·S)): at 65536^2 that took
+    # over 5 minutes per pattern; now their GFLOP is left out, with a note, and the rest is shown
+    t0 = time.perf_counter()
+    rc, err, out = run(["list", "--cost", "65536,65536,64"], capsys)
+    assert rc == 0 and err == [] and time.perf_counter() - t0 < 30
+    rows = {r["name"]: r for r in cli.LAST_RESULT["mechanisms"]}
+    assert rows["dilated"]["gflop"] is None and "GFLOP not shown for" in " ".join(out.split())
+    assert rows["sliding_window"]["gflop"] > 0 and rows["dense"]["gflop"] == pytest.approx(2 * 65536**2 * 128 / 1e9)
+    rc, _, _ = run(["list"], capsys)  # the default size counts every pattern
+    assert rc == 0 and all(r["gflop"] is not None for r in cli.LAST_RESULT["mechanisms"] if r["name"] == "dilated")
+
+
 def test_check_budget_counts_the_float64_scores(budget):
     from attnlab.cli.check import check_budget
 
