@@ -133,8 +133,12 @@ def _exit_interrupted() -> None:
     """Exit 130 now. Note [Exit 130 after Ctrl-C]: when the interrupt lands inside an import that C code
     runs (torch imports _dynamo, seconds, on first use of torch.optim), CPython can remember it as
     unhandled even though ``main`` caught it, and end the process by re-raising SIGINT at shutdown:
-    exit status -2 instead of 130. Nothing is left to clean up here: every file was written whole
-    (``attnlab.report``) and the message is printed, so the process leaves without that shutdown."""
+    exit status -2 instead of 130. Every file was written whole (``attnlab.report``) and the message
+    is printed; the exit handlers still run (multiprocessing's among them, which release the worker
+    pools' semaphores), then the process leaves without the rest of that shutdown."""
+    import atexit
+
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
