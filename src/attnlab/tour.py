@@ -68,6 +68,9 @@ class TourConfig:
 
 @dataclass
 class Piece:
+    """One piece of the tour as it ran: status, a line of findings, links and figures (paths relative to
+    the tour's folder), a Markdown table of what was measured, and the seconds it took."""
+
     name: str
     title: str
     status: str = "ok"  # ok | failed | skipped
@@ -80,6 +83,9 @@ class Piece:
 
 @dataclass
 class TourResult:
+    """What ``run_tour`` did: every piece, the index page's path, the machine, the time, the exit code
+    (1 when a piece failed)."""
+
     pieces: list[Piece]
     index: str
     environment: dict
@@ -87,6 +93,7 @@ class TourResult:
     exit_code: int
 
     def to_dict(self) -> dict:
+        """JSON-ready dict (what tour.json holds)."""
         return asdict(self)
 
 
