@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 from .. import retrieval as R
 from ..options import nonneg_int, output_dir, positive_float, positive_int

@@ -39,7 +39,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     fm.add_argument("--no-softmax", action="store_true", help="use the scaled scores as weights")
     fm.add_argument("--cosine", action="store_true", help="cosine similarity instead of the dot product")
     p.add_argument("--causal", action="store_true", help="causal mask (key j visible to query i when j <= i)")
-    p.add_argument("--format", choices=("rich", "markdown", "html", "json"), default="rich")
+    p.add_argument("--format", choices=("rich", "markdown", "html", "json"), default="rich",
+                   help="how the trace is rendered")
     p.add_argument("--out", help="write the rendered trace to this file instead of the terminal")
     p.add_argument("--png", help="also write a PNG: the weights per head, or (with --summary) score scale vs d_k")
     p.add_argument("--max-show", type=int, default=8, dest="max_show", help="rows/columns printed per matrix")
