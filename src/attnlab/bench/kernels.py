@@ -89,6 +89,7 @@ class KernelsConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        """Raise ValueError naming the field for a size, count or density that cannot be measured."""
         for name in ("B", "H", "D", "window", "sparse_n", "block_size", "rounds", "min_rounds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -138,6 +139,9 @@ class Ratio:
 
 @dataclass
 class KernelsResult:
+    """Everything one run measured: the config (as a dict), the CPU and its measured matmul peaks, each
+    case's measurements, fresh-process peak memory, the headline ratios, notes and the files written."""
+
     config: dict
     out_dir: str
     cpu: dict = field(default_factory=dict)
