@@ -53,6 +53,18 @@ def test_zero_heads_attention_with_lse(causal):
     assert out.shape == (2, 0, 8, 16) and lse.shape == (2, 0, 8)
 
 
+@pytest.mark.parametrize("shape", [(2, 0, 8, 16), (0, 2, 16, 8)], ids=str)
+def test_zero_batch_or_heads_probe(shape):
+    q, k = torch.randn(*shape), torch.randn(*shape[:2], 5, shape[-1])
+    _, w = attnlab.attention(q, k, k, is_causal=True, need_weights=True, method="dense")  # (N, H, L, S), empty
+    pr = attnlab.probe(q, k, is_causal=True)
+    assert pr.entropy().shape == pr.max_weight().shape == w.shape[:-1]
+    assert pr.column_sums().shape == w.shape[:-2] + (5,)
+    assert pr.weights().shape == w.shape
+    hist, edges = pr.distance_histogram()
+    assert hist.shape == w.shape[:-2] + (len(edges),)
+
+
 # -- is_causal with scale <= 0 -----------------------------------------------------------------------
 @pytest.mark.parametrize("scale", [0.0, -0.5])
 @pytest.mark.parametrize("method", EXACT)
@@ -163,13 +175,13 @@ def test_tiled_batched_gradients(engine, monkeypatch):
     from attnlab.kernels import tiled
 
     monkeypatch.setattr(tiled, "ENGINE", engine)
-    q = torch.randn(1, 2, 7, 3, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(1, 1, 5, 2, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 4, 2, dtype=torch.float64, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PyTorch's "performance drop" note for the flash backward under vmap
-        assert torch.autograd.gradcheck(
-            lambda a, b, c: attnlab.attention(a, b, c, is_causal=True, method="tiled", block_size=4),
+        assert torch.autograd.gradcheck(  # block 2: full, partial (causal diagonal) and empty tiles
+            lambda a, b, c: attnlab.attention(a, b, c, is_causal=True, method="tiled", block_size=2),
             (q, k, v), check_batched_grad=True)
 
 

@@ -112,6 +112,8 @@ def test_viz_views_draw_at_load_and_respond(tmp_path):
         page.click("nav button[data-view=matrix]")
         mat = page.locator("#mat")
         assert mat.evaluate(NONBLANK) > 500
+        assert page.eval_on_selector_all("#mrows .mlab", "es => es.map(e => e.textContent)") == toks  # row labels
+        assert page.locator("#mcols .mlab").count() == len(toks)
         assert page.locator("#hists svg rect").count() == 4 * len(page.evaluate(
             "JSON.parse(document.getElementById('attn-data').textContent).distance.edges"))
         box = mat.bounding_box()

@@ -5,6 +5,10 @@ masks (float32 masks with bfloat16 inputs too), fully masked rows, and keys remo
 the mask whose key and value rows hold NaN or ±Inf (they must not leak). Dtypes float64, float32 and
 bfloat16.
 
+Outputs are compared with ``attnlab.reference`` (and attention_with_lse's log-sum-exp with float64
+logsumexp); gradients with autograd through the naive computation
+in float64 (plain torch ops, no attnlab kernel).
+
 Tolerance, the way PyTorch budgets its fused kernels: a method's error against the float64 reference may
 be at most ERROR_FACTOR times the error of the naive computation in the input's own dtype
 (softmax(q kᵀ·scale + mask) v with every op in that dtype) against the same reference, plus a floor
@@ -28,8 +32,11 @@ EXACT = tuple(m for m in ("dense", "sdpa", "tiled", "sparse", "auto", "compiled"
 #: a method's error vs float64 may be this factor times the naive same-dtype computation's error
 #: (PyTorch's rule for its fused attention kernels; the house FUSED_ERROR_FACTOR)
 ERROR_FACTOR = 3.0
-#: floor in units of the dtype's eps times max(1, |reference|): the output's own rounding plus summation
-FLOOR_EPS = 8
+#: output floor, in units of the dtype's eps times max(1, |reference|): two units in the last place of
+#: the largest output (its own rounding), for cases where the naive computation is exact
+FLOOR_EPS = 2
+#: gradient floor, in units of the accumulation dtype's eps times the size of the summed terms
+GRAD_FLOOR_EPS = 8
 
 
 @st.composite
@@ -108,6 +115,32 @@ def _naive(q, k, v, mask, is_causal, scale, gqa):
     return (p / torch.where(d == 0, torch.ones_like(d), d)) @ v
 
 
+def _scores(q, k, mask, is_causal, scale, gqa):
+    """Scaled, masked scores in q's dtype (masked: -inf): what the log-sum-exp is taken over."""
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(E) if scale is None else scale)
+    keep = torch.ones(L, S, dtype=torch.bool)
+    if is_causal:
+        keep = keep.tril()
+    if mask is not None and mask.dtype == torch.bool:
+        keep = keep & mask
+    elif mask is not None:
+        s = s + mask.to(q.dtype)
+    return s.masked_fill(~keep, float("-inf"))
+
+
+def _lse_err(a, ref):
+    """Largest |a - ref| over rows, where rows with no key must be -inf in both."""
+    if not a.numel():
+        return 0.0
+    a = a.double()
+    both = torch.isneginf(a) & torch.isneginf(ref)
+    assert torch.equal(torch.isneginf(a), torch.isneginf(ref)), "rows with no key must have lse = -inf"
+    return float(torch.where(both, torch.zeros_like(a), a - ref).abs().max())
+
+
 def _err(a, ref):
     return float((a.double() - ref).abs().max()) if a.numel() else 0.0
 
@@ -137,6 +170,18 @@ def test_every_exact_method_matches_the_float64_reference(c):
         assert err <= budget, f"{method}: error {err:.3g} > {ERROR_FACTOR} x naive {naive:.3g} + {floor:.3g} ({c})"
         ran.append(method)
     assert "dense" in ran and "tiled" in ran
+    # attention_with_lse: the fused path for plain and causal inputs, the tiled kernel otherwise
+    out, lse = attnlab.attention_with_lse(q, k, v, **kw, block_size=c["block"])
+    assert _err(out, ref) <= budget, f"attention_with_lse: error {_err(out, ref):.3g} > {budget:.3g} ({c})"
+    s64 = _scores(q.double(), ck.double(), mask.double() if mask is not None and mask.dtype != torch.bool else mask,
+                  c["is_causal"], c["scale"], gqa)
+    lse_ref = torch.logsumexp(s64, -1) if c["S"] else torch.full(s64.shape[:-1], float("-inf"), dtype=torch.float64)
+    naive_s = _scores(q, ck, mask, c["is_causal"], c["scale"], gqa)
+    lse_naive = torch.logsumexp(naive_s, -1) if c["S"] else lse_ref.to(q.dtype)
+    lse_budget = ERROR_FACTOR * _lse_err(lse_naive, lse_ref) + FLOOR_EPS * eps * max(
+        1.0, float(lse_ref[torch.isfinite(lse_ref)].abs().max()) if torch.isfinite(lse_ref).any() else 1.0)
+    assert lse.shape == lse_ref.shape and not torch.isnan(lse).any()
+    assert _lse_err(lse, lse_ref) <= lse_budget, f"lse: error {_lse_err(lse, lse_ref):.3g} > {lse_budget:.3g} ({c})"
 
 
 @pytest.mark.parametrize("method", EXACT)
@@ -150,3 +195,49 @@ def test_the_naive_budget_is_not_vacuous(method):
     keep[:, 4] = False
     out = attnlab.attention(q, k, v, attn_mask=keep, method=method)
     assert _err(out, ref) > 100 * budget
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_every_exact_method_differentiates_like_the_float64_naive_computation(c):
+    # gradient oracle: autograd through _naive in float64 (plain torch ops, no attnlab kernel), on the
+    # clean keys; budget as for the output, against the naive computation's gradients in the input dtype
+    q, k, v, ck, cv, mask = _build(c)
+    gqa = c["H"] != c["Hkv"]
+    kw = dict(attn_mask=mask, is_causal=c["is_causal"], scale=c["scale"], enable_gqa=gqa)
+    gen = torch.Generator().manual_seed(c["seed"] + 1)
+    gout = torch.randn(*q.shape[:-1], c["Ev"], generator=gen, dtype=torch.float64)
+
+    def grads(fn, q_, k_, v_):
+        q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q_, k_, v_))
+        out = fn(q_, k_, v_)
+        return torch.autograd.grad(out, (q_, k_, v_), gout.to(out.dtype), allow_unused=True), k_
+
+    m64 = mask.double() if mask is not None and mask.dtype != torch.bool else mask
+    ref, _ = grads(lambda a, b, d: _naive(a, b, d, m64, c["is_causal"], c["scale"], gqa), q.double(), ck.double(),
+                   cv.double())
+    naive, _ = grads(lambda a, b, d: _naive(a, b, d, mask, c["is_causal"], c["scale"], gqa), q, ck, cv)
+    # The floor for gradients that are exactly 0 in float64 (one key: dq = dk = 0) where the naive
+    # computation happens to round to 0 too: rounding, in the accumulation dtype (float32 for half
+    # inputs), of the terms the backward sums: |dO|·|v| for dP = dO vᵀ, times |k|·|scale| (dq) or
+    # |q|·|scale| (dk), growing like sqrt(terms) over the E or Ev products and the L or S rows summed.
+    amax = lambda t: float(t.abs().max()) if t.numel() else 0.0  # noqa: E731
+    s_eff = abs(c["scale"]) if c["scale"] is not None else 1 / math.sqrt(c["E"])
+    terms = amax(gout) * max(1.0, amax(cv.double())) * max(1.0, amax(q.double()), amax(ck.double())) * max(1.0, s_eff)
+    acc_eps = torch.finfo(torch.float64 if c["dtype"] == torch.float64 else torch.float32).eps
+    floor = GRAD_FLOOR_EPS * acc_eps * max(1.0, terms) * math.sqrt(max(c["E"], c["Ev"]) * max(1, c["L"], c["S"]))
+    for method in EXACT:
+        try:
+            attnlab.explain(q, k, v, **kw, method=method, block_size=c["block"])
+        except ValueError:
+            continue
+        got, _ = grads(lambda a, b, d: attnlab.attention(a, b, d, **kw, method=method, block_size=c["block"]), q, k, v)
+        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+            g = torch.zeros_like(r) if g is None else g
+            n = torch.zeros_like(r) if n is None else n
+            assert not torch.isnan(g).any(), f"{method} {name}: NaN ({c})"
+            rounding = FLOOR_EPS * torch.finfo(c["dtype"]).eps * max(1.0, amax(r))  # the gradient's own dtype
+            budget = ERROR_FACTOR * _err(n, r) + floor + rounding
+
+            err = _err(g, r)
+            assert err <= budget, f"{method} {name}: error {err:.3g} > budget {budget:.3g} ({c})"

@@ -114,3 +114,17 @@ def test_bad_expect_is_one_line(argv, needle, capsys):
     assert main(["trace", "--scores", _scores_arg(), "--d-k", "4", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_trace_html_cells_are_heat_coloured():
+    t = tr.trace_scores([[2.0, -1.0, 0.0], [0.5, 1.0, -2.0]], d_k=1, options=tr.TraceOptions(scale="none"),
+                        labels=["<a>", "b"], mask=np.array([[True, True, False], [True, True, True]]))
+    page = tr.to_html(t)
+    rows = re.findall(r"<tr><th>[^<]*</th>(.*?)</tr>", page.split("2) similarity scores")[1].split("</table>")[0])
+    styles = [re.findall(r"<td style='([^']*)'", r) for r in rows]
+    styles = [s for s in styles if s]  # the header row has no cells
+    assert styles[0][0] == "background:rgb(180,30,40);color:#fff"  # the largest magnitude: full red
+    assert styles[1][2] == "background:rgb(30,80,180);color:#fff"  # -2.0: as large, negative, full blue
+    assert "rgb(255,255,255)" in styles[0][2]  # zero stays white
+    masked = page.split("4) mask")[1].split("</table>")[0]
+    assert "background:#e8e8e8" in masked and "&lt;a&gt;" in page and "<a>" not in page

@@ -147,7 +147,7 @@ class AttentionProbe:
         for q0, q1, k0, k1, _, w in self._blocks():
             d = (torch.arange(k0, k1, device=w.device).unsqueeze(0) - torch.arange(q0, q1, device=w.device).unsqueeze(1)).abs()  # (bl, bk)
             b = torch.bucketize(d, edges, right=True) - 1  # bin index per pair
-            hist.scatter_add_(2, b.flatten().expand(N, H, -1), w.reshape(N, H, -1))
+            hist.scatter_add_(2, b.flatten().expand(N, H, -1), w.reshape(N, H, d.numel()))  # not -1: N or H may be 0
         hist = hist / max(L, 1)
         return hist.reshape(self._lead[:-2] + (H, len(edges))) if len(self._lead) >= 2 else hist[0, 0], edges
 

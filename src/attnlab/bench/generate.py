@@ -23,6 +23,10 @@ __all__ = ["build_parser", "run", "GenerateBench"]
 
 @dataclass
 class GenerateBench:
+    """Result of one ``bench generate`` run: the model's settings, one row per context length (tokens/s
+    with and without the KV cache, prefill and decode seconds, ``speedup`` = cache / no cache, and
+    ``same_tokens``: both runs generated the same ids), the environment, and ``exit_code`` (1 if any
+    context's two runs disagreed)."""
     out_dir: str
     model: dict
     rows: list[dict] = field(default_factory=list)
@@ -31,6 +35,8 @@ class GenerateBench:
 
 
 def build_parser(p):
+    """Add ``bench generate``'s options (--quick, --out, --contexts, --new-tokens, --repeats, model sizes,
+    --mechanism, --threads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="tiny model, contexts 64 and 128 (seconds)")
     p.add_argument("--out", default="reports/bench-generate", help="output folder (default reports/bench-generate)")
     p.add_argument("--contexts", type=positive_int_list, default=None,
@@ -75,6 +81,15 @@ def _decode_times(model, prompt: torch.Tensor, n_new: int, use_cache: bool, repe
 
 
 def run(args) -> GenerateBench:
+    """Run the generation benchmark with the parsed options ``args`` and return its :class:`GenerateBench`.
+
+    Builds a seeded random :class:`~attnlab.nn.TransformerLM` (vocab 1000, RoPE) and, per context length
+    C, generates ``--new-tokens`` n tokens greedily from a [1, C - n] prompt with and without the KV
+    cache, timing ``generate`` and the decode steps alone. With the cache a decode step attends in O(C·d)
+    per layer; without, it re-runs the whole prefix (O(C²·d) attention per layer). Writes generate.json and generate.png to
+    ``args.out`` and prints a table. Raises ValueError for n < 2, --repeats < 1, a context <= n, a width not divisible
+    by the heads, or a size that would not fit in memory. Torch's thread count is restored afterwards.
+    """
     output_dir(args.out)
     # quick mode changes the defaults, never a value given on the command line
     defaults = dict(contexts=[64, 128], new_tokens=4, repeats=1, d_model=64, layers=2, heads=4) if args.quick else \

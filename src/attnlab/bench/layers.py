@@ -340,6 +340,8 @@ def _fmt_b(b: int | None) -> str:
 
 
 def markdown(result: dict) -> str:
+    """The layers.md report of a :func:`run` result: the paper's Table 1 beside the derived structure,
+    measured times and memory, fitted exponents and the attention/recurrence crossover."""
     cfg = result["config"]
     env = result["environment"]
     lines = [
@@ -453,6 +455,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """Add ``bench layers``' options (--quick, --out, --ns, --ds, --layers, sizes, --threads, --no-memory,
+    --json) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="toy sizes, runs in seconds (what the tests run)")
     p.add_argument("--out", default="reports/bench-layers", help="folder for layers.json, layers.md, PNGs")
     p.add_argument("--ns", type=_int_list, help="sequence lengths, e.g. 32,128,512")
@@ -469,6 +473,15 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Run the per-layer benchmark with the parsed options ``args`` and return the result dict.
+
+    For every layer in --layers, d in --ds and n in --ns: :func:`measure` on x: [batch, n, d] (plus
+    :func:`structure` at the small ``structure_ns``), then the fitted slopes and the attention/recurrence
+    :func:`crossover`. Writes layers.json, layers.md, layers_time.png and layers_memory.png to ``args.out``
+    and prints tables (or the JSON with --json). Torch's thread count is set for the run and restored.
+    Raises ValueError for an unknown layer, an even kernel, or sizes whose [batch, n, n] attention
+    scores would not fit in memory.
+    """
     cfg = dict(QUICK if args.quick else FULL)
     for key in ("ns", "ds", "batch", "window", "kernel", "min_time", "threads"):
         if getattr(args, key, None) is not None:

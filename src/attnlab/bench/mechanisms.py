@@ -42,6 +42,9 @@ TUTORIAL_TABLE = {128: ("1M", "<1ms", "64KB"), 512: ("17M", "5-10ms", "1MB"), 20
 
 
 def build_parser(p):
+    """Add ``bench all``'s options (--out, --quick, --mechanisms, --lengths, shapes, repeats, budgets,
+    --isolation, --threads, the LRA and production tables, --resume, --force, --no-progress) to the
+    argparse parser ``p``."""
     p.add_argument("--out", default=None, help="output folder (default reports/bench-all)")
     p.add_argument("--quick", action="store_true", help="small grid, one worker process, seconds")
     p.add_argument("--mechanisms", default=None,
@@ -314,6 +317,8 @@ def _fmt_time(t) -> str:
 
 # -- the driver -----------------------------------------------------------------------------------------
 def default_mechanisms() -> tuple[list[str], str | None]:
+    """(names, why): torch_sdpa, naive and every registered mechanism, with ``why`` None; if the registry
+    cannot be listed, a fixed fallback list and the reason as ``why``."""
     from attnlab.experiments._common import mechanism_names
 
     names, why = mechanism_names()
@@ -428,6 +433,17 @@ def _measure(runner: _Runner, store: _Store, job: dict, section: str, prog, tid)
 
 
 def run(args):
+    """Run ``bench all`` with the parsed options ``args`` and return the result dict.
+
+    For each mechanism, lengths ascend until the predicted time or memory of the next one would pass the
+    budget (the reason lands in the report): query, key, value are [B, H, n, D]; each record holds the
+    median forward time, peak memory, FLOPs and GFLOP/s, and ratios to torch SDPA measured in the same
+    run. Then the tutorial's production table (naive vs SDPA, one head, D = 64) and an LRA-style
+    training-efficiency table. Every configuration is stored on disk as it finishes, so ``--resume``
+    continues a killed run; Ctrl-C or SIGTERM writes a partial report and sets ``exit_code`` 130. Writes
+    results.json, report.md, a CSV and plots to ``--out`` (default reports/bench-all) and renders a
+    summary. Raises ValueError for an unknown mechanism or a size < 1, before anything is measured.
+    """
     from attnlab.experiments import _common as C
 
     t0 = time.perf_counter()
@@ -640,6 +656,7 @@ def _analyse(records, mechs, lengths, peak, stopped, prod, lra, lra_lengths) -> 
 
 def _plots(out: Path, res) -> list[str]:
     from attnlab.experiments import _common as C
+    from attnlab.report import legend_outside, line_styles
 
     plt = C.plt()
     files = []
@@ -647,11 +664,13 @@ def _plots(out: Path, res) -> list[str]:
     for key, ylabel, fname in (("time_s", "median forward time (s)", "time.png"), ("peak_bytes", "peak memory (bytes)", "memory.png"),
                                ("time_vs_sdpa", "time / torch SDPA time", "ratio.png")):
         fig, ax = plt.subplots(figsize=(8, 5.5))
+        others = [m for m in res["mechanisms"] if m != REFERENCE]
+        style = dict(zip(others, line_styles(len(others))))
+        style[REFERENCE] = {"color": "black", "marker": "o", "linestyle": "-"}
         for m in res["mechanisms"]:
             pts = sorted((r["n"], r[key]) for r in ok if r["mechanism"] == m and r.get(key))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=m,
-                        color="black" if m == REFERENCE else None)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=3, lw=1.2, label=m, **style[m])
         if key != "time_vs_sdpa" and ok:
             n0 = min(r["n"] for r in ok)
             ys = [r[key] for r in ok if r["n"] == n0 and r.get(key)]
@@ -666,22 +685,24 @@ def _plots(out: Path, res) -> list[str]:
         ax.set_ylabel(ylabel)
         sh = res["shape"]
         ax.set_title(f"B={sh['B']}, H={sh['H']}, D={sh['D']}, float32, forward", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
         if ax.get_legend_handles_labels()[0]:  # an interrupted run may have nothing to label yet
-            ax.legend(fontsize=6, ncol=2)
+            legend_outside(ax)
         files.append(C.save_plot(fig, out / fname))
     if res["lra"]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        lstyle = dict(zip(res["mechanisms"], line_styles(len(res["mechanisms"]))))
         for m in res["mechanisms"]:
             pts = sorted((r["n"], r.get("speed_vs_vanilla"), r.get("memory_vs_vanilla")) for r in res["lra"]
                          if r["mechanism"] == m and "error" not in r)
             if pts:
-                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=m)
-                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", ms=3, lw=1, label=m)
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], ms=3, lw=1.2, label=m, **lstyle[m])
+                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], ms=3, lw=1.2, label=m, **lstyle[m])
         for ax, t in zip(axes, ("training steps/s vs vanilla", "peak memory vs vanilla")):
             ax.set_xlabel("n")
             ax.set_yscale("log")
             ax.set_title(t, fontsize=10)
-        axes[0].legend(fontsize=6, ncol=2)
+        legend_outside(axes[1])
         files.append(C.save_plot(fig, out / "lra.png"))
     return files
 

@@ -23,6 +23,10 @@ __all__ = ["build_parser", "run", "MiniLMBench"]
 
 @dataclass
 class MiniLMBench:
+    """Result of one ``bench minilm`` run on a [batch, tokens] batch of token ids: one row per
+    implementation (median seconds and every repeat, sentences/s, tokens/s, the largest absolute
+    difference of its [batch, 384] sentence embeddings from transformers-sdpa's, and its speed ratios to
+    transformers' sdpa and eager), the implementations skipped and why, and the environment."""
     out_dir: str
     batch: int
     tokens: int
@@ -34,10 +38,13 @@ class MiniLMBench:
     exit_code: int = 0
 
     def row(self, impl: str) -> dict | None:
+        """The row of implementation ``impl`` (e.g. "attnlab[auto]", "transformers[sdpa]"), or None."""
         return next((r for r in self.rows if r["impl"] == impl), None)
 
 
 def build_parser(p):
+    """Add ``bench minilm``'s options (--quick, --out, --batch, --tokens, --repeats, --mechanisms,
+    --threads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="batch 4 x 32 tokens, 2 repeats (seconds)")
     p.add_argument("--out", default="reports/bench-minilm", help="output folder (default reports/bench-minilm)")
     p.add_argument("--batch", type=positive_int, default=None, help="sentences per batch (default 32; quick 4)")
@@ -55,6 +62,15 @@ def _pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def run(args) -> MiniLMBench:
+    """Run the MiniLM encoding benchmark with the parsed options ``args`` and return its :class:`MiniLMBench`.
+
+    Times attnlab's MiniLM (one model per ``--mechanisms`` entry) and, when installed, transformers'
+    BertModel with sdpa and eager attention, all on the same local weights and one fixed unpadded
+    [batch, tokens] batch; each call is forward + mean pooling + L2 normalisation. Repeats are interleaved
+    after one warm-up round; medians are reported. Writes minilm.json and minilm.png to ``args.out`` and
+    prints a table. Raises ValueError for a size <= 0, more than 512 tokens, or a batch that would not fit
+    in memory. Torch's thread count is restored afterwards.
+    """
     # quick mode changes the defaults, never a value given on the command line
     defaults = {"batch": 4, "tokens": 32, "repeats": 2} if args.quick else {"batch": 32, "tokens": 128, "repeats": 5}
     batch, tokens, repeats = (defaults[n] if getattr(args, n) is None else getattr(args, n) for n in defaults)

@@ -34,6 +34,10 @@ TARGET_N, TARGET_PROCS = 32768, 4
 
 @dataclass
 class RankRecord:
+    """What one process measured for one configuration: its shard of ``local_len`` positions (query, key,
+    value each [B, H, local_len, E]), peak resident memory in MiB (with and without the inputs), wall time
+    of the call (forward, or forward + backward), and for ring ranks the bytes sent and the time spent
+    waiting on transfers."""
     config: str  # "single" | "ring-contiguous" | "ring-zigzag"
     procs: int
     rank: int
@@ -50,6 +54,10 @@ class RankRecord:
 
 @dataclass
 class RingBenchResult:
+    """Everything one ``bench ring`` run measured: every rank's :class:`RankRecord`, one ``summary`` row
+    per configuration (its worst rank's peak and the slowest rank's time, each as a ratio to the single
+    process), and ``target``: whether every ring layout's worst peak is <= 0.35x the single process's
+    (the issue-7 target, which ``applies`` only at n = 32768 over 4 processes)."""
     out_dir: str
     settings: dict
     records: list[RankRecord] = field(default_factory=list)
@@ -60,6 +68,8 @@ class RingBenchResult:
 
 
 def build_parser(p):
+    """Add ``bench ring``'s options (--procs, --quick, sizes, --layouts, --no-causal, --backward,
+    --block-size, --threads, --timeout, --out) to the argparse parser ``p``."""
     p.add_argument("--procs", type=positive_int, default=4, help="ranks in the ring (default 4)")
     p.add_argument("--quick", action="store_true", help="toy size: finishes in seconds")
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length n (default 32768; quick 512)")
@@ -197,6 +207,14 @@ def _settings(args) -> dict:
 
 
 def run(args) -> RingBenchResult:
+    """Run the ring benchmark with the parsed options ``args`` and return its :class:`RingBenchResult`.
+
+    Starts one process with the whole sequence (query, key, value [B, H, n, E] through
+    ``attnlab.attention``), then ``--procs`` processes per layout running ``ring_attention`` on their
+    shards, each in fresh processes via ``attnlab.distributed.run_local`` (gloo). Writes ring.json and a
+    plot to ``args.out`` and prints a table. Raises ValueError for fewer than 2 processes or a sequence
+    shorter than 2 positions per rank, and RuntimeError if any rank produced non-finite outputs.
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -264,7 +282,8 @@ def _write(result: RingBenchResult, out_dir: Path) -> None:
         ax.set_xticks(range(P))
         ax.set_xlabel("rank")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
+        # below the axes: a legend inside would cover a bar
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     st = result.settings
     fig.suptitle(f"ring attention, {P} processes vs one: n={st['n']}, B={st['batch']}, H={st['heads']}, "
                  f"E={st['head_dim']}, {'causal' if st['causal'] else 'full'}"

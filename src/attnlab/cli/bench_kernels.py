@@ -4,13 +4,11 @@ from __future__ import annotations
 import sys
 
 from attnlab.bench.kernels import KernelsConfig, run as run_kernels
+from attnlab.options import nonneg_int, output_dir, positive_int, positive_int_list
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    return tuple(positive_int_list(text))
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -25,27 +23,29 @@ QUICK = dict(dense_ns=(1024,), bf16_ns=(1024,), window_ns=(1024, 2048, 4096), wi
 
 
 def build_parser(p):
+    """Options of ``attnlab bench kernels``; each defaults to KernelsConfig's (the issue-14 sizes)."""
     d = KernelsConfig()
     p.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
     p.add_argument("--quick", action="store_true", help="small sizes (n <= 4096): minutes, for a first look")
     p.add_argument("--dense-ns", type=_ints, help=f"dense fp32 lengths (default {','.join(map(str, d.dense_ns))})")
     p.add_argument("--bf16-ns", type=_ints, help=f"bf16 lengths (default {','.join(map(str, d.bf16_ns))})")
-    p.add_argument("--window", type=int, help=f"causal sliding window (default {d.window})")
+    p.add_argument("--window", type=positive_int, help=f"causal sliding window (default {d.window})")
     p.add_argument("--window-ns", type=_ints, help=f"window lengths (default {','.join(map(str, d.window_ns))})")
     p.add_argument("--window-bwd-ns", type=_ints, help="window lengths also timed forward+backward")
-    p.add_argument("--sparse-n", type=int, help=f"block-sparse length (default {d.sparse_n})")
+    p.add_argument("--sparse-n", type=positive_int, help=f"block-sparse length (default {d.sparse_n})")
     p.add_argument("--densities", type=_floats, help="block-sparse densities (default 0.05,0.1,0.25)")
-    p.add_argument("--memory-n", type=int, help=f"fwd+bwd peak-memory length, 0 = skip (default {d.memory_n})")
-    p.add_argument("--baseline-max-n", type=int, help="largest n for SDPA is_causal / FlexAttention in the window sweep")
+    p.add_argument("--memory-n", type=nonneg_int, help=f"fwd+bwd peak-memory length, 0 = skip (default {d.memory_n})")
+    p.add_argument("--baseline-max-n", type=positive_int, help="largest n for SDPA is_causal / FlexAttention in the window sweep")
     p.add_argument("--methods", help=f"attnlab methods on dense inputs (default {','.join(d.methods)})")
     p.add_argument("--pattern-methods", help=f"attnlab methods on patterns (default {','.join(d.pattern_methods)})")
-    p.add_argument("--rounds", type=int, help=f"interleaved rounds per case (default {d.rounds})")
+    p.add_argument("--rounds", type=positive_int, help=f"interleaved rounds per case (default {d.rounds})")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--no-contention", action="store_true", help="skip the busy-CPU repeat")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
 
 
 def config_from_args(args) -> KernelsConfig:
+    """KernelsConfig from parsed options: --quick's sizes first, then every option given explicitly."""
     kw = dict(QUICK) if args.quick else {}
     for name in ("dense_ns", "bf16_ns", "window", "window_ns", "window_bwd_ns", "sparse_n", "densities",
                  "baseline_max_n", "rounds", "threads"):
@@ -58,10 +58,11 @@ def config_from_args(args) -> KernelsConfig:
         v = getattr(args, name)
         if v is not None:
             kw[name] = tuple(m.strip() for m in v.split(",") if m.strip())
-    return KernelsConfig(out=args.out, flex=not args.no_flex, contention=not args.no_contention, **kw)
+    return KernelsConfig(out=str(output_dir(args.out)), flex=not args.no_flex, contention=not args.no_contention, **kw)
 
 
 def run(args):
+    """Run the benchmark with a progress line on stderr; print the CPU, the peaks and every headline ratio."""
     cfg = config_from_args(args)
     cfg.validate()
     tty = sys.stderr.isatty()
@@ -73,7 +74,12 @@ def run(args):
         else:
             print(line, file=sys.stderr, flush=True)
 
-    res = run_kernels(cfg, progress=progress)
+    try:
+        res = run_kernels(cfg, progress=progress)
+    except KeyboardInterrupt:
+        if tty:
+            print(file=sys.stderr)  # end the progress line; main() says what was kept
+        raise
     print(f"cpu: {res.cpu_summary}")
     print("matmul peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peaks_gflops.items()))
     for r in res.ratios:

@@ -732,12 +732,13 @@ def progress(disable: bool = False):
 
 def write_results(out: Path, results: dict, report_md: str) -> dict:
     """Write results.json and report.md atomically; returns the paths."""
-    from attnlab.report import atomic_write_json, atomic_write_text
+    from attnlab.report import atomic_write_json, atomic_write_text, render_markdown_file
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "report.md", report_md)
-    return {"results": str(out / "results.json"), "report": str(out / "report.md")}
+    html = render_markdown_file(out / "report.md", f"attnlab {out.name} report")  # readable in a browser
+    return {"results": str(out / "results.json"), "report": str(out / "report.md"), "html": str(html)}
 
 
 def save_plot(fig, path: Path) -> str:
@@ -856,7 +857,9 @@ def plot_curves(runs: list[dict], group_of: Callable[[dict], str], panel_of: Cal
     pyplot = plt()
     panels = sorted({panel_of(r) for r in runs})
     groups = sorted({group_of(r) for r in runs})
-    colors = {g: pyplot.cm.tab10(i % 10) for i, g in enumerate(groups)}
+    from ..report import line_styles
+
+    styles = {g: st for g, st in zip(groups, line_styles(len(groups)))}  # distinct past 10 groups
     fig, axes = pyplot.subplots(len(panels), len(keys), figsize=(5 * len(keys), 3.2 * len(panels)), squeeze=False)
     for pi, panel in enumerate(panels):
         for ki, (key, title, logy) in enumerate(keys):
@@ -870,8 +873,9 @@ def plot_curves(runs: list[dict], group_of: Callable[[dict], str], panel_of: Cal
                 if not pts:
                     continue
                 g = group_of(r)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[g], lw=1, alpha=0.8,
-                        label=g if g not in seen else None)
+                st = styles[g]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=st["color"], linestyle=st["linestyle"], lw=1,
+                        alpha=0.8, label=g if g not in seen else None)
                 seen.add(g)
             if logy:
                 ax.set_yscale("log")

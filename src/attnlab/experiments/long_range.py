@@ -29,6 +29,8 @@ QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "lay
 
 
 def build_parser(p):
+    """Add ``experiment long-range``'s options (the common ones, --seq-len, --tasks, --mechanisms, model
+    and data sizes, --recall-queries, --no-token-shift, --report-only) to the argparse parser ``p``."""
     C.add_common_args(p, seeds="0")
     p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default 1024; quick 128)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {', '.join(TASKS)}")
@@ -74,6 +76,16 @@ def _datasets(tasks, T, n_train, n_test, seed, recall_queries=1):
 
 
 def run(args):
+    """Train every mechanism on every task (ListOps, associative recall, selective copy; token ids
+    [batch, seq_len]) with the same budget, and return the result dict: accuracy per task, training
+    steps/s and peak memory relative to vanilla SDPA, in the layout of Tay et al. 2020 (LRA) Tables 1-2.
+
+    Each run checkpoints to --out (default reports/long-range), so --resume continues a killed run and
+    --report-only reports finished runs without training; Ctrl-C or SIGTERM writes a partial report and
+    sets ``exit_code`` 130. Default mechanisms that cannot run at --seq-len are listed as refused (one
+    named in --mechanisms raises instead). Torch's thread count is set to --threads while it runs. Raises ValueError for bad options (--seq-len < 32, unknown
+    tasks or mechanisms, --d-model not a multiple of 32, ...).
+    """
     with C.threads(args.threads):
         return _run(args)
 
@@ -275,16 +287,40 @@ def _lra_table(runs, tasks, baselines) -> list[dict]:
     return rows
 
 
+def _plain_log_x(ax) -> None:
+    """Plain-number ticks on a log x axis (10, 20, 50); over less than a factor 4, four evenly spaced ticks
+    (the default labels 1.02×10¹, 1.04×10¹ … ran into each other)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, NullLocator
+
+    lo, hi = ax.get_xlim()
+    fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+    if lo > 0 and hi / lo < 4:
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.xaxis.set_minor_locator(NullLocator())
+    else:
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(fmt)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _plot(out, table, tasks, baselines):
     plt = C.plt()
+    from ..report import line_styles
+
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4.2), squeeze=False)
+    names = [r["mechanism"] for r in table]
+    # one colour + marker per mechanism, named in a legend outside the axes: text labels beside the
+    # points overlapped wherever mechanisms ran at similar speed and accuracy
+    style = dict(zip(names, line_styles(len(names))))
     for ax, t in zip(axes[0], tasks):
         for r in table:
             a = r["accuracy"].get(t)
             if r["steps_per_s"] and a is not None:
                 size = 30 + 200 * (r["memory_vs_vanilla"] or 1.0)
-                ax.scatter(r["steps_per_s"], a, s=size, alpha=0.5, color="black" if r["mechanism"] == VANILLA else None)
-                ax.annotate(r["mechanism"], (r["steps_per_s"], a), fontsize=7)
+                st = style[r["mechanism"]]
+                ax.scatter(r["steps_per_s"], a, s=size, alpha=0.6, marker=st["marker"],
+                           color="black" if r["mechanism"] == VANILLA else st["color"], edgecolors="white",
+                           linewidths=0.5, label=r["mechanism"])
         b = baselines[t]
         ax.axhline(b["majority"], color="red", ls="--", lw=1, label="majority class")
         ax.axhline(b["majority"] + b["margin"], color="red", ls=":", lw=0.8, label="+3 s.e. (learned above)")
@@ -292,7 +328,15 @@ def _plot(out, table, tasks, baselines):
         ax.set_xlabel("training steps/s")
         ax.set_ylabel("held-out accuracy")
         ax.set_title(t, fontsize=10)
-        ax.legend(fontsize=7)
+        _plain_log_x(ax)
+    from matplotlib.lines import Line2D
+
+    # legend markers at one size (in the plot their area is the memory ratio), drawn as proxies so the
+    # plotted points keep their sizes
+    handles = [Line2D([], [], linestyle="none", marker=style[m]["marker"], markersize=7, alpha=0.8,
+                      color="black" if m == VANILLA else style[m]["color"], label=m) for m in names]
+    handles += axes[0][-1].get_legend_handles_labels()[0][-2:]  # the two baseline lines
+    fig.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.suptitle("accuracy vs training speed (marker area ∝ peak memory vs vanilla)", fontsize=10)
     fig.tight_layout()
     return C.save_plot(fig, out / "lra.png")

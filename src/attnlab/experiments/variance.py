@@ -34,6 +34,8 @@ SENTENCES = (
 
 
 def build_parser(p):
+    """Add ``experiment variance``'s options (the common ones, --d-k, --keys, --rows, --no-minilm) to the
+    argparse parser ``p``."""
     C.add_common_args(p, seeds="0")
     p.add_argument("--d-k", default=None, help="comma-separated d_k values (default 16..1024)")
     p.add_argument("--keys", type=positive_int, default=None, help="keys per query row (default 128; quick 64)")
@@ -66,6 +68,9 @@ def measure(q: torch.Tensor, k: torch.Tensor, scale: float, seed: int = 0) -> di
 
 
 def random_records(dks, rows: int, keys: int, seed: int) -> list[dict]:
+    """For each d_k in ``dks`` and each of SCALINGS: :func:`measure` on float64 q [rows, d_k] and
+    k [keys, d_k] with i.i.d. N(0, 1) entries (seeded per (seed, d_k)); each record also holds the
+    theoretical variance d_k·scale² of the scaled scores."""
     recs = []
     for d in dks:
         g = torch.Generator().manual_seed(seed * 7919 + d)
@@ -210,6 +215,11 @@ def _plots(out, recs, source_name: str, fname: str):
 
 
 def run(args):
+    """Measure Var(q·k), max weight, entropy and score gradients against d_k for the scales 1, 1/√d_k and
+    1/d_k, on random inputs (averaged over --seeds) and, unless --no-minilm, on MiniLM's real queries
+    and keys; fit the log-log slope of the variance against d_k (theory: 1, 0, -1). Writes report.md,
+    results.json, variance.png and (when MiniLM ran) minilm.png to --out (default reports/variance) and returns the
+    results dict. Raises ValueError for --rows or --keys < 2."""
     with C.threads(args.threads):
         return _run(args)
 

@@ -192,7 +192,8 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
 # Note [Out-of-place gradient sums]: the backward sums each block's gradient into a dict and assembles
 # the result with one cat, instead of adding into slices of a zero tensor in place: under torch.func.vmap
 # (batched gradients, gradcheck's check_batched_grad) the incoming gradient is batched and an in-place
-# add into an unbatched buffer is impossible. Peak memory is the same (one gradient-sized buffer each).
+# add into an unbatched buffer is impossible. Memory: one gradient-sized set of block sums each, plus the
+# cat's copy at the end.
 def _add(parts: dict, start: int, g: torch.Tensor) -> None:
     parts[start] = g if start not in parts else parts[start] + g
 

@@ -7,7 +7,7 @@
 
 Accepted ``attentions`` (weights after softmax, values in [0, 1]):
 - a tuple or list with one tensor per layer: [B, H, L, S] (Hugging Face), [H, L, S] or [L, S];
-- an object with ``.attentions`` (a Hugging Face model output) or ``.weights()`` (``attnlab.inspect.capture``);
+- an object with ``.attentions`` (a Hugging Face model output) or ``.weights()`` (``attnlab.capture.capture``);
 - one tensor: [L, S] (one head), [H, L, S] (one layer), [layers, H, L, S] or [layers, B, H, L, S].
 torch tensors on any device and dtype, or numpy arrays. Self-attention only: L = S = len(tokens).
 """
@@ -75,7 +75,7 @@ def _layers(attentions, batch_index: int) -> list[torch.Tensor]:
             raise ValueError("the model output has attentions=None: call the model with output_attentions=True "
                              "(Hugging Face: and attn_implementation='eager', since SDPA kernels return no weights)")
         attentions = att
-    elif callable(getattr(attentions, "weights", None)):  # attnlab.inspect.capture's result
+    elif callable(getattr(attentions, "weights", None)):  # attnlab.capture.capture's result
         attentions = attentions.weights()
     if isinstance(attentions, (torch.Tensor, np.ndarray)):
         t = _as_tensor(attentions, "attentions")
