@@ -71,9 +71,11 @@ def test_explain_pattern_layouts_over_budget_are_refused(capsys, budget):
     (["experiment", "long-range", "--quick", "--seq-len", "100000000"], "--seq-len 100000000"),
     (["experiment", "approximation", "--quick", "--n", "10000000"], "--n 10000000"),
     (["bench", "layers", "--quick", "--ns", "1000000"], "--ns 1000000"),
+    (["bench", "kernels", "--quick", "--dense-ns", "10000000"], "a length of 10000000"),
+    (["tour", "--memory-n", "100000"], "--memory-n 100000"),
 ])
 def test_absurd_sizes_are_refused_before_allocating(argv, names, capsys, budget, tmp_path):
-    line = one_line_error(argv + (["--out", tmp_path / "o"] if argv[0] in ("experiment", "bench") else []), capsys,
+    line = one_line_error(argv + ["--out", tmp_path / "o"] if argv[0] in ("experiment", "bench", "tour") else argv, capsys,
                           contains=(names, "would need about", "memory budget of 4 GiB"))
     assert not (tmp_path / "o").exists()  # refused before anything was written
 
