@@ -7,11 +7,12 @@
 so tests can call ``main([...])`` and inspect what it returned and wrote.
 
 Note [One error boundary]: every failure leaves through ``main`` as one line on stderr and a non-zero
-exit code, never a traceback: bad options (argparse, and ``UsageError`` / ``ValueError`` / ``TypeError``
-from the commands and the library) exit 2; files that cannot be read or written, memory that cannot be
-had and nesting too deep to parse exit 1; anything else exits 1 with its type named (``ATTNLAB_TRACEBACK=1``
-shows the traceback for a bug report). Ctrl-C exits 130 with one line saying what was kept and how to
-resume.
+exit code, never a traceback. Bad input exits 2: argparse's errors (one line, no usage block), and
+``UsageError`` / ``ValueError`` / ``TypeError`` from the commands and the library, a missing file, input
+nested too deeply to parse. What the machine refuses exits 1: memory that cannot be had, files that
+cannot be written. Anything else is a bug and exits 1 with its type named (``ATTNLAB_TRACEBACK=1``
+shows the traceback). Ctrl-C exits 130 with one line saying what was kept and how to resume
+(``interrupted_message``).
 """
 from __future__ import annotations
 
