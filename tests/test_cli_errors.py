@@ -280,12 +280,16 @@ def test_keyboard_interrupt_in_process(capsys, monkeypatch):
 
 
 def test_keyboard_interrupt_stops_the_whole_tour(capsys, monkeypatch, tmp_path):
-    import attnlab.cli.tour as T
+    import attnlab.tour as T
 
     ran = []
-    monkeypatch.setattr(T, "_explain", lambda out: (_ for _ in ()).throw(KeyboardInterrupt()))
-    monkeypatch.setattr(T, "_trace", lambda out: ran.append("trace") or ("ok", "", []))
-    rc, err, _ = run(["tour", "--skip", "variance,viz,bench", "--out", tmp_path], capsys)
+
+    def interrupted(*a):
+        raise KeyboardInterrupt()
+
+    monkeypatch.setitem(T._RUN, "explain", interrupted)
+    monkeypatch.setitem(T._RUN, "trace", lambda *a: ran.append("trace"))
+    rc, err, _ = run(["tour", "--no-progress", "--skip", "variance,viz,speed,memory,heads", "--out", tmp_path], capsys)
     assert rc == 130 and ran == [] and len(err) == 1 and "attnlab tour: interrupted" in err[0]
 
 
