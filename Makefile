@@ -19,7 +19,7 @@ $(BIN)/python:
 # again, and could pull a multi-GB CUDA build); its C++ extension needs setuptools and ninja first.
 $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard src/attnlab/csrc/*)
 	$(BIN)/pip install -q torch==2.13.0 'setuptools>=68' wheel ninja
-	$(BIN)/pip install -q --no-build-isolation -e '.[test,minilm,hf]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,minilm,hf,serve]'
 	touch $(STAMP)
 
 venv: $(STAMP)

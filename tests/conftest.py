@@ -21,9 +21,10 @@ SLOW_MODULES = {
     "test_bench_all", "test_bench_core", "test_bench_layers", "test_browser", "test_distributed",
     "test_distributed_bench", "test_distributed_ring", "test_experiments", "test_approximation",
     "test_retrieve", "test_retrieve_minilm", "test_heads", "test_minilm_bench", "test_trace_minilm",
-    "test_hf", "test_tour",
+    "test_hf", "test_tour", "test_capture", "test_bench_kernels",
 }
-SLOW_TESTS = {"test_png_heatmaps", "test_cli_viz", "test_fixed_pattern_skips_work_on_narrow_key_blocks",
+SLOW_TESTS = {"test_png_heatmaps", "test_cli_viz", "test_bert_attentions_round_trip",
+              "test_fixed_pattern_skips_work_on_narrow_key_blocks",
               "test_list_shows_every_mechanism_with_its_spec", "test_cli_formats_and_failure_switches",
               "test_ring_attention_causal_negative_scale"}
 

@@ -15,6 +15,7 @@ from attnlab import capture as C
 from attnlab.models import minilm
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # MiniLM and HF BertModel loads (tests/conftest.py: MiniLM tests are slow)
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Attention, please."]  # the second one is padded
 FP32_FACTOR = 3.0  # as tests/test_minilm.py: error against float64 at most 3x HF eager's own float32 error
@@ -87,6 +88,21 @@ def test_cached_weights_equal_hf_eager_attentions(model, batch, cached):
         w = cache[f"blocks.{i}.attn.weights"].double().masked_fill(~real, 0)
         assert_close(w, sm, 1e-6, what=f"layer {i}: weights vs softmax(cached scores)")
         assert torch.isinf(cache[f"blocks.{i}.attn.scores"][1, :, :, batch["attention_mask"][1] == 0]).all()
+
+
+def test_cache_draws_in_viz_show(model, batch, cached, tmp_path):
+    from attnlab import viz
+
+    _, cache = cached
+    assert [w.shape for w in cache.weights()] == [cache[f"blocks.{i}.attn.weights"].shape for i in range(6)]
+    show = getattr(viz, "show", None)
+    if show is None:
+        pytest.skip("attnlab.viz.show is not on this branch")
+    show(cache, batch["tokens"][0]).save(tmp_path / "cache.html")
+    assert (tmp_path / "cache.html").stat().st_size > 0
+    _, only_q = C.run_with_cache(model, batch["input_ids"], names=["blocks.0.attn.q"])
+    with pytest.raises(ValueError, match="no weights were cached"):
+        only_q.weights()
 
 
 def test_z_and_out_are_the_layer_arithmetic(model, cached):
@@ -189,3 +205,34 @@ def test_inspect_is_a_deprecated_alias():
         warnings.simplefilter("ignore")
         with pytest.raises(AttributeError, match="deprecated alias"):
             mod.nothing_here
+
+
+def test_scores_follow_cache_offset_gqa_pattern_and_padding():
+    """Generic MultiHeadAttention: GQA, a sliding-window pattern, causal decoding with a KV cache and key
+    padding; softmax(cached scores) equals the layer's own weights and masked pairs are exactly -inf."""
+    from attnlab import patterns as P
+    from attnlab.nn import LayerCache, MultiHeadAttention
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, pattern=P.sliding_window(2)).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 0] = True  # the first key of sequence 1 is padding
+    cache = LayerCache()
+    names = [C.activation_name(0, "scores"), C.activation_name(0, "weights"), C.activation_name(0, "k")]
+    with C.cache_activations(mha, names) as prefill:
+        mha(x[:, :5], key_padding_mask=kpm[:, :5], is_causal=True, cache=cache)
+    with C.cache_activations(mha, names) as step:
+        _, w = mha(x[:, 5:], key_padding_mask=kpm, is_causal=True, cache=cache, need_weights=True,
+                   average_attn_weights=False)
+    assert step[names[2]].shape == (2, 2, 6, 4)  # GQA keys, cache included
+    assert torch.equal(step[names[1]], w)
+    for got, L, off in ((prefill, 5, 0), (step, 1, 5)):
+        s = got[names[0]]
+        i = torch.arange(off, off + L)[:, None]
+        j = torch.arange(off + L)[None, :]
+        keep = (j <= i) & (i - j <= 2)  # causal and within the window
+        keep = keep[None, None] & ~kpm[:, None, None, :off + L]
+        assert torch.isinf(s[~keep.expand_as(s)]).all() and torch.isfinite(s[keep.expand_as(s)]).all()
+        sm = torch.nan_to_num(torch.softmax(s, -1))  # a row with no key left: zeros, as attention gives
+        assert_close(sm, got[names[1]], 1e-12, what=f"softmax(scores), offset {off}")

@@ -248,6 +248,9 @@ def test_attention_with_pattern_equals_reference(idx, method):
     q, k, v = (torch.randn(2, 3, n, 5, dtype=torch.float64) for n in (L, S, S))
     m = pat.materialize(L, S)
     ro, _ = reference.attention(q, k, v, attn_mask=m)
+    refused = attnlab.explain(q, k, v, pattern=pat, block_size=4).refused.get(method)
+    if refused and method == "compiled":  # the extension is optional (no compiler, ATTNLAB_NO_EXT=1)
+        pytest.skip(f"method='compiled' refused here: {refused}")
     out = attnlab.attention(q, k, v, pattern=pat, method=method, block_size=4)
     assert_close(out, ro, **TOL[torch.float64], what=f"{method} {pat!r}")
 

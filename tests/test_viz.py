@@ -127,7 +127,7 @@ def test_minilm_page_weights_match_model():
     text = "Attention is all you need."
     data = viz.attention_data(text, model="minilm")
     enc = m.tokenize(text)
-    from attnlab.inspect import capture
+    from attnlab.capture import capture
 
     with torch.no_grad(), capture(m) as cap:  # capture hooks on the real model
         out = m.forward(enc["input_ids"], enc["attention_mask"])

@@ -127,6 +127,15 @@ class ActivationCache:
     def items(self):
         return self.store.items()
 
+    def weights(self) -> list[torch.Tensor]:
+        """The cached weights [B, H, L, S] of every module that has them, in module order (as
+        ``Capture.weights()`` gives them, so ``attnlab.viz.show(cache, tokens)`` draws an ActivationCache)."""
+        out = [self.store[n] for n in (activation_name(i, "weights") for i in range(len(self.modules)))
+               if n in self.store]
+        if not out:
+            raise ValueError("no weights were cached: cache 'blocks.{i}.attn.weights' (names=None caches all)")
+        return out
+
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """The activations of ``blocks.{i}`` by kind (q, k, v, ...)."""
         pre = f"blocks.{i}.attn."

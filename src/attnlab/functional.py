@@ -12,6 +12,7 @@ import torch
 
 from . import cpu as _cpu
 from . import patterns as P
+from .kernels import compiled as _compiled
 from .kernels import dense as _dense
 from .kernels import fused as _fused
 from .kernels import sparse as _sparse
@@ -22,7 +23,7 @@ from .shapes import AttentionInputError, AttentionInputs, check_attention_inputs
 
 __all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "Plan", "METHODS", "Prepared", "prepare"]
 
-METHODS = ("auto", "dense", "sdpa", "tiled", "sparse")
+METHODS = ("auto", "dense", "sdpa", "tiled", "sparse", "compiled")
 #: auto returns weights from the dense kernel while its [N, H, L, S] scores stay under this budget
 DENSE_WEIGHTS_BUDGET = 256 * 2**20
 #: auto uses the gathered block-sparse kernel when at least this fraction of blocks is empty
@@ -33,6 +34,17 @@ SPARSE_QUERY_ROWS = 256  # query rows per block for patterns with narrow key blo
 #: machine (B·H batches of [block, ~block + 256] problems); relative values choose a band's block size
 SPARSE_BLOCK_SPEED = {32: 49.0, 64: 60.0, 128: 65.0, 256: 77.0}
 DEFAULT_TILED_BLOCK = (512, 512)
+#: the compiled kernel's relative speed (dense fp32, B=1, H=8, D=64, n=4096, both cores) at each
+#: (block_q, block_k): larger tiles run faster per pair, smaller ones skip more of a band's empty area
+COMPILED_BLOCK_SPEED = {(64, 64): 0.69, (128, 128): 0.78, (128, 256): 0.83, (256, 256): 0.9, (256, 512): 1.0}
+COMPILED_DENSE_BLOCK = (256, 512)
+#: auto prefers the gathered kernel only when it computes this many times less than the compiled one
+#: (its narrow key blocks fit patterns like fixed; per pair it is slower, see issue 14's figures)
+SPARSE_OVER_COMPILED = 2.0
+COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skipped at this grain
+#: dtypes for which auto runs plain dense / causal inputs (no other mask) on the compiled kernel rather
+#: than SDPA: measured no faster than SDPA for fp32 and bf16 (see _plan)
+COMPILED_DENSE_DTYPES: tuple = ()
 
 
 # -- preparation: validate, flatten to 4-D, describe the mask ---------------------------------------
@@ -40,17 +52,35 @@ DEFAULT_TILED_BLOCK = (512, 512)
 class Prepared:
     info: AttentionInputs
     q: torch.Tensor  # (N, H, L, E)
-    k: torch.Tensor  # (N, H, S, E), key/value heads repeated under GQA
-    v: torch.Tensor  # (N, H, S, Ev)
+    kv_k: torch.Tensor  # (N, Hkv, S, E) as given, dead keys zeroed; GQA heads not repeated
+    kv_v: torch.Tensor  # (N, Hkv, S, Ev)
     mask: MaskSpec
     is_causal_only: bool  # the mask is exactly top-left causal (SDPA's is_causal)
     out_shape: tuple[int, ...]
     dropout_p: float
     mask_requires_grad: bool
+    _repeated: dict = field(default_factory=dict, repr=False)
 
     @property
     def N(self) -> int:
         return self.q.shape[0]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """(N, H, S, E): key heads repeated under GQA, built on first use (the compiled kernel reads kv_k)."""
+        return self._heads("k", self.kv_k)
+
+    @property
+    def v(self) -> torch.Tensor:
+        """(N, H, S, Ev), as ``k``."""
+        return self._heads("v", self.kv_v)
+
+    def _heads(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if self.info.H == self.info.Hkv:
+            return t
+        if name not in self._repeated:
+            self._repeated[name] = t.repeat_interleave(self.info.groups, dim=1)
+        return self._repeated[name]
 
 
 def _to4d(t: torch.Tensor) -> torch.Tensor:
@@ -80,10 +110,7 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if pattern is not None and not isinstance(pattern, P.Pattern):
         raise TypeError(f"pattern must be an attnlab.patterns.Pattern, got {type(pattern).__name__}")
-    q, k, v = _to4d(query), _to4d(key), _to4d(value)
-    if info.H != info.Hkv:
-        k = k.repeat_interleave(info.groups, dim=1)  # (N, H, S, E)
-        v = v.repeat_interleave(info.groups, dim=1)
+    q, k, v = _to4d(query), _to4d(key), _to4d(value)  # k, v: (N, Hkv, S, E)
     N = q.shape[0]
     if pattern is not None and pattern.batch_size and pattern.batch_size != N:
         raise ValueError(
@@ -101,13 +128,16 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if is_causal:
         pat = P.causal() if pat is None else (pat & P.causal())
     mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias)
-    k, v = _zero_dead_keys(k, v, mask)
+    k, v, per_head = _zero_dead_keys(k, v, mask, info.groups)
     causal_only = is_causal and pattern is None and attn_mask is None
-    return Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
-                    bool(attn_mask is not None and attn_mask.requires_grad))
+    p = Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
+                 bool(attn_mask is not None and attn_mask.requires_grad))
+    if per_head is not None:
+        p._repeated.update(k=per_head[0], v=per_head[1], dead_per_head=True)
+    return p
 
 
-def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec):
+def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, groups: int = 1):
     """Zero the key and value rows of keys that no query may attend (padding), so that whatever they
     hold — even NaN or Inf — cannot reach the output through NaN scores or 0·NaN in a matrix product.
 
@@ -128,9 +158,18 @@ def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec):
             d = ~kk.to(v.device).view(kk.shape[0], 1, -1)  # (N, 1, S)
             dead = d if dead is None else dead | d
     if dead is None or not bool(dead.any()):
-        return k, v
+        return k, v, None
     dead = dead.unsqueeze(-1)  # (N|1, H|1, S, 1)
-    return k.masked_fill(dead, 0), v.masked_fill(dead, 0)
+    per_head = None
+    if groups > 1 and dead.shape[1] > 1:
+        # GQA: k, v have H / groups heads; a key is zeroed there when dead for its whole group, and the
+        # per-head copies (made now) also zero keys dead for only some heads of a group
+        by_group = dead.view(dead.shape[0], -1, groups, *dead.shape[2:])
+        if not bool((by_group.all(2) == by_group.any(2)).all()):
+            per_head = (k.repeat_interleave(groups, dim=1).masked_fill(dead, 0),
+                        v.repeat_interleave(groups, dim=1).masked_fill(dead, 0))
+        dead = by_group.all(2)
+    return k.masked_fill(dead, 0), v.masked_fill(dead, 0), per_head
 
 
 def _pattern_keys(p):
@@ -165,7 +204,7 @@ class Plan:
             if m in self.peak_bytes:
                 cost = f"peak ≈ {_fmt_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
-            lines.append(f"  {m:<7} {state:<50} {cost}")
+            lines.append(f"  {m:<8} {state:<50} {cost}")
         lines.append(f"cpu: {_cpu.summary()}")
         return "\n".join(lines)
 
@@ -206,7 +245,9 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
         t_computed = int((tl != P.EMPTY).sum()) * tq * tk if tl is not None else L * S
     t_computed = min(t_computed, max(L, 1) * max(S, 1) * 4)
 
-    backend = _fused.sdpa_backend(p.q, p.k, p.v, None if p.mask.is_trivial or p.is_causal_only else (
+    # the backend depends on shapes and dtypes, not on GQA's repeated copies (which it would force)
+    kb, vb = (p.kv_k, p.kv_v) if info.H == info.Hkv else (p.kv_k[:, :1].expand(N, H, S, E), p.kv_v[:, :1].expand(N, H, S, Ev))
+    backend = _fused.sdpa_backend(p.q, kb, vb, None if p.mask.is_trivial or p.is_causal_only else (
         p.mask.keep if p.mask.keep is not None else p.mask.bias), p.dropout_p, p.is_causal_only, info.scale)
     # dense
     peak["dense"] = io + 3 * pairs * 4
@@ -222,8 +263,29 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
     peak["sparse"] = io + N * H * gathered * (E + Ev) * el + computed * 4 + N * H * L * 4
     flops["sparse"] = N * H * computed * unit_flops
 
+    # compiled: the blocks its layout visits (plain causal counted, not laid out)
+    cq, ck = (block_size, block_size) if block_size else _compiled_block(p)
+    if mask.is_trivial:
+        c_blocks = (-(-L // cq)) * (-(-S // ck))
+    elif p.is_causal_only:
+        c_blocks = _causal_blocks(L, S, cq, ck)
+    else:
+        c_blocks = int((mask.layout(cq, ck) != P.EMPTY).sum())
+    peak["compiled"] = io + N * H * L * 4 + _compiled_scratch(cq, ck, E, Ev)
+    flops["compiled"] = N * H * min(c_blocks * cq * ck, max(L, 1) * max(S, 1) * 4) * unit_flops
+    why = _compiled.unavailable_reason(p.q)
+    if why is not None:
+        refused["compiled"] = why
+    elif p.dropout_p > 0:
+        refused["compiled"] = "no dropout (its backward recomputes the weights; use sdpa, sparse or dense)"
+    elif p.mask_requires_grad:
+        refused["compiled"] = "does not differentiate a float attn_mask that requires grad"
+    elif p._repeated.get("dead_per_head"):
+        refused["compiled"] = ("a per-head mask under GQA leaves some keys dead in only part of a key/value "
+                               "head's group (their NaN-safe zeroing needs per-head copies)")
+
     if need_weights:
-        for m in ("sdpa", "sparse"):
+        for m in ("sdpa", "sparse", "compiled"):
             refused[m] = "cannot return attention weights (need_weights=True)"
         for m in ("dense", "tiled"):
             peak[m] += pairs * el
@@ -257,10 +319,19 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
                 chosen, reason = "tiled", "weights requested: output by online softmax, weights by a second pass over the saved log-sum-exp"
             else:
                 chosen, reason = "dense", "weights requested with dropout: only the dense kernel does both"
+        elif "compiled" not in refused and not (mask.is_trivial or p.is_causal_only) and not (
+                has_pattern and "sparse" not in refused and flops["sparse"] * SPARSE_OVER_COMPILED < flops["compiled"]):
+            c_density = c_blocks / max(1, (-(-L // cq)) * (-(-S // ck)))
+            chosen, reason = "compiled", (f"attnlab's compiled kernel visits {c_density:.1%} of {cq}×{ck} blocks, "
+                                          "masks read inside the tiles")
+        elif "compiled" not in refused and p.q.dtype in COMPILED_DENSE_DTYPES:
+            chosen, reason = "compiled", f"attnlab's compiled kernel is faster than SDPA for {p.q.dtype} here"
         elif has_pattern and "sparse" not in refused and (1 - density >= SPARSE_MIN_EMPTY or "sdpa" in refused):
             chosen, reason = "sparse", f"the pattern leaves {density:.1%} of {sq}×{sk} blocks; the fused kernel runs on just those"
         elif "sdpa" not in refused:
             chosen, reason = "sdpa", f"delegated to PyTorch's fused attention ({backend} backend)"
+        elif "compiled" not in refused:
+            chosen, reason = "compiled", "attnlab's compiled kernel: exact online softmax without materialising L×S"
         elif "tiled" not in refused:
             chosen, reason = "tiled", "exact online softmax without materialising L×S"
         elif "sparse" not in refused:
@@ -271,8 +342,37 @@ def _plan(p: Prepared, method: str, need_weights: bool, strict: bool, block_size
     if chosen == "sparse" and p.dropout_p > 0:
         reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
                    "the same random stream for the same RNG state (matching it would draw all L×S)")
-    return Plan(chosen, reason, refused, peak, flops, backend,
-                (sq, sk) if chosen == "sparse" else (tq, tk) if chosen == "tiled" else None, density)
+    blocks_of = {"sparse": (sq, sk), "tiled": (tq, tk), "compiled": (cq, ck)}
+    return Plan(chosen, reason, refused, peak, flops, backend, blocks_of.get(chosen), density)
+
+
+def _compiled_block(p: Prepared) -> tuple[int, int]:
+    """The compiled kernel's (block_q, block_k): large tiles for dense inputs; for bands (masks that
+    depend on j - i only) the shape minimising visited area / speed; a block table's own block; user
+    masks and other patterns a middle shape. Clipped to the sequence (rounded up to 16)."""
+    pat, mask = p.mask.pattern, p.mask
+    L, S = p.info.L, p.info.S
+
+    def clip(b):
+        return (min(b[0], max(16, -(-L // 16) * 16)), min(b[1], max(16, -(-S // 16) * 16)))
+
+    if mask.is_trivial or p.is_causal_only:
+        return clip(COMPILED_DENSE_BLOCK)
+    if pat is None or mask.keep is not None or mask.bias is not None:
+        return clip(COMPILED_MASK_BLOCK)
+    if _sparse._translation_invariant(pat):
+        def cost(b):
+            return int((mask.layout(*b) != P.EMPTY).sum()) * b[0] * b[1] / COMPILED_BLOCK_SPEED[b]
+        return min((clip(b) for b in COMPILED_BLOCK_SPEED if clip(b) == b), key=cost, default=clip((64, 64)))
+    shape = pat._block_shape()
+    if isinstance(pat, P._BlockTable) and shape is not None and 32 <= shape[0] <= 512:
+        return clip(shape)
+    return clip((128, 128))
+
+
+def _compiled_scratch(bq: int, bk: int, E: int, Ev: int) -> int:
+    """Bytes of the compiled kernel's per-thread tiles (scores, probabilities, accumulators)."""
+    return torch.get_num_threads() * 4 * (4 * bq * bk + bq * (E + Ev + 4))
 
 
 def _sparse_block(p: Prepared) -> tuple[int, int]:
@@ -327,7 +427,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         scale: score scale, default 1/sqrt(E).
         pattern: an ``attnlab.patterns`` mask; same result as ``attn_mask=pattern.materialize(L, S)``,
             but empty blocks are skipped.
-        method: "auto" | "dense" | "sdpa" | "tiled" | "sparse"; ``explain()`` says what auto picks and why.
+        method: "auto" | "dense" | "sdpa" | "tiled" | "sparse" | "compiled" (attnlab's C++ CPU kernel, when
+            built); ``explain()`` says what auto picks and why.
         need_weights: also return the weights [..., L, S] (dense, or tiled by a second streaming pass).
         strict: refuse any path that would materialise an L×S tensor.
         block_size: block edge for the tiled and sparse kernels (default: 512 for tiled; for sparse a
@@ -340,7 +441,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     """
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
     if (method == "auto" and not need_weights and not strict and (p.mask.is_trivial or p.is_causal_only)
-            and p.info.L and p.info.S):
+            and p.q.dtype not in COMPILED_DENSE_DTYPES and p.info.L and p.info.S):
         # what _plan's rule picks for plain dense or causal inputs, without costing the other methods
         out = _fused.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, p.info.scale)
         return out.reshape(p.out_shape)
@@ -380,6 +481,9 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
         else:
             out = _fused.sdpa(p.q, p.k, p.v, _materialize(mask, p), p.dropout_p, False, info.scale)
         return out, None
+    if m == "compiled":
+        bq, bk = plan.block_size
+        return _compiled.compiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, bq, bk)[0], None
     if m == "sparse":
         bq, bk = plan.block_size
         return _sparse.gathered_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p, bq, bk), None
@@ -432,11 +536,15 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     if p.info.S == 0 or p.info.L == 0:
         out = torch.zeros(p.out_shape, dtype=p.q.dtype, device=p.q.device)
         return out, torch.full(lead, float("-inf"), dtype=_tiled._acc_dtype(p.q.dtype), device=p.q.device)
-    needs_grad = torch.is_grad_enabled() and (p.q.requires_grad or p.k.requires_grad or p.v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (p.q.requires_grad or p.kv_k.requires_grad or p.kv_v.requires_grad)
     if (p.mask.is_trivial or p.is_causal_only) and not needs_grad:
         r = _fused.flash_cpu_with_lse(p.q, p.k, p.v, None, p.is_causal_only, p.info.scale)
         if r is not None:
             return r[0].reshape(p.out_shape), r[1].to(_tiled._acc_dtype(p.q.dtype)).reshape(lead)
+    if _compiled.available(p.q) and not p.mask_requires_grad and not p._repeated.get("dead_per_head"):
+        bq, bk = (block_size, block_size) if block_size else _compiled_block(p)
+        out, lse = _compiled.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
+        return out.reshape(p.out_shape), lse.reshape(lead)
     tq, tk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
     out, lse = _tiled.tiled_attention(p.q, p.k, p.v, p.mask, p.info.scale, tq, tk)
     return out.reshape(p.out_shape), lse.reshape(lead)

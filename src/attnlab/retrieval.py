@@ -90,6 +90,7 @@ DEFAULT_TARGET = "hobby"
 
 @dataclass(frozen=True)
 class CorpusEntry:
+    """One fact sentence: ``text`` states that ``subject``'s ``relation`` (one of RELATIONS) is ``value``."""
     text: str
     subject: str
     relation: str
@@ -98,21 +99,26 @@ class CorpusEntry:
 
 @dataclass(frozen=True)
 class Corpus:
+    """The generated fact sentences, in shuffled order (row i of the key matrix embeds ``entries[i]``),
+    and the seed that generated them. ``len(corpus)`` is the number of entries n."""
     entries: tuple[CorpusEntry, ...]
     seed: int
 
     @property
     def texts(self) -> list[str]:
+        """The n sentences, in entry order (what the embedder turns into keys [n, d])."""
         return [e.text for e in self.entries]
 
     @property
     def subjects(self) -> list[str]:
+        """The distinct subjects (people), in NAMES order."""
         return sorted({e.subject for e in self.entries}, key=NAMES.index)
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def index(self, subject: str, relation: str) -> int:
+        """Position of ``subject``'s ``relation`` sentence in ``entries``; KeyError if there is none."""
         for i, e in enumerate(self.entries):
             if e.subject == subject and e.relation == relation:
                 return i
@@ -253,7 +259,9 @@ def hard_lookup(query: torch.Tensor, keys: torch.Tensor) -> tuple[int, float]:
 
 
 def topk_lookup(query: torch.Tensor, keys: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-    """Dense retrieval: the k entries with the largest dot products, best first."""
+    """Dense retrieval: the k entries with the largest dot products, best first.
+    query: [d], keys: [n, d] -> (k indices, k scores). Equivalent to ``torch.topk(keys @ query, k)``;
+    raises ValueError unless 1 <= k <= n."""
     _check_qk(query, keys)
     if not isinstance(k, int) or not 1 <= k <= keys.shape[0]:
         raise ValueError(f"k must be an int in [1, n={keys.shape[0]}], got {k!r}")
@@ -314,16 +322,20 @@ class Projection:
 
     @property
     def w_q(self) -> torch.Tensor:
+        """W_Q = I + A_Q B_Q, materialised: [d, d]."""
         return torch.eye(self.a_q.shape[0]) + self.a_q @ self.b_q  # (d, d)
 
     @property
     def w_k(self) -> torch.Tensor:
+        """W_K = I + A_K B_K, materialised: [d, d]."""
         return torch.eye(self.a_k.shape[0]) + self.a_k @ self.b_k  # (d, d)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [..., d] -> q W_Q [..., d], in factored form (O(d·rank) per row, W_Q never built)."""
         return q + (q @ self.a_q) @ self.b_q  # (..., d) = q W_Q
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """k [n, d] -> K W_K [n, d], in factored form (O(d·rank) per row, W_K never built)."""
         return k + (k @ self.a_k) @ self.b_k  # (n, d) = K W_K
 
 
@@ -346,6 +358,8 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
         raise ValueError(f"rank must be an int in [1, d={d}], got {rank!r}")
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     gen = torch.Generator().manual_seed(seed)
     a_q = (0.01 * torch.randn(d, rank, generator=gen)).requires_grad_()  # (d, rank)
     a_k = (0.01 * torch.randn(d, rank, generator=gen)).requires_grad_()
@@ -362,6 +376,9 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
         scores = proj.queries(queries) @ proj.keys(keys).T / tau  # (m, n)
         loss = torch.nn.functional.cross_entropy(scores, answers_t)
         losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):  # a diverged fit would report the accuracy of NaN scores
+            raise ValueError(f"fitting the projection diverged: the loss is {losses[-1]} at step {step} with "
+                             f"lr={lr:g}, tau={tau:g}; use a smaller lr")
         if step == steps:
             break
         grads = torch.autograd.grad(loss, params)
@@ -376,7 +393,9 @@ def fit_projection(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[
 
 def retrieval_accuracy(queries: torch.Tensor, keys: torch.Tensor, answers: Sequence[int],
                        projection: Projection | None = None) -> dict:
-    """Top-1 accuracy and mean rank (1 = best) of the labelled answer under raw or projected matching."""
+    """Top-1 accuracy and mean rank (1 = best) of the labelled answer under raw or projected matching.
+    queries: [m, d], keys: [n, d], answers: m indices into keys -> {"top1", "mean_rank", "n"}. Ties with
+    the answer's score do not count against it. Cost O(m·n·d)."""
     if projection is not None:
         queries, keys = projection.queries(queries), projection.keys(keys)
     scores = queries @ keys.T  # (m, n)
@@ -390,6 +409,10 @@ def retrieval_accuracy(queries: torch.Tensor, keys: torch.Tensor, answers: Seque
 # -- 5) everything at once, for the CLI -----------------------------------------------------------------
 @dataclass
 class RetrievalResult:
+    """What :func:`retrieve` found for one query, JSON-ready: the corpus entries, the hard, top-k and soft
+    answers (soft: the ``show`` largest weights, the rest's total weight, weight statistics, every weight
+    and score), the τ sweep, and with ``learn`` the fitted projection's accuracies (train, held-out,
+    direct questions; raw vs learned) and its answers to the query."""
     query: str
     embedder: str
     corpus: list[dict]
@@ -404,6 +427,7 @@ class RetrievalResult:
     files: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The result as a JSON-able dict; the corpus is reduced to its size (``corpus_size``)."""
         return {"query": self.query, "embedder": self.embedder, "corpus_size": len(self.corpus),
                 "tau": self.tau, "k": self.k, "hard": self.hard, "topk": self.topk, "soft": self.soft,
                 "sweep": self.sweep, "projection": self.projection, "files": self.files}

@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..report import atomic_write_json, atomic_write_text, environment, save_figure
+from .. import cpu
+from ..options import output_dir, positive_float, positive_int
+from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
 
-__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent"]
+__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
 
 PATTERNS = {
     "sliding_window_256": {"name": "sliding_window", "window": 256, "causal": True},
@@ -34,6 +36,13 @@ PATTERNS = {
 
 @dataclass
 class Record:
+    """One measurement of one implementation at one configuration (a row of results.json and report.md).
+
+    ``section`` is "dense", "pattern", "train" (forward + backward) or "memory" (peak bytes measured in a
+    fresh process, ``seconds`` unset). Inputs are query, key, value of shape [B, H, n, E] =
+    [1, 8, n, 64]. ``gflops`` counts only the work the pattern keeps (``density`` of the n x n scores,
+    halved for dense causal); ``ratio_vs_sdpa`` is SDPA's time over this one in the same run.
+    """
     section: str
     impl: str
     n: int
@@ -52,6 +61,14 @@ class Record:
 
 @dataclass
 class Result:
+    """Everything one ``bench core`` run measured, as written to ``<out_dir>/results.json``.
+
+    ``skipped`` lists the configurations predicted to exceed the time or memory budget, each with its
+    reason; ``peak_gflops`` is the matrix-product GFLOP/s per dtype measured in the same run;
+    ``exponents`` the fitted log-log slope of time (or memory) against n per implementation (n >= 1024);
+    ``complete`` is False while a run is in progress or was killed (what it had measured is kept, for
+    ``--resume``); ``exit_code`` is what the CLI should exit with.
+    """
     out_dir: str
     records: list[Record] = field(default_factory=list)
     skipped: list[dict] = field(default_factory=list)
@@ -64,14 +81,19 @@ class Result:
 
 
 def build_parser(p):
+    """Add ``bench core``'s options (--quick, --out, --max-n, budgets, --no-memory, --resume, --force) to
+    the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="a small grid that finishes in seconds")
     p.add_argument("--out", default="reports/bench-core", help="output folder (default reports/bench-core)")
-    p.add_argument("--max-n", type=int, default=65536, help="largest sequence length (default 65536)")
-    p.add_argument("--time-budget", type=float, default=20.0, help="skip calls predicted to exceed this (s)")
-    p.add_argument("--mem-budget-gib", type=float, default=12.0, help="skip configs predicted above this")
+    p.add_argument("--max-n", type=positive_int, default=65536,
+                   help="largest sequence length, at least 256 (default 65536; quick: 128 and 256)")
+    p.add_argument("--time-budget", type=positive_float, default=20.0, help="skip calls predicted to exceed this (s)")
+    p.add_argument("--mem-budget-gib", type=positive_float, default=12.0, help="skip configs predicted above this")
     p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurements")
     p.add_argument("--resume", action="store_true",
                    help="keep the measurements a killed run with the same settings left in --out, measure the rest")
+    p.add_argument("--force", action="store_true",
+                   help="replace the earlier run an --out folder holds (without it, such a folder is refused)")
 
 
 def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
@@ -82,6 +104,10 @@ def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
 
 
 def time_call(f, repeats=3, warmup=1) -> float:
+    """Median wall time in seconds of ``repeats`` calls of ``f()``, after ``warmup`` untimed calls.
+
+    Uses ``time.perf_counter`` around each call; no CUDA synchronisation (the benchmarks run on the CPU).
+    """
     for _ in range(warmup):
         f()
     ts = []
@@ -119,12 +145,36 @@ def _mem_child(spec: dict, timeout=600) -> int | None:
     return json.loads(r.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
+def peak_bytes(spec: dict, timeout: float = 600) -> int | None:
+    """Extra peak resident bytes of one attention call, measured in a fresh process.
+
+    spec: {"impl": "sdpa"|"auto"|"tiled"|"naive"|"dense", "n", "dtype", "causal", "backward", "B", "H", "D",
+    "pattern"} as in ``attnlab.bench.impls.build_call``. RuntimeError with the child's stderr if it fails.
+    """
+    return _mem_child(spec, timeout=timeout)
+
+
 def run(args) -> Result:
+    """Run the core benchmark with the parsed options ``args`` (see :func:`build_parser`) and return its Result.
+
+    Times sdpa, auto, tiled and naive attention on query, key, value of shape [1, 8, n, 64] for n from
+    256 to --max-n (128 and 256 with --quick), float32 and bfloat16 (float32 only with --quick), causal
+    and not; then attnlab's sparse patterns (sliding window, BigBird, 10% block-sparse; --quick skips
+    BigBird) against SDPA's dense call, and forward + backward with a causal sliding window. Calls predicted to exceed the time or memory budget are skipped with the
+    reason. Unless --no-memory, peak memory of forward + backward is measured in a fresh process per
+    configuration. Each finished configuration is saved to ``<out>/results.json`` at once (so a killed
+    run can ``--resume``); at the end writes results.json, time.png, memory.png and report.md to
+    ``args.out`` and prints a table. Raises ValueError for --max-n < 256 without --quick, and for a
+    --resume whose earlier results cannot be read or were taken with other settings.
+    """
     from rich.console import Console
     from rich.progress import Progress
 
     console = Console(width=max(120, Console().width))
-    out = Path(args.out)
+    if not args.quick and args.max_n < 256:
+        raise ValueError(f"--max-n must be >= 256, the shortest length measured, got {args.max_n}")
+    out = output_dir(args.out, resume=bool(getattr(args, "resume", False)), force=bool(getattr(args, "force", False)))
+    args.checkpoint_dir = str(out)  # Ctrl-C says it is kept and how to resume (cli.main)
     res = Result(out_dir=str(out), env=environment())
     quick = args.quick
     res.settings = dict(quick=quick, max_n=args.max_n, time_budget=args.time_budget,
@@ -266,7 +316,13 @@ def _previous(out: Path, settings: dict, console) -> dict:
     if not path.exists():
         console.print(f"--resume: no {path}; measuring everything")
         return {}
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume: cannot read {path} ({e}); delete it, or rerun without --resume and with "
+                         f"--force to measure everything again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--resume: {path} is not a bench core results file; delete it or pass --force")
     if data.get("settings") != settings:
         raise ValueError(f"--resume: {path} was measured with settings {data.get('settings')}, this run has "
                          f"{settings}; use another --out or the same settings")
@@ -295,6 +351,17 @@ def _exponents(res: Result):
     res.exponents = {k: fit_exponent(*zip(*v)) for k, v in groups.items() if len(v) >= 2}
 
 
+def _n_ticks(ax, ns) -> None:
+    """One tick per measured n, labelled 256, 1k, 64k (the default log ticks overlap or vanish)."""
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    if not ns:
+        return
+    ax.xaxis.set_major_locator(FixedLocator(ns))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n) for n in ns], fontsize=8)
+
+
 def _write(res: Result, out: Path):
     import matplotlib
 
@@ -313,14 +380,15 @@ def _write(res: Result, out: Path):
         for r in res.records:
             if r.seconds is not None and pick(r):
                 lines.setdefault(f"{r.impl} {r.pattern or ''}{' fwd+bwd' if r.backward else ''}", []).append((r.n, r.seconds))
-        for label, pts in sorted(lines.items()):
+        for (label, pts), st in zip(sorted(lines.items()), line_styles(len(lines))):
             x, y = zip(*sorted(pts))
-            ax.loglog(x, y, marker="o", label=label)
+            ax.loglog(x, y, label=label, **st)
         ax.set_title(title)
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("seconds per call")
+        _n_ticks(ax, sorted({p[0] for pts in lines.values() for p in pts}))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     save_figure(fig, out / "time.png")
     mem = [r for r in res.records if r.peak_bytes]
     if mem:
@@ -328,9 +396,10 @@ def _write(res: Result, out: Path):
         lines = {}
         for r in mem:
             lines.setdefault(f"{r.impl} {r.pattern or ''} fwd+bwd", []).append((r.n, r.peak_bytes / 2**20))
-        for label, pts in sorted(lines.items()):
+        for (label, pts), st in zip(sorted(lines.items()), line_styles(len(lines))):
             x, y = zip(*sorted(pts))
-            ax.loglog(x, y, marker="o", label=label)
+            ax.loglog(x, y, label=label, **st)
+        _n_ticks(ax, sorted({p[0] for pts in lines.values() for p in pts}))
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("peak extra memory (MiB)")
         ax.set_title("peak memory, forward + backward (fresh process each)")
@@ -338,11 +407,12 @@ def _write(res: Result, out: Path):
         ax.legend(fontsize=7)
         save_figure(fig, out / "memory.png")
     atomic_write_text(out / "report.md", _markdown(res))
+    render_markdown_file(out / "report.md", "attnlab bench core")
 
 
 def _markdown(res: Result) -> str:
     lines = ["# attnlab bench core", "", f"Machine: {res.env.get('cpu')} · {res.env.get('threads')} threads · "
-             f"torch {res.env.get('torch')}", "",
+             f"torch {res.env.get('torch')}", "", f"CPU: {cpu.summary(peaks=False)}", "",
              "Matrix-product peak measured in this run: " +
              ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()), "",
              "`time/(ρ·dense)`: a pattern's time over its density ρ times SDPA's dense (non-causal) time at the same n.",

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..options import check_memory, output_dir, positive_int, positive_int_list
 from ..report import atomic_write_json, environment, save_figure
 
 __all__ = ["build_parser", "run", "GenerateBench"]
@@ -22,6 +23,10 @@ __all__ = ["build_parser", "run", "GenerateBench"]
 
 @dataclass
 class GenerateBench:
+    """Result of one ``bench generate`` run: the model's settings, one row per context length (tokens/s
+    with and without the KV cache, prefill and decode seconds, ``speedup`` = cache / no cache, and
+    ``same_tokens``: both runs generated the same ids), the environment, and ``exit_code`` (1 if any
+    context's two runs disagreed)."""
     out_dir: str
     model: dict
     rows: list[dict] = field(default_factory=list)
@@ -30,16 +35,19 @@ class GenerateBench:
 
 
 def build_parser(p):
+    """Add ``bench generate``'s options (--quick, --out, --contexts, --new-tokens, --repeats, model sizes,
+    --mechanism, --threads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="tiny model, contexts 64 and 128 (seconds)")
     p.add_argument("--out", default="reports/bench-generate", help="output folder (default reports/bench-generate)")
-    p.add_argument("--contexts", default="512,2048", help="comma-separated context lengths (default 512,2048)")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per run (default 16)")
-    p.add_argument("--repeats", type=int, default=2, help="timed repeats (median; default 2)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--contexts", type=positive_int_list, default=None,
+                   help="comma-separated context lengths (default 512,2048; quick 64,128)")
+    p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per run (default 16; quick 4)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed repeats (median; default 2; quick 1)")
+    p.add_argument("--d-model", type=positive_int, default=None, help="model width (default 256; quick 64)")
+    p.add_argument("--layers", type=positive_int, default=None, help="Transformer layers (default 4; quick 2)")
+    p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 8; quick 4)")
     p.add_argument("--mechanism", default="auto", help="attention mechanism of the model (default auto)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
 
 
 def _time(f, repeats: int) -> tuple[float, object]:
@@ -73,18 +81,31 @@ def _decode_times(model, prompt: torch.Tensor, n_new: int, use_cache: bool, repe
 
 
 def run(args) -> GenerateBench:
-    try:
-        contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
-    except ValueError as e:
-        raise ValueError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from e
-    n_new, repeats = args.new_tokens, args.repeats
-    d, layers, heads = args.d_model, args.layers, args.heads
-    if args.quick:
-        contexts, n_new, repeats, d, layers, heads = [64, 128], 4, 1, 64, 2, 4
+    """Run the generation benchmark with the parsed options ``args`` and return its :class:`GenerateBench`.
+
+    Builds a seeded random :class:`~attnlab.nn.TransformerLM` (vocab 1000, RoPE) and, per context length
+    C, generates ``--new-tokens`` n tokens greedily from a [1, C - n] prompt with and without the KV
+    cache, timing ``generate`` and the decode steps alone. With the cache a decode step attends in O(C·d)
+    per layer; without, it re-runs the whole prefix (O(C²·d) attention per layer). Writes generate.json and generate.png to
+    ``args.out`` and prints a table. Raises ValueError for n < 2, --repeats < 1, a context <= n, a width not divisible
+    by the heads, or a size that would not fit in memory. Torch's thread count is restored afterwards.
+    """
+    output_dir(args.out)
+    # quick mode changes the defaults, never a value given on the command line
+    defaults = dict(contexts=[64, 128], new_tokens=4, repeats=1, d_model=64, layers=2, heads=4) if args.quick else \
+        dict(contexts=[512, 2048], new_tokens=16, repeats=2, d_model=256, layers=4, heads=8)
+    given = {k: getattr(args, k, None) for k in defaults}
+    given = {k: (positive_int_list(v) if k == "contexts" and isinstance(v, str) else v) for k, v in given.items()}
+    contexts, n_new, repeats, d, layers, heads = (defaults[k] if given[k] is None else given[k] for k in defaults)
     if n_new < 2 or repeats < 1:
         raise ValueError(f"--new-tokens must be >= 2 and --repeats >= 1, got {n_new} and {repeats}")
     if any(c <= n_new for c in contexts):
         raise ValueError(f"every context must exceed --new-tokens ({n_new}), got {contexts}")
+    if d % heads:
+        raise ValueError(f"--d-model {d} must be divisible by --heads {heads}")
+    # the KV cache (2 per layer), the activations and the position tables of the longest context
+    check_memory(f"--contexts {max(contexts)} --d-model {d}", 4 * (max(contexts) + n_new) * d * (2 * layers + 16),
+                 "the KV cache and activations of the longest context")
     if args.threads is not None:
         if args.threads <= 0:
             raise ValueError(f"--threads must be > 0, got {args.threads}")

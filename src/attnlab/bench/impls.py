@@ -15,7 +15,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def naive_attention(q, k, v, attn_mask=None, is_causal=False):
-    """softmax(Q Kᵀ/√d + mask) V with separate tensor ops: the textbook O(n²)-memory baseline."""
+    """softmax(Q Kᵀ/√E + mask) V with separate tensor ops: the textbook O(n²)-memory baseline.
+
+    q: [B, H, L, E], k: [B, H, S, E], v: [B, H, S, Ev] -> [B, H, L, Ev]. ``attn_mask``: bool, broadcastable
+    to [B, H, L, S], True = takes part; ``is_causal`` masks keys after the query (top-left aligned).
+    Materialises the [B, H, L, S] scores and weights.
+    """
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, L, S)
     if is_causal:
         s = s.masked_fill(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu(1), float("-inf"))
@@ -40,6 +45,11 @@ def make_pattern(spec: dict | None):
 
 
 def pattern_density(spec: dict | None, n: int) -> float:
+    """Fraction of the n x n score matrix the pattern ``spec`` keeps (1.0 for no pattern).
+
+    Exact for n <= 8192 and for patterns that count their entries in O(n) (bands, block tables); above
+    that, the fraction of non-empty 128 x 128 blocks, an upper bound that avoids O(n²) work.
+    """
     if spec and spec.get("name") == "block_sparse":
         spec = dict(spec, n=n)
     p = make_pattern(spec)
@@ -52,6 +62,11 @@ def pattern_density(spec: dict | None, n: int) -> float:
 
 
 def make_inputs(spec: dict):
+    """Seeded random query, key, value, each [B, H, n, D] (defaults B=1, H=8, D=64) in ``spec["dtype"]``.
+
+    Reads ``n`` and optionally ``B``, ``H``, ``D``, ``dtype`` (default "float32"), ``seed`` (default 0) and
+    ``backward`` (then each tensor requires grad). Returns the list ``[query, key, value]``.
+    """
     dtype = DTYPES[spec.get("dtype", "float32")]
     g = torch.Generator().manual_seed(spec.get("seed", 0))
     shape = (spec.get("B", 1), spec.get("H", 8), spec["n"], spec.get("D", 64))
@@ -63,6 +78,14 @@ def make_inputs(spec: dict):
 
 
 def build_call(spec: dict):
+    """A callable ``f(query, key, value) -> [B, H, n, D]`` for the implementation ``spec["impl"]``.
+
+    ``impl`` is "sdpa" (``F.scaled_dot_product_attention``, dense or causal: the pattern is ignored, it is
+    the baseline a user would run without attnlab), "naive" (:func:`naive_attention` with the pattern
+    materialised to an [n, n] mask), or "auto", "tiled", "sparse", "dense" (``attnlab.attention`` with
+    that ``method``, the pattern and ``spec.get("block_size")``). ``causal`` applies to all, ``pattern``
+    (a :func:`make_pattern` spec) to all but sdpa. An unknown ``impl`` raises KeyError.
+    """
     impl, causal = spec["impl"], bool(spec.get("causal", False))
     pat_spec = spec.get("pattern")
     if pat_spec and pat_spec.get("name") == "block_sparse":

@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import patterns
 from ..functional import attention, explain
+from ..options import check_memory, nonneg_int, output_dir, positive_float, positive_int
 from ..report import atomic_write_json, atomic_write_text, environment, save_figure
 
 __all__ = ["LAYERS", "PAPER", "make_layer", "flops", "structure", "measure", "crossover", "build_parser", "run"]
@@ -339,6 +340,8 @@ def _fmt_b(b: int | None) -> str:
 
 
 def markdown(result: dict) -> str:
+    """The layers.md report of a :func:`run` result: the paper's Table 1 beside the derived structure,
+    measured times and memory, fitted exponents and the attention/recurrence crossover."""
     cfg = result["config"]
     env = result["environment"]
     lines = [
@@ -452,22 +455,33 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """Add ``bench layers``' options (--quick, --out, --ns, --ds, --layers, sizes, --threads, --no-memory,
+    --json) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="toy sizes, runs in seconds (what the tests run)")
     p.add_argument("--out", default="reports/bench-layers", help="folder for layers.json, layers.md, PNGs")
     p.add_argument("--ns", type=_int_list, help="sequence lengths, e.g. 32,128,512")
     p.add_argument("--ds", type=_int_list, help="model widths, e.g. 32,128,512")
     p.add_argument("--layers", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
                    help=f"subset of {','.join(LAYERS)}")
-    p.add_argument("--batch", type=int, help="batch size")
-    p.add_argument("--window", type=int, help="attention window w (keys on each side; r = 2w+1)")
-    p.add_argument("--kernel", type=int, help="convolution kernel size k (odd)")
-    p.add_argument("--min-time", type=float, help="seconds of repetitions per measurement")
-    p.add_argument("--threads", type=int, help="torch intra-op threads for the run (default: torch's)")
+    p.add_argument("--batch", type=positive_int, help="batch size")
+    p.add_argument("--window", type=nonneg_int, help="attention window w (keys on each side; r = 2w+1)")
+    p.add_argument("--kernel", type=positive_int, help="convolution kernel size k (odd)")
+    p.add_argument("--min-time", type=positive_float, help="seconds of repetitions per measurement")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads for the run (default: torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Run the per-layer benchmark with the parsed options ``args`` and return the result dict.
+
+    For every layer in --layers, d in --ds and n in --ns: :func:`measure` on x: [batch, n, d] (plus
+    :func:`structure` at the small ``structure_ns``), then the fitted slopes and the attention/recurrence
+    :func:`crossover`. Writes layers.json, layers.md, layers_time.png and layers_memory.png to ``args.out``
+    and prints tables (or the JSON with --json). Torch's thread count is set for the run and restored.
+    Raises ValueError for an unknown layer, an even kernel, or sizes whose [batch, n, n] attention
+    scores would not fit in memory.
+    """
     cfg = dict(QUICK if args.quick else FULL)
     for key in ("ns", "ds", "batch", "window", "kernel", "min_time", "threads"):
         if getattr(args, key, None) is not None:
@@ -483,7 +497,11 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     cfg["command"] = "attnlab bench layers" + (" --quick" if args.quick else "") + (
         f" --threads {args.threads}" if args.threads else "")
-    out = Path(args.out)
+    n, d, b = max(cfg["ns"]), max(cfg["ds"]), cfg["batch"]
+    # full self-attention keeps [B, n, n] scores and weights (and their gradients); the rest is O(B·n·d)
+    check_memory(f"--ns {n} --ds {d} --batch {b}", 4 * b * n * n * 4 + 4 * b * n * d * 32,
+                 "self-attention's [B, n, n] scores and the layers' activations at the largest size")
+    out = output_dir(args.out)
     threads_before = torch.get_num_threads()
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..options import nonneg_int, output_dir, positive_float, positive_int
 from ..report import format_bytes
 
 __all__ = ["build_parser", "run", "measure_job", "fit_exponent", "TUTORIAL_TABLE", "REFERENCE"]
@@ -41,24 +42,27 @@ TUTORIAL_TABLE = {128: ("1M", "<1ms", "64KB"), 512: ("17M", "5-10ms", "1MB"), 20
 
 
 def build_parser(p):
+    """Add ``bench all``'s options (--out, --quick, --mechanisms, --lengths, shapes, repeats, budgets,
+    --isolation, --threads, the LRA and production tables, --resume, --force, --no-progress) to the
+    argparse parser ``p``."""
     p.add_argument("--out", default=None, help="output folder (default reports/bench-all)")
     p.add_argument("--quick", action="store_true", help="small grid, one worker process, seconds")
     p.add_argument("--mechanisms", default=None,
                    help="comma-separated (default: torch_sdpa, naive and every registered mechanism)")
     p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 128..65536)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats after warm-up (default 5; quick 3)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--time-budget", type=float, default=None,
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size")
+    p.add_argument("--heads", type=positive_int, default=4, help="heads")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dim")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed repeats after warm-up (default 5; quick 3)")
+    p.add_argument("--warmup", type=nonneg_int, default=1, help="untimed calls before the timed repeats")
+    p.add_argument("--time-budget", type=positive_float, default=None,
                    help="seconds one configuration may take (warm-up + repeats; default 60, quick 5)")
-    p.add_argument("--memory-budget", type=float, default=None,
+    p.add_argument("--memory-budget", type=positive_float, default=None,
                    help="GiB one configuration may use (default: half of this machine's available memory)")
     p.add_argument("--isolation", choices=("config", "suite"), default=None,
                    help="config: a fresh process per configuration (default); suite: one worker process, peak "
                         "memory reset between configurations (quick's default)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: all cores)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads in the workers (default: all cores)")
     p.add_argument("--no-lra", action="store_true", help="skip the LRA-style training-efficiency table")
     p.add_argument("--lra-lengths", default=None, help="lengths of the LRA-style table (default 1024,2048,3072,4096)")
     p.add_argument("--no-production", action="store_true", help="skip the tutorial's production table")
@@ -67,7 +71,9 @@ def build_parser(p):
     p.add_argument("--resume", action="store_true",
                    help="reuse the configurations a killed or finished run in --out already measured with the same "
                         "settings (results.partial.json, else results.json); measure only the rest")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="replace the earlier run an --out folder holds (without it, such a folder is refused)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # -- the worker: one process measures the jobs it is given ---------------------------------------------
@@ -311,6 +317,8 @@ def _fmt_time(t) -> str:
 
 # -- the driver -----------------------------------------------------------------------------------------
 def default_mechanisms() -> tuple[list[str], str | None]:
+    """(names, why): torch_sdpa, naive and every registered mechanism, with ``why`` None; if the registry
+    cannot be listed, a fixed fallback list and the reason as ``why``."""
     from attnlab.experiments._common import mechanism_names
 
     names, why = mechanism_names()
@@ -425,6 +433,17 @@ def _measure(runner: _Runner, store: _Store, job: dict, section: str, prog, tid)
 
 
 def run(args):
+    """Run ``bench all`` with the parsed options ``args`` and return the result dict.
+
+    For each mechanism, lengths ascend until the predicted time or memory of the next one would pass the
+    budget (the reason lands in the report): query, key, value are [B, H, n, D]; each record holds the
+    median forward time, peak memory, FLOPs and GFLOP/s, and ratios to torch SDPA measured in the same
+    run. Then the tutorial's production table (naive vs SDPA, one head, D = 64) and an LRA-style
+    training-efficiency table. Every configuration is stored on disk as it finishes, so ``--resume``
+    continues a killed run; Ctrl-C or SIGTERM writes a partial report and sets ``exit_code`` 130. Writes
+    results.json, report.md, a CSV and plots to ``--out`` (default reports/bench-all) and renders a
+    summary. Raises ValueError for an unknown mechanism or a size < 1, before anything is measured.
+    """
     from attnlab.experiments import _common as C
 
     t0 = time.perf_counter()
@@ -439,8 +458,8 @@ def run(args):
     for name, v in (("--batch", args.batch), ("--heads", args.heads), ("--head-dim", args.head_dim)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
-    repeats = args.repeats or (3 if quick else 5)
-    tbudget = args.time_budget or (5.0 if quick else 60.0)
+    repeats = args.repeats if args.repeats is not None else (3 if quick else 5)
+    tbudget = args.time_budget if args.time_budget is not None else (5.0 if quick else 60.0)
     mbudget = int(args.memory_budget * 2**30) if args.memory_budget else _available_bytes() // 2
     isolation = args.isolation or ("suite" if quick else "config")
     B, H, D = args.batch, args.heads, args.head_dim
@@ -451,6 +470,9 @@ def run(args):
                 C.attention_fn(m, max(lengths))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"--mechanisms: {e}") from None
+    # checked last, since --force removes the earlier run: only once every other option is known good
+    output_dir(out, resume=bool(getattr(args, "resume", False)), force=bool(getattr(args, "force", False)))
+    args.out = args.checkpoint_dir = str(out)  # Ctrl-C says it is kept and how to resume (cli.main)
 
     lra_lengths = [] if args.no_lra else (sorted(C.ints_of(args.lra_lengths, "--lra-lengths")) if args.lra_lengths
                                           else list(QUICK_LRA_LENGTHS if quick else LRA_LENGTHS))
@@ -634,6 +656,7 @@ def _analyse(records, mechs, lengths, peak, stopped, prod, lra, lra_lengths) -> 
 
 def _plots(out: Path, res) -> list[str]:
     from attnlab.experiments import _common as C
+    from attnlab.report import legend_outside, line_styles
 
     plt = C.plt()
     files = []
@@ -641,11 +664,13 @@ def _plots(out: Path, res) -> list[str]:
     for key, ylabel, fname in (("time_s", "median forward time (s)", "time.png"), ("peak_bytes", "peak memory (bytes)", "memory.png"),
                                ("time_vs_sdpa", "time / torch SDPA time", "ratio.png")):
         fig, ax = plt.subplots(figsize=(8, 5.5))
+        others = [m for m in res["mechanisms"] if m != REFERENCE]
+        style = dict(zip(others, line_styles(len(others))))
+        style[REFERENCE] = {"color": "black", "marker": "o", "linestyle": "-"}
         for m in res["mechanisms"]:
             pts = sorted((r["n"], r[key]) for r in ok if r["mechanism"] == m and r.get(key))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=m,
-                        color="black" if m == REFERENCE else None)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=3, lw=1.2, label=m, **style[m])
         if key != "time_vs_sdpa" and ok:
             n0 = min(r["n"] for r in ok)
             ys = [r[key] for r in ok if r["n"] == n0 and r.get(key)]
@@ -660,21 +685,24 @@ def _plots(out: Path, res) -> list[str]:
         ax.set_ylabel(ylabel)
         sh = res["shape"]
         ax.set_title(f"B={sh['B']}, H={sh['H']}, D={sh['D']}, float32, forward", fontsize=10)
-        ax.legend(fontsize=6, ncol=2)
+        ax.grid(alpha=0.3, which="both")
+        if ax.get_legend_handles_labels()[0]:  # an interrupted run may have nothing to label yet
+            legend_outside(ax)
         files.append(C.save_plot(fig, out / fname))
     if res["lra"]:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        lstyle = dict(zip(res["mechanisms"], line_styles(len(res["mechanisms"]))))
         for m in res["mechanisms"]:
             pts = sorted((r["n"], r.get("speed_vs_vanilla"), r.get("memory_vs_vanilla")) for r in res["lra"]
                          if r["mechanism"] == m and "error" not in r)
             if pts:
-                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, lw=1, label=m)
-                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", ms=3, lw=1, label=m)
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], ms=3, lw=1.2, label=m, **lstyle[m])
+                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], ms=3, lw=1.2, label=m, **lstyle[m])
         for ax, t in zip(axes, ("training steps/s vs vanilla", "peak memory vs vanilla")):
             ax.set_xlabel("n")
             ax.set_yscale("log")
             ax.set_title(t, fontsize=10)
-        axes[0].legend(fontsize=6, ncol=2)
+        legend_outside(axes[1])
         files.append(C.save_plot(fig, out / "lra.png"))
     return files
 

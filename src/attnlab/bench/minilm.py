@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..options import check_memory, output_dir, positive_int
 from ..report import atomic_write_json, environment, save_figure
 
 __all__ = ["build_parser", "run", "MiniLMBench"]
@@ -22,6 +23,10 @@ __all__ = ["build_parser", "run", "MiniLMBench"]
 
 @dataclass
 class MiniLMBench:
+    """Result of one ``bench minilm`` run on a [batch, tokens] batch of token ids: one row per
+    implementation (median seconds and every repeat, sentences/s, tokens/s, the largest absolute
+    difference of its [batch, 384] sentence embeddings from transformers-sdpa's, and its speed ratios to
+    transformers' sdpa and eager), the implementations skipped and why, and the environment."""
     out_dir: str
     batch: int
     tokens: int
@@ -33,17 +38,22 @@ class MiniLMBench:
     exit_code: int = 0
 
     def row(self, impl: str) -> dict | None:
+        """The row of implementation ``impl`` (e.g. "attnlab[auto]", "transformers[sdpa]"), or None."""
         return next((r for r in self.rows if r["impl"] == impl), None)
 
 
 def build_parser(p):
+    """Add ``bench minilm``'s options (--quick, --out, --batch, --tokens, --repeats, --mechanisms,
+    --threads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="batch 4 x 32 tokens, 2 repeats (seconds)")
     p.add_argument("--out", default="reports/bench-minilm", help="output folder (default reports/bench-minilm)")
-    p.add_argument("--batch", type=int, default=32, help="sentences per batch (default 32)")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per sentence incl. [CLS]/[SEP] (default 128)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per implementation (default 5)")
+    p.add_argument("--batch", type=positive_int, default=None, help="sentences per batch (default 32; quick 4)")
+    p.add_argument("--tokens", type=positive_int, default=None,
+                   help="tokens per sentence incl. [CLS]/[SEP] (default 128; quick 32)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed repeats per implementation (default 5; quick 2)")
     p.add_argument("--mechanisms", default="auto,tiled", help="attnlab mechanisms to time (default auto,tiled)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
 
 
 def _pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -52,12 +62,27 @@ def _pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def run(args) -> MiniLMBench:
-    for name in ("batch", "tokens", "repeats"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
-    if args.tokens > 512:
-        raise ValueError(f"--tokens must be <= 512 (MiniLM's positions), got {args.tokens}")
-    batch, tokens, repeats = (4, 32, 2) if args.quick else (args.batch, args.tokens, args.repeats)
+    """Run the MiniLM encoding benchmark with the parsed options ``args`` and return its :class:`MiniLMBench`.
+
+    Times attnlab's MiniLM (one model per ``--mechanisms`` entry) and, when installed, transformers'
+    BertModel with sdpa and eager attention, all on the same local weights and one fixed unpadded
+    [batch, tokens] batch; each call is forward + mean pooling + L2 normalisation. Repeats are interleaved
+    after one warm-up round; medians are reported. Writes minilm.json and minilm.png to ``args.out`` and
+    prints a table. Raises ValueError for a size <= 0, more than 512 tokens, or a batch that would not fit
+    in memory. Torch's thread count is restored afterwards.
+    """
+    # quick mode changes the defaults, never a value given on the command line
+    defaults = {"batch": 4, "tokens": 32, "repeats": 2} if args.quick else {"batch": 32, "tokens": 128, "repeats": 5}
+    batch, tokens, repeats = (defaults[n] if getattr(args, n) is None else getattr(args, n) for n in defaults)
+    for name, v in (("batch", batch), ("tokens", tokens), ("repeats", repeats)):
+        if v <= 0:
+            raise ValueError(f"--{name} must be > 0, got {v}")
+    if tokens > 512:
+        raise ValueError(f"--tokens must be <= 512 (MiniLM's positions), got {tokens}")
+    # per layer of the three models: hidden states [B, T, 384] and their temporaries, 12 heads' [T, T] scores
+    check_memory(f"--batch {batch} --tokens {tokens}", 4 * batch * tokens * (384 * 24 + 12 * tokens * 3),
+                 "MiniLM's activations for one batch")
+    output_dir(args.out)
     if args.threads is not None:
         if args.threads <= 0:
             raise ValueError(f"--threads must be > 0, got {args.threads}")

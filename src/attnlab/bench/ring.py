@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..options import output_dir, positive_float, positive_int
 from ..report import atomic_write_json, environment, save_figure
 
 __all__ = ["build_parser", "run", "RingBenchResult"]
@@ -33,6 +34,10 @@ TARGET_N, TARGET_PROCS = 32768, 4
 
 @dataclass
 class RankRecord:
+    """What one process measured for one configuration: its shard of ``local_len`` positions (query, key,
+    value each [B, H, local_len, E]), peak resident memory in MiB (with and without the inputs), wall time
+    of the call (forward, or forward + backward), and for ring ranks the bytes sent and the time spent
+    waiting on transfers."""
     config: str  # "single" | "ring-contiguous" | "ring-zigzag"
     procs: int
     rank: int
@@ -49,6 +54,10 @@ class RankRecord:
 
 @dataclass
 class RingBenchResult:
+    """Everything one ``bench ring`` run measured: every rank's :class:`RankRecord`, one ``summary`` row
+    per configuration (its worst rank's peak and the slowest rank's time, each as a ratio to the single
+    process), and ``target``: whether every ring layout's worst peak is <= 0.35x the single process's
+    (the issue-7 target, which ``applies`` only at n = 32768 over 4 processes)."""
     out_dir: str
     settings: dict
     records: list[RankRecord] = field(default_factory=list)
@@ -59,18 +68,21 @@ class RingBenchResult:
 
 
 def build_parser(p):
-    p.add_argument("--procs", type=int, default=4, help="ranks in the ring (default 4)")
+    """Add ``bench ring``'s options (--procs, --quick, sizes, --layouts, --no-causal, --backward,
+    --block-size, --threads, --timeout, --out) to the argparse parser ``p``."""
+    p.add_argument("--procs", type=positive_int, default=4, help="ranks in the ring (default 4)")
     p.add_argument("--quick", action="store_true", help="toy size: finishes in seconds")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length n (default 32768; quick 512)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=None, help="heads (default 4; quick 2)")
-    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 64; quick 16)")
-    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"], choices=["contiguous", "zigzag"])
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length n (default 32768; quick 512)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size")
+    p.add_argument("--heads", type=positive_int, default=None, help="heads (default 4; quick 2)")
+    p.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default 64; quick 16)")
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"], choices=["contiguous", "zigzag"],
+                   help="how the sequence is split over the ranks")
     p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--backward", action="store_true", help="measure forward + backward (training step)")
-    p.add_argument("--block-size", type=int, default=None, help="ring piece size (default: ring_attention's)")
-    p.add_argument("--threads", type=int, default=None, help="total threads per configuration (default: cores)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 1800; quick 180)")
+    p.add_argument("--block-size", type=positive_int, default=None, help="ring piece size (default: ring_attention's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="total threads per configuration (default: cores)")
+    p.add_argument("--timeout", type=positive_float, default=None, help="seconds per configuration (default 1800; quick 180)")
     p.add_argument("--out", default="reports/bench-ring", help="output folder (default reports/bench-ring)")
 
 
@@ -174,11 +186,14 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
 def _settings(args) -> dict:
     q = args.quick
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    s = dict(procs=args.procs, n=args.seq_len or (512 if q else TARGET_N), batch=args.batch,
-             heads=args.heads or (2 if q else 4), head_dim=args.head_dim or (16 if q else 64),
+    def given(v, default):  # 0 is refused by the parser, never replaced by a default here
+        return default if v is None else v
+
+    s = dict(procs=args.procs, n=given(args.seq_len, 512 if q else TARGET_N), batch=args.batch,
+             heads=given(args.heads, 2 if q else 4), head_dim=given(args.head_dim, 16 if q else 64),
              causal=not args.no_causal, backward=args.backward, block_size=args.block_size,
              threads=args.threads if args.threads is not None else cores, layouts=list(dict.fromkeys(args.layouts)),
-             timeout=args.timeout or (180.0 if q else 1800.0), quick=q)
+             timeout=given(args.timeout, 180.0 if q else 1800.0), quick=q)
     for name in ("procs", "n", "batch", "heads", "head_dim", "threads"):
         if s[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
@@ -192,12 +207,21 @@ def _settings(args) -> dict:
 
 
 def run(args) -> RingBenchResult:
+    """Run the ring benchmark with the parsed options ``args`` and return its :class:`RingBenchResult`.
+
+    Starts one process with the whole sequence (query, key, value [B, H, n, E] through
+    ``attnlab.attention``), then ``--procs`` processes per layout running ``ring_attention`` on their
+    shards, each in fresh processes via ``attnlab.distributed.run_local`` (gloo). Writes ring.json and a
+    plot to ``args.out`` and prints a table. Raises ValueError for fewer than 2 processes or a sequence
+    shorter than 2 positions per rank, and RuntimeError if any rank produced non-finite outputs.
+    """
     from rich.console import Console
     from rich.table import Table
 
     from ..distributed import run_local
 
     s = _settings(args)
+    output_dir(args.out)
     out_dir = Path(args.out)
     console = Console(stderr=True)
     result = RingBenchResult(str(out_dir), s, env=environment())
@@ -258,7 +282,8 @@ def _write(result: RingBenchResult, out_dir: Path) -> None:
         ax.set_xticks(range(P))
         ax.set_xlabel("rank")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
+        # below the axes: a legend inside would cover a bar
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     st = result.settings
     fig.suptitle(f"ring attention, {P} processes vs one: n={st['n']}, B={st['batch']}, H={st['heads']}, "
                  f"E={st['head_dim']}, {'causal' if st['causal'] else 'full'}"

@@ -10,6 +10,7 @@ SUITES = {
     "generate": ("attnlab.bench.generate", "TransformerLM generation with vs without KV cache"),
     "ring": ("attnlab.bench.ring", "ring attention: per-rank memory and time vs one process"),
     "layers": ("attnlab.bench.layers", "self-attention vs recurrence vs convolution (Vaswani et al. Table 1)"),
+    "kernels": ("attnlab.cli.bench_kernels", "attnlab's kernels vs SDPA and compiled FlexAttention (issue 14 targets)"),
 }
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from attnlab.options import positive_int
+
 from .main import UsageError
 
 __all__ = ["run", "build_parser", "check", "CASES", "TOL_FACTOR", "TOL_FLOOR"]
@@ -29,12 +31,12 @@ CASES = ("random", "causal", "key_padding", "full_mask", "float_mask", "L!=S", "
 
 def build_parser(p):
     p.add_argument("--shape", default="2,4,77,32", metavar="B,H,L,E", help="query shape (default 2,4,77,32)")
-    p.add_argument("--kv-len", type=int, help="key/value length S (default L)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--kv-len", type=positive_int, help="key/value length S (default L)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the inputs")
     p.add_argument("--mechanism", "-m", action="append", metavar="NAME",
                    help="check only these mechanisms (repeat); default: every registered one")
     p.add_argument("--case", action="append", choices=list(CASES), help="only these cases (repeat)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -55,6 +57,24 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     if len(dims) != 4 or min(dims) < 1:
         raise UsageError(f"--shape must be four positive integers B,H,L,E, got {text!r}")
     return dims  # type: ignore[return-value]
+
+
+#: float64 [B, H, L, S] arrays alive at once while a case is checked (reference scores, weights and
+#: their temporaries, the naive same-dtype yardstick's scores and weights)
+_SCORE_COPIES = 6
+
+
+def check_budget(shape, S=None, only=None, text=None) -> None:
+    """Refuse, before anything is allocated, shapes whose [B, H, L, S] score matrices do not fit the
+    memory budget (``attnlab.options.memory_budget``): the oracle is dense and float64."""
+    from attnlab.options import check_memory
+
+    B, H, L, _ = shape
+    S = L if S is None else S
+    S_max = 2 * S + 3 if only is None or "L!=S" in only else S  # the L != S case doubles the keys
+    where = f"--shape {text or ','.join(map(str, shape))}" + (f" --kv-len {S}" if S != L else "")
+    check_memory(where, _SCORE_COPIES * 8 * B * H * L * S_max,
+                 f"the float64 reference's [B, H, L, S] scores, S up to {S_max}")
 
 
 def make_cases(shape, S=None, dtype=torch.float32, seed=0, only=None) -> list[Case]:
@@ -230,10 +250,11 @@ def run(args):
     shape = _shape(args.shape)
     if args.kv_len is not None and args.kv_len < 1:
         raise UsageError(f"--kv-len must be >= 1, got {args.kv_len}")
+    check_budget(shape, args.kv_len, args.case, args.shape)
     rows = check(args.mechanism, shape, args.kv_len, DTYPES[args.dtype], args.seed, args.case)
     failures = [r for r in rows if r["status"] == "FAIL"]
     exact_fail = [r for r in failures if r["exact"]]
-    console = Console(width=200)
+    console = Console()  # follows the terminal (or $COLUMNS)
     if args.json:
         console.print_json(json.dumps(rows))
     else:

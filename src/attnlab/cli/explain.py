@@ -1,10 +1,13 @@
 """attnlab explain: which attention method runs for given shapes, why the others were refused, and the cost."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 import attnlab
 from attnlab import patterns as P
+from attnlab.options import check_memory, nonneg_int, positive_int
 from attnlab.report import format_bytes as _fmt_bytes
 
 from .main import UsageError
@@ -15,15 +18,15 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def build_parser(p):
     p.add_argument("--shape", action="append", metavar="B,H,L,E",
                    help="query shape; repeat for several (default: a few typical shapes)")
-    p.add_argument("--kv-len", type=int, help="key/value length S (default: L)")
-    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA)")
-    p.add_argument("--causal", action="store_true")
+    p.add_argument("--kv-len", type=nonneg_int, help="key/value length S (default: L)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (GQA)")
+    p.add_argument("--causal", action="store_true", help="causal mask (is_causal=True)")
     p.add_argument("--pattern", help='e.g. "sliding_window(256, causal=True)" or "longformer(128, 1)"')
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--need-weights", action="store_true")
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--strict", action="store_true")
-    p.add_argument("--method", default="auto", choices=list(attnlab.METHODS))
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the inputs")
+    p.add_argument("--need-weights", action="store_true", help="the attention weights are asked for too")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability on the weights (dropout_p)")
+    p.add_argument("--strict", action="store_true", help="refuse rather than fall back (strict=True)")
+    p.add_argument("--method", default="auto", choices=list(attnlab.METHODS), help="the method asked for")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -42,11 +45,19 @@ def _shape(text: str) -> tuple[int, ...]:
         raise UsageError(f"--shape must be comma-separated integers like 1,8,1024,64, got {text!r}") from None
     if len(dims) < 2 or any(d < 0 for d in dims):
         raise UsageError(f"--shape needs at least L,E and no negative sizes, got {text!r}")
+    if math.prod(dims) >= 2**62:  # torch's element count is an int64
+        raise UsageError(f"--shape {text} has {math.prod(dims):.3g} elements, more than a tensor can hold (2^62)")
     return dims
 
 
+#: bytes per block of the sparse planner's block layouts (int64 bounds and a few temporaries per block)
+_LAYOUT_BYTES_PER_BLOCK = 64
+
+
 def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pattern=None, **kw) -> dict:
-    """Plan for one query shape; tensors are allocated uninitialised (explain runs no attention)."""
+    """Plan for one query shape. The tensors live on the meta device (shapes and dtypes, no storage):
+    explain runs no attention, so a shape of any size can be explained; only a pattern's block layouts,
+    which the planner builds for real, are checked against the memory budget first."""
     L = shape[-2]
     S = kv_len if kv_len is not None else L
     kshape = list(shape[:-2]) + [S, shape[-1]]
@@ -55,9 +66,14 @@ def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pat
             raise UsageError("--kv-heads needs a shape with a head dim (B,H,L,E)")
         kshape[-3] = kv_heads
         kw["enable_gqa"] = True
-    q = torch.empty(shape, dtype=dtype)
-    k = torch.empty(kshape, dtype=dtype)
+    q = torch.empty(shape, dtype=dtype, device="meta")
+    k = torch.empty(kshape, dtype=dtype, device="meta")
     pat = P.parse(pattern) if isinstance(pattern, str) else pattern
+    if pat is not None:
+        # the planner prices block sizes from 32 up on [ceil(L/32), ceil(S/32)] layouts
+        blocks = -(-L // 32) * -(-S // 32)
+        check_memory(f"--shape {','.join(map(str, shape))} with --pattern", blocks * _LAYOUT_BYTES_PER_BLOCK,
+                     f"the sparse planner's block layout of {-(-L // 32)} x {-(-S // 32)} blocks")
     plan = attnlab.explain(q, k, k, pattern=pat, **kw)
     return {"shape": list(shape), "S": S, "pattern": pattern, "options": {k: v for k, v in kw.items() if v},
             "method": plan.method, "reason": plan.reason, "refused": plan.refused,
@@ -81,7 +97,7 @@ def run(args):
         o.update({k: v for k, v in extra.items() if k != "pattern"})
         results.append(explain_shape(_shape(text), kv_len=args.kv_len, kv_heads=args.kv_heads,
                                      dtype=DTYPES[args.dtype], pattern=extra.get("pattern"), **o))
-    console = Console(width=140)
+    console = Console()  # follows the terminal (or $COLUMNS)
     if args.json:
         import json
 

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from pathlib import Path
 
+from ..diagnostics.heads import measure_heads
+from ..options import nonneg_int, output_dir
 from .main import UsageError
 
 __all__ = ["build_parser", "run", "measure_heads"]
@@ -14,38 +15,16 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sentence", action="append", default=[], help="a sentence to use (repeatable)")
     p.add_argument("--sentences", help="a text file with one sentence per line")
     p.add_argument("--out", default="reports/heads", help="folder for heads.png and heads.json (default reports/heads)")
-    p.add_argument("--layer", type=int, action="append", default=None, help="only these layers in the table")
+    p.add_argument("--layer", type=nonneg_int, action="append", default=None,
+                   help="only this layer in the table (repeatable; default every layer)")
     p.add_argument("--no-plot", action="store_true", help="skip heads.png")
-
-
-def measure_heads(sentences: list[str], model=None) -> dict:
-    """Run MiniLM on ``sentences`` and measure every head. Returns {stats, counts, n_sentences, n_tokens}."""
-    import torch
-
-    from ..diagnostics.heads import head_stats
-    from ..trace.minilm import load_minilm
-
-    sentences = [s for s in sentences if s.strip()]
-    if not sentences:
-        raise ValueError("no sentences: give --sentence TEXT or a --sentences file with non-empty lines")
-    m = model if model is not None else load_minilm()
-    enc = m.tokenize(sentences, max_length=128)
-    toks = enc["tokens"]
-    cls = torch.tensor([[t == "[CLS]" for t in row] for row in toks])
-    sep = torch.tensor([[t == "[SEP]" for t in row] for row in toks])
-    pad = torch.tensor([[t == "[PAD]" for t in row] for row in toks])
-    with torch.no_grad():
-        out = m.forward(enc["input_ids"], enc["attention_mask"], output_attentions=True)
-    stats = head_stats(out.attentions, enc["attention_mask"], cls | sep | pad, cls, sep)
-    return {"stats": stats, "counts": dict(Counter(s["label"] for s in stats)), "n_sentences": len(sentences),
-            "n_tokens": int((enc["attention_mask"].bool() & ~(cls | sep)).sum()),
-            "num_layers": m.num_layers, "num_heads": m.num_heads}
 
 
 def run(args: argparse.Namespace):
     from ..diagnostics.heads import DEFAULT_SENTENCES
     from ..report import atomic_write_json
 
+    out = output_dir(args.out)
     sentences = list(args.sentence)
     if args.sentences:
         path = Path(args.sentences)
@@ -65,7 +44,6 @@ def run(args: argparse.Namespace):
         if not 0 <= li < nl:
             raise UsageError(f"--layer {li} out of range: MiniLM has {nl} layers (0..{nl - 1})")
     res = measure_heads(sentences, model)
-    out = Path(args.out)
     files = [str(atomic_write_json(out / "heads.json", {k: v for k, v in res.items()} | {"sentences": sentences}))]
     if not args.no_plot:
         from ..viz.heatmaps import plot_head_stats

@@ -18,6 +18,10 @@ def _sizes(text: str) -> tuple[int, int, int]:
         raise UsageError(f"--cost must be three comma-separated integers L,S,D, got {text!r}") from None
     if min(L, S, D) < 1:
         raise UsageError(f"--cost sizes must be >= 1, got {text!r}")
+    from attnlab.options import check_memory
+
+    # a pattern's cost counts its kept pairs row by row: a few float64 vectors of length L and S
+    check_memory(f"--cost {text}", 4 * 8 * (L + S), "the patterns' per-row counts of kept pairs")
     return L, S, D
 
 
@@ -42,21 +46,38 @@ def run(args):
         else:
             d["gflop"] = d["memory_mib"] = None
         rows.append(d)
-    console = Console(width=200)
+    console = Console()  # follows the terminal (or $COLUMNS)
     if args.json:
         console.print_json(json.dumps(rows))
     else:
+        # Columns follow the terminal: the long ones (time, parameters, paper) only where they fit.
+        W = console.width
+        cols = {"time": W >= 100, "parameters (defaults)": W >= 130, "paper": W >= 170}
         t = Table(title=f"attnlab mechanisms (cost at L={L}, S={S}, D={D}, per batch·head, default params)",
                   title_justify="left")
-        for c in ("name", "kind", "causal", "masks", "weights", "dropout", "time", "GFLOP", "MiB",
-                  "parameters (defaults)", "paper"):
-            t.add_column(c, overflow="fold")
-        yes = lambda b: "[green]yes[/]" if b else "[red]no[/]"  # noqa: E731
+        for c in ("name", "kind", "masks"):
+            t.add_column(c, no_wrap=True)
+        t.add_column("supports", overflow="fold", min_width=8)
+        if cols["time"]:
+            t.add_column("time", no_wrap=True)
+        for c in ("GFLOP", "MiB"):
+            t.add_column(c, no_wrap=True, justify="right")
+        for c in ("parameters (defaults)", "paper"):
+            if cols[c]:
+                t.add_column(c, ratio=1, overflow="fold", min_width=16)
         for d in rows:
-            t.add_row(d["name"], d["kind"], yes(d["causal"]), d["masks"], yes(d["weights"]), yes(d["dropout"]),
-                      d["time"], "—" if d["gflop"] is None else f"{d['gflop']:.3g}",
-                      "—" if d["memory_mib"] is None else f"{d['memory_mib']:.3g}", d["params"], d["paper"])
+            sup = [f for f in ("causal", "weights", "dropout") if d[f]]
+            cells = [d["name"], d["kind"], d["masks"], ", ".join(sup) or "—"]
+            cells += [d["time"]] if cols["time"] else []
+            cells += ["—" if d["gflop"] is None else f"{d['gflop']:.3g}",
+                      "—" if d["memory_mib"] is None else f"{d['memory_mib']:.3g}"]
+            cells += [d["params"]] if cols["parameters (defaults)"] else []
+            cells += [d["paper"]] if cols["paper"] else []
+            t.add_row(*cells)
         console.print(t)
         console.print("masks: none | key (bool key padding [..., 1, S]) | any ([..., L, S]).  "
                       "Use: attnlab.mechanisms.get(name, **params) or resolve(name).")
+        hidden = [c for c, on in cols.items() if not on]
+        if hidden:
+            console.print(f"(a wider terminal also shows: {', '.join(hidden)}; `attnlab list --json` has everything)")
     return {"mechanisms": rows, "exit_code": 0}

@@ -35,9 +35,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "heads": ("attnlab.cli.heads", "what MiniLM's heads do, measured"),
     "experiment": ("attnlab.cli.experiment", "experiments that write reports with plots"),
     "retrieve": ("attnlab.cli.retrieve", "attention as retrieval over a MiniLM-embedded corpus"),
+    "serve": ("attnlab.cli.serve", "live attention explorer in the browser (local web app)"),
 }
 
 LAST_RESULT: object = None
+_DEPTH = 0  # main() calls in progress: the tour runs other subcommands through main()
 
 
 class UsageError(Exception):
@@ -93,14 +95,20 @@ def _command(args) -> str:
 
 
 def interrupted_message(args, argv: list[str]) -> str:
-    """One line for Ctrl-C: what was kept on disk and the command that continues from it."""
-    prog = f"attnlab {_command(args)}" if args is not None else "attnlab"
+    """One line for Ctrl-C: what was kept on disk and the command that continues from it.
+
+    A command that can resume sets ``args.checkpoint_dir`` once its output folder is checked; the
+    others write their files whole at the end (``attnlab.report``), so an interrupted run leaves the
+    folder as it was."""
+    prog = f"attnlab {_command(args)}" if args is not None else " ".join(["attnlab", *argv[:1]])
     out = getattr(args, "out", None)
-    if args is not None and hasattr(args, "resume") and out:
+    kept_dir = getattr(args, "checkpoint_dir", None)
+    if kept_dir:
+        argv = [a for a in argv if a != "--force"]  # --force again would throw away what was kept
         again = ["attnlab", *argv] + ([] if "--resume" in argv else ["--resume"])
-        return (f"{prog}: interrupted; the finished work is kept in {out} (checkpoints and partial results); "
+        return (f"{prog}: interrupted; what finished is kept in {kept_dir} (checkpoints, partial results); "
                 f"resume with: {shlex.join(again)}")
-    kept = f"{out} keeps what it held before (files are written whole or not at all)" if out else "nothing was written"
+    kept = f"every file in {out} is whole (each is written at once or not at all)" if out else "nothing was written"
     return f"{prog}: interrupted; {kept}; rerun `{shlex.join(['attnlab', *argv])}` to start again"
 
 
@@ -122,9 +130,10 @@ def _error_line(prog: str, e: BaseException) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global LAST_RESULT
+    global LAST_RESULT, _DEPTH
     argv = list(sys.argv[1:] if argv is None else argv)
     args = None
+    _DEPTH += 1
     try:
         parser = build_parser()
         try:
@@ -136,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         LAST_RESULT = args._run(args)
     except KeyboardInterrupt:
+        if _DEPTH > 1:
+            raise  # a subcommand run by another (the tour): the outer one stops and reports
         print(interrupted_message(args, argv), file=sys.stderr)
         return 130
     except Exception as e:  # Note [One error boundary]
@@ -145,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         line, code = _error_line(prog, e)
         print(" ".join(line.split("\n")), file=sys.stderr)
         return code
+    finally:
+        _DEPTH -= 1
     code = getattr(LAST_RESULT, "exit_code", None)
     if code is None and isinstance(LAST_RESULT, dict):
         code = LAST_RESULT.get("exit_code")
@@ -154,4 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m attnlab.cli.main` runs this file as __main__, a second copy of the module: the
+    # subcommands raise attnlab.cli.main.UsageError, which only the imported copy's boundary knows
+    from attnlab.cli.main import main as _main
+
+    sys.exit(_main())

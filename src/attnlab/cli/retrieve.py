@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 from .. import retrieval as R
+from ..options import nonneg_int, output_dir, positive_float, positive_int
 from ..report import atomic_write_json, save_figure
 
 DEFAULT_QUERY = "Tell me about Maya."
@@ -16,18 +16,18 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("query", nargs="?", default=DEFAULT_QUERY, help=f"the question (default: {DEFAULT_QUERY!r})")
     p.add_argument("--embedder", default="minilm", choices=sorted(R.EMBEDDERS),
                    help="minilm: all-MiniLM-L6-v2 via attnlab.models.minilm; hashing: bag of words, no weights")
-    p.add_argument("--tau", type=float, default=0.05, help="softmax temperature τ of the soft lookup")
-    p.add_argument("-k", "--k", type=int, default=5, help="entries in the top-k lookup")
-    p.add_argument("--subjects", type=int, default=48, help="people in the generated corpus (6 sentences each)")
+    p.add_argument("--tau", type=positive_float, default=0.05, help="softmax temperature τ of the soft lookup")
+    p.add_argument("-k", "--k", type=positive_int, default=5, help="entries in the top-k lookup")
+    p.add_argument("--subjects", type=positive_int, default=48, help="people in the generated corpus (6 sentences each)")
     p.add_argument("--seed", type=int, default=0, help="corpus and train/held-out split seed")
     p.add_argument("--no-learn", action="store_true", help="skip fitting the W_Q, W_K projection")
     p.add_argument("--target", default=R.DEFAULT_TARGET, choices=list(R.RELATIONS),
                    help="which sentence answers 'Tell me about X.' in the labelled pairs")
-    p.add_argument("--train", type=int, default=8, help="labelled query–answer pairs to fit the projection on")
-    p.add_argument("--rank", type=int, default=1, help="rank of the learned update W = I + A·B")
-    p.add_argument("--steps", type=int, default=60, help="gradient steps (Adam)")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
-    p.add_argument("--show", type=int, default=10, help="entries shown in the weight table")
+    p.add_argument("--train", type=positive_int, default=8, help="labelled query–answer pairs to fit the projection on")
+    p.add_argument("--rank", type=positive_int, default=1, help="rank of the learned update W = I + A·B")
+    p.add_argument("--steps", type=nonneg_int, default=60, help="gradient steps (Adam)")
+    p.add_argument("--lr", type=positive_float, default=0.01, help="learning rate")
+    p.add_argument("--show", type=positive_int, default=10, help="entries shown in the weight table")
     p.add_argument("--out", default="reports/retrieve", help="folder for retrieve.json and retrieve.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> R.RetrievalResult:
     from .main import UsageError
 
     console = Console(stderr=args.json)
+    out = output_dir(args.out)
     try:
         with console.status("retrieving") as status:
             result = R.retrieve(args.query, embedder=args.embedder, num_subjects=args.subjects, seed=args.seed,
@@ -46,7 +47,6 @@ def run(args: argparse.Namespace) -> R.RetrievalResult:
                                 show=args.show, progress=lambda msg: status.update(msg))
     except ImportError as e:  # MiniLM's weights package is optional
         raise UsageError(f"{e} (or run with --embedder hashing, which needs no weights)") from e
-    out = Path(args.out)
     result.files["png"] = str(save_figure(figure(result), out / "retrieve.png"))
     result.files["json"] = str(out / "retrieve.json")
     atomic_write_json(out / "retrieve.json", result.to_dict())

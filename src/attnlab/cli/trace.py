@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..options import nonneg_int, output_file, positive_int
 from ..report import atomic_write_text
 from .main import UsageError
 
@@ -26,10 +27,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-k", type=int, dest="d_k", help="head dim used by the scale (default: the columns of Q)")
     p.add_argument("--layer", type=int, default=0, help="MiniLM layer for --text (0..5)")
     p.add_argument("--head", type=int, default=0, help="MiniLM head for --text (0..11)")
-    p.add_argument("--heads", type=int, default=None, help="heads (example: default 1; summary: default 12)")
-    p.add_argument("--d-model", type=int, default=768, dest="d_model", help="--summary: model width")
-    p.add_argument("--seq-len", type=int, default=512, dest="seq_len", help="--summary: sequence length")
-    p.add_argument("--batch", type=int, default=1, help="--summary: batch size")
+    p.add_argument("--heads", type=positive_int, default=None, help="heads (example: default 1; summary: default 12)")
+    p.add_argument("--d-model", type=positive_int, default=768, dest="d_model", help="--summary: model width")
+    p.add_argument("--seq-len", type=positive_int, default=512, dest="seq_len", help="--summary: sequence length")
+    p.add_argument("--batch", type=positive_int, default=1, help="--summary: batch size")
     p.add_argument("--dtype", default="float32", help="--summary: dtype whose bytes are counted")
     p.add_argument("--seed", type=int, default=0, help="seed of the example's / summary's random numbers")
     fm = p.add_argument_group("failure modes from the tutorial")
@@ -38,11 +39,21 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     fm.add_argument("--no-softmax", action="store_true", help="use the scaled scores as weights")
     fm.add_argument("--cosine", action="store_true", help="cosine similarity instead of the dot product")
     p.add_argument("--causal", action="store_true", help="causal mask (key j visible to query i when j <= i)")
-    p.add_argument("--format", choices=("rich", "markdown", "html", "json"), default="rich")
+    p.add_argument("--format", choices=("rich", "markdown", "html", "json"), default="rich",
+                   help="how the trace is rendered")
     p.add_argument("--out", help="write the rendered trace to this file instead of the terminal")
     p.add_argument("--png", help="also write a PNG: the weights per head, or (with --summary) score scale vs d_k")
     p.add_argument("--max-show", type=int, default=8, dest="max_show", help="rows/columns printed per matrix")
-    p.add_argument("--digits", type=int, default=3, help="decimals printed")
+    p.add_argument("--digits", type=nonneg_int, default=3, help="decimals printed")
+    ck = p.add_argument_group("check a printed table (a textbook's, say)")
+    ck.add_argument("--expect", metavar="TABLE",
+                    help="a printed table to check, as JSON ('[[0.296, 0.242], ...]', '#' comments allowed) or a file "
+                         "holding it: every cell further than half a unit of its last printed digit from the exact "
+                         "value is marked with the correct value. Exit status 1 when any cell is wrong, 0 when all "
+                         "are right (like diff)")
+    ck.add_argument("--expect-step", default="weights", dest="expect_step",
+                    choices=("scores", "scaled", "masked", "weights", "output"),
+                    help="which step the printed table shows (default: weights, the softmax table)")
 
 
 def load_matrix(name: str, spec: str) -> np.ndarray:
@@ -65,11 +76,15 @@ def load_matrix(name: str, spec: str) -> np.ndarray:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{name}: {s} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{name}: {s} is nested too deeply to be a matrix") from None
     else:
         try:
             data = json.loads(s)
         except json.JSONDecodeError as e:
             raise ValueError(f"{name} must be a JSON matrix like [[1, 2], [3, 4]] or a .json/.npy file: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{name} is nested too deeply to be a matrix (a matrix is [[...], [...]])") from None
     if isinstance(data, dict):
         raise ValueError(f"{name} must be a matrix (list of rows), got a JSON object")
     if isinstance(data, list) and data and all(isinstance(r, list) for r in data):
@@ -89,6 +104,9 @@ def run(args: argparse.Namespace):
         raise UsageError(f"choose one starting point, got {', '.join(sources)}")
     if args.v is not None and not ({"--scores", "--q/--k"} & set(sources)):
         raise UsageError("--v goes with --scores or --q/--k")
+    for opt, path in (("--out", args.out), ("--png", args.png)):
+        if path:
+            output_file(path, opt)
     if args.max_show < 2:
         raise UsageError(f"--max-show must be >= 2, got {args.max_show}")
     if args.d_k is not None and args.d_k < 1:
@@ -113,6 +131,8 @@ def run(args: argparse.Namespace):
     else:
         trace = tr.trace_summary(args.d_model, args.seq_len, 12 if args.heads is None else args.heads,
                                  batch=args.batch, dtype=args.dtype, seed=args.seed, options=opts)
+    if args.expect is not None:
+        return _check(trace, args)
     png = _write_png(trace, args.png) if args.png else None
     fmt = args.format
     kw = {"max_show": args.max_show, "digits": args.digits}
@@ -141,6 +161,48 @@ def run(args: argparse.Namespace):
     if png:
         print(f"wrote {png}")
     return {"trace": trace, "format": fmt, "text": text, "out": args.out, "png": png, "exit_code": 0}
+
+
+def _expect_text(spec: str) -> str:
+    """--expect's table: the file's text when SPEC names a file, else SPEC itself."""
+    s = spec.strip()
+    if not s.startswith("[") and Path(s).is_file():
+        return Path(s).read_text()
+    if not s.startswith("[") and (s.endswith(".json") or s.endswith(".txt") or "/" in s):
+        raise ValueError(f"--expect: file not found: {s}")
+    return s
+
+
+def _check(trace, args: argparse.Namespace):
+    from .. import trace as tr
+
+    if trace.source == "summary":
+        raise UsageError("--expect checks a small printed table; --summary has none (use --scores or --q/--k)")
+    check = tr.check_table(_expect_text(args.expect), trace, step=args.expect_step)
+    text = None
+    if args.format == "json":
+        text = json.dumps(check.to_dict(), indent=2) + "\n"
+    elif args.format == "markdown":
+        text = tr.check_markdown(check)
+    elif args.format == "html":
+        text = tr.check_html(check)
+    if args.out:
+        if text is None:
+            from io import StringIO
+
+            from rich.console import Console
+
+            buf = StringIO()
+            tr.check_rich(check, Console(file=buf, width=140, no_color=True))
+            text = buf.getvalue()
+        atomic_write_text(args.out, text)
+        print(f"wrote {args.out}: {check.summary()}")
+    elif text is not None:
+        print(text, end="")
+    else:
+        tr.check_rich(check)
+    return {"trace": trace, "check": check, "format": args.format, "text": text, "out": args.out,
+            "exit_code": 0 if check.ok else 1}
 
 
 def _write_png(trace, path: str) -> str:

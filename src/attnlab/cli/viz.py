@@ -1,17 +1,19 @@
-"""attnlab viz TEXT --out DIR: a self-contained, offline HTML page of a model's attention on TEXT."""
+"""attnlab viz TEXT [--out DIR]: a self-contained, offline HTML page of a model's attention on TEXT."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from ..options import output_dir, positive_int
 from .main import UsageError
 
-__all__ = ["build_parser", "run", "parse_params"]
+__all__ = ["build_parser", "run", "parse_params", "default_out"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("text", help="the text to look at (quote it)")
-    p.add_argument("--out", required=True, help="folder to write index.html (and heads.png) into")
+    p.add_argument("--out", default=None,
+                   help="folder to write index.html (and heads.png) into (default: reports/viz/<model>-<words of TEXT>)")
     p.add_argument("--model", choices=("minilm", "random"), default="minilm",
                    help="minilm: all-MiniLM-L6-v2 (WordPiece); random: a seeded toy encoder on words, any length")
     p.add_argument("--mechanism", default=None, help="attention mechanism (see `attnlab list`), e.g. sliding_window")
@@ -20,8 +22,16 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-max", type=int, default=96, dest="dense_max",
                    help="longer inputs show streaming summaries instead of dense weights (default 96 tokens)")
     p.add_argument("--topk", type=int, default=4, help="keys kept per query in summary mode")
-    p.add_argument("--max-length", type=int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
+    p.add_argument("--max-length", type=positive_int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
     p.add_argument("--png", action="store_true", help="also write heads.png (layer 0 heatmaps, dense mode only)")
+
+
+def default_out(text: str, model: str) -> Path:
+    """reports/viz/<model>-<first words of text, as a safe file name>."""
+    import re
+
+    slug = "-".join(re.findall(r"[A-Za-z0-9]+", text.lower())[:6])[:48].strip("-") or "text"
+    return Path("reports") / "viz" / f"{model}-{slug}"
 
 
 def parse_params(items: list[str]) -> dict:
@@ -50,6 +60,9 @@ def run(args: argparse.Namespace):
 
     if not args.text.strip():
         raise UsageError("TEXT is empty: give some words to look at")
+    if args.out is None:
+        args.out = str(default_out(args.text, args.model))
+    output_dir(args.out)
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
     params = parse_params(args.param)

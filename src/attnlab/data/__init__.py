@@ -37,6 +37,7 @@ class TaskData:
 
     @property
     def seq_len(self) -> int:
+        """T, the (padded) length of every input row: ``inputs.shape[1]``."""
         return self.inputs.shape[1]
 
     def split(self, n_train: int) -> tuple["TaskData", "TaskData"]:

@@ -13,7 +13,12 @@ __all__ = ["selective_copy"]
 
 
 def selective_copy(num_samples: int, seq_len: int, seed: int = 0, *, num_tokens: int = 8, num_symbols: int = 16):
-    """Returns a :class:`attnlab.data.TaskData` with targets [N, num_tokens] read at the last positions."""
+    """``num_samples`` N examples of length T = ``seq_len`` (layout in the module docstring), seeded.
+
+    Returns a :class:`attnlab.data.TaskData` with inputs [N, T] and targets [N, num_tokens] (the data
+    symbols in order, ``num_symbols`` classes) read at the last ``num_tokens`` positions. Raises
+    ValueError unless num_tokens >= 1 and seq_len >= 2·num_tokens.
+    """
     from . import TaskData
 
     if num_tokens < 1 or seq_len < 2 * num_tokens:

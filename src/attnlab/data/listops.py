@@ -89,7 +89,9 @@ def listops(num_samples: int, seq_len: int, seed: int = 0, *, min_length: int | 
     """``num_samples`` ListOps expressions of at most ``seq_len`` tokens, right-padded with 0.
 
     min_length: keep trees longer than this (default ``seq_len // 4``; LRA used 500 for 2000).
-    Returns a :class:`attnlab.data.TaskData` with 10 classes.
+    Returns a :class:`attnlab.data.TaskData` with inputs [N, seq_len], targets [N] (the value 0-9 of
+    each expression: 10 classes) and the token lengths in ``meta["lengths"]``. Trees are drawn by
+    rejection; raises ValueError if ``max_tries`` draws do not give ``num_samples`` of the right length.
     """
     from . import TaskData
 

@@ -17,7 +17,13 @@ __all__ = ["associative_recall"]
 
 def associative_recall(num_samples: int, seq_len: int, seed: int = 0, *, num_pairs: int = 8, num_keys: int = 32,
                        num_values: int = 16, num_noise: int = 16, num_queries: int = 1):
-    """Returns a :class:`attnlab.data.TaskData`; ``meta`` holds the token id ranges."""
+    """``num_samples`` N examples of length T = ``seq_len`` (layout in the module docstring), seeded.
+
+    Returns a :class:`attnlab.data.TaskData` with inputs [N, T] and ``num_values`` classes: targets [N]
+    read at the last token (``readout="last"``) for one query, else [N, num_queries] read at the last
+    ``num_queries`` positions. ``meta`` holds the token id ranges. Raises ValueError unless
+    1 <= num_queries <= num_pairs <= num_keys and seq_len >= 2·num_pairs + num_queries.
+    """
     from . import TaskData
 
     if num_pairs < 1 or num_pairs > num_keys:

@@ -135,6 +135,9 @@ def score_variance(d_k: int, *, n: int = 4096, seed: int = 0) -> dict:
 
 @dataclass
 class SweepRow:
+    """One (d_k, scale) point of :func:`scale_sweep`: the variance of the scaled scores [L, S], the
+    weights' mean and maximum possible entropy (nats), mean largest weight, fraction of saturated rows,
+    mean softmax-Jacobian norm, and the mean norm of the gradient reaching each score row."""
     d_k: int
     scale: str
     score_var: float

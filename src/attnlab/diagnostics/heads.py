@@ -6,9 +6,11 @@ previous word piece. Keys are the real tokens (padding gets no weight in the mod
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
-__all__ = ["head_stats", "label_head", "LABEL_RULES", "DEFAULT_SENTENCES"]
+__all__ = ["head_stats", "label_head", "measure_heads", "LABEL_RULES", "DEFAULT_SENTENCES"]
 
 #: label -> (measure, threshold): the first rule that holds names the head (checked in this order)
 LABEL_RULES = (
@@ -88,3 +90,25 @@ def head_stats(attentions, attention_mask: torch.Tensor, special: torch.Tensor, 
             out.append(s)
     return out
 
+
+def measure_heads(sentences: list[str], model=None) -> dict:
+    """Run MiniLM on ``sentences`` and measure every head. Returns {stats, counts, n_sentences, n_tokens}."""
+    import torch
+
+    from ..trace.minilm import load_minilm
+
+    sentences = [s for s in sentences if s.strip()]
+    if not sentences:
+        raise ValueError("no sentences: give --sentence TEXT or a --sentences file with non-empty lines")
+    m = model if model is not None else load_minilm()
+    enc = m.tokenize(sentences, max_length=128)
+    toks = enc["tokens"]
+    cls = torch.tensor([[t == "[CLS]" for t in row] for row in toks])
+    sep = torch.tensor([[t == "[SEP]" for t in row] for row in toks])
+    pad = torch.tensor([[t == "[PAD]" for t in row] for row in toks])
+    with torch.no_grad():
+        out = m.forward(enc["input_ids"], enc["attention_mask"], output_attentions=True)
+    stats = head_stats(out.attentions, enc["attention_mask"], cls | sep | pad, cls, sep)
+    return {"stats": stats, "counts": dict(Counter(s["label"] for s in stats)), "n_sentences": len(sentences),
+            "n_tokens": int((enc["attention_mask"].bool() & ~(cls | sep)).sum()),
+            "num_layers": m.num_layers, "num_heads": m.num_heads}

@@ -23,6 +23,14 @@ from .ring import ring_attention
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the demo on this rank (under torchrun) and return its report; ``argv`` as on the command line.
+
+    Every rank builds the same seeded query, key, value and output gradient [B, H, n, E], shards them
+    with ``--layout``, runs ``ring_attention`` forward and backward on its shard, and (unless
+    ``--no-check``) compares its rows of the output and of dq, dk, dv with PyTorch SDPA over the whole
+    sequence. Returns {rank, world, backend, local_len, seconds, max_abs_error: {out, dq, dk, dv}} and
+    prints it (this is a script's entry point). Destroys the process group on the way out.
+    """
     p = argparse.ArgumentParser(prog="python -m attnlab.distributed.demo", description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)

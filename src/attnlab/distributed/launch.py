@@ -24,6 +24,9 @@ __all__ = ["run_local", "RankResult", "LocalRunError"]
 
 @dataclass
 class RankResult:
+    """What one rank of :func:`run_local` returned: ``ok`` with ``fn``'s return ``value``, or the
+    exception's type name, message and traceback (``error_type`` "ProcessDied" or "Timeout" when the
+    process ended without a result); the process's exit code and seconds from start to result."""
     rank: int
     ok: bool
     value: Any = None

@@ -22,6 +22,7 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def check_layout(layout: str) -> str:
+    """``layout`` itself if it is one of LAYOUTS ("contiguous", "zigzag"); otherwise ValueError."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout
@@ -85,7 +86,12 @@ def shard_sequence(x: torch.Tensor, rank: int | None = None, world_size: int | N
 
 def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], *, layout: str = "contiguous",
                      dim: int = -2) -> torch.Tensor:
-    """Inverse of ``shard_sequence`` in one process: the shards of ranks 0..P-1 -> the full sequence."""
+    """Inverse of ``shard_sequence`` in one process: the shards of ranks 0..P-1 -> the full sequence.
+
+    shards[r]: [..., L_r, ...] along ``dim`` (e.g. [B, H, L_r, E]) -> [..., L, ...] with L = Σ L_r, every
+    position back in global order. Raises ValueError if a shard's length is not what ``layout`` gives
+    that rank for length L.
+    """
     check_layout(layout)
     if not shards:
         raise ValueError("unshard_sequence: need at least one shard")

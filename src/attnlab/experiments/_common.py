@@ -24,11 +24,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.options import output_dir, positive_float, positive_int
+
 __all__ = [
     "add_common_args", "out_dir", "seeds_of", "attention_fn", "pattern_catalog", "mechanism_names",
     "RunConfig", "TinyTransformer", "train_run", "stdlib_text", "text_task", "scale_value",
     "peak_rss_bytes", "reset_peak_rss", "progress", "write_results", "fmt_table", "save_plot",
-    "make_mechanism", "threads", "run_grid", "summarize_runs", "training_experiment", "build_model", "evaluate",
+    "make_mechanism", "threads", "run_grid", "load_checkpoint", "CheckpointError", "summarize_runs", "training_experiment", "build_model", "evaluate",
 ]
 
 EXACT_METHODS = ("auto", "dense", "sdpa", "tiled", "sparse")
@@ -39,10 +41,12 @@ def add_common_args(p: argparse.ArgumentParser, *, seeds: str = "0,1,2") -> None
     p.add_argument("--out", default=None, help="output folder (default reports/<name>)")
     p.add_argument("--quick", action="store_true", help="a toy-size run that finishes in seconds")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoints of a killed run")
+    p.add_argument("--force", action="store_true",
+                   help="replace the earlier run an --out folder holds (without it, such a folder is refused)")
     p.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default {seeds})")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (overrides the default)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps per run (overrides the default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads while this runs (default 1: tiny models train fastest single-threaded, "
                         "and a shared machine stays usable)")
 
@@ -65,8 +69,17 @@ class threads:
         return False
 
 
-def out_dir(args, name: str) -> Path:
-    return Path(args.out) if getattr(args, "out", None) else Path("reports") / name
+def out_dir(args, name: str, *, resumable: bool = True) -> Path:
+    """``--out`` or reports/<name>, checked (``attnlab.options.output_dir``): not a file; for a
+    ``resumable`` experiment, a folder holding an earlier run needs ``--resume`` or ``--force``, so an
+    old report never mixes with a new run. ``args.out`` is set to the folder (Ctrl-C names it)."""
+    path = Path(args.out) if getattr(args, "out", None) else Path("reports") / name
+    resume = (bool(getattr(args, "resume", False)) or bool(getattr(args, "report_only", False))) if resumable else None
+    path = output_dir(path, "--out", resume=resume, force=bool(getattr(args, "force", False)))
+    args.out = str(path)
+    if resumable:
+        args.checkpoint_dir = str(path)  # Ctrl-C says it is kept and how to resume (cli.main)
+    return path
 
 
 def seeds_of(text: str) -> list[int]:
@@ -483,7 +496,7 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
     stored_peak: int | None = None  # training memory a killed or finished earlier process measured
     cfg_dict = asdict(cfg)
     if resume and ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
+        state = load_checkpoint(ckpt)
         if state.get("config") == cfg_dict:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
@@ -523,41 +536,45 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
         if not math.isfinite(v):
             nonfinite_step = hist["step"][i]
             break
-    while not done and step < cfg.steps:
-        t0 = time.perf_counter()
-        idx = torch.randint(0, len(train), (cfg.batch_size,), generator=gen)
-        ids, tgt = train.inputs[idx], train.targets[idx]
-        log = step % cfg.log_every == 0 or step == cfg.steps - 1
-        stats: list | None = [] if log else None
-        loss, _ = _loss(model, train, ids, tgt, stats)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = _grad_norm(params) if log else None
-        if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        step_times.append(time.perf_counter() - t0)
-        train_time += step_times[-1]
-        lv = float(loss.detach())
-        if log:
-            ents = [s["entropy"] for s in stats if s["entropy"] is not None]
-            mws = [s["max_weight"] for s in stats if s["max_weight"] is not None]
-            hist["step"].append(step)
-            hist["loss"].append(lv if math.isfinite(lv) else float("nan"))
-            hist["grad_norm"].append(gnorm if math.isfinite(gnorm) else float("nan"))
-            hist["qk_grad_norm"].append(_grad_norm(qk_params))
-            hist["entropy"].append(sum(ents) / len(ents) if ents else None)
-            hist["max_weight"].append(sum(mws) / len(mws) if mws else None)
-            hist["score_std"].append(sum(s["score_std"] for s in stats) / len(stats) if stats else None)
-        step += 1
-        if advance:
-            advance(1)
-        if not math.isfinite(lv):
-            nonfinite_step = step - 1
-            break  # diverged: nothing more to learn from this run
-        if ckpt is not None and time.perf_counter() - last_save > checkpoint_every_s:
-            save(False)
-            last_save = time.perf_counter()
+    with _StepBoundary() as ctrl_c:
+        while not done and step < cfg.steps:
+            if ctrl_c.pressed:  # Note [Ctrl-C between steps]
+                save(False)
+                raise KeyboardInterrupt
+            t0 = time.perf_counter()
+            idx = torch.randint(0, len(train), (cfg.batch_size,), generator=gen)
+            ids, tgt = train.inputs[idx], train.targets[idx]
+            log = step % cfg.log_every == 0 or step == cfg.steps - 1
+            stats: list | None = [] if log else None
+            loss, _ = _loss(model, train, ids, tgt, stats)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = _grad_norm(params) if log else None
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            step_times.append(time.perf_counter() - t0)
+            train_time += step_times[-1]
+            lv = float(loss.detach())
+            if log:
+                ents = [s["entropy"] for s in stats if s["entropy"] is not None]
+                mws = [s["max_weight"] for s in stats if s["max_weight"] is not None]
+                hist["step"].append(step)
+                hist["loss"].append(lv if math.isfinite(lv) else float("nan"))
+                hist["grad_norm"].append(gnorm if math.isfinite(gnorm) else float("nan"))
+                hist["qk_grad_norm"].append(_grad_norm(qk_params))
+                hist["entropy"].append(sum(ents) / len(ents) if ents else None)
+                hist["max_weight"].append(sum(mws) / len(mws) if mws else None)
+                hist["score_std"].append(sum(s["score_std"] for s in stats) / len(stats) if stats else None)
+            step += 1
+            if advance:
+                advance(1)
+            if not math.isfinite(lv):
+                nonfinite_step = step - 1
+                break  # diverged: nothing more to learn from this run
+            if ckpt is not None and time.perf_counter() - last_save > checkpoint_every_s:
+                save(False)
+                last_save = time.perf_counter()
     peak_train = measured_peak()
     if advance and step < cfg.steps:
         advance(cfg.steps - step)
@@ -571,6 +588,59 @@ def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: 
             "steps_per_s_mean": step / train_time if train_time > 0 else None, "train_time_s": train_time,
             "nonfinite_step": nonfinite_step, "resumed_from": resumed_from, "peak_rss_delta_bytes": peak_train,
             "final_loss": _tail_mean(hist["loss"])}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file and what to do."""
+
+
+def load_checkpoint(path: Path) -> dict:
+    """``torch.load`` of a training checkpoint; a file that cannot be read (truncated by a full disk or a
+    copy cut short: checkpoints are written atomically, so a kill alone cannot do it) is a ValueError
+    naming the file and what to do, not a PytorchStreamReader traceback."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # zip reader, unpickler and EOF errors all mean the same here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"--resume: checkpoint {path} is unreadable ({first}); delete it to train that run again, "
+                         f"or drop --resume and pass --force to start the whole run over") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"--resume: checkpoint {path} is not an attnlab training checkpoint; delete it or pass --force")
+    return state
+
+
+class _StepBoundary:
+    """Context manager: Ctrl-C (SIGINT) inside sets ``pressed`` instead of raising, so that the training
+    loop stops between steps with a consistent checkpoint; a second Ctrl-C raises at once.
+
+    Note [Ctrl-C between steps]: a KeyboardInterrupt raised mid-step leaves the model updated and the
+    step counter not, so the checkpoint written then would resume into a different run than the
+    uninterrupted one. Deferring the interrupt to the step boundary keeps resumed runs identical to
+    uninterrupted ones (tests/test_experiments.py) and makes Ctrl-C keep every finished step. Only the
+    main thread can install a signal handler; elsewhere Ctrl-C behaves as usual."""
+
+    def __init__(self):
+        self.pressed, self.prev = False, None
+
+    def _on_sigint(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.prev = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.prev is not None:
+            signal.signal(signal.SIGINT, self.prev)
+        return False
 
 
 def _tail_mean(xs: list, frac: float = 0.2) -> float | None:
@@ -662,12 +732,13 @@ def progress(disable: bool = False):
 
 def write_results(out: Path, results: dict, report_md: str) -> dict:
     """Write results.json and report.md atomically; returns the paths."""
-    from attnlab.report import atomic_write_json, atomic_write_text
+    from attnlab.report import atomic_write_json, atomic_write_text, render_markdown_file
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "report.md", report_md)
-    return {"results": str(out / "results.json"), "report": str(out / "report.md")}
+    html = render_markdown_file(out / "report.md", f"attnlab {out.name} report")  # readable in a browser
+    return {"results": str(out / "results.json"), "report": str(out / "report.md"), "html": str(html)}
 
 
 def save_plot(fig, path: Path) -> str:
@@ -786,7 +857,9 @@ def plot_curves(runs: list[dict], group_of: Callable[[dict], str], panel_of: Cal
     pyplot = plt()
     panels = sorted({panel_of(r) for r in runs})
     groups = sorted({group_of(r) for r in runs})
-    colors = {g: pyplot.cm.tab10(i % 10) for i, g in enumerate(groups)}
+    from ..report import line_styles
+
+    styles = {g: st for g, st in zip(groups, line_styles(len(groups)))}  # distinct past 10 groups
     fig, axes = pyplot.subplots(len(panels), len(keys), figsize=(5 * len(keys), 3.2 * len(panels)), squeeze=False)
     for pi, panel in enumerate(panels):
         for ki, (key, title, logy) in enumerate(keys):
@@ -800,8 +873,9 @@ def plot_curves(runs: list[dict], group_of: Callable[[dict], str], panel_of: Cal
                 if not pts:
                     continue
                 g = group_of(r)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[g], lw=1, alpha=0.8,
-                        label=g if g not in seen else None)
+                st = styles[g]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=st["color"], linestyle=st["linestyle"], lw=1,
+                        alpha=0.8, label=g if g not in seen else None)
                 seen.add(g)
             if logy:
                 ax.set_yscale("log")
@@ -837,8 +911,8 @@ def add_training_args(p) -> None:
     add_common_args(p)
     p.add_argument("--tasks", default="recall,text", help="comma-separated: recall (associative recall), "
                    "text (byte-level LM on Python's own docstrings)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="the training optimizer")
+    p.add_argument("--lr", type=positive_float, default=None, help="learning rate (default 1e-3 for adamw, 0.05 for sgd)")
     p.add_argument("--model", default="tiny", choices=("tiny", "lm"),
                    help="tiny: the experiments' own model (entropy probes, failure-mode switches); lm: "
                         "attnlab.nn.TransformerLM with d_model = 2·d_k (text task, softmax arms only)")

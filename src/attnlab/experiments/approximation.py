@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from attnlab.options import check_memory, output_dir, positive_int
+
 __all__ = ["build_parser", "run", "grid", "errors", "time_call", "pareto"]
 
 #: mechanism -> (budget parameter, full budgets, quick budgets, fixed params)
@@ -41,20 +43,22 @@ NUMERIC = {"performer", "linformer", "linformer_random", "nystrom", "hierarchica
 
 
 def build_parser(p):
+    """Add ``experiment approximation``'s options (--out, --quick, sizes of the random input, --speed-n,
+    --minilm-tokens, --no-minilm, --seed, --threads, --no-progress) to the argparse parser ``p``."""
     p.add_argument("--out", default=None, help="output folder (default reports/approximation)")
     p.add_argument("--quick", action="store_true", help="toy sizes: finishes in seconds")
-    p.add_argument("--n", type=int, default=None, help="random-input length (default 2048; quick 128)")
-    p.add_argument("--heads", type=int, default=None, help="heads of the random input (default 4; quick 2)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--speed-n", type=int, default=None,
+    p.add_argument("--n", type=positive_int, default=None, help="random-input length (default 2048; quick 128)")
+    p.add_argument("--heads", type=positive_int, default=None, help="heads of the random input (default 4; quick 2)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dim of the random input")
+    p.add_argument("--speed-n", type=positive_int, default=None,
                    help="length of the linear-vs-SDPA headline (default 16384; quick 1024)")
-    p.add_argument("--minilm-tokens", type=int, default=None, help="tokens of MiniLM text (default 256; quick 48)")
+    p.add_argument("--minilm-tokens", type=positive_int, default=None, help="tokens of MiniLM text (default 256; quick 48)")
     p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K/V")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads for every timing (default 1: the same resources for SDPA and each "
                         "mechanism, and a shared machine stays usable)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # -- measurement --------------------------------------------------------------------------------------
@@ -367,10 +371,21 @@ def _report(res: dict) -> str:
 
 
 def run(args):
+    """Run the approximation experiment with the parsed options ``args``; returns {"out", "results",
+    "exit_code"}.
+
+    1) On random query, key, value [1, H, n, D], every (mechanism, budget) of :func:`grid`: errors
+    against float64 exact attention (rel_fro, cosine, KL of the weights) and median time per call beside
+    SDPA's. 2) Unless --no-minilm, the same errors on MiniLM's real per-layer Q/K/V. 3) The headline:
+    linear attention vs SDPA at --speed-n, non-causal and causal. Writes results.json, report.md and the
+    plots to --out (default reports/approximation) and prints the headline and the error–speed frontier.
+    Torch's thread count is set to --threads for the run and restored. Raises ValueError for a size < 1
+    or a float64 [H, n, n] reference that would not fit in memory.
+    """
     from rich.console import Console
 
     import attnlab.mechanisms as M  # noqa: F401  (registers everything)
-    from attnlab.report import atomic_write_json, atomic_write_text, environment
+    from attnlab.report import atomic_write_json, atomic_write_text, environment, render_markdown_file
 
     quick = args.quick
     pick = lambda given, q, full: given if given is not None else (q if quick else full)  # noqa: E731
@@ -383,7 +398,11 @@ def run(args):
                       ("--minilm-tokens", tokens)):
         if val < 1:
             raise ValueError(f"{name} must be >= 1, got {val}")
-    out = Path(args.out) if args.out else Path("reports") / "approximation"
+    # the exact reference keeps float64 [H, n, n] scores and weights; the speed headline [H, speed_n, D] inputs
+    check_memory(f"--n {n} --heads {H}", 4 * 8 * H * n * n + 8 * 4 * H * speed_n * D,
+                 "the exact reference's float64 [H, n, n] scores and weights")
+    out = output_dir(Path(args.out) if args.out else Path("reports") / "approximation")
+    args.out = str(out)
     prev_threads = torch.get_num_threads()
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -437,6 +456,7 @@ def run(args):
     res["plots"] = _plots(res, out)
     atomic_write_json(out / "results.json", res)
     atomic_write_text(out / "report.md", _report(res))
+    render_markdown_file(out / "report.md", "attnlab approximation report")
     h = res["headline"]
     Console().print(f"linear vs SDPA at n={h['n']}, D={h['D']}: {h['full']['ratio']:.1f}× (non-causal), "
                     f"{h['causal']['ratio']:.1f}× (causal); frontier: "

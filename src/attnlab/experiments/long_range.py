@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from attnlab.options import check_memory, positive_float, positive_int
+
 from . import _common as C
 
 __all__ = ["build_parser", "run", "default_mechanisms", "VANILLA"]
@@ -27,17 +29,19 @@ QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "lay
 
 
 def build_parser(p):
+    """Add ``experiment long-range``'s options (the common ones, --seq-len, --tasks, --mechanisms, model
+    and data sizes, --recall-queries, --no-token-shift, --report-only) to the argparse parser ``p``."""
     C.add_common_args(p, seeds="0")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 1024; quick 128)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default 1024; quick 128)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {', '.join(TASKS)}")
     p.add_argument("--mechanisms", default=None,
                    help="comma-separated mechanisms (default: vanilla 'sdpa' and every registered pattern and "
                         "approximation); also torch_sdpa, naive, dense, tiled")
-    p.add_argument("--batch-size", type=int, default=None, help=f"batch size (default {FULL['batch']}; quick 4)")
-    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {FULL['lr']:g})")
-    p.add_argument("--d-model", type=int, default=None, help=f"model width (default {FULL['d_model']}; heads of 32)")
-    p.add_argument("--layers", type=int, default=None, help=f"Transformer layers (default {FULL['layers']})")
-    p.add_argument("--recall-queries", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None, help=f"batch size (default {FULL['batch']}; quick 4)")
+    p.add_argument("--lr", type=positive_float, default=None, help=f"AdamW learning rate (default {FULL['lr']:g})")
+    p.add_argument("--d-model", type=positive_int, default=None, help=f"model width (default {FULL['d_model']}; heads of 32)")
+    p.add_argument("--layers", type=positive_int, default=None, help=f"Transformer layers (default {FULL['layers']})")
+    p.add_argument("--recall-queries", type=positive_int, default=None,
                    help=f"queries per associative-recall example, answered in place (default {FULL['queries']}; "
                         "1 = one query read at the last token)")
     p.add_argument("--no-token-shift", action="store_true",
@@ -45,9 +49,9 @@ def build_parser(p):
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: report the runs whose checkpoints in --out are finished (same settings) "
                         "and list the others as not run")
-    p.add_argument("--train-examples", type=int, default=None,
+    p.add_argument("--train-examples", type=positive_int, default=None,
                    help=f"generated training examples per task (default {FULL['train']})")
-    p.add_argument("--test-examples", type=int, default=None, help=f"held-out examples per task (default {FULL['test']})")
+    p.add_argument("--test-examples", type=positive_int, default=None, help=f"held-out examples per task (default {FULL['test']})")
 
 
 def default_mechanisms() -> tuple[list[str], str | None]:
@@ -72,6 +76,16 @@ def _datasets(tasks, T, n_train, n_test, seed, recall_queries=1):
 
 
 def run(args):
+    """Train every mechanism on every task (ListOps, associative recall, selective copy; token ids
+    [batch, seq_len]) with the same budget, and return the result dict: accuracy per task, training
+    steps/s and peak memory relative to vanilla SDPA, in the layout of Tay et al. 2020 (LRA) Tables 1-2.
+
+    Each run checkpoints to --out (default reports/long-range), so --resume continues a killed run and
+    --report-only reports finished runs without training; Ctrl-C or SIGTERM writes a partial report and
+    sets ``exit_code`` 130. Default mechanisms that cannot run at --seq-len are listed as refused (one
+    named in --mechanisms raises instead). Torch's thread count is set to --threads while it runs. Raises ValueError for bad options (--seq-len < 32, unknown
+    tasks or mechanisms, --d-model not a multiple of 32, ...).
+    """
     with C.threads(args.threads):
         return _run(args)
 
@@ -80,7 +94,7 @@ def _run(args):
     t0 = time.perf_counter()
     seeds = C.seeds_of(args.seeds)
     size = QUICK if args.quick else FULL
-    T = args.seq_len or size["seq_len"]
+    T = args.seq_len if args.seq_len is not None else size["seq_len"]
     if T < 32:
         raise ValueError(f"--seq-len must be >= 32, got {T}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -93,25 +107,26 @@ def _run(args):
         mechs, why = default_mechanisms()
         if args.quick:
             mechs = mechs[:4]
-    steps = args.steps or size["steps"]
-    batch = args.batch_size or size["batch"]
-    lr = args.lr or size["lr"]
-    d_model, layers = args.d_model or size["d_model"], args.layers or size["layers"]
-    n_train, n_test = args.train_examples or size["train"], args.test_examples or size["test"]
+    def given(v, default):  # an option's value, the default only when it was not given (0 is refused, not replaced)
+        return default if v is None else v
+
+    steps = given(args.steps, size["steps"])
+    batch = given(args.batch_size, size["batch"])
+    lr = given(args.lr, size["lr"])
+    d_model, layers = given(args.d_model, size["d_model"]), given(args.layers, size["layers"])
+    n_train, n_test = given(args.train_examples, size["train"]), given(args.test_examples, size["test"])
     for name, v in (("--steps", steps), ("--batch-size", batch), ("--layers", layers), ("--train-examples", n_train),
                     ("--test-examples", n_test)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if d_model < 32 or d_model % 32:
         raise ValueError(f"--d-model must be a positive multiple of 32 (heads of 32), got {d_model}")
-    if not lr > 0:
-        raise ValueError(f"--lr must be > 0, got {lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"--lr must be a finite number > 0, got {lr}")
     token_shift = not args.no_token_shift
-    queries = args.recall_queries or size["queries"]
+    queries = given(args.recall_queries, size["queries"])
     if not 1 <= queries <= 8:
         raise ValueError(f"--recall-queries must be in [1, 8] (8 key-value pairs), got {queries}")
-    out = C.out_dir(args, "long-range")
-    datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=queries)
     configs, refused = [], {}
     usable = []
     for m in mechs:
@@ -119,7 +134,17 @@ def _run(args):
             C.attention_fn(m, T)  # unknown names fail here, before any training
             usable.append(m)
         except (ValueError, TypeError) as e:
+            if args.mechanisms:  # asked for by name: a typo must not become an empty report marked complete
+                raise ValueError(f"--mechanisms: {e}") from None
             refused[m] = str(e)
+    if not usable:
+        raise ValueError(f"no mechanism can run at --seq-len {T}: " + "; ".join(f"{m}: {w}" for m, w in refused.items()))
+    # the generated token ids (int64, a few copies while built) and the activations of one training step
+    check_memory(f"--seq-len {T} with --train-examples {n_train} --test-examples {n_test}",
+                 3 * 8 * (n_train + n_test) * T + 4 * 32 * batch * T * d_model * layers,
+                 "the generated examples and one training step's activations")
+    out = C.out_dir(args, "long-range")
+    datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=queries)
     # task by task: a run cut short still has every mechanism on the tasks it finished
     for task in tasks:
         for m in usable:
@@ -148,6 +173,8 @@ def _run(args):
                 try:
                     r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume or args.report_only,
                                     advance=lambda n: prog.advance(tid, n))
+                except C.CheckpointError:
+                    raise  # the user's file to fix, not the mechanism's failure
                 except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
                     refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
                     prog.advance(tid, cfg.steps)
@@ -208,7 +235,7 @@ def _finished(ckpt, cfg) -> bool:
 
     if not ckpt.exists():
         return False
-    state = torch.load(ckpt, weights_only=True)
+    state = C.load_checkpoint(ckpt)
     return bool(state.get("done")) and state.get("config") == asdict(cfg)
 
 
@@ -260,16 +287,40 @@ def _lra_table(runs, tasks, baselines) -> list[dict]:
     return rows
 
 
+def _plain_log_x(ax) -> None:
+    """Plain-number ticks on a log x axis (10, 20, 50); over less than a factor 4, four evenly spaced ticks
+    (the default labels 1.02×10¹, 1.04×10¹ … ran into each other)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, NullLocator
+
+    lo, hi = ax.get_xlim()
+    fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+    if lo > 0 and hi / lo < 4:
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.xaxis.set_minor_locator(NullLocator())
+    else:
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(fmt)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _plot(out, table, tasks, baselines):
     plt = C.plt()
+    from ..report import line_styles
+
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4.2), squeeze=False)
+    names = [r["mechanism"] for r in table]
+    # one colour + marker per mechanism, named in a legend outside the axes: text labels beside the
+    # points overlapped wherever mechanisms ran at similar speed and accuracy
+    style = dict(zip(names, line_styles(len(names))))
     for ax, t in zip(axes[0], tasks):
         for r in table:
             a = r["accuracy"].get(t)
             if r["steps_per_s"] and a is not None:
                 size = 30 + 200 * (r["memory_vs_vanilla"] or 1.0)
-                ax.scatter(r["steps_per_s"], a, s=size, alpha=0.5, color="black" if r["mechanism"] == VANILLA else None)
-                ax.annotate(r["mechanism"], (r["steps_per_s"], a), fontsize=7)
+                st = style[r["mechanism"]]
+                ax.scatter(r["steps_per_s"], a, s=size, alpha=0.6, marker=st["marker"],
+                           color="black" if r["mechanism"] == VANILLA else st["color"], edgecolors="white",
+                           linewidths=0.5, label=r["mechanism"])
         b = baselines[t]
         ax.axhline(b["majority"], color="red", ls="--", lw=1, label="majority class")
         ax.axhline(b["majority"] + b["margin"], color="red", ls=":", lw=0.8, label="+3 s.e. (learned above)")
@@ -277,7 +328,15 @@ def _plot(out, table, tasks, baselines):
         ax.set_xlabel("training steps/s")
         ax.set_ylabel("held-out accuracy")
         ax.set_title(t, fontsize=10)
-        ax.legend(fontsize=7)
+        _plain_log_x(ax)
+    from matplotlib.lines import Line2D
+
+    # legend markers at one size (in the plot their area is the memory ratio), drawn as proxies so the
+    # plotted points keep their sizes
+    handles = [Line2D([], [], linestyle="none", marker=style[m]["marker"], markersize=7, alpha=0.8,
+                      color="black" if m == VANILLA else style[m]["color"], label=m) for m in names]
+    handles += axes[0][-1].get_legend_handles_labels()[0][-2:]  # the two baseline lines
+    fig.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.suptitle("accuracy vs training speed (marker area ∝ peak memory vs vanilla)", fontsize=10)
     fig.tight_layout()
     return C.save_plot(fig, out / "lra.png")

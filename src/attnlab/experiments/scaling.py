@@ -15,11 +15,17 @@ ARMS = [("1/sqrt(d_k)", {"scale": "sqrt"}), ("1 (no scaling)", {"scale": "none"}
 
 
 def build_parser(p):
+    """Add the training experiments' options and --d-k (comma-separated head dims) to the argparse
+    parser ``p``."""
     C.add_training_args(p)
     p.add_argument("--d-k", default=None, help="comma-separated head dims (default 16,64,256; quick 16,64)")
 
 
 def run(args):
+    """Train every (task, d_k, arm, seed) with score scale 1/√d_k (the baseline), 1 and 1/d_k, all else
+    identical, and return the experiment's result dict (loss curves, W_Q/W_K gradient norms, attention
+    entropy); writes report.md, results.json and the curves to --out (default reports/scaling). See
+    ``experiments._common.training_experiment``."""
     d_ks = C.ints_of(args.d_k, "--d-k") if args.d_k else ([16, 64] if args.quick else [16, 64, 256])
     intro = ["Claim under test (tutorial): without the 1/√d_k scale the softmax saturates, gradients vanish and "
              "training is unstable; with 1/d_k attention is too uniform to focus. Arms: score scale 1/√d_k "

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from attnlab.options import check_memory, positive_int
+
 from . import _common as C
 
 __all__ = ["build_parser", "run", "measure", "SCALINGS"]
@@ -32,10 +34,12 @@ SENTENCES = (
 
 
 def build_parser(p):
+    """Add ``experiment variance``'s options (the common ones, --d-k, --keys, --rows, --no-minilm) to the
+    argparse parser ``p``."""
     C.add_common_args(p, seeds="0")
     p.add_argument("--d-k", default=None, help="comma-separated d_k values (default 16..1024)")
-    p.add_argument("--keys", type=int, default=128, help="keys per query row (default 128)")
-    p.add_argument("--rows", type=int, default=512, help="query rows per measurement (default 512)")
+    p.add_argument("--keys", type=positive_int, default=128, help="keys per query row (default 128)")
+    p.add_argument("--rows", type=positive_int, default=512, help="query rows per measurement (default 512)")
     p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K")
 
 
@@ -64,6 +68,9 @@ def measure(q: torch.Tensor, k: torch.Tensor, scale: float, seed: int = 0) -> di
 
 
 def random_records(dks, rows: int, keys: int, seed: int) -> list[dict]:
+    """For each d_k in ``dks`` and each of SCALINGS: :func:`measure` on float64 q [rows, d_k] and
+    k [keys, d_k] with i.i.d. N(0, 1) entries (seeded per (seed, d_k)); each record also holds the
+    theoretical variance d_k·scale² of the scaled scores."""
     recs = []
     for d in dks:
         g = torch.Generator().manual_seed(seed * 7919 + d)
@@ -208,6 +215,11 @@ def _plots(out, recs, source_name: str, fname: str):
 
 
 def run(args):
+    """Measure Var(q·k), max weight, entropy and score gradients against d_k for the scales 1, 1/√d_k and
+    1/d_k, on random inputs (averaged over --seeds) and, unless --no-minilm, on MiniLM's real queries
+    and keys; fit the log-log slope of the variance against d_k (theory: 1, 0, -1). Writes report.md,
+    results.json, variance.png and (when MiniLM ran) minilm.png to --out (default reports/variance) and returns the
+    results dict. Raises ValueError for --rows or --keys < 2."""
     with C.threads(args.threads):
         return _run(args)
 
@@ -219,7 +231,10 @@ def _run(args):
     rows, keys = (min(args.rows, 128), min(args.keys, 64)) if args.quick else (args.rows, args.keys)
     if rows < 2 or keys < 2:
         raise ValueError(f"--rows and --keys must be >= 2, got {rows} and {keys}")
-    out = C.out_dir(args, "variance")
+    # float64 q [rows, d_k], k [keys, d_k], and a few [rows, keys] scores, weights and gradients
+    check_memory(f"--rows {rows} --keys {keys} --d-k {max(dks)}", 8 * (max(dks) * (rows + keys) + 6 * rows * keys),
+                 "the float64 scores and weights of one measurement")
+    out = C.out_dir(args, "variance", resumable=False)  # nothing is checkpointed: a rerun replaces every file
     recs = []
     for seed in seeds:
         recs += random_records(dks, rows, keys, seed)

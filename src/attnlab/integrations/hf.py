@@ -44,7 +44,14 @@ def _key_only(mask: torch.Tensor) -> torch.Tensor:
 
 def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
     """An AttentionInterface function running ``mechanism`` (a core method name, a registered
-    mechanism name or instance), restricted to ``pattern``."""
+    mechanism name or instance), restricted to ``pattern``.
+
+    The function has transformers' signature ``f(module, query [B, H, L, E], key [B, Hkv, S, E],
+    value [B, Hkv, S, Ev], attention_mask, scaling=None, dropout=0.0, **kwargs)`` and returns
+    (output [B, L, H, Ev], weights [B, H, L, S] with ``output_attentions``, else None). GQA is enabled
+    when Hkv != H; dropout applies only in training mode. Raises TypeError for a ``pattern`` that is
+    not an attnlab Pattern.
+    """
     if pattern is not None and not isinstance(pattern, P.Pattern):
         raise TypeError(f"pattern must be an attnlab Pattern or None, got {type(pattern).__name__}")
     if isinstance(mechanism, str) and mechanism in METHODS:

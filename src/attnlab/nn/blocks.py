@@ -1,7 +1,8 @@
 """Transformer blocks built on attnlab.nn.MultiHeadAttention: feed-forward, encoder and decoder layers
 and stacks, and the encoder-decoder Transformer (Vaswani et al. 2017, §3.1).
 
-Legend: B batch, T target/query length, S source/memory length, d d_model.
+Legend: B batch, L target/query length, S source/memory (key) length, d d_model (house legend: H heads,
+Hkv key/value heads, E head dim).
 
 Post-norm (the paper, BERT):  x = LN(x + Attn(x));  x = LN(x + FFN(x))
 Pre-norm  (GPT-2 onwards):    x = x + Attn(LN(x));  x = x + FFN(LN(x)), then one final LN
@@ -33,7 +34,7 @@ def _activation(name: str) -> nn.Module:
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = W_2 · act(W_1 x + b_1) + b_2, position-wise: [B, T, d] -> [B, T, d]; d_ff defaults to 4d."""
+    """FFN(x) = W_2 · act(W_1 x + b_1) + b_2, position-wise: [B, L, d] -> [B, L, d]; d_ff defaults to 4d."""
 
     def __init__(self, d_model: int, d_ff: int | None = None, *, activation: str = "gelu", dropout: float = 0.0,
                  bias: bool = True):
@@ -45,6 +46,7 @@ class FeedForward(nn.Module):
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] -> [..., d], each position independently (dropout after the activation)."""
         return self.linear2(self.dropout(self.act(self.linear1(x))))
 
 
@@ -54,7 +56,7 @@ def _attn(d_model, num_heads, num_kv_heads, dropout, bias, mechanism, pattern, p
 
 
 class EncoderLayer(nn.Module):
-    """Self-attention + feed-forward with residuals, pre- or post-norm: [B, T, d] -> [B, T, d].
+    """Self-attention + feed-forward with residuals, pre- or post-norm: [B, L, d] -> [B, L, d].
 
     Submodules: ``self_attn`` (MultiHeadAttention), ``ffn`` (FeedForward), ``norm1``, ``norm2``.
     """
@@ -74,6 +76,9 @@ class EncoderLayer(nn.Module):
 
     def forward_intermediates(self, x, *, key_padding_mask=None, attn_mask=None, is_causal=False,
                               need_weights=False) -> tuple[torch.Tensor, AttentionIntermediates]:
+        """x [B, L, d] -> (the layer's output [B, L, d], the self-attention's AttentionIntermediates:
+        its output [B, L, d], weights [B, H, L, L] with ``need_weights`` else None, and the projected
+        q [B, H, L, E], k [B, Hkv, L, E] and v [B, Hkv, L, Ev]). Masks as in :meth:`forward`."""
         h = self.norm1(x) if self.norm_first else x
         r = self.self_attn.forward_intermediates(h, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                                  is_causal=is_causal, need_weights=need_weights)
@@ -86,6 +91,13 @@ class EncoderLayer(nn.Module):
         return x, r
 
     def forward(self, x: torch.Tensor, key_padding_mask=None, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        """x [B, L, d] -> [B, L, d].
+
+        key_padding_mask: bool [B, L], True = ignore that key (nn.MultiheadAttention's polarity);
+        attn_mask: bool (True = takes part) or float (added to the scores) of shape [L, L], [B, L, L]
+        or [B, H|1, L, L], or an attnlab Pattern;
+        is_causal: position i attends to positions <= i. See :class:`MultiHeadAttention`.
+        """
         return self.forward_intermediates(x, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                           is_causal=is_causal)[0]
 
@@ -114,7 +126,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None, *, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_mask=None, is_causal: bool = True,
                 cache: LayerCache | None = None, cross_cache: LayerCache | None = None) -> torch.Tensor:
-        """x [B, T, d], memory [B, S, d] -> [B, T, d]; ``cache`` / ``cross_cache`` for incremental decoding."""
+        """x [B, L, d], memory [B, S, d] -> [B, L, d]; ``cache`` / ``cross_cache`` for incremental decoding."""
         if self.cross_attn is not None and memory is None and not (cross_cache is not None and cross_cache.length):
             raise ValueError("this DecoderLayer has cross-attention: pass memory [B, S, d_model] from the encoder")
         if self.cross_attn is None and memory is not None:
@@ -141,7 +153,7 @@ class DecoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """A stack of EncoderLayers (+ a final LayerNorm when pre-norm): x [B, T, d] -> [B, T, d].
+    """A stack of EncoderLayers (+ a final LayerNorm when pre-norm): x [B, L, d] -> [B, L, d].
 
     ``layer_kwargs`` are EncoderLayer's keyword arguments (d_ff, num_kv_heads, dropout, activation,
     norm_first, layer_norm_eps, bias, mechanism, pattern, positional, scale).
@@ -157,6 +169,9 @@ class Encoder(nn.Module):
         self.d_model = d_model
 
     def forward(self, x: torch.Tensor, key_padding_mask=None, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        """x [B, L, d] -> [B, L, d] through every layer (masks as in :meth:`EncoderLayer.forward`, the same
+        for each layer), then the final LayerNorm when pre-norm. Raises ValueError unless x is
+        [B, L, d_model]."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be [batch, seq, d_model={self.d_model}], got {list(x.shape)}")
         for layer in self.layers:
@@ -165,7 +180,7 @@ class Encoder(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A stack of DecoderLayers (+ final LayerNorm when pre-norm); x [B, T, d], memory [B, S, d]."""
+    """A stack of DecoderLayers (+ final LayerNorm when pre-norm); x [B, L, d], memory [B, S, d]."""
 
     def __init__(self, d_model: int, num_heads: int, num_layers: int, *, cross_attention: bool = True,
                  **layer_kwargs):
@@ -179,11 +194,23 @@ class Decoder(nn.Module):
         self.cross_attention, self.d_model = cross_attention, d_model
 
     def new_cache(self) -> KVCache:
+        """An empty KVCache for this decoder: one self-attention LayerCache per layer, plus one
+        cross-attention cache per layer when it has cross-attention. Only this decoder accepts it."""
         return KVCache(len(self.layers), cross=self.cross_attention, owner=self)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None, *, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_mask=None, is_causal: bool = True,
                 cache: KVCache | None = None) -> torch.Tensor:
+        """x [B, L, d], memory [B, S, d] (None without cross-attention) -> [B, L, d].
+
+        Self-attention is causal by default; ``tgt_key_padding_mask`` [B, L] and
+        ``memory_key_padding_mask`` [B, S] are bool, True = ignore that key; ``tgt_mask`` is an extra
+        self-attention mask (see :class:`MultiHeadAttention`). With ``cache`` (from :meth:`new_cache`),
+        x holds only the new positions: each layer appends their keys/values and attends over the
+        cached ones too, so a one-token step costs O(P·d) per layer for P cached positions. Raises
+        ValueError unless x is [B, L, d_model], TypeError for a cache that is not a KVCache, and
+        ValueError for a cache made by another model.
+        """
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be [batch, seq, d_model={self.d_model}], got {list(x.shape)}")
         if cache is not None:
@@ -199,8 +226,8 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder on embeddings (like nn.Transformer, batch first): src [B, S, d], tgt [B, T, d]
-    -> [B, T, d]. ``encode`` and ``decode`` are separate so decoding can reuse the memory and a cache."""
+    """Encoder-decoder on embeddings (like nn.Transformer, batch first): src [B, S, d], tgt [B, L, d]
+    -> [B, L, d]. ``encode`` and ``decode`` are separate so decoding can reuse the memory and a cache."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, num_encoder_layers: int = 6,
                  num_decoder_layers: int = 6, **layer_kwargs):
@@ -209,17 +236,25 @@ class Transformer(nn.Module):
         self.decoder = Decoder(d_model, num_heads, num_decoder_layers, cross_attention=True, **layer_kwargs)
 
     def encode(self, src, src_key_padding_mask=None):
+        """src [B, S, d] -> memory [B, S, d] (the encoder stack); ``src_key_padding_mask`` bool [B, S],
+        True = ignore that position."""
         return self.encoder(src, key_padding_mask=src_key_padding_mask)
 
     def decode(self, tgt, memory, *, tgt_key_padding_mask=None, memory_key_padding_mask=None, cache=None):
+        """tgt [B, L, d], memory [B, S, d] -> [B, L, d]: the causal decoder stack (see
+        :meth:`Decoder.forward`; ``cache`` from :meth:`new_cache` for incremental decoding)."""
         return self.decoder(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask,
                             memory_key_padding_mask=memory_key_padding_mask, cache=cache)
 
     def new_cache(self) -> KVCache:
+        """An empty KVCache for :meth:`decode` (self- and cross-attention per decoder layer)."""
         return self.decoder.new_cache()
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, *, src_key_padding_mask=None,
                 tgt_key_padding_mask=None) -> torch.Tensor:
+        """src [B, S, d], tgt [B, L, d] -> [B, L, d]; equivalent to
+        ``decode(tgt, encode(src, src_key_padding_mask), tgt_key_padding_mask=...,
+        memory_key_padding_mask=src_key_padding_mask)``. Padding masks are bool, True = ignore."""
         memory = self.encode(src, src_key_padding_mask)
         return self.decode(tgt, memory, tgt_key_padding_mask=tgt_key_padding_mask,
                            memory_key_padding_mask=src_key_padding_mask)

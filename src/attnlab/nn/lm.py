@@ -79,6 +79,7 @@ class TransformerLM(nn.Module):
 
     @property
     def layers(self):
+        """The decoder blocks (an nn.ModuleList of DecoderLayer without cross-attention)."""
         return self.decoder.layers
 
     def new_cache(self) -> KVCache:
@@ -86,6 +87,8 @@ class TransformerLM(nn.Module):
         return self.decoder.new_cache()
 
     def set_mechanism(self, mechanism="auto", pattern=None) -> "TransformerLM":
+        """Switch every self-attention layer to ``mechanism`` and ``pattern`` in place (the weights stay);
+        returns the model. See MultiHeadAttention for the accepted values."""
         for layer in self.decoder.layers:
             layer.self_attn.mechanism = mechanism
             layer.self_attn.pattern = pattern

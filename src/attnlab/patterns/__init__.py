@@ -417,7 +417,7 @@ class _BlockTable(Pattern):
         return self.name
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class _Layout(_BlockTable):
     layout: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
@@ -478,7 +478,7 @@ def longformer(window: int, global_tokens: int | list[int] | tuple[int, ...] = 1
     return w | _Global(toks) if toks else w
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class _BigBird(_BlockTable):
     window_blocks: int = 3
     global_blocks: int = 1

@@ -13,7 +13,7 @@ __all__ = ["sinusoidal_table", "SinusoidalPositionalEncoding", "LearnedPositiona
 
 def sinusoidal_table(positions: torch.Tensor, d_model: int, base: float = 10000.0,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[T, d_model]: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(p / base^(2i/d)).
+    """Integer positions [L] -> [L, d_model]: PE[p, 2i] = sin(p / base^(2i/d)), PE[p, 2i+1] = cos(p / base^(2i/d)).
 
     Computed in float64 and cast, so a position of 100000 is as exact as position 1.
     """
@@ -41,11 +41,14 @@ class SinusoidalPositionalEncoding(AbsolutePositional):
         return sinusoidal_table(positions, self.d_model, self.base, dtype)
 
     def forward(self, x, offset=0):
+        """x [..., L, d_model] -> x + PE[offset : offset + L]; raises ValueError if x's last dim is not
+        ``d_model``."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"x has {x.shape[-1]} features but the encoding was built for d_model={self.d_model}")
         return super().forward(x, offset)
 
     def extra_repr(self):
+        """The settings shown by ``repr(module)``."""
         return f"d_model={self.d_model}, base={self.base}"
 
 
@@ -68,4 +71,5 @@ class LearnedPositionalEmbedding(AbsolutePositional):
         return self.weight[positions].to(dtype)
 
     def extra_repr(self):
+        """The settings shown by ``repr(module)``."""
         return f"max_len={self.max_len}, d_model={self.weight.shape[1]}"

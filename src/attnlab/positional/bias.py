@@ -42,10 +42,13 @@ class ALiBi(AttentionPositional):
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
 
     def bias(self, q_pos, k_pos):
+        """Float32 bias [H, L, S] = -slope_h · |q_pos[i] - k_pos[j]| for positions q_pos [L], k_pos [S]
+        (computed in float64, then cast). O(H·L·S) memory."""
         d = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(0)).abs().to(torch.float64)  # (L, S)
         return -(self.slopes.to(q_pos.device).view(-1, 1, 1) * d).to(torch.float32)  # (H, L, S)
 
     def extra_repr(self):
+        """The settings shown by ``repr(module)``."""
         return f"num_heads={self.num_heads}"
 
 
@@ -85,10 +88,13 @@ class T5RelativeBias(AttentionPositional):
         nn.init.normal_(self.table.weight, std=0.02)
 
     def bias(self, q_pos, k_pos):
+        """Learned bias [H, L, S] = table[bucket(k_pos[j] - q_pos[i]), h] for positions q_pos [L],
+        k_pos [S], in the table's dtype (differentiable: the table trains with the model)."""
         rel = k_pos.unsqueeze(0) - q_pos.unsqueeze(-1)  # (L, S)
         b = t5_relative_bucket(rel, self.bidirectional, self.num_buckets, self.max_distance)
         return self.table(b).permute(2, 0, 1)  # (H, L, S)
 
     def extra_repr(self):
+        """The settings shown by ``repr(module)``."""
         return (f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
                 f"bidirectional={self.bidirectional}")

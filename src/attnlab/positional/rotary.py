@@ -13,6 +13,8 @@ __all__ = ["RotaryEmbedding", "rotate_half"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] = (x1, x2) split in halves -> (-x2, x1), same shape: multiplying by sin and adding
+    x·cos rotates each pair (x_i, x_{i+D/2}) (GPT-NeoX/LLaMA's half-split pairing)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -50,7 +52,10 @@ class RotaryEmbedding(AttentionPositional):
         return torch.cat((xr, xp), dim=-1) if rd < self.head_dim else xr
 
     def apply(self, q, k, q_pos, k_pos):
+        """q [B, H, L, E] at positions q_pos [L] and k [B, Hkv, S, E] at k_pos [S] -> both rotated, same
+        shapes; equivalent to ``(self.rotate(q, q_pos), self.rotate(k, k_pos))``."""
         return self.rotate(q, q_pos), self.rotate(k, k_pos)
 
     def extra_repr(self):
+        """The settings shown by ``repr(module)``."""
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}"

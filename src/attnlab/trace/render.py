@@ -58,6 +58,31 @@ def _grid(value: np.ndarray, rows, cols, max_show: int, digits: int):
     return header, body
 
 
+def _heat(x: float, lo: float, hi: float) -> str:
+    """Inline style colouring one cell: white at 0, red for positive and blue for negative values, in
+    proportion to the matrix's largest magnitude (sequential white→red when nothing is negative)."""
+    if not np.isfinite(x):
+        return "background:#e8e8e8;color:#777"  # masked (-inf)
+    m = max(abs(lo), abs(hi))
+    if m == 0:
+        return ""
+    a = min(1.0, abs(x) / m)
+    r, g, b = (180, 30, 40) if x >= 0 else (30, 80, 180)
+    mix = lambda c: round(255 + (c - 255) * a)  # noqa: E731 - white → the colour by |x| / max
+    ink = "#fff" if a > 0.6 else "#111"
+    return f"background:rgb({mix(r)},{mix(g)},{mix(b)});color:{ink}"
+
+
+def _heat_grid(value: np.ndarray, max_show: int) -> list[list[str]]:
+    """Cell styles in the layout of ``_grid`` (the same cut rows and columns; '' for the ellipses)."""
+    R, C = value.shape
+    fin = value[np.isfinite(value)]
+    lo, hi = (float(fin.min()), float(fin.max())) if fin.size else (0.0, 0.0)
+    ri = list(range(R)) if R <= max_show else list(range(max_show - 1)) + [None, R - 1]
+    ci = list(range(C)) if C <= max_show else list(range(max_show - 1)) + [None, C - 1]
+    return [["" if i is None or j is None else _heat(float(value[i, j]), lo, hi) for j in ci] for i in ri]
+
+
 def _matrices(step: Step, trace: Trace):
     """[(caption, 2-D array)] for a step: one per shown head for per-head steps."""
     if step.value is None:
@@ -163,10 +188,13 @@ def to_html(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
                 out.append(f"<div class='note'>{e(s.note)}</div>")
             for cap, m in _matrices(s, trace):
                 header, body = _grid(m, s.rows, s.cols, max_show, digits)
+                colours = _heat_grid(m, max_show)
                 out.append((f"<div>{e(cap)}</div>" if cap else "") + "<table><tr><th></th>"
                            + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
-                for lab, cells in body:
-                    out.append(f"<tr><th>{e(lab)}</th>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
+                for (lab, cells), crow in zip(body, colours):
+                    out.append(f"<tr><th>{e(lab)}</th>" + "".join(
+                        f"<td style='{st}'>{e(c)}</td>" if st else f"<td>{e(c)}</td>" for c, st in zip(cells, crow))
+                        + "</tr>")
                 out.append("</table>")
             if s.stats:
                 out.append(f"<div class='f'>stats: {e(_stat_line(s))}</div>")

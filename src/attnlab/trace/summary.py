@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .. import diagnostics as dg
+from ..options import check_memory
 from .core import Step, Trace, TraceOptions
 
 __all__ = ["trace_summary"]
@@ -55,12 +56,16 @@ def trace_summary(d_model: int = 768, seq_len: int = 512, num_heads: int = 12, *
     stats: dict[str, dict] = {}
     sampled = None
     if L <= max_stats_len:
-        g = torch.Generator().manual_seed(seed)
         cd = torch.float64 if L * D <= 2**20 else torch.float32
+        r = max(16, min(sample_rows, 2**25 // (H * L)))
+        # the draw: X, Q, K, V [L, D] and four [D, D] weights in cd, the sampled [H, r, L] scores (in cd,
+        # scaled, masked) and weights (float64), checked before anything is allocated
+        need = (4 * D * D + 4 * L * D + 3 * H * r * L) * (8 if cd == torch.float64 else 4) + 2 * 8 * H * r * L
+        check_memory(f"d_model={D}, seq_len={L}, heads={H}", need, "the seeded draw the statistics are measured on")
+        g = torch.Generator().manual_seed(seed)
         X = torch.randn(L, D, generator=g, dtype=cd)
         W = {n: torch.randn(D, D, generator=g, dtype=cd) / math.sqrt(D) for n in ("W_Q", "W_K", "W_V", "W_O")}
-        # keep the sampled [H, rows, L] score block under ~2^25 entries (a few hundred MiB at most)
-        r = max(16, min(sample_rows, 2**25 // (H * L)))
+        # r keeps the sampled [H, rows, L] score block under ~2^25 entries (a few hundred MiB at most)
         rows = torch.arange(L) if L <= r else torch.randperm(L, generator=g)[:r].sort().values
         sampled = None if L <= r else int(rows.numel())
         q = (X[rows] @ W["W_Q"]).reshape(-1, H, E).transpose(0, 1)  # (H, r, E)

@@ -127,25 +127,46 @@ def plot_diagnostics(sweep, path, *, title: str = "score scale vs d_k"):
 
 def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
                     measures=("prev", "same", "next", "cls", "sep", "mean_distance", "entropy")):
-    """Layers × heads grids, one per measure, each cell annotated with the head's label initial."""
-    n = len(measures)
+    """Layers × heads grids: first each head's label (one colour per label, full names in a legend below
+    the grid), then one heatmap per measure."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    labels = sorted({s["label"] for s in stats})
+    palette = ["#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999",
+               "#882255", "#44AA99", "#332288", "#999933"]
+    n = len(measures) + 1
     cols = min(4, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.4 * rows), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.axis("off")
-    for ax, meas in zip(axes.flat, measures):
+    ax0 = axes.flat[0]
+    ax0.axis("on")
+    cat = np.zeros((num_layers, num_heads))
+    for s in stats:
+        cat[s["layer"], s["head"]] = labels.index(s["label"])
+    cmap = ListedColormap([palette[i % len(palette)] for i in range(len(labels))])
+    ax0.imshow(cat, cmap=cmap, vmin=-0.5, vmax=len(labels) - 0.5, aspect="auto", interpolation="nearest")
+    ax0.set_title("label of each head", fontsize=10)
+    ax0.set_xlabel("head")
+    ax0.set_ylabel("layer")
+    ax0.set_xticks(range(num_heads))
+    ax0.set_yticks(range(num_layers))
+    ax0.legend(handles=[Patch(color=palette[i % len(palette)], label=lab) for i, lab in enumerate(labels)],
+               loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8, frameon=False)
+    for ax, meas in zip(list(axes.flat)[1:], measures):
         ax.axis("on")
         grid = np.zeros((num_layers, num_heads))
         for s in stats:
             grid[s["layer"], s["head"]] = s[meas]
         im = ax.imshow(grid, cmap="magma", aspect="auto", interpolation="nearest")
-        for s in stats:
-            ax.text(s["head"], s["layer"], s["label"][:3], ha="center", va="center", fontsize=6,
-                    color="white" if grid[s["layer"], s["head"]] < grid.max() * 0.6 else "black")
-        ax.set_title(meas, fontsize=10)
+        ax.set_title(meas.replace("_", " "), fontsize=10)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
+        ax.set_xticks(range(num_heads))
+        ax.set_yticks(range(num_layers))
+        ax.tick_params(labelsize=7)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.suptitle("what MiniLM's heads do (text: label)")
+    fig.suptitle("what MiniLM's heads do: labels, and the mean attention of a token to prev/same/next/[CLS]/[SEP]")
     return save_figure(fig, Path(path))

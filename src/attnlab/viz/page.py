@@ -55,10 +55,18 @@ cursor:default;border-radius:3px;max-width:220px;overflow:hidden;text-overflow:e
 .q .tok{text-align:right;cursor:pointer}.q .tok.active{outline:2px solid #1d1d1f}
 #lines{flex:none}
 #mwrap{display:flex;gap:18px;align-items:flex-start}
+#mgrid{display:grid;grid-template-columns:auto auto;grid-template-rows:auto auto}
+#mcols{position:relative;height:0;overflow:visible}#mcols.on{height:64px}
+#mrows{position:relative;width:0}#mrows.on{width:96px}
+.mlab{position:absolute;font-family:ui-monospace,monospace;font-size:11px;white-space:pre;overflow:hidden;
+text-overflow:ellipsis;max-width:92px;line-height:13px;color:#333}
+#mrows .mlab{right:4px;text-align:right}
+#mcols .mlab{bottom:2px;transform-origin:left bottom;transform:rotate(-55deg);max-width:80px}
 #mat{border:1px solid #999;image-rendering:pixelated;cursor:crosshair;display:block;touch-action:none}
 #tip{position:fixed;pointer-events:none;background:rgba(29,29,31,.92);color:#fff;font-size:12px;padding:3px 6px;
 border-radius:4px;display:none;white-space:pre;z-index:5}
-#hists{display:grid;grid-template-columns:repeat(3,150px);gap:6px 10px;font-size:11px;color:var(--mut)}
+#mside{flex:1;min-width:160px}
+#hists{display:grid;grid-template-columns:repeat(auto-fill,150px);gap:6px 10px;font-size:11px;color:var(--mut)}
 #hists svg{display:block;background:#fbfbfb;border:1px solid #eee}
 .grid{display:grid;gap:6px}.cell{text-align:center;font-size:11px;color:var(--mut);cursor:pointer}
 .cell canvas{border:1px solid var(--line);image-rendering:pixelated;display:block}
@@ -97,6 +105,7 @@ function show(view){
   document.querySelectorAll("nav button").forEach(function(x){x.classList.toggle("on",x.dataset.view===view);});
   document.querySelectorAll("section").forEach(function(s){s.classList.toggle("on",s.id===view);});
   fit();
+  if(view==="matrix"&&typeof drawLabels==="function")drawLabels();
 }
 document.querySelectorAll("nav button").forEach(function(b){b.addEventListener("click",function(){show(b.dataset.view);});});
 // ---- head view
@@ -206,7 +215,23 @@ function mrender(){
     (ms.j0+n-1)+" (across); "+(n>MSZ?"one pixel = "+(n/MSZ).toFixed(1)+" tokens (max shown)":"one cell = one token pair")+
     "; darker = more weight (square-root scale)";
   if(ms.pin)describe(ms.pin.x,ms.pin.y,true);
+  drawLabels();
   drawHists();
+}
+// token labels beside the matrix once a cell is tall enough to read them
+const mrows=document.getElementById("mrows"), mcols=document.getElementById("mcols");
+function drawLabels(){
+  while(mrows.firstChild)mrows.removeChild(mrows.firstChild);
+  while(mcols.firstChild)mcols.removeChild(mcols.firstChild);
+  const size=mat.clientWidth||MSZ, cell=size/ms.n, on=cell>=12;
+  mrows.classList.toggle("on",on);mcols.classList.toggle("on",on);
+  if(!on)return;
+  for(let t=0;t<ms.n;t++){
+    const a=document.createElement("div");a.className="mlab";a.textContent=D.tokens[ms.i0+t];
+    a.style.top=((t+0.5)*cell-6.5)+"px";mrows.appendChild(a);
+    const b=document.createElement("div");b.className="mlab";b.textContent=D.tokens[ms.j0+t];
+    b.style.left=((t+0.5)*cell)+"px";mcols.appendChild(b);
+  }
 }
 function cellAt(x,y){const m=ms.m,c=Math.min(m-1,Math.max(0,Math.floor(x*m))),r=Math.min(m-1,Math.max(0,Math.floor(y*m)));return r*m+c;}
 function span(a,b){return a===b?String(a):a+"\u2013"+b;}
@@ -315,9 +340,9 @@ function fit(){
   if(mat.offsetParent!==null){const s=Math.max(240,Math.min(640,innerHeight-mat.getBoundingClientRect().top-16));
     mat.style.width=s+"px";mat.style.height=s+"px";}
 }
-addEventListener("resize",fit);
+addEventListener("resize",function(){fit();drawLabels();});
 show(T>D.matrix_first?"matrix":"head");
-render();mrender();fit();
+render();mrender();fit();drawLabels();
 document.body.dataset.ready="1";
 window.attnlabReadyMs=performance.now();
 requestAnimationFrame(function(){requestAnimationFrame(function(){document.body.dataset.painted=String(performance.now());});});
@@ -347,7 +372,7 @@ __NOTES__
 <button id="zin" title="zoom in (or the mouse wheel)">zoom in</button><button id="zout">zoom out</button><button id="zreset">whole matrix</button>
 <button id="zdiag" title="64 tokens at the top-left of the view, on the diagonal">diagonal close-up</button></div>
 <div id="mreadout" class="readout">move the pointer over the matrix (wheel: zoom, drag: pan, click: pin)</div>
-<div id="mwrap"><canvas id="mat"></canvas><div><div class="meta" id="mview"></div><div class="meta" id="histtitle" style="margin:8px 0 4px"></div><div id="hists"></div></div></div>
+<div id="mwrap"><div id="mgrid"><div></div><div id="mcols"></div><div id="mrows"></div><canvas id="mat"></canvas></div><div id="mside"><div class="meta" id="mview"></div><div class="meta" id="histtitle" style="margin:8px 0 4px"></div><div id="hists"></div></div></div>
 </section>
 <section id="model"><div class="meta">rows: layers, columns: heads (darker = more weight, each row scaled to its max). Click one to open it in the head view.</div><div class="grid" id="grid"></div></section>
 <section id="pattern"><div class="meta">which (query, key) pairs take part; dark = computed</div><div id="patterns"></div></section>

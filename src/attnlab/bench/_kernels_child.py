@@ -1,0 +1,47 @@
+"""Peak-memory child of ``attnlab bench kernels``: one implementation, forward+backward, fresh process.
+
+    python -m attnlab.bench._kernels_child '{"impl": "attnlab:tiled", "n": 16384, "B": 1, "H": 8, "D": 64,
+                                             "dtype": "float32", "backward": true}'
+
+Prints one JSON line {"peak_bytes": ..., "baseline_bytes": ...}: the peak resident size (VmHWM) the call
+adds over the size after imports, inputs and a tiny warm-up (see attnlab.bench._child).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from ._child import _maxrss_bytes, _reset_peak, _status_bytes
+from .kernels import build_impl
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _inputs(spec, n):
+    g = torch.Generator().manual_seed(spec.get("seed", 0))
+    shape = (spec.get("B", 1), spec.get("H", 8), n, spec.get("D", 64))
+    return [torch.randn(shape, generator=g).to(DTYPES[spec.get("dtype", "float32")]).requires_grad_(spec["backward"])
+            for _ in range(3)]
+
+
+def _call(f, qkv, backward):
+    out = f(*qkv)
+    if backward:
+        out.float().sum().backward()
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(argv[0])
+    f = build_impl(spec["impl"])
+    _call(f, _inputs(spec, min(64, spec["n"])), spec["backward"])  # imports, kernels, allocator warm
+    qkv = _inputs(spec, spec["n"])
+    _reset_peak()
+    base = _status_bytes("VmRSS") or _maxrss_bytes()
+    _call(f, qkv, spec["backward"])
+    print(json.dumps({"peak_bytes": max(0, _maxrss_bytes() - base), "baseline_bytes": base}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,719 @@
+// attnlab's compiled CPU attention: one flash-attention-2 style kernel driven by a block layout.
+//
+// Shapes (the Python wrapper brings every input to this form; last dims are contiguous):
+//   q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev]; H % Hkv == 0 (query head h reads kv head
+//   h / (H / Hkv): GQA without copying K/V).
+//   Layout, for each of Nl (1 or N) batch elements and each query block of bq rows:
+//     kv_num [Nl, nq] int32      how many key blocks (of bk keys) to visit,
+//     kv_idx [Nl, nq, maxk]      which ones, ascending,
+//     tile_id [Nl, nq, maxk]     -1 for a FULL block, else the row of `tiles` [T, bq, bk] (uint8)
+//                                holding the pattern's exact mask inside that block.
+//   keep: optional uint8, bias: optional float mask, each 4-D and read through its strides (a
+//   broadcast dim has stride 0), so a user L x S mask is never expanded or copied per head.
+//
+// Forward: online softmax over the visited key blocks; returns out [N, H, L, Ev] and the
+// log-sum-exp lse [N, H, L] (float32; float64 for float64), -inf for a row with no key (out 0).
+// Backward: recomputes each block's probabilities from lse (FA2), accumulating dq per query block
+// and dk, dv per kv head in float buffers owned by one thread (units are (n, kv head) pairs).
+//
+// Note [Masked scores]: masking *overwrites* a score with -inf rather than adding, so a NaN or Inf
+// produced by a masked key cannot reach the softmax. Values of keys no query may attend are zeroed
+// by the caller (0 * NaN in P @ V would otherwise leak).
+//
+// The same source is compiled once per CPU capability (DEFAULT, AVX2, AVX512; see setup.py); the
+// Python wrapper imports the best module the CPU runs.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+// BLAS from the MKL that PyTorch's CPU build carries (what its own CPU flash kernel reaches through
+// cpublas::gemm, whose float overloads are not exported). Declared weak: on a torch without MKL the
+// pointers are null and a plain loop runs instead (correct, slow; reported by has_blas()).
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+            const int*, const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+            const int*, const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+void cblas_gemm_bf16bf16f32(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int,
+                            float, float*, int) __attribute__((weak));
+void cblas_gemm_f16f16f32(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int,
+                          float, float*, int) __attribute__((weak));
+}
+
+namespace {
+
+using at::vec::Vectorized;
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // CBLAS enum values
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename T, typename A>
+void gemm_loop(bool ta, bool tb, int64_t M, int64_t N, int64_t K, A alpha, const T* a, int64_t lda,
+               const T* b, int64_t ldb, A beta, A* c, int64_t ldc) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      A s = 0;
+      for (int64_t p = 0; p < K; ++p)
+        s += static_cast<A>(ta ? a[p * lda + i] : a[i * lda + p]) * static_cast<A>(tb ? b[j * ldb + p] : b[p * ldb + j]);
+      c[i * ldc + j] = alpha * s + (beta == A(0) ? A(0) : beta * c[i * ldc + j]);
+    }
+}
+
+// Row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C, C in the accumulation type.
+// Column-major BLAS computes the transpose: C^T = op(B)^T op(A)^T.
+inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (!sgemm_) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  const int m = M, n = N, k = K, la = lda, lb = ldb, lc = ldc;
+  sgemm_(&tB, &tA, &n, &m, &k, &alpha, b, &lb, a, &la, &beta, c, &lc);
+}
+inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_t lda,
+                 const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  if (!dgemm_) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  const int m = M, n = N, k = K, la = lda, lb = ldb, lc = ldc;
+  dgemm_(&tB, &tA, &n, &m, &k, &alpha, b, &lb, a, &la, &beta, c, &lc);
+}
+inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const at::BFloat16* a,
+                 int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (!cblas_gemm_bf16bf16f32) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+  cblas_gemm_bf16bf16f32(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, M, N, K, alpha,
+                         reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), ldb,
+                         beta, c, ldc);
+}
+inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const at::Half* a,
+                 int64_t lda, const at::Half* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (!cblas_gemm_f16f16f32) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+  cblas_gemm_f16f16f32(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, M, N, K, alpha,
+                       reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), ldb,
+                       beta, c, ldc);
+}
+
+
+// Everything besides q @ k^T that shapes one block of scores.
+template <typename A>
+struct ScoreMods {
+  A softcap = 0;                   // s -> softcap * tanh(s / softcap) when > 0
+  const float* alibi = nullptr;    // [H] slopes (ALiBi, computed from positions, no L x S tensor)
+  bool alibi_causal = false;       // slope * (j - i'); else -slope * |j - i'| (i' = i + offset)
+  int64_t alibi_offset = 0;        // S - L for bottom-right alignment
+  const uint8_t* keep = nullptr;   // user bool mask, 4-D strides ks
+  int64_t ks[4] = {0, 0, 0, 0};
+  const A* bias = nullptr;         // user float mask, 4-D strides bs
+  int64_t bs[4] = {0, 0, 0, 0};
+};
+
+// Soft-capping, ALiBi, the user bias and every mask, applied to a block of scaled scores
+// s [rows, cols] (leading dim ld). With `tanh_out`, keeps tanh(s / cap) for the backward.
+// `tile` is the pattern's [bq, bk] mask for this block (row stride ld), or null for a full block.
+template <typename A>
+void modify_scores(A* s, int64_t ld, int64_t rows, int64_t cols, int64_t n, int64_t h, int64_t q0, int64_t k0,
+                   const uint8_t* tile, const ScoreMods<A>& mod, A* tanh_out, A mul = A(1)) {
+  using V = Vectorized<A>;
+  if (mul != A(1)) {  // the score scale, when the product could not apply it (brgemm has no alpha)
+    for (int64_t r = 0; r < rows; ++r)
+      at::vec::map([mul](V x) { return x * V(mul); }, s + r * ld, s + r * ld, cols);
+  }
+  if (mod.softcap > 0) {
+    const A cap = mod.softcap, inv = A(1) / cap;
+    for (int64_t r = 0; r < rows; ++r) {
+      A* row = s + r * ld;
+      A* t = tanh_out ? tanh_out + r * ld : nullptr;
+      int64_t c = 0;
+      for (; c + V::size() <= cols; c += V::size()) {
+        V th = (V::loadu(row + c) * V(inv)).tanh();
+        if (t) th.store(t + c);
+        (th * V(cap)).store(row + c);
+      }
+      for (; c < cols; ++c) {
+        A th = std::tanh(row[c] * inv);
+        if (t) t[c] = th;
+        row[c] = cap * th;
+      }
+    }
+  }
+  if (mod.alibi) {
+    const A slope = static_cast<A>(mod.alibi[h]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = q0 + r + mod.alibi_offset;
+      A* row = s + r * ld;
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t d = (k0 + c) - i;
+        row[c] += mod.alibi_causal ? slope * A(d) : -slope * A(d < 0 ? -d : d);
+      }
+    }
+  }
+  if (mod.bias) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const A* b = mod.bias + n * mod.bs[0] + h * mod.bs[1] + (q0 + r) * mod.bs[2] + k0 * mod.bs[3];
+      A* row = s + r * ld;
+      const int64_t st = mod.bs[3];
+      if (st == 1) {
+        for (int64_t c = 0; c < cols; ++c) row[c] += b[c];
+      } else {
+        for (int64_t c = 0; c < cols; ++c) row[c] += b[c * st];
+      }
+    }
+  }
+  const A ninf = -std::numeric_limits<A>::infinity();  // Note [Masked scores]: overwrite, never add
+  if (tile) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* t = tile + r * ld;
+      A* row = s + r * ld;
+      for (int64_t c = 0; c < cols; ++c) row[c] = t[c] ? row[c] : ninf;
+    }
+  }
+  if (mod.keep) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* kp = mod.keep + n * mod.ks[0] + h * mod.ks[1] + (q0 + r) * mod.ks[2] + k0 * mod.ks[3];
+      A* row = s + r * ld;
+      const int64_t st = mod.ks[3];
+      for (int64_t c = 0; c < cols; ++c) row[c] = kp[c * st] ? row[c] : ninf;
+    }
+  }
+}
+
+template <typename A>
+inline A row_max(const A* x, int64_t n) {
+  using V = Vectorized<A>;
+  A m = -std::numeric_limits<A>::infinity();
+  int64_t c = 0;
+  if (n >= V::size()) {
+    V vm(m);
+    for (; c + V::size() <= n; c += V::size()) vm = at::vec::maximum(vm, V::loadu(x + c));
+    m = at::vec::vec_reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
+  }
+  for (; c < n; ++c) m = std::max(m, x[c]);
+  return m;
+}
+
+// x <- exp(x - shift) in place; returns the sum. exp(-inf) is 0 (masked scores).
+template <typename A>
+inline A exp_sum(A* x, int64_t n, A shift) {
+  using V = Vectorized<A>;
+  V vs(0), vsh(shift);
+  int64_t c = 0;
+  for (; c + V::size() <= n; c += V::size()) {
+    V e = (V::loadu(x + c) - vsh).exp_u20();
+    e.store(x + c);
+    vs = vs + e;
+  }
+  A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, vs);
+  for (; c < n; ++c) {
+    x[c] = std::exp(x[c] - shift);
+    s += x[c];
+  }
+  return s;
+}
+
+template <typename T, typename A>
+inline void to_gemm_type(const A* src, T* dst, int64_t n) {
+  at::vec::convert(src, dst, n);
+}
+
+// oneDNN's batch-reduce gemm micro-kernel through cpublas::brgemm (what PyTorch's CPU flash kernel
+// uses for half types): C[M, N] (+)= A[M, K] @ B[K, N], no transposes, no alpha, tiny call overhead
+// (measured 64x64x64 fp32: 5.8 us vs MKL sgemm's 17 us; bf16 on AMX 1.9 us with B in VNNI layout
+// [K/2, N, 2]). Compiled in for AVX-512 builds only.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kHaveBrgemm = true;
+#else
+constexpr bool kHaveBrgemm = false;
+#endif
+
+template <typename T>
+inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* a,
+                const T* b, float* c) {
+  if constexpr (std::is_same_v<T, float>) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
+  } else if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, true);
+  } else {
+    TORCH_CHECK(false, "attnlab._C: no brgemm for this dtype");
+  }
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c]: a tile transposed (brgemm takes no transposed operand)
+template <typename T>
+inline void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst, int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+}
+
+// Packs the transpose of x [S, D] (row stride ld) as brgemm B operands of K = D, N = bk, one contiguous
+// [D, bk] panel per key block (plain for float, VNNI [D / 2, bk, 2] for half types, D even). Block-major
+// panels keep each tile's rows close: a [D, S] transpose read bk columns at a time strides S apart and
+// (at S = 4096 floats) maps every row to one L1 set.
+template <typename T>
+inline void pack_transposed_blocks(const T* x, int64_t ld, int64_t S, int64_t D, int64_t bk, T* dst) {
+  for (int64_t k0 = 0; k0 < S; k0 += bk) {
+    const int64_t cols = std::min(bk, S - k0);
+    T* panel = dst + (k0 / bk) * D * bk;
+    for (int64_t c = 0; c < cols; ++c) {
+      const T* row = x + (k0 + c) * ld;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t e = 0; e < D; ++e) panel[e * bk + c] = row[e];
+      } else {
+        for (int64_t e = 0; e < D; ++e) panel[((e >> 1) * bk + c) * 2 + (e & 1)] = row[e];
+      }
+    }
+  }
+}
+
+// Packs x [rows, cols] (row stride ld) as a VNNI B operand (K = rows, N = cols): [rows_pad / 2, cols, 2],
+// an odd last row padded with zeros.
+template <typename T>
+inline void pack_vnni(const T* x, int64_t ld, int64_t rows, int64_t cols, T* dst) {
+  const int64_t rp = rows + (rows & 1);
+  for (int64_t r = 0; r < rp; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[((r >> 1) * cols + c) * 2 + (r & 1)] = r < rows ? x[r * ld + c] : T(0);
+}
+
+// Work units per task: everything in one task (no thread start-up) when the whole call is too small for
+// threads to pay off (a few microseconds of arithmetic; measured to matter for gradcheck-sized calls).
+inline int64_t grain(int64_t units, int64_t flops_upper_bound) {
+  return flops_upper_bound < (int64_t(1) << 18) ? std::max<int64_t>(units, 1) : 1;
+}
+
+struct Layout {
+  const int32_t* kv_num;
+  const int32_t* kv_idx;
+  const int32_t* tile_id;
+  const uint8_t* tiles;
+  int64_t Nl, nq, maxk, bq, bk;
+  int64_t base(int64_t n, int64_t qb) const { return (Nl == 1 ? 0 : n) * nq + qb; }
+  const uint8_t* tile(int32_t id) const { return id < 0 ? nullptr : tiles + static_cast<int64_t>(id) * bq * bk; }
+};
+
+Layout make_layout(const at::Tensor& kv_num, const at::Tensor& kv_idx, const at::Tensor& tile_id,
+                   const at::Tensor& tiles, int64_t N, int64_t L, int64_t S, int64_t bq, int64_t bk) {
+  TORCH_CHECK(bq > 0 && bk > 0, "attnlab._C: block sizes must be positive");
+  const int64_t nq = (L + bq - 1) / bq;
+  for (const auto* t : {&kv_num, &kv_idx, &tile_id})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "attnlab._C: layout tensors must be contiguous int32");
+  TORCH_CHECK(kv_num.dim() == 2 && kv_num.size(1) == nq && (kv_num.size(0) == 1 || kv_num.size(0) == N),
+              "attnlab._C: kv_num must be [1 or N, ceil(L / bq)], got ", kv_num.sizes());
+  TORCH_CHECK(kv_idx.dim() == 3 && kv_idx.size(0) == kv_num.size(0) && kv_idx.size(1) == nq &&
+              tile_id.sizes() == kv_idx.sizes(), "attnlab._C: kv_idx / tile_id must be [Nl, nq, maxk]");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
+              tiles.size(1) == bq && tiles.size(2) == bk, "attnlab._C: tiles must be uint8 [T, bq, bk]");
+  // every index is checked once here, so the kernels can trust them
+  const int64_t nk = (S + bk - 1) / bk, maxk = kv_idx.size(2), T = tiles.size(0);
+  const int32_t* num = kv_num.data_ptr<int32_t>();
+  const int32_t* idx = kv_idx.data_ptr<int32_t>();
+  const int32_t* tid = tile_id.data_ptr<int32_t>();
+  for (int64_t r = 0; r < kv_num.numel(); ++r) {
+    TORCH_CHECK(num[r] >= 0 && num[r] <= maxk, "attnlab._C: kv_num out of range");
+    for (int64_t t = 0; t < num[r]; ++t) {
+      TORCH_CHECK(idx[r * maxk + t] >= 0 && idx[r * maxk + t] < nk, "attnlab._C: kv_idx out of range");
+      TORCH_CHECK(tid[r * maxk + t] >= -1 && tid[r * maxk + t] < T, "attnlab._C: tile_id out of range");
+    }
+  }
+  return Layout{num, idx, tid, tiles.data_ptr<uint8_t>(), kv_num.size(0), nq, maxk, bq, bk};
+}
+
+template <typename A>
+ScoreMods<A> make_mods(const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& alibi, double softcap, bool alibi_causal,
+                       int64_t alibi_offset, at::IntArrayRef shape4) {
+  ScoreMods<A> m;
+  m.softcap = static_cast<A>(softcap);
+  if (keep && keep->defined()) {
+    TORCH_CHECK(keep->scalar_type() == at::kByte || keep->scalar_type() == at::kBool, "attnlab._C: keep must be bool");
+    TORCH_CHECK(keep->sizes() == shape4, "attnlab._C: keep must be expanded to ", shape4, ", got ", keep->sizes());
+    m.keep = static_cast<const uint8_t*>(keep->data_ptr());
+    for (int d = 0; d < 4; ++d) m.ks[d] = keep->stride(d);
+  }
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == c10::CppTypeToScalarType<A>::value,
+                "attnlab._C: bias must be in the accumulation dtype");
+    TORCH_CHECK(bias->sizes() == shape4, "attnlab._C: bias must be expanded to ", shape4, ", got ", bias->sizes());
+    m.bias = bias->data_ptr<A>();
+    for (int d = 0; d < 4; ++d) m.bs[d] = bias->stride(d);
+  }
+  if (alibi && alibi->defined()) {
+    TORCH_CHECK(alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 1 &&
+                alibi->size(0) == shape4[1], "attnlab._C: alibi slopes must be float32 [H]");
+    m.alibi = alibi->data_ptr<float>();
+    m.alibi_causal = alibi_causal;
+    m.alibi_offset = alibi_offset;
+  }
+  return m;
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu(), "attnlab._C: CPU tensors only");
+    TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1, "attnlab._C: q, k, v must be 4-D with a contiguous last dim");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "attnlab._C: q, k, v must share one dtype");
+  }
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && v.size(1) == k.size(1) && k.size(2) == v.size(2) &&
+              k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "attnlab._C: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not agree");
+}
+
+template <typename T>
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Layout& lay,
+                  const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& out,
+                  at::Tensor& lse) {
+  using A = typename Acc<T>::type;
+  constexpr bool kSame = std::is_same_v<T, A>;
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), Ev = v.size(3), groups = H / Hkv;
+  const int64_t bq = lay.bq, bk = lay.bk, nq = lay.nq;
+  const T* Q = q.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* Vp = v.data_ptr<T>();
+  T* O = out.data_ptr<T>();
+  A* LSE = lse.data_ptr<A>();
+  const A scale = static_cast<A>(scale_d);
+  const A ninf = -std::numeric_limits<A>::infinity();
+  const int64_t flops = N * H * L * S * (E + Ev);
+  // brgemm operands: K^T per kv head ([E, S], VNNI for half types) and, for half types, V in VNNI
+  constexpr bool kHalf = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+  const int64_t Sp = S + (S & 1), nk = (S + bk - 1) / bk;
+  at::Tensor kt, vv;
+  if (use_brg) {
+    kt = at::empty({N * Hkv, nk * E * bk}, q.options());
+    if (kHalf) vv = at::empty({N * Hkv, Sp * Ev}, q.options());
+    T* KT = kt.data_ptr<T>();
+    T* VV = kHalf ? vv.data_ptr<T>() : nullptr;
+    at::parallel_for(0, N * Hkv, grain(N * Hkv, flops), [&](int64_t b0, int64_t b1) {
+      for (int64_t u = b0; u < b1; ++u) {
+        const int64_t n = u / Hkv, g = u % Hkv;
+        // K^T as B of q @ k^T (K = E, N = S); rows past S are never read
+        pack_transposed_blocks(K + n * k.stride(0) + g * k.stride(1), k.stride(2), S, E, bk, KT + u * nk * E * bk);
+        if (kHalf) pack_vnni(Vp + n * v.stride(0) + g * v.stride(1), v.stride(2), S, Ev, VV + u * Sp * Ev);
+      }
+    });
+  }
+  const T* KT = use_brg ? kt.data_ptr<T>() : nullptr;
+  const T* VV = use_brg && kHalf ? vv.data_ptr<T>() : nullptr;
+  at::parallel_for(0, N * H * nq, grain(N * H * nq, flops), [&](int64_t begin, int64_t end) {
+    std::vector<A> sbuf(bq * bk), obuf(bq * Ev), mrow(bq), lrow(bq);
+    std::vector<T> pbuf(kSame ? 0 : bq * (bk + 1));
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t n = u / (H * nq), h = (u / nq) % H, qb = u % nq;
+      const int64_t q0 = qb * bq, rows = std::min(bq, L - q0), kvh = h / groups;
+      const T* qp = Q + n * q.stride(0) + h * q.stride(1) + q0 * q.stride(2);
+      const T* kp = K + n * k.stride(0) + kvh * k.stride(1);
+      const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
+      const int64_t base = lay.base(n, qb);
+      const int32_t cnt = lay.kv_num[base];
+      std::fill(mrow.begin(), mrow.begin() + rows, ninf);
+      std::fill(lrow.begin(), lrow.begin() + rows, A(0));
+      std::fill(obuf.begin(), obuf.begin() + rows * Ev, A(0));
+      for (int32_t t = 0; t < cnt; ++t) {
+        const int64_t k0 = static_cast<int64_t>(lay.kv_idx[base * lay.maxk + t]) * bk;
+        const int64_t cols = std::min(bk, S - k0);
+        A* s = sbuf.data();
+        A mul = A(1);
+        if constexpr (!std::is_same_v<T, double>) {
+          if (use_brg) {
+            const T* ktp = KT + ((n * Hkv + kvh) * nk + k0 / bk) * E * bk;
+            brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, ktp, s);
+            mul = scale;
+          }
+        }
+        if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), s, bk);
+        modify_scores<A>(s, bk, rows, cols, n, h, q0, k0, lay.tile(lay.tile_id[base * lay.maxk + t]), mod, nullptr, mul);
+        for (int64_t r = 0; r < rows; ++r) {
+          A* row = s + r * bk;
+          const A mnew = std::max(mrow[r], row_max(row, cols));
+          const A shift = mnew == ninf ? A(0) : mnew;  // a row with nothing kept yet: exp(-inf) = 0
+          const A sum = exp_sum(row, cols, shift);
+          const A alpha = std::exp(mrow[r] - shift);
+          lrow[r] = lrow[r] * alpha + sum;
+          mrow[r] = mnew;
+          if (alpha != A(1)) {
+            A* o = obuf.data() + r * Ev;
+            at::vec::map([alpha](Vectorized<A> x) { return x * Vectorized<A>(alpha); }, o, o, Ev);
+          }
+          if constexpr (!kSame) {
+            to_gemm_type(row, pbuf.data() + r * bk, cols);
+            if (use_brg && (cols & 1)) pbuf[r * bk + cols] = T(0);  // pairs with V's zero pad row
+          }
+        }
+        if constexpr (kSame) {
+          if constexpr (std::is_same_v<T, float>) {
+            if (use_brg) {
+              brg<T>(rows, Ev, cols, bk, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
+              continue;
+            }
+          }
+          gemm(false, false, rows, Ev, cols, A(1), s, bk, vp + k0 * v.stride(2), v.stride(2), A(1), obuf.data(), Ev);
+        } else {
+          if (use_brg) {
+            brg<T>(rows, Ev, cols + (cols & 1), bk, Ev, Ev, true, pbuf.data(), VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev,
+                   obuf.data());
+          } else {
+            gemm(false, false, rows, Ev, cols, A(1), pbuf.data(), bk, vp + k0 * v.stride(2), v.stride(2), A(1),
+                 obuf.data(), Ev);
+          }
+        }
+      }
+      T* op = O + ((n * H + h) * L + q0) * Ev;
+      A* lp = LSE + (n * H + h) * L + q0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool any = lrow[r] > A(0);
+        const A inv = any ? A(1) / lrow[r] : A(0);  // a fully masked row: output 0
+        const A* o = obuf.data() + r * Ev;
+        for (int64_t c = 0; c < Ev; ++c) op[r * Ev + c] = static_cast<T>(o[c] * inv);
+        lp[r] = any ? mrow[r] + std::log(lrow[r]) : ninf;
+      }
+    }
+    if (use_brg) at::native::cpublas::brgemm_release(kHalf);
+  });
+}
+
+template <typename T>
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& out, const at::Tensor& lse, const Layout& lay,
+                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& dq,
+                   at::Tensor& dk, at::Tensor& dv) {
+  using A = typename Acc<T>::type;
+  using Vec = Vectorized<A>;
+  constexpr bool kSame = std::is_same_v<T, A>;
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), Ev = v.size(3), groups = H / Hkv;
+  const int64_t bq = lay.bq, bk = lay.bk, nq = lay.nq;
+  const T* Q = q.data_ptr<T>();
+  const T* K = k.data_ptr<T>();
+  const T* Vp = v.data_ptr<T>();
+  const T* DO = dout.data_ptr<T>();
+  const T* O = out.data_ptr<T>();
+  const A* LSE = lse.data_ptr<A>();
+  T* DQ = dq.data_ptr<T>();
+  A* DK = dk.data_ptr<A>();  // [N, Hkv, S, E] accumulation dtype, zeroed
+  A* DV = dv.data_ptr<A>();
+  const A scale = static_cast<A>(scale_d);
+  const A inf = std::numeric_limits<A>::infinity();
+  // one unit per (n, kv head): it alone writes that head's dk, dv, and the dq of its query heads
+  at::parallel_for(0, N * Hkv, grain(N * Hkv, 2 * N * H * L * S * (E + Ev)), [&](int64_t begin, int64_t end) {
+    std::vector<A> pbuf(bq * bk), dpbuf(bq * bk), tbuf(mod.softcap > 0 ? bq * bk : 0), dqacc(bq * E), delta(bq),
+        lsafe(bq);
+    std::vector<T> pT(kSame ? 0 : bq * bk), dsT(kSame ? 0 : bq * bk);
+    // brgemm (fp32): K^T, V^T of this kv head, and transposed P, dS tiles (brgemm takes no transposes)
+    const int64_t nk = (S + bk - 1) / bk;
+    std::vector<T> kt(use_brg ? nk * E * bk : 0), vt(use_brg ? nk * Ev * bk : 0), ptile(use_brg ? bk * bq : 0),
+        dstile(use_brg ? bk * bq : 0);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t n = u / Hkv, kvh = u % Hkv;
+      const T* kp = K + n * k.stride(0) + kvh * k.stride(1);
+      const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
+      if (use_brg) {
+        pack_transposed_blocks(kp, k.stride(2), S, E, bk, kt.data());
+        pack_transposed_blocks(vp, v.stride(2), S, Ev, bk, vt.data());
+      }
+      A* dkp = DK + (n * Hkv + kvh) * S * E;
+      A* dvp = DV + (n * Hkv + kvh) * S * Ev;
+      for (int64_t h = kvh * groups; h < (kvh + 1) * groups; ++h) {
+        for (int64_t qb = 0; qb < nq; ++qb) {
+          const int64_t q0 = qb * bq, rows = std::min(bq, L - q0);
+          const int64_t base = lay.base(n, qb);
+          const int32_t cnt = lay.kv_num[base];
+          const T* qp = Q + n * q.stride(0) + h * q.stride(1) + q0 * q.stride(2);
+          const T* dop = DO + ((n * H + h) * L + q0) * Ev;
+          const T* op = O + ((n * H + h) * L + q0) * Ev;
+          const A* lp = LSE + (n * H + h) * L + q0;
+          T* dqp = DQ + ((n * H + h) * L + q0) * E;
+          if (cnt == 0) {
+            std::fill(dqp, dqp + rows * E, T(0));
+            continue;
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            A d = 0;
+            for (int64_t c = 0; c < Ev; ++c) d += static_cast<A>(dop[r * Ev + c]) * static_cast<A>(op[r * Ev + c]);
+            delta[r] = d;
+            lsafe[r] = lp[r] == -inf ? inf : lp[r];  // a row with no key: P = exp(-inf) = 0
+          }
+          std::fill(dqacc.begin(), dqacc.begin() + rows * E, A(0));
+          for (int32_t t = 0; t < cnt; ++t) {
+            const int64_t k0 = static_cast<int64_t>(lay.kv_idx[base * lay.maxk + t]) * bk;
+            const int64_t cols = std::min(bk, S - k0);
+            A* p = pbuf.data();
+            A* ds = dpbuf.data();
+            A mul = A(1);
+            if constexpr (std::is_same_v<T, float>) {
+              if (use_brg) {
+                brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + (k0 / bk) * E * bk, p);
+                mul = scale;
+              }
+            }
+            if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), p, bk);
+            modify_scores<A>(p, bk, rows, cols, n, h, q0, k0, lay.tile(lay.tile_id[base * lay.maxk + t]), mod,
+                             tbuf.empty() ? nullptr : tbuf.data(), mul);
+            for (int64_t r = 0; r < rows; ++r) {
+              A* row = p + r * bk;
+              const Vec sh(lsafe[r]);
+              int64_t c = 0;
+              for (; c + Vec::size() <= cols; c += Vec::size()) (Vec::loadu(row + c) - sh).exp_u20().store(row + c);
+              for (; c < cols; ++c) row[c] = std::exp(row[c] - lsafe[r]);
+              if constexpr (!kSame) to_gemm_type(row, pT.data() + r * bk, cols);
+            }
+            if constexpr (std::is_same_v<T, float>) {
+              if (use_brg) {
+                // dV += P^T dO; dP = dO V^T; dS = P (dP - delta) scale; dQ += dS K; dK += dS^T Q
+                transpose(p, bk, rows, cols, ptile.data(), bq);
+                brg<T>(cols, Ev, rows, bq, Ev, Ev, true, ptile.data(), dop, dvp + k0 * Ev);
+                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + (k0 / bk) * Ev * bk, ds);
+                for (int64_t r = 0; r < rows; ++r) {
+                  A* dr = ds + r * bk;
+                  const A* pr = p + r * bk;
+                  if (tbuf.empty()) {
+                    const Vec dl(delta[r]), sc(scale);
+                    int64_t c = 0;
+                    for (; c + Vec::size() <= cols; c += Vec::size())
+                      (Vec::loadu(pr + c) * (Vec::loadu(dr + c) - dl) * sc).store(dr + c);
+                    for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * scale;
+                  } else {
+                    const A* tr = tbuf.data() + r * bk;
+                    for (int64_t c = 0; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * (A(1) - tr[c] * tr[c]) * scale;
+                  }
+                }
+                transpose(ds, bk, rows, cols, dstile.data(), bq);
+                brg<T>(rows, E, cols, bk, k.stride(2), E, true, ds, kp + k0 * k.stride(2), dqacc.data());
+                brg<T>(cols, E, rows, bq, q.stride(2), E, true, dstile.data(), qp, dkp + k0 * E);
+                continue;
+              }
+            }
+            // dV += P^T dO
+            if constexpr (kSame) {
+              gemm(true, false, cols, Ev, rows, A(1), p, bk, dop, Ev, A(1), dvp + k0 * Ev, Ev);
+            } else {
+              gemm(true, false, cols, Ev, rows, A(1), pT.data(), bk, dop, Ev, A(1), dvp + k0 * Ev, Ev);
+            }
+            // dP = dO V^T; dS = P * (dP - delta), through the soft-cap's tanh
+            gemm(false, true, rows, cols, Ev, A(1), dop, Ev, vp + k0 * v.stride(2), v.stride(2), A(0), ds, bk);
+            for (int64_t r = 0; r < rows; ++r) {
+              A* dr = ds + r * bk;
+              const A* pr = p + r * bk;
+              const Vec dl(delta[r]);
+              int64_t c = 0;
+              if (tbuf.empty()) {
+                for (; c + Vec::size() <= cols; c += Vec::size())
+                  (Vec::loadu(pr + c) * (Vec::loadu(dr + c) - dl)).store(dr + c);
+                for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]);
+              } else {
+                const A* tr = tbuf.data() + r * bk;
+                for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * (A(1) - tr[c] * tr[c]);
+              }
+              if constexpr (!kSame) to_gemm_type(dr, dsT.data() + r * bk, cols);
+            }
+            const T* kb = kp + k0 * k.stride(2);
+            if constexpr (kSame) {
+              gemm(false, false, rows, E, cols, scale, ds, bk, kb, k.stride(2), A(1), dqacc.data(), E);
+              gemm(true, false, cols, E, rows, scale, ds, bk, qp, q.stride(2), A(1), dkp + k0 * E, E);
+            } else {
+              gemm(false, false, rows, E, cols, scale, dsT.data(), bk, kb, k.stride(2), A(1), dqacc.data(), E);
+              gemm(true, false, cols, E, rows, scale, dsT.data(), bk, qp, q.stride(2), A(1), dkp + k0 * E, E);
+            }
+          }
+          for (int64_t i = 0; i < rows * E; ++i) dqp[i] = static_cast<T>(dqacc[i]);
+        }
+      }
+    }
+    if (use_brg) at::native::cpublas::brgemm_release(false);
+  });
+}
+
+// fp32 tiles always run through brgemm on AVX-512 builds; half types when oneDNN packs them for this CPU
+// (AMX / AVX512-BF16) and the reduction dims are even (VNNI pairs).
+bool brgemm_applies(at::ScalarType dt, int64_t E, int64_t Ev, int64_t bk, bool allow) {
+  if (!kHaveBrgemm || !allow) return false;
+  if (dt == at::kFloat) return true;
+  if (dt == at::kBFloat16 || dt == at::kHalf)
+    return at::native::cpublas::could_pack(dt) && E % 2 == 0 && Ev % 2 == 0 && bk % 2 == 0;
+  return false;
+}
+
+std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& kv_num, const at::Tensor& kv_idx,
+                                          const at::Tensor& tile_id, const at::Tensor& tiles,
+                                          const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
+                                          const std::optional<at::Tensor>& alibi, double scale, double softcap,
+                                          bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
+                                          bool allow_brgemm) {
+  check_qkv(q, k, v);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Ev = v.size(3);
+  const bool use_brg = brgemm_applies(q.scalar_type(), q.size(3), Ev, bk, allow_brgemm);
+  const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor out = at::empty({N, H, L, Ev}, q.options());
+  at::Tensor lse = at::empty({N, H, L}, q.options().dtype(acc));
+  const std::vector<int64_t> shape4{N, H, L, S};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_forward", [&] {
+    using A = typename Acc<scalar_t>::type;
+    auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
+    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, out, lse);
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const at::Tensor& out_in, const at::Tensor& lse_in,
+                                           const at::Tensor& kv_num, const at::Tensor& kv_idx,
+                                           const at::Tensor& tile_id, const at::Tensor& tiles,
+                                           const std::optional<at::Tensor>& keep,
+                                           const std::optional<at::Tensor>& bias,
+                                           const std::optional<at::Tensor>& alibi, double scale, double softcap,
+                                           bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
+                                           bool allow_brgemm) {
+  check_qkv(q, k, v);
+  const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  // the backward's brgemm path is fp32 only (half types keep MKL's mixed-precision gemm there)
+  const bool use_brg = q.scalar_type() == at::kFloat && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
+                                                                      allow_brgemm);
+  const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
+  at::Tensor out = out_in.contiguous();
+  at::Tensor lse = lse_in.to(acc).contiguous();
+  TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == N && out.size(1) == H && out.size(2) == L &&
+              out.size(3) == v.size(3) && lse.sizes() == at::IntArrayRef({N, H, L}),
+              "attnlab._C: dout / out / lse shapes do not match q, v");
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
+  at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
+  const std::vector<int64_t> shape4{N, H, L, S};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_backward", [&] {
+    using A = typename Acc<scalar_t>::type;
+    auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
+    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, dq, dk, dv);
+  });
+  return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type())};
+}
+
+bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
+bool brgemm_for(const std::string& dtype, int64_t E, int64_t Ev, int64_t bk) {
+  const auto dt = dtype == "float32" ? at::kFloat : dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf
+                                                                                                             : at::kDouble;
+  return brgemm_applies(dt, E, Ev, bk, true);
+}
+bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f16f16f32 != nullptr; }
+
+}  // namespace
+
+#define ATTNLAB_STR2(x) #x
+#define ATTNLAB_STR(x) ATTNLAB_STR2(x)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "attnlab's compiled CPU attention kernel (block-layout driven, flash-attention-2 style)";
+  m.def("forward", &attention_forward, "(out, lse) of block-layout attention");
+  m.def("backward", &attention_backward, "(dq, dk, dv) by recomputation from (out, lse)");
+  m.def("has_blas", &has_blas, "fp32/fp64 tiles run through MKL's gemm (else a plain loop)");
+  m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
+  m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
+  m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
+}

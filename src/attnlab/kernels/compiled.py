@@ -1,0 +1,283 @@
+"""attnlab's compiled CPU attention kernel (the C++ extension ``attnlab._C*``), its block layouts and autograd.
+
+One flash-attention-2 style kernel runs every mask: for each query block it visits only the key
+blocks its *layout* lists, each FULL (no mask work) or PARTIAL (the pattern's exact mask applied
+inside the tile from a deduplicated table of bool tiles; bands such as causal or a sliding window
+have only a handful of distinct tiles). A user bool or float ``attn_mask`` is read inside each tile
+through its strides, never expanded per head. Forward returns the output and the log-sum-exp; the
+backward recomputes each block's probabilities from them (no L×S tensor is saved).
+
+Inputs are CPU tensors q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] (GQA: query head h reads
+key/value head h // (H / Hkv), without copying K/V); fp32, fp64, bf16 or fp16 (half types accumulate
+in fp32 and multiply tiles with the CPU's bf16/fp16 instructions through MKL's gemm).
+
+``available()`` says whether the extension can run (False with ``ATTNLAB_NO_EXT=1``, when it was not
+built, or for non-CPU tensors) and ``unavailable_reason()`` why not. Nothing is compiled at call
+time: the extension is built by the package's install (setup.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .. import patterns as P
+from .masks import MaskSpec
+
+__all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
+           "has_fast_gemm", "uses_brgemm"]
+
+_MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
+_ext = None
+_reason: str | None = None
+
+
+def _load():
+    """The extension module built for the best capability this CPU runs, or None (reason in _reason)."""
+    global _ext, _reason
+    if _ext is not None or _reason is not None:
+        return _ext
+    if os.environ.get("ATTNLAB_NO_EXT", "") not in ("", "0"):
+        _reason = "ATTNLAB_NO_EXT is set"
+        return None
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # very old torch: the baseline build runs everywhere
+        cap = "DEFAULT"
+    errors = []
+    for name in _MODULES.get(cap, ("_C",)):
+        try:
+            _ext = importlib.import_module(f"attnlab.{name}")
+            return _ext
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+        except Exception as e:  # a broken build must not break attnlab
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    missing = all("No module named" in e for e in errors)
+    _reason = ("the compiled extension is not built (pip install --no-build-isolation -e . builds it)" if missing
+               else "the compiled extension failed to load (" + "; ".join(errors) + ")")
+    return None
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """True when the compiled kernel can run, and runs on these tensors (CPU only)."""
+    return unavailable_reason(*tensors) is None
+
+
+def unavailable_reason(*tensors: torch.Tensor) -> str | None:
+    """Why the compiled kernel cannot run (these tensors), or None when it can."""
+    if _load() is None:
+        return _reason
+    for t in tensors:
+        if t is not None and t.device.type != "cpu":
+            return f"CPU tensors only (got {t.device.type})"
+    return None
+
+
+def capability() -> str | None:
+    """The CPU capability the loaded extension was compiled for ('AVX512', 'AVX2', 'DEFAULT'), or None."""
+    ext = _load()
+    return None if ext is None else str(ext.capability)
+
+
+def has_fast_gemm(dtype: torch.dtype) -> bool:
+    """Whether tiles of this dtype multiply through MKL's gemm (else a plain loop: correct but slow)."""
+    ext = _load()
+    if ext is None:
+        return False
+    return bool(ext.has_half_blas()) if dtype in (torch.bfloat16, torch.float16) else bool(ext.has_blas())
+
+
+# -- block layouts ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelLayout:
+    """Which key blocks each query block visits, for 1 or N batch elements (Nl).
+
+    kv_num [Nl, nq] int32; kv_idx, tile_id [Nl, nq, maxk] int32 (tile_id -1 = FULL block);
+    tiles [T, bq, bk] uint8, the distinct masks of PARTIAL blocks. ``density`` is the visited
+    fraction of the nq × nk blocks (averaged over Nl).
+    """
+
+    kv_num: torch.Tensor
+    kv_idx: torch.Tensor
+    tile_id: torch.Tensor
+    tiles: torch.Tensor
+    block_q: int
+    block_k: int
+    density: float
+
+    @property
+    def tensors(self):
+        return self.kv_num, self.kv_idx, self.tile_id, self.tiles
+
+
+_CACHE: OrderedDict = OrderedDict()
+CACHE_SIZE = 64
+#: tiles evaluated per step while building a layout's tile table (bounds its scratch memory)
+_TILE_CHUNK_BYTES = 1 << 24
+
+
+def _pattern_key(p):
+    """A hashable key equal for patterns with equal parameters (causal() is rebuilt on every call),
+    else the pattern object itself (kept alive by the cache, so its identity stays unique)."""
+    if p is None:
+        return None
+    if dataclasses.is_dataclass(p):
+        vals = []
+        for f in dataclasses.fields(p):
+            x = getattr(p, f.name)
+            if isinstance(x, P.Pattern):
+                x = _pattern_key(x)
+                if isinstance(x, P.Pattern):
+                    return p
+            elif isinstance(x, tuple) and all(isinstance(e, (int, float, str, bool)) for e in x):
+                pass
+            elif not isinstance(x, (int, float, str, bool, type(None))):
+                return p
+            vals.append(x)
+        return (type(p).__name__, tuple(vals))
+    return p
+
+
+def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
+    """(visit [Nl, nq, nk] bool, tid [Nl, nq, nk] int32, tiles [T, bq, bk] uint8) for the pattern alone."""
+    nq, nk = -(-L // bq), -(-S // bk)
+    if pattern is None:
+        return (torch.ones(1, nq, nk, dtype=torch.bool), torch.full((1, nq, nk), -1, dtype=torch.int32),
+                torch.zeros(0, bq, bk, dtype=torch.uint8))
+    lay = pattern.block_layout(L, S, bq, bk, device="cpu")  # union over the batch, conservative
+    B = pattern.batch_size or 1
+    visit = (lay != P.EMPTY).unsqueeze(0).expand(B, nq, nk).clone()
+    tid = torch.full((B, nq, nk), -1, dtype=torch.int32)
+    part = (lay == P.PARTIAL).nonzero()  # [Np, 2]
+    if not len(part):
+        return visit, tid, torch.zeros(0, bq, bk, dtype=torch.uint8)
+    ar_q, ar_k = torch.arange(bq), torch.arange(bk)
+    uniq, chunk = [], max(1, _TILE_CHUNK_BYTES // (B * bq * bk))
+    for c0 in range(0, len(part), chunk):
+        pc = part[c0:c0 + chunk]
+        # rows/columns past L or S repeat the last valid one, so any/all below see only real positions
+        i = (pc[:, :1] * bq + ar_q).clamp(max=L - 1).unsqueeze(-1)  # [C, bq, 1]
+        j = (pc[:, 1:] * bk + ar_k).clamp(max=S - 1).unsqueeze(1)  # [C, 1, bk]
+        m = torch.broadcast_to(pattern.keep(i, j, L, S), ((B,) if pattern.batch_size else ()) + (len(pc), bq, bk))
+        m = m.reshape(B, len(pc), bq * bk)
+        any_, all_ = m.any(-1), m.all(-1)  # [B, C]
+        qb, kb = pc[:, 0], pc[:, 1]
+        visit[:, qb, kb] = any_
+        sel = any_ & ~all_
+        if bool(sel.any()):
+            u, inv = torch.unique(m[sel].to(torch.uint8), dim=0, return_inverse=True)
+            t = torch.full((B, len(pc)), -1, dtype=torch.int32)
+            t[sel] = (inv + sum(x.shape[0] for x in uniq)).to(torch.int32)
+            tid[:, qb, kb] = t
+            uniq.append(u)
+    tiles = torch.cat(uniq) if uniq else torch.zeros(0, bq * bk, dtype=torch.uint8)
+    if len(uniq) > 1:  # the same tile found in several chunks: one copy
+        tiles, inv = torch.unique(tiles, dim=0, return_inverse=True)
+        tid = torch.where(tid >= 0, inv.to(torch.int32)[tid.clamp(min=0).long()], tid)
+    return visit, tid, tiles.view(-1, bq, bk).contiguous()
+
+
+def _compress(visit: torch.Tensor, tid: torch.Tensor, tiles: torch.Tensor, bq: int, bk: int) -> KernelLayout:
+    kv_num = visit.sum(-1)
+    maxk = max(1, int(kv_num.max())) if kv_num.numel() else 1
+    order = torch.sort((~visit).to(torch.int8), dim=-1, stable=True).indices[..., :maxk]  # visited first, ascending
+    kv_idx = order.to(torch.int32).contiguous()
+    tile_id = tid.gather(-1, order).to(torch.int32).contiguous()
+    density = float(visit.float().mean()) if visit.numel() else 0.0
+    return KernelLayout(kv_num.to(torch.int32).contiguous(), kv_idx, tile_id, tiles, bq, bk, density)
+
+
+def build_layout(mask: MaskSpec, block_q: int, block_k: int) -> KernelLayout:
+    """The kernel's layout for a mask at one block shape. The pattern's part is cached per
+    (pattern, L, S, block); a user bool mask only removes the blocks it leaves empty (its values
+    are read inside the tiles by the kernel)."""
+    L, S = mask.L, mask.S
+    key = (_pattern_key(mask.pattern), L, S, block_q, block_k)
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _pattern_layout(mask.pattern, L, S, block_q, block_k)
+        _CACHE[key] = hit
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    visit, tid, tiles = hit
+    if mask.keep is not None:
+        visit = visit & (mask.layout(block_q, block_k, device="cpu") != P.EMPTY)
+    return _compress(visit, tid, tiles, block_q, block_k)
+
+
+def _allow_brgemm() -> bool:
+    """Tiles go through oneDNN's brgemm micro-kernel where it applies (AVX-512 builds), else MKL's gemm;
+    ``ATTNLAB_EXT_GEMM=mkl`` forces MKL (for comparisons)."""
+    return os.environ.get("ATTNLAB_EXT_GEMM", "auto") != "mkl"
+
+
+def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
+    """Whether tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX or
+    AVX512-BF16 instructions) rather than MKL's gemm."""
+    ext = _load()
+    return bool(ext is not None and _allow_brgemm() and ext.brgemm_for(str(dtype).replace("torch.", ""), E, Ev, block_k))
+
+
+# -- autograd --------------------------------------------------------------------------------------
+class _CompiledFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset):
+        ext = _load()
+        out, lse = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
+                               alibi_offset, lay.block_q, lay.block_k, _allow_brgemm())
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
+        dq, dk, dv = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
+                                      alibi_causal, alibi_offset, lay.block_q, lay.block_k, _allow_brgemm())
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, scale: float,
+                       block_q: int = 64, block_k: int = 64, *, softcap: float = 0.0,
+                       alibi_slopes: torch.Tensor | None = None, alibi_causal: bool = False,
+                       layout: KernelLayout | None = None):
+    """q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
+
+    lse is float32 (float64 for float64 inputs), -inf for a row with no key (whose output is 0), and
+    not differentiable. Differentiable in q, k, v; a float mask in ``mask.bias`` must not require grad.
+    softcap > 0 replaces each scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn);
+    ``alibi_slopes`` [H] adds slope·(j − i) (alibi_causal) or −slope·|j − i| to the scores, from positions.
+    Raises RuntimeError when the extension is unavailable (check ``available()`` first).
+    """
+    why = unavailable_reason(q, k, v)
+    if why is not None:
+        raise RuntimeError(f"compiled attention kernel unavailable: {why}")
+    N, H, L, _ = q.shape
+    S = k.shape[2]
+    if layout is None:
+        layout = build_layout(mask, block_q, block_k)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keep = bias = None
+    if mask.keep is not None:
+        keep = mask.keep.expand(N, H, L, S)
+    if mask.bias is not None:
+        if mask.bias.requires_grad:
+            raise ValueError("the compiled kernel does not differentiate a float attn_mask that requires grad")
+        bias = mask.bias.to(acc).expand(N, H, L, S)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
+    return _CompiledFunction.apply(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), layout, keep, bias,
+                                   alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L) if alibi_causal else 0)

@@ -1,0 +1,38 @@
+"""attnlab.serve: a live attention explorer in the browser (``attnlab serve``).
+
+Type a sentence and watch all-MiniLM-L6-v2's attention recomputed under the seed's experiments: score
+scale (1/√d_k, 1, 1/d_k), temperature, softmax or none, dot or cosine similarity, any registered
+mechanism or pattern; see the weights, entropy, max weight and the sentence embedding's similarity to
+the unmodified model change, and step through the trace (X → Q, K, V → scores → scaled → mask →
+softmax → output) with the formula of each step. Local only (127.0.0.1 by default), no network.
+
+    >>> from attnlab.serve import create_app
+    >>> app = create_app()                      # a Starlette ASGI app; run it with uvicorn
+
+JSON API: GET /api/info, POST /api/attention, POST /api/trace (bodies: :class:`Settings` fields). Bad
+requests get a 4xx with {"error": message}; text above ``max_tokens`` tokens gets 413.
+"""
+from __future__ import annotations
+
+from .engine import MAX_TOKENS, Explorer, ExplorerError, Settings, Variant, parse_settings
+
+__all__ = ["create_app", "serve_forever", "Explorer", "ExplorerError", "Settings", "Variant", "parse_settings",
+           "MAX_TOKENS"]
+
+
+def create_app(explorer: Explorer | None = None, *, allowed_hosts=None, **kwargs):
+    """The Starlette app around ``explorer`` (default: ``Explorer(**kwargs)``, which loads MiniLM).
+
+    allowed_hosts: Host header names answered (``attnlab.serve.app.LOOPBACK_HOSTS`` when bound to
+    loopback); None answers any."""
+    from .app import create_app as _create
+
+    return _create(explorer if explorer is not None else Explorer(**kwargs), allowed_hosts=allowed_hosts)
+
+
+def serve_forever(app, sock) -> None:
+    """Serve ``app`` on the bound socket ``sock`` with uvicorn until SIGINT/SIGTERM (then KeyboardInterrupt
+    propagates after a graceful shutdown, as uvicorn re-raises the signal)."""
+    from .app import serve_forever as _serve
+
+    _serve(app, sock)

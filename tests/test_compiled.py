@@ -1,0 +1,276 @@
+"""attnlab's compiled CPU kernel (attnlab._C*) against the float64 oracle, PyTorch SDPA and gradcheck.
+
+Tolerances follow PyTorch's rule for fused kernels: the kernel's error against float64 may be at most
+FUSED_ERROR_FACTOR times the error of the naive same-dtype computation (softmax(q kᵀ·s + m) v in that
+dtype) against float64, plus a floor for rows where the naive error happens to be ~0.
+Skipped as a whole when the extension is not built (or ATTNLAB_NO_EXT=1).
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab import patterns as P
+from attnlab import reference
+from attnlab.kernels import compiled
+from attnlab.kernels.masks import MaskSpec
+from helpers import FUSED_ERROR_FACTOR, assert_close, max_err
+
+pytestmark = pytest.mark.skipif(not compiled.available(), reason=f"compiled kernel: {compiled.unavailable_reason()}")
+
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float64: 1e-12}
+
+
+def _naive(q, k, v, mask, scale=None):
+    """softmax(q kᵀ · scale + mask) v in q's dtype, masked rows 0 (the same-dtype baseline)."""
+    g = q.shape[-3] // k.shape[-3] if q.dim() >= 3 and k.shape[-3] != q.shape[-3] else 1
+    if g > 1:
+        k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
+    s = (q @ k.transpose(-2, -1)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
+    w = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
+    return w @ v
+
+
+def _check_fwd(out, q, k, v, mask, what, scale=None):
+    ref, _ = reference.attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+    naive = max_err(_naive(q, k, v, mask, scale), ref)
+    err = max_err(out, ref)
+    bound = FUSED_ERROR_FACTOR * naive + FLOOR[q.dtype]
+    assert err <= bound, f"{what}: error {err:.3g} vs float64 > {bound:.3g} ({FUSED_ERROR_FACTOR}x naive {naive:.3g})"
+
+
+def _qkv(shape_q, shape_k, Ev=None, dtype=torch.float32, requires_grad=False):
+    q = torch.randn(*shape_q, dtype=dtype)
+    k = torch.randn(*shape_k, dtype=dtype)
+    v = torch.randn(*shape_k[:-1], Ev or shape_k[-1], dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+L, S = 45, 61
+PATTERNS = [
+    None,
+    P.causal(),
+    P.causal("bottom_right"),
+    P.sliding_window(9, causal=True),
+    P.sliding_window(left=3, right=12),
+    P.dilated(4, 3),
+    P.longformer(5, 2),
+    P.bigbird(8, 3, 1, 2),
+    P.block_sparse(torch.rand(6, 8) < 0.4, 8),
+    P.key_padding([61, 20]),
+    P.causal() & P.key_padding([30, 0]),  # batch element 1 has no key at all
+    P.sliding_window(4) | P.causal("bottom_right"),
+    P.strided(7),
+    P.fixed(16, 4),
+    P.prefix_lm(10),
+    P.document([10, 0, 35], kv_lengths=[20, 5, 36], causal=True),
+    P.from_mask_mod(lambda b, h, qi, kj: (qi // 4) % 2 == (kj // 4) % 2, name="checker"),
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=repr)
+@pytest.mark.parametrize("block", [16, 32])
+def test_patterns_match_oracle_and_sdpa(pattern, block):
+    q, k, v = _qkv((2, 4, L, 16), (2, 2, S, 16), Ev=12)
+    mask = pattern.materialize(L, S) if pattern is not None else None
+    out = attnlab.attention(q, k, v, pattern=pattern, enable_gqa=True, method="compiled", block_size=block)
+    _check_fwd(out, q, k, v, mask, repr(pattern))
+    if mask is not None:  # PyTorch SDPA (math backend under GQA) on the materialised mask
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        sd = F.scaled_dot_product_attention(q.double(), kk.double(), vv.double(), attn_mask=mask).nan_to_num(0.0)
+        assert_close(out, sd, atol=2e-5, rtol=2e-5, what=f"{pattern!r} vs SDPA")
+
+
+def test_planner_layout_block_sizes_and_rank():
+    """3-D (no heads) and 5-D inputs, L != S, E != Ev, the planner's own block choice."""
+    for shape_q, shape_k in [((L, 8), (S, 8)), ((3, L, 8), (3, S, 8)), ((2, 3, 2, L, 8), (2, 3, 2, S, 8))]:
+        q, k, v = _qkv(shape_q, shape_k, Ev=5)
+        for kw in ({}, {"is_causal": True}, {"pattern": P.sliding_window(7)}):
+            out = attnlab.attention(q, k, v, method="compiled", **kw)
+            assert out.shape == shape_q[:-1] + (5,)
+            m = P.causal().materialize(L, S) if kw.get("is_causal") else \
+                kw["pattern"].materialize(L, S) if "pattern" in kw else None
+            _check_fwd(out, q, k, v, m, f"{shape_q} {kw}")
+
+
+@pytest.mark.parametrize("kind", ["bool", "bool_per_head", "float", "float_and_pattern", "bool_and_pattern"])
+def test_user_masks_are_read_inside_tiles(kind):
+    q, k, v = _qkv((2, 3, L, 16), (2, 3, S, 16))
+    pattern = None
+    if kind == "bool":
+        mask = torch.rand(L, S) < 0.6
+    elif kind == "bool_per_head":
+        mask = torch.rand(2, 3, L, S) < 0.3
+        mask[1, 2, 7] = False  # a fully masked row
+    elif kind == "float":
+        mask = torch.randn(1, 3, L, S)
+    elif kind == "float_and_pattern":
+        mask, pattern = torch.randn(L, S), P.sliding_window(6)
+    else:
+        mask, pattern = torch.rand(2, 1, L, S) < 0.7, P.causal()
+    out = attnlab.attention(q, k, v, attn_mask=mask, pattern=pattern, method="compiled", block_size=16)
+    full = mask
+    if pattern is not None:
+        pm = pattern.materialize(L, S)
+        full = (mask & pm) if mask.dtype == torch.bool else mask.masked_fill(~pm, float("-inf"))
+    _check_fwd(out, q, k, v, full, kind)
+    assert attnlab.explain(q, k, v, attn_mask=mask, pattern=pattern).method == "compiled"
+
+
+def test_fully_masked_rows_are_zero_and_lse_minus_inf():
+    q, k, v = _qkv((2, 2, L, 8), (2, 2, S, 8))
+    mask = torch.rand(2, 2, L, S) < 0.5
+    mask[0, 1, 3] = False
+    mask[:, :, 40:] = False
+    out, lse = attnlab.attention_with_lse(q, k, v, attn_mask=mask)
+    assert torch.isfinite(out).all() and (out[:, :, 40:] == 0).all() and (out[0, 1, 3] == 0).all()
+    assert torch.isneginf(lse[:, :, 40:]).all() and torch.isneginf(lse[0, 1, 3])
+    s = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(8)
+    ref_lse = torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5, what="lse")
+
+
+def test_nan_and_inf_in_masked_keys_do_not_leak():
+    q, k, v = _qkv((2, 2, L, 8), (2, 2, S, 8))
+    k[:, :, 50:], v[:, :, 50:] = float("nan"), float("inf")  # padding: masked for every query
+    k[0, :, 3], v[0, :, 3] = float("inf"), float("nan")
+    mask = torch.ones(L, S, dtype=torch.bool)
+    mask[:, 3] = False
+    for kw in ({"pattern": P.key_padding([50, 50]), "attn_mask": mask},
+               {"attn_mask": mask[None, None] & (torch.arange(S) < 50)},
+               {"pattern": P.key_padding([50, 50]) & P.sliding_window(5), "attn_mask": mask}):
+        out = attnlab.attention(q, k, v, method="compiled", block_size=16, **kw)
+        assert torch.isfinite(out).all(), kw
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", [None, P.causal(), P.sliding_window(11, causal=True), P.key_padding([40, 9])],
+                         ids=repr)
+def test_half_types_forward(dtype, pattern):
+    q, k, v = _qkv((2, 4, 70, 32), (2, 2, 91, 32), dtype=dtype)  # odd S: the VNNI pairs' zero padding
+    mask = pattern.materialize(70, 91) if pattern is not None else None
+    out = attnlab.attention(q, k, v, pattern=pattern, enable_gqa=True, method="compiled", block_size=32)
+    assert out.dtype == dtype
+    _check_fwd(out, q, k, v, mask, f"{dtype} {pattern!r}")
+
+
+def _grads(fn, q, k, v, do):
+    return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+
+
+@pytest.mark.parametrize("pattern", [None, P.causal(), P.sliding_window(5, causal=True), P.key_padding([13, 0]),
+                                     P.bigbird(4), P.dilated(2, 2) & P.key_padding([9, 17])], ids=repr)
+def test_gradcheck_float64(pattern):
+    q, k, v = _qkv((2, 4, 13, 4), (2, 2, 17, 4), Ev=3, dtype=torch.float64, requires_grad=True)
+    # the full Jacobian once through the public API; the kernel directly (layout built once) in fast mode
+    if pattern is None:
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: attnlab.attention(q, k, v, enable_gqa=True, method="compiled", block_size=8), (q, k, v))
+    spec = MaskSpec(13, 17, pattern=pattern)
+    lay = compiled.build_layout(spec, 8, 8)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: compiled.compiled_attention(q, k, v, spec, 0.5, layout=lay)[0], (q, k, v), fast_mode=True)
+
+
+def test_gradcheck_float64_masks_softcap_alibi():
+    q, k, v = _qkv((2, 2, 12, 4), (2, 2, 14, 4), dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(2, 1, 12, 14) < 0.7
+    bias = torch.randn(12, 14, dtype=torch.float64)
+    spec = MaskSpec(12, 14, pattern=P.sliding_window(4), keep=keep, bias=bias.view(1, 1, 12, 14))
+    slopes = torch.tensor([0.5, 0.125])
+    lay = compiled.build_layout(spec, 8, 8)
+    for kw in ({}, {"softcap": 1.5}, {"alibi_slopes": slopes}, {"alibi_slopes": slopes, "alibi_causal": True}):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: compiled.compiled_attention(q, k, v, spec, 0.6, layout=lay, **kw)[0], (q, k, v),
+            fast_mode=True), kw
+
+
+def test_softcap_and_alibi_match_formula():
+    q, k, v = _qkv((1, 2, 30, 8), (1, 2, 30, 8), dtype=torch.float64)
+    spec = MaskSpec(30, 30, pattern=P.causal())
+    slopes = torch.tensor([0.25, 0.0625])
+    out, lse = compiled.compiled_attention(q.float(), k.float(), v.float(), spec, 0.3, 16, 16, softcap=2.0,
+                                           alibi_slopes=slopes, alibi_causal=True)
+    s = 2.0 * torch.tanh((q @ k.transpose(-2, -1)) * 0.3 / 2.0)
+    i, j = torch.arange(30).view(-1, 1), torch.arange(30).view(1, -1)
+    s = s + slopes.double().view(1, 2, 1, 1) * (j - i)
+    s = s.masked_fill(j > i, float("-inf"))
+    assert_close(out, torch.softmax(s, -1) @ v, atol=1e-5, what="softcap + alibi")
+    assert_close(lse, torch.logsumexp(s, -1), atol=1e-5, what="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", [None, P.sliding_window(9, causal=True), P.key_padding([50, 21])], ids=repr)
+def test_backward_matches_float64(dtype, pattern):
+    q, k, v = _qkv((2, 4, 50, 16), (2, 2, 64, 16), Ev=8, dtype=dtype, requires_grad=True)
+    do = torch.randn(2, 4, 50, 8, dtype=dtype)
+    mask = pattern.materialize(50, 64) if pattern is not None else None
+    got = _grads(lambda q, k, v: attnlab.attention(q, k, v, pattern=pattern, enable_gqa=True, method="compiled",
+                                                   block_size=16), q, k, v, do)
+    d64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _grads(lambda q, k, v: _naive(q, k, v, mask), *d64, do.double())
+    naive = _grads(lambda q, k, v: _naive(q, k, v, mask), q, k, v, do)
+    for name, g, r, n in zip("qkv", got, ref, naive):
+        bound = FUSED_ERROR_FACTOR * max_err(n, r) + FLOOR[dtype] * 10
+        assert max_err(g, r) <= bound, f"d{name} {dtype} {pattern!r}: {max_err(g, r):.3g} > {bound:.3g}"
+
+
+def test_attention_with_lse_merges_exactly():
+    """lse from the compiled kernel merges two halves of the keys into the whole (ring attention's use)."""
+    q, k, v = _qkv((1, 2, 40, 8), (1, 2, 64, 8))
+    pat = P.sliding_window(20)
+    whole, _ = attnlab.attention_with_lse(q, k, v, pattern=pat)
+    m = pat.materialize(40, 64)
+    a = attnlab.attention_with_lse(q, k[:, :, :32], v[:, :, :32], attn_mask=m[:, :32])
+    b = attnlab.attention_with_lse(q, k[:, :, 32:], v[:, :, 32:], attn_mask=m[:, 32:])
+    merged, _ = attnlab.merge_partials(*a, *b)
+    assert_close(merged, whole, atol=2e-6, what="merged halves")
+
+
+def test_layouts_are_cached_and_tiles_deduplicated():
+    spec = MaskSpec(4096, 4096, pattern=P.sliding_window(256, causal=True))
+    a = compiled.build_layout(spec, 64, 64)
+    b = compiled.build_layout(MaskSpec(4096, 4096, pattern=P.sliding_window(256, causal=True)), 64, 64)
+    assert a.tiles is b.tiles  # equal patterns share one cached layout
+    assert a.tiles.shape[0] == 2  # the diagonal and the window's far edge: two distinct tiles
+    assert int(a.kv_num.max()) == 5 and abs(a.density - 5 / 64) < 0.01
+
+
+def test_planner_refusals_and_choices():
+    q, k, v = _qkv((1, 2, 64, 8), (1, 2, 64, 8))
+    pat = P.sliding_window(8, causal=True)
+    assert attnlab.explain(q, k, v, pattern=pat).method == "compiled"
+    assert "dropout" in attnlab.explain(q, k, v, pattern=pat, dropout_p=0.1).refused["compiled"]
+    assert "weights" in attnlab.explain(q, k, v, pattern=pat, need_weights=True).refused["compiled"]
+    bias = torch.randn(64, 64, requires_grad=True)
+    assert "grad" in attnlab.explain(q, k, v, attn_mask=bias).refused["compiled"]
+    with pytest.raises(ValueError, match="compiled"):
+        attnlab.attention(q, k, v, pattern=pat, dropout_p=0.1, method="compiled")
+    if torch.cuda.is_available():
+        c = q.cuda()
+        assert "CPU" in attnlab.explain(c, c, c, pattern=pat).refused["compiled"]
+
+
+def test_no_ext_environment_falls_back():
+    code = ("import torch, attnlab; from attnlab import patterns as P; q = torch.randn(1, 2, 64, 8); "
+            "p = attnlab.explain(q, q, q, pattern=P.sliding_window(8)); "
+            "print(p.method, '|', p.refused['compiled']); "
+            "print(float((attnlab.attention(q, q, q, pattern=P.sliding_window(8)) - "
+            "attnlab.attention(q, q, q, attn_mask=P.sliding_window(8).materialize(64, 64), method='dense')).abs().max()))")
+    env = dict(os.environ, ATTNLAB_NO_EXT="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, err = r.stdout.strip().splitlines()
+    assert first.split(" | ")[0] != "compiled" and "ATTNLAB_NO_EXT" in first
+    assert float(err) < 1e-5
