@@ -69,7 +69,7 @@ class AttentionInputs:
 
     @property
     def groups(self) -> int:
-        return self.H // self.Hkv
+        return self.H // self.Hkv if self.Hkv else 1  # zero heads (H = Hkv = 0): one group of none
 
 
 def check_attention_inputs(
