@@ -322,3 +322,14 @@ def test_performer_takes_scale_at_most_zero(scale):
         assert errs[1] < 1e-12  # every weight equal, which the features give exactly
     else:
         assert errs[1] < errs[0] and errs[1] < 2 * pos[1], (errs, pos)
+
+
+def test_multihead_attention_dtype_check_leaves_autocast_alone():
+    from attnlab.nn import MultiHeadAttention
+
+    m = MultiHeadAttention(16, 2)
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = m(x)  # autocast casts the projections: no dtype error
+    want, _ = m.to(torch.bfloat16)(x)  # what autocast does: the same projections in bfloat16
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
