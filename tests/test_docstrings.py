@@ -47,7 +47,6 @@ NOT_YET = {
     "patterns/",
     "mechanisms/",
     "cli/",
-    "viz/",
     "trace/",
     "serve/",
     "capture.py",
@@ -55,10 +54,8 @@ NOT_YET = {
     "shapes.py",
     "nn/attention.py",
     # Not yet documented, outside the first pass's files.
-    "cpu.py",
     "nn/cache.py",
     "nn/hooks.py",
-    "bench/kernels.py",
     "bench/__init__.py",  # empty package markers: no module docstring yet
     "experiments/__init__.py",
 }

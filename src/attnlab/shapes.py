@@ -69,7 +69,8 @@ class AttentionInputs:
 
     @property
     def groups(self) -> int:
-        return self.H // self.Hkv if self.Hkv else 1  # zero heads (H = Hkv = 0): one group of none
+        """Query heads per key/value head (H // Hkv; 1 when there are no heads at all)."""
+        return self.H // self.Hkv if self.Hkv else 1
 
 
 def check_attention_inputs(

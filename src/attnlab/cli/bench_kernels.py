@@ -23,6 +23,7 @@ QUICK = dict(dense_ns=(1024,), bf16_ns=(1024,), window_ns=(1024, 2048, 4096), wi
 
 
 def build_parser(p):
+    """Options of ``attnlab bench kernels``; each defaults to KernelsConfig's (the issue-14 sizes)."""
     d = KernelsConfig()
     p.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
     p.add_argument("--quick", action="store_true", help="small sizes (n <= 4096): minutes, for a first look")
@@ -44,6 +45,7 @@ def build_parser(p):
 
 
 def config_from_args(args) -> KernelsConfig:
+    """KernelsConfig from parsed options: --quick's sizes first, then every option given explicitly."""
     kw = dict(QUICK) if args.quick else {}
     for name in ("dense_ns", "bf16_ns", "window", "window_ns", "window_bwd_ns", "sparse_n", "densities",
                  "baseline_max_n", "rounds", "threads"):
@@ -60,6 +62,7 @@ def config_from_args(args) -> KernelsConfig:
 
 
 def run(args):
+    """Run the benchmark with a progress line on stderr; print the CPU, the peaks and every headline ratio."""
     cfg = config_from_args(args)
     cfg.validate()
     tty = sys.stderr.isatty()

@@ -25,6 +25,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """The tour's options: output folder, pieces to skip, the sentence, the lengths measured."""
     from ..tour import PIECES, SENTENCE, TourConfig
 
     d = TourConfig()
@@ -41,6 +42,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace):
+    """Run the tour with a progress line on stderr; print the summary table; return tour.json's dict."""
     from ..tour import TourConfig, run_tour
 
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
