@@ -333,3 +333,17 @@ def test_multihead_attention_dtype_check_leaves_autocast_alone():
         out, _ = m(x)  # autocast casts the projections: no dtype error
     want, _ = m.to(torch.bfloat16)(x)  # what autocast does: the same projections in bfloat16
     assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("method", ["auto", "dense", "tiled", "sdpa", "linear", "performer"])
+def test_no_keys_gives_zeros_even_for_an_infinite_query(method):
+    # a row with no key gets 0 (Note [Fully masked rows]); the graph is kept without 0·q.sum(),
+    # which is NaN when q holds Inf
+    q = torch.randn(1, 1, 3, 4)
+    q[0, 0, 0, 0] = float("inf")
+    q.requires_grad_()
+    k, v = torch.randn(1, 1, 0, 4), torch.randn(1, 1, 0, 5)
+    run = M.get(method) if method in ("linear", "performer") else (
+        lambda *a: attnlab.attention(*a, method=method))
+    out = run(q, k, v)
+    assert out.shape == (1, 1, 3, 5) and (out == 0).all() and out.requires_grad
