@@ -465,8 +465,9 @@ def _run(p: Prepared, plan: Plan, need_weights: bool):
     info, mask = p.info, p.mask
     if info.L == 0 or info.S == 0 or p.q.shape[0] * p.q.shape[1] == 0:  # nothing to attend (or no rows)
         out = torch.zeros(*p.q.shape[:-1], info.Ev, dtype=p.q.dtype, device=p.q.device)
-        # keep autograd connected for empty inputs
-        out = out + 0 * (p.q.sum() + p.k.sum() + p.v.sum())
+        # keep autograd connected for empty inputs; sums of empty slices are exactly 0 whatever the inputs
+        # hold (0 * q.sum() was NaN for a query holding Inf with S = 0)
+        out = out + (p.q[..., :0].sum() + p.kv_k[..., :0].sum() + p.kv_v[..., :0].sum()).to(out.dtype)
         return out, torch.zeros(*p.q.shape[:-1], info.S, dtype=p.q.dtype, device=p.q.device)
     m = plan.method
     if m == "dense":

@@ -267,9 +267,12 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         raise RuntimeError(f"compiled attention kernel unavailable: {why}")
     N, H, L, _ = q.shape
     S = k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if 0 in (N, H, L, S):  # nothing to attend (the extension's head check fails on zero heads); graph kept
+        out = q.new_zeros(N, H, L, v.shape[-1]) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
+        return out, torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
     if layout is None:
         layout = build_layout(mask, block_q, block_k)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     keep = bias = None
     if mask.keep is not None:
         keep = mask.keep.expand(N, H, L, S)
