@@ -6,14 +6,13 @@ the mask whose key and value rows hold NaN or ±Inf (they must not leak). Dtypes
 bfloat16.
 
 Outputs are compared with ``attnlab.reference`` (and attention_with_lse's log-sum-exp with float64
-logsumexp); gradients with autograd through the naive computation
-in float64 (plain torch ops, no attnlab kernel).
+logsumexp); gradients with autograd through the naive computation in float64 (plain torch ops, no
+attnlab kernel). Raise ``max_examples`` below for a longer hunt (500 and 400 pass, compiled included).
 
-Tolerance, the way PyTorch budgets its fused kernels: a method's error against the float64 reference may
-be at most ERROR_FACTOR times the error of the naive computation in the input's own dtype
-(softmax(q kᵀ·scale + mask) v with every op in that dtype) against the same reference, plus a floor
-of a few units in the last place of the output for cases where the naive computation happens to be
-exact.
+Tolerance, the way PyTorch budgets its fused kernels (test/test_transformers.py): elementwise
+|got - ref| <= atol + rtol·|ref|, where atol is ERROR_FACTOR times the error of the naive computation in
+the input's own dtype (softmax(q kᵀ·scale + mask) v with every op in that dtype) against the same
+float64 reference, but at least PyTorch's default atol for the dtype, and rtol is PyTorch's default.
 """
 from __future__ import annotations
 
@@ -32,11 +31,10 @@ EXACT = tuple(m for m in ("dense", "sdpa", "tiled", "sparse", "auto", "compiled"
 #: a method's error vs float64 may be this factor times the naive same-dtype computation's error
 #: (PyTorch's rule for its fused attention kernels; the house FUSED_ERROR_FACTOR)
 ERROR_FACTOR = 3.0
-#: output floor, in units of the dtype's eps times max(1, |reference|): two units in the last place of
-#: the largest output (its own rounding), for cases where the naive computation is exact
-FLOOR_EPS = 2
-#: gradient floor, in units of the accumulation dtype's eps times the size of the summed terms
-GRAD_FLOOR_EPS = 8
+#: PyTorch's floors in its fused-attention tests (test_transformers.py default_atol / default_rtol); for
+#: float64, which it does not budget there, 1e-12 (the naive float64 error is ~1e-16)
+DEFAULT_ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-3}
+DEFAULT_RTOL = {torch.float64: 0.0, torch.float32: 1.3e-6, torch.bfloat16: 1.6e-2}
 
 
 @st.composite
@@ -141,11 +139,30 @@ def _lse_err(a, ref):
     return float(torch.where(both, torch.zeros_like(a), a - ref).abs().max())
 
 
+def _check(what, got, ref, naive_err, dtype):
+    """PyTorch's rule: |got - ref| <= atol + rtol·|ref| elementwise, atol = max(ERROR_FACTOR · naive
+    error, default atol[dtype]), rtol = default rtol[dtype]. Rows at -inf (an lse with no key) must be
+    -inf in both and are then equal."""
+    if not got.numel():
+        return
+    got = got.double()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{what}: -inf rows differ"
+    fin = ~torch.isneginf(ref)
+    atol = max(ERROR_FACTOR * naive_err, DEFAULT_ATOL[dtype])
+    rtol = DEFAULT_RTOL[dtype]
+    err = torch.where(fin, got - ref, torch.zeros_like(ref)).abs()
+    bound = atol + rtol * torch.where(fin, ref, torch.zeros_like(ref)).abs()
+    assert not torch.isnan(err).any(), f"{what}: NaN"
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), (f"{what}: error {float(err.flatten()[worst]):.3g} > {atol:.3g} + {rtol:g}·|ref| "
+                                        f"(naive error {naive_err:.3g})")
+
+
 def _err(a, ref):
     return float((a.double() - ref).abs().max()) if a.numel() else 0.0
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_exact_method_matches_the_float64_reference(c):
     q, k, v, ck, cv, mask = _build(c)
@@ -153,9 +170,6 @@ def test_every_exact_method_matches_the_float64_reference(c):
     kw = dict(attn_mask=mask, is_causal=c["is_causal"], scale=c["scale"], enable_gqa=gqa)
     ref = torch.from_numpy(reference.attention(q, ck, cv, **kw)[0])
     naive = _err(_naive(q, ck, cv, mask, c["is_causal"], c["scale"], gqa), ref)
-    eps = torch.finfo(c["dtype"]).eps
-    floor = FLOOR_EPS * eps * max(1.0, float(ref.abs().max()) if ref.numel() else 1.0)
-    budget = ERROR_FACTOR * naive + floor
     ran = []
     for method in EXACT:
         try:
@@ -165,23 +179,19 @@ def test_every_exact_method_matches_the_float64_reference(c):
             continue
         out = attnlab.attention(q, k, v, **kw, method=method, block_size=c["block"])
         assert out.shape == ref.shape and out.dtype == q.dtype, (method, out.shape, ref.shape)
-        assert not torch.isnan(out).any(), f"{method}: NaN ({c})"
-        err = _err(out, ref)
-        assert err <= budget, f"{method}: error {err:.3g} > {ERROR_FACTOR} x naive {naive:.3g} + {floor:.3g} ({c})"
+        _check(f"{method} {c}", out, ref, naive, c["dtype"])
         ran.append(method)
     assert "dense" in ran and "tiled" in ran
     # attention_with_lse: the fused path for plain and causal inputs, the tiled kernel otherwise
     out, lse = attnlab.attention_with_lse(q, k, v, **kw, block_size=c["block"])
-    assert _err(out, ref) <= budget, f"attention_with_lse: error {_err(out, ref):.3g} > {budget:.3g} ({c})"
+    _check(f"attention_with_lse {c}", out, ref, naive, c["dtype"])
     s64 = _scores(q.double(), ck.double(), mask.double() if mask is not None and mask.dtype != torch.bool else mask,
                   c["is_causal"], c["scale"], gqa)
     lse_ref = torch.logsumexp(s64, -1) if c["S"] else torch.full(s64.shape[:-1], float("-inf"), dtype=torch.float64)
     naive_s = _scores(q, ck, mask, c["is_causal"], c["scale"], gqa)
     lse_naive = torch.logsumexp(naive_s, -1) if c["S"] else lse_ref.to(q.dtype)
-    lse_budget = ERROR_FACTOR * _lse_err(lse_naive, lse_ref) + FLOOR_EPS * eps * max(
-        1.0, float(lse_ref[torch.isfinite(lse_ref)].abs().max()) if torch.isfinite(lse_ref).any() else 1.0)
-    assert lse.shape == lse_ref.shape and not torch.isnan(lse).any()
-    assert _lse_err(lse, lse_ref) <= lse_budget, f"lse: error {_lse_err(lse, lse_ref):.3g} > {lse_budget:.3g} ({c})"
+    assert lse.shape == lse_ref.shape
+    _check(f"lse {c}", lse, lse_ref, _lse_err(lse_naive, lse_ref), c["dtype"])
 
 
 @pytest.mark.parametrize("method", EXACT)
@@ -190,14 +200,19 @@ def test_the_naive_budget_is_not_vacuous(method):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
     ref = torch.from_numpy(reference.attention(q, k, v)[0])
-    budget = ERROR_FACTOR * _err(_naive(q, k, v, None, False, None, False), ref) + FLOOR_EPS * torch.finfo(torch.float32).eps * 4
+    naive = _err(_naive(q, k, v, None, False, None, False), ref)
     keep = torch.ones(9, 9, dtype=torch.bool)
     keep[:, 4] = False
-    out = attnlab.attention(q, k, v, attn_mask=keep, method=method)
-    assert _err(out, ref) > 100 * budget
+    try:
+        out = attnlab.attention(q, k, v, attn_mask=keep, method=method)
+    except ValueError as e:  # compiled without its extension
+        pytest.skip(str(e))
+    _check("right", attnlab.attention(q, k, v, method="dense"), ref, naive, torch.float32)
+    with pytest.raises(AssertionError, match="error"):
+        _check("one key dropped", out, ref, naive, torch.float32)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_exact_method_differentiates_like_the_float64_naive_computation(c):
     # gradient oracle: autograd through _naive in float64 (plain torch ops, no attnlab kernel), on the
@@ -211,33 +226,20 @@ def test_every_exact_method_differentiates_like_the_float64_naive_computation(c)
     def grads(fn, q_, k_, v_):
         q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q_, k_, v_))
         out = fn(q_, k_, v_)
-        return torch.autograd.grad(out, (q_, k_, v_), gout.to(out.dtype), allow_unused=True), k_
+        return torch.autograd.grad(out, (q_, k_, v_), gout.to(out.dtype), allow_unused=True)
 
     m64 = mask.double() if mask is not None and mask.dtype != torch.bool else mask
-    ref, _ = grads(lambda a, b, d: _naive(a, b, d, m64, c["is_causal"], c["scale"], gqa), q.double(), ck.double(),
+    ref = grads(lambda a, b, d: _naive(a, b, d, m64, c["is_causal"], c["scale"], gqa), q.double(), ck.double(),
                    cv.double())
-    naive, _ = grads(lambda a, b, d: _naive(a, b, d, mask, c["is_causal"], c["scale"], gqa), q, ck, cv)
-    # The floor for gradients that are exactly 0 in float64 (one key: dq = dk = 0) where the naive
-    # computation happens to round to 0 too: rounding, in the accumulation dtype (float32 for half
-    # inputs), of the terms the backward sums: |dO|·|v| for dP = dO vᵀ, times |k|·|scale| (dq) or
-    # |q|·|scale| (dk), growing like sqrt(terms) over the E or Ev products and the L or S rows summed.
-    amax = lambda t: float(t.abs().max()) if t.numel() else 0.0  # noqa: E731
-    s_eff = abs(c["scale"]) if c["scale"] is not None else 1 / math.sqrt(c["E"])
-    terms = amax(gout) * max(1.0, amax(cv.double())) * max(1.0, amax(q.double()), amax(ck.double())) * max(1.0, s_eff)
-    acc_eps = torch.finfo(torch.float64 if c["dtype"] == torch.float64 else torch.float32).eps
-    floor = GRAD_FLOOR_EPS * acc_eps * max(1.0, terms) * math.sqrt(max(c["E"], c["Ev"]) * max(1, c["L"], c["S"]))
+    naive = grads(lambda a, b, d: _naive(a, b, d, mask, c["is_causal"], c["scale"], gqa), q, ck, cv)
     for method in EXACT:
         try:
             attnlab.explain(q, k, v, **kw, method=method, block_size=c["block"])
-        except ValueError:
+        except ValueError as e:
+            assert "cannot run these inputs" in str(e), e
             continue
-        got, _ = grads(lambda a, b, d: attnlab.attention(a, b, d, **kw, method=method, block_size=c["block"]), q, k, v)
+        got = grads(lambda a, b, d: attnlab.attention(a, b, d, **kw, method=method, block_size=c["block"]), q, k, v)
         for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
             g = torch.zeros_like(r) if g is None else g
             n = torch.zeros_like(r) if n is None else n
-            assert not torch.isnan(g).any(), f"{method} {name}: NaN ({c})"
-            rounding = FLOOR_EPS * torch.finfo(c["dtype"]).eps * max(1.0, amax(r))  # the gradient's own dtype
-            budget = ERROR_FACTOR * _err(n, r) + floor + rounding
-
-            err = _err(g, r)
-            assert err <= budget, f"{method} {name}: error {err:.3g} > budget {budget:.3g} ({c})"
+            _check(f"{method} {name} {c}", g, r, _err(n, r), c["dtype"])

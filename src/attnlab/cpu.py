@@ -54,6 +54,7 @@ class CPUInfo:
         return "avx512_bf16" if "avx512_bf16" in self.flags else "none"
 
     def as_dict(self) -> dict:
+        """JSON-able record for reports: counts, torch's ISA, the bf16 matmul kind and each flag that matters."""
         return {"model": self.model, "torch_isa": self.torch_isa, "logical_cpus": self.logical_cpus,
                 "usable_cpus": self.usable_cpus, "physical_cores": self.physical_cores,
                 "torch_threads": torch.get_num_threads(), "bf16_matmul": self.bf16_matmul,

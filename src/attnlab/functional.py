@@ -479,10 +479,11 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
 def _run(p: Prepared, plan: Plan, need_weights: bool):
     info, mask = p.info, p.mask
-    if info.L == 0 or info.S == 0:
+    if info.L == 0 or info.S == 0 or p.q.shape[0] * p.q.shape[1] == 0:  # nothing to attend (or no rows)
         out = torch.zeros(*p.q.shape[:-1], info.Ev, dtype=p.q.dtype, device=p.q.device)
-        # keep autograd connected for empty inputs
-        out = out + 0 * (p.q.sum() + p.k.sum() + p.v.sum())
+        # keep autograd connected for empty inputs; sums of empty slices are exactly 0 whatever the inputs
+        # hold (0 * q.sum() was NaN for a query holding Inf with S = 0)
+        out = out + (p.q[..., :0].sum() + p.kv_k[..., :0].sum() + p.kv_v[..., :0].sum()).to(out.dtype)
         return out, torch.zeros(*p.q.shape[:-1], info.S, dtype=p.q.dtype, device=p.q.device)
     m = plan.method
     if m == "dense":
@@ -549,7 +550,7 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     check_block_size(block_size)
     p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern)
     lead = p.out_shape[:-1]
-    if p.info.S == 0 or p.info.L == 0:
+    if p.info.S == 0 or p.info.L == 0 or p.q.shape[0] * p.q.shape[1] == 0:
         out = torch.zeros(p.out_shape, dtype=p.q.dtype, device=p.q.device)
         return out, torch.full(lead, float("-inf"), dtype=_tiled._acc_dtype(p.q.dtype), device=p.q.device)
     needs_grad = torch.is_grad_enabled() and (p.q.requires_grad or p.kv_k.requires_grad or p.kv_v.requires_grad)

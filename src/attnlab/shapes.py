@@ -69,7 +69,8 @@ class AttentionInputs:
 
     @property
     def groups(self) -> int:
-        return self.H // self.Hkv
+        """Query heads per key/value head (H // Hkv; 1 when there are no heads at all)."""
+        return self.H // self.Hkv if self.Hkv else 1
 
 
 def check_attention_inputs(

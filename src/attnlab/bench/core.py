@@ -371,6 +371,10 @@ def _write(res: Result, out: Path):
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", asdict(res))
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    # one style per label across the three panels (sdpa looks the same everywhere)
+    every = sorted({f"{r.impl} {r.pattern or ''}{' fwd+bwd' if r.backward else ''}" for r in res.records
+                    if r.seconds is not None})
+    style = dict(zip(every, line_styles(len(every))))
     for ax, (title, pick) in zip(axes, [
         ("fp32 forward, dense inputs", lambda r: r.section == "dense" and r.dtype == "float32" and not r.causal),
         ("fp32 forward, causal", lambda r: r.section == "dense" and r.dtype == "float32" and r.causal),
@@ -380,15 +384,16 @@ def _write(res: Result, out: Path):
         for r in res.records:
             if r.seconds is not None and pick(r):
                 lines.setdefault(f"{r.impl} {r.pattern or ''}{' fwd+bwd' if r.backward else ''}", []).append((r.n, r.seconds))
-        for (label, pts), st in zip(sorted(lines.items()), line_styles(len(lines))):
+        for label, pts in sorted(lines.items()):
             x, y = zip(*sorted(pts))
-            ax.loglog(x, y, label=label, **st)
+            ax.loglog(x, y, label=label, **style[label])
         ax.set_title(title)
         ax.set_xlabel("sequence length n")
         ax.set_ylabel("seconds per call")
         _n_ticks(ax, sorted({p[0] for pts in lines.values() for p in pts}))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        if lines:
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     save_figure(fig, out / "time.png")
     mem = [r for r in res.records if r.peak_bytes]
     if mem:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from attnlab.bench.kernels import KernelsConfig, run as run_kernels
-from attnlab.options import nonneg_int, output_dir, positive_int, positive_int_list
+from attnlab.options import check_memory, nonneg_int, output_dir, positive_int, positive_int_list
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -23,6 +23,7 @@ QUICK = dict(dense_ns=(1024,), bf16_ns=(1024,), window_ns=(1024, 2048, 4096), wi
 
 
 def build_parser(p):
+    """Options of ``attnlab bench kernels``; each defaults to KernelsConfig's (the issue-14 sizes)."""
     d = KernelsConfig()
     p.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
     p.add_argument("--quick", action="store_true", help="small sizes (n <= 4096): minutes, for a first look")
@@ -44,6 +45,7 @@ def build_parser(p):
 
 
 def config_from_args(args) -> KernelsConfig:
+    """KernelsConfig from parsed options: --quick's sizes first, then every option given explicitly."""
     kw = dict(QUICK) if args.quick else {}
     for name in ("dense_ns", "bf16_ns", "window", "window_ns", "window_bwd_ns", "sparse_n", "densities",
                  "baseline_max_n", "rounds", "threads"):
@@ -60,8 +62,13 @@ def config_from_args(args) -> KernelsConfig:
 
 
 def run(args):
+    """Run the benchmark with a progress line on stderr; print the CPU, the peaks and every headline ratio."""
     cfg = config_from_args(args)
     cfg.validate()
+    n = max((*cfg.dense_ns, *cfg.bf16_ns, *cfg.window_ns, *cfg.window_bwd_ns, cfg.sparse_n, cfg.memory_n or 0))
+    # query, key, value, output and their gradients, float32 [B, H, n, D], at the longest length timed
+    check_memory(f"a length of {n} (--dense-ns, --window-ns, --sparse-n, --memory-n)", 8 * 4 * cfg.B * cfg.H * n * cfg.D,
+                 "float32 inputs, outputs and gradients at that length")
     tty = sys.stderr.isatty()
 
     def progress(done, total, label):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..options import output_dir
+from ..options import check_memory, output_dir
 from .main import UsageError
 
 __all__ = ["build_parser", "run"]
@@ -25,6 +25,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """The tour's options: output folder, pieces to skip, the sentence, the lengths measured."""
     from ..tour import PIECES, SENTENCE, TourConfig
 
     d = TourConfig()
@@ -41,11 +42,19 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace):
+    """Run the tour with a progress line on stderr; print the summary table; return tour.json's dict."""
     from ..tour import TourConfig, run_tour
 
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     cfg = TourConfig(out=output_dir(args.out), sentence=args.sentence, skip=skip, speed_ns=_ints(args.speed_n, "--speed-n"),
                      memory_ns=_ints(args.memory_n, "--memory-n"))
+    # the memory piece runs naive attention ([H, n, n] scores and weights, float32) in a fresh process
+    if "memory" not in skip:
+        check_memory(f"--memory-n {max(cfg.memory_ns)}", 3 * 4 * cfg.heads * max(cfg.memory_ns) ** 2,
+                     "naive attention's [H, n, n] scores and weights")
+    if "speed" not in skip:
+        check_memory(f"--speed-n {max(cfg.speed_ns)}", 8 * 4 * cfg.heads * max(cfg.speed_ns) * cfg.head_dim,
+                     "float32 inputs and outputs at the longest length timed")
     line = None if args.no_progress else _ProgressLine()
     try:
         res = run_tour(cfg, progress=line)

@@ -11,6 +11,7 @@ __all__ = ["build_parser", "run", "parse_params", "default_out"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """viz's options: the text, --out (default under reports/viz/), model, mechanism and its parameters."""
     p.add_argument("text", help="the text to look at (quote it)")
     p.add_argument("--out", default=None,
                    help="folder to write index.html (and heads.png) into (default: reports/viz/<model>-<words of TEXT>)")
@@ -56,6 +57,7 @@ def parse_params(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace):
+    """Compute the page's data for TEXT, write index.html (and heads.png with --png), print where."""
     from .. import viz
 
     if not args.text.strip():

@@ -284,7 +284,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     S, Ev = k.shape[2], v.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if min(N, H, L, S) == 0 or k.shape[1] == 0:  # nothing to compute; rows with no key are 0 / -inf
-        out = q.new_zeros(N, H, L, Ev) + 0 * (q.sum() + k.sum() + v.sum())  # keeps autograd connected
+        # graph kept through sums of empty slices (0 * q.sum() would be NaN for a q holding Inf)
+        out = q.new_zeros(N, H, L, Ev) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
         return out, torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
     if layout is None:
         layout = build_layout(mask, block_q, block_k)

@@ -178,7 +178,7 @@ class Mechanism:
         p = _prepare(self, query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, need_weights)
         if p.q.shape[-2] == 0 or p.S == 0:  # nothing to attend: output 0, graph kept connected
             out = (p.q.new_zeros(*p.q.shape[:-1], p.v.shape[-1])
-                   + 0 * (p.q.sum() + p.k.sum() + p.v.sum())).reshape(p.out_shape)
+                   + (p.q[..., :0].sum() + p.k[..., :0].sum() + p.v[..., :0].sum())).reshape(p.out_shape)
             return (out, p.q.new_zeros(p.out_shape[:-1] + (p.S,))) if need_weights else out
         out, w = self._forward(p.q, p.k, p.v, key_keep=p.key_keep, attn_mask=p.mask, is_causal=is_causal,
                                scale=p.scale, dropout_p=p.dropout_p, need_weights=need_weights)

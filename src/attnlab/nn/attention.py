@@ -231,7 +231,8 @@ class MultiHeadAttention(nn.Module):
                 f"{what}={features}"
             )
         w = self.q_proj.weight
-        if x.dtype != w.dtype:  # else the projection fails inside torch with "mat1 and mat2 ..."
+        # else the projection fails inside torch with "mat1 and mat2 ..." (autocast casts floats itself)
+        if x.dtype != w.dtype and not (x.dtype.is_floating_point and torch.is_autocast_enabled(x.device.type)):
             fix = f"pass {name}.to({w.dtype})" + (f" or convert the layer with .to({x.dtype})"
                                                  if x.dtype.is_floating_point else "")
             raise AttentionDtypeError(f"{name} has dtype {x.dtype} but this layer's parameters are {w.dtype}; {fix}")

@@ -69,14 +69,17 @@ class TableCheck:
 
     @property
     def error(self) -> np.ndarray:
+        """|printed - exact| per cell, [L, S]."""
         return np.abs(self.printed - self.correct)
 
     @property
     def wrong(self) -> np.ndarray:
+        """Bool [L, S]: the cells further than their tolerance from the exact value."""
         return self.error > self.tolerance * (1 + _EPS) + _EPS
 
     @property
     def ok(self) -> bool:
+        """True when every printed cell is right."""
         return not bool(self.wrong.any())
 
     def correct_as_printed(self, i: int, j: int) -> str:
@@ -98,6 +101,7 @@ class TableCheck:
         return out
 
     def summary(self) -> str:
+        """One sentence: how many cells are wrong, the tolerance, rounding slips and the worst cell."""
         n, total = int(self.wrong.sum()), self.wrong.size
         tol = sorted({f"±{t:g}" for t in self.tolerance.flat})
         head = (f"{n} of {total} printed cells of '{self.step}' are wrong" if n else
@@ -114,6 +118,7 @@ class TableCheck:
         return text
 
     def to_dict(self) -> dict:
+        """JSON-ready dict (``attnlab trace --expect … --format json``)."""
         return {"step": self.step, "ok": self.ok, "n_wrong": int(self.wrong.sum()), "n_cells": int(self.wrong.size),
                 "rows": self.rows, "cols": self.cols, "printed": self.printed.tolist(),
                 "correct": self.correct.tolist(), "decimals": self.decimals.tolist(),
