@@ -43,6 +43,16 @@ def _extensions():
                 _say(f"compiled CPU kernel not built ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                      "attnlab falls back to its pure-PyTorch kernels")
 
+        def copy_extensions_to_source(self):
+            # editable / --inplace: copy only the variants that built (a missing one would stop the rest)
+            saved = self.extensions
+            self.extensions = [e for e in saved if os.path.exists(
+                os.path.join(self.build_lib, self.get_ext_filename(self.get_ext_fullname(e.name))))]
+            try:
+                super().copy_extensions_to_source()
+            finally:
+                self.extensions = saved
+
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
