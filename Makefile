@@ -49,7 +49,7 @@ test-fast: $(STAMP)
 	$(PYTEST) -m "not slow and not browser"
 
 bench: $(STAMP)
-	$(BIN)/attnlab bench core
+	$(BIN)/attnlab bench core --force
 
 clean:
 	rm -rf $(VENV) reports build src/attnlab/*.so

@@ -128,7 +128,7 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if is_causal:
         pat = P.causal() if pat is None else (pat & P.causal())
     mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias)
-    k, v, per_head = _zero_dead_keys(k, v, mask, info.groups)
+    k, v, per_head = _zero_dead_keys(k, v, mask, info.groups if info.Hkv else 1)
     causal_only = is_causal and pattern is None and attn_mask is None
     p = Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
                  bool(attn_mask is not None and attn_mask.requires_grad))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from attnlab.bench.kernels import KernelsConfig, run as run_kernels
-from attnlab.options import nonneg_int, output_dir, positive_int, positive_int_list
+from attnlab.options import check_memory, nonneg_int, output_dir, positive_int, positive_int_list
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -65,6 +65,10 @@ def run(args):
     """Run the benchmark with a progress line on stderr; print the CPU, the peaks and every headline ratio."""
     cfg = config_from_args(args)
     cfg.validate()
+    n = max((*cfg.dense_ns, *cfg.bf16_ns, *cfg.window_ns, *cfg.window_bwd_ns, cfg.sparse_n, cfg.memory_n or 0))
+    # query, key, value, output and their gradients, float32 [B, H, n, D], at the longest length timed
+    check_memory(f"a length of {n} (--dense-ns, --window-ns, --sparse-n, --memory-n)", 8 * 4 * cfg.B * cfg.H * n * cfg.D,
+                 "float32 inputs, outputs and gradients at that length")
     tty = sys.stderr.isatty()
 
     def progress(done, total, label):

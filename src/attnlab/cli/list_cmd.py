@@ -9,6 +9,23 @@ def build_parser(p):
                    help="cost model evaluated at these sizes, per batch element and head (default 4096,4096,64)")
 
 
+#: a pattern without a closed-form pair count is counted pair by pair (Pattern.nnz: O(L·S) work, about a
+#: minute per pattern at 2^28 pairs on the 2-core reference machine); above this, its cost is not shown
+COUNT_LIMIT_PAIRS = 2**28
+
+
+def _counted_pair_by_pair(m, L: int, S: int) -> bool:
+    """Whether the mechanism's cost at (L, S) needs the generic O(L·S) count of a pattern's kept pairs."""
+    from attnlab.patterns import Pattern
+
+    pattern_for = getattr(m, "pattern_for", None)
+    try:
+        pat = pattern_for() if pattern_for is not None else None
+    except NotImplementedError:
+        pat = None
+    return isinstance(pat, Pattern) and type(pat).nnz is Pattern.nnz and L * S > COUNT_LIMIT_PAIRS
+
+
 def _sizes(text: str) -> tuple[int, int, int]:
     from .main import UsageError
 
@@ -34,15 +51,18 @@ def run(args):
     import attnlab.mechanisms as M
 
     L, S, D = _sizes(args.cost)
-    rows = []
+    rows, uncounted = [], []
     for name in M.available():
         d = M.describe(name)
         if args.kind and d["kind"] != args.kind:
             continue
         if not M._needs_params(name):
             m = M.get(name)
-            d["gflop"] = m.flops(L, S, D) / 1e9
+            slow = _counted_pair_by_pair(m, L, S)
+            d["gflop"] = None if slow else m.flops(L, S, D) / 1e9
             d["memory_mib"] = m.memory(L, S, D) / 2**20
+            if slow:
+                uncounted.append(name)
         else:
             d["gflop"] = d["memory_mib"] = None
         rows.append(d)
@@ -77,6 +97,9 @@ def run(args):
         console.print(t)
         console.print("masks: none | key (bool key padding [..., 1, S]) | any ([..., L, S]).  "
                       "Use: attnlab.mechanisms.get(name, **params) or resolve(name).")
+        if uncounted:
+            console.print(f"GFLOP not shown for {', '.join(uncounted)}: their kept pairs are counted one by one, "
+                          f"O(L·S) work, and L·S = {L * S:.3g} is over {COUNT_LIMIT_PAIRS:.3g}; use a smaller --cost")
         hidden = [c for c, on in cols.items() if not on]
         if hidden:
             console.print(f"(a wider terminal also shows: {', '.join(hidden)}; `attnlab list --json` has everything)")

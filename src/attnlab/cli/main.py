@@ -7,11 +7,12 @@
 so tests can call ``main([...])`` and inspect what it returned and wrote.
 
 Note [One error boundary]: every failure leaves through ``main`` as one line on stderr and a non-zero
-exit code, never a traceback: bad options (argparse, and ``UsageError`` / ``ValueError`` / ``TypeError``
-from the commands and the library) exit 2; files that cannot be read or written, memory that cannot be
-had and nesting too deep to parse exit 1; anything else exits 1 with its type named (``ATTNLAB_TRACEBACK=1``
-shows the traceback for a bug report). Ctrl-C exits 130 with one line saying what was kept and how to
-resume.
+exit code, never a traceback. Bad input exits 2: argparse's errors (one line, no usage block), and
+``UsageError`` / ``ValueError`` / ``TypeError`` from the commands and the library, a missing file, input
+nested too deeply to parse. What the machine refuses exits 1: memory that cannot be had, files that
+cannot be written. Anything else is a bug and exits 1 with its type named (``ATTNLAB_TRACEBACK=1``
+shows the traceback). Ctrl-C exits 130 with one line saying what was kept and how to resume
+(``interrupted_message``).
 """
 from __future__ import annotations
 
@@ -129,8 +130,29 @@ def _error_line(prog: str, e: BaseException) -> tuple[str, int]:
     return (f"{prog}: error: {type(e).__name__}: {first} (unexpected; ATTNLAB_TRACEBACK=1 shows the traceback)"), 1
 
 
+def _exit_interrupted() -> None:
+    """Exit 130 now. Note [Exit 130 after Ctrl-C]: when the interrupt lands inside an import that C code
+    runs (torch imports _dynamo, seconds, on first use of torch.optim), CPython can remember it as
+    unhandled even though ``main`` caught it, and end the process by re-raising SIGINT at shutdown:
+    exit status -2 instead of 130. Every file was written whole (``attnlab.report``) and the message
+    is printed; the exit handlers still run (multiprocessing's among them, which release the worker
+    pools' semaphores), then the process leaves without the rest of that shutdown."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``attnlab ARGV``; returns the exit code. ``argv=None`` (the command line, as the ``attnlab``
+    script and ``python -m attnlab.cli.main`` call it) reads ``sys.argv``."""
     global LAST_RESULT, _DEPTH
+    from_command_line = argv is None and _DEPTH == 0
     argv = list(sys.argv[1:] if argv is None else argv)
     args = None
     _DEPTH += 1
@@ -148,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         if _DEPTH > 1:
             raise  # a subcommand run by another (the tour): the outer one stops and reports
         print(interrupted_message(args, argv), file=sys.stderr)
+        if from_command_line:
+            _exit_interrupted()
         return 130
     except Exception as e:  # Note [One error boundary]
         if os.environ.get("ATTNLAB_TRACEBACK"):
@@ -163,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         code = LAST_RESULT.get("exit_code")
     if code == 130:  # the command caught Ctrl-C itself, after writing what it had
         print(interrupted_message(args, argv), file=sys.stderr)
+        if from_command_line:
+            _exit_interrupted()
     return int(code or 0)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..options import output_dir
+from ..options import check_memory, output_dir
 from .main import UsageError
 
 __all__ = ["build_parser", "run"]
@@ -48,6 +48,13 @@ def run(args: argparse.Namespace):
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     cfg = TourConfig(out=output_dir(args.out), sentence=args.sentence, skip=skip, speed_ns=_ints(args.speed_n, "--speed-n"),
                      memory_ns=_ints(args.memory_n, "--memory-n"))
+    # the memory piece runs naive attention ([H, n, n] scores and weights, float32) in a fresh process
+    if "memory" not in skip:
+        check_memory(f"--memory-n {max(cfg.memory_ns)}", 3 * 4 * cfg.heads * max(cfg.memory_ns) ** 2,
+                     "naive attention's [H, n, n] scores and weights")
+    if "speed" not in skip:
+        check_memory(f"--speed-n {max(cfg.speed_ns)}", 8 * 4 * cfg.heads * max(cfg.speed_ns) * cfg.head_dim,
+                     "float32 inputs and outputs at the longest length timed")
     line = None if args.no_progress else _ProgressLine()
     try:
         res = run_tour(cfg, progress=line)

@@ -112,6 +112,7 @@ struct ScoreMods {
   int64_t ks[4] = {0, 0, 0, 0};
   const A* bias = nullptr;         // user float mask, 4-D strides bs
   int64_t bs[4] = {0, 0, 0, 0};
+  bool plain() const { return softcap <= 0 && !alibi && !keep && !bias; }
 };
 
 // Soft-capping, ALiBi, the user bias and every mask, applied to a block of scaled scores
@@ -200,18 +201,18 @@ inline A row_max(const A* x, int64_t n) {
 
 // x <- exp(x - shift) in place; returns the sum. exp(-inf) is 0 (masked scores).
 template <typename A>
-inline A exp_sum(A* x, int64_t n, A shift) {
+inline A exp_sum(A* x, int64_t n, A shift, A mul = A(1)) {  // x <- exp(x * mul - shift)
   using V = Vectorized<A>;
-  V vs(0), vsh(shift);
+  V vs(0), vsh(-shift), vm(mul);
   int64_t c = 0;
   for (; c + V::size() <= n; c += V::size()) {
-    V e = (V::loadu(x + c) - vsh).exp_u20();
+    V e = at::vec::fmadd(V::loadu(x + c), vm, vsh).exp_u20();
     e.store(x + c);
     vs = vs + e;
   }
   A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, vs);
   for (; c < n; ++c) {
-    x[c] = std::exp(x[c] - shift);
+    x[c] = std::exp(x[c] * mul - shift);
     s += x[c];
   }
   return s;
@@ -427,12 +428,18 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           }
         }
         if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), s, bk);
-        modify_scores<A>(s, bk, rows, cols, n, h, q0, k0, lay.tile(lay.tile_id[base * lay.maxk + t]), mod, nullptr, mul);
+        const uint8_t* tile = lay.tile(lay.tile_id[base * lay.maxk + t]);
+        // a full tile with nothing to add: the scale is folded into the max and exp passes (one pass fewer)
+        const bool fold = tile == nullptr && mod.plain() && mul > A(0);
+        if (!fold) {
+          modify_scores<A>(s, bk, rows, cols, n, h, q0, k0, tile, mod, nullptr, mul);
+          mul = A(1);
+        }
         for (int64_t r = 0; r < rows; ++r) {
           A* row = s + r * bk;
-          const A mnew = std::max(mrow[r], row_max(row, cols));
+          const A mnew = std::max(mrow[r], row_max(row, cols) * mul);
           const A shift = mnew == ninf ? A(0) : mnew;  // a row with nothing kept yet: exp(-inf) = 0
-          const A sum = exp_sum(row, cols, shift);
+          const A sum = exp_sum(row, cols, shift, mul);
           const A alpha = std::exp(mrow[r] - shift);
           lrow[r] = lrow[r] * alpha + sum;
           mrow[r] = mnew;
@@ -716,4 +723,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
+  // bumped whenever the Python-facing signatures change: a stale build is refused, not called
+  m.attr("abi_version") = 2;
 }

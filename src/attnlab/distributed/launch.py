@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_mod
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -87,11 +89,19 @@ def run_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), back
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     procs = []
-    for rank in range(world_size):
-        p = ctx.Process(target=_worker, args=(fn, rank, world_size, store.port, backend, group_timeout, args, env,
-                                              out_q), daemon=True)
-        p.start()
-        procs.append(p)
+    # Ctrl-C reaches every process of the terminal's group: the ranks start with SIGINT ignored (a
+    # disposition a new Python keeps) so that only this process reacts, stops them and reports once
+    main_thread = threading.current_thread() is threading.main_thread()
+    prev = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_worker, args=(fn, rank, world_size, store.port, backend, group_timeout, args,
+                                                  env, out_q), daemon=True)
+            p.start()
+            procs.append(p)
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
     results: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -109,6 +119,9 @@ def run_local(fn: Callable[..., Any], world_size: int, *, args: tuple = (), back
                         except queue_mod.Empty:
                             results[r] = RankResult(r, False, error_type="ProcessDied",
                                                     error=f"process exited with code {p.exitcode} without a result")
+    except KeyboardInterrupt:
+        deadline = time.monotonic()  # the ranks ignore Ctrl-C: stop them now, not after their timeout
+        raise
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))

@@ -38,8 +38,8 @@ def build_parser(p):
     argparse parser ``p``."""
     C.add_common_args(p, seeds="0")
     p.add_argument("--d-k", default=None, help="comma-separated d_k values (default 16..1024)")
-    p.add_argument("--keys", type=positive_int, default=128, help="keys per query row (default 128)")
-    p.add_argument("--rows", type=positive_int, default=512, help="query rows per measurement (default 512)")
+    p.add_argument("--keys", type=positive_int, default=None, help="keys per query row (default 128; quick 64)")
+    p.add_argument("--rows", type=positive_int, default=None, help="query rows per measurement (default 512; quick 128)")
     p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K")
 
 
@@ -228,7 +228,9 @@ def _run(args):
     t0 = time.perf_counter()
     seeds = C.seeds_of(args.seeds)
     dks = C.ints_of(args.d_k, "--d-k") if args.d_k else (QUICK_DK if args.quick else FULL_DK)
-    rows, keys = (min(args.rows, 128), min(args.keys, 64)) if args.quick else (args.rows, args.keys)
+    # quick mode changes the defaults, never a value given on the command line
+    rows = args.rows if args.rows is not None else (128 if args.quick else 512)
+    keys = args.keys if args.keys is not None else (64 if args.quick else 128)
     if rows < 2 or keys < 2:
         raise ValueError(f"--rows and --keys must be >= 2, got {rows} and {keys}")
     # float64 q [rows, d_k], k [keys, d_k], and a few [rows, keys] scores, weights and gradients

@@ -31,6 +31,8 @@ from .masks import MaskSpec
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
            "has_fast_gemm", "uses_brgemm"]
 
+#: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
+ABI_VERSION = 2
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -51,7 +53,12 @@ def _load():
     errors = []
     for name in _MODULES.get(cap, ("_C",)):
         try:
-            _ext = importlib.import_module(f"attnlab.{name}")
+            mod = importlib.import_module(f"attnlab.{name}")
+            if getattr(mod, "abi_version", None) != ABI_VERSION:
+                errors.append(f"{name}: built from older sources (abi {getattr(mod, 'abi_version', None)}, "
+                              f"need {ABI_VERSION}); rebuild: pip install --no-build-isolation -e .")
+                continue
+            _ext = mod
             return _ext
         except ImportError as e:
             errors.append(f"{name}: {e}")
@@ -218,6 +225,13 @@ def _allow_brgemm() -> bool:
     return os.environ.get("ATTNLAB_EXT_GEMM", "auto") != "mkl"
 
 
+#: the fp32 backward takes brgemm only for tiles up to this many scores: it needs P and dS transposed
+#: (brgemm has no transposed operands), which costs more than MKL's per-call overhead on large tiles
+#: (measured fwd+bwd, dense n=4096, 2 threads: 256x512 tiles 0.58x SDPA with brgemm, 1.39x with MKL;
+#: 64x64 tiles 0.85x with brgemm)
+BACKWARD_BRGEMM_MAX_TILE = 64 * 64
+
+
 def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
     """Whether tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX or
     AVX512-BF16 instructions) rather than MKL's gemm."""
@@ -242,7 +256,8 @@ class _CompiledFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
         dq, dk, dv = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
-                                      alibi_causal, alibi_offset, lay.block_q, lay.block_k, _allow_brgemm())
+                                      alibi_causal, alibi_offset, lay.block_q, lay.block_k,
+                                      _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -266,10 +281,11 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if why is not None:
         raise RuntimeError(f"compiled attention kernel unavailable: {why}")
     N, H, L, _ = q.shape
-    S = k.shape[2]
+    S, Ev = k.shape[2], v.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if 0 in (N, H, L, S):  # nothing to attend (the extension's head check fails on zero heads); graph kept
-        out = q.new_zeros(N, H, L, v.shape[-1]) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
+    if min(N, H, L, S) == 0 or k.shape[1] == 0:  # nothing to compute; rows with no key are 0 / -inf
+        # graph kept through sums of empty slices (0 * q.sum() would be NaN for a q holding Inf)
+        out = q.new_zeros(N, H, L, Ev) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
         return out, torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
     if layout is None:
         layout = build_layout(mask, block_q, block_k)
