@@ -48,8 +48,10 @@ test: $(STAMP) chromium
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow and not browser"
 
+# attnlab's kernels against SDPA and compiled FlexAttention (reports/bench-kernels; about an hour on 2 cores);
+# `attnlab bench core --force` is the broader exact-method sweep
 bench: $(STAMP)
-	$(BIN)/attnlab bench core --force
+	$(BIN)/attnlab bench kernels
 
 clean:
 	rm -rf $(VENV) reports build src/attnlab/*.so
