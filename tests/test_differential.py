@@ -7,7 +7,7 @@ bfloat16.
 
 Outputs are compared with ``attnlab.reference`` (and attention_with_lse's log-sum-exp with float64
 logsumexp); gradients with autograd through the naive computation in float64 (plain torch ops, no
-attnlab kernel). Raise ``max_examples`` below for a longer hunt (500 and 400 pass, compiled included).
+attnlab kernel). Raise ``max_examples`` below for a longer hunt (600 and 600 pass, compiled included).
 
 Tolerance, the way PyTorch budgets its fused kernels (test/test_transformers.py): elementwise
 |got - ref| <= atol + rtol·|ref|, where atol is ERROR_FACTOR times the error of the naive computation in
@@ -31,6 +31,11 @@ EXACT = tuple(m for m in ("dense", "sdpa", "tiled", "sparse", "auto", "compiled"
 #: a method's error vs float64 may be this factor times the naive same-dtype computation's error
 #: (PyTorch's rule for its fused attention kernels; the house FUSED_ERROR_FACTOR)
 ERROR_FACTOR = 3.0
+#: the same for gradients: a fused backward recomputes the weights from the log-sum-exp and takes
+#: rowsum(dO∘O) from the output rounded to the input dtype (FlashAttention-2's backward), so PyTorch's own
+#: SDPA gradient tests allow larger factors (test_transformers.py: up to 160 for grad_query). Measured here
+#: (bf16, float32 bias): tiled 3x, compiled 6x the naive bf16 error on dq.
+GRAD_ERROR_FACTOR = 8.0
 #: PyTorch's floors in its fused-attention tests (test_transformers.py default_atol / default_rtol); for
 #: float64, which it does not budget there, 1e-12 (the naive float64 error is ~1e-16)
 DEFAULT_ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-3}
@@ -139,8 +144,8 @@ def _lse_err(a, ref):
     return float(torch.where(both, torch.zeros_like(a), a - ref).abs().max())
 
 
-def _check(what, got, ref, naive_err, dtype):
-    """PyTorch's rule: |got - ref| <= atol + rtol·|ref| elementwise, atol = max(ERROR_FACTOR · naive
+def _check(what, got, ref, naive_err, dtype, factor=ERROR_FACTOR):
+    """PyTorch's rule: |got - ref| <= atol + rtol·|ref| elementwise, atol = max(factor · naive
     error, default atol[dtype]), rtol = default rtol[dtype]. Rows at -inf (an lse with no key) must be
     -inf in both and are then equal."""
     if not got.numel():
@@ -148,7 +153,7 @@ def _check(what, got, ref, naive_err, dtype):
     got = got.double()
     assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), f"{what}: -inf rows differ"
     fin = ~torch.isneginf(ref)
-    atol = max(ERROR_FACTOR * naive_err, DEFAULT_ATOL[dtype])
+    atol = max(factor * naive_err, DEFAULT_ATOL[dtype])
     rtol = DEFAULT_RTOL[dtype]
     err = torch.where(fin, got - ref, torch.zeros_like(ref)).abs()
     bound = atol + rtol * torch.where(fin, ref, torch.zeros_like(ref)).abs()
@@ -216,7 +221,8 @@ def test_the_naive_budget_is_not_vacuous(method):
 @given(cases())
 def test_every_exact_method_differentiates_like_the_float64_naive_computation(c):
     # gradient oracle: autograd through _naive in float64 (plain torch ops, no attnlab kernel), on the
-    # clean keys; budget as for the output, against the naive computation's gradients in the input dtype
+    # clean keys; budget as for the output (GRAD_ERROR_FACTOR), against the naive computation's gradients
+    # in the input dtype
     q, k, v, ck, cv, mask = _build(c)
     gqa = c["H"] != c["Hkv"]
     kw = dict(attn_mask=mask, is_causal=c["is_causal"], scale=c["scale"], enable_gqa=gqa)
@@ -242,4 +248,4 @@ def test_every_exact_method_differentiates_like_the_float64_naive_computation(c)
         for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
             g = torch.zeros_like(r) if g is None else g
             n = torch.zeros_like(r) if n is None else n
-            _check(f"{method} {name} {c}", g, r, _err(n, r), c["dtype"])
+            _check(f"{method} {name} {c}", g, r, _err(n, r), c["dtype"], GRAD_ERROR_FACTOR)
