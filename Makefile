@@ -18,7 +18,7 @@ $(BIN)/python:
 # The package is built against that torch (--no-build-isolation: an isolated build would resolve torch
 # again, and could pull a multi-GB CUDA build); its C++ extension needs setuptools and ninja first.
 $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard src/attnlab/csrc/*)
-	$(BIN)/pip install -q torch==2.13.0 'setuptools>=68' wheel ninja
+	$(BIN)/pip install -q torch==2.13.0 'setuptools>=77' wheel ninja
 	$(BIN)/pip install -q --no-build-isolation -e '.[test,minilm,hf,serve]'
 	touch $(STAMP)
 
