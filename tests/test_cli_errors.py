@@ -335,7 +335,7 @@ def test_every_option_has_help():
 # -- Ctrl-C in a real process ----------------------------------------------------------------------------------
 def test_ctrl_c_exits_130_naming_the_checkpoints_and_the_resume_command(tmp_path):
     out = tmp_path / "scaling"
-    steps = 300  # the first of three runs finishes in seconds; Ctrl-C lands in the second
+    steps = 1000  # the first of three runs finishes in seconds; Ctrl-C lands in a later one
     argv = ["experiment", "scaling", "--quick", "--no-progress", "--tasks", "recall", "--d-k", "16", "--seeds", "0",
             "--steps", str(steps), "--out", str(out)]
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -345,7 +345,7 @@ def test_ctrl_c_exits_130_naming_the_checkpoints_and_the_resume_command(tmp_path
         deadline = time.monotonic() + 120
         while not (out / "results.partial.json").exists() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1.5)  # well inside the second run's 300 steps (about 8 s on a 2-core machine)
+        time.sleep(1.5)  # inside a later run's 1000 steps (2-25 s each, by how busy the machine is)
         assert p.poll() is None, p.communicate()
         os.killpg(p.pid, signal.SIGINT)  # what a terminal sends the foreground process group
         _, err = p.communicate(timeout=60)
@@ -360,5 +360,5 @@ def test_ctrl_c_exits_130_naming_the_checkpoints_and_the_resume_command(tmp_path
     states = [torch.load(ck, weights_only=True) for ck in sorted((out / "checkpoints").glob("*.pt"))]
     finished = [st for st in states if st["done"]]
     cut = [st for st in states if not st["done"]]
-    assert len(finished) == 1 and finished[0]["step"] == steps
+    assert len(finished) >= 1 and all(st["step"] == steps for st in finished)
     assert len(cut) == 1 and 0 < cut[0]["step"] < steps
