@@ -2,8 +2,12 @@
 
 Time: median of repeats after a warm-up, implementations interleaved per configuration. Peak memory:
 each configuration in a fresh process (attnlab.bench._child). Configurations predicted to exceed the
-time or memory budget are skipped and listed with the reason. Writes results.json, a log-log plot and
-prints ratios against SDPA.
+time or memory budget are skipped and listed with the reason. Writes results.json, report.md and
+log-log plots with every ratio against SDPA measured in the same run.
+
+``run(CoreConfig(...)) -> Result``: no printing, no argv (the CLI is ``attnlab bench core``).
+
+Legend: B batch, H heads, n sequence length (L = S = n), E head dim.
 """
 from __future__ import annotations
 
@@ -15,17 +19,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from .. import cpu
-from ..options import output_dir, positive_float, positive_int
 from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
 
-__all__ = ["build_parser", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
+__all__ = ["CoreConfig", "Record", "Result", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
 
 PATTERNS = {
     "sliding_window_256": {"name": "sliding_window", "window": 256, "causal": True},
@@ -77,23 +81,38 @@ class Result:
     env: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     complete: bool = False
+    notes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
     exit_code: int = 0
 
 
-def build_parser(p):
-    """Add ``bench core``'s options (--quick, --out, --max-n, budgets, --no-memory, --resume, --force) to
-    the argparse parser ``p``."""
-    p.add_argument("--quick", action="store_true", help="a small grid that finishes in seconds")
-    p.add_argument("--out", default="reports/bench-core", help="output folder (default reports/bench-core)")
-    p.add_argument("--max-n", type=positive_int, default=65536,
-                   help="largest sequence length, at least 256 (default 65536; quick: 128 and 256)")
-    p.add_argument("--time-budget", type=positive_float, default=20.0, help="skip calls predicted to exceed this (s)")
-    p.add_argument("--mem-budget-gib", type=positive_float, default=12.0, help="skip configs predicted above this")
-    p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurements")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the measurements a killed run with the same settings left in --out, measure the rest")
-    p.add_argument("--force", action="store_true",
-                   help="replace the earlier run an --out folder holds (without it, such a folder is refused)")
+@dataclass
+class CoreConfig:
+    """What ``bench core`` measures. ``quick``: n in (128, 256), float32 only, budgets of 1 s and 2 GiB;
+    otherwise n from 256 up to ``max_n`` (at least 256), float32 and bfloat16, under ``time_budget``
+    seconds per call and ``mem_budget_gib``. ``memory``: measure peak memory in fresh processes.
+    ``resume``: keep what an earlier run with the same settings left in ``out`` and measure the rest."""
+    out: str = "reports/bench-core"
+    quick: bool = False
+    max_n: int = 65536
+    time_budget: float = 20.0
+    mem_budget_gib: float = 12.0
+    memory: bool = True
+    resume: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option for a setting that cannot be measured."""
+        if not self.quick and self.max_n < 256:
+            raise ValueError(f"--max-n must be >= 256, the shortest length measured, got {self.max_n}")
+        for name in ("time_budget", "mem_budget_gib"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+
+    def settings(self) -> dict:
+        """The settings a ``resume`` must match (as stored in results.json)."""
+        return dict(quick=self.quick, max_n=self.max_n, time_budget=self.time_budget,
+                    mem_budget_gib=self.mem_budget_gib, memory=self.memory)
 
 
 def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
@@ -154,37 +173,31 @@ def peak_bytes(spec: dict, timeout: float = 600) -> int | None:
     return _mem_child(spec, timeout=timeout)
 
 
-def run(args) -> Result:
-    """Run the core benchmark with the parsed options ``args`` (see :func:`build_parser`) and return its Result.
+def run(config: CoreConfig, *, progress: Callable[[int, int, str], None] | None = None) -> Result:
+    """Measure everything ``config`` asks for and write the report; returns the :class:`Result`.
 
     Times sdpa, auto, tiled and naive attention on query, key, value of shape [1, 8, n, 64] for n from
-    256 to --max-n (128 and 256 with --quick), float32 and bfloat16 (float32 only with --quick), causal
-    and not; then attnlab's sparse patterns (sliding window, BigBird, 10% block-sparse; --quick skips
-    BigBird) against SDPA's dense call, and forward + backward with a causal sliding window. Calls predicted to exceed the time or memory budget are skipped with the
-    reason. Unless --no-memory, peak memory of forward + backward is measured in a fresh process per
-    configuration. Each finished configuration is saved to ``<out>/results.json`` at once (so a killed
-    run can ``--resume``); at the end writes results.json, time.png, memory.png and report.md to
-    ``args.out`` and prints a table. Raises ValueError for --max-n < 256 without --quick, and for a
-    --resume whose earlier results cannot be read or were taken with other settings.
+    256 to ``max_n`` (128 and 256 when ``quick``), float32 and bfloat16 (float32 only when quick), causal
+    and not; then attnlab's sparse patterns (sliding window, BigBird, 10% block-sparse; quick skips
+    BigBird) against SDPA's dense call, and forward + backward with a causal sliding window. Calls
+    predicted to exceed the time or memory budget are skipped with the reason. With ``memory``, peak
+    memory of forward + backward is measured in a fresh process per configuration. Each finished
+    configuration is saved to ``<out>/results.json`` at once (so a killed run can resume); at the end
+    writes results.json, time.png, memory.png and report.md to ``out``. ``progress(done, total, label)``
+    is called before each configuration and once at the end. Raises ValueError for an invalid config
+    and for a ``resume`` whose earlier results cannot be read or were taken with other settings.
     """
-    from rich.console import Console
-    from rich.progress import Progress
-
-    console = Console(width=max(120, Console().width))
-    if not args.quick and args.max_n < 256:
-        raise ValueError(f"--max-n must be >= 256, the shortest length measured, got {args.max_n}")
-    out = output_dir(args.out, resume=bool(getattr(args, "resume", False)), force=bool(getattr(args, "force", False)))
-    args.checkpoint_dir = str(out)  # Ctrl-C says it is kept and how to resume (cli.main)
+    config.validate()
+    out = Path(config.out)
     res = Result(out_dir=str(out), env=environment())
-    quick = args.quick
-    res.settings = dict(quick=quick, max_n=args.max_n, time_budget=args.time_budget,
-                        mem_budget_gib=args.mem_budget_gib, memory=not args.no_memory)
-    done = _previous(out, res.settings, console) if getattr(args, "resume", False) else {}
+    quick = config.quick
+    res.settings = config.settings()
+    done = _previous(out, res.settings, res.notes) if config.resume else {}
     ns = [128, 256] if quick else [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-                                    if n <= args.max_n]
+                                    if n <= config.max_n]
     dtypes = ["float32"] if quick else ["float32", "bfloat16"]
     reps = 2 if quick else 3
-    budget_t, budget_m = (1.0, 2.0) if quick else (args.time_budget, args.mem_budget_gib)
+    budget_t, budget_m = (1.0, 2.0) if quick else (config.time_budget, config.mem_budget_gib)
     # a resumed run keeps the peaks its kept measurements were taken beside
     res.peak_gflops = dict(done.get("peak_gflops", {})) if done else {}
     for d in dtypes:
@@ -267,37 +280,36 @@ def run(args) -> Result:
     for n in ns:
         configs.append(("train", ["sdpa", "auto"], n, "float32", True, "sliding_window_256", True))
 
-    with Progress(console=console, transient=True) as prog:
-        task = prog.add_task("timing", total=len(configs))
-        for c in configs:
-            prog.update(task, description=f"{c[0]} n={c[2]} {c[3]} causal={c[4]} {c[5] or ''}")
-            measure(*c)
-            prog.advance(task)
-
-        if not args.no_memory:
-            mem_ns = [256] if quick else [n for n in (1024, 4096, 16384) if n <= args.max_n]
-            sw_ns = [512] if quick else [n for n in (4096, 16384, 65536) if n <= args.max_n]
-            jobs = [("memory", impl, n, None, True) for n in mem_ns for impl in ("sdpa", "tiled", "naive")]
-            jobs += [("memory", "auto", n, "sliding_window_256", True) for n in sw_ns]
-            task = prog.add_task("memory (fresh processes)", total=len(jobs))
-            for section, impl, n, pat, bwd in jobs:
-                dens = pattern_density(PATTERNS[pat], n) if pat else 1.0
-                pred = _predict_bytes(impl, n, 4, density=dens, backward=bwd) / 2**30
-                cfg = dict(section=section, impl=impl, n=n, dtype="float32", causal=True, pattern=pat)
-                if pred > budget_m * 2:
-                    skip(f"predicted {pred:.1f} GiB > memory budget", **cfg)
-                elif reuse((section, impl, n, "float32", True, pat, bwd)) is None:
-                    spec = dict(impl=impl, n=n, dtype="float32", causal=True, backward=bwd, pattern=PATTERNS.get(pat))
-                    res.records.append(Record(section, impl, n, "float32", True, pat, bwd,
-                                              peak_bytes=_mem_child(spec)))
-                    _save(res, out)
-                prog.advance(task)
+    mem_jobs = []
+    if config.memory:
+        mem_ns = [256] if quick else [n for n in (1024, 4096, 16384) if n <= config.max_n]
+        sw_ns = [512] if quick else [n for n in (4096, 16384, 65536) if n <= config.max_n]
+        mem_jobs = [("memory", impl, n, None, True) for n in mem_ns for impl in ("sdpa", "tiled", "naive")]
+        mem_jobs += [("memory", "auto", n, "sliding_window_256", True) for n in sw_ns]
+    total = len(configs) + len(mem_jobs)
+    for i, c in enumerate(configs):
+        if progress:
+            progress(i, total, f"{c[0]} n={c[2]} {c[3]} causal={c[4]} {c[5] or ''}".strip())
+        measure(*c)
+    for i, (section, impl, n, pat, bwd) in enumerate(mem_jobs):
+        if progress:
+            progress(len(configs) + i, total, f"memory (fresh process) {impl} n={n} {pat or ''}".strip())
+        dens = pattern_density(PATTERNS[pat], n) if pat else 1.0
+        pred = _predict_bytes(impl, n, 4, density=dens, backward=bwd) / 2**30
+        cfg = dict(section=section, impl=impl, n=n, dtype="float32", causal=True, pattern=pat)
+        if pred > budget_m * 2:
+            skip(f"predicted {pred:.1f} GiB > memory budget", **cfg)
+        elif reuse((section, impl, n, "float32", True, pat, bwd)) is None:
+            spec = dict(impl=impl, n=n, dtype="float32", causal=True, backward=bwd, pattern=PATTERNS.get(pat))
+            res.records.append(Record(section, impl, n, "float32", True, pat, bwd, peak_bytes=_mem_child(spec)))
+            _save(res, out)
 
     res.complete = True
     _density_ratios(res)
     _exponents(res)
     _write(res, out)
-    _render(res, console)
+    if progress:
+        progress(total, total, "done")
     return res
 
 
@@ -310,11 +322,11 @@ def _save(res: Result, out: Path):
     atomic_write_json(out / "results.json", asdict(res))
 
 
-def _previous(out: Path, settings: dict, console) -> dict:
+def _previous(out: Path, settings: dict, notes: list[str]) -> dict:
     """Records of an earlier run in ``out`` with the same settings, by configuration."""
     path = out / "results.json"
     if not path.exists():
-        console.print(f"--resume: no {path}; measuring everything")
+        notes.append(f"--resume: no {path}; measuring everything")
         return {}
     try:
         data = json.loads(path.read_text())
@@ -328,7 +340,7 @@ def _previous(out: Path, settings: dict, console) -> dict:
                          f"{settings}; use another --out or the same settings")
     names = {f.name for f in fields(Record)}
     recs = [Record(**{k: v for k, v in r.items() if k in names}) for r in data.get("records", [])]
-    console.print(f"--resume: keeping {len(recs)} measurements from {path}")
+    notes.append(f"--resume: keeping {len(recs)} measurements from {path}")
     return {**{_key(r): r for r in recs}, "peak_gflops": data.get("peak_gflops", {})}
 
 
@@ -413,6 +425,7 @@ def _write(res: Result, out: Path):
         save_figure(fig, out / "memory.png")
     atomic_write_text(out / "report.md", _markdown(res))
     render_markdown_file(out / "report.md", "attnlab bench core")
+    res.files = [str(out / f) for f in ("results.json", "time.png", "memory.png", "report.md") if (out / f).exists()]
 
 
 def _markdown(res: Result) -> str:
@@ -436,23 +449,3 @@ def _markdown(res: Result) -> str:
     lines += ["", "## Skipped", ""] + [f"- {s['impl']} n={s['n']} {s.get('pattern') or ''} {s['dtype']}: {s['reason']}"
                                        for s in res.skipped]
     return "\n".join(lines) + "\n"
-
-
-def _render(res: Result, console):
-    from rich.table import Table
-
-    t = Table(title="attnlab bench core — ratios are SDPA time / impl time, same run")
-    for c in ("section", "impl", "pattern", "dtype", "causal", "n", "ms", "GFLOP/s", "× SDPA", "t/(ρ·dense)", "peak MiB"):
-        t.add_column(c, justify="left" if c in ("section", "impl", "pattern", "dtype", "causal") else "right")
-    for r in res.records:
-        t.add_row(r.section + (" (bwd)" if r.backward else ""), r.impl, r.pattern or "", r.dtype, str(r.causal), str(r.n),
-                  "" if r.seconds is None else f"{r.seconds * 1e3:.1f}",
-                  "" if r.gflops is None else f"{r.gflops:.1f}",
-                  "" if r.ratio_vs_sdpa is None else f"{r.ratio_vs_sdpa:.2f}",
-                  "" if r.vs_density_dense is None else f"{r.vs_density_dense:.2f}",
-                  "" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}")
-    console.print(t)
-    console.print("matrix-product peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()))
-    if res.skipped:
-        console.print(f"[yellow]skipped {len(res.skipped)} configurations (see report.md for reasons)[/yellow]")
-    console.print(f"wrote {res.out_dir}/results.json, time.png, report.md")

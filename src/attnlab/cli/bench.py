@@ -4,7 +4,7 @@ from __future__ import annotations
 from ._suites import add_suites, run_suite
 
 SUITES = {
-    "core": ("attnlab.bench.core", "tiled / sparse / auto vs torch SDPA vs naive: time and peak memory"),
+    "core": ("attnlab.cli.bench_core", "tiled / sparse / auto vs torch SDPA vs naive: time and peak memory"),
     "all": ("attnlab.bench.mechanisms", "every mechanism and pattern x sequence length, fitted exponents"),
     "minilm": ("attnlab.bench.minilm", "MiniLM encode throughput: attnlab vs transformers"),
     "generate": ("attnlab.bench.generate", "TransformerLM generation with vs without KV cache"),
