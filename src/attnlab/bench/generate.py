@@ -5,49 +5,73 @@ attends over C positions. Reported per configuration: tokens/s of ``generate`` (
 and decode-only tokens/s (the n - 1 steps after the prefill, timed step loop), with and without the
 cache, and their ratios (cache / no cache).
 Both runs must produce the same tokens (checked and recorded).
+
+``run(GenerateConfig(...)) -> GenerateBench``: no printing, no argv (the CLI is ``attnlab bench generate``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
-from ..options import check_memory, output_dir, positive_int, positive_int_list
+from ..options import check_memory
 from ..report import atomic_write_json, environment, save_figure
+from .impls import torch_threads
 
-__all__ = ["build_parser", "run", "GenerateBench"]
+__all__ = ["GenerateConfig", "GenerateBench", "run"]
+
+QUICK = dict(contexts=(64, 128), new_tokens=4, repeats=1, d_model=64, layers=2, heads=4)
+FULL = dict(contexts=(512, 2048), new_tokens=16, repeats=2, d_model=256, layers=4, heads=8)
+
+
+@dataclass
+class GenerateConfig:
+    """What ``bench generate`` measures. A size left None takes ``QUICK``'s value when ``quick`` and
+    ``FULL``'s otherwise (quick mode changes the defaults, never a value given). ``threads``: torch's
+    thread count for the run (None: unchanged)."""
+    out: str = "reports/bench-generate"
+    quick: bool = False
+    contexts: tuple[int, ...] | None = None
+    new_tokens: int | None = None
+    repeats: int | None = None
+    d_model: int | None = None
+    layers: int | None = None
+    heads: int | None = None
+    mechanism: str = "auto"
+    threads: int | None = None
+
+    def resolved(self) -> dict:
+        """Every size with the defaults filled in, checked: ValueError naming the option otherwise."""
+        base = QUICK if self.quick else FULL
+        v = {k: base[k] if getattr(self, k) is None else getattr(self, k) for k in base}
+        v["contexts"] = [int(c) for c in v["contexts"]]
+        if v["new_tokens"] < 2 or v["repeats"] < 1:
+            raise ValueError(f"--new-tokens must be >= 2 and --repeats >= 1, got {v['new_tokens']} and {v['repeats']}")
+        if any(c <= v["new_tokens"] for c in v["contexts"]):
+            raise ValueError(f"every context must exceed --new-tokens ({v['new_tokens']}), got {v['contexts']}")
+        if v["d_model"] % v["heads"]:
+            raise ValueError(f"--d-model {v['d_model']} must be divisible by --heads {v['heads']}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"--threads must be > 0, got {self.threads}")
+        return v
 
 
 @dataclass
 class GenerateBench:
     """Result of one ``bench generate`` run: the model's settings, one row per context length (tokens/s
     with and without the KV cache, prefill and decode seconds, ``speedup`` = cache / no cache, and
-    ``same_tokens``: both runs generated the same ids), the environment, and ``exit_code`` (1 if any
-    context's two runs disagreed)."""
+    ``same_tokens``: both runs generated the same ids), the environment, the files written, and
+    ``exit_code`` (1 if any context's two runs disagreed)."""
     out_dir: str
     model: dict
     rows: list[dict] = field(default_factory=list)
     env: dict = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
     exit_code: int = 0
-
-
-def build_parser(p):
-    """Add ``bench generate``'s options (--quick, --out, --contexts, --new-tokens, --repeats, model sizes,
-    --mechanism, --threads) to the argparse parser ``p``."""
-    p.add_argument("--quick", action="store_true", help="tiny model, contexts 64 and 128 (seconds)")
-    p.add_argument("--out", default="reports/bench-generate", help="output folder (default reports/bench-generate)")
-    p.add_argument("--contexts", type=positive_int_list, default=None,
-                   help="comma-separated context lengths (default 512,2048; quick 64,128)")
-    p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per run (default 16; quick 4)")
-    p.add_argument("--repeats", type=positive_int, default=None, help="timed repeats (median; default 2; quick 1)")
-    p.add_argument("--d-model", type=positive_int, default=None, help="model width (default 256; quick 64)")
-    p.add_argument("--layers", type=positive_int, default=None, help="Transformer layers (default 4; quick 2)")
-    p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 8; quick 4)")
-    p.add_argument("--mechanism", default="auto", help="attention mechanism of the model (default auto)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
 
 
 def _time(f, repeats: int) -> tuple[float, object]:
@@ -80,91 +104,69 @@ def _decode_times(model, prompt: torch.Tensor, n_new: int, use_cache: bool, repe
     return float(np.median(pre)), float(np.median(dec))
 
 
-def run(args) -> GenerateBench:
-    """Run the generation benchmark with the parsed options ``args`` and return its :class:`GenerateBench`.
+def run(config: GenerateConfig, *, progress: Callable[[int, int, str], None] | None = None) -> GenerateBench:
+    """Measure generation with and without the KV cache; writes generate.json and generate.png to ``out``.
 
     Builds a seeded random :class:`~attnlab.nn.TransformerLM` (vocab 1000, RoPE) and, per context length
-    C, generates ``--new-tokens`` n tokens greedily from a [1, C - n] prompt with and without the KV
+    C, generates n = ``new_tokens`` tokens greedily from a [1, C - n] prompt with and without the KV
     cache, timing ``generate`` and the decode steps alone. With the cache a decode step attends in O(C·d)
-    per layer; without, it re-runs the whole prefix (O(C²·d) attention per layer). Writes generate.json and generate.png to
-    ``args.out`` and prints a table. Raises ValueError for n < 2, --repeats < 1, a context <= n, a width not divisible
-    by the heads, or a size that would not fit in memory. Torch's thread count is restored afterwards.
+    per layer; without, it re-runs the whole prefix (O(C²·d) attention per layer). ``progress(done,
+    total, label)`` is called before each timing. Raises ValueError for n < 2, repeats < 1, a context
+    <= n, a width not divisible by the heads, or a size that would not fit in memory. Torch's thread
+    count is restored afterwards.
     """
-    output_dir(args.out)
-    # quick mode changes the defaults, never a value given on the command line
-    defaults = dict(contexts=[64, 128], new_tokens=4, repeats=1, d_model=64, layers=2, heads=4) if args.quick else \
-        dict(contexts=[512, 2048], new_tokens=16, repeats=2, d_model=256, layers=4, heads=8)
-    given = {k: getattr(args, k, None) for k in defaults}
-    given = {k: (positive_int_list(v) if k == "contexts" and isinstance(v, str) else v) for k, v in given.items()}
-    contexts, n_new, repeats, d, layers, heads = (defaults[k] if given[k] is None else given[k] for k in defaults)
-    if n_new < 2 or repeats < 1:
-        raise ValueError(f"--new-tokens must be >= 2 and --repeats >= 1, got {n_new} and {repeats}")
-    if any(c <= n_new for c in contexts):
-        raise ValueError(f"every context must exceed --new-tokens ({n_new}), got {contexts}")
-    if d % heads:
-        raise ValueError(f"--d-model {d} must be divisible by --heads {heads}")
+    v = config.resolved()
+    contexts, n_new, d, layers = v["contexts"], v["new_tokens"], v["d_model"], v["layers"]
     # the KV cache (2 per layer), the activations and the position tables of the longest context
     check_memory(f"--contexts {max(contexts)} --d-model {d}", 4 * (max(contexts) + n_new) * d * (2 * layers + 16),
                  "the KV cache and activations of the longest context")
-    if args.threads is not None:
-        if args.threads <= 0:
-            raise ValueError(f"--threads must be > 0, got {args.threads}")
-        prev = torch.get_num_threads()
-        torch.set_num_threads(args.threads)
-        try:
-            return _run(args, contexts, n_new, repeats, d, layers, heads)
-        finally:
-            torch.set_num_threads(prev)
-    return _run(args, contexts, n_new, repeats, d, layers, heads)
+    with torch_threads(config.threads):
+        return _run(config, v, progress)
 
 
-def _run(args, contexts, n_new, repeats, d, layers, heads) -> GenerateBench:
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
-
+def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
     from ..nn import TransformerLM
 
+    contexts, n_new, repeats = v["contexts"], v["new_tokens"], v["repeats"]
     vocab = 1000
     torch.manual_seed(0)
-    model = TransformerLM(vocab, d, heads, layers, max_len=max(contexts), mechanism=args.mechanism).eval()
-    res = GenerateBench(str(args.out), {"vocab": vocab, "d_model": d, "layers": layers, "heads": heads,
-                                        "mechanism": args.mechanism, "positional": "rope"}, env=environment())
-    console = Console()
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("generate", total=len(contexts) * 4)
-        for C in contexts:
-            prompt = torch.randint(0, vocab, (1, C - n_new), generator=torch.Generator().manual_seed(C))
-            row = {"context": C, "prompt": C - n_new, "new_tokens": n_new}
-            for use_cache in (True, False):
-                key = "cache" if use_cache else "no_cache"
-                t_n, ids = _time(lambda: model.generate(prompt, n_new, temperature=0, use_cache=use_cache), repeats)
-                progress.advance(task)
-                t_pre, t_dec = _decode_times(model, prompt, n_new, use_cache, repeats)
-                progress.advance(task)
-                row[key] = {"seconds": t_n, "tokens_per_s": n_new / t_n, "prefill_seconds": t_pre,
-                            "decode_seconds": t_dec, "decode_tokens_per_s": (n_new - 1) / t_dec}
-                row[f"ids_{key}"] = ids[0, C - n_new:].tolist()
-            row["same_tokens"] = row.pop("ids_cache") == row.pop("ids_no_cache")
-            row["speedup"] = row["cache"]["tokens_per_s"] / row["no_cache"]["tokens_per_s"]
-            row["decode_speedup"] = row["cache"]["decode_tokens_per_s"] / row["no_cache"]["decode_tokens_per_s"]
-            res.rows.append(row)
+    model = TransformerLM(vocab, v["d_model"], v["heads"], v["layers"], max_len=max(contexts),
+                          mechanism=config.mechanism).eval()
+    res = GenerateBench(str(config.out), {"vocab": vocab, "d_model": v["d_model"], "layers": v["layers"],
+                                          "heads": v["heads"], "mechanism": config.mechanism, "positional": "rope"},
+                        env=environment())
+    total, done = len(contexts) * 4, 0
+    for C in contexts:
+        prompt = torch.randint(0, vocab, (1, C - n_new), generator=torch.Generator().manual_seed(C))  # (1, C - n)
+        row = {"context": C, "prompt": C - n_new, "new_tokens": n_new}
+        for use_cache in (True, False):
+            key = "cache" if use_cache else "no_cache"
+            if progress:
+                progress(done, total, f"context {C} {key}: generate")
+            t_n, ids = _time(lambda: model.generate(prompt, n_new, temperature=0, use_cache=use_cache), repeats)
+            if progress:
+                progress(done + 1, total, f"context {C} {key}: decode steps")
+            t_pre, t_dec = _decode_times(model, prompt, n_new, use_cache, repeats)
+            done += 2
+            row[key] = {"seconds": t_n, "tokens_per_s": n_new / t_n, "prefill_seconds": t_pre,
+                        "decode_seconds": t_dec, "decode_tokens_per_s": (n_new - 1) / t_dec}
+            row[f"ids_{key}"] = ids[0, C - n_new:].tolist()
+        row["same_tokens"] = row.pop("ids_cache") == row.pop("ids_no_cache")
+        row["speedup"] = row["cache"]["tokens_per_s"] / row["no_cache"]["tokens_per_s"]
+        row["decode_speedup"] = row["cache"]["decode_tokens_per_s"] / row["no_cache"]["decode_tokens_per_s"]
+        res.rows.append(row)
     if not all(r["same_tokens"] for r in res.rows):
         res.exit_code = 1
-    out_dir = Path(args.out)
+    out_dir = Path(config.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "generate.json", {
         "suite": "generate", "model": res.model, "threads": torch.get_num_threads(), "rows": res.rows,
         "env": res.env, "note": "speedup = tokens/s with cache / tokens/s without, same run; decode_* excludes "
                                 "the prefill"})
     _plot(res, out_dir / "generate.png")
-    t = Table(title=f"TransformerLM generate (d={d}, {layers} layers), greedy, {n_new} new tokens")
-    for col in ("context", "cache tok/s", "no-cache tok/s", "speedup", "decode speedup", "same tokens"):
-        t.add_column(col, justify="right")
-    for r in res.rows:
-        t.add_row(str(r["context"]), f"{r['cache']['tokens_per_s']:.1f}", f"{r['no_cache']['tokens_per_s']:.1f}",
-                  f"{r['speedup']:.1f}x", f"{r['decode_speedup']:.1f}x", "yes" if r["same_tokens"] else "NO")
-    console.print(t)
-    console.print(f"wrote {out_dir / 'generate.json'}")
+    res.files = [str(out_dir / "generate.json"), str(out_dir / "generate.png")]
+    if progress:
+        progress(total, total, "done")
     return res
 
 

@@ -5,20 +5,51 @@ What is timed: the model forward plus sentence-transformers' mean pooling and L2
 pre-tokenised batch (tokenisation is identical for every implementation and left out). Repeats are
 interleaved (a, b, c, a, b, c, ...) so load changes on a shared machine hit every implementation
 alike; the median is reported. Ratios are throughputs divided by transformers-sdpa's, same run.
+
+``run(MiniLMConfig(...)) -> MiniLMBench``: no printing, no argv (the CLI is ``attnlab bench minilm``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
-from ..options import check_memory, output_dir, positive_int
+from ..options import check_memory
 from ..report import atomic_write_json, environment, save_figure
+from .impls import torch_threads
 
-__all__ = ["build_parser", "run", "MiniLMBench"]
+__all__ = ["MiniLMConfig", "MiniLMBench", "run"]
+
+
+@dataclass
+class MiniLMConfig:
+    """What ``bench minilm`` measures: a [batch, tokens] batch of token ids, ``repeats`` timed rounds, one
+    attnlab model per entry of ``mechanisms``. A size left None takes quick's default (4 x 32, 2 repeats)
+    when ``quick``, else 32 x 128 and 5 repeats. ``threads``: torch's thread count (None: unchanged)."""
+    out: str = "reports/bench-minilm"
+    quick: bool = False
+    batch: int | None = None
+    tokens: int | None = None
+    repeats: int | None = None
+    mechanisms: tuple[str, ...] = ("auto", "tiled")
+    threads: int | None = None
+
+    def resolved(self) -> tuple[int, int, int]:
+        """(batch, tokens, repeats) with the defaults filled in; ValueError naming the option otherwise."""
+        defaults = {"batch": 4, "tokens": 32, "repeats": 2} if self.quick else {"batch": 32, "tokens": 128, "repeats": 5}
+        batch, tokens, repeats = (defaults[n] if getattr(self, n) is None else getattr(self, n) for n in defaults)
+        for name, v in (("batch", batch), ("tokens", tokens), ("repeats", repeats)):
+            if v <= 0:
+                raise ValueError(f"--{name} must be > 0, got {v}")
+        if tokens > 512:
+            raise ValueError(f"--tokens must be <= 512 (MiniLM's positions), got {tokens}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"--threads must be > 0, got {self.threads}")
+        return batch, tokens, repeats
 
 
 @dataclass
@@ -35,6 +66,7 @@ class MiniLMBench:
     rows: list[dict] = field(default_factory=list)  # impl, seconds (median), sentences_per_s, ratio_vs_sdpa, ...
     skipped: list[dict] = field(default_factory=list)
     env: dict = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
     exit_code: int = 0
 
     def row(self, impl: str) -> dict | None:
@@ -42,78 +74,42 @@ class MiniLMBench:
         return next((r for r in self.rows if r["impl"] == impl), None)
 
 
-def build_parser(p):
-    """Add ``bench minilm``'s options (--quick, --out, --batch, --tokens, --repeats, --mechanisms,
-    --threads) to the argparse parser ``p``."""
-    p.add_argument("--quick", action="store_true", help="batch 4 x 32 tokens, 2 repeats (seconds)")
-    p.add_argument("--out", default="reports/bench-minilm", help="output folder (default reports/bench-minilm)")
-    p.add_argument("--batch", type=positive_int, default=None, help="sentences per batch (default 32; quick 4)")
-    p.add_argument("--tokens", type=positive_int, default=None,
-                   help="tokens per sentence incl. [CLS]/[SEP] (default 128; quick 32)")
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="timed repeats per implementation (default 5; quick 2)")
-    p.add_argument("--mechanisms", default="auto,tiled", help="attnlab mechanisms to time (default auto,tiled)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
-
-
 def _pool(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.unsqueeze(-1).to(h.dtype)  # (B, T, 1)
     return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1)
 
 
-def run(args) -> MiniLMBench:
-    """Run the MiniLM encoding benchmark with the parsed options ``args`` and return its :class:`MiniLMBench`.
+def run(config: MiniLMConfig, *, progress: Callable[[int, int, str], None] | None = None) -> MiniLMBench:
+    """Time MiniLM sentence encoding on attnlab and transformers; writes minilm.json and minilm.png to ``out``.
 
-    Times attnlab's MiniLM (one model per ``--mechanisms`` entry) and, when installed, transformers'
+    Times attnlab's MiniLM (one model per entry of ``mechanisms``) and, when installed, transformers'
     BertModel with sdpa and eager attention, all on the same local weights and one fixed unpadded
     [batch, tokens] batch; each call is forward + mean pooling + L2 normalisation. Repeats are interleaved
-    after one warm-up round; medians are reported. Writes minilm.json and minilm.png to ``args.out`` and
-    prints a table. Raises ValueError for a size <= 0, more than 512 tokens, or a batch that would not fit
-    in memory. Torch's thread count is restored afterwards.
+    after one warm-up round; medians are reported. ``progress(done, total, label)`` is called before each
+    call. Raises ValueError for a size <= 0, more than 512 tokens, or a batch that would not fit in
+    memory. Torch's thread count is restored afterwards.
     """
-    # quick mode changes the defaults, never a value given on the command line
-    defaults = {"batch": 4, "tokens": 32, "repeats": 2} if args.quick else {"batch": 32, "tokens": 128, "repeats": 5}
-    batch, tokens, repeats = (defaults[n] if getattr(args, n) is None else getattr(args, n) for n in defaults)
-    for name, v in (("batch", batch), ("tokens", tokens), ("repeats", repeats)):
-        if v <= 0:
-            raise ValueError(f"--{name} must be > 0, got {v}")
-    if tokens > 512:
-        raise ValueError(f"--tokens must be <= 512 (MiniLM's positions), got {tokens}")
+    batch, tokens, repeats = config.resolved()
     # per layer of the three models: hidden states [B, T, 384] and their temporaries, 12 heads' [T, T] scores
     check_memory(f"--batch {batch} --tokens {tokens}", 4 * batch * tokens * (384 * 24 + 12 * tokens * 3),
                  "MiniLM's activations for one batch")
-    output_dir(args.out)
-    if args.threads is not None:
-        if args.threads <= 0:
-            raise ValueError(f"--threads must be > 0, got {args.threads}")
-        prev = torch.get_num_threads()
-        torch.set_num_threads(args.threads)
-        try:
-            return _run(args, batch, tokens, repeats)
-        finally:
-            torch.set_num_threads(prev)
-    return _run(args, batch, tokens, repeats)
+    with torch_threads(config.threads):
+        return _run(config, batch, tokens, repeats, progress)
 
 
-def _run(args, batch: int, tokens: int, repeats: int) -> MiniLMBench:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import Progress
-    from rich.table import Table
-
+def _run(config: MiniLMConfig, batch: int, tokens: int, repeats: int, progress) -> MiniLMBench:
     from ..models import minilm
 
-    console = Console()
-    res = MiniLMBench(str(args.out), batch, tokens, repeats, torch.get_num_threads(), env=environment())
+    res = MiniLMBench(str(config.out), batch, tokens, repeats, torch.get_num_threads(), env=environment())
 
     # one fixed batch: [CLS] random WordPiece ids [SEP], every token real (no padding)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 29000, (batch, tokens), generator=g)
+    ids = torch.randint(1000, 29000, (batch, tokens), generator=g)  # (B, T)
     ids[:, 0], ids[:, -1] = 101, 102
     mask = torch.ones_like(ids)
 
     impls: dict[str, callable] = {}
-    for mech in [m.strip() for m in args.mechanisms.split(",") if m.strip()]:
+    for mech in [m.strip() for m in config.mechanisms if m.strip()]:
         model = minilm.load(mechanism=mech)
         impls[f"attnlab[{mech}]"] = (lambda model=model: _pool(model(ids, mask).last_hidden_state, mask))
     try:
@@ -129,10 +125,12 @@ def _run(args, batch: int, tokens: int, repeats: int) -> MiniLMBench:
 
     times: dict[str, list[float]] = {k: [] for k in impls}
     outputs: dict[str, torch.Tensor] = {}
-    with torch.inference_mode(), Progress(console=console, transient=True) as progress:
-        task = progress.add_task("minilm encode", total=(repeats + 1) * len(impls))
+    total, done = (repeats + 1) * len(impls), 0
+    with torch.inference_mode():
         for rep in range(repeats + 1):  # the first round is a warm-up
             for name, f in impls.items():
+                if progress:
+                    progress(done, total, f"{'warm-up' if rep == 0 else f'round {rep}'} {name}")
                 t0 = time.perf_counter()
                 out = f()
                 dt = time.perf_counter() - t0
@@ -140,7 +138,7 @@ def _run(args, batch: int, tokens: int, repeats: int) -> MiniLMBench:
                     outputs[name] = out
                 else:
                     times[name].append(dt)
-                progress.advance(task)
+                done += 1
 
     ref = outputs.get("transformers[sdpa]")
     for name, ts in times.items():
@@ -155,26 +153,17 @@ def _run(args, batch: int, tokens: int, repeats: int) -> MiniLMBench:
         r["ratio_vs_sdpa"] = sdpa["seconds"] / r["seconds"] if sdpa else None
         r["ratio_vs_eager"] = eager["seconds"] / r["seconds"] if eager else None
 
-    out_dir = Path(args.out)
+    out_dir = Path(config.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "minilm.json", {
         "suite": "minilm", "batch": batch, "tokens": tokens, "repeats": repeats, "threads": res.threads,
         "rows": res.rows, "skipped": res.skipped, "env": res.env,
         "note": "throughput ratios are transformers time / impl time in the same run (>1: faster)",
     })
     _plot(res, out_dir / "minilm.png")
-
-    t = Table(title=f"MiniLM encode, batch {batch} x {tokens} tokens, {res.threads} threads "
-                    "(ratios: same run, >1 = faster)")
-    for col in ("impl", "median s", "sentences/s", "vs sdpa", "vs eager", "max |diff| vs sdpa"):
-        t.add_column(col, justify="right" if col != "impl" else "left", no_wrap=True)
-    for r in res.rows:
-        fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
-        t.add_row(escape(r["impl"]), f"{r['seconds']:.4f}", f"{r['sentences_per_s']:.1f}", fmt(r["ratio_vs_sdpa"], ".2f"),
-                  fmt(r["ratio_vs_eager"], ".2f"), fmt(r["max_abs_diff_vs_transformers_sdpa"], ".1e"))
-    console.print(t)
-    for s in res.skipped:
-        console.print(f"[yellow]skipped {escape(s['impl'])}: {escape(s['reason'])}")
-    console.print(f"wrote {out_dir / 'minilm.json'}")
+    res.files = [str(out_dir / "minilm.json"), str(out_dir / "minilm.png")]
+    if progress:
+        progress(total, total, "done")
     return res
 
 

@@ -6,8 +6,8 @@ from ._suites import add_suites, run_suite
 SUITES = {
     "core": ("attnlab.cli.bench_core", "tiled / sparse / auto vs torch SDPA vs naive: time and peak memory"),
     "all": ("attnlab.bench.mechanisms", "every mechanism and pattern x sequence length, fitted exponents"),
-    "minilm": ("attnlab.bench.minilm", "MiniLM encode throughput: attnlab vs transformers"),
-    "generate": ("attnlab.bench.generate", "TransformerLM generation with vs without KV cache"),
+    "minilm": ("attnlab.cli.bench_minilm", "MiniLM encode throughput: attnlab vs transformers"),
+    "generate": ("attnlab.cli.bench_generate", "TransformerLM generation with vs without KV cache"),
     "ring": ("attnlab.bench.ring", "ring attention: per-rank memory and time vs one process"),
     "layers": ("attnlab.bench.layers", "self-attention vs recurrence vs convolution (Vaswani et al. Table 1)"),
     "kernels": ("attnlab.cli.bench_kernels", "attnlab's kernels vs SDPA and compiled FlexAttention (issue 14 targets)"),

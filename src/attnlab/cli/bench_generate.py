@@ -1,0 +1,60 @@
+"""attnlab bench generate: the CLI face of attnlab.bench.generate (argv in, progress bar, table out)."""
+from __future__ import annotations
+
+from attnlab.bench.generate import GenerateBench, GenerateConfig, run as run_generate
+from attnlab.options import positive_int, positive_int_list
+
+from .bench_common import checked_out, progress_display
+
+
+def build_parser(p) -> None:
+    """Add ``bench generate``'s options (--quick, --out, --contexts, --new-tokens, --repeats, model sizes,
+    --mechanism, --threads) to the argparse parser ``p``."""
+    p.add_argument("--quick", action="store_true", help="tiny model, contexts 64 and 128 (seconds)")
+    p.add_argument("--out", default=GenerateConfig.out, help=f"output folder (default {GenerateConfig.out})")
+    p.add_argument("--contexts", type=positive_int_list, default=None,
+                   help="comma-separated context lengths (default 512,2048; quick 64,128)")
+    p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per run (default 16; quick 4)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timed repeats (median; default 2; quick 1)")
+    p.add_argument("--d-model", type=positive_int, default=None, help="model width (default 256; quick 64)")
+    p.add_argument("--layers", type=positive_int, default=None, help="Transformer layers (default 4; quick 2)")
+    p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 8; quick 4)")
+    p.add_argument("--mechanism", default="auto", help="attention mechanism of the model (default auto)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
+
+
+def config_from_args(args) -> GenerateConfig:
+    """The :class:`GenerateConfig` of parsed options (checked; --out is not checked here)."""
+    cfg = GenerateConfig(out=args.out, quick=args.quick, contexts=args.contexts, new_tokens=args.new_tokens,
+                         repeats=args.repeats, d_model=args.d_model, layers=args.layers, heads=args.heads,
+                         mechanism=args.mechanism, threads=args.threads)
+    cfg.resolved()
+    return cfg
+
+
+def run(args) -> GenerateBench:
+    """Run ``bench generate`` for parsed options with a progress bar; print tokens/s and the speedups."""
+    cfg = config_from_args(args)
+    cfg.out = str(checked_out(args))
+    with progress_display(title="generate") as progress:
+        res = run_generate(cfg, progress=progress)
+    render(res)
+    return res
+
+
+def render(res: GenerateBench) -> None:
+    """Print one row per context: tokens/s with and without the cache, their ratios, same tokens."""
+    from rich.console import Console
+    from rich.table import Table
+
+    m = res.model
+    n_new = res.rows[0]["new_tokens"] if res.rows else 0
+    t = Table(title=f"TransformerLM generate (d={m['d_model']}, {m['layers']} layers), greedy, {n_new} new tokens")
+    for col in ("context", "cache tok/s", "no-cache tok/s", "speedup", "decode speedup", "same tokens"):
+        t.add_column(col, justify="right")
+    for r in res.rows:
+        t.add_row(str(r["context"]), f"{r['cache']['tokens_per_s']:.1f}", f"{r['no_cache']['tokens_per_s']:.1f}",
+                  f"{r['speedup']:.1f}x", f"{r['decode_speedup']:.1f}x", "yes" if r["same_tokens"] else "NO")
+    console = Console()
+    console.print(t)
+    console.print(f"wrote {res.files[0] if res.files else res.out_dir}")
