@@ -10,6 +10,10 @@ available) minus the resident set just before the inputs are made: "total" count
 memory leaves the resident set in both. Time: wall time of the call (the slowest rank for the ring),
 with the same total number of threads: one process gets T threads, each of N ranks T // N.
 Target (issue 7): 4 processes at n = 32768, each rank's peak <= 0.35x the single process's.
+
+``run(RingConfig(...)) -> RingBenchResult``: no printing, no argv (the CLI is ``attnlab bench ring``).
+
+Legend: B batch, H heads, n sequence length, E head dim, L_r the positions one rank holds.
 """
 from __future__ import annotations
 
@@ -20,13 +24,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from ..options import output_dir, positive_float, positive_int
 from ..report import atomic_write_json, environment, save_figure
 
-__all__ = ["build_parser", "run", "RingBenchResult"]
+__all__ = ["RingConfig", "RingBenchResult", "RankRecord", "run"]
 
 TARGET_RATIO = 0.35
 TARGET_N, TARGET_PROCS = 32768, 4
@@ -64,26 +68,58 @@ class RingBenchResult:
     summary: list[dict] = field(default_factory=list)
     target: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
     exit_code: int = 0
 
 
-def build_parser(p):
-    """Add ``bench ring``'s options (--procs, --quick, sizes, --layouts, --no-causal, --backward,
-    --block-size, --threads, --timeout, --out) to the argparse parser ``p``."""
-    p.add_argument("--procs", type=positive_int, default=4, help="ranks in the ring (default 4)")
-    p.add_argument("--quick", action="store_true", help="toy size: finishes in seconds")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length n (default 32768; quick 512)")
-    p.add_argument("--batch", type=positive_int, default=1, help="batch size")
-    p.add_argument("--heads", type=positive_int, default=None, help="heads (default 4; quick 2)")
-    p.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default 64; quick 16)")
-    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"], choices=["contiguous", "zigzag"],
-                   help="how the sequence is split over the ranks")
-    p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
-    p.add_argument("--backward", action="store_true", help="measure forward + backward (training step)")
-    p.add_argument("--block-size", type=positive_int, default=None, help="ring piece size (default: ring_attention's)")
-    p.add_argument("--threads", type=positive_int, default=None, help="total threads per configuration (default: cores)")
-    p.add_argument("--timeout", type=positive_float, default=None, help="seconds per configuration (default 1800; quick 180)")
-    p.add_argument("--out", default="reports/bench-ring", help="output folder (default reports/bench-ring)")
+@dataclass
+class RingConfig:
+    """What ``bench ring`` measures: query, key, value [batch, heads, n, head_dim] split over ``procs``
+    ranks in each of ``layouts``. A size left None takes quick's default (n 512, 2 heads, head dim 16,
+    180 s) when ``quick``, else n = 32768, 4 heads, head dim 64, 1800 s per configuration. ``threads``:
+    the total per configuration (default: this process's cores); ``block_size``: ring_attention's piece
+    size (None: its default)."""
+    out: str = "reports/bench-ring"
+    procs: int = 4
+    quick: bool = False
+    seq_len: int | None = None
+    batch: int = 1
+    heads: int | None = None
+    head_dim: int | None = None
+    layouts: tuple[str, ...] = ("contiguous", "zigzag")
+    causal: bool = True
+    backward: bool = False
+    block_size: int | None = None
+    threads: int | None = None
+    timeout: float | None = None
+
+    def settings(self) -> dict:
+        """Every setting with its default filled in (as stored in ring.json); ValueError naming the option
+        for one that cannot run."""
+        q = self.quick
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+        def given(v, default):  # 0 is refused, never replaced by a default here
+            return default if v is None else v
+
+        s = dict(procs=self.procs, n=given(self.seq_len, 512 if q else TARGET_N), batch=self.batch,
+                 heads=given(self.heads, 2 if q else 4), head_dim=given(self.head_dim, 16 if q else 64),
+                 causal=self.causal, backward=self.backward, block_size=self.block_size,
+                 threads=self.threads if self.threads is not None else cores, layouts=list(dict.fromkeys(self.layouts)),
+                 timeout=given(self.timeout, 180.0 if q else 1800.0), quick=q)
+        for name in ("procs", "n", "batch", "heads", "head_dim", "threads"):
+            if s[name] < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
+        if s["procs"] < 2:
+            raise ValueError(f"--procs must be >= 2 for a ring, got {s['procs']}")
+        if s["n"] < 2 * s["procs"]:
+            raise ValueError(f"--seq-len {s['n']} is too short for {s['procs']} ranks (need >= {2 * s['procs']})")
+        if s["block_size"] is not None and s["block_size"] < 1:
+            raise ValueError(f"--block-size must be >= 1, got {s['block_size']}")
+        bad = [x for x in s["layouts"] if x not in ("contiguous", "zigzag")]
+        if bad:
+            raise ValueError(f"--layouts: unknown {bad}; choose from contiguous, zigzag")
+        return s
 
 
 # -- measured inside each process ------------------------------------------------------------------
@@ -183,60 +219,32 @@ def _measure(rank: int, world: int, cfg: dict) -> dict:
 
 
 # -- the driver ------------------------------------------------------------------------------------
-def _settings(args) -> dict:
-    q = args.quick
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    def given(v, default):  # 0 is refused by the parser, never replaced by a default here
-        return default if v is None else v
-
-    s = dict(procs=args.procs, n=given(args.seq_len, 512 if q else TARGET_N), batch=args.batch,
-             heads=given(args.heads, 2 if q else 4), head_dim=given(args.head_dim, 16 if q else 64),
-             causal=not args.no_causal, backward=args.backward, block_size=args.block_size,
-             threads=args.threads if args.threads is not None else cores, layouts=list(dict.fromkeys(args.layouts)),
-             timeout=given(args.timeout, 180.0 if q else 1800.0), quick=q)
-    for name in ("procs", "n", "batch", "heads", "head_dim", "threads"):
-        if s[name] < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
-    if s["procs"] < 2:
-        raise ValueError(f"--procs must be >= 2 for a ring, got {s['procs']}")
-    if s["n"] < 2 * s["procs"]:
-        raise ValueError(f"--seq-len {s['n']} is too short for {s['procs']} ranks (need >= {2 * s['procs']})")
-    if s["block_size"] is not None and s["block_size"] < 1:
-        raise ValueError(f"--block-size must be >= 1, got {s['block_size']}")
-    return s
-
-
-def run(args) -> RingBenchResult:
-    """Run the ring benchmark with the parsed options ``args`` and return its :class:`RingBenchResult`.
+def run(config: RingConfig, *, progress: Callable[[int, int, str], None] | None = None) -> RingBenchResult:
+    """Measure one process against each ring layout; writes ring.json and ring.png to ``out``.
 
     Starts one process with the whole sequence (query, key, value [B, H, n, E] through
-    ``attnlab.attention``), then ``--procs`` processes per layout running ``ring_attention`` on their
-    shards, each in fresh processes via ``attnlab.distributed.run_local`` (gloo). Writes ring.json and a
-    plot to ``args.out`` and prints a table. Raises ValueError for fewer than 2 processes or a sequence
-    shorter than 2 positions per rank, and RuntimeError if any rank produced non-finite outputs.
+    ``attnlab.attention``), then ``procs`` processes per layout running ``ring_attention`` on their
+    shards, each in fresh processes via ``attnlab.distributed.run_local`` (gloo). ``progress(done,
+    total, label)`` is called before each configuration. Raises ValueError for fewer than 2 processes or
+    a sequence shorter than 2 positions per rank, and RuntimeError if any rank produced non-finite outputs.
     """
-    from rich.console import Console
-    from rich.table import Table
-
     from ..distributed import run_local
 
-    s = _settings(args)
-    output_dir(args.out)
-    out_dir = Path(args.out)
-    console = Console(stderr=True)
+    s = config.settings()
+    out_dir = Path(config.out)
     result = RingBenchResult(str(out_dir), s, env=environment())
     configs = ["single"] + [f"ring-{layout}" for layout in s["layouts"]]
-    with console.status("") as status:
-        for name in configs:
-            world = 1 if name == "single" else s["procs"]
-            status.update(f"bench ring: {name} ({world} process{'es' if world > 1 else ''}, n={s['n']})")
-            cfg = dict(s, config=name)
-            ranks = run_local(_measure, world, args=(cfg,), timeout=s["timeout"])
-            for r in ranks:
-                v = dict(r.value)
-                if not v.pop("finite"):
-                    raise RuntimeError(f"bench ring: {name} rank {r.rank} produced non-finite outputs")
-                result.records.append(RankRecord(**v))
+    for i, name in enumerate(configs):
+        world = 1 if name == "single" else s["procs"]
+        if progress:
+            progress(i, len(configs), f"{name} ({world} process{'es' if world > 1 else ''}, n={s['n']})")
+        cfg = dict(s, config=name)
+        ranks = run_local(_measure, world, args=(cfg,), timeout=s["timeout"])
+        for r in ranks:
+            v = dict(r.value)
+            if not v.pop("finite"):
+                raise RuntimeError(f"bench ring: {name} rank {r.rank} produced non-finite outputs")
+            result.records.append(RankRecord(**v))
     single = next(r for r in result.records if r.config == "single")
     for name in configs:
         recs = [r for r in result.records if r.config == name]
@@ -253,8 +261,11 @@ def run(args) -> RingBenchResult:
         applies=s["n"] == TARGET_N and s["procs"] == TARGET_PROCS, ratio=TARGET_RATIO,
         worst_peak_ratio=max((x["peak_ratio"] or 0.0) for x in ring_rows),
         met=all(x["peak_ratio"] is not None and x["peak_ratio"] <= TARGET_RATIO for x in ring_rows))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result.files = [str(out_dir / "ring.json"), str(out_dir / "ring.png")]
     _write(result, out_dir)
-    _render(result, Console(), Table)
+    if progress:
+        progress(len(configs), len(configs), "done")
     return result
 
 
@@ -289,22 +300,3 @@ def _write(result: RingBenchResult, out_dir: Path) -> None:
                  f"E={st['head_dim']}, {'causal' if st['causal'] else 'full'}"
                  f"{', fwd+bwd' if st['backward'] else ', forward'}")
     save_figure(fig, out_dir / "ring.png")
-
-
-def _render(result: RingBenchResult, console, Table) -> None:
-    t = Table(title=f"attnlab bench ring (n={result.settings['n']}, {result.settings['procs']} processes)")
-    for col in ("config", "rank", "threads", "positions", "peak MiB", "attention MiB", "peak / one process",
-                "seconds", "time / one process", "sent MiB", "waiting s"):
-        t.add_column(col, justify="right" if col != "config" else "left")
-    single = next(r for r in result.records if r.config == "single")
-    for r in result.records:
-        t.add_row(r.config, str(r.rank), str(r.threads), str(r.local_len), f"{r.peak_mib:.1f}",
-                  f"{r.attention_peak_mib:.1f}", f"{r.peak_mib / single.peak_mib:.3f}" if single.peak_mib else "-",
-                  f"{r.seconds:.3f}", f"{r.seconds / single.seconds:.2f}" if single.seconds else "-",
-                  f"{r.sent_mib:.1f}", f"{r.wait_seconds:.3f}")
-    console.print(t)
-    tg = result.target
-    console.print(f"worst rank peak / one process: {tg['worst_peak_ratio']:.3f} (target <= {tg['ratio']} at "
-                  f"n={TARGET_N}, {TARGET_PROCS} processes: {'met' if tg['met'] else 'not met'}"
-                  f"{'' if tg['applies'] else '; this run is not that configuration'})")
-    console.print(f"wrote {result.out_dir}/ring.json and ring.png")
