@@ -144,11 +144,11 @@ def test_bench_layers_quick_writes_report_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bl"
     assert cli.main(["bench", "layers", "--quick", "--out", str(out)]) == 0
     res = cli.LAST_RESULT
-    cfg = res["config"]
-    assert {(r["layer"], r["n"], r["d"]) for r in res["rows"]} == {
+    cfg = res.config
+    assert {(r["layer"], r["n"], r["d"]) for r in res.rows} == {
         (name, n, d) for name in BL.LAYERS for n in cfg["ns"] for d in cfg["ds"]}
     on_disk = json.loads((out / "layers.json").read_text())
-    assert on_disk["rows"] == json.loads(json.dumps(res["rows"]))
+    assert on_disk["rows"] == json.loads(json.dumps(res.rows))
     for f in ("layers_time.png", "layers_memory.png"):
         assert (out / f).read_bytes()[:4] == b"\x89PNG"
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]  # atomic writes leave nothing behind
@@ -157,7 +157,7 @@ def test_bench_layers_quick_writes_report_json_and_plots(tmp_path, capsys):
         assert cell in md
     assert "n < d" in md
     # every (attention, recurrent, timing, d) has a crossover entry
-    assert len(res["crossover"]) == 3 * 2 * 2 * len(cfg["ds"])
+    assert len(res.crossover) == 3 * 2 * 2 * len(cfg["ds"])
     assert "crossover" in capsys.readouterr().out
 
 

@@ -21,10 +21,10 @@ Legend: B batch, n sequence length, d model width, w window (each side), r = 2w+
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -33,10 +33,12 @@ from torch import nn
 
 from .. import patterns
 from ..functional import attention, explain
-from ..options import check_memory, nonneg_int, output_dir, positive_float, positive_int
-from ..report import atomic_write_json, atomic_write_text, environment, save_figure
+from ..options import check_memory
+from ..report import atomic_write_json, atomic_write_text, environment, format_bytes, save_figure
+from .impls import torch_threads
 
-__all__ = ["LAYERS", "PAPER", "make_layer", "flops", "structure", "measure", "crossover", "build_parser", "run"]
+__all__ = ["LAYERS", "PAPER", "LayersConfig", "LayersResult", "make_layer", "flops", "structure", "measure",
+           "crossover", "fitted_slopes", "markdown", "run"]
 
 LAYERS = ("attention", "attention_fused", "attention+proj", "attention_window", "gru", "lstm", "conv")
 ATTENTION_LAYERS = ("attention", "attention_fused", "attention+proj", "attention_window")
@@ -330,20 +332,11 @@ def _fmt_s(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def _fmt_b(b: int | None) -> str:
-    if b is None:
-        return "–"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            return f"{b / size:.3g} {unit}"
-    return f"{b} B"
-
-
-def markdown(result: dict) -> str:
+def markdown(result: "LayersResult") -> str:
     """The layers.md report of a :func:`run` result: the paper's Table 1 beside the derived structure,
     measured times and memory, fitted exponents and the attention/recurrence crossover."""
-    cfg = result["config"]
-    env = result["environment"]
+    cfg = result.config
+    env = result.environment
     lines = [
         "# Self-attention vs recurrence vs convolution, per layer (Vaswani et al. 2017, Table 1)", "",
         f"Measured by `{cfg['command']}` on {env['cpu']} ({env['threads']} thread{'s' if env['threads'] != 1 else ''}, torch {env['torch']}). "
@@ -358,22 +351,22 @@ def markdown(result: dict) -> str:
     for name in cfg["layers"]:
         cells = []
         for n in cfg["structure_ns"]:
-            s = next(s for s in result["structure"] if s["layer"] == name and s["n"] == n)
+            s = next(s for s in result.structure if s["layer"] == name and s["n"] == n)
             cells.append(f"{s['sequential_ops']} / {s['max_path_length']}")
         lines.append(f"| {name} | " + " | ".join(PAPER[name]) + " | " + " | ".join(cells) + " |")
     lines += ["", "## Measured time and memory", "",
               "| layer | n | d | forward | fwd+bwd | fwd / GRU fwd | fwd GFLOP/s | forward peak | saved for bwd | method |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    gru = {(r["n"], r["d"]): r["forward_s"] for r in result["rows"] if r["layer"] == "gru"}
-    for r in sorted(result["rows"], key=lambda r: (r["d"], r["n"], LAYERS.index(r["layer"]))):
+    gru = {(r["n"], r["d"]): r["forward_s"] for r in result.rows if r["layer"] == "gru"}
+    for r in sorted(result.rows, key=lambda r: (r["d"], r["n"], LAYERS.index(r["layer"]))):
         ratio = f"{r['forward_s'] / gru[(r['n'], r['d'])]:.3g}" if (r["n"], r["d"]) in gru else "–"
         lines.append(f"| {r['layer']} | {r['n']} | {r['d']} | {_fmt_s(r['forward_s'])} | "
                      f"{_fmt_s(r['forward_backward_s'])} | {ratio} | {r['flops'] / r['forward_s'] / 1e9:.3g} | "
-                     f"{_fmt_b(r.get('forward_peak_bytes'))} | {_fmt_b(r.get('saved_bytes'))} | "
+                     f"{format_bytes(r.get('forward_peak_bytes'))} | {format_bytes(r.get('saved_bytes'))} | "
                      f"{r.get('method', '–')} |")
     lines += ["", "## Fitted log-log exponents of forward time (paper's exponents in brackets)", "",
               "| layer | time ∝ n^a (at largest d, upper half of n) | time ∝ d^b (at largest n) |", "|---|---|---|"]
-    for name, s in result["slopes"].items():
+    for name, s in result.slopes.items():
         fa = "–" if s["n_slope"] is None else f"{s['n_slope']:.2f}"
         fb = "–" if s["d_slope"] is None else f"{s['d_slope']:.2f}"
         lines.append(f"| {name} | {fa} [{s['paper'][0]}] (d={s['at_d']}) | {fb} [{s['paper'][1]}] (n={s['at_n']}) |")
@@ -384,29 +377,29 @@ def markdown(result: dict) -> str:
               "(+8·n·d²) at n = d. Measured crossings (forward time, then forward+backward):", "",
               "| attention | recurrent | timing | d | measured n* | n*/d | FLOP-model n* | verdict |",
               "|---|---|---|---|---|---|---|---|"]
-    for c in result["crossover"]:
+    for c in result.crossover:
         ns = "–" if c["n_star"] is None else f"{c['n_star']:.0f}"
         nd = "–" if c["n_star_over_d"] is None else f"{c['n_star_over_d']:.2g}"
         fm = "–" if c["flop_model_n_star"] is None else f"{c['flop_model_n_star']:.0f}"
         lines.append(f"| {c['attention']} | {c['recurrent']} | {c['timing']} | {c['d']} | {ns} | {nd} | {fm} | "
                      f"{c['verdict']} |")
-    lines += ["", "Files: " + ", ".join(f"`{Path(p).name}`" for p in result["files"].values()), ""]
+    lines += ["", "Files: " + ", ".join(f"`{Path(p).name}`" for p in result.files.values()), ""]
     return "\n".join(lines)
 
 
-def _plots(result: dict, out: Path) -> dict:
+def _plots(result: "LayersResult", out: Path) -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, files = result["rows"], {}
+    rows, files = result.rows, {}
     ds = sorted({r["d"] for r in rows})
     fig, axes = plt.subplots(2, len(ds), figsize=(4.4 * len(ds), 7.5), squeeze=False, layout="constrained")
     for col, d in enumerate(ds):
         for row, key in enumerate(("forward_s", "forward_backward_s")):
             ax = axes[row][col]
-            for name in result["config"]["layers"]:
+            for name in result.config["layers"]:
                 pts = sorted((r["n"], r[key]) for r in rows if r["layer"] == name and r["d"] == d)
                 if pts:
                     ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -422,7 +415,7 @@ def _plots(result: dict, out: Path) -> dict:
     d = ds[-1]
     for ax, key, title in ((axes[0], "forward_peak_bytes", "forward peak"),
                            (axes[1], "saved_bytes", "saved for backward")):
-        for name in result["config"]["layers"]:
+        for name in result.config["layers"]:
             pts = sorted((r["n"], r[key]) for r in rows if r["layer"] == name and r["d"] == d and r.get(key))
             if pts:
                 ax.loglog([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
@@ -434,8 +427,8 @@ def _plots(result: dict, out: Path) -> dict:
     return files
 
 
-# -- 5) CLI ---------------------------------------------------------------------------------------------------------
-# --quick runs on one thread: toy sizes gain nothing from more, and on a busy machine a second thread that
+# -- 5) the run -------------------------------------------------------------------------------------------------
+# quick runs on one thread: toy sizes gain nothing from more, and on a busy machine a second thread that
 # is descheduled stalls every parallel region
 QUICK = {"ns": [8, 16, 32], "ds": [8, 16], "batch": 1, "window": 2, "kernel": 3, "min_time": 0.0, "max_reps": 3,
          "structure_ns": [8, 16], "threads": 1, "memory_at": "largest n"}
@@ -444,96 +437,101 @@ FULL = {"ns": [16, 32, 64, 128, 256, 512, 1024, 2048], "ds": [16, 64, 256], "bat
         "memory_at": "every n"}
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return sorted(set(vals))
+@dataclass
+class LayersConfig:
+    """What ``bench layers`` measures. A setting left None takes ``QUICK``'s value when ``quick``, else
+    ``FULL``'s: lengths ``ns``, widths ``ds``, x: [batch, n, d]; ``window`` keys each side of
+    attention_window, an odd conv ``kernel``; ``min_time`` seconds of repetitions per measurement;
+    ``threads`` torch threads for the run. ``memory``: measure forward peak and saved bytes."""
+    out: str = "reports/bench-layers"
+    quick: bool = False
+    ns: list[int] | None = None
+    ds: list[int] | None = None
+    layers: list[str] | None = None
+    batch: int | None = None
+    window: int | None = None
+    kernel: int | None = None
+    min_time: float | None = None
+    threads: int | None = None
+    memory: bool = True
+    command: str = "attnlab bench layers"  # how the report says it was measured
+
+    def resolved(self) -> dict:
+        """Every setting with the defaults filled in; ValueError naming the option for a bad one."""
+        cfg = dict(QUICK if self.quick else FULL)
+        for key in ("ns", "ds", "batch", "window", "kernel", "min_time", "threads"):
+            if getattr(self, key) is not None:
+                cfg[key] = getattr(self, key)
+        cfg["ns"], cfg["ds"] = sorted(set(cfg["ns"])), sorted(set(cfg["ds"]))
+        for key in ("ns", "ds"):
+            if not cfg[key] or any(v < 1 for v in cfg[key]):
+                raise ValueError(f"--{key}: expected positive integers, got {cfg[key]}")
+        cfg["layers"] = list(self.layers or LAYERS)
+        bad = [name for name in cfg["layers"] if name not in LAYERS]
+        if bad:
+            raise ValueError(f"--layers: unknown {bad}; choose from {list(LAYERS)}")
+        if cfg["batch"] < 1 or cfg["window"] < 0 or cfg["kernel"] < 1 or cfg["kernel"] % 2 == 0:
+            raise ValueError(f"need batch >= 1, window >= 0 and an odd kernel >= 1; got batch={cfg['batch']}, "
+                             f"window={cfg['window']}, kernel={cfg['kernel']}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        cfg["command"] = self.command
+        return cfg
 
 
-def build_parser(p: argparse.ArgumentParser) -> None:
-    """Add ``bench layers``' options (--quick, --out, --ns, --ds, --layers, sizes, --threads, --no-memory,
-    --json) to the argparse parser ``p``."""
-    p.add_argument("--quick", action="store_true", help="toy sizes, runs in seconds (what the tests run)")
-    p.add_argument("--out", default="reports/bench-layers", help="folder for layers.json, layers.md, PNGs")
-    p.add_argument("--ns", type=_int_list, help="sequence lengths, e.g. 32,128,512")
-    p.add_argument("--ds", type=_int_list, help="model widths, e.g. 32,128,512")
-    p.add_argument("--layers", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],
-                   help=f"subset of {','.join(LAYERS)}")
-    p.add_argument("--batch", type=positive_int, help="batch size")
-    p.add_argument("--window", type=nonneg_int, help="attention window w (keys on each side; r = 2w+1)")
-    p.add_argument("--kernel", type=positive_int, help="convolution kernel size k (odd)")
-    p.add_argument("--min-time", type=positive_float, help="seconds of repetitions per measurement")
-    p.add_argument("--threads", type=positive_int, help="torch intra-op threads for the run (default: torch's)")
-    p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+@dataclass
+class LayersResult:
+    """Everything one ``bench layers`` run measured (as written to layers.json): the resolved config, the
+    environment, the paper's Table 1, the derived ``structure`` per (layer, n), one row per (layer, n, d)
+    from :func:`measure`, the fitted ``slopes``, the attention/recurrence ``crossover`` and the files."""
+    config: dict
+    environment: dict
+    paper: dict = field(default_factory=lambda: dict(PAPER))
+    structure: list[dict] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    slopes: dict = field(default_factory=dict)
+    crossover: list[dict] = field(default_factory=list)
+    files: dict = field(default_factory=dict)
+    suite: str = "layers"
+    exit_code: int = 0
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the per-layer benchmark with the parsed options ``args`` and return the result dict.
+def run(config: LayersConfig, *, progress: Callable[[int, int, str], None] | None = None) -> LayersResult:
+    """Measure every layer on the grid, derive the structure and the crossover, write the report.
 
-    For every layer in --layers, d in --ds and n in --ns: :func:`measure` on x: [batch, n, d] (plus
+    For every layer in ``layers``, d in ``ds`` and n in ``ns``: :func:`measure` on x: [batch, n, d] (plus
     :func:`structure` at the small ``structure_ns``), then the fitted slopes and the attention/recurrence
-    :func:`crossover`. Writes layers.json, layers.md, layers_time.png and layers_memory.png to ``args.out``
-    and prints tables (or the JSON with --json). Torch's thread count is set for the run and restored.
-    Raises ValueError for an unknown layer, an even kernel, or sizes whose [batch, n, n] attention
-    scores would not fit in memory.
+    :func:`crossover`. Writes layers.json, layers.md, layers_time.png and layers_memory.png to ``out``.
+    ``progress(done, total, label)`` is called before each step. Torch's thread count is set for the run
+    and restored. Raises ValueError for an unknown layer, an even kernel, or sizes whose [batch, n, n]
+    attention scores would not fit in memory.
     """
-    cfg = dict(QUICK if args.quick else FULL)
-    for key in ("ns", "ds", "batch", "window", "kernel", "min_time", "threads"):
-        if getattr(args, key, None) is not None:
-            cfg[key] = getattr(args, key)
-    cfg["layers"] = list(args.layers or LAYERS)
-    bad = [name for name in cfg["layers"] if name not in LAYERS]
-    if bad:
-        raise ValueError(f"--layers: unknown {bad}; choose from {list(LAYERS)}")
-    if cfg["batch"] < 1 or cfg["window"] < 0 or cfg["kernel"] < 1 or cfg["kernel"] % 2 == 0:
-        raise ValueError(f"need batch >= 1, window >= 0 and an odd kernel >= 1; got batch={cfg['batch']}, "
-                         f"window={cfg['window']}, kernel={cfg['kernel']}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    cfg["command"] = "attnlab bench layers" + (" --quick" if args.quick else "") + (
-        f" --threads {args.threads}" if args.threads else "")
+    cfg = config.resolved()
     n, d, b = max(cfg["ns"]), max(cfg["ds"]), cfg["batch"]
     # full self-attention keeps [B, n, n] scores and weights (and their gradients); the rest is O(B·n·d)
     check_memory(f"--ns {n} --ds {d} --batch {b}", 4 * b * n * n * 4 + 4 * b * n * d * 32,
                  "self-attention's [B, n, n] scores and the layers' activations at the largest size")
-    out = output_dir(args.out)
-    threads_before = torch.get_num_threads()
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
-    try:
-        return _run(args, cfg, out)
-    finally:
-        torch.set_num_threads(threads_before)
+    with torch_threads(cfg["threads"]):
+        return _run(config, cfg, Path(config.out), progress)
 
 
-def _run(args: argparse.Namespace, cfg: dict, out: Path) -> dict:
-    import json
-
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
-
-    console = Console(stderr=args.json)
-
+def _run(config: LayersConfig, cfg: dict, out: Path, progress) -> LayersResult:
     rows, struct = [], []
     grid = [(name, n, d) for d in cfg["ds"] for n in cfg["ns"] for name in cfg["layers"]]
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("structure", total=len(grid) + len(cfg["layers"]) * len(cfg["structure_ns"]))
-        for name in cfg["layers"]:
-            for n in cfg["structure_ns"]:
-                struct.append(structure(name, n, window=cfg["window"], kernel=cfg["kernel"]))
-                bar.advance(task)
-        for name, n, d in grid:
-            bar.update(task, description=f"{name} n={n} d={d}")
-            rows.append(measure(name, n, d, batch=cfg["batch"], window=cfg["window"], kernel=cfg["kernel"],
-                                min_time=cfg["min_time"], max_reps=cfg["max_reps"],
-                                memory=not args.no_memory and (cfg["memory_at"] == "every n" or n == max(cfg["ns"]))))
-            bar.advance(task)
+    total, done = len(grid) + len(cfg["layers"]) * len(cfg["structure_ns"]), 0
+    for name in cfg["layers"]:
+        for n in cfg["structure_ns"]:
+            if progress:
+                progress(done, total, f"structure {name} n={n}")
+            struct.append(structure(name, n, window=cfg["window"], kernel=cfg["kernel"]))
+            done += 1
+    for name, n, d in grid:
+        if progress:
+            progress(done, total, f"{name} n={n} d={d}")
+        rows.append(measure(name, n, d, batch=cfg["batch"], window=cfg["window"], kernel=cfg["kernel"],
+                            min_time=cfg["min_time"], max_reps=cfg["max_reps"],
+                            memory=config.memory and (cfg["memory_at"] == "every n" or n == max(cfg["ns"]))))
+        done += 1
 
     cross = []
     for attn in ("attention", "attention_fused", "attention+proj"):
@@ -541,40 +539,14 @@ def _run(args: argparse.Namespace, cfg: dict, out: Path) -> dict:
             if attn in cfg["layers"] and rnn in cfg["layers"]:
                 for key in ("forward_s", "forward_backward_s"):
                     cross += crossover(rows, attn, rnn, key)
-    result = {"suite": "layers", "config": cfg, "environment": environment(), "paper": PAPER,
-              "structure": struct, "rows": rows, "slopes": fitted_slopes(rows), "crossover": cross,
-              "files": {}, "exit_code": 0}
-    result["files"].update(_plots(result, out))
-    result["files"]["json"] = str(out / "layers.json")
-    result["files"]["markdown"] = str(out / "layers.md")
+    result = LayersResult(config=cfg, environment=environment(), structure=struct, rows=rows,
+                          slopes=fitted_slopes(rows), crossover=cross)
+    out.mkdir(parents=True, exist_ok=True)
+    result.files.update(_plots(result, out))
+    result.files["json"] = str(out / "layers.json")
+    result.files["markdown"] = str(out / "layers.md")
     atomic_write_text(out / "layers.md", markdown(result))
-    atomic_write_json(out / "layers.json", result)
-
-    if args.json:
-        print(json.dumps(result, default=str))
-        return result
-    table = Table(title="per-layer forward time (ratio to GRU at the same n, d)")
-    for col in ("layer", *(f"n={n}" for n in cfg["ns"])):
-        table.add_column(col, justify="right" if col != "layer" else "left")
-    d = cfg["ds"][-1]
-    gru = {r["n"]: r["forward_s"] for r in rows if r["layer"] == "gru" and r["d"] == d}
-    for name in cfg["layers"]:
-        cells = []
-        for n in cfg["ns"]:
-            r = next(r for r in rows if r["layer"] == name and r["n"] == n and r["d"] == d)
-            cells.append(_fmt_s(r["forward_s"]) + (f" ({r['forward_s'] / gru[n]:.2g}x)" if n in gru else ""))
-        table.add_row(name, *cells)
-    table.caption = f"d = {d}, batch {cfg['batch']}"
-    console.print(table)
-    ct = Table(title="crossover: self-attention cheaper than recurrence while n < n*")
-    for col in ("attention", "recurrent", "timing", "d", "n*", "n*/d", "FLOP-model n*"):
-        ct.add_column(col)
-    for c in cross:
-        ct.add_row(c["attention"], c["recurrent"], c["timing"], str(c["d"]),
-                   "–" if c["n_star"] is None else f"{c['n_star']:.0f}",
-                   "–" if c["n_star_over_d"] is None else f"{c['n_star_over_d']:.2g}",
-                   "–" if c["flop_model_n_star"] is None else f"{c['flop_model_n_star']:.0f}")
-    console.print(ct)
-    console.print(f"report: {out / 'layers.md'}  json: {out / 'layers.json'}  plots: "
-                  f"{result['files']['time_png']}, {result['files']['memory_png']}")
+    atomic_write_json(out / "layers.json", asdict(result))
+    if progress:
+        progress(total, total, "done")
     return result

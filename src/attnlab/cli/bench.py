@@ -9,7 +9,7 @@ SUITES = {
     "minilm": ("attnlab.cli.bench_minilm", "MiniLM encode throughput: attnlab vs transformers"),
     "generate": ("attnlab.cli.bench_generate", "TransformerLM generation with vs without KV cache"),
     "ring": ("attnlab.cli.bench_ring", "ring attention: per-rank memory and time vs one process"),
-    "layers": ("attnlab.bench.layers", "self-attention vs recurrence vs convolution (Vaswani et al. Table 1)"),
+    "layers": ("attnlab.cli.bench_layers", "self-attention vs recurrence vs convolution (Vaswani et al. Table 1)"),
     "kernels": ("attnlab.cli.bench_kernels", "attnlab's kernels vs SDPA and compiled FlexAttention (issue 14 targets)"),
 }
 
