@@ -14,13 +14,14 @@ class NoProgress:
         return False
 
     def add_task(self, *a, **k) -> int:
+        """A task id (always 0); nothing is shown."""
         return 0
 
     def advance(self, *a, **k) -> None:
-        pass
+        """Nothing: no bar to advance."""
 
     def update(self, *a, **k) -> None:
-        pass
+        """Nothing: no bar to update."""
 
 
 def progress(disable: bool = False):

@@ -51,6 +51,7 @@ class TrainConfig:
 
     @property
     def run_id(self) -> str:
+        """The run's name in results and checkpoints (instruments' configs add their own name)."""
         return f"seed{self.seed}"
 
 
