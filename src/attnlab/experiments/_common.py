@@ -24,7 +24,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.harness import (CheckpointError, environment_record, load_checkpoint, mean_std, peak_rss_bytes,
+                             progress, pyplot, reset_peak_rss, rss_bytes, save_plot, threads, write_report)
+from attnlab.harness import evaluate as _evaluate
+from attnlab.harness import fmt
+from attnlab.harness import markdown_table as fmt_table
+from attnlab.harness import train_run as _train_run
 from attnlab.options import output_dir, positive_float, positive_int
+
+plt = pyplot
+env_record = environment_record
+write_results = write_report
 
 __all__ = [
     "add_common_args", "out_dir", "seeds_of", "attention_fn", "pattern_catalog", "mechanism_names",
@@ -49,24 +59,6 @@ def add_common_args(p: argparse.ArgumentParser, *, seeds: str = "0,1,2") -> None
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads while this runs (default 1: tiny models train fastest single-threaded, "
                         "and a shared machine stays usable)")
-
-
-class threads:
-    """Context manager: ``torch.set_num_threads(n)`` inside, the previous value restored after."""
-
-    def __init__(self, n: int | None):
-        if n is not None and n < 1:
-            raise ValueError(f"--threads must be >= 1, got {n}")
-        self.n, self.prev = n, torch.get_num_threads()
-
-    def __enter__(self):
-        if self.n:
-            torch.set_num_threads(self.n)
-        return self
-
-    def __exit__(self, *a):
-        torch.set_num_threads(self.prev)
-        return False
 
 
 def out_dir(args, name: str, *, resumable: bool = True) -> Path:
@@ -455,332 +447,23 @@ def _loss(model, data, ids, tgt, stats=None):
     return loss, correct
 
 
-@torch.no_grad()
+def loss_fn_for(data) -> Callable:
+    """The loss function ``harness.train_run`` wants, for a task's data (text: every position)."""
+    def loss_fn(model, ids, tgt, stats=None):
+        return _loss(model, data, ids, tgt, stats)
+    return loss_fn
+
+
 def evaluate(model, data, batch_size: int = 64) -> dict:
-    model.eval()
-    tot_loss = tot_acc = n = 0.0
-    for i in range(0, len(data), batch_size):
-        ids, tgt = data.inputs[i:i + batch_size], data.targets[i:i + batch_size]
-        loss, correct = _loss(model, data, ids, tgt)
-        b = ids.shape[0]
-        tot_loss += float(loss) * b
-        tot_acc += float(correct.mean()) * b
-        n += b
-    model.train()
-    return {"loss": tot_loss / max(n, 1), "accuracy": tot_acc / max(n, 1)}
-
-
-def _grad_norm(params) -> float:
-    gs = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    return float(torch.stack(gs).norm()) if gs else 0.0
+    return _evaluate(model, loss_fn_for(data), data, batch_size)
 
 
 def train_run(cfg: RunConfig, train, test, ckpt: Path | None = None, *, resume: bool = False,
               advance: Callable[[int], None] | None = None, checkpoint_every_s: float = 20.0) -> dict:
-    """Train one model; returns {config, history, eval, steps_per_s, ...}. With ``resume`` and a
-    checkpoint for the same config, training continues from it (a finished run is not repeated)."""
+    """Build the model of ``cfg`` and train it with ``attnlab.harness.train_run``."""
     model = build_model(cfg, train)
-    params = list(model.parameters())
-    if cfg.optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
-    elif cfg.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    else:
-        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {cfg.optimizer!r}")
-    qk_params = [p for n, p in model.named_parameters() if ".q_proj." in n or ".k_proj." in n]
-    gen = torch.Generator().manual_seed(10_000 + cfg.seed)
-    hist = {"step": [], "loss": [], "grad_norm": [], "qk_grad_norm": [], "entropy": [], "max_weight": [],
-            "score_std": []}
-    step, train_time, done, resumed_from = 0, 0.0, False, None
-    step_times: list[float] = []  # Note [Median step time]
-    stored_peak: int | None = None  # training memory a killed or finished earlier process measured
-    cfg_dict = asdict(cfg)
-    if resume and ckpt is not None and ckpt.exists():
-        state = load_checkpoint(ckpt)
-        if state.get("config") == cfg_dict:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-            gen.set_state(state["gen"])
-            torch.set_rng_state(state["rng"])
-            hist, step, train_time, done = state["history"], int(state["step"]), float(state["train_time"]), bool(state["done"])
-            step_times = list(state.get("step_times", []))
-            stored_peak = state.get("peak_rss_delta_bytes")
-            resumed_from = step
-            if advance:
-                advance(step)
-
-    def measured_peak() -> int | None:
-        # no step taken here (a finished run resumed): this process measured no training memory
-        here = peak_rss_bytes() - rss0 if peak_reset and step != resumed_from else None
-        return max((m for m in (here, stored_peak) if m is not None), default=None)
-
-    def save(done_now: bool, peak: int | None = None):
-        if ckpt is None:
-            return
-        import io
-
-        from attnlab.report import atomic_write_bytes
-
-        buf = io.BytesIO()
-        torch.save({"config": cfg_dict, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                    "rng": torch.get_rng_state(), "history": hist, "step": step, "train_time": train_time,
-                    "step_times": step_times, "peak_rss_delta_bytes": peak if done_now else measured_peak(),
-                    "done": done_now}, buf)
-        atomic_write_bytes(ckpt, buf.getvalue())
-
-    last_save = time.perf_counter()
-    peak_reset = reset_peak_rss()
-    rss0 = rss_bytes()
-    nonfinite_step = None
-    for i, v in enumerate(hist["loss"]):
-        if not math.isfinite(v):
-            nonfinite_step = hist["step"][i]
-            break
-    with _StepBoundary() as ctrl_c:
-        while not done and step < cfg.steps:
-            if ctrl_c.pressed:  # Note [Ctrl-C between steps]
-                save(False)
-                raise KeyboardInterrupt
-            t0 = time.perf_counter()
-            idx = torch.randint(0, len(train), (cfg.batch_size,), generator=gen)
-            ids, tgt = train.inputs[idx], train.targets[idx]
-            log = step % cfg.log_every == 0 or step == cfg.steps - 1
-            stats: list | None = [] if log else None
-            loss, _ = _loss(model, train, ids, tgt, stats)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = _grad_norm(params) if log else None
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            step_times.append(time.perf_counter() - t0)
-            train_time += step_times[-1]
-            lv = float(loss.detach())
-            if log:
-                ents = [s["entropy"] for s in stats if s["entropy"] is not None]
-                mws = [s["max_weight"] for s in stats if s["max_weight"] is not None]
-                hist["step"].append(step)
-                hist["loss"].append(lv if math.isfinite(lv) else float("nan"))
-                hist["grad_norm"].append(gnorm if math.isfinite(gnorm) else float("nan"))
-                hist["qk_grad_norm"].append(_grad_norm(qk_params))
-                hist["entropy"].append(sum(ents) / len(ents) if ents else None)
-                hist["max_weight"].append(sum(mws) / len(mws) if mws else None)
-                hist["score_std"].append(sum(s["score_std"] for s in stats) / len(stats) if stats else None)
-            step += 1
-            if advance:
-                advance(1)
-            if not math.isfinite(lv):
-                nonfinite_step = step - 1
-                break  # diverged: nothing more to learn from this run
-            if ckpt is not None and time.perf_counter() - last_save > checkpoint_every_s:
-                save(False)
-                last_save = time.perf_counter()
-    peak_train = measured_peak()
-    if advance and step < cfg.steps:
-        advance(cfg.steps - step)
-    ev = evaluate(model, test)
-    save(True, peak_train)  # measured before evaluation, which is not training
-    return {"config": cfg_dict, "run_id": cfg.run_id, "history": hist, "eval": ev, "steps": step,
-            # Note [Median step time]: throughput is 1 / the median step time, not steps / total time: on a
-            # shared machine a process can be paused (SIGSTOP) or starved for minutes inside one step, and the
-            # median ignores such outliers where the mean does not. The mean is kept beside it.
-            "steps_per_s": 1.0 / statistics.median(step_times) if step_times else None,
-            "steps_per_s_mean": step / train_time if train_time > 0 else None, "train_time_s": train_time,
-            "nonfinite_step": nonfinite_step, "resumed_from": resumed_from, "peak_rss_delta_bytes": peak_train,
-            "final_loss": _tail_mean(hist["loss"])}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the message names the file and what to do."""
-
-
-def load_checkpoint(path: Path) -> dict:
-    """``torch.load`` of a training checkpoint; a file that cannot be read (truncated by a full disk or a
-    copy cut short: checkpoints are written atomically, so a kill alone cannot do it) is a ValueError
-    naming the file and what to do, not a PytorchStreamReader traceback."""
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as e:  # zip reader, unpickler and EOF errors all mean the same here
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"--resume: checkpoint {path} is unreadable ({first}); delete it to train that run again, "
-                         f"or drop --resume and pass --force to start the whole run over") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"--resume: checkpoint {path} is not an attnlab training checkpoint; delete it or pass --force")
-    return state
-
-
-class _StepBoundary:
-    """Context manager: Ctrl-C (SIGINT) inside sets ``pressed`` instead of raising, so that the training
-    loop stops between steps with a consistent checkpoint; a second Ctrl-C raises at once.
-
-    Note [Ctrl-C between steps]: a KeyboardInterrupt raised mid-step leaves the model updated and the
-    step counter not, so the checkpoint written then would resume into a different run than the
-    uninterrupted one. Deferring the interrupt to the step boundary keeps resumed runs identical to
-    uninterrupted ones (tests/test_experiments.py) and makes Ctrl-C keep every finished step. Only the
-    main thread can install a signal handler; elsewhere Ctrl-C behaves as usual."""
-
-    def __init__(self):
-        self.pressed, self.prev = False, None
-
-    def _on_sigint(self, signum, frame):
-        if self.pressed:
-            raise KeyboardInterrupt
-        self.pressed = True
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            self.prev = signal.signal(signal.SIGINT, self._on_sigint)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-
-        if self.prev is not None:
-            signal.signal(signal.SIGINT, self.prev)
-        return False
-
-
-def _tail_mean(xs: list, frac: float = 0.2) -> float | None:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None
-    k = max(1, int(len(xs) * frac))
-    tail = xs[-k:]
-    return float(sum(tail) / len(tail))
-
-
-# -- memory ------------------------------------------------------------------------------------------------
-def _status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS to its current RSS (Linux ``clear_refs`` 5); False if unsupported.
-
-    Freed heap memory is first handed back to the OS (glibc ``malloc_trim``), so that later allocations
-    show up in the RSS instead of silently reusing memory the allocator kept."""
-    import gc
-
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (VmHWM; ru_maxrss where /proc is missing)."""
-    kib = _status_kib("VmHWM")
-    if kib is None:
-        import resource
-
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib * 1024
-
-
-def rss_bytes() -> int:
-    kib = _status_kib("VmRSS")
-    return (kib or 0) * 1024
-
-
-# -- progress and reports -----------------------------------------------------------------------------------
-class _NoProgress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-    def add_task(self, *a, **k):
-        return 0
-
-    def advance(self, *a, **k):
-        pass
-
-    def update(self, *a, **k):
-        pass
-
-
-def progress(disable: bool = False):
-    """A rich progress bar on stderr (or a no-op)."""
-    if disable:
-        return _NoProgress()
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=Console(stderr=True), transient=False)
-
-
-def write_results(out: Path, results: dict, report_md: str) -> dict:
-    """Write results.json and report.md atomically; returns the paths."""
-    from attnlab.report import atomic_write_json, atomic_write_text, render_markdown_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "results.json", results)
-    atomic_write_text(out / "report.md", report_md)
-    html = render_markdown_file(out / "report.md", f"attnlab {out.name} report")  # readable in a browser
-    return {"results": str(out / "results.json"), "report": str(out / "report.md"), "html": str(html)}
-
-
-def save_plot(fig, path: Path) -> str:
-    from attnlab.report import save_figure
-
-    save_figure(fig, path)
-    return str(path)
-
-
-def plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as pyplot
-
-    return pyplot
-
-
-def fmt(x, digits: int = 3) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            return str(x)
-        return f"{x:.{digits}g}"
-    return str(x)
-
-
-def fmt_table(headers: list[str], rows: list[list]) -> str:
-    """A Markdown table."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def mean_std(xs: list) -> tuple[float | None, float | None]:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return None, None
-    m = sum(xs) / len(xs)
-    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
-    return m, sd
+    return _train_run(cfg, model, loss_fn_for(train), train, test, ckpt, resume=resume, advance=advance,
+                      checkpoint_every_s=checkpoint_every_s)
 
 
 def config_fields() -> list[str]:
@@ -792,16 +475,6 @@ def render(console_lines: list[str]) -> None:
     from rich.console import Console
 
     Console().print("\n".join(console_lines))
-
-
-def env_record(seeds: list[int] | None = None) -> dict:
-    from attnlab.report import environment
-
-    env = environment()
-    env["seeds"] = seeds
-    env["argv"] = sys.argv
-    env["cwd"] = os.getcwd()
-    return env
 
 
 def run_grid(configs: list[RunConfig], datasets: dict, out: Path, *, resume: bool = False, quiet: bool = False,
