@@ -10,37 +10,13 @@ the figure is the peak (VmHWM) the attention call adds on top.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 
 import torch
 
+from attnlab.harness import peak_rss_bytes, reset_peak_rss, rss_bytes
+
 from .impls import build_call, make_inputs
-
-
-def _status_bytes(field: str) -> int | None:
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> None:
-    """Reset the kernel's peak-RSS mark (Linux >= 4.0); ru_maxrss cannot be reset and, worse, keeps the
-    parent's peak across fork+exec, so a child of a large benchmark process would report nothing."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _maxrss_bytes() -> int:
-    hwm = _status_bytes("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main(argv: list[str]) -> None:
@@ -54,12 +30,13 @@ def main(argv: list[str]) -> None:
         r.float().sum().backward()
     del q, k, v, r
     q, k, v = make_inputs(spec)
-    _reset_peak()
-    base = _status_bytes("VmRSS") or _maxrss_bytes()
+    # no trim, as this child has always measured: its figures stay comparable with earlier reports
+    reset_peak_rss(trim=False)
+    base = rss_bytes() or peak_rss_bytes()
     out = build_call(spec)(q, k, v)
     if spec.get("backward"):
         out.float().sum().backward()
-    peak = _maxrss_bytes()
+    peak = peak_rss_bytes()
     print(json.dumps({"peak_bytes": max(0, peak - base), "baseline_bytes": base}))
 
 

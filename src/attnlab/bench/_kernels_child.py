@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-from ._child import _maxrss_bytes, _reset_peak, _status_bytes
+from attnlab.harness import peak_rss_bytes, reset_peak_rss, rss_bytes
+
 from .kernels import build_impl
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,10 +38,10 @@ def main(argv: list[str]) -> None:
     f = build_impl(spec["impl"])
     _call(f, _inputs(spec, min(64, spec["n"])), spec["backward"])  # imports, kernels, allocator warm
     qkv = _inputs(spec, spec["n"])
-    _reset_peak()
-    base = _status_bytes("VmRSS") or _maxrss_bytes()
+    reset_peak_rss(trim=False)
+    base = rss_bytes() or peak_rss_bytes()
     _call(f, qkv, spec["backward"])
-    print(json.dumps({"peak_bytes": max(0, _maxrss_bytes() - base), "baseline_bytes": base}))
+    print(json.dumps({"peak_bytes": max(0, peak_rss_bytes() - base), "baseline_bytes": base}))
 
 
 if __name__ == "__main__":

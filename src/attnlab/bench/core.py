@@ -16,15 +16,14 @@ import math
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .. import cpu
+from ..harness import time_call
 from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file, save_figure
 from .impls import build_call, make_inputs, pattern_density
 from .mechanisms import fit_exponent
@@ -120,21 +119,6 @@ def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     t = time_call(lambda: a @ b, repeats)
     return 2 * n**3 / t / 1e9
-
-
-def time_call(f, repeats=3, warmup=1) -> float:
-    """Median wall time in seconds of ``repeats`` calls of ``f()``, after ``warmup`` untimed calls.
-
-    Uses ``time.perf_counter`` around each call; no CUDA synchronisation (the benchmarks run on the CPU).
-    """
-    for _ in range(warmup):
-        f()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def _flops(n, causal, density, B=1, H=8, D=64):

@@ -10,8 +10,8 @@ Both runs must produce the same tokens (checked and recorded).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +20,7 @@ import torch
 
 from ..options import check_memory
 from ..report import atomic_write_json, environment, save_figure
-from .impls import torch_threads
+from ..harness import threads, time_call
 
 __all__ = ["GenerateConfig", "GenerateBench", "run"]
 
@@ -75,12 +75,9 @@ class GenerateBench:
 
 
 def _time(f, repeats: int) -> tuple[float, object]:
-    out, ts = None, []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = f()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)), out
+    """(median seconds of ``repeats`` calls of ``f``, the last call's result); no warm-up call."""
+    outs: list = []
+    return time_call(lambda: outs.append(f()), repeats, warmup=0), outs[-1]
 
 
 @torch.inference_mode()
@@ -120,7 +117,7 @@ def run(config: GenerateConfig, *, progress: Callable[[int, int, str], None] | N
     # the KV cache (2 per layer), the activations and the position tables of the longest context
     check_memory(f"--contexts {max(contexts)} --d-model {d}", 4 * (max(contexts) + n_new) * d * (2 * layers + 16),
                  "the KV cache and activations of the longest context")
-    with torch_threads(config.threads):
+    with threads(config.threads):
         return _run(config, v, progress)
 
 

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +9,7 @@ import torch.nn.functional as F
 import attnlab
 from attnlab import patterns as P
 
-__all__ = ["make_inputs", "build_call", "make_pattern", "naive_attention", "pattern_density", "torch_threads"]
+__all__ = ["make_inputs", "build_call", "make_pattern", "naive_attention", "pattern_density"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -104,15 +102,3 @@ def build_call(spec: dict):
     return lambda q, k, v: attnlab.attention(q, k, v, is_causal=causal, pattern=pattern, method=method,
                                              block_size=bs)
 
-
-@contextmanager
-def torch_threads(threads: int | None) -> Iterator[int]:
-    """Run the with-block on ``threads`` torch intra-op threads (None: unchanged), restoring the count
-    after it; yields the count in effect."""
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)

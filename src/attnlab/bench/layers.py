@@ -35,7 +35,7 @@ from .. import patterns
 from ..functional import attention, explain
 from ..options import check_memory
 from ..report import atomic_write_json, atomic_write_text, environment, format_bytes, save_figure
-from .impls import torch_threads
+from ..harness import threads
 
 __all__ = ["LAYERS", "PAPER", "LayersConfig", "LayersResult", "make_layer", "flops", "structure", "measure",
            "crossover", "fitted_slopes", "markdown", "run"]
@@ -511,7 +511,7 @@ def run(config: LayersConfig, *, progress: Callable[[int, int, str], None] | Non
     # full self-attention keeps [B, n, n] scores and weights (and their gradients); the rest is O(B·n·d)
     check_memory(f"--ns {n} --ds {d} --batch {b}", 4 * b * n * n * 4 + 4 * b * n * d * 32,
                  "self-attention's [B, n, n] scores and the layers' activations at the largest size")
-    with torch_threads(cfg["threads"]):
+    with threads(cfg["threads"]):
         return _run(config, cfg, Path(config.out), progress)
 
 

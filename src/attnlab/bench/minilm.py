@@ -20,7 +20,7 @@ import torch
 
 from ..options import check_memory
 from ..report import atomic_write_json, environment, save_figure
-from .impls import torch_threads
+from ..harness import threads
 
 __all__ = ["MiniLMConfig", "MiniLMBench", "run"]
 
@@ -93,7 +93,7 @@ def run(config: MiniLMConfig, *, progress: Callable[[int, int, str], None] | Non
     # per layer of the three models: hidden states [B, T, 384] and their temporaries, 12 heads' [T, T] scores
     check_memory(f"--batch {batch} --tokens {tokens}", 4 * batch * tokens * (384 * 24 + 12 * tokens * 3),
                  "MiniLM's activations for one batch")
-    with torch_threads(config.threads):
+    with threads(config.threads):
         return _run(config, batch, tokens, repeats, progress)
 
 

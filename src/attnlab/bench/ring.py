@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..harness import peak_rss_bytes, reset_peak_rss, rss_bytes
 from ..report import atomic_write_json, environment, save_figure
 
 __all__ = ["RingConfig", "RingBenchResult", "RankRecord", "run"]
@@ -124,39 +123,21 @@ class RingConfig:
 
 # -- measured inside each process ------------------------------------------------------------------
 class _Memory:
-    """Resident-set high-water mark of this process, resettable on Linux."""
+    """Resident-set high-water mark of this process (attnlab.harness), with the method it was read by:
+    "VmHWM" where the peak can be reset, else "ru_maxrss" (the peak since start: then the baseline is
+    the peak so far too)."""
 
     def __init__(self):
-        self.method = "VmHWM"
-        try:
-            self.reset()
-            self._status("VmHWM")
-        except OSError:
-            self.method = "ru_maxrss"
-
-    @staticmethod
-    def _status(field_name: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-        raise OSError(f"{field_name} not in /proc/self/status")
+        self.method = "VmHWM" if reset_peak_rss(trim=False) else "ru_maxrss"
 
     def reset(self) -> None:
-        if self.method == "VmHWM":
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the high-water mark to the current resident set (Linux >= 4.0)
+        reset_peak_rss(trim=False)
 
     def current(self) -> int:
-        if self.method == "VmHWM":
-            return self._status("VmRSS")
-        return self.peak()  # without /proc, the best baseline is the peak so far
+        return rss_bytes() if self.method == "VmHWM" else peak_rss_bytes()
 
     def peak(self) -> int:
-        if self.method == "VmHWM":
-            return self._status("VmHWM")
-        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return r if sys.platform == "darwin" else r * 1024
+        return peak_rss_bytes()
 
 
 def _mmap_large_allocations() -> None:
