@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from attnlab.bench import all_jobs
 from attnlab.bench import mechanisms as BM
 from attnlab.cli.main import main
 
@@ -98,7 +99,7 @@ def test_bench_all_interrupted_then_resumed_measures_nothing_twice(tmp_path, mon
             measured.append(_config_key(rec))
         return rec
 
-    monkeypatch.setattr(BM._Runner, "measure", measure)
+    monkeypatch.setattr(all_jobs.Runner, "measure", measure)
     assert main(argv) == 130
     first = list(measured)
     assert len(first) == 5 and not (tmp_path / "results.json").exists()

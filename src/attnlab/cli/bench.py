@@ -5,7 +5,7 @@ from ._suites import add_suites, run_suite
 
 SUITES = {
     "core": ("attnlab.cli.bench_core", "tiled / sparse / auto vs torch SDPA vs naive: time and peak memory"),
-    "all": ("attnlab.bench.mechanisms", "every mechanism and pattern x sequence length, fitted exponents"),
+    "all": ("attnlab.cli.bench_all", "every mechanism and pattern x sequence length, fitted exponents"),
     "minilm": ("attnlab.cli.bench_minilm", "MiniLM encode throughput: attnlab vs transformers"),
     "generate": ("attnlab.cli.bench_generate", "TransformerLM generation with vs without KV cache"),
     "ring": ("attnlab.cli.bench_ring", "ring attention: per-rank memory and time vs one process"),
