@@ -15,7 +15,7 @@ import torch
 
 from attnlab.harness import peak_rss_bytes, reset_peak_rss, rss_bytes
 
-from .kernels import build_impl
+from .kernels_cases import build_impl
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

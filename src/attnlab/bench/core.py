@@ -26,7 +26,7 @@ from .. import cpu
 from ..harness import time_call
 from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file, save_figure
 from .impls import build_call, make_inputs, pattern_density
-from .mechanisms import fit_exponent
+from .fit import fit_exponent
 
 __all__ = ["CoreConfig", "Record", "Result", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
 

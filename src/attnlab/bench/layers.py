@@ -36,6 +36,7 @@ from ..functional import attention, explain
 from ..options import check_memory
 from ..report import atomic_write_json, atomic_write_text, environment, format_bytes, save_figure
 from ..harness import threads
+from .fit import fit_exponent
 
 __all__ = ["LAYERS", "PAPER", "LayersConfig", "LayersResult", "make_layer", "flops", "structure", "measure",
            "crossover", "fitted_slopes", "markdown", "run"]
@@ -303,15 +304,6 @@ def _flop_crossing(attn: str, rnn: str, d: int) -> float | None:
     return (c - extra) * d / 4 if c > extra else None
 
 
-def _slope(xs: list[float], ys: list[float]) -> float | None:
-    if len(xs) < 2:
-        return None
-    lx, ly = [math.log(v) for v in xs], [math.log(v) for v in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    sxx = sum((a - mx) ** 2 for a in lx)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sxx if sxx else None
-
-
 def fitted_slopes(rows: list[dict], key: str = "forward_s") -> dict:
     """Log-log slopes of time vs n (at the largest d, upper half of n) and vs d (at the largest n)."""
     out = {}
@@ -321,8 +313,8 @@ def fitted_slopes(rows: list[dict], key: str = "forward_s") -> dict:
         by_n = sorted((r["n"], r[key]) for r in mine if r["d"] == d_max)
         by_n = by_n[len(by_n) // 2 - (len(by_n) % 2 == 0):] if len(by_n) > 2 else by_n
         by_d = sorted((r["d"], r[key]) for r in mine if r["n"] == n_max)
-        out[name] = {"n_slope": _slope([a for a, _ in by_n], [b for _, b in by_n]), "at_d": d_max,
-                     "d_slope": _slope([a for a, _ in by_d], [b for _, b in by_d]), "at_n": n_max,
+        out[name] = {"n_slope": fit_exponent([a for a, _ in by_n], [b for _, b in by_n]), "at_d": d_max,
+                     "d_slope": fit_exponent([a for a, _ in by_d], [b for _, b in by_d]), "at_n": n_max,
                      "paper": PAPER_EXPONENTS[name]}
     return out
 
