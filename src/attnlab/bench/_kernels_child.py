@@ -41,7 +41,8 @@ def main(argv: list[str]) -> None:
     reset_peak_rss(trim=False)
     base = rss_bytes() or peak_rss_bytes()
     _call(f, qkv, spec["backward"])
-    print(json.dumps({"peak_bytes": max(0, peak_rss_bytes() - base), "baseline_bytes": base}))
+    peak = max(0, peak_rss_bytes() - base)
+    sys.stdout.write(json.dumps({"peak_bytes": peak, "baseline_bytes": base}) + "\n")  # the protocol
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 
 from .. import cpu
-from ..harness import time_call
-from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file, save_figure
+from ..harness import pyplot, save_plot, time_call
+from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file
 from .impls import build_call, make_inputs, pattern_density
 from .fit import fit_exponent
 
@@ -359,10 +359,7 @@ def _n_ticks(ax, ns) -> None:
 
 
 def _write(res: Result, out: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "results.json", asdict(res))
@@ -390,7 +387,7 @@ def _write(res: Result, out: Path):
         ax.grid(True, which="both", alpha=0.3)
         if lines:
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
-    save_figure(fig, out / "time.png")
+    save_plot(fig, out / "time.png")
     mem = [r for r in res.records if r.peak_bytes]
     if mem:
         fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -406,7 +403,7 @@ def _write(res: Result, out: Path):
         ax.set_title("peak memory, forward + backward (fresh process each)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-        save_figure(fig, out / "memory.png")
+        save_plot(fig, out / "memory.png")
     atomic_write_text(out / "report.md", _markdown(res))
     render_markdown_file(out / "report.md", "attnlab bench core")
     res.files = [str(out / f) for f in ("results.json", "time.png", "memory.png", "report.md") if (out / f).exists()]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..options import check_memory
-from ..report import atomic_write_json, environment, save_figure
-from ..harness import threads, time_call
+from ..harness import pyplot, save_plot, threads, time_call
+from ..report import atomic_write_json, environment
 
 __all__ = ["GenerateConfig", "GenerateBench", "run"]
 
@@ -168,10 +168,7 @@ def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
 
 
 def _plot(res: GenerateBench, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3))
     cs = [r["context"] for r in res.rows]
@@ -182,4 +179,4 @@ def _plot(res: GenerateBench, path: Path) -> None:
     ax.set_xlabel("context length")
     ax.set_ylabel("decode tokens / s")
     ax.legend()
-    save_figure(fig, path)
+    save_plot(fig, path)

@@ -31,6 +31,7 @@ import torch
 from attnlab import cpu
 from attnlab.functional import METHODS
 
+from ..harness import threads
 from ..report import environment
 from .fit import fit_exponent
 from .kernels_cases import (DTYPES, TARGET_NS, Contention, KernelsConfig, KernelsResult, Measurement, Ratio,
@@ -98,77 +99,75 @@ def run(config: KernelsConfig | None = None, progress: Callable[[int, int, str],
     """
     cfg = config or KernelsConfig()
     cfg.validate()
+    with threads(cfg.threads):
+        return _run(cfg, progress)
+
+
+def _run(cfg: KernelsConfig, progress) -> KernelsResult:
     t_start = time.perf_counter()
-    old_threads = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     res = KernelsResult(config=asdict(cfg), out_dir=str(out), env=environment())
-    try:
-        peak_n = 1024 if max(cfg.dense_ns + cfg.window_ns + (cfg.sparse_n,)) >= 2048 else 256
-        res.peaks_gflops = cpu.matmul_peaks((torch.float32, torch.bfloat16), n=peak_n, seconds=0.5)
-        res.cpu, res.cpu_summary = cpu.INFO.as_dict(), cpu.summary(peaks=False)
-        flex, flex_reason = flex_compiler() if cfg.flex else (None, "FlexAttention disabled (flex=False)")
-        cases = _plan_cases(cfg)
-        busy = [c for c in cases if c[6]] if cfg.contention else []
-        total = len(cases) + len(busy) + (1 if cfg.memory_n else 0)
-        flex_bwd_reason = None
-        if flex is not None and any(c[4] for c in cases):
-            if progress:
-                progress(0, total, "probing FlexAttention backward (separate process)")
-            flex_bwd_reason = flex_backward_reason()
-        done = 0
-        sparse_pats = _sparse_patterns(cfg)
-        masks: dict = {}
+    peak_n = 1024 if max(cfg.dense_ns + cfg.window_ns + (cfg.sparse_n,)) >= 2048 else 256
+    res.peaks_gflops = cpu.matmul_peaks((torch.float32, torch.bfloat16), n=peak_n, seconds=0.5)
+    res.cpu, res.cpu_summary = cpu.INFO.as_dict(), cpu.summary(peaks=False)
+    flex, flex_reason = flex_compiler() if cfg.flex else (None, "FlexAttention disabled (flex=False)")
+    cases = _plan_cases(cfg)
+    busy = [c for c in cases if c[6]] if cfg.contention else []
+    total = len(cases) + len(busy) + (1 if cfg.memory_n else 0)
+    flex_bwd_reason = None
+    if flex is not None and any(c[4] for c in cases):
+        if progress:
+            progress(0, total, "probing FlexAttention backward (separate process)")
+        flex_bwd_reason = flex_backward_reason()
+    done = 0
+    sparse_pats = _sparse_patterns(cfg)
+    masks: dict = {}
 
-        def one(c, load):
-            case, section, n, dtype, bwd, kind, _ = c
-            if section == "sparse":
-                return _measure_sparse(cfg, case, n, bwd, load, sparse_pats, flex, flex_reason, masks,
-                                       flex_bwd_reason if bwd else None)
-            pattern = make_case_pattern("window", n, window=cfg.window) if kind == "window" else None
-            bm = None
-            if kind == "window" and flex is not None and n <= cfg.baseline_max_n:
-                bm = _mask_for(masks, ("window", n), pattern, n, cfg.block_size, window_mask_mod(cfg.window))
-            impls = _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, bm, flex_bwd_reason if bwd else None)
-            dens = pattern.density(n, n) if pattern is not None else 1.0
-            ms = measure_case(cfg, case, section, n, dtype, bwd, load, impls, pattern, dens)
-            for m in ms:
-                if m.impl == "torch:flex" and m.seconds and ("window", n) in masks:
-                    m.mask_s = masks[("window", n)][1]
-            return ms
+    def one(c, load):
+        case, section, n, dtype, bwd, kind, _ = c
+        if section == "sparse":
+            return _measure_sparse(cfg, case, n, bwd, load, sparse_pats, flex, flex_reason, masks,
+                                   flex_bwd_reason if bwd else None)
+        pattern = make_case_pattern("window", n, window=cfg.window) if kind == "window" else None
+        bm = None
+        if kind == "window" and flex is not None and n <= cfg.baseline_max_n:
+            bm = _mask_for(masks, ("window", n), pattern, n, cfg.block_size, window_mask_mod(cfg.window))
+        impls = _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, bm, flex_bwd_reason if bwd else None)
+        dens = pattern.density(n, n) if pattern is not None else 1.0
+        ms = measure_case(cfg, case, section, n, dtype, bwd, load, impls, pattern, dens)
+        for m in ms:
+            if m.impl == "torch:flex" and m.seconds and ("window", n) in masks:
+                m.mask_s = masks[("window", n)][1]
+        return ms
 
-        for c in cases:
+    def sweep(todo, load):
+        nonlocal done
+        for c in todo:
             if progress:
-                progress(done, total, f"quiet · {c[0]}")
-            res.measurements += one(c, "quiet")
+                progress(done, total, f"{load} · {c[0]}")
+            res.measurements += one(c, load)
             done += 1
             save_partial(res, out)
-        if busy:
-            with Contention(cfg.contention_threads):
-                for c in busy:
-                    if progress:
-                        progress(done, total, f"busy · {c[0]}")
-                    res.measurements += one(c, "busy")
-                    done += 1
-                    save_partial(res, out)
-        if cfg.memory_n:
-            if progress:
-                progress(done, total, f"memory (fresh processes) · n={cfg.memory_n}")
-            res.memory = _measure_memory(cfg)
-            done += 1
-        if flex is None:
-            res.notes.append(f"FlexAttention not measured: {flex_reason}")
-        elif flex_bwd_reason:
-            res.notes.append(f"FlexAttention forward+backward not measured: {flex_bwd_reason}")
-        res.ratios = compute_ratios(res, cfg)
-        res.seconds = time.perf_counter() - t_start
-        res.files = write_report(res, out)
+
+    sweep(cases, "quiet")
+    if busy:
+        with Contention(cfg.contention_threads):
+            sweep(busy, "busy")
+    if cfg.memory_n:
         if progress:
-            progress(total, total, "done")
-        return res
-    finally:
-        torch.set_num_threads(old_threads)
+            progress(done, total, f"memory (fresh processes) · n={cfg.memory_n}")
+        res.memory = _measure_memory(cfg)
+        done += 1
+    if flex is None:
+        res.notes.append(f"FlexAttention not measured: {flex_reason}")
+    elif flex_bwd_reason:
+        res.notes.append(f"FlexAttention forward+backward not measured: {flex_bwd_reason}")
+    res.ratios = compute_ratios(res, cfg)
+    res.seconds = time.perf_counter() - t_start
+    res.files = write_report(res, out)
+    if progress:
+        progress(total, total, "done")
+    return res
 
 
 def _mask_for(masks, key, pattern, n, bs, mask_mod=None):

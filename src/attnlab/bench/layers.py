@@ -34,8 +34,8 @@ from torch import nn
 from .. import patterns
 from ..functional import attention, explain
 from ..options import check_memory
-from ..report import atomic_write_json, atomic_write_text, environment, format_bytes, save_figure
-from ..harness import threads
+from ..harness import pyplot, save_plot, threads
+from ..report import atomic_write_json, atomic_write_text, environment, format_bytes
 from .fit import fit_exponent
 
 __all__ = ["LAYERS", "PAPER", "LayersConfig", "LayersResult", "make_layer", "flops", "structure", "measure",
@@ -380,10 +380,7 @@ def markdown(result: "LayersResult") -> str:
 
 
 def _plots(result: "LayersResult", out: Path) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows, files = result.rows, {}
     ds = sorted({r["d"] for r in rows})
@@ -401,7 +398,7 @@ def _plots(result: "LayersResult", out: Path) -> dict:
             ax.set_ylabel("seconds")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Per-layer time vs sequence length (log-log)")
-    files["time_png"] = str(save_figure(fig, out / "layers_time.png"))
+    files["time_png"] = str(save_plot(fig, out / "layers_time.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     d = ds[-1]
@@ -415,7 +412,7 @@ def _plots(result: "LayersResult", out: Path) -> dict:
         ax.set_xlabel("n")
         ax.set_ylabel("bytes")
     axes[0].legend(fontsize=7)
-    files["memory_png"] = str(save_figure(fig, out / "layers_memory.png"))
+    files["memory_png"] = str(save_plot(fig, out / "layers_memory.png"))
     return files
 
 

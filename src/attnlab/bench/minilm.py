@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..options import check_memory
-from ..report import atomic_write_json, environment, save_figure
-from ..harness import threads
+from ..harness import pyplot, save_plot, threads
+from ..report import atomic_write_json, environment
 
 __all__ = ["MiniLMConfig", "MiniLMBench", "run"]
 
@@ -168,14 +168,11 @@ def _run(config: MiniLMConfig, batch: int, tokens: int, repeats: int, progress) 
 
 
 def _plot(res: MiniLMBench, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3))
     names = [r["impl"] for r in res.rows]
     ax.barh(names, [r["sentences_per_s"] for r in res.rows], color="tab:blue")
     ax.set_xlabel("sentences / s (higher is better)")
     ax.set_title(f"MiniLM encode, batch {res.batch} x {res.tokens} tokens")
-    save_figure(fig, path)
+    save_plot(fig, path)

@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from ..harness import peak_rss_bytes, reset_peak_rss, rss_bytes
-from ..report import atomic_write_json, environment, save_figure
+from ..harness import peak_rss_bytes, pyplot, reset_peak_rss, rss_bytes, save_plot
+from ..report import atomic_write_json, environment
 
 __all__ = ["RingConfig", "RingBenchResult", "RankRecord", "run"]
 
@@ -251,10 +251,7 @@ def run(config: RingConfig, *, progress: Callable[[int, int, str], None] | None 
 
 
 def _write(result: RingBenchResult, out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     atomic_write_json(out_dir / "ring.json", asdict(result))
     single = next(r for r in result.records if r.config == "single")
@@ -280,4 +277,4 @@ def _write(result: RingBenchResult, out_dir: Path) -> None:
     fig.suptitle(f"ring attention, {P} processes vs one: n={st['n']}, B={st['batch']}, H={st['heads']}, "
                  f"E={st['head_dim']}, {'causal' if st['causal'] else 'full'}"
                  f"{', fwd+bwd' if st['backward'] else ', forward'}")
-    save_figure(fig, out_dir / "ring.png")
+    save_plot(fig, out_dir / "ring.png")

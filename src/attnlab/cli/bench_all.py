@@ -5,7 +5,7 @@ from attnlab.bench.mechanisms import AllConfig, AllResult, run as run_all
 from attnlab.harness import fmt
 from attnlab.options import nonneg_int, positive_float, positive_int, positive_int_list
 
-from .bench_common import checked_out, progress_display
+from .bench_common import run_suite
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -69,11 +69,7 @@ def run(args) -> AllResult:
     """Run ``bench all`` for parsed options with a progress bar; print the exponents per mechanism."""
     cfg = config_from_args(args)
     args.out = cfg.out
-    cfg.out = str(checked_out(args, resumable=True))
-    with progress_display(enabled=not args.no_progress, title="bench all") as progress:
-        res = run_all(cfg, progress=progress)
-    render(res)
-    return res
+    return run_suite(args, cfg, run_all, render, title="bench all", resumable=True, progress=not args.no_progress)
 
 
 def render(res: AllResult) -> None:

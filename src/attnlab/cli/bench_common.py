@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 
 from attnlab.options import output_dir
 
-__all__ = ["progress_display", "checked_out"]
+__all__ = ["progress_display", "checked_out", "run_suite"]
 
 
 @contextmanager
@@ -43,3 +43,15 @@ def checked_out(args, *, resumable: bool = False):
     out = output_dir(args.out, resume=bool(args.resume), force=bool(args.force))
     args.checkpoint_dir = str(out)
     return out
+
+
+def run_suite(args, config, run: Callable, render: Callable[[object], None], *, title: str, resumable: bool = False,
+              progress: bool = True):
+    """The body of every suite's CLI ``run``: check --out (see :func:`checked_out`) into ``config.out``,
+    call the library's ``run(config, progress=...)`` under a progress display, render its result with
+    ``render`` and return it (``cli.main`` reads its ``exit_code``)."""
+    config.out = str(checked_out(args, resumable=resumable))
+    with progress_display(enabled=progress, title=title) as show:
+        res = run(config, progress=show)
+    render(res)
+    return res

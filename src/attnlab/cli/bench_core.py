@@ -4,7 +4,7 @@ from __future__ import annotations
 from attnlab.bench.core import CoreConfig, Result, run as run_core
 from attnlab.options import positive_float, positive_int
 
-from .bench_common import checked_out, progress_display
+from .bench_common import run_suite
 
 
 def build_parser(p) -> None:
@@ -36,12 +36,7 @@ def config_from_args(args) -> CoreConfig:
 
 def run(args) -> Result:
     """Run ``bench core`` for parsed options with a progress bar; print the table of every measurement."""
-    cfg = config_from_args(args)
-    cfg.out = str(checked_out(args, resumable=True))
-    with progress_display(title="bench core") as progress:
-        res = run_core(cfg, progress=progress)
-    render(res)
-    return res
+    return run_suite(args, config_from_args(args), run_core, render, title="bench core", resumable=True)
 
 
 def render(res: Result) -> None:

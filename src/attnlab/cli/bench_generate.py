@@ -4,7 +4,7 @@ from __future__ import annotations
 from attnlab.bench.generate import GenerateBench, GenerateConfig, run as run_generate
 from attnlab.options import positive_int, positive_int_list
 
-from .bench_common import checked_out, progress_display
+from .bench_common import run_suite
 
 
 def build_parser(p) -> None:
@@ -34,12 +34,7 @@ def config_from_args(args) -> GenerateConfig:
 
 def run(args) -> GenerateBench:
     """Run ``bench generate`` for parsed options with a progress bar; print tokens/s and the speedups."""
-    cfg = config_from_args(args)
-    cfg.out = str(checked_out(args))
-    with progress_display(title="generate") as progress:
-        res = run_generate(cfg, progress=progress)
-    render(res)
-    return res
+    return run_suite(args, config_from_args(args), run_generate, render, title="generate")
 
 
 def render(res: GenerateBench) -> None:

@@ -1,10 +1,10 @@
 """attnlab bench kernels: the CLI face of attnlab.bench.kernels (argv in, progress line, summary out)."""
 from __future__ import annotations
 
-import sys
+from attnlab.bench.kernels import KernelsConfig, KernelsResult, run as run_kernels
+from attnlab.options import check_memory, nonneg_int, positive_int, positive_int_list
 
-from attnlab.bench.kernels import KernelsConfig, run as run_kernels
-from attnlab.options import check_memory, nonneg_int, output_dir, positive_int, positive_int_list
+from .bench_common import run_suite
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -58,36 +58,25 @@ def config_from_args(args) -> KernelsConfig:
         v = getattr(args, name)
         if v is not None:
             kw[name] = tuple(m.strip() for m in v.split(",") if m.strip())
-    return KernelsConfig(out=str(output_dir(args.out)), flex=not args.no_flex, contention=not args.no_contention, **kw)
+    return KernelsConfig(out=args.out, flex=not args.no_flex, contention=not args.no_contention, **kw)
 
 
 def run(args):
-    """Run the benchmark with a progress line on stderr; print the CPU, the peaks and every headline ratio."""
+    """Run ``bench kernels`` for parsed options with a progress bar; print the CPU, the peaks and every ratio."""
     cfg = config_from_args(args)
     cfg.validate()
     n = max((*cfg.dense_ns, *cfg.bf16_ns, *cfg.window_ns, *cfg.window_bwd_ns, cfg.sparse_n, cfg.memory_n or 0))
     # query, key, value, output and their gradients, float32 [B, H, n, D], at the longest length timed
     check_memory(f"a length of {n} (--dense-ns, --window-ns, --sparse-n, --memory-n)", 8 * 4 * cfg.B * cfg.H * n * cfg.D,
                  "float32 inputs, outputs and gradients at that length")
-    tty = sys.stderr.isatty()
+    return run_suite(args, cfg, run_kernels, render, title="bench kernels")
 
-    def progress(done, total, label):
-        line = f"[{done}/{total}] {label}"
-        if tty:
-            print(f"\r\033[K{line}", end="" if done < total else "\n", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
 
-    try:
-        res = run_kernels(cfg, progress=progress)
-    except KeyboardInterrupt:
-        if tty:
-            print(file=sys.stderr)  # end the progress line; main() says what was kept
-        raise
+def render(res: KernelsResult) -> None:
+    """Print the CPU, its measured matmul peaks and every headline ratio (quiet and busy)."""
     print(f"cpu: {res.cpu_summary}")
     print("matmul peak: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peaks_gflops.items()))
     for r in res.ratios:
         if r.value is not None and r.load in ("quiet", "busy"):
             print(f"  {r.impl:<18} {r.load:<5} {r.name}: {r.value:.2f} {('(target ' + r.target + ')') if r.target else ''}")
     print(f"wrote {', '.join(res.files)}")
-    return res

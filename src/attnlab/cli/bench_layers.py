@@ -9,7 +9,7 @@ from dataclasses import asdict
 from attnlab.bench.layers import LAYERS, LayersConfig, LayersResult, run as run_layers
 from attnlab.options import nonneg_int, positive_float, positive_int
 
-from .bench_common import checked_out, progress_display
+from .bench_common import run_suite
 
 
 def _int_list(text: str) -> list[int]:
@@ -53,15 +53,8 @@ def config_from_args(args) -> LayersConfig:
 
 def run(args) -> LayersResult:
     """Run ``bench layers`` for parsed options with a progress bar; print the tables (or the JSON)."""
-    cfg = config_from_args(args)
-    cfg.out = str(checked_out(args))
-    with progress_display(title="bench layers") as progress:
-        res = run_layers(cfg, progress=progress)
-    if args.json:
-        print(json.dumps(asdict(res), default=str))
-    else:
-        render(res)
-    return res
+    show = (lambda res: print(json.dumps(asdict(res), default=str))) if args.json else render
+    return run_suite(args, config_from_args(args), run_layers, show, title="bench layers")
 
 
 def _seconds(s: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from attnlab.bench.minilm import MiniLMBench, MiniLMConfig, run as run_minilm
 from attnlab.options import positive_int
 
-from .bench_common import checked_out, progress_display
+from .bench_common import run_suite
 
 
 def build_parser(p) -> None:
@@ -32,12 +32,7 @@ def config_from_args(args) -> MiniLMConfig:
 
 def run(args) -> MiniLMBench:
     """Run ``bench minilm`` for parsed options with a progress bar; print the throughput table."""
-    cfg = config_from_args(args)
-    cfg.out = str(checked_out(args))
-    with progress_display(title="minilm encode") as progress:
-        res = run_minilm(cfg, progress=progress)
-    render(res)
-    return res
+    return run_suite(args, config_from_args(args), run_minilm, render, title="minilm encode")
 
 
 def render(res: MiniLMBench) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from attnlab.bench.ring import TARGET_N, TARGET_PROCS, RingBenchResult, RingConfig, run as run_ring
 from attnlab.options import positive_float, positive_int
 
-from .bench_common import checked_out, progress_display
+from .bench_common import run_suite
 
 
 def build_parser(p) -> None:
@@ -37,12 +37,7 @@ def config_from_args(args) -> RingConfig:
 
 def run(args) -> RingBenchResult:
     """Run ``bench ring`` for parsed options with a progress line; print every rank and the target."""
-    cfg = config_from_args(args)
-    cfg.out = str(checked_out(args))
-    with progress_display(title="bench ring") as progress:
-        res = run_ring(cfg, progress=progress)
-    render(res)
-    return res
+    return run_suite(args, config_from_args(args), run_ring, render, title="bench ring")
 
 
 def render(result: RingBenchResult) -> None:
