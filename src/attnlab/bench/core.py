@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .. import cpu
-from ..harness import pyplot, save_plot, time_call
+from ..harness import markdown_table, pyplot, save_plot, time_call
 from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file
 from .impls import build_call, make_inputs, pattern_density
 from .fit import fit_exponent
@@ -416,15 +416,17 @@ def _markdown(res: Result) -> str:
              ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()), "",
              "`time/(ρ·dense)`: a pattern's time over its density ρ times SDPA's dense (non-causal) time at the same n.",
              "",
-             "| section | impl | pattern | dtype | causal | n | fwd+bwd | ms | GFLOP/s | × SDPA speed | time/(ρ·dense) | peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res.records:
-        lines.append(f"| {r.section} | {r.impl} | {r.pattern or ''} | {r.dtype} | {r.causal} | {r.n} | {r.backward} | "
-                     f"{'' if r.seconds is None else f'{r.seconds * 1e3:.2f}'} | "
-                     f"{'' if r.gflops is None else f'{r.gflops:.1f}'} | "
-                     f"{'' if r.ratio_vs_sdpa is None else f'{r.ratio_vs_sdpa:.2f}'} | "
-                     f"{'' if r.vs_density_dense is None else f'{r.vs_density_dense:.2f}'} | "
-                     f"{'' if r.peak_bytes is None else f'{r.peak_bytes / 2**20:.1f}'} |")
+             ""]
+
+    def num(x, spec):
+        return "" if x is None else format(x, spec)
+
+    rows = [[r.section, r.impl, r.pattern or "", r.dtype, r.causal, r.n, r.backward,
+             num(None if r.seconds is None else r.seconds * 1e3, ".2f"), num(r.gflops, ".1f"),
+             num(r.ratio_vs_sdpa, ".2f"), num(r.vs_density_dense, ".2f"),
+             num(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".1f")] for r in res.records]
+    lines.append(markdown_table(["section", "impl", "pattern", "dtype", "causal", "n", "fwd+bwd", "ms", "GFLOP/s",
+                                 "× SDPA speed", "time/(ρ·dense)", "peak MiB"], rows))
     lines += ["", "## Fitted exponents (log-log slope in n, n >= 1024)", ""]
     lines += [f"- {k}: {v:.2f}" for k, v in sorted(res.exponents.items()) if v is not None]
     lines += ["", "## Skipped", ""] + [f"- {s['impl']} n={s['n']} {s.get('pattern') or ''} {s['dtype']}: {s['reason']}"

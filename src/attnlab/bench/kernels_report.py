@@ -6,7 +6,7 @@ from pathlib import Path
 
 from attnlab import cpu
 
-from ..harness import pyplot, save_plot
+from ..harness import markdown_table, pyplot, save_plot
 from ..report import atomic_write_json, atomic_write_text
 from .fit import fit_exponent
 from .kernels_cases import TARGET_NS, KernelsConfig, KernelsResult, Ratio
@@ -186,34 +186,31 @@ def _markdown(res: KernelsResult) -> str:
     lines += ["## Headline ratios", "",
               "Quiet and busy side by side; *kept* = busy ÷ quiet (inverted for time/(ρ·dense)), 1 = no drop. "
               "Every value divides two medians of the same case and load (results.json lists them).", "",
-              "| ratio | implementation | quiet | busy | kept | target | computed as |", "|---|---|---|---|---|---|---|"]
-    rows: dict = {}
+              ""]
+    by: dict = {}
     for r in res.ratios:
         if r.load == "busy/quiet":
-            rows.setdefault((r.name.removesuffix(": kept under load"), r.impl), {})["kept"] = r
+            by.setdefault((r.name.removesuffix(": kept under load"), r.impl), {})["kept"] = r
         else:
-            rows.setdefault((r.name, r.impl), {})[r.load] = r
-    for (name, impl), d in rows.items():
+            by.setdefault((r.name, r.impl), {})[r.load] = r
+    rows = []
+    for (name, impl), d in by.items():
         first = d.get("quiet") or d.get("busy")
-        if first is None:
-            continue
-        lines.append(f"| {name} | {impl} | {_fmt(d['quiet'].value) if 'quiet' in d else ''} | "
-                     f"{_fmt(d['busy'].value) if 'busy' in d else ''} | {_fmt(d['kept'].value) if 'kept' in d else ''} | "
-                     f"{first.target} | {first.definition} |")
-    lines += ["", "## Measurements (median seconds)", "",
-              "| case | implementation | load | ρ | median ms | rounds × calls | Flex compile s | Flex mask s | skipped because |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for m in res.measurements:
-        lines.append(f"| {m.case} | {m.impl} | {m.load} | {_fmt(m.density, 3) if m.density < 1 else ''} | "
-                     f"{_fmt(m.seconds * 1e3 if m.seconds else None)} | "
-                     f"{f'{len(m.times)} × {m.calls_per_sample}' if m.times else ''} | "
-                     f"{_fmt(m.compile_s, 1)} | {_fmt(m.mask_s, 2)} | {m.skipped or ''} |")
+        if first is not None:
+            rows.append([name, impl, *(_fmt(d[k].value) if k in d else "" for k in ("quiet", "busy", "kept")),
+                         first.target, first.definition])
+    lines.append(markdown_table(["ratio", "implementation", "quiet", "busy", "kept", "target", "computed as"], rows))
+    lines += ["", "## Measurements (median seconds)", ""]
+    rows = [[m.case, m.impl, m.load, _fmt(m.density, 3) if m.density < 1 else "",
+             _fmt(m.seconds * 1e3 if m.seconds else None), f"{len(m.times)} × {m.calls_per_sample}" if m.times else "",
+             _fmt(m.compile_s, 1), _fmt(m.mask_s, 2), m.skipped or ""] for m in res.measurements]
+    lines.append(markdown_table(["case", "implementation", "load", "ρ", "median ms", "rounds × calls", "Flex compile s",
+                                 "Flex mask s", "skipped because"], rows))
     if res.memory:
-        lines += ["", "## Peak memory, forward+backward (fresh process each)", "",
-                  "| case | implementation | peak MiB | skipped because |", "|---|---|---|---|"]
-        for r in res.memory:
-            lines.append(f"| {r['case']} | {r['impl']} | {_fmt(r['peak_bytes'] / 2**20 if r['peak_bytes'] else None, 1)} | "
-                         f"{r['skipped'] or ''} |")
+        lines += ["", "## Peak memory, forward+backward (fresh process each)", ""]
+        rows = [[r["case"], r["impl"], _fmt(r["peak_bytes"] / 2**20 if r["peak_bytes"] else None, 1), r["skipped"] or ""]
+                for r in res.memory]
+        lines.append(markdown_table(["case", "implementation", "peak MiB", "skipped because"], rows))
     if res.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in res.notes]
     lines += ["", "Plots: " + ", ".join(Path(f).name for f in res.files if f.endswith(".png"))]

@@ -33,9 +33,10 @@ from torch import nn
 
 from .. import patterns
 from ..functional import attention, explain
+from ..harness import markdown_table, pyplot, save_plot, threads
 from ..options import check_memory
-from ..harness import pyplot, save_plot, threads
 from ..report import atomic_write_json, atomic_write_text, environment, format_bytes
+from .all_report import format_seconds
 from .fit import fit_exponent
 
 __all__ = ["LAYERS", "PAPER", "LayersConfig", "LayersResult", "make_layer", "flops", "structure", "measure",
@@ -320,10 +321,6 @@ def fitted_slopes(rows: list[dict], key: str = "forward_s") -> dict:
 
 
 # -- 4) report --------------------------------------------------------------------------------------------------
-def _fmt_s(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
 def markdown(result: "LayersResult") -> str:
     """The layers.md report of a :func:`run` result: the paper's Table 1 beside the derived structure,
     measured times and memory, fitted exponents and the attention/recurrence crossover."""
@@ -336,45 +333,48 @@ def markdown(result: "LayersResult") -> str:
         f"kernel k = {cfg['kernel']}, float32. Times are the best of {cfg['max_reps']} repetitions at most (medians in "
         f"the JSON); only ratios within this run mean anything.", "",
         "## Structure (derived) beside the paper's Table 1", "",
-        "| layer | paper: complexity per layer | paper: sequential ops | paper: max path length | "
-        + " | ".join(f"derived at n={n}: seq ops / path" for n in cfg["structure_ns"]) + " |",
-        "|---|---|---|---|" + "---|" * len(cfg["structure_ns"]),
     ]
+    rows = []
     for name in cfg["layers"]:
         cells = []
         for n in cfg["structure_ns"]:
             s = next(s for s in result.structure if s["layer"] == name and s["n"] == n)
             cells.append(f"{s['sequential_ops']} / {s['max_path_length']}")
-        lines.append(f"| {name} | " + " | ".join(PAPER[name]) + " | " + " | ".join(cells) + " |")
-    lines += ["", "## Measured time and memory", "",
-              "| layer | n | d | forward | fwd+bwd | fwd / GRU fwd | fwd GFLOP/s | forward peak | saved for bwd | method |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        rows.append([name, *PAPER[name], *cells])
+    lines.append(markdown_table(["layer", "paper: complexity per layer", "paper: sequential ops",
+                                 "paper: max path length",
+                                 *(f"derived at n={n}: seq ops / path" for n in cfg["structure_ns"])], rows))
+    lines += ["", "## Measured time and memory", ""]
     gru = {(r["n"], r["d"]): r["forward_s"] for r in result.rows if r["layer"] == "gru"}
+    rows = []
     for r in sorted(result.rows, key=lambda r: (r["d"], r["n"], LAYERS.index(r["layer"]))):
         ratio = f"{r['forward_s'] / gru[(r['n'], r['d'])]:.3g}" if (r["n"], r["d"]) in gru else "–"
-        lines.append(f"| {r['layer']} | {r['n']} | {r['d']} | {_fmt_s(r['forward_s'])} | "
-                     f"{_fmt_s(r['forward_backward_s'])} | {ratio} | {r['flops'] / r['forward_s'] / 1e9:.3g} | "
-                     f"{format_bytes(r.get('forward_peak_bytes'))} | {format_bytes(r.get('saved_bytes'))} | "
-                     f"{r.get('method', '–')} |")
-    lines += ["", "## Fitted log-log exponents of forward time (paper's exponents in brackets)", "",
-              "| layer | time ∝ n^a (at largest d, upper half of n) | time ∝ d^b (at largest n) |", "|---|---|---|"]
+        rows.append([r["layer"], r["n"], r["d"], format_seconds(r["forward_s"]), format_seconds(r["forward_backward_s"]), ratio,
+                     f"{r['flops'] / r['forward_s'] / 1e9:.3g}", format_bytes(r.get("forward_peak_bytes")),
+                     format_bytes(r.get("saved_bytes")), r.get("method", "–")])
+    lines.append(markdown_table(["layer", "n", "d", "forward", "fwd+bwd", "fwd / GRU fwd", "fwd GFLOP/s", "forward peak",
+                                 "saved for bwd", "method"], rows))
+    lines += ["", "## Fitted log-log exponents of forward time (paper's exponents in brackets)", ""]
+    rows = []
     for name, s in result.slopes.items():
         fa = "–" if s["n_slope"] is None else f"{s['n_slope']:.2f}"
         fb = "–" if s["d_slope"] is None else f"{s['d_slope']:.2f}"
-        lines.append(f"| {name} | {fa} [{s['paper'][0]}] (d={s['at_d']}) | {fb} [{s['paper'][1]}] (n={s['at_n']}) |")
+        rows.append([name, f"{fa} [{s['paper'][0]}] (d={s['at_d']})", f"{fb} [{s['paper'][1]}] (n={s['at_n']})"])
+    lines.append(markdown_table(["layer", "time ∝ n^a (at largest d, upper half of n)", "time ∝ d^b (at largest n)"],
+                                rows))
     lines += ["", "## Where \"self-attention is cheaper than recurrence when n < d\" lands here", "",
               "The paper's argument counts operations: n²·d for attention against n·d² for a recurrent layer, so "
               "attention wins while n < d. With the constants of a GRU (12·n·d² FLOPs) and attention's two "
               "products (4·n²·d) the FLOP model crosses at n = 3d; with the W_Q, W_K, W_V, W_O projections "
               "(+8·n·d²) at n = d. Measured crossings (forward time, then forward+backward):", "",
-              "| attention | recurrent | timing | d | measured n* | n*/d | FLOP-model n* | verdict |",
-              "|---|---|---|---|---|---|---|---|"]
-    for c in result.crossover:
-        ns = "–" if c["n_star"] is None else f"{c['n_star']:.0f}"
-        nd = "–" if c["n_star_over_d"] is None else f"{c['n_star_over_d']:.2g}"
-        fm = "–" if c["flop_model_n_star"] is None else f"{c['flop_model_n_star']:.0f}"
-        lines.append(f"| {c['attention']} | {c['recurrent']} | {c['timing']} | {c['d']} | {ns} | {nd} | {fm} | "
-                     f"{c['verdict']} |")
+              ""]
+    rows = [[c["attention"], c["recurrent"], c["timing"], c["d"],
+             "–" if c["n_star"] is None else f"{c['n_star']:.0f}",
+             "–" if c["n_star_over_d"] is None else f"{c['n_star_over_d']:.2g}",
+             "–" if c["flop_model_n_star"] is None else f"{c['flop_model_n_star']:.0f}", c["verdict"]]
+            for c in result.crossover]
+    lines.append(markdown_table(["attention", "recurrent", "timing", "d", "measured n*", "n*/d", "FLOP-model n*",
+                                 "verdict"], rows))
     lines += ["", "Files: " + ", ".join(f"`{Path(p).name}`" for p in result.files.values()), ""]
     return "\n".join(lines)
 

@@ -18,8 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..options import check_memory
 from ..harness import pyplot, save_plot, threads
+from ..options import check_memory
 from ..report import atomic_write_json, environment
 
 __all__ = ["MiniLMConfig", "MiniLMBench", "run"]

@@ -6,6 +6,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from attnlab.bench.all_report import format_seconds
 from attnlab.bench.layers import LAYERS, LayersConfig, LayersResult, run as run_layers
 from attnlab.options import nonneg_int, positive_float, positive_int
 
@@ -57,10 +58,6 @@ def run(args) -> LayersResult:
     return run_suite(args, config_from_args(args), run_layers, show, title="bench layers")
 
 
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
 def render(res: LayersResult) -> None:
     """Print forward time per layer and n at the largest d (ratio to GRU) and the crossover table."""
     from rich.console import Console
@@ -77,7 +74,7 @@ def render(res: LayersResult) -> None:
         cells = []
         for n in cfg["ns"]:
             r = next(r for r in rows if r["layer"] == name and r["n"] == n and r["d"] == d)
-            cells.append(_seconds(r["forward_s"]) + (f" ({r['forward_s'] / gru[n]:.2g}x)" if n in gru else ""))
+            cells.append(format_seconds(r["forward_s"]) + (f" ({r['forward_s'] / gru[n]:.2g}x)" if n in gru else ""))
         table.add_row(name, *cells)
     table.caption = f"d = {d}, batch {cfg['batch']}"
     console.print(table)
