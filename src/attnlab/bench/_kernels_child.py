@@ -11,20 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
-
 from attnlab.harness import peak_rss_bytes, reset_peak_rss, rss_bytes
 
+from .impls import make_inputs
 from .kernels_cases import build_impl
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _inputs(spec, n):
-    g = torch.Generator().manual_seed(spec.get("seed", 0))
-    shape = (spec.get("B", 1), spec.get("H", 8), n, spec.get("D", 64))
-    return [torch.randn(shape, generator=g).to(DTYPES[spec.get("dtype", "float32")]).requires_grad_(spec["backward"])
-            for _ in range(3)]
 
 
 def _call(f, qkv, backward):
@@ -36,8 +26,8 @@ def _call(f, qkv, backward):
 def main(argv: list[str]) -> None:
     spec = json.loads(argv[0])
     f = build_impl(spec["impl"])
-    _call(f, _inputs(spec, min(64, spec["n"])), spec["backward"])  # imports, kernels, allocator warm
-    qkv = _inputs(spec, spec["n"])
+    _call(f, make_inputs(dict(spec, n=min(64, spec["n"]))), spec["backward"])  # imports, kernels, allocator warm
+    qkv = make_inputs(spec)
     reset_peak_rss(trim=False)
     base = rss_bytes() or peak_rss_bytes()
     _call(f, qkv, spec["backward"])

@@ -20,12 +20,12 @@ import attnlab
 from attnlab import patterns as P
 
 from ..harness import interleaved
+from .impls import DTYPES, make_inputs
 
 __all__ = ["DTYPES", "TARGET_NS", "KernelsConfig", "Measurement", "Ratio", "KernelsResult", "make_case_pattern",
            "flex_block_mask", "window_mask_mod", "build_impl", "measure_case", "Contention", "peak_in_fresh_process",
            "flex_compiler", "flex_backward_reason"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: the lengths at which issue 14 states each target; other lengths are reported without one
 TARGET_NS = {"dense": (4096, 16384), "bf16": (4096,), "window": (16384,), "sparse": (16384,), "memory": (16384,)}
 
@@ -209,9 +209,7 @@ def build_impl(impl: str, *, causal: bool = False, pattern: P.Pattern | None = N
 
 
 def _inputs(cfg: KernelsConfig, n: int, dtype: str, backward: bool):
-    g = torch.Generator().manual_seed(cfg.seed)
-    qkv = [torch.randn(cfg.B, cfg.H, n, cfg.D, generator=g).to(DTYPES[dtype]) for _ in range(3)]
-    return [t.requires_grad_(backward) for t in qkv]
+    return make_inputs(dict(n=n, B=cfg.B, H=cfg.H, D=cfg.D, dtype=dtype, seed=cfg.seed, backward=backward))
 
 
 def _call(f, inputs, backward):

@@ -349,7 +349,8 @@ def markdown(result: "LayersResult") -> str:
     rows = []
     for r in sorted(result.rows, key=lambda r: (r["d"], r["n"], LAYERS.index(r["layer"]))):
         ratio = f"{r['forward_s'] / gru[(r['n'], r['d'])]:.3g}" if (r["n"], r["d"]) in gru else "–"
-        rows.append([r["layer"], r["n"], r["d"], format_seconds(r["forward_s"]), format_seconds(r["forward_backward_s"]), ratio,
+        rows.append([r["layer"], r["n"], r["d"], format_seconds(r["forward_s"]),
+                     format_seconds(r["forward_backward_s"]), ratio,
                      f"{r['flops'] / r['forward_s'] / 1e9:.3g}", format_bytes(r.get("forward_peak_bytes")),
                      format_bytes(r.get("saved_bytes")), r.get("method", "–")])
     lines.append(markdown_table(["layer", "n", "d", "forward", "fwd+bwd", "fwd / GRU fwd", "fwd GFLOP/s", "forward peak",

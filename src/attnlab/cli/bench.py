@@ -15,8 +15,10 @@ SUITES = {
 
 
 def build_parser(parser):
+    """One sub-command per suite of ``SUITES``, each with the options of its ``cli/bench_*.py`` face."""
     add_suites(parser, SUITES, "suite")
 
 
 def run(args):
+    """Run the chosen suite's CLI face; returns the suite's result (its ``exit_code`` is the exit status)."""
     return run_suite(args)
