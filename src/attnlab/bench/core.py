@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -25,8 +22,8 @@ import torch
 from .. import cpu
 from ..harness import markdown_table, pyplot, save_plot, time_call
 from ..report import atomic_write_json, atomic_write_text, environment, line_styles, render_markdown_file
-from .impls import build_call, make_inputs, pattern_density
 from .fit import fit_exponent
+from .impls import build_call, make_inputs, pattern_density, peak_in_fresh_process
 
 __all__ = ["CoreConfig", "Record", "Result", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
 
@@ -139,22 +136,13 @@ def _predict_bytes(impl, n, dtype_bytes, B=1, H=8, D=64, density=1.0, backward=F
     return io + B * H * n * (D + 3) * 4 + 3 * B * H * 512 * 512 * 4
 
 
-def _mem_child(spec: dict, timeout=600) -> int | None:
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    r = subprocess.run([sys.executable, "-m", "attnlab.bench._child", json.dumps(spec)], capture_output=True,
-                       text=True, timeout=timeout, env=env)
-    if r.returncode != 0:
-        raise RuntimeError(f"memory child failed for {spec}: {r.stderr[-500:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["peak_bytes"]
-
-
 def peak_bytes(spec: dict, timeout: float = 600) -> int | None:
     """Extra peak resident bytes of one attention call, measured in a fresh process.
 
     spec: {"impl": "sdpa"|"auto"|"tiled"|"naive"|"dense", "n", "dtype", "causal", "backward", "B", "H", "D",
     "pattern"} as in ``attnlab.bench.impls.build_call``. RuntimeError with the child's stderr if it fails.
     """
-    return _mem_child(spec, timeout=timeout)
+    return peak_in_fresh_process(spec, timeout=timeout)["peak_bytes"]
 
 
 def run(config: CoreConfig, *, progress: Callable[[int, int, str], None] | None = None) -> Result:
@@ -285,7 +273,7 @@ def run(config: CoreConfig, *, progress: Callable[[int, int, str], None] | None 
             skip(f"predicted {pred:.1f} GiB > memory budget", **cfg)
         elif reuse((section, impl, n, "float32", True, pat, bwd)) is None:
             spec = dict(impl=impl, n=n, dtype="float32", causal=True, backward=bwd, pattern=PATTERNS.get(pat))
-            res.records.append(Record(section, impl, n, "float32", True, pat, bwd, peak_bytes=_mem_child(spec)))
+            res.records.append(Record(section, impl, n, "float32", True, pat, bwd, peak_bytes=peak_bytes(spec)))
             _save(res, out)
 
     res.complete = True

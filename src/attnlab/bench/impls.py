@@ -1,7 +1,11 @@
 """The implementations the core benchmark compares, built from a JSON-able spec (shared with _child)."""
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -9,7 +13,7 @@ import torch.nn.functional as F
 import attnlab
 from attnlab import patterns as P
 
-__all__ = ["make_inputs", "build_call", "make_pattern", "naive_attention", "pattern_density"]
+__all__ = ["make_inputs", "build_call", "make_pattern", "naive_attention", "pattern_density", "peak_in_fresh_process"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -102,3 +106,16 @@ def build_call(spec: dict):
     return lambda q, k, v: attnlab.attention(q, k, v, is_causal=causal, pattern=pattern, method=method,
                                              block_size=bs)
 
+
+
+def peak_in_fresh_process(spec: dict, timeout: float = 600) -> dict:
+    """{"peak_bytes", "baseline_bytes"}: the extra peak resident bytes of one attention call (forward, or
+    forward + backward with ``spec["backward"]``) measured by attnlab.bench._child in a fresh process
+    with this process's torch threads. spec: a :func:`build_call` spec, or a bench kernels implementation
+    name as ``impl``. RuntimeError with the child's last stderr line when it fails."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    r = subprocess.run([sys.executable, "-m", "attnlab.bench._child", json.dumps(spec)], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise RuntimeError((r.stderr.strip().splitlines() or [f"memory child failed for {spec}"])[-1][:300])
+    return json.loads(r.stdout.strip().splitlines()[-1])

@@ -5,7 +5,6 @@ Legend: B batch, H heads, n sequence length (L = S = n), D head dim, ρ fraction
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from ..harness import interleaved
 from .impls import DTYPES, make_inputs
 
 __all__ = ["DTYPES", "TARGET_NS", "KernelsConfig", "Measurement", "Ratio", "KernelsResult", "make_case_pattern",
-           "flex_block_mask", "window_mask_mod", "build_impl", "measure_case", "Contention", "peak_in_fresh_process",
+           "flex_block_mask", "window_mask_mod", "build_impl", "measure_case", "Contention",
            "flex_compiler", "flex_backward_reason"]
 
 #: the lengths at which issue 14 states each target; other lengths are reported without one
@@ -302,19 +301,6 @@ class Contention:
                 self.proc.kill()
                 self.proc.wait()
         return False
-
-
-# -- memory: fresh processes ---------------------------------------------------------------------------
-def peak_in_fresh_process(spec: dict, timeout: float = 1800) -> dict:
-    """{"peak_bytes", "baseline_bytes"} of one implementation measured by attnlab.bench._kernels_child in a
-    fresh process (spec: impl, n, B, H, D, dtype, backward, seed), or {"skipped": why} when it failed."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    r = subprocess.run([sys.executable, "-m", "attnlab.bench._kernels_child", json.dumps(spec)], capture_output=True,
-                       text=True, timeout=timeout, env=env)
-    if r.returncode != 0:
-        return {"skipped": (r.stderr.strip().splitlines() or ["failed"])[-1][:200]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
 
 
 def flex_compiler():
