@@ -25,7 +25,7 @@ from ..report import atomic_write_json, atomic_write_text, environment, line_sty
 from .fit import fit_exponent
 from .impls import build_call, make_inputs, pattern_density, peak_in_fresh_process
 
-__all__ = ["CoreConfig", "Record", "Result", "run", "matmul_peak", "time_call", "fit_exponent", "peak_bytes"]
+__all__ = ["CoreConfig", "Record", "Result", "run", "time_call", "fit_exponent", "peak_bytes"]
 
 PATTERNS = {
     "sliding_window_256": {"name": "sliding_window", "window": 256, "causal": True},
@@ -111,13 +111,6 @@ class CoreConfig:
                     mem_budget_gib=self.mem_budget_gib, memory=self.memory)
 
 
-def matmul_peak(dtype=torch.float32, n=2048, repeats=3) -> float:
-    """Measured matrix-product GFLOP/s on this machine for this dtype (the ceiling for attention)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    t = time_call(lambda: a @ b, repeats)
-    return 2 * n**3 / t / 1e9
-
-
 def _flops(n, causal, density, B=1, H=8, D=64):
     return 4 * B * H * n * n * D * density * (0.5 if causal and density == 1.0 else 1.0)
 
@@ -174,9 +167,9 @@ def run(config: CoreConfig, *, progress: Callable[[int, int, str], None] | None 
     res.peak_gflops = dict(done.get("peak_gflops", {})) if done else {}
     for d in dtypes:
         if d not in res.peak_gflops:
-            res.peak_gflops[d] = matmul_peak(getattr(torch, d), n=512 if quick else 2048)
+            res.peak_gflops[d] = cpu.matmul_peak(getattr(torch, d), n=512 if quick else 2048, refresh=True)
     if "float32" not in res.peak_gflops:
-        res.peak_gflops["float32"] = matmul_peak(torch.float32, n=512)
+        res.peak_gflops["float32"] = cpu.matmul_peak(torch.float32, n=512, refresh=True)
 
     def skip(reason, **cfg):
         res.skipped.append(dict(cfg, reason=reason))
@@ -400,7 +393,7 @@ def _write(res: Result, out: Path):
 def _markdown(res: Result) -> str:
     lines = ["# attnlab bench core", "", f"Machine: {res.env.get('cpu')} · {res.env.get('threads')} threads · "
              f"torch {res.env.get('torch')}", "", f"CPU: {cpu.summary(peaks=False)}", "",
-             "Matrix-product peak measured in this run: " +
+             "Matrix-product peak measured in this run (best of repeated products): " +
              ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()), "",
              "`time/(ρ·dense)`: a pattern's time over its density ρ times SDPA's dense (non-causal) time at the same n.",
              "",
