@@ -14,5 +14,6 @@ is ``attnlab bench SUITE``, in ``attnlab.cli``). Measuring, storing and report w
 - :mod:`~attnlab.bench.ring`: ring attention over N processes vs one (``RingConfig``).
 - :mod:`~attnlab.bench.generate`: generation with vs without the KV cache (``GenerateConfig``).
 - :mod:`~attnlab.bench.minilm`: MiniLM encoding, attnlab vs transformers (``MiniLMConfig``).
-- :mod:`~attnlab.bench.impls`, :mod:`~attnlab.bench.fit`: the implementations compared, fitted power laws.
+- :mod:`~attnlab.bench.impls`, :mod:`~attnlab.bench.fit`, :mod:`~attnlab.bench.files`: the implementations
+  compared (and their fresh-process memory), fitted power laws, a small suite's JSON and figure.
 """

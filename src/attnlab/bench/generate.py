@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..harness import pyplot, save_plot, threads, time_call
+from ..harness import threads, time_call
 from ..options import check_memory
-from ..report import atomic_write_json, environment
+from ..report import environment
+from .files import write_json_and_figure
 
 __all__ = ["GenerateConfig", "GenerateBench", "run"]
 
@@ -154,23 +154,16 @@ def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
         res.rows.append(row)
     if not all(r["same_tokens"] for r in res.rows):
         res.exit_code = 1
-    out_dir = Path(config.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "generate.json", {
+    res.files = write_json_and_figure(config.out, "generate", {
         "suite": "generate", "model": res.model, "threads": torch.get_num_threads(), "rows": res.rows,
         "env": res.env, "note": "speedup = tokens/s with cache / tokens/s without, same run; decode_* excludes "
-                                "the prefill"})
-    _plot(res, out_dir / "generate.png")
-    res.files = [str(out_dir / "generate.json"), str(out_dir / "generate.png")]
+                                "the prefill"}, lambda ax: _draw(res, ax), figsize=(5, 3))
     if progress:
         progress(total, total, "done")
     return res
 
 
-def _plot(res: GenerateBench, path: Path) -> None:
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(5, 3))
+def _draw(res: GenerateBench, ax) -> None:
     cs = [r["context"] for r in res.rows]
     ax.plot(cs, [r["cache"]["decode_tokens_per_s"] for r in res.rows], "o-", label="KV cache")
     ax.plot(cs, [r["no_cache"]["decode_tokens_per_s"] for r in res.rows], "s-", label="no cache")
@@ -179,4 +172,3 @@ def _plot(res: GenerateBench, path: Path) -> None:
     ax.set_xlabel("context length")
     ax.set_ylabel("decode tokens / s")
     ax.legend()
-    save_plot(fig, path)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..harness import pyplot, save_plot, threads
+from ..harness import threads
 from ..options import check_memory
-from ..report import atomic_write_json, environment
+from ..report import environment
+from .files import write_json_and_figure
 
 __all__ = ["MiniLMConfig", "MiniLMBench", "run"]
 
@@ -153,26 +153,18 @@ def _run(config: MiniLMConfig, batch: int, tokens: int, repeats: int, progress) 
         r["ratio_vs_sdpa"] = sdpa["seconds"] / r["seconds"] if sdpa else None
         r["ratio_vs_eager"] = eager["seconds"] / r["seconds"] if eager else None
 
-    out_dir = Path(config.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "minilm.json", {
+    res.files = write_json_and_figure(config.out, "minilm", {
         "suite": "minilm", "batch": batch, "tokens": tokens, "repeats": repeats, "threads": res.threads,
         "rows": res.rows, "skipped": res.skipped, "env": res.env,
         "note": "throughput ratios are transformers time / impl time in the same run (>1: faster)",
-    })
-    _plot(res, out_dir / "minilm.png")
-    res.files = [str(out_dir / "minilm.json"), str(out_dir / "minilm.png")]
+    }, lambda ax: _draw(res, ax))
     if progress:
         progress(total, total, "done")
     return res
 
 
-def _plot(res: MiniLMBench, path: Path) -> None:
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(6, 3))
+def _draw(res: MiniLMBench, ax) -> None:
     names = [r["impl"] for r in res.rows]
     ax.barh(names, [r["sentences_per_s"] for r in res.rows], color="tab:blue")
     ax.set_xlabel("sentences / s (higher is better)")
     ax.set_title(f"MiniLM encode, batch {res.batch} x {res.tokens} tokens")
-    save_plot(fig, path)
