@@ -22,12 +22,13 @@ __all__ = ["RunConfig", "train_run", "run_grid", "summarize_runs", "plot_curves"
            "TrainingResult", "run_training", "verdicts", "QUICK_SIZES", "FULL_SIZES"]
 
 
-@dataclass
-class RunConfig:
-    """One training run: model, data and optimiser settings (all of it, ``asdict``, identifies the run's
-    checkpoint). ``scale``: "sqrt" | "none" | "dk" | a number; ``score``: softmax | none | cosine;
-    ``attention``: a name for ``experiments.attention.choose``; ``model``: "tiny" (the experiments'
-    model) or "lm" (``attnlab.nn.TransformerLM``)."""
+@dataclass(kw_only=True)
+class RunConfig(harness.TrainConfig):
+    """One training run: model and data settings on top of ``attnlab.harness.TrainConfig``'s optimiser
+    settings (all of it, ``asdict``, identifies the run's checkpoint). ``scale``: "sqrt" | "none" |
+    "dk" | a number; ``score``: softmax | none | cosine; ``attention``: a name for
+    ``experiments.attention.choose``; ``model``: "tiny" (the experiments' model) or "lm"
+    (``attnlab.nn.TransformerLM``). Keyword arguments only."""
 
     name: str
     task: str = "recall"
@@ -40,15 +41,8 @@ class RunConfig:
     scale: str | float = "sqrt"
     attention: str = "sdpa"
     causal: bool = False
-    steps: int = 200
-    batch_size: int = 32
-    lr: float = 1e-3
-    optimizer: str = "adamw"
-    seed: int = 0
-    log_every: int = 10
     qk_init: str = "unit"
     cosine_temperature: float = 1.0
-    grad_clip: float | None = None
     model: str = "tiny"
     token_shift: bool = False
 
