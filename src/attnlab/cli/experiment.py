@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from attnlab.options import output_dir, positive_float, positive_int
+from attnlab.options import output_dir, positive_float, positive_int, positive_int_list
 
-__all__ = ["EXPERIMENTS", "build_parser", "run", "seeds_of", "ints_of"]
+__all__ = ["EXPERIMENTS", "build_parser", "run", "seeds_of"]
 
 #: name -> (help, module under attnlab.experiments)
 EXPERIMENTS = {
@@ -36,17 +36,6 @@ def seeds_of(text: str) -> list[int]:
     return seeds
 
 
-def ints_of(text: str, name: str) -> list[int]:
-    """"16,64" -> [16, 64]; ValueError naming the option ``name`` unless all are positive integers."""
-    try:
-        vals = [int(s) for s in str(text).split(",") if s.strip() != ""]
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise ValueError(f"{name} must be positive integers, got {text!r}")
-    return vals
-
-
 def _names(text: str) -> list[str]:
     return [t.strip() for t in str(text).split(",") if t.strip()]
 
@@ -67,7 +56,7 @@ def _common(p: argparse.ArgumentParser, *, seeds: str = "0,1,2") -> None:
 
 def _variance_args(p) -> None:
     _common(p, seeds="0")
-    p.add_argument("--d-k", default=None, help="comma-separated d_k values (default 16..1024)")
+    p.add_argument("--d-k", type=positive_int_list, default=None, help="comma-separated d_k values (default 16..1024)")
     p.add_argument("--keys", type=positive_int, default=None, help="keys per query row (default 128; quick 64)")
     p.add_argument("--rows", type=positive_int, default=None, help="query rows per measurement (default 512; quick 128)")
     p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K")
@@ -84,7 +73,7 @@ def _training_args(p, d_k_help: str) -> None:
                         "attnlab.nn.TransformerLM with d_model = 2·d_k (text task, softmax arms only)")
     p.add_argument("--qk-init", default="unit", choices=("unit", "torch"),
                    help="unit: q, k entries start with unit variance (the tutorial's premise); torch: nn.Linear's default")
-    p.add_argument("--d-k", default=None, help=d_k_help)
+    p.add_argument("--d-k", type=positive_int_list, default=None, help=d_k_help)
 
 
 def _long_range_args(p) -> None:
@@ -167,14 +156,14 @@ def _config(args):
     mod = importlib.import_module(f"attnlab.experiments.{EXPERIMENTS[name][1]}")
     if name == "variance":
         cfg = mod.VarianceConfig(quick=args.quick, seeds=seeds_of(args.seeds),
-                                 d_k=ints_of(args.d_k, "--d-k") if args.d_k else None, rows=args.rows,
+                                 d_k=args.d_k, rows=args.rows,
                                  keys=args.keys, minilm=not args.no_minilm, threads=args.threads)
         cfg.resolved()  # bad sizes are refused before the output folder is looked at
         return mod, cfg, _out(args, name, resumable=False)  # nothing is checkpointed: a rerun replaces every file
     if name in ("scaling", "failure-modes"):
         cls = mod.ScalingConfig if name == "scaling" else mod.FailureModesConfig
         cfg = cls(quick=args.quick, resume=args.resume, seeds=seeds_of(args.seeds), tasks=_names(args.tasks),
-                  d_k=ints_of(args.d_k, "--d-k") if args.d_k else None, steps=args.steps, optimizer=args.optimizer,
+                  d_k=args.d_k, steps=args.steps, optimizer=args.optimizer,
                   lr=args.lr, model=args.model, qk_init=args.qk_init, threads=args.threads)
         cfg.validate()
         cfg.out = _out(args, name)
