@@ -361,27 +361,48 @@ class ApproximationConfig:
 
 @dataclass
 class ApproximationResult:
-    """Everything measured (``results``: config, random and MiniLM rows, SDPA times, the headline, the
-    environment). :meth:`write` makes the plots and the report; ``results`` is results.json's content."""
+    """Everything measured. ``random``: one row per (mechanism, budget) on the random input (errors,
+    time, speed-up vs SDPA, FLOPs); ``minilm``: the same errors per MiniLM layer (time on layer 0);
+    ``headline``: linear vs SDPA at speed_n; ``minilm_error``: why MiniLM was not measured. :meth:`write`
+    makes the plots and the report; :meth:`to_json` is results.json's content."""
 
-    results: dict
+    config: dict
+    command: str
+    env: dict
+    random: list[dict]
+    sdpa_time_s: float | None
+    headline: dict
+    minilm: list[dict]
+    minilm_sdpa_time_s: float | None = None
+    minilm_error: str | None = None
     exit_code: int = 0
+
+    def to_json(self, plots: list[str] | None = None) -> dict:
+        """results.json's content (``plots``: the figures written beside it)."""
+        res = {"config": self.config, "command": self.command, "env": self.env, "random": self.random,
+               "sdpa_time_s": self.sdpa_time_s, "minilm": self.minilm, "headline": self.headline}
+        if self.minilm_sdpa_time_s is not None:
+            res["minilm_sdpa_time_s"] = self.minilm_sdpa_time_s
+        if self.minilm_error is not None:
+            res["minilm_error"] = self.minilm_error
+        if plots is not None:
+            res["plots"] = plots
+        return res
 
     def write(self, out: str | Path) -> dict:
         """The plots, results.json, report.md and report.html into ``out``; returns the paths."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        self.results["plots"] = _plots(self.results, out)
-        return harness.write_report(out, self.results, _report(self.results), "attnlab approximation report")
+        res = self.to_json(_plots(self.to_json(), out))
+        return harness.write_report(out, res, _report(res), "attnlab approximation report")
 
     def summary_lines(self, out=None) -> list[str]:
-        """A few lines for a terminal: the headline ratio and the error–speed frontier."""
-        res, h = self.results, self.results["headline"]
-        err = res.get("minilm_error")
+        """A few lines for a terminal (rich markup): the headline ratio and the error–speed frontier."""
+        h, err = self.headline, self.minilm_error
         lines = [f"[yellow]MiniLM skipped: {err}[/]"] if err and err != "skipped (--no-minilm)" else []
         return lines + [f"linear vs SDPA at n={h['n']}, D={h['D']}: {h['full']['ratio']:.1f}× (non-causal), "
                         f"{h['causal']['ratio']:.1f}× (causal); frontier: "
-                        + ", ".join(f"{p['mechanism']}({p['budget']})" for p in pareto(res["random"], max_y=1.0)),
+                        + ", ".join(f"{p['mechanism']}({p['budget']})" for p in pareto(self.random, max_y=1.0)),
                         f"wrote {out / 'report.md' if out is not None else 'nothing yet'}"]
 
 
@@ -434,4 +455,4 @@ def run(config: ApproximationConfig, *, progress=None) -> ApproximationResult:
         t = prog.add_task(f"linear vs SDPA n={speed_n}", total=1)
         res["headline"] = headline(speed_n, D, seed=config.seed)
         prog.advance(t)
-    return ApproximationResult(res)
+    return ApproximationResult(**res)
