@@ -314,3 +314,33 @@ def test_long_range_killed_leaves_a_report_and_resumes(tmp_path, monkeypatch):
     res = _read(tmp_path / "results.json")
     assert res["complete"] and len(res["runs"]) == 4 and "Partial report" not in (tmp_path / "report.md").read_text()
     assert [r["resumed_from"] for r in res["runs"][:2]] == [2, 2]  # finished runs are not trained again
+
+
+# the options each experiment had when its parser lived in the experiment module (issue 15 moved them to
+# cli/experiment.py; the command line must not change)
+FLAGS = {
+    "approximation": "--head-dim --heads --minilm-tokens --n --no-minilm --no-progress --out --quick --seed "
+                     "--speed-n --threads",
+    "failure-modes": "--d-k --force --lr --model --no-progress --optimizer --out --qk-init --quick --resume --seeds "
+                     "--steps --tasks --threads",
+    "long-range": "--batch-size --d-model --force --layers --lr --mechanisms --no-progress --no-token-shift --out "
+                  "--quick --recall-queries --report-only --resume --seeds --seq-len --steps --tasks --test-examples "
+                  "--threads --train-examples",
+    "scaling": "--d-k --force --lr --model --no-progress --optimizer --out --qk-init --quick --resume --seeds --steps "
+               "--tasks --threads",
+    "variance": "--d-k --force --keys --no-minilm --no-progress --out --quick --resume --rows --seeds --steps --threads",
+}
+
+
+def test_experiment_options_unchanged():
+    import argparse
+
+    from attnlab.cli import experiment as E
+
+    p = argparse.ArgumentParser()
+    E.build_parser(p)
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(FLAGS)
+    for name, sp in sub.choices.items():
+        got = sorted(a.option_strings[0] for a in sp._actions if a.option_strings and a.option_strings[0] != "-h")
+        assert got == FLAGS[name].split(), name
