@@ -175,6 +175,7 @@ def _config(args):
             seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, lr=args.lr, d_model=args.d_model,
             layers=args.layers, recall_queries=args.recall_queries, token_shift=not args.no_token_shift,
             train_examples=args.train_examples, test_examples=args.test_examples, threads=args.threads)
+        cfg.resolved()
         cfg.out = _out(args, name)
         return mod, cfg, cfg.out
     command = ("attnlab " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("attnlab")

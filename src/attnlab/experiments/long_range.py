@@ -82,6 +82,39 @@ class LongRangeConfig:
     test_examples: int | None = None
     threads: int | None = 1
 
+    def resolved(self) -> dict:
+        """The sizes after defaults (quick mode changes the defaults only, never a value that was given),
+        checked: ValueError naming the option otherwise."""
+        size = QUICK if self.quick else FULL
+
+        def given(v, default):  # an option's value, the default only when it was not given (0 is refused, not replaced)
+            return default if v is None else v
+
+        s = {"seq_len": given(self.seq_len, size["seq_len"]), "steps": given(self.steps, size["steps"]),
+             "batch_size": given(self.batch_size, size["batch"]), "lr": given(self.lr, size["lr"]),
+             "d_model": given(self.d_model, size["d_model"]), "num_layers": given(self.layers, size["layers"]),
+             "train_examples": given(self.train_examples, size["train"]),
+             "test_examples": given(self.test_examples, size["test"]),
+             "recall_queries": given(self.recall_queries, size["queries"])}
+        if s["seq_len"] < 32:
+            raise ValueError(f"--seq-len must be >= 32, got {s['seq_len']}")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"--tasks must be a comma-separated subset of {TASKS}, got {','.join(self.tasks)!r}")
+        if not self.seeds:
+            raise ValueError("--seeds must name at least one seed")
+        for name, key in (("--steps", "steps"), ("--batch-size", "batch_size"), ("--layers", "num_layers"),
+                          ("--train-examples", "train_examples"), ("--test-examples", "test_examples")):
+            if s[key] < 1:
+                raise ValueError(f"{name} must be >= 1, got {s[key]}")
+        if s["d_model"] < 32 or s["d_model"] % 32:
+            raise ValueError(f"--d-model must be a positive multiple of 32 (heads of 32), got {s['d_model']}")
+        if not (s["lr"] > 0 and math.isfinite(s["lr"])):
+            raise ValueError(f"--lr must be a finite number > 0, got {s['lr']}")
+        if not 1 <= s["recall_queries"] <= 8:
+            raise ValueError(f"--recall-queries must be in [1, 8] (8 key-value pairs), got {s['recall_queries']}")
+        return s
+
 
 @dataclass
 class LongRangeResult:
@@ -146,39 +179,6 @@ class LongRangeResult:
         return lines
 
 
-def _resolve(config: LongRangeConfig) -> dict:
-    """The sizes after defaults, checked: ValueError naming the option otherwise."""
-    size = QUICK if config.quick else FULL
-
-    def given(v, default):  # an option's value, the default only when it was not given (0 is refused, not replaced)
-        return default if v is None else v
-
-    s = {"seq_len": given(config.seq_len, size["seq_len"]), "steps": given(config.steps, size["steps"]),
-         "batch_size": given(config.batch_size, size["batch"]), "lr": given(config.lr, size["lr"]),
-         "d_model": given(config.d_model, size["d_model"]), "num_layers": given(config.layers, size["layers"]),
-         "train_examples": given(config.train_examples, size["train"]),
-         "test_examples": given(config.test_examples, size["test"]),
-         "recall_queries": given(config.recall_queries, size["queries"])}
-    if s["seq_len"] < 32:
-        raise ValueError(f"--seq-len must be >= 32, got {s['seq_len']}")
-    bad = [t for t in config.tasks if t not in TASKS]
-    if bad or not config.tasks:
-        raise ValueError(f"--tasks must be a comma-separated subset of {TASKS}, got {','.join(config.tasks)!r}")
-    if not config.seeds:
-        raise ValueError("--seeds must name at least one seed")
-    for name, key in (("--steps", "steps"), ("--batch-size", "batch_size"), ("--layers", "num_layers"),
-                      ("--train-examples", "train_examples"), ("--test-examples", "test_examples")):
-        if s[key] < 1:
-            raise ValueError(f"{name} must be >= 1, got {s[key]}")
-    if s["d_model"] < 32 or s["d_model"] % 32:
-        raise ValueError(f"--d-model must be a positive multiple of 32 (heads of 32), got {s['d_model']}")
-    if not (s["lr"] > 0 and math.isfinite(s["lr"])):
-        raise ValueError(f"--lr must be a finite number > 0, got {s['lr']}")
-    if not 1 <= s["recall_queries"] <= 8:
-        raise ValueError(f"--recall-queries must be in [1, 8] (8 key-value pairs), got {s['recall_queries']}")
-    return s
-
-
 def run(config: LongRangeConfig, *, progress=None) -> LongRangeResult:
     """Train every mechanism on every task (ListOps, associative recall, selective copy; token ids
     [batch, seq_len]) with the same budget: accuracy per task, training steps/s and peak memory relative
@@ -190,7 +190,7 @@ def run(config: LongRangeConfig, *, progress=None) -> LongRangeResult:
     named in ``mechanisms`` raises instead). Torch's thread count is ``config.threads`` while it runs.
     Raises ValueError for bad settings (seq_len < 32, unknown tasks or mechanisms, d_model not a
     multiple of 32, ...)."""
-    s = _resolve(config)
+    s = config.resolved()
     with harness.threads(config.threads):
         return _run(config, s, progress if progress is not None else harness.NoProgress())
 
