@@ -69,7 +69,8 @@ def test_variance_experiment_quick(tmp_path):
 # -- the model's switches --------------------------------------------------------------------------------
 def _layer(score, scale=0.5, causal=False):
     torch.manual_seed(0)
-    m = M.ExperimentModel(11, 3, 5, d_model=8, num_heads=2, head_dim=4, num_layers=1, score=score, scale=scale,
+    # head_dim 3 != d_model / heads: the width of q, k is the experiment's own (nn.EncoderLayer(head_dim=))
+    m = M.ExperimentModel(11, 3, 5, d_model=8, num_heads=2, head_dim=3, num_layers=1, score=score, scale=scale,
                           causal=causal)
     return m, m.encoder.layers[0].self_attn
 
@@ -80,9 +81,9 @@ def test_attention_switches_match_hand_written(causal):
     mask = torch.ones(5, 5, dtype=torch.bool).tril() if causal else torch.ones(5, 5, dtype=torch.bool)
     for score in ("softmax", "none", "cosine"):
         m, a = _layer(score, causal=causal)
-        q = a.q_proj(x).view(3, 5, 2, 4).transpose(1, 2)
-        k = a.k_proj(x).view(3, 5, 2, 4).transpose(1, 2)
-        v = a.v_proj(x).view(3, 5, 2, 4).transpose(1, 2)
+        q = a.q_proj(x).view(3, 5, 2, 3).transpose(1, 2)
+        k = a.k_proj(x).view(3, 5, 2, 3).transpose(1, 2)
+        v = a.v_proj(x).view(3, 5, 2, 3).transpose(1, 2)
         if score == "cosine":
             s = torch.nn.functional.cosine_similarity(q.unsqueeze(-2), k.unsqueeze(-3), dim=-1)  # temperature 1
         else:
@@ -91,7 +92,7 @@ def test_attention_switches_match_hand_written(causal):
             w = s * mask
         else:
             w = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
-        want = a.out_proj((w @ v).transpose(1, 2).reshape(3, 5, 8))
+        want = a.out_proj((w @ v).transpose(1, 2).reshape(3, 5, 6))
         got = a.forward_intermediates(x, is_causal=causal).output
         assert torch.allclose(got, want, atol=1e-5), (score, (got - want).abs().max())
         # the statistics each layer reports are those of the weights above (softmax rows only)
