@@ -345,3 +345,11 @@ def test_experiment_options_unchanged():
     for name, sp in sub.choices.items():
         got = sorted(a.option_strings[0] for a in sp._actions if a.option_strings and a.option_strings[0] != "-h")
         assert got == FLAGS[name].split(), name
+
+
+def test_library_runs_print_nothing(capsys, tmp_path):
+    res = V.run(V.VarianceConfig(quick=True, d_k=[16, 64], rows=16, keys=8, minilm=False))
+    res.write(tmp_path)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""  # only cli/ prints
+    assert _read(tmp_path / "results.json")["settings"]["d_k"] == [16, 64]
