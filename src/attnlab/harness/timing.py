@@ -32,15 +32,20 @@ class Timing:
         return statistics.median(self.times) if self.times else None
 
 
-def time_call(f: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+def time_call(f: Callable[[], object], repeats: int = 3, warmup: int = 1, budget_s: float | None = None) -> float:
     """Median wall time in seconds of ``repeats`` calls of ``f()``, after ``warmup`` untimed calls.
 
-    ``time.perf_counter`` around each call; no CUDA synchronisation (attnlab measures on the CPU).
-    Raises ValueError for ``repeats`` < 1 or ``warmup`` < 0."""
+    budget_s: when given, fewer timed calls (at least one) if the warm-up shows that ``repeats`` of them
+    would take longer. ``time.perf_counter`` around each call; no CUDA synchronisation (attnlab measures
+    on the CPU). Raises ValueError for ``repeats`` < 1 or ``warmup`` < 0."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"time_call: repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    t0 = time.perf_counter()
     for _ in range(warmup):
         f()
+    if budget_s is not None:
+        once = (time.perf_counter() - t0) / max(warmup, 1)
+        repeats = max(1, min(repeats, int(budget_s / max(once, 1e-9))))
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
