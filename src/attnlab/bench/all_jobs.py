@@ -40,19 +40,17 @@ def mechanism_names() -> list[str]:
 
 
 def make_mechanism(name: str, n: int):
-    """``attnlab.mechanisms.get(name)`` with its defaults; block_sparse gets a layout sized for length n
-    (a band of 3 blocks plus the first block column). ValueError listing the valid names when unknown."""
+    """The registered mechanism ``name`` as an instance with its defaults, sized for length n where its
+    parameters depend on it (``attnlab.experiments.attention.choose``: block_sparse's layout). ValueError
+    listing the valid names when unknown."""
     import attnlab.mechanisms as M
+
+    from ..experiments.attention import choose
 
     if name not in M.available():
         raise ValueError(f"unknown mechanism {name!r}; choose from {', '.join(mechanism_names())}")
-    if name == "block_sparse":
-        bs = 64 if n >= 256 else max(1, n // 4)
-        nb = -(-n // bs)
-        i = torch.arange(nb)
-        layout = ((i[:, None] - i[None, :]).abs() <= 1) | (i[None, :] == 0)  # (nb, nb) band + first column
-        return M.get(name, layout=layout, block_size=bs)
-    return M.get(name)
+    mech = choose(name, n).mechanism
+    return M.get(name) if isinstance(mech, str) else mech  # exact methods: their registry entry
 
 
 def attention_callable(name: str, n: int) -> Callable:
@@ -95,13 +93,15 @@ class _Classifier(torch.nn.Module):
 
 def _train_step(job: dict) -> Callable:
     """One AdamW step of the LRA-style classifier (2 heads of 32) on random ids [B, n] over 16 tokens."""
-    name, n = job["mechanism"], job["n"]
-    # the encoder runs attnlab's modules: PyTorch's fused kernel is attnlab's method sdpa, naive is dense
-    mech = {REFERENCE: "sdpa", "naive": "dense"}.get(name) or make_mechanism(name, n)
+    from ..experiments.attention import choose
+
+    # the encoder runs attnlab's modules: torch_sdpa (PyTorch's fused kernel) is attnlab's method sdpa there,
+    # naive is method dense, as in the experiments
+    mech = choose(job["mechanism"], job["n"]).mechanism
     torch.manual_seed(0)
     model = _Classifier(mech, 16, 10, job.get("d_model", 64), 2, job.get("layers", 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids, tgt = torch.randint(1, 16, (job["B"], n)), torch.randint(0, 10, (job["B"],))
+    ids, tgt = torch.randint(1, 16, (job["B"], job["n"])), torch.randint(0, 10, (job["B"],))
 
     def step():
         loss = torch.nn.functional.cross_entropy(model(ids), tgt)
