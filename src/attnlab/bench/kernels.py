@@ -32,6 +32,7 @@ from attnlab import cpu
 from attnlab.functional import METHODS
 
 from ..harness import threads
+from ..options import check_memory
 from ..report import environment
 from .fit import fit_exponent
 from .impls import peak_in_fresh_process
@@ -96,10 +97,16 @@ def _impls_for(cfg, section, n, kind, pattern, flex, flex_reason, block_mask=Non
 def run(config: KernelsConfig | None = None, progress: Callable[[int, int, str], None] | None = None) -> KernelsResult:
     """Measure every case of ``config`` (quiet, then busy) and write the report; returns what it measured.
 
-    ``progress(done, total, label)`` is called before each case and once at the end.
+    ``progress(done, total, label)`` is called before each case and once at the end. Raises ValueError
+    for a config that cannot be measured (see :meth:`KernelsConfig.validate`) or whose longest length
+    would not fit in memory, before anything is measured.
     """
     cfg = config or KernelsConfig()
     cfg.validate()
+    n = max((*cfg.dense_ns, *cfg.bf16_ns, *cfg.window_ns, *cfg.window_bwd_ns, cfg.sparse_n, cfg.memory_n or 0))
+    # query, key, value, output and their gradients, float32 [B, H, n, D], at the longest length timed
+    check_memory(f"a length of {n} (--dense-ns, --window-ns, --sparse-n, --memory-n)", 8 * 4 * cfg.B * cfg.H * n * cfg.D,
+                 "float32 inputs, outputs and gradients at that length")
     with threads(cfg.threads):
         return _run(cfg, progress)
 
