@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = [
-    "Pattern", "EMPTY", "PARTIAL", "FULL",
+    "Pattern", "BlockTable", "EMPTY", "PARTIAL", "FULL", "shifted", "translation_invariant",
     "causal", "sliding_window", "dilated", "strided", "fixed", "block_sparse", "longformer", "bigbird",
     "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full", "parse",
     "document", "prefix_lm", "from_mask_mod",
@@ -42,22 +42,74 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
 
 
 class Pattern:
-    """Base class. Subclasses implement ``keep(i, j, L, S)`` and, where they can, ``_bounds``."""
+    """A structured mask: the predicate ``keep(i, j, L, S)`` over query positions i < L and key positions j < S.
+
+    Subclasses implement ``keep`` and, where they can, the analytic hooks below (``bounds``,
+    ``block_shape``, ``band``, ``translation_invariant``); each hook's default answers "unknown", which
+    is always correct and only slower. Everything else (``materialize``, ``block_layout``, ``nnz``,
+    ``density``, ``flops``, ``&``, ``|``) is derived from them.
+    """
 
     #: leading batch size for patterns that differ per batch element (key padding), else None
     batch_size: int | None = None
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A subclass written against the old private hook (before session 18 it was ``_bounds``) still
+        # gets its analytic bounds used: route the public name to it.
+        if "_bounds" in cls.__dict__ and "bounds" not in cls.__dict__:
+            cls.bounds = cls.__dict__["_bounds"]
+
     def keep(self, i: torch.Tensor, j: torch.Tensor, L: int, S: int) -> torch.Tensor:
-        """Bool tensor of broadcast(i, j) shape (with a leading batch dim when ``batch_size``)."""
+        """Whether query i may attend to key j in an L x S problem.
+
+        i, j: int tensors of query and key positions that broadcast against each other (as
+        ``[L, 1]`` and ``[1, S]``). Returns a bool tensor of their broadcast shape, with a leading
+        ``[batch_size]`` dim when ``batch_size`` is set. True = the pair takes part.
+        """
         raise NotImplementedError
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
-        """(any, all) per block for blocks [qlo, qhi] x [klo, khi] (inclusive), or None if unknown."""
+    # -- analytic hooks (public: the kernels and nn plan with them) --------------------------------
+    def bounds(self, qlo: torch.Tensor, qhi: torch.Tensor, klo: torch.Tensor, khi: torch.Tensor,
+               L: int, S: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(any, all) for the blocks of rows [qlo, qhi] x columns [klo, khi] (inclusive), or None if unknown.
+
+        qlo, qhi: int64 ``[nq, 1]`` first and last query row of each block, 0 <= qlo <= qhi < L;
+        klo, khi: int64 ``[1, nk]`` first and last key column, 0 <= klo <= khi < S (any shapes that
+        broadcast work; ``block_layout`` passes a regular grid with the last block clipped).
+        Returns two bool tensors broadcastable to ``[nq, nk]``.
+
+        Contract (conservative, so a caller may skip or unmask work on it): ``any`` False means no pair
+        of the block is kept (the block is EMPTY); ``all`` True means every pair is kept (FULL). Both may
+        err only on the safe side (``any`` True on an empty block, ``all`` False on a full one). For
+        per-batch patterns ``any`` is over the union of the batch and ``all`` over its intersection.
+        """
         return None
 
-    def _block_shape(self) -> tuple[int, int] | None:
-        """(block_q, block_k) at which this pattern's layout is exact and sparse, when it has one."""
+    def block_shape(self) -> tuple[int, int] | None:
+        """(block_q, block_k) at which this pattern's block layout is exact and sparse, when it has one
+        (a block table's own block; the fixed pattern's block by its summary's alignment), else None."""
         return None
+
+    def band(self, L: int, S: int) -> tuple[float, float] | None:
+        """(lo, hi) when, for this (L, S), the pattern keeps exactly the pairs with lo <= j - i <= hi, else None.
+
+        Alignment is folded in (``causal("bottom_right")`` gives ``(-inf, S - L)``); a side may be
+        +-inf; lo > hi means no pair is kept. A band lets a kernel count a query block's keys in O(1).
+        """
+        return None
+
+    def translation_invariant(self) -> bool:
+        """True when, for each (L, S), ``keep(i, j)`` is known to depend on j - i only (bands and their
+        ``&`` / ``|``), so one mask block serves every block on the same diagonal. False = not known."""
+        return False
+
+    # Old private names, kept while callers move to the public ones (session 18); do not use in new code.
+    def _bounds(self, qlo, qhi, klo, khi, L, S):
+        return self.bounds(qlo, qhi, klo, khi, L, S)
+
+    def _block_shape(self):
+        return self.block_shape()
 
     # -- derived ---------------------------------------------------------------------------------
     def materialize(self, L: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -79,7 +131,7 @@ class Pattern:
         klo = (torch.arange(nk, device=device) * block_k).unsqueeze(0)  # (1, nk)
         qhi = torch.clamp(qlo + block_q - 1, max=L - 1)
         khi = torch.clamp(klo + block_k - 1, max=S - 1)
-        b = self._bounds(qlo, qhi, klo, khi, L, S)
+        b = self.bounds(qlo, qhi, klo, khi, L, S)
         if b is None:
             any_, all_ = self._exact_bounds(L, S, block_q, block_k, device)
         else:
@@ -164,9 +216,9 @@ class _Combine(Pattern):
         x, y = self.a.keep(i, j, L, S), self.b.keep(i, j, L, S)
         return (x & y) if self.op == "and" else (x | y)
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
-        ba = self.a._bounds(qlo, qhi, klo, khi, L, S)
-        bb = self.b._bounds(qlo, qhi, klo, khi, L, S)
+    def bounds(self, qlo, qhi, klo, khi, L, S):
+        ba = self.a.bounds(qlo, qhi, klo, khi, L, S)
+        bb = self.b.bounds(qlo, qhi, klo, khi, L, S)
         if ba is None or bb is None:
             return None
         if self.op == "and":
@@ -174,8 +226,77 @@ class _Combine(Pattern):
             return ba[0] & bb[0], ba[1] & bb[1]
         return ba[0] | bb[0], ba[1] | bb[1]
 
+    def translation_invariant(self):
+        return self.a.translation_invariant() and self.b.translation_invariant()
+
+    def band(self, L, S):
+        ba, bb = self.a.band(L, S), self.b.band(L, S)
+        if ba is None or bb is None:
+            return None
+        (lo_a, hi_a), (lo_b, hi_b) = ba, bb
+        if self.op == "and":
+            return max(lo_a, lo_b), min(hi_a, hi_b)
+        if lo_a > hi_a or lo_b > hi_b:  # an empty side adds nothing to the union
+            return bb if lo_a > hi_a else ba
+        # two integer ranges form one range when they overlap or touch; else the union has a gap
+        if lo_b > hi_a + 1 or lo_a > hi_b + 1:
+            return None
+        return min(lo_a, lo_b), max(hi_a, hi_b)
+
     def __repr__(self):
         return f"({self.a!r} {'&' if self.op == 'and' else '|'} {self.b!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class _Shifted(Pattern):
+    inner: Pattern
+    offset: int
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return self.inner.batch_size
+
+    def _check(self, L, S):
+        if L + self.offset > S:
+            raise ValueError(f"{self!r}: query rows {self.offset} .. {self.offset + L - 1} lie outside the "
+                             f"{S} x {S} square (need L + offset <= S, got L={L}, S={S})")
+
+    def keep(self, i, j, L, S):
+        self._check(L, S)
+        return self.inner.keep(i + self.offset, j, S, S)
+
+    def bounds(self, qlo, qhi, klo, khi, L, S):
+        self._check(L, S)
+        return self.inner.bounds(qlo + self.offset, qhi + self.offset, klo, khi, S, S)
+
+    def band(self, L, S):
+        b = self.inner.band(S, S)
+        return None if b is None else (b[0] + self.offset, b[1] + self.offset)
+
+    def translation_invariant(self):
+        return self.inner.translation_invariant()
+
+    def __repr__(self):
+        return f"shifted({self.inner!r}, offset={self.offset})"
+
+
+def shifted(pattern: Pattern, offset: int) -> Pattern:
+    """``pattern`` as seen from query rows ``offset .. offset + L - 1`` of the full S x S square.
+
+    Under a KV cache the L new queries are the last rows of the sequence (offset = S - L) and patterns
+    are defined over absolute positions, so query row i here is row i + offset there:
+    ``shifted(p, off).materialize(L, S)`` equals ``p.materialize(S, S)[..., off:off + L, :]``
+    (mask [L, S], or [batch, 1, L, S] for per-batch patterns). Bounds, band and batch size carry over.
+    """
+    _as_pattern(pattern)
+    _check_int("offset", offset, 0)
+    return _Shifted(pattern, offset)
+
+
+def translation_invariant(pattern: Pattern | None) -> bool:
+    """True when ``pattern`` is None (no mask) or, for each (L, S), is known to keep (i, j) by j - i
+    alone, so one mask block serves every block on a diagonal (see ``Pattern.translation_invariant``)."""
+    return pattern is None or pattern.translation_invariant()
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,26 +311,46 @@ class _Band(Pattern):
     def _offset(self, L, S):
         return (S - L) if self.align == "bottom_right" else 0
 
+    def band(self, L, S):
+        off = self._offset(L, S)
+        return self.lo + off, self.hi + off
+
+    def translation_invariant(self):
+        return True
+
     def keep(self, i, j, L, S):
-        d = j - i - self._offset(L, S)
-        return (d >= self.lo) & (d <= self.hi)
+        lo, hi = self.band(L, S)
+        d = j - i
+        return (d >= lo) & (d <= hi)
 
     def nnz(self, L: int, S: int) -> int:
-        """Kept pairs counted per row in O(L): keys [i + off + lo, i + off + hi] clipped to [0, S)."""
-        i = torch.arange(L, dtype=torch.float64) + self._offset(L, S)
-        first = torch.clamp(i + self.lo, min=0)
-        last = torch.clamp(i + self.hi, max=S - 1)
-        return int((last - first + 1).clamp(min=0).sum())
+        """Kept pairs counted per row in O(L): keys [i + lo, i + hi] clipped to [0, S)."""
+        return _band_nnz(*self.band(L, S), L, S)
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
-        off = self._offset(L, S)
-        dmin, dmax = klo - qhi - off, khi - qlo - off
-        any_ = (dmax >= self.lo) & (dmin <= self.hi)
-        all_ = (dmin >= self.lo) & (dmax <= self.hi)
-        return any_, all_
+    def bounds(self, qlo, qhi, klo, khi, L, S):
+        return _band_bounds(*self.band(L, S), qlo, qhi, klo, khi)
 
     def __repr__(self):
         return self.name
+
+
+def _band_nnz(lo: float, hi: float, L: int, S: int) -> int:
+    """Pairs (i < L, j < S) with lo <= j - i <= hi, counted per row in O(L)."""
+    i = torch.arange(L, dtype=torch.float64)
+    first = torch.clamp(i + lo, min=0)
+    last = torch.clamp(i + hi, max=S - 1)
+    return int((last - first + 1).clamp(min=0).sum())
+
+
+def _band_bounds(lo: float, hi: float, qlo: torch.Tensor, qhi: torch.Tensor, klo: torch.Tensor,
+                khi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact (any, all) of the band lo <= j - i <= hi over blocks [qlo, qhi] x [klo, khi] (as ``Pattern.bounds``).
+
+    Within a block j - i takes every integer in [klo - qhi, khi - qlo], so the block meets the band
+    exactly when that range meets [lo, hi], and lies inside it exactly when the range does.
+    """
+    dmin, dmax = klo - qhi, khi - qlo
+    return (dmax >= lo) & (dmin <= hi), (dmin >= lo) & (dmax <= hi)
 
 
 def full() -> Pattern:
@@ -272,14 +413,18 @@ class _Dilated(Pattern):
     dilation: int
     causal: bool
 
-    def keep(self, i, j, L, S):
-        d = j - i
-        hi = 0 if self.causal else self.window * self.dilation
-        return (d >= -self.window * self.dilation) & (d <= hi) & (torch.remainder(d, self.dilation) == 0)
+    def _limits(self):
+        # the window's reach in positions: j - i in [lo, hi], then only every dilation-th of those
+        reach = self.window * self.dilation
+        return -reach, 0 if self.causal else reach
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
-        band = _Band(lo=-self.window * self.dilation, hi=0 if self.causal else self.window * self.dilation)
-        any_, all_ = band._bounds(qlo, qhi, klo, khi, L, S)
+    def keep(self, i, j, L, S):
+        lo, hi = self._limits()
+        d = j - i
+        return (d >= lo) & (d <= hi) & (torch.remainder(d, self.dilation) == 0)
+
+    def bounds(self, qlo, qhi, klo, khi, L, S):
+        any_, all_ = _band_bounds(*self._limits(), qlo, qhi, klo, khi)
         return any_, all_ & (self.dilation == 1)
 
     def __repr__(self):
@@ -305,11 +450,11 @@ class _Strided(Pattern):
         m = local | column
         return m & (d >= 0) if self.causal else m
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
+    def bounds(self, qlo, qhi, klo, khi, L, S):
         if not self.causal:
             return None
-        c = _Band(hi=0)._bounds(qlo, qhi, klo, khi, L, S)
-        return c[0], c[1] & (self.stride == 1)
+        any_, all_ = _band_bounds(-_INF, 0, qlo, qhi, klo, khi)
+        return any_, all_ & (self.stride == 1)
 
     def __repr__(self):
         return f"strided({self.stride}, causal={self.causal})"
@@ -334,7 +479,7 @@ class _Fixed(Pattern):
         m = same | summ
         return m & (j <= i) if self.causal else m
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
+    def bounds(self, qlo, qhi, klo, khi, L, S):
         b, c = self.block, self.summary
         # own block: the block indices t both ranges cover; under causal the lowest such t decides, since
         # every t above it leaves a whole block of queries after its first key
@@ -357,7 +502,7 @@ class _Fixed(Pattern):
             all_ = all_ & (khi <= qlo)
         return own | summ, all_
 
-    def _block_shape(self):
+    def block_shape(self):
         # a query block per fixed block; key blocks as wide as the summary's alignment, so own-block and
         # summary keys fall in separate key blocks and the rest are empty
         return self.block, math.gcd(self.block, self.summary)
@@ -377,13 +522,20 @@ def fixed(block: int, summary: int, causal: bool = True) -> Pattern:
 
 
 @dataclass(frozen=True, eq=False)
-class _BlockTable(Pattern):
-    """Keep pair (i, j) when table[i // block_size, j // block_size]; tables grow by a rule."""
+class BlockTable(Pattern):
+    """A block-granular pattern: pair (i, j) is kept when ``table(nq, nk)[i // block_size, j // block_size]``.
+
+    Subclasses implement ``table``; the table grows by a rule, so one pattern serves any (L, S). Its
+    block layout at ``block_shape() == (block_size, block_size)`` is exact with no PARTIAL block, and
+    ``bounds`` is exact for any block shape (a 2-D prefix sum over the table).
+    ``block_sparse`` and ``bigbird`` are block tables.
+    """
 
     block_size: int
     name: str = "block_table"
 
-    def table(self, nq: int, nk: int, device) -> torch.Tensor:
+    def table(self, nq: int, nk: int, device: torch.device | str | None) -> torch.Tensor:
+        """Bool [nq, nk]: which (block_size x block_size) blocks are kept, for nq query and nk key blocks."""
         raise NotImplementedError
 
     def keep(self, i, j, L, S):
@@ -391,10 +543,10 @@ class _BlockTable(Pattern):
         t = self.table(-(-L // bs), -(-S // bs), i.device)
         return t[torch.div(i, bs, rounding_mode="floor"), torch.div(j, bs, rounding_mode="floor")]
 
-    def _block_shape(self):
+    def block_shape(self):
         return self.block_size, self.block_size
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
+    def bounds(self, qlo, qhi, klo, khi, L, S):
         bs = self.block_size
         t = self.table(-(-L // bs), -(-S // bs), qlo.device)
         # table cells each caller block touches: [bq0, bq1] x [bk0, bk1]. Counting the kept cells with
@@ -418,7 +570,7 @@ class _BlockTable(Pattern):
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class _Layout(_BlockTable):
+class _Layout(BlockTable):
     layout: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
     def table(self, nq, nk, device):
@@ -451,7 +603,7 @@ class _Global(Pattern):
         t = torch.tensor(self.tokens, dtype=torch.long, device=i.device)
         return torch.isin(i, t) | torch.isin(j, t)
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
+    def bounds(self, qlo, qhi, klo, khi, L, S):
         t = torch.tensor(self.tokens, device=qlo.device).view(1, 1, -1)
         q_has = ((t >= qlo.unsqueeze(-1)) & (t <= qhi.unsqueeze(-1))).any(-1)  # (nq, 1)
         k_has = ((t >= klo.unsqueeze(-1)) & (t <= khi.unsqueeze(-1))).any(-1)  # (1, nk)
@@ -479,7 +631,7 @@ def longformer(window: int, global_tokens: int | list[int] | tuple[int, ...] = 1
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class _BigBird(_BlockTable):
+class _BigBird(BlockTable):
     window_blocks: int = 3
     global_blocks: int = 1
     random_blocks: int = 1
@@ -524,26 +676,26 @@ class _KeyKeep(Pattern):
     def batch_size(self):  # type: ignore[override]
         return self.keep_keys.shape[0]
 
-    def keep(self, i, j, L, S):
+    def _keys(self, S):
+        """Bool [B, >= S]: the stored key mask, padded with False past its width when lengths-based."""
         kk = self.keep_keys
         if S > kk.shape[1]:
             if not self.extends:
                 raise ValueError(f"{self.name} covers {kk.shape[1]} keys but attention has S={S}")
             kk = torch.nn.functional.pad(kk, (0, S - kk.shape[1]), value=False)
-        kk = kk.to(j.device)[:, j]  # (B, *j.shape)
+        return kk
+
+    def keep(self, i, j, L, S):
+        kk = self._keys(S).to(j.device)[:, j]  # (B, *j.shape)
         return kk & torch.ones_like(i, dtype=torch.bool)  # broadcast over i
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
-        kk = self.keep_keys
-        if S > kk.shape[1] and not self.extends:
-            raise ValueError(f"{self.name} covers {kk.shape[1]} keys but attention has S={S}")
-        nk = klo.shape[1]
-        bk = int(klo[0, 1] - klo[0, 0]) if nk > 1 else S
-        pad = nk * bk - kk.shape[1]
-        kk = torch.nn.functional.pad(kk, (0, max(0, pad)), value=False)[:, : nk * bk].view(kk.shape[0], nk, bk)
-        valid = torch.nn.functional.pad(torch.ones(S, dtype=torch.bool), (0, max(0, nk * bk - S)))[: nk * bk].view(nk, bk)
-        any_ = (kk & valid).any(-1).any(0).unsqueeze(0).to(qlo.device)  # union over the batch
-        all_ = (kk | ~valid).all(-1).all(0).unsqueeze(0).to(qlo.device)
+    def bounds(self, qlo, qhi, klo, khi, L, S):
+        # kept keys per batch element in [klo, khi] from a prefix count: exact for any key ranges
+        kk = self._keys(S)[:, :S].to(klo.device)
+        c = torch.nn.functional.pad(kk.to(torch.int64).cumsum(1), (1, 0))  # (B, S + 1)
+        n = c[:, khi + 1] - c[:, klo]  # (B, *klo.shape)
+        any_ = (n > 0).any(0) & torch.ones_like(qlo, dtype=torch.bool)  # union over the batch
+        all_ = (n == khi - klo + 1).all(0) & torch.ones_like(qlo, dtype=torch.bool)
         return any_, all_
 
     def __repr__(self):
@@ -629,7 +781,7 @@ class _Document(Pattern):
         m = di == dj
         return m & (j - i <= c[di]) if self.causal else m
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
+    def bounds(self, qlo, qhi, klo, khi, L, S):
         # Documents meeting both ranges lie in [d_lo, d_hi]; those strictly inside lie wholly in the block
         # on both sides, so they keep a pair exactly when they have a query and a key. The two end
         # documents are checked on their clipped ranges. Exact, O(blocks).
@@ -702,7 +854,7 @@ class _PrefixLM(Pattern):
     def keep(self, i, j, L, S):
         return (j < self.prefix_len) | (j - i <= self._offset(L, S))
 
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
+    def bounds(self, qlo, qhi, klo, khi, L, S):
         # exact: the pair most likely kept is (qhi, klo), the least likely (qlo, khi)
         off = self._offset(L, S)
         return (klo < self.prefix_len) | (klo - qhi <= off), (khi < self.prefix_len) | (khi - qlo <= off)
@@ -918,3 +1070,7 @@ def parse(spec: str) -> Pattern:
         return globals()[name](*args, **kwargs)
 
     return build(tree)
+
+
+# Old private names, kept while callers outside patterns move to the public ones (session 18).
+_BlockTable = BlockTable
