@@ -114,6 +114,18 @@ def problem(draw):
     return L, S, pat, exact, ranges(L, draw(st.integers(1, 4))), ranges(S, draw(st.integers(1, 4)))
 
 
+def oracle_layout(pat, L, S, bq, bk):
+    """EMPTY / PARTIAL / FULL per (bq x bk) block, by looping over the materialised mask's blocks."""
+    m_any, m_all = oracle(pat, L, S)
+    nq, nk = -(-L // bq), -(-S // bk)
+    out = torch.empty(nq, nk, dtype=torch.int8)
+    for x in range(nq):
+        for y in range(nk):
+            cell = (slice(x * bq, (x + 1) * bq), slice(y * bk, (y + 1) * bk))
+            out[x, y] = P.FULL if m_all[cell].all() else P.PARTIAL if m_any[cell].any() else P.EMPTY
+    return out
+
+
 def oracle(pat, L, S):
     """(any, all) masks [L, S] from the materialised pattern: over the batch, union and intersection."""
     m = pat.materialize(L, S)
@@ -189,14 +201,7 @@ def test_band_answers_for_the_documented_cases():
 def test_block_shape_layout_is_exact(pat):
     """At ``block_shape()`` the layout equals the oracle's block classes (none PARTIAL that is not)."""
     bq, bk = pat.block_shape()
-    L, S = 15, 12
-    lay = pat.block_layout(L, S, bq, bk)
-    m = pat.materialize(L, S)
-    for x in range(lay.shape[0]):
-        for y in range(lay.shape[1]):
-            blk = m[x * bq:(x + 1) * bq, y * bk:(y + 1) * bk]
-            want = P.FULL if blk.all() else P.EMPTY if not blk.any() else P.PARTIAL
-            assert int(lay[x, y]) == want, (pat, x, y)
+    assert torch.equal(pat.block_layout(15, 12, bq, bk), oracle_layout(pat, 15, 12, bq, bk))
     assert isinstance(pat, P.BlockTable) == ("fixed" not in repr(pat))
     assert P.causal().block_shape() is None
 
@@ -242,3 +247,17 @@ def test_old_private_names_still_work():
 
     lay = OldStyle().block_layout(8, 8, 4)
     assert OldStyle.calls == 1 and torch.equal(lay, P.causal().block_layout(8, 8, 4))
+
+
+@pytest.mark.parametrize("L,S", [(61, 45), (64, 64), (7, 30)])
+def test_mask_mod_layout_pooled_from_a_cached_shape_equals_the_oracle(L, S):
+    """Coarser layouts are pooled from a cached finer one; edge tiles (L, S not multiples) included."""
+    table = torch.rand(L, S, generator=torch.Generator().manual_seed(L * S)) < 0.05
+
+    def fn(b, h, q, k):
+        return table[q.long(), k.long()]
+
+    pooled = P.from_mask_mod(fn)
+    pooled.block_layout(L, S, 4, 3)
+    for bq, bk in [(8, 6), (12, 9), (4, 3), (64, 48)]:
+        assert torch.equal(pooled.block_layout(L, S, bq, bk), oracle_layout(pooled, L, S, bq, bk)), (bq, bk)

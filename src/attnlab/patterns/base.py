@@ -4,8 +4,7 @@ Legend: L query length, S key length, B batch; a block is rows [qlo, qhi] x colu
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,11 +27,11 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
     return value
 
 
-ALIGNS = ("top_left", "bottom_right")
+_ALIGNS = ("top_left", "bottom_right")
 
 
 def _check_align(align) -> str:
-    if align not in ALIGNS:
+    if align not in _ALIGNS:
         raise ValueError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
     return align
 
@@ -47,6 +46,10 @@ def _layout(any_: torch.Tensor, all_: torch.Tensor) -> torch.Tensor:
 
 class Pattern:
     """A structured mask: the predicate ``keep(i, j, L, S)`` over query positions i < L and key positions j < S.
+
+    ``materialize(L, S)`` gives the bool mask [L, S] ([B, 1, L, S] for per-batch patterns, B =
+    ``batch_size``) that ``attn_mask`` would take; ``block_layout`` gives int8 [ceil(L / block_q),
+    ceil(S / block_k)] of EMPTY / PARTIAL / FULL, which the kernels use to skip and unmask blocks.
 
     Subclasses implement ``keep`` and, where they can, the analytic hooks below (``bounds``,
     ``block_shape``, ``band``, ``translation_invariant``); each hook's default answers "unknown", which
@@ -126,7 +129,12 @@ class Pattern:
 
     def block_layout(self, L: int, S: int, block_q: int, block_k: int | None = None,
                      device: torch.device | str | None = None) -> torch.Tensor:
-        """int8 [ceil(L/block_q), ceil(S/block_k)]: EMPTY (0), PARTIAL (1) or FULL (2) per block."""
+        """int8 [ceil(L/block_q), ceil(S/block_k)]: EMPTY (0), PARTIAL (1) or FULL (2) per block.
+
+        The last row and column of blocks are clipped to L and S. From ``bounds`` in O(blocks) when the
+        pattern has them, else by materialising one strip of query blocks at a time (O(L·S) work,
+        about 4M pairs of memory). Conservative as ``bounds`` is: PARTIAL is always a correct answer.
+        """
         block_k = block_q if block_k is None else block_k
         _check_int("block_q", block_q, 1)
         _check_int("block_k", block_k, 1)
@@ -167,7 +175,8 @@ class Pattern:
         return any_, all_
 
     def nnz(self, L: int, S: int) -> int:
-        """Number of (query, key) pairs kept (per batch element, averaged for per-batch patterns)."""
+        """Number of (query, key) pairs kept in the L x S grid (per batch element, averaged for per-batch
+        patterns). O(L·S) by default, in row strips; bands, block tables and documents count analytically."""
         total, rows = 0, max(1, (1 << 22) // max(S, 1))
         j = torch.arange(S).unsqueeze(0)
         for r0 in range(0, L, rows):
@@ -177,11 +186,12 @@ class Pattern:
         return int(round(total))
 
     def density(self, L: int, S: int) -> float:
-        """Fraction of the L x S pairs that take part."""
+        """Fraction of the L x S pairs that take part, ``nnz(L, S) / (L·S)`` (0 for an empty grid)."""
         return self.nnz(L, S) / max(1, L * S)
 
     def flops(self, L: int, S: int, E: int, Ev: int | None = None) -> int:
-        """Multiply-add FLOPs of exact attention restricted to the pattern (2·nnz·(E + Ev))."""
+        """FLOPs of exact attention restricted to the pattern, ``2·nnz·(E + Ev)``: one multiply-add per kept
+        pair for the score (head dim E) and one per value feature (Ev, default E)."""
         Ev = E if Ev is None else Ev
         return 2 * self.nnz(L, S) * (E + Ev)
 

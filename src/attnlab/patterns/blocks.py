@@ -1,4 +1,8 @@
-"""Block-granular masks: block tables (block_sparse, BigBird), the Sparse Transformer's fixed pattern, Longformer."""
+"""Block-granular masks: block tables (block_sparse, BigBird), the Sparse Transformer's fixed pattern, Longformer.
+
+Legend: query i < L, key j < S; nq = ceil(L / block_size) query blocks, nk = ceil(S / block_size) key
+blocks. Every constructor returns a ``Pattern`` that materialises to a bool [L, S] mask.
+"""
 from __future__ import annotations
 
 import math
@@ -56,7 +60,12 @@ class _Fixed(Pattern):
 
 def fixed(block: int, summary: int, causal: bool = True) -> Pattern:
     """Sparse Transformer fixed pattern (Child et al. 2019): each token sees its own block of
-    ``block`` tokens plus the last ``summary`` positions of every block."""
+    ``block`` tokens plus the last ``summary`` positions of every block: (i, j) kept when
+    ``i // block == j // block`` or ``j % block >= block - summary`` (and j <= i when ``causal``).
+
+    Materialises to bool [L, S]; ``block_shape()`` is ``(block, gcd(block, summary))``, at which the
+    layout is exact; raises ValueError when ``summary > block``.
+    """
     _check_int("block", block, 1)
     _check_int("summary", summary, 0)
     if summary > block:
@@ -128,7 +137,13 @@ class _Layout(BlockTable):
 
 
 def block_sparse(layout: torch.Tensor, block_size: int) -> Pattern:
-    """Keep the (block_size x block_size) blocks where ``layout`` [n_query_blocks, n_key_blocks] is True."""
+    """Keep the (block_size x block_size) blocks where ``layout`` is True (as in DeepSpeed's and Triton's
+    block-sparse attention).
+
+    ``layout``: bool (or 0/1) [nq, nk], copied; it must cover the problem (nq·block_size >= L and
+    nk·block_size >= S, else attention raises ValueError naming both shapes). Materialises to bool
+    [L, S]; block layouts at block_size are exact, in O(nq·nk).
+    """
     _check_int("block_size", block_size, 1)
     if not isinstance(layout, torch.Tensor) or layout.dim() != 2:
         raise ValueError(f"layout must be a 2-D tensor [n_query_blocks, n_key_blocks], got {layout!r:.60}")
@@ -138,7 +153,7 @@ def block_sparse(layout: torch.Tensor, block_size: int) -> Pattern:
 
 @dataclass(frozen=True, eq=False)
 class _Global(Pattern):
-    """Keep rows and columns of the global tokens."""
+    """Keep rows and columns of the global tokens: (i, j) kept when i or j is one of ``tokens``."""
 
     tokens: tuple[int, ...]
 
@@ -163,7 +178,11 @@ class _Global(Pattern):
 
 def longformer(window: int, global_tokens: int | list[int] | tuple[int, ...] = 1) -> Pattern:
     """Longformer (Beltagy et al. 2020): a sliding window of ``window`` keys on each side, plus global
-    tokens (an int n for the first n positions, or explicit positions) that see and are seen by all."""
+    tokens (an int n for the first n positions, or explicit positions) that see and are seen by all.
+
+    Equivalent to ``sliding_window(window) | global rows and columns``; materialises to bool [L, S].
+    Global positions past L or S simply never occur.
+    """
     w = sliding_window(window)
     if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
         _check_int("global_tokens", global_tokens, 0)
@@ -197,7 +216,12 @@ def bigbird(block_size: int, window_blocks: int = 3, global_blocks: int = 1, ran
             seed: int = 0) -> Pattern:
     """BigBird (Zaheer et al. 2020) at block granularity: ``window_blocks`` centred blocks, the first
     ``global_blocks`` blocks as global rows and columns, and ``random_blocks`` random key blocks per
-    query block (seeded, so one (L, S) always gives one mask)."""
+    query block (seeded, so one (L, S) always gives one mask).
+
+    A block table: the kept blocks form a bool [nq, nk] table grown for each (L, S); the mask it
+    materialises is bool [L, S] and its layout at ``block_size`` is exact. The random blocks are drawn
+    per (nq, nk), so the table for a longer sequence is not an extension of a shorter one's.
+    """
     _check_int("block_size", block_size, 1)
     _check_int("window_blocks", window_blocks, 1)
     _check_int("global_blocks", global_blocks, 0)

@@ -52,8 +52,8 @@ class _MaskMod(Pattern):
                          and block_q % k[2] == 0 and block_k % k[3] == 0), None)
             if base is not None:
                 any_, all_ = self._cache[base]
-                self._cache[key] = (_pool(any_, block_q // base[2], block_k // base[3], "any"),
-                                    _pool(all_, block_q // base[2], block_k // base[3], "all"))
+                fq, fk = block_q // base[2], block_k // base[3]
+                self._cache[key] = (_reduce_grid(any_, fq, fk, "any"), _reduce_grid(all_, fq, fk, "all"))
             else:
                 self._cache[key] = self._grid_bounds(L, S, block_q, block_k, device)
             while len(self._cache) > 32:  # bounded: a long-running process sees many shapes
@@ -80,8 +80,8 @@ class _MaskMod(Pattern):
         for r0, r1, m in self._slices(L, S, block_q, device):
             m_any, m_all = (m.any(0), m.all(0)) if self.B is not None else (m, m)
             q0, q1 = r0 // block_q, -(-r1 // block_q)
-            any_[q0:q1] = _reduce_blocks(_reduce_blocks(m_any, block_k, 1, "any"), block_q, 0, "any")
-            all_[q0:q1] = _reduce_blocks(_reduce_blocks(m_all, block_k, 1, "all"), block_q, 0, "all")
+            any_[q0:q1] = _reduce_grid(m_any, block_q, block_k, "any")
+            all_[q0:q1] = _reduce_grid(m_all, block_q, block_k, "all")
         return any_, all_
 
     def nnz(self, L: int, S: int) -> int:
@@ -110,14 +110,10 @@ def _reduce_blocks(m: torch.Tensor, b: int, dim: int, how: str) -> torch.Tensor:
     return torch.cat([full, tail], dim)
 
 
-def _pool(x: torch.Tensor, fq: int, fk: int, how: str) -> torch.Tensor:
-    """Reduce a per-block bool grid by fq x fk cells (any / all); cells past the edge are neutral."""
-    nq, nk = x.shape
-    mq, mk = -(-nq // fq), -(-nk // fk)
-    pad = torch.full((mq * fq, mk * fk), how == "all", dtype=torch.bool, device=x.device)
-    pad[:nq, :nk] = x
-    v = pad.view(mq, fq, mk, fk)
-    return v.any(3).any(1) if how == "any" else v.all(3).all(1)
+def _reduce_grid(m: torch.Tensor, bq: int, bk: int, how: str) -> torch.Tensor:
+    """any/all over (bq x bk) tiles of a 2-D bool grid [n, k] -> [ceil(n / bq), ceil(k / bk)]; edge tiles
+    are reduced over what they hold. Serves both a pair grid (to blocks) and a block grid (to coarser blocks)."""
+    return _reduce_blocks(_reduce_blocks(m, bk, 1, how), bq, 0, how)
 
 
 def from_mask_mod(mask_mod, B: int | None = None, H: int | None = None, name: str | None = None) -> Pattern:
@@ -130,6 +126,10 @@ def from_mask_mod(mask_mod, B: int | None = None, H: int | None = None, name: st
     element (its batch size must then match the input's). Heads: the mask is shared by all heads and
     evaluated at h = 0; per-head masks are not supported (pass ``H=None`` or 1, or give a per-head bool
     ``attn_mask`` instead).
+
+    The function gets b: int64 [B, 1, 1] (or a 0-d zero when ``B=None``), h: 0-d zero, q_idx: integer
+    [r, 1] and kv_idx: integer [1, S] for a strip of r query rows, and returns a bool tensor that broadcasts
+    to [r, S] ([B, r, S]). The pattern materialises to bool [L, S] ([B, 1, L, S] when ``B`` is given).
 
     The block layout comes from evaluating the function on the full L x S grid in slices (O(L·S) work,
     vectorised), once per (L, S, block shape), and is cached on the pattern: the function must be pure.

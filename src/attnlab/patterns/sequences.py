@@ -1,4 +1,8 @@
-"""Which keys belong to which sequence: key padding (lengths, boolean and HF masks) and packed documents."""
+"""Which keys belong to which sequence: key padding (lengths, boolean and HF masks) and packed documents.
+
+Legend: B batch, L queries, S keys. Key padding patterns are per batch element (``batch_size == B``)
+and materialise to bool [B, 1, L, S]; document patterns are shared and materialise to bool [L, S].
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +51,12 @@ class _KeyKeep(Pattern):
 
 
 def key_padding(lengths: torch.Tensor | list[int], max_len: int | None = None) -> Pattern:
-    """Keys j < lengths[b] take part for batch element b."""
+    """Keys j < lengths[b] take part for batch element b (right padding).
+
+    ``lengths``: int [B] (tensor or list), each >= 0. ``max_len`` (default max(lengths)) is only the
+    stored width: keys past it are padding for any S, so one pattern serves any key length.
+    Materialises to bool [B, 1, L, S]; block bounds are exact (union / intersection over the batch).
+    """
     lengths = torch.as_tensor(lengths)
     if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise ValueError(f"lengths must be a 1-D integer tensor [batch], got {lengths!r:.60}")
@@ -59,7 +68,9 @@ def key_padding(lengths: torch.Tensor | list[int], max_len: int | None = None) -
 
 
 def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
-    """From an ``nn.MultiheadAttention``-style key_padding_mask [batch, S] (True = ignore)."""
+    """From an ``nn.MultiheadAttention``-style ``key_padding_mask`` bool [B, S] (True = ignore): keys where
+    it is False take part. It covers exactly S keys (attention with another S raises ValueError). A float
+    (additive) mask is refused with TypeError: pass it as ``attn_mask``."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"key_padding_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     if mask.dtype == torch.bool:
@@ -70,7 +81,8 @@ def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
 
 
 def from_hf_attention_mask(mask: torch.Tensor) -> Pattern:
-    """From a Hugging Face 2-D attention_mask [batch, S] (1 = attend, 0 = padding)."""
+    """From a Hugging Face 2-D ``attention_mask`` [B, S] (1 = attend, 0 = padding; any dtype, nonzero =
+    attend), the polarity attnlab uses throughout. Covers exactly S keys."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"attention_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     return _KeyKeep(mask != 0, name="hf_attention_mask")
