@@ -261,3 +261,23 @@ def test_mask_mod_layout_pooled_from_a_cached_shape_equals_the_oracle(L, S):
     pooled.block_layout(L, S, 4, 3)
     for bq, bk in [(8, 6), (12, 9), (4, 3), (64, 48)]:
         assert torch.equal(pooled.block_layout(L, S, bq, bk), oracle_layout(pooled, L, S, bq, bk)), (bq, bk)
+
+
+@SETTINGS
+@given(sized_pattern(), st.integers(1, 9), st.integers(1, 9))
+def test_nonempty_blocks_counts_the_layout(prob, bq, bk):
+    """The analytic count for bands (and the layout count for the rest) against the loop oracle."""
+    L, S, pat = prob
+    want = int((oracle_layout(pat, L, S, bq, bk) != P.EMPTY).sum())
+    if pat.band(L, S) is not None:
+        assert pat.nonempty_blocks(L, S, bq, bk) == want, (pat, L, S, bq, bk)
+    else:
+        # conservative layouts may visit more blocks than the oracle, never fewer
+        assert pat.nonempty_blocks(L, S, bq, bk) >= want, (pat, L, S, bq, bk)
+
+
+def test_nonempty_blocks_of_causal_at_scale():
+    """Large n: the band count agrees with the layout (which the planner no longer needs to build)."""
+    for pat in (P.causal(), P.sliding_window(300, causal=True), P.sliding_window(left=-5, right=700, align="bottom_right")):
+        for bq, bk in [(64, 64), (128, 32), (100, 300)]:
+            assert pat.nonempty_blocks(4096, 3000, bq, bk) == int((pat.block_layout(4096, 3000, bq, bk) != P.EMPTY).sum())

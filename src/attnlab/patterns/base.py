@@ -150,6 +150,28 @@ class Pattern:
             any_, all_ = (torch.broadcast_to(x, (nq, nk)) for x in b)
         return _layout(any_, all_)
 
+    def nonempty_blocks(self, L: int, S: int, block_q: int, block_k: int | None = None) -> int:
+        """How many (block_q x block_k) blocks of the L x S grid ``block_layout`` marks non-EMPTY: the
+        blocks a block-skipping kernel visits.
+
+        For a band (``band(L, S)`` not None: causal, windows, their ``&``) it is counted in O(L / block_q)
+        from each query block's key range, without building the [nq, nk] layout (which cost 0.3-0.7 s
+        per call at n = 16384 when a planner tried several block shapes); otherwise from the layout.
+        """
+        block_k = block_q if block_k is None else block_k
+        _check_int("block_q", block_q, 1)
+        _check_int("block_k", block_k, 1)
+        band = self.band(L, S)
+        if band is None:
+            return int((self.block_layout(L, S, block_q, block_k) != EMPTY).sum())
+        lo, hi = band
+        q0 = torch.arange(0, L, block_q, dtype=torch.float64)  # (nq,) first row of each query block
+        q1 = torch.clamp(q0 + block_q - 1, max=L - 1)
+        first = torch.clamp(q0 + lo, min=0)  # first and last key any row of the block keeps
+        last = torch.clamp(q1 + hi, max=S - 1)
+        n = torch.floor(last / block_k) - torch.floor(first / block_k) + 1
+        return int(torch.where(last >= first, n, torch.zeros_like(n)).sum())
+
     def _exact_bounds(self, L, S, block_q, block_k, device):
         """Any/all per block by materialising one band of query blocks at a time (O(L*S) work)."""
         nq, nk = -(-L // block_q), -(-S // block_k)
