@@ -36,6 +36,12 @@ def _check_align(align) -> str:
     return align
 
 
+def _block_sizes(block_q, block_k) -> tuple[int, int]:
+    """(block_q, block_k) checked as positive ints; block_k defaults to block_q (square blocks)."""
+    block_k = block_q if block_k is None else block_k
+    return _check_int("block_q", block_q, 1), _check_int("block_k", block_k, 1)
+
+
 def _layout(any_: torch.Tensor, all_: torch.Tensor) -> torch.Tensor:
     """int8 block layout from per-block (any, all): EMPTY where nothing is kept, FULL where all is."""
     layout = torch.full(any_.shape, PARTIAL, dtype=torch.int8, device=any_.device)
@@ -135,9 +141,7 @@ class Pattern:
         pattern has them, else by materialising one strip of query blocks at a time (O(L·S) work,
         about 4M pairs of memory). Conservative as ``bounds`` is: PARTIAL is always a correct answer.
         """
-        block_k = block_q if block_k is None else block_k
-        _check_int("block_q", block_q, 1)
-        _check_int("block_k", block_k, 1)
+        block_q, block_k = _block_sizes(block_q, block_k)
         nq, nk = -(-L // block_q), -(-S // block_k)
         qlo = (torch.arange(nq, device=device) * block_q).unsqueeze(1)  # (nq, 1)
         klo = (torch.arange(nk, device=device) * block_k).unsqueeze(0)  # (1, nk)
@@ -158,9 +162,7 @@ class Pattern:
         from each query block's key range, without building the [nq, nk] layout (which cost 0.3-0.7 s
         per call at n = 16384 when a planner tried several block shapes); otherwise from the layout.
         """
-        block_k = block_q if block_k is None else block_k
-        _check_int("block_q", block_q, 1)
-        _check_int("block_k", block_k, 1)
+        block_q, block_k = _block_sizes(block_q, block_k)
         band = self.band(L, S)
         if band is None:
             return int((self.block_layout(L, S, block_q, block_k) != EMPTY).sum())
