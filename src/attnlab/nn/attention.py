@@ -290,7 +290,7 @@ class MultiHeadAttention(nn.Module):
             elif not (L == 1 and offset == S - 1 and pattern is None):  # one new token sees every key
                 pattern = P.causal() if pattern is None else pattern & P.causal()
         if pattern is not None and offset:
-            pattern = P.shifted(pattern, offset)  # rows offset .. offset + L - 1 of the S x S square
+            pattern = P.shifted(pattern, offset)  # the cached rows' absolute positions
         if pos is not None and pos.has_bias:
             k_pos = torch.arange(S, device=query.device)
             bias = pos.bias(q_pos, k_pos).to(q.dtype).unsqueeze(0)  # (1, H, L, S)
