@@ -187,6 +187,10 @@ def document(lengths, causal: bool = False, kv_lengths=None, align: str = "top_l
     up to L (and S). ``causal``: within each document, local key index <= local query index
     (``align="bottom_right"`` shifts it by that document's kv_len - q_len, as flash-attn >= 2.1 and
     xformers' BlockDiagonalCausalFromBottomRightMask do). Zero-length documents are allowed.
+
+    ``lengths``, ``kv_lengths``: int [D] (list or tensor), each >= 0. Materialises to bool [L, S]
+    (block-diagonal); any other (L, S) raises ValueError naming both totals. Block bounds are exact in
+    O(blocks) and ``nnz`` is O(L), so the kernels skip every off-diagonal block without building the mask.
     """
     ql = _lengths("lengths", lengths)
     kl = ql if kv_lengths is None else _lengths("kv_lengths", kv_lengths)
