@@ -38,12 +38,15 @@ class _KeyKeep(Pattern):
         return kk & torch.ones_like(i, dtype=torch.bool)  # broadcast over i
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
-        # kept keys per batch element in [klo, khi] from a prefix count: exact for any key ranges
+        # Some element keeps a pair of the block iff the batch's union keeps a key in [klo, khi]; every
+        # element keeps all of it iff the intersection keeps every key there. Prefix counts over those
+        # two [S] rows answer any key ranges exactly in O(B·S + blocks).
         kk = self._keys(S)[:, :S].to(klo.device)
-        c = torch.nn.functional.pad(kk.to(torch.int64).cumsum(1), (1, 0))  # (B, S + 1)
-        n = c[:, khi + 1] - c[:, klo]  # (B, *klo.shape)
-        any_ = (n > 0).any(0) & torch.ones_like(qlo, dtype=torch.bool)  # union over the batch
-        all_ = (n == khi - klo + 1).all(0) & torch.ones_like(qlo, dtype=torch.bool)
+        rows = torch.stack([kk.any(0), kk.all(0)])  # (2, S): union, intersection over the batch
+        c = torch.nn.functional.pad(rows.to(torch.int32).cumsum(1), (1, 0))  # (2, S + 1)
+        n = c[:, khi + 1] - c[:, klo]  # (2, *klo.shape)
+        any_ = (n[0] > 0) & torch.ones_like(qlo, dtype=torch.bool)  # broadcast over query blocks
+        all_ = (n[1] == khi - klo + 1) & torch.ones_like(qlo, dtype=torch.bool)
         return any_, all_
 
     def __repr__(self):
