@@ -281,3 +281,19 @@ def test_nonempty_blocks_of_causal_at_scale():
     for pat in (P.causal(), P.sliding_window(300, causal=True), P.sliding_window(left=-5, right=700, align="bottom_right")):
         for bq, bk in [(64, 64), (128, 32), (100, 300)]:
             assert pat.nonempty_blocks(4096, 3000, bq, bk) == int((pat.block_layout(4096, 3000, bq, bk) != P.EMPTY).sum())
+
+
+@SETTINGS
+@given(sized_pattern())
+def test_nnz_counts_the_materialised_mask(prob):
+    """nnz (analytic, block-skipping or strip by strip) against the materialised count."""
+    L, S, pat = prob
+    want = round(int(pat.materialize(L, S).sum()) / (pat.batch_size or 1))
+    assert pat.nnz(L, S) == want, (pat, L, S)
+
+
+@pytest.mark.parametrize("pat", [P.longformer(9, [0, 3, 200]), P.fixed(16, 4), P.fixed(12, 5, causal=False),
+                                 P.dilated(5, 3) | P.key_padding([300, 17]), P.strided(7) & P.longformer(4, 2)])
+def test_nnz_skipping_blocks_equals_the_count_at_sizes_past_one_block(pat):
+    L, S = 333, 290
+    assert pat.nnz(L, S) == round(int(pat.materialize(L, S).sum()) / (pat.batch_size or 1))
