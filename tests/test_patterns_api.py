@@ -297,3 +297,18 @@ def test_nnz_counts_the_materialised_mask(prob):
 def test_nnz_skipping_blocks_equals_the_count_at_sizes_past_one_block(pat):
     L, S = 333, 290
     assert pat.nnz(L, S) == round(int(pat.materialize(L, S).sum()) / (pat.batch_size or 1))
+
+
+def test_package_reexports_its_modules_public_names():
+    """``attnlab.patterns.X`` works for every public name of its modules (the split kept the flat API)."""
+    import importlib
+
+    for name in P.__all__:
+        assert hasattr(P, name), name
+    assert callable(P.parse) and P.parse("causal()").band(3, 3) == (-math.inf, 0)
+    for mod in ("base", "bands", "blocks", "sequences", "mask_mod"):
+        m = importlib.import_module(f"attnlab.patterns.{mod}")
+        public = [n for n, v in vars(m).items() if not n.startswith("_") and callable(v)
+                  and getattr(v, "__module__", None) == m.__name__]
+        missing = [n for n in public if getattr(P, n, None) is not getattr(m, n)]
+        assert not missing, f"patterns.{mod} defines {missing} but attnlab.patterns does not re-export them"
