@@ -152,11 +152,11 @@ class Pattern:
         about 4M pairs of memory). Conservative as ``bounds`` is: PARTIAL is always a correct answer.
         """
         block_q, block_k = _block_sizes(block_q, block_k)
-        b = self._grid_bounds(L, S, block_q, block_k, device)
+        b = self._bounds_on_grid(L, S, block_q, block_k, device)
         any_, all_ = self._exact_bounds(L, S, block_q, block_k, device) if b is None else b
         return _layout(any_, all_)
 
-    def _grid_bounds(self, L, S, block_q, block_k, device=None):
+    def _bounds_on_grid(self, L, S, block_q, block_k, device=None):
         """``bounds`` over the regular grid of (block_q x block_k) blocks, as bool [nq, nk] each, or None."""
         nq, nk = -(-L // block_q), -(-S // block_k)
         qlo = (torch.arange(nq, device=device) * block_q).unsqueeze(1)  # (nq, 1)
@@ -225,7 +225,7 @@ class Pattern:
         bq, bk = self.block_shape() or (_NNZ_BLOCK, _NNZ_BLOCK)
         if -(-L // bq) * -(-S // bk) > _NNZ_MAX_BLOCKS:  # a very fine natural block: use a coarser grid
             bq = bk = _NNZ_BLOCK
-        b = self._grid_bounds(L, S, bq, bk)
+        b = self._bounds_on_grid(L, S, bq, bk)
         if b is None:
             return int(round(sum(self._count(i, torch.arange(S), L, S) for i in _strips(L, S)) / B))
         any_, all_ = b
