@@ -72,8 +72,8 @@ def key_padding(lengths: torch.Tensor | list[int], max_len: int | None = None) -
 
 def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
     """From an ``nn.MultiheadAttention``-style ``key_padding_mask`` bool [B, S] (True = ignore): keys where
-    it is False take part. It covers exactly S keys (attention with another S raises ValueError). A float
-    (additive) mask is refused with TypeError: pass it as ``attn_mask``."""
+    it is False take part. It covers its S keys: attention over more keys raises ValueError (over fewer,
+    the first ones are used). A float (additive) mask is refused with TypeError: pass it as ``attn_mask``."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"key_padding_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     if mask.dtype == torch.bool:
@@ -85,7 +85,7 @@ def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
 
 def from_hf_attention_mask(mask: torch.Tensor) -> Pattern:
     """From a Hugging Face 2-D ``attention_mask`` [B, S] (1 = attend, 0 = padding; any dtype, nonzero =
-    attend), the polarity attnlab uses throughout. Covers exactly S keys."""
+    attend), the polarity attnlab uses throughout. Covers its S keys, as ``from_key_padding_mask``."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"attention_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     return _KeyKeep(mask != 0, name="hf_attention_mask")
