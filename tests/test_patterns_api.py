@@ -312,3 +312,13 @@ def test_package_reexports_its_modules_public_names():
                   and getattr(v, "__module__", None) == m.__name__]
         missing = [n for n in public if getattr(P, n, None) is not getattr(m, n)]
         assert not missing, f"patterns.{mod} defines {missing} but attnlab.patterns does not re-export them"
+
+
+@SETTINGS
+@given(st.integers(1, 30), st.integers(1, 30), st.integers(1, 6), st.booleans(), st.integers(1, 7), st.integers(1, 7))
+def test_strided_any_is_exact(L, S, stride, causal, bq, bk):
+    """The strided pattern's bounds find every non-empty block and no empty one (all stays conservative)."""
+    pat = P.strided(stride, causal=causal)
+    got, want = pat.block_layout(L, S, bq, bk), oracle_layout(pat, L, S, bq, bk)
+    assert torch.equal(got != P.EMPTY, want != P.EMPTY), (pat, L, S, bq, bk)
+    assert not ((got == P.FULL) & (want != P.FULL)).any()
