@@ -316,9 +316,13 @@ def test_package_reexports_its_modules_public_names():
 
 @SETTINGS
 @given(st.integers(1, 30), st.integers(1, 30), st.integers(1, 6), st.booleans(), st.integers(1, 7), st.integers(1, 7))
-def test_strided_any_is_exact(L, S, stride, causal, bq, bk):
-    """The strided pattern's bounds find every non-empty block and no empty one (all stays conservative)."""
-    pat = P.strided(stride, causal=causal)
+def test_strided_and_dilated_any_is_exact(L, S, stride, causal, bq, bk):
+    """Their bounds find every non-empty block and no empty one (all stays conservative)."""
+    for pat in (P.strided(stride, causal=causal), P.dilated(stride + bq % 3, stride, causal=causal)):
+        check_any_exact(pat, L, S, bq, bk)
+
+
+def check_any_exact(pat, L, S, bq, bk):
     got, want = pat.block_layout(L, S, bq, bk), oracle_layout(pat, L, S, bq, bk)
     assert torch.equal(got != P.EMPTY, want != P.EMPTY), (pat, L, S, bq, bk)
     assert not ((got == P.FULL) & (want != P.FULL)).any()

@@ -147,7 +147,13 @@ class _Dilated(Pattern):
         return (d >= lo) & (d <= hi) & (torch.remainder(d, self.dilation) == 0)
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
-        any_, all_ = _band_bounds(*self._limits(), qlo, qhi, klo, khi)
+        # any (exact): the block's j - i range [klo - qhi, khi - qlo], clipped to the window, holds a
+        # multiple of dilation; all: the window covers the range and every offset counts (dilation 1)
+        lo, hi = self._limits()
+        a = torch.clamp(klo - qhi, min=lo)
+        b = torch.clamp(khi - qlo, max=hi)
+        any_ = torch.div(b, self.dilation, rounding_mode="floor") * self.dilation >= a
+        _, all_ = _band_bounds(lo, hi, qlo, qhi, klo, khi)
         return any_, all_ & (self.dilation == 1)
 
     def __repr__(self):
