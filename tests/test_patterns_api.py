@@ -190,8 +190,10 @@ def test_band_answers_for_the_documented_cases():
     assert (P.sliding_window(left=-3, right=5) | P.causal()).band(8, 8) is None  # a gap at j - i = 1, 2
     assert (P.sliding_window(left=-1, right=5) | P.causal()).band(8, 8) == (-inf, 5)  # touching: one range
     assert P.shifted(P.causal(), 3).band(2, 5) == (-inf, 3)
-    for p in (P.dilated(2, 2), P.prefix_lm(2), P.key_padding([3]), P.block_sparse(torch.ones(2, 2), 4)):
+    for p in (P.prefix_lm(2), P.key_padding([3]), P.block_sparse(torch.ones(2, 2), 4), P.fixed(4, 1)):
         assert p.band(8, 8) is None and not p.translation_invariant(), repr(p)
+    for p in (P.dilated(2, 2), P.strided(3), P.strided(3, causal=False) & P.sliding_window(5)):
+        assert p.band(8, 8) is None and p.translation_invariant(), repr(p)  # invariant, but not a band
     assert P.translation_invariant(None)
 
 

@@ -141,6 +141,9 @@ class _Dilated(Pattern):
         reach = self.window * self.dilation
         return -reach, 0 if self.causal else reach
 
+    def translation_invariant(self):
+        return True  # keep depends on j - i only: one mask block serves a whole diagonal
+
     def keep(self, i, j, L, S):
         lo, hi = self._limits()
         d = j - i
@@ -173,6 +176,9 @@ def dilated(window: int, dilation: int, causal: bool = False) -> Pattern:
 class _Strided(Pattern):
     stride: int
     causal: bool
+
+    def translation_invariant(self):
+        return True  # keep depends on i - j only
 
     def keep(self, i, j, L, S):
         d = i - j
