@@ -1,5 +1,6 @@
-"""The patterns' public analytic API (bounds, band, translation_invariant, block_shape, shifted) against
-``materialize``: the oracle is the dense mask, reduced by plain tensor ops over each block.
+"""The patterns' public analytic API (bounds, band, translation_invariant, block_shape, nonempty_blocks,
+nnz, shifted) against ``materialize``: the oracle is the dense mask, reduced by plain tensor ops or loops
+over each block.
 
 Random patterns come from every constructor and their ``&`` / ``|``; blocks are arbitrary rectangles
 (not only the regular grid ``block_layout`` uses), so a bound that silently assumes a grid fails here.
