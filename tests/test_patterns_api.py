@@ -191,6 +191,8 @@ def test_band_answers_for_the_documented_cases():
     assert (P.sliding_window(left=-3, right=5) | P.causal()).band(8, 8) is None  # a gap at j - i = 1, 2
     assert (P.sliding_window(left=-1, right=5) | P.causal()).band(8, 8) == (-inf, 5)  # touching: one range
     assert P.shifted(P.causal(), 3).band(2, 5) == (-inf, 3)
+    empty = P.causal() & P.sliding_window(0, align="bottom_right")  # j <= i and j == i + 1: nothing
+    assert empty.band(2, 3) == (1, 0) and empty.nonempty_blocks(2, 3, 2, 1) == 0 and empty.nnz(2, 3) == 0
     for p in (P.prefix_lm(2), P.key_padding([3]), P.block_sparse(torch.ones(2, 2), 4), P.fixed(4, 1)):
         assert p.band(8, 8) is None and not p.translation_invariant(), repr(p)
     for p in (P.dilated(2, 2), P.strided(3), P.strided(3, causal=False) & P.sliding_window(5)):
