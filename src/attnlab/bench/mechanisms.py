@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..harness import ResultStore, environment_record, remove_partial
+from ..options import memory_budget
 from ..report import atomic_write_text, format_bytes
 from .all_jobs import REFERENCE, Runner, attention_callable, mechanism_cost, mechanism_names, measure_job
 from .all_report import TUTORIAL_TABLE, analyse, markdown, plots, write_csv
@@ -41,25 +42,16 @@ LRA_LENGTHS = (1024, 2048, 3072, 4096)
 QUICK_LRA_LENGTHS = (128, 256)
 
 
-def _available_bytes() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
 @dataclass
 class AllConfig:
     """What ``bench all`` measures. None means the default, which ``quick`` shrinks: ``mechanisms``
     (torch_sdpa, naive and every registered one; torch_sdpa is always added), ``lengths`` (128..65536;
     quick 128..512), ``repeats`` (5; quick 3), ``time_budget`` seconds per configuration (60; quick 5),
-    ``memory_budget_gib`` (half of the available memory), ``isolation`` ("config": a fresh process per
-    configuration; quick "suite": one worker), ``lra_lengths`` (1024..4096; quick 128, 256) and
-    ``production_lengths`` (the tutorial's; quick 128, 512); ``lra`` / ``production`` switch those tables.
-    ``threads``: torch threads in the workers. ``resume``: reuse what an earlier run in ``out`` measured."""
+    ``memory_budget_gib`` (``attnlab.options.memory_budget()``: half of the available memory),
+    ``isolation`` ("config": a fresh process per configuration; quick "suite": one worker),
+    ``lra_lengths`` (1024..4096; quick 128, 256) and ``production_lengths`` (the tutorial's; quick 128,
+    512); ``lra`` / ``production`` switch those tables. ``threads``: torch threads in the workers.
+    ``resume``: reuse what an earlier run in ``out`` measured."""
     out: str = "reports/bench-all"
     quick: bool = False
     mechanisms: tuple[str, ...] | None = None
@@ -110,7 +102,7 @@ class AllConfig:
         return dict(quick=q, isolation=self.isolation or ("suite" if q else "config"), B=self.batch, H=self.heads,
                     D=self.head_dim, repeats=repeats, warmup=self.warmup,
                     tbudget=self.time_budget if self.time_budget is not None else (5.0 if q else 60.0),
-                    mbudget=int(self.memory_budget_gib * 2**30) if self.memory_budget_gib else _available_bytes() // 2,
+                    mbudget=int(self.memory_budget_gib * 2**30) if self.memory_budget_gib else memory_budget()[0],
                     mechs=mechs, lengths=lengths, lra_lengths=lra, prod_lengths=prod, why=None, threads=self.threads)
 
 
