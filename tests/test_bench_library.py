@@ -96,3 +96,17 @@ def test_fit_exponent_and_extrapolate_recover_power_laws():
     assert extrapolate([(128, 3.0)], 256) == pytest.approx(12.0)  # one point: n² by default
     assert extrapolate([], 256) is None
     assert math.isclose(extrapolate([(100, 2.0)], 100), 2.0)
+
+
+def test_cli_face_renders_progress_on_stderr_and_the_result_on_stdout(tmp_path, capsys):
+    from attnlab.cli import main as cli
+
+    argv = ["bench", "layers", "--quick", "--layers", "attention,gru", "--ns", "8,16", "--ds", "8", "--no-memory"]
+    assert cli.main(argv + ["--out", str(tmp_path / "a")]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()  # not a terminal: one progress line per step, then the tables on stdout
+    assert lines and all(line.startswith("[") and "bench layers" in line for line in lines)
+    assert lines[-1].startswith("[8/8]") and "crossover" in out
+    assert cli.main(argv + ["--json", "--out", str(tmp_path / "b")]) == 0
+    out, _ = capsys.readouterr()
+    assert json.loads(out)["rows"] == json.loads((tmp_path / "b" / "layers.json").read_text())["rows"]

@@ -412,7 +412,8 @@ def _plots(result: "LayersResult", out: Path) -> dict:
         ax.set_title(f"{title}, d={d}")
         ax.set_xlabel("n")
         ax.set_ylabel("bytes")
-    axes[0].legend(fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:  # --no-memory: nothing measured, an empty figure says so
+        axes[0].legend(fontsize=7)
     files["memory_png"] = str(save_plot(fig, out / "layers_memory.png"))
     return files
 
