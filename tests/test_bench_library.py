@@ -51,6 +51,11 @@ def test_generate_runs_from_its_config_alone_and_prints_nothing(tmp_path, capsys
     assert json.loads((tmp_path / "generate.json").read_text())["rows"] == json.loads(json.dumps(res.rows))
     dones = [d for d, _, _ in seen]
     assert dones == sorted(dones) and seen[-1][:2] == (8, 8)  # 2 contexts x (cache, no cache) x 2 timings
+    # the result writes its own files: again, elsewhere, the same record without measuring anything
+    res.out_dir = str(tmp_path / "again")
+    assert [Path(f).name for f in res.write()] == ["generate.json", "generate.png"]
+    assert (json.loads((tmp_path / "again" / "generate.json").read_text())
+            == json.loads((tmp_path / "generate.json").read_text()))
 
 
 @pytest.mark.parametrize("config, option", [

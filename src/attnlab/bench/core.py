@@ -81,6 +81,12 @@ class Result:
     files: list[str] = field(default_factory=list)
     exit_code: int = 0
 
+    def write(self) -> list[str]:
+        """Write results.json, time.png, memory.png (when memory was measured), report.md and its HTML
+        into ``out_dir``, atomically; returns the files (also kept in ``files``)."""
+        _write(self, Path(self.out_dir))
+        return self.files
+
 
 @dataclass
 class CoreConfig:
@@ -272,7 +278,7 @@ def run(config: CoreConfig, *, progress: Callable[[int, int, str], None] | None 
     res.complete = True
     _density_ratios(res)
     _exponents(res)
-    _write(res, out)
+    res.write()
     if progress:
         progress(total, total, "done")
     return res

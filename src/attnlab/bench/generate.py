@@ -70,8 +70,17 @@ class GenerateBench:
     model: dict
     rows: list[dict] = field(default_factory=list)
     env: dict = field(default_factory=dict)
+    threads: int = 0
     files: list[str] = field(default_factory=list)
     exit_code: int = 0
+
+    def write(self) -> list[str]:
+        """Write generate.json and generate.png into ``out_dir``, atomically; returns both paths."""
+        self.files = write_json_and_figure(self.out_dir, "generate", {
+            "suite": "generate", "model": self.model, "threads": self.threads, "rows": self.rows, "env": self.env,
+            "note": "speedup = tokens/s with cache / tokens/s without, same run; decode_* excludes the prefill"},
+            lambda ax: _draw(self, ax), figsize=(5, 3))
+        return self.files
 
 
 def _time(f, repeats: int) -> tuple[float, object]:
@@ -131,7 +140,7 @@ def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
                           mechanism=config.mechanism).eval()
     res = GenerateBench(str(config.out), {"vocab": vocab, "d_model": v["d_model"], "layers": v["layers"],
                                           "heads": v["heads"], "mechanism": config.mechanism, "positional": "rope"},
-                        env=environment())
+                        env=environment(), threads=torch.get_num_threads())
     total, done = len(contexts) * 4, 0
     for C in contexts:
         prompt = torch.randint(0, vocab, (1, C - n_new), generator=torch.Generator().manual_seed(C))  # (1, C - n)
@@ -154,10 +163,7 @@ def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
         res.rows.append(row)
     if not all(r["same_tokens"] for r in res.rows):
         res.exit_code = 1
-    res.files = write_json_and_figure(config.out, "generate", {
-        "suite": "generate", "model": res.model, "threads": torch.get_num_threads(), "rows": res.rows,
-        "env": res.env, "note": "speedup = tokens/s with cache / tokens/s without, same run; decode_* excludes "
-                                "the prefill"}, lambda ax: _draw(res, ax), figsize=(5, 3))
+    res.write()
     if progress:
         progress(total, total, "done")
     return res

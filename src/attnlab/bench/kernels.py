@@ -39,7 +39,7 @@ from .impls import peak_in_fresh_process
 from .kernels_cases import (DTYPES, TARGET_NS, Contention, KernelsConfig, KernelsResult, Measurement, Ratio,
                             build_impl, flex_backward_reason, flex_block_mask, flex_compiler, make_case_pattern,
                             measure_case, window_mask_mod)
-from .kernels_report import compute_ratios, save_partial, write_report
+from .kernels_report import compute_ratios, save_partial
 
 __all__ = ["KernelsConfig", "KernelsResult", "Measurement", "Ratio", "run", "build_impl", "make_case_pattern",
            "flex_block_mask", "window_mask_mod", "compute_ratios", "fit_exponent", "DTYPES", "TARGET_NS"]
@@ -172,7 +172,7 @@ def _run(cfg: KernelsConfig, progress) -> KernelsResult:
         res.notes.append(f"FlexAttention forward+backward not measured: {flex_bwd_reason}")
     res.ratios = compute_ratios(res, cfg)
     res.seconds = time.perf_counter() - t_start
-    res.files = write_report(res, out)
+    res.write()
     if progress:
         progress(total, total, "done")
     return res

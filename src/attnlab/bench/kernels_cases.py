@@ -136,6 +136,15 @@ class KernelsResult:
     seconds: float = 0.0
     exit_code: int = 0
 
+    def write(self) -> list[str]:
+        """Write results.json, report.md and the plots into ``out_dir``, atomically (see
+        :func:`attnlab.bench.kernels_report.write_report`); returns the files."""
+        from pathlib import Path
+
+        from .kernels_report import write_report  # the report module builds on these dataclasses
+
+        return write_report(self, Path(self.out_dir))
+
 
 # -- implementations ---------------------------------------------------------------------------------
 def make_case_pattern(kind: str, n: int, *, window: int = 256, density: float = 0.1, block_size: int = 128,

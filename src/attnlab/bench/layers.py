@@ -483,8 +483,21 @@ class LayersResult:
     slopes: dict = field(default_factory=dict)
     crossover: list[dict] = field(default_factory=list)
     files: dict = field(default_factory=dict)
+    out_dir: str = ""
     suite: str = "layers"
     exit_code: int = 0
+
+    def write(self) -> dict:
+        """Write layers_time.png, layers_memory.png, layers.md and layers.json into ``out_dir``,
+        atomically; returns the files by kind (also kept in ``files``)."""
+        out = Path(self.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.files.update(_plots(self, out))
+        self.files["json"] = str(out / "layers.json")
+        self.files["markdown"] = str(out / "layers.md")
+        atomic_write_text(out / "layers.md", markdown(self))
+        atomic_write_json(out / "layers.json", asdict(self))
+        return self.files
 
 
 def run(config: LayersConfig, *, progress: Callable[[int, int, str], None] | None = None) -> LayersResult:
@@ -531,13 +544,8 @@ def _run(config: LayersConfig, cfg: dict, out: Path, progress) -> LayersResult:
                 for key in ("forward_s", "forward_backward_s"):
                     cross += crossover(rows, attn, rnn, key)
     result = LayersResult(config=cfg, environment=environment(), structure=struct, rows=rows,
-                          slopes=fitted_slopes(rows), crossover=cross)
-    out.mkdir(parents=True, exist_ok=True)
-    result.files.update(_plots(result, out))
-    result.files["json"] = str(out / "layers.json")
-    result.files["markdown"] = str(out / "layers.md")
-    atomic_write_text(out / "layers.md", markdown(result))
-    atomic_write_json(out / "layers.json", asdict(result))
+                          slopes=fitted_slopes(rows), crossover=cross, out_dir=str(out))
+    result.write()
     if progress:
         progress(total, total, "done")
     return result

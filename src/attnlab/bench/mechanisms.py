@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..harness import ResultStore, environment_record, remove_partial
+from ..harness import ResultStore, environment_record, remove_partial, write_report
+from ..harness.store import PARTIAL
 from ..options import memory_budget
 from ..report import atomic_write_text, format_bytes
 from .all_jobs import REFERENCE, Runner, attention_callable, mechanism_cost, mechanism_names, measure_job
@@ -119,6 +120,24 @@ class AllResult:
     notes: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     exit_code: int = 0
+
+    def write(self) -> dict:
+        """Write the plots, results.csv and report.md into ``out_dir``; a complete run also results.json
+        and report.html (and its partial file goes), an interrupted one keeps results.partial.json as
+        the record. Atomic files; returns the paths (also kept in ``paths``)."""
+        out = Path(self.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.files = self.data["files"] = plots(out, self.data) + [write_csv(out, self.data)]
+        md = markdown(self.data)
+        if self.interrupted is None:
+            self.paths = write_report(out, self.data, md, f"attnlab {out.name} report")
+            remove_partial(out)
+        else:
+            atomic_write_text(out / "report.md", md)
+            self.paths = {"partial": str(out / PARTIAL), "report": str(out / "report.md")}
+            self.data["exit_code"] = self.exit_code
+        self.data["paths"] = self.paths
+        return self.paths
 
 
 class _Interrupted(Exception):
@@ -287,15 +306,7 @@ def run(config: AllConfig, *, progress: Callable[[int, int, str], None] | None =
     data = sess.result(complete=interrupted is None)
     data["wall_s"] = time.perf_counter() - t0
     data["interrupted"] = interrupted
-    out.mkdir(parents=True, exist_ok=True)
-    data["files"] = plots(out, data) + [write_csv(out, data)]
-    md = markdown(data)
-    res = AllResult(str(out), data, files=data["files"], interrupted=interrupted, notes=notes,
-                    wall_s=data["wall_s"])
-    if interrupted is None:
-        res.paths = data["paths"] = sess.store.finish(data, md, f"attnlab {out.name} report")
-    else:
-        atomic_write_text(out / "report.md", md)
-        res.paths = data["paths"] = {"partial": str(sess.store.partial), "report": str(out / "report.md")}
-        res.exit_code = data["exit_code"] = 130
+    res = AllResult(str(out), data, interrupted=interrupted, notes=notes, wall_s=data["wall_s"],
+                    exit_code=0 if interrupted is None else 130)
+    res.write()
     return res

@@ -69,6 +69,15 @@ class MiniLMBench:
     files: list[str] = field(default_factory=list)
     exit_code: int = 0
 
+    def write(self) -> list[str]:
+        """Write minilm.json and minilm.png into ``out_dir``, atomically; returns both paths."""
+        self.files = write_json_and_figure(self.out_dir, "minilm", {
+            "suite": "minilm", "batch": self.batch, "tokens": self.tokens, "repeats": self.repeats,
+            "threads": self.threads, "rows": self.rows, "skipped": self.skipped, "env": self.env,
+            "note": "throughput ratios are transformers time / impl time in the same run (>1: faster)",
+        }, lambda ax: _draw(self, ax))
+        return self.files
+
     def row(self, impl: str) -> dict | None:
         """The row of implementation ``impl`` (e.g. "attnlab[auto]", "transformers[sdpa]"), or None."""
         return next((r for r in self.rows if r["impl"] == impl), None)
@@ -153,11 +162,7 @@ def _run(config: MiniLMConfig, batch: int, tokens: int, repeats: int, progress) 
         r["ratio_vs_sdpa"] = sdpa["seconds"] / r["seconds"] if sdpa else None
         r["ratio_vs_eager"] = eager["seconds"] / r["seconds"] if eager else None
 
-    res.files = write_json_and_figure(config.out, "minilm", {
-        "suite": "minilm", "batch": batch, "tokens": tokens, "repeats": repeats, "threads": res.threads,
-        "rows": res.rows, "skipped": res.skipped, "env": res.env,
-        "note": "throughput ratios are transformers time / impl time in the same run (>1: faster)",
-    }, lambda ax: _draw(res, ax))
+    res.write()
     if progress:
         progress(total, total, "done")
     return res

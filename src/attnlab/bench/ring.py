@@ -70,6 +70,14 @@ class RingBenchResult:
     files: list[str] = field(default_factory=list)
     exit_code: int = 0
 
+    def write(self) -> list[str]:
+        """Write ring.json and ring.png into ``out_dir``, atomically; returns both paths."""
+        out = Path(self.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.files = [str(out / "ring.json"), str(out / "ring.png")]
+        _write(self, out)
+        return self.files
+
 
 @dataclass
 class RingConfig:
@@ -242,9 +250,7 @@ def run(config: RingConfig, *, progress: Callable[[int, int, str], None] | None 
         applies=s["n"] == TARGET_N and s["procs"] == TARGET_PROCS, ratio=TARGET_RATIO,
         worst_peak_ratio=max((x["peak_ratio"] or 0.0) for x in ring_rows),
         met=all(x["peak_ratio"] is not None and x["peak_ratio"] <= TARGET_RATIO for x in ring_rows))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result.files = [str(out_dir / "ring.json"), str(out_dir / "ring.png")]
-    _write(result, out_dir)
+    result.write()
     if progress:
         progress(len(configs), len(configs), "done")
     return result
