@@ -5,8 +5,8 @@ import argparse
 from pathlib import Path
 
 from ..diagnostics.heads import measure_heads
-from ..options import nonneg_int, output_dir
-from .main import UsageError
+from .options import nonneg_int, output_dir
+from .common import UsageError
 
 __all__ = ["build_parser", "run", "measure_heads"]
 

@@ -6,7 +6,7 @@ import json
 import math
 
 from .. import retrieval as R
-from ..options import nonneg_int, output_dir, positive_float, positive_int
+from .options import nonneg_int, output_dir, positive_float, positive_int
 from ..report import atomic_write_json, save_figure
 
 DEFAULT_QUERY = "Tell me about Maya."
@@ -35,7 +35,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> R.RetrievalResult:
     from rich.console import Console
 
-    from .main import UsageError
+    from .common import UsageError
 
     console = Console(stderr=args.json)
     out = output_dir(args.out)

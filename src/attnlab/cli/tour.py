@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..options import check_memory, output_dir
-from .main import UsageError
+from .options import check_memory, output_dir
+from .common import UsageError
 
 __all__ = ["build_parser", "run"]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..options import nonneg_int, output_file, positive_int
+from .options import nonneg_int, output_file, positive_int
 from ..report import atomic_write_text
-from .main import UsageError
+from .common import UsageError
 
 __all__ = ["build_parser", "run", "load_matrix"]
 

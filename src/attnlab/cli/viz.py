@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..options import output_dir, positive_int
-from .main import UsageError
+from .options import output_dir, positive_int
+from .common import UsageError
 
 __all__ = ["build_parser", "run", "parse_params", "default_out"]
 
