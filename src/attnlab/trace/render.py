@@ -211,16 +211,15 @@ def to_html(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
     return "\n".join(out) + "\n"
 
 
-def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -> None:
-    """Print the trace as rich tables (one per step and head)."""
-    from rich.console import Console
+def to_rich(trace: Trace, *, max_show: int = 8, digits: int = 3):
+    """The trace as a rich renderable (a ``Group``: header lines, one table per step and head, the
+    comparison with standard attention, notes); ``Console().print(to_rich(trace))`` shows it."""
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
-    console.print(f"[bold]attnlab trace[/bold] ({escape(trace.source)})")
-    for x in _header_lines(trace):
-        console.print("  " + escape(x))
+    parts: list = [f"[bold]attnlab trace[/bold] ({escape(trace.source)})"]
+    parts += ["  " + escape(x) for x in _header_lines(trace)]
     if trace.source == "summary":
         t = Table(title="per-step shapes, FLOPs, bytes and statistics")
         for c in ("step", "formula", "shape", "FLOPs", "bytes", "mean", "var", "min", "max", "more"):
@@ -231,7 +230,7 @@ def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -
             more = ", ".join(f"{k}={_fmt(v, 3) if isinstance(v, float) else v}" for k, v in st.items())
             t.add_row(escape(s.title), escape(s.formula), str(list(s.shape)), _fmt_int(s.flops), _fmt_bytes(s.bytes),
                       *base, escape(more))
-        console.print(t)
+        parts.append(t)
     else:
         for s in trace.steps:
             for cap, m in _matrices(s, trace):
@@ -246,7 +245,7 @@ def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -
                     t.add_column(escape(h), justify="right")
                 for lab, cells in body:
                     t.add_row(escape(lab), *cells)
-                console.print(t)
+                parts.append(t)
     if trace.comparison:
         keys = list(trace.comparison[0].keys())
         t = Table(title="what changes vs standard attention (÷√d_k, softmax, dot product)")
@@ -254,6 +253,6 @@ def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -
             t.add_column(escape(k), justify="left" if k == "measure" else "right")
         for row in trace.comparison:
             t.add_row(*[_fmt(v, 4) if isinstance(v, float) else escape(str(v)) for v in row.values()])
-        console.print(t)
-    for n in trace.notes:
-        console.print("[yellow]note:[/yellow] " + escape(n))
+        parts.append(t)
+    parts += ["[yellow]note:[/yellow] " + escape(n) for n in trace.notes]
+    return Group(*parts)
