@@ -334,17 +334,14 @@ def _minilm(cfg: TourConfig):
 
 
 def _heads(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    from attnlab.diagnostics.heads import DEFAULT_SENTENCES, measure_heads
-    from attnlab.viz.heatmaps import plot_head_stats
+    from attnlab.diagnostics.heads import DEFAULT_SENTENCES, HeadsConfig, run_heads
 
     tick("loading MiniLM")
     model = _minilm(cfg)
     tick(f"running MiniLM on {len(DEFAULT_SENTENCES)} sentences")
-    res = measure_heads(list(DEFAULT_SENTENCES), model)
-    plot_head_stats(res["stats"], out / "heads" / "heads.png", num_layers=res["num_layers"], num_heads=res["num_heads"])
-    atomic_write_json(out / "heads" / "heads.json", res)
-    counts = sorted(res["counts"].items(), key=lambda kv: -kv[1])
-    piece.detail = (f"{res['num_layers'] * res['num_heads']} heads over {res['n_sentences']} sentences: "
+    res = run_heads(HeadsConfig(out=out / "heads", model=model))
+    counts = sorted(res.counts.items(), key=lambda kv: -kv[1])
+    piece.detail = (f"{res.num_layers * res.num_heads} heads over {res.n_sentences} sentences: "
                     + ", ".join(f"{k} × {v}" for k, v in counts))
     piece.figures.append({"href": "heads/heads.png", "caption": "MiniLM's heads, layers × heads, labelled"})
 
