@@ -12,6 +12,7 @@ __all__ = ["build_parser", "run"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """heads' options: the sentences (inline or a file), the output folder, the layers shown, --no-plot."""
     p.add_argument("--sentence", action="append", default=[], help="a sentence to use (repeatable)")
     p.add_argument("--sentences", help="a text file with one sentence per line")
     p.add_argument("--out", default="reports/heads", help="folder for heads.png and heads.json (default reports/heads)")

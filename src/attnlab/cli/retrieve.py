@@ -14,6 +14,7 @@ __all__ = ["build_parser", "run", "render"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """retrieve's options: the query, the embedder, the lookup (τ, k), the corpus, the learned projection."""
     p.add_argument("query", nargs="?", default=DEFAULT_QUERY, help=f"the question (default: {DEFAULT_QUERY!r})")
     p.add_argument("--embedder", default="minilm", choices=sorted(R.EMBEDDERS),
                    help="minilm: all-MiniLM-L6-v2 via attnlab.models.minilm; hashing: bag of words, no weights")

@@ -18,6 +18,7 @@ __all__ = ["build_parser", "run", "load_matrix", "config_from_args"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """trace's options: where the numbers come from, sizes, failure-mode switches, format, --expect."""
     src = p.add_argument_group("where the numbers come from (pick one; default --example)")
     src.add_argument("--example", action="store_true",
                      help='the 4-token worked example "I love machine learning" (d_model=8, d_k=d_v=4, seeded)')

@@ -98,6 +98,7 @@ def _stat_line(step: Step) -> str:
 
 
 def to_json(trace: Trace) -> str:
+    """The trace as JSON (``Trace.to_dict``: every number, -inf written as null)."""
     return json.dumps(trace.to_dict(), indent=1)
 
 
@@ -116,6 +117,8 @@ def _header_lines(trace: Trace) -> list[str]:
 
 
 def to_markdown(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
+    """The trace as Markdown: header, one table per step and head (at most ``max_show`` rows and columns,
+    ``digits`` decimals), the comparison with standard attention, notes. User text is escaped."""
     lines = [f"# attnlab trace ({trace.source})", ""]
     lines += [f"- {x}" for x in _header_lines(trace)] + [""]
     if trace.source == "summary":
@@ -169,6 +172,7 @@ h2{font-size:1.05em;margin-top:1.4em}"""
 
 
 def to_html(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
+    """The trace as one self-contained HTML page (inline CSS, no scripts); every piece of text escaped."""
     e = lambda s: html.escape(str(s))  # noqa: E731 - every piece of user text goes through this
     out = ["<!doctype html><html><head><meta charset='utf-8'>",
            f"<title>attnlab trace ({e(trace.source)})</title><style>{_CSS}</style></head><body>",
