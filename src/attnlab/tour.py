@@ -162,7 +162,7 @@ def _explain(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 def _trace(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     from attnlab import trace as tr
 
-    t = tr.trace_example()
+    t = tr.run_trace(tr.TraceConfig(source="example")).trace
     atomic_write_text(out / "trace.html", tr.to_html(t))
     w = t.step("weights").value
     piece.detail = (f"'I love machine learning' (d_model=8, d_k=4): row 0 of softmax(QKᵀ/√d_k) is "
@@ -352,10 +352,9 @@ def _viz(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     tick("loading MiniLM")
     model = _minilm(cfg)
     tick("MiniLM's attention on the sentence")
-    data = viz.attention_data(cfg.sentence, model="minilm", model_obj=model)
-    viz.write_page(out / "viz", data)
-    piece.detail = (f"MiniLM's {data['layers']} layers × {data['heads']} heads on {cfg.sentence!r} "
-                    f"({data['T']} word pieces): head, matrix, model and pattern views, offline")
+    res = viz.run_viz(viz.VizConfig(cfg.sentence, out=out / "viz", model="minilm", loaded=model))
+    piece.detail = (f"MiniLM's {model.num_layers} layers × {model.num_heads} heads on {cfg.sentence!r} "
+                    f"({res.T} word pieces): head, matrix, model and pattern views, offline")
     piece.links.append({"href": "viz/index.html", "label": "open the interactive view"})
 
 

@@ -32,6 +32,7 @@ class VizConfig:
     mechanism, params: an attention mechanism of the registry and its hyperparameters.
     dense_max: longer inputs show streaming summaries (``topk`` keys per query) instead of weights.
     png: also write heads.png, layer 0's [H, T, T] weights as heatmaps (dense mode only).
+    loaded: an already loaded MiniLM to reuse (else it is loaded when ``model`` is "minilm").
     """
 
     text: str
@@ -43,6 +44,7 @@ class VizConfig:
     topk: int = 4
     max_length: int = 512
     png: bool = False
+    loaded: object | None = None
 
     def __post_init__(self):
         if not isinstance(self.text, str) or not self.text.strip():
@@ -88,7 +90,8 @@ def run_viz(config: VizConfig) -> VizResult:
     out = output_dir(c.out if c.out is not None else default_out(c.text, c.model))
     try:
         data = attention_data(c.text, model=c.model, mechanism=c.mechanism, params=c.params,
-                              dense_max_tokens=c.dense_max, max_length=c.max_length, topk=c.topk)
+                              dense_max_tokens=c.dense_max, max_length=c.max_length, topk=c.topk,
+                              model_obj=c.loaded)
     except KeyError as e:  # a mechanism's unknown parameter, reported by the registry
         raise ValueError(str(e)) from None
     path = write_page(out, data)
