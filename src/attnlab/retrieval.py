@@ -425,7 +425,6 @@ class RetrievalResult:
     soft: dict
     sweep: list[dict]
     projection: dict | None
-    exit_code: int = 0
     files: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
