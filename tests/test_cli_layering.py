@@ -47,21 +47,40 @@ def _imports(tree: ast.Module, rel: str):
                 yield node.module or "", node
 
 
-def test_nothing_outside_cli_prints_or_parses_argv():
+def _is_main_guard(node) -> bool:
+    t = node.test if isinstance(node, ast.If) else None
+    return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in t.comparators))
+
+
+def _outside_cli_violations(rel: str, tree: ast.Module) -> list[str]:
+    """print() calls, console .print() calls, argv read as input (indexed, sliced or passed on) and argparse
+    imports; a module's ``if __name__ == "__main__":`` block is a script entry point and is exempt, and
+    ``sys.argv`` merely recorded (``env["argv"] = sys.argv``) is not parsing."""
+    exempt = {id(n) for g in ast.walk(tree) if _is_main_guard(g) for n in ast.walk(g)}
+    parent = {id(c): n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
     found = []
-    for rel, tree in _library_modules():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
-                found.append(f"{rel}:{node.lineno} print()")
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "print"
-                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("plt", "ax"))):
-                found.append(f"{rel}:{node.lineno} .print()")
-            if (isinstance(node, ast.Attribute) and node.attr == "argv" and isinstance(node.value, ast.Name)
-                    and node.value.id == "sys"):
+    for node in ast.walk(tree):
+        if id(node) in exempt:
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+            found.append(f"{rel}:{node.lineno} print()")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "print"
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("plt", "ax"))):
+            found.append(f"{rel}:{node.lineno} .print()")
+        if (isinstance(node, ast.Attribute) and node.attr == "argv" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"):
+            up = parent.get(id(node))
+            if isinstance(up, ast.Subscript) or (isinstance(up, ast.Call) and node in up.args):
                 found.append(f"{rel}:{node.lineno} sys.argv")
-        for name, node in _imports(tree, rel):
-            if name == "argparse" and rel not in ALIASES:
-                found.append(f"{rel}:{node.lineno} import argparse")
+    for name, node in _imports(tree, rel):
+        if name == "argparse" and rel not in ALIASES and id(node) not in exempt:
+            found.append(f"{rel}:{node.lineno} import argparse")
+    return found
+
+
+def test_nothing_outside_cli_prints_or_parses_argv():
+    found = [v for rel, tree in _library_modules() for v in _outside_cli_violations(rel, tree)]
     assert not found, "outside cli/: " + "; ".join(found)
 
 
@@ -84,12 +103,14 @@ def test_subcommands_do_not_import_cli_main():
     assert not found, "cli modules importing cli.main (a cycle): " + ", ".join(found)
 
 
-def test_the_scan_sees_what_it_looks_for(tmp_path):
-    # the checks above must be able to fail: a planted print, argv read and argparse import are all found
-    tree = ast.parse("import argparse\nimport sys\nprint(sys.argv)\n")
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
-    assert [c.func.id for c in calls] == ["print"]
-    assert [name for name, _ in _imports(tree, "x.py")] == ["argparse", "sys"]
+def test_the_scan_sees_what_it_looks_for():
+    # the checks above must be able to fail: a planted print, console print, argv parse and argparse import
+    # are all found, and a script entry point or a recorded argv is not
+    planted = ("import argparse\nimport sys\n\n\ndef f(console):\n    print(sys.argv[1:])\n    console.print('x')\n"
+               "    g(sys.argv)\n    env = {'argv': sys.argv}\n\n\nif __name__ == '__main__':\n    print(sys.argv[1])\n")
+    found = _outside_cli_violations("x.py", ast.parse(planted))
+    assert sorted(found) == ["x.py:1 import argparse", "x.py:6 print()", "x.py:6 sys.argv", "x.py:7 .print()",
+                             "x.py:8 sys.argv"], found
     assert [name for name, _ in _imports(ast.parse("from ..cli import main"), "trace/core.py")] == ["attnlab.cli"]
     assert [name for name, _ in _imports(ast.parse("from .main import x"), "cli/viz.py")] == ["attnlab.cli.main"]
 
