@@ -127,8 +127,8 @@ def test_instruments_run_from_configs_without_output(tmp_path, capsys):
     png = tr.plot_trace(res.trace, tmp_path / "w.png")
     page = viz.run_viz(viz.VizConfig("a b a b c", out=tmp_path / "viz", model="random", png=True))
     assert page.mode == "dense" and page.T == 5 and len(page.files) == 2
-    ret = R.run_retrieve(R.RetrieveConfig("Tell me about Maya.", embedder="hashing", num_subjects=6, steps=2,
-                                          train_subjects=2, out=tmp_path / "ret"))
+    ret = R.run_retrieve(R.RetrieveConfig("Tell me about Maya.", embedder="hashing", num_subjects=6, learn=False,
+                                          out=tmp_path / "ret"))
     assert json.loads(Path(ret.files["json"]).read_text())["query"] == "Tell me about Maya."
     assert png.read_bytes()[:4] == Path(ret.files["png"]).read_bytes()[:4] == b"\x89PNG"
     cap = capsys.readouterr()
