@@ -107,7 +107,8 @@ def test_the_scan_sees_what_it_looks_for():
     # the checks above must be able to fail: a planted print, console print, argv parse and argparse import
     # are all found, and a script entry point or a recorded argv is not
     planted = ("import argparse\nimport sys\n\n\ndef f(console):\n    print(sys.argv[1:])\n    console.print('x')\n"
-               "    g(sys.argv)\n    env = {'argv': sys.argv}\n\n\nif __name__ == '__main__':\n    print(sys.argv[1])\n")
+               "    g(sys.argv)\n    env = {'argv': sys.argv}\n\n\n"
+               "if __name__ == '__main__':\n    print(sys.argv[1])\n")
     found = _outside_cli_violations("x.py", ast.parse(planted))
     assert sorted(found) == ["x.py:1 import argparse", "x.py:6 print()", "x.py:6 sys.argv", "x.py:7 .print()",
                              "x.py:8 sys.argv"], found
@@ -156,4 +157,6 @@ def test_invoke_returns_the_commands_result(tmp_path, capsys):
     assert outcome.result["trace"].step("weights").value.shape == (2, 2)
     bad = invoke(["trace", "--d-k", "0", "--scores", "[[1]]"])
     assert bad.exit_code == 2 and bad.result is None and "--d-k" in capsys.readouterr().err
-    assert main(["trace", "--scores", "[[1]]", "--d-k", "1", "--format", "json", "--out", str(tmp_path / "t.json")]) == 0
+    out = tmp_path / "t.json"
+    assert main(["trace", "--scores", "[[1]]", "--d-k", "1", "--format", "json", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["source"] == "scores" and "wrote" in capsys.readouterr().out

@@ -103,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> TraceConfig:
     from ..trace import TraceConfig, TraceOptions
 
     sources = [n for n, on in (("--example", args.example), ("--text", args.text is not None),
-                               ("--scores", args.scores is not None), ("--q/--k", args.q is not None or args.k is not None),
+                               ("--scores", args.scores is not None),
+                               ("--q/--k", args.q is not None or args.k is not None),
                                ("--summary", args.summary)) if on]
     if len(sources) > 1:
         raise UsageError(f"choose one starting point, got {', '.join(sources)}")
@@ -143,8 +144,9 @@ def run(args: argparse.Namespace) -> dict:
     res = tr.run_trace(config_from_args(args))
     trace, check, fmt = res.trace, res.check, args.format
     if check is not None:
-        content = {"json": lambda: json.dumps(check.to_dict(), indent=2) + "\n", "markdown": lambda: tr.check_markdown(check),
-                   "html": lambda: tr.check_html(check), "rich": lambda: tr.check_rich(check)}[fmt]()
+        content = {"json": lambda: json.dumps(check.to_dict(), indent=2) + "\n",
+                   "markdown": lambda: tr.check_markdown(check), "html": lambda: tr.check_html(check),
+                   "rich": lambda: tr.check_rich(check)}[fmt]()
         text = show_or_write(content, args.out, wrote=f": {check.summary()}")
         return {"trace": trace, "check": check, "format": fmt, "text": text, "out": args.out,
                 "exit_code": 0 if check.ok else 1}
