@@ -112,6 +112,16 @@ def _fmt_n(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported when a piece draws."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _log2_axis(ax, xs) -> None:
     """Log-2 x axis with one readable tick per measured length (no overlapping minor labels)."""
     from matplotlib.ticker import FixedLocator, NullLocator
@@ -171,13 +181,9 @@ def _trace(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _variance(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from attnlab.experiments.variance import random_records
 
+    plt = _pyplot()
     dks = sorted(int(d) for d in cfg.variance_dks)
     recs = []
     for i, d in enumerate(dks):
@@ -226,15 +232,12 @@ def _variance(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import torch
 
     from attnlab.bench.core import time_call
     from attnlab.bench.impls import build_call, make_inputs
 
+    plt = _pyplot()
     ns = sorted(int(n) for n in cfg.speed_ns)
     pat = {"name": "sliding_window", "window": cfg.window, "causal": True}
     rows = []
@@ -281,13 +284,9 @@ def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _memory(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from attnlab.bench.core import peak_bytes
 
+    plt = _pyplot()
     ns = sorted(int(n) for n in cfg.memory_ns)
     rows = []
     jobs = [(n, impl) for n in ns for impl in ("tiled", "naive")]
