@@ -160,16 +160,17 @@ def run_heads(config: HeadsConfig) -> HeadsResult:
     sentences = [s for s in config.sentences if s.strip()]
     if not sentences:
         raise ValueError("the sentences given are all empty")
-    if config.model is None:
+    model = config.model
+    if model is None:
         from ..trace.minilm import load_minilm
 
-        config.model = load_minilm()
-    nl = config.model.num_layers
+        model = load_minilm()
+    nl = model.num_layers
     layers = list(range(nl)) if config.layers is None else list(config.layers)
     for li in layers:
         if not 0 <= li < nl:
             raise ValueError(f"layer {li} out of range: MiniLM has {nl} layers (0..{nl - 1})")
-    res = measure_heads(sentences, config.model)
+    res = measure_heads(sentences, model)
     result = HeadsResult(**res, sentences=sentences, layers=layers, files=[])
     result.files.append(str(atomic_write_json(out / "heads.json", result.to_dict())))
     if config.plot:
