@@ -234,8 +234,8 @@ def _variance(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     import torch
 
-    from attnlab.bench.core import time_call
     from attnlab.bench.impls import build_call, make_inputs
+    from attnlab.harness import interleaved
 
     plt = _pyplot()
     ns = sorted(int(n) for n in cfg.speed_ns)
@@ -246,18 +246,14 @@ def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
         spec = dict(n=n, dtype="float32", causal=True, pattern=pat, H=cfg.heads, D=cfg.head_dim)
         q, k, v = make_inputs(spec)
         calls = {impl: build_call(dict(spec, impl=impl)) for impl in ("sdpa", "auto")}
-        t = {impl: [] for impl in calls}
+        # the harness's one timer (Note [Median, interleaved]): a warm-up call each (the sparse planner
+        # builds its layouts on the first), then rounds in rotating order, the median of each side
         with torch.no_grad():
-            for impl, f in calls.items():  # warm-up: the sparse planner's layouts are built on the first call
-                f(q, k, v)
-            # Interleaved, best of `repeats`: on a shared machine the minimum is the least disturbed run,
-            # and interleaving exposes both sides to the same background load.
-            for _ in range(cfg.repeats):
-                for impl, f in calls.items():
-                    t[impl].append(time_call(lambda f=f: f(q, k, v), repeats=1, warmup=0))
-        best = {impl: min(ts) for impl, ts in t.items()}
-        rows.append({"n": n, "sdpa_s": best["sdpa"], "window_s": best["auto"], "speedup": best["sdpa"] / best["auto"],
-                     "sdpa_runs_s": t["sdpa"], "window_runs_s": t["auto"]})
+            t = interleaved({impl: (lambda f=f: f(q, k, v)) for impl, f in calls.items()}, rounds=cfg.repeats,
+                            min_rounds=cfg.repeats, budget_s=60.0)
+        med = {impl: timing.median for impl, timing in t.items()}
+        rows.append({"n": n, "sdpa_s": med["sdpa"], "window_s": med["auto"], "speedup": med["sdpa"] / med["auto"],
+                     "sdpa_runs_s": t["sdpa"].times, "window_runs_s": t["auto"].times})
     fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
     ax.plot(ns, [r["sdpa_s"] * 1e3 for r in rows], "o-", color="#D55E00", label="torch SDPA, full causal")
     ax.plot(ns, [r["window_s"] * 1e3 for r in rows], "s-", color="#0072B2",
@@ -265,7 +261,7 @@ def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     _plain_log_y(ax)
     _log2_axis(ax, ns)
     ax.set_xlabel("sequence length n")
-    ax.set_ylabel(f"ms per call (best of {cfg.repeats})")
+    ax.set_ylabel(f"ms per call (median of {cfg.repeats} interleaved rounds)")
     ax.grid(alpha=0.3, which="both")
     for r in rows:
         ax.annotate(f"{r['speedup']:.1f}×", (r["n"], r["window_s"] * 1e3), textcoords="offset points",
