@@ -27,7 +27,8 @@ SLOW_TESTS = {"test_png_heatmaps", "test_cli_viz", "test_bert_attentions_round_t
               "test_fixed_pattern_skips_work_on_narrow_key_blocks",
               "test_list_shows_every_mechanism_with_its_spec", "test_cli_formats_and_failure_switches",
               "test_ring_attention_causal_negative_scale", "test_generate_runs_from_its_config_alone_and_prints_nothing",
-              "test_cli_face_renders_progress_on_stderr_and_the_result_on_stdout"}
+              "test_cli_face_renders_progress_on_stderr_and_the_result_on_stdout",
+              "test_instruments_run_from_configs_without_output"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,9 +30,9 @@ def test_bench_core_quick_writes_results(tmp_path):
 
 
 def test_explain_cli_returns_plans(capsys):
-    code = cli.main(["explain", "--shape", "1,8,4096,64", "--pattern", "sliding_window(128, causal=True)"])
-    assert code == 0
-    plan = cli.LAST_RESULT["plans"][0]
+    outcome = cli.invoke(["explain", "--shape", "1,8,4096,64", "--pattern", "sliding_window(128, causal=True)"])
+    assert outcome.exit_code == 0
+    plan = outcome.result["plans"][0]
     assert plan["method"] == "sparse"
     assert plan["flops"]["sparse"] < plan["flops"]["sdpa"] / 4
     assert "sparse" in capsys.readouterr().out

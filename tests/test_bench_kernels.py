@@ -110,8 +110,9 @@ def test_cli_runs_and_refuses_bad_input(tmp_path, capsys):
     args = ["bench", "kernels", "--out", str(tmp_path), "--dense-ns", "128", "--bf16-ns", "128", "--window", "16",
             "--window-ns", "128", "--window-bwd-ns", "128", "--sparse-n", "128", "--densities", "0.25",
             "--memory-n", "0", "--rounds", "1", "--no-flex", "--no-contention", "--baseline-max-n", "128"]
-    assert cli.main(args) == 0
-    res = cli.LAST_RESULT
+    outcome = cli.invoke(args)
+    assert outcome.exit_code == 0
+    res = outcome.result
     assert isinstance(res, K.KernelsResult) and (tmp_path / "report.md").exists()
     assert "cpu: " in capsys.readouterr().out
     assert cli.main(["bench", "kernels", "--out", str(tmp_path), "--densities", "2"]) == 2

@@ -142,8 +142,9 @@ def test_saved_bytes_hold_the_attention_matrix_and_grow_with_n():
 # -- the CLI ----------------------------------------------------------------------------------------------------
 def test_bench_layers_quick_writes_report_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bl"
-    assert cli.main(["bench", "layers", "--quick", "--out", str(out)]) == 0
-    res = cli.LAST_RESULT
+    outcome = cli.invoke(["bench", "layers", "--quick", "--out", str(out)])
+    assert outcome.exit_code == 0
+    res = outcome.result
     cfg = res.config
     assert {(r["layer"], r["n"], r["d"]) for r in res.rows} == {
         (name, n, d) for name in BL.LAYERS for n in cfg["ns"] for d in cfg["ds"]}

@@ -11,8 +11,8 @@ from attnlab.cli import main as cli
 
 
 def run_cli(argv):
-    code = cli.main(argv)
-    return code, cli.LAST_RESULT
+    outcome = cli.invoke(argv)
+    return outcome.exit_code, outcome.result
 
 
 def test_list_shows_every_mechanism_with_its_spec(capsys):

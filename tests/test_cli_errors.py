@@ -16,17 +16,20 @@ import pytest
 import torch
 
 import attnlab
-from attnlab import options
+from attnlab import resources
 from attnlab.cli import main as cli
 
+LAST: dict = {}
 SRC = str(Path(attnlab.__file__).resolve().parents[1])
 
 
 def run(argv, capsys):
-    """(exit code, stderr lines, stdout) of ``attnlab ARGV`` run in this process."""
-    code = cli.main([str(a) for a in argv])
+    """(exit code, stderr lines, stdout) of ``attnlab ARGV`` run in this process; the command's result is
+    kept in ``LAST`` for the tests that inspect it."""
+    outcome = cli.invoke([str(a) for a in argv])
+    LAST["result"] = outcome.result
     cap = capsys.readouterr()
-    return code, [ln for ln in cap.err.splitlines() if ln.strip()], cap.out
+    return outcome.exit_code, [ln for ln in cap.err.splitlines() if ln.strip()], cap.out
 
 
 def one_line_error(argv, capsys, *, code=2, contains=()):
@@ -51,7 +54,7 @@ def test_explain_of_a_huge_shape_allocates_nothing(capsys, budget):
     # a billion-token query is 2 TB of float32: explain plans it on the meta device instead
     rc, err, _ = run(["explain", "--shape", "1,8,1000000000,64", "--json"], capsys)
     assert rc == 0 and err == []
-    plan = cli.LAST_RESULT["plans"][0]
+    plan = LAST["result"]["plans"][0]
     assert plan["shape"] == [1, 8, 10**9, 64]
     # the prediction for the dense method holds the [B, H, L, S] float32 scores at least
     assert plan["peak_bytes"]["dense"] >= 8 * 10**18 * 4
@@ -86,11 +89,11 @@ def test_list_cost_at_a_large_size_answers_at_once(capsys):
     t0 = time.perf_counter()
     rc, err, out = run(["list", "--cost", "65536,65536,64"], capsys)
     assert rc == 0 and err == [] and time.perf_counter() - t0 < 30
-    rows = {r["name"]: r for r in cli.LAST_RESULT["mechanisms"]}
+    rows = {r["name"]: r for r in LAST["result"]["mechanisms"]}
     assert rows["dilated"]["gflop"] is None and "GFLOP not shown for" in " ".join(out.split())
     assert rows["sliding_window"]["gflop"] > 0 and rows["dense"]["gflop"] == pytest.approx(2 * 65536**2 * 128 / 1e9)
     rc, _, _ = run(["list"], capsys)  # the default size counts every pattern
-    assert rc == 0 and all(r["gflop"] is not None for r in cli.LAST_RESULT["mechanisms"] if r["name"] == "dilated")
+    assert rc == 0 and all(r["gflop"] is not None for r in LAST["result"]["mechanisms"] if r["name"] == "dilated")
 
 
 def test_check_budget_counts_the_float64_scores(budget):
@@ -99,20 +102,20 @@ def test_check_budget_counts_the_float64_scores(budget):
     # 4 GiB holds one float64 [1, 1, 2000, 4003] score matrix (61 MiB) many times over: accepted
     check_budget((1, 1, 2000, 64))
     # one [1, 1, 20000, 40003] float64 matrix alone is 6 GiB: refused
-    with pytest.raises(options.OptionError, match="--shape 1,1,20000,64"):
+    with pytest.raises(resources.OptionError, match="--shape 1,1,20000,64"):
         check_budget((1, 1, 20000, 64))
 
 
 def test_memory_budget_reads_the_environment(monkeypatch):
     monkeypatch.setenv("ATTNLAB_MEMORY_BUDGET_GIB", "0.5")
-    assert options.memory_budget() == (2**29, "ATTNLAB_MEMORY_BUDGET_GIB")
+    assert resources.memory_budget() == (2**29, "ATTNLAB_MEMORY_BUDGET_GIB")
     monkeypatch.setenv("ATTNLAB_MEMORY_BUDGET_GIB", "nan")
-    with pytest.raises(options.OptionError, match="ATTNLAB_MEMORY_BUDGET_GIB"):
-        options.memory_budget()
+    with pytest.raises(resources.OptionError, match="ATTNLAB_MEMORY_BUDGET_GIB"):
+        resources.memory_budget()
     monkeypatch.delenv("ATTNLAB_MEMORY_BUDGET_GIB")
-    avail = options._available_bytes()
+    avail = resources._available_bytes()
     if avail is not None:
-        assert options.memory_budget()[0] == avail // 2
+        assert resources.memory_budget()[0] == avail // 2
 
 
 # -- input that used to end in a traceback --------------------------------------------------------------
@@ -237,11 +240,11 @@ def test_output_dir_force_removes_only_the_run_markers(tmp_path):
     (tmp_path / "checkpoints" / "a.pt").write_bytes(b"x")
     (tmp_path / "results.partial.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(options.OptionError, match="holds an earlier run"):
-        options.output_dir(tmp_path, resume=False)
-    assert options.output_dir(tmp_path, resume=True) == tmp_path  # resuming keeps everything
+    with pytest.raises(resources.OptionError, match="holds an earlier run"):
+        resources.output_dir(tmp_path, resume=False)
+    assert resources.output_dir(tmp_path, resume=True) == tmp_path  # resuming keeps everything
     assert (tmp_path / "checkpoints" / "a.pt").exists()
-    options.output_dir(tmp_path, resume=False, force=True)
+    resources.output_dir(tmp_path, resume=False, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 

@@ -7,10 +7,10 @@ from attnlab.cli import main as cli
 
 
 def test_bench_ring_quick_writes_per_rank_records(tmp_path):
-    code = cli.main(["bench", "ring", "--procs", "2", "--quick", "--layouts", "zigzag", "--seq-len", "64",
-                     "--out", str(tmp_path)])
-    assert code == 0
-    res = cli.LAST_RESULT
+    outcome = cli.invoke(["bench", "ring", "--procs", "2", "--quick", "--layouts", "zigzag", "--seq-len", "64",
+                          "--out", str(tmp_path)])
+    assert outcome.exit_code == 0
+    res = outcome.result
     assert [(r.config, r.rank) for r in res.records] == [("single", 0), ("ring-zigzag", 0), ("ring-zigzag", 1)]
     assert [r.local_len for r in res.records] == [64, 32, 32]
     for r in res.records:

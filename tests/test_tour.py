@@ -78,8 +78,8 @@ def test_markdown_page_escapes_text():
 
 
 @pytest.mark.parametrize("argv, needle", [(["--skip", "dance"], "skip takes pieces"),
-                                          (["--speed-n", "0,12"], "--speed-n takes positive"),
-                                          (["--memory-n", "a"], "--memory-n takes comma-separated")])
+                                          (["--speed-n", "0,12"], "--speed-n: must be comma-separated positive integers"),
+                                          (["--memory-n", "a"], "--memory-n: must be comma-separated positive integers")])
 def test_tour_rejects_bad_options(tmp_path, argv, needle, capsys):
     assert M.main(["tour", "--out", str(tmp_path), *argv]) == 2
     assert needle in capsys.readouterr().err

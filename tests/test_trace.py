@@ -185,7 +185,7 @@ def test_renderers_escape_labels_and_cut_large_matrices():
     from rich.console import Console
 
     buf = io.StringIO()
-    tr.to_rich(t, Console(file=buf, width=200))
+    Console(file=buf, width=200).print(tr.to_rich(t))
     assert "weights" in buf.getvalue()
     d = json.loads(tr.to_json(t))
     assert len(d["steps"]["Q"]["value"][0]) == 20  # JSON keeps everything

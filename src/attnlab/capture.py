@@ -122,9 +122,11 @@ class ActivationCache:
         return len(self.store)
 
     def keys(self) -> list[str]:
+        """The cached names ("blocks.0.q", ...), in the order they were recorded."""
         return list(self.store)
 
     def items(self):
+        """(name, tensor) pairs, as ``dict.items``."""
         return self.store.items()
 
     def weights(self) -> list[torch.Tensor]:
@@ -380,6 +382,9 @@ def head_effect(model, sentences, layer: int, heads, how="zero") -> dict:
 # -- the weights / summary recorder (formerly attnlab.inspect.capture) --------------------------------
 @dataclass
 class Record:
+    """One call of one attention module: where it sits, which call it was, and what was recorded
+    (``weights`` [B, H, L, S] in weights mode, a ``StreamingSummary`` per batch element in summary mode)."""
+
     name: str  # module path inside the captured model, e.g. "layers.3.self_attn"
     index: int  # order of the module among attention modules
     call: int  # how many times this module had been called before (0 = first call)
@@ -389,6 +394,9 @@ class Record:
 
 @dataclass
 class Capture:
+    """Everything ``capture`` recorded: the mode ("weights" or "summary"), the attention modules' names,
+    and one ``Record`` per call; ``last()``, ``weights()`` and ``summaries()`` read it."""
+
     mode: str
     names: list[str]
     records: list[Record] = field(default_factory=list)

@@ -23,6 +23,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -33,7 +34,8 @@ __all__ = [
     "CorpusEntry", "Corpus", "generate_corpus", "labelled_queries", "RELATIONS",
     "Embedder", "hashing_embedder", "minilm_embedder", "get_embedder", "EMBEDDERS",
     "hard_lookup", "topk_lookup", "soft_lookup", "weight_stats", "temperature_sweep",
-    "Projection", "fit_projection", "retrieval_accuracy", "RetrievalResult", "retrieve",
+    "Projection", "fit_projection", "retrieval_accuracy", "RetrievalResult", "retrieve", "RetrieveConfig",
+    "run_retrieve", "DEFAULT_QUERY",
 ]
 
 
@@ -406,7 +408,7 @@ def retrieval_accuracy(queries: torch.Tensor, keys: torch.Tensor, answers: Seque
             "n": int(ans.numel())}
 
 
-# -- 5) everything at once, for the CLI -----------------------------------------------------------------
+# -- 5) everything at once --------------------------------------------------------------------------
 @dataclass
 class RetrievalResult:
     """What :func:`retrieve` found for one query, JSON-ready: the corpus entries, the hard, top-k and soft
@@ -423,7 +425,6 @@ class RetrievalResult:
     soft: dict
     sweep: list[dict]
     projection: dict | None
-    exit_code: int = 0
     files: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -518,3 +519,47 @@ def retrieve(query: str, *, embedder: str | Embedder = "minilm", num_subjects: i
         hard={"index": i_hard, "score": s_hard, "text": corpus.entries[i_hard].text},
         topk=[{"index": i, "score": s, "text": corpus.entries[i].text} for i, s in zip(top_idx, top_s)],
         soft=soft, sweep=sweep, projection=projection)
+
+
+DEFAULT_QUERY = "Tell me about Maya."
+
+
+@dataclass
+class RetrieveConfig:
+    """One ``attnlab retrieve`` run: the query, the corpus (``num_subjects`` people, 6 sentences each,
+    from ``seed``), the lookup (τ, k, the ``show`` largest weights kept), the learned projection
+    (``learn``; ``train_subjects`` labelled pairs answering with the ``target`` sentence, rank, steps, lr)
+    and the folder for retrieve.json and retrieve.png. See :func:`retrieve`."""
+
+    query: str = DEFAULT_QUERY
+    embedder: str | Embedder = "minilm"
+    num_subjects: int = 48
+    seed: int = 0
+    tau: float = 0.05
+    k: int = 5
+    learn: bool = True
+    target: str = DEFAULT_TARGET
+    train_subjects: int = 8
+    rank: int = 1
+    steps: int = 60
+    lr: float = 0.01
+    show: int = 10
+    out: str | Path = "reports/retrieve"
+
+
+def run_retrieve(config: RetrieveConfig, progress: Callable[[str], None] | None = None) -> RetrievalResult:
+    """:func:`retrieve` as ``config`` says, then write retrieve.png and retrieve.json (atomically) into
+    ``config.out``; the result, with ``files`` naming both."""
+    from .report import atomic_write_json
+    from .resources import output_dir
+    from .viz.retrieval import plot_retrieval
+
+    c = config
+    out = output_dir(c.out)
+    result = retrieve(c.query, embedder=c.embedder, num_subjects=c.num_subjects, seed=c.seed, tau=c.tau, k=c.k,
+                      learn=c.learn, target=c.target, train_subjects=c.train_subjects, rank=c.rank, steps=c.steps,
+                      lr=c.lr, show=c.show, progress=progress)
+    result.files["png"] = str(plot_retrieval(result, out / "retrieve.png"))
+    result.files["json"] = str(out / "retrieve.json")
+    atomic_write_json(out / "retrieve.json", result.to_dict())
+    return result

@@ -112,6 +112,16 @@ def _fmt_n(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported when a piece draws."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _log2_axis(ax, xs) -> None:
     """Log-2 x axis with one readable tick per measured length (no overlapping minor labels)."""
     from matplotlib.ticker import FixedLocator, NullLocator
@@ -162,7 +172,7 @@ def _explain(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 def _trace(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     from attnlab import trace as tr
 
-    t = tr.trace_example()
+    t = tr.run_trace(tr.TraceConfig(source="example")).trace
     atomic_write_text(out / "trace.html", tr.to_html(t))
     w = t.step("weights").value
     piece.detail = (f"'I love machine learning' (d_model=8, d_k=4): row 0 of softmax(QKᵀ/√d_k) is "
@@ -171,13 +181,9 @@ def _trace(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _variance(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from attnlab.experiments.variance import random_records
 
+    plt = _pyplot()
     dks = sorted(int(d) for d in cfg.variance_dks)
     recs = []
     for i, d in enumerate(dks):
@@ -226,15 +232,12 @@ def _variance(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import torch
 
-    from attnlab.bench.core import time_call
     from attnlab.bench.impls import build_call, make_inputs
+    from attnlab.harness import interleaved
 
+    plt = _pyplot()
     ns = sorted(int(n) for n in cfg.speed_ns)
     pat = {"name": "sliding_window", "window": cfg.window, "causal": True}
     rows = []
@@ -243,18 +246,14 @@ def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
         spec = dict(n=n, dtype="float32", causal=True, pattern=pat, H=cfg.heads, D=cfg.head_dim)
         q, k, v = make_inputs(spec)
         calls = {impl: build_call(dict(spec, impl=impl)) for impl in ("sdpa", "auto")}
-        t = {impl: [] for impl in calls}
+        # the harness's one timer (Note [Median, interleaved]): a warm-up call each (the sparse planner
+        # builds its layouts on the first), then rounds in rotating order, the median of each side
         with torch.no_grad():
-            for impl, f in calls.items():  # warm-up: the sparse planner's layouts are built on the first call
-                f(q, k, v)
-            # Interleaved, best of `repeats`: on a shared machine the minimum is the least disturbed run,
-            # and interleaving exposes both sides to the same background load.
-            for _ in range(cfg.repeats):
-                for impl, f in calls.items():
-                    t[impl].append(time_call(lambda f=f: f(q, k, v), repeats=1, warmup=0))
-        best = {impl: min(ts) for impl, ts in t.items()}
-        rows.append({"n": n, "sdpa_s": best["sdpa"], "window_s": best["auto"], "speedup": best["sdpa"] / best["auto"],
-                     "sdpa_runs_s": t["sdpa"], "window_runs_s": t["auto"]})
+            t = interleaved({impl: (lambda f=f: f(q, k, v)) for impl, f in calls.items()}, rounds=cfg.repeats,
+                            min_rounds=cfg.repeats, budget_s=60.0)
+        med = {impl: timing.median for impl, timing in t.items()}
+        rows.append({"n": n, "sdpa_s": med["sdpa"], "window_s": med["auto"], "speedup": med["sdpa"] / med["auto"],
+                     "sdpa_runs_s": t["sdpa"].times, "window_runs_s": t["auto"].times})
     fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
     ax.plot(ns, [r["sdpa_s"] * 1e3 for r in rows], "o-", color="#D55E00", label="torch SDPA, full causal")
     ax.plot(ns, [r["window_s"] * 1e3 for r in rows], "s-", color="#0072B2",
@@ -262,7 +261,7 @@ def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     _plain_log_y(ax)
     _log2_axis(ax, ns)
     ax.set_xlabel("sequence length n")
-    ax.set_ylabel(f"ms per call (best of {cfg.repeats})")
+    ax.set_ylabel(f"ms per call (median of {cfg.repeats} interleaved rounds)")
     ax.grid(alpha=0.3, which="both")
     for r in rows:
         ax.annotate(f"{r['speedup']:.1f}×", (r["n"], r["window_s"] * 1e3), textcoords="offset points",
@@ -281,13 +280,9 @@ def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _memory(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from attnlab.bench.core import peak_bytes
 
+    plt = _pyplot()
     ns = sorted(int(n) for n in cfg.memory_ns)
     rows = []
     jobs = [(n, impl) for n in ns for impl in ("tiled", "naive")]
@@ -334,17 +329,14 @@ def _minilm(cfg: TourConfig):
 
 
 def _heads(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    from attnlab.diagnostics.heads import DEFAULT_SENTENCES, measure_heads
-    from attnlab.viz.heatmaps import plot_head_stats
+    from attnlab.diagnostics.heads import DEFAULT_SENTENCES, HeadsConfig, run_heads
 
     tick("loading MiniLM")
     model = _minilm(cfg)
     tick(f"running MiniLM on {len(DEFAULT_SENTENCES)} sentences")
-    res = measure_heads(list(DEFAULT_SENTENCES), model)
-    plot_head_stats(res["stats"], out / "heads" / "heads.png", num_layers=res["num_layers"], num_heads=res["num_heads"])
-    atomic_write_json(out / "heads" / "heads.json", res)
-    counts = sorted(res["counts"].items(), key=lambda kv: -kv[1])
-    piece.detail = (f"{res['num_layers'] * res['num_heads']} heads over {res['n_sentences']} sentences: "
+    res = run_heads(HeadsConfig(out=out / "heads", model=model))
+    counts = sorted(res.counts.items(), key=lambda kv: -kv[1])
+    piece.detail = (f"{res.num_layers * res.num_heads} heads over {res.n_sentences} sentences: "
                     + ", ".join(f"{k} × {v}" for k, v in counts))
     piece.figures.append({"href": "heads/heads.png", "caption": "MiniLM's heads, layers × heads, labelled"})
 
@@ -355,10 +347,9 @@ def _viz(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     tick("loading MiniLM")
     model = _minilm(cfg)
     tick("MiniLM's attention on the sentence")
-    data = viz.attention_data(cfg.sentence, model="minilm", model_obj=model)
-    viz.write_page(out / "viz", data)
-    piece.detail = (f"MiniLM's {data['layers']} layers × {data['heads']} heads on {cfg.sentence!r} "
-                    f"({data['T']} word pieces): head, matrix, model and pattern views, offline")
+    res = viz.run_viz(viz.VizConfig(cfg.sentence, out=out / "viz", model="minilm", loaded=model))
+    piece.detail = (f"MiniLM's {model.num_layers} layers × {model.num_heads} heads on {cfg.sentence!r} "
+                    f"({res.T} word pieces): head, matrix, model and pattern views, offline")
     piece.links.append({"href": "viz/index.html", "label": "open the interactive view"})
 
 

@@ -19,7 +19,7 @@ import torch
 
 from attnlab.options import positive_int
 
-from .main import UsageError
+from .common import UsageError
 
 __all__ = ["run", "build_parser", "check", "CASES", "TOL_FACTOR", "TOL_FLOOR"]
 

@@ -10,7 +10,7 @@ from attnlab import patterns as P
 from attnlab.options import check_memory, nonneg_int, positive_int
 from attnlab.report import format_bytes as _fmt_bytes
 
-from .main import UsageError
+from .common import UsageError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -27,7 +27,7 @@ def _counted_pair_by_pair(m, L: int, S: int) -> bool:
 
 
 def _sizes(text: str) -> tuple[int, int, int]:
-    from .main import UsageError
+    from .common import UsageError
 
     try:
         L, S, D = (int(x) for x in text.split(","))

@@ -1,10 +1,10 @@
 """attnlab command line. Each subcommand lives in its own module with two functions:
 
     build_parser(parser: argparse.ArgumentParser) -> None
-    run(args: argparse.Namespace) -> object          # a result object (dict or dataclass); prints/renders
+    run(args: argparse.Namespace) -> object          # calls the library, renders, returns a result
 
-``main(argv)`` returns the process exit code; the result of the last command is kept in ``LAST_RESULT``
-so tests can call ``main([...])`` and inspect what it returned and wrote.
+``main(argv)`` returns the process exit code; ``invoke(argv)`` returns the exit code together with the
+command's result, so tests can run a command and inspect what it returned and wrote.
 
 Note [One error boundary]: every failure leaves through ``main`` as one line on stderr and a non-zero
 exit code, never a traceback. Bad input exits 2: argparse's errors (one line, no usage block), and
@@ -17,12 +17,16 @@ shows the traceback). Ctrl-C exits 130 with one line saying what was kept and ho
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shlex
 import sys
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["main", "UsageError", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter"]
+from .common import ArgumentParser, HelpFormatter, UsageError, add_commands
+
+__all__ = ["main", "invoke", "Outcome", "UsageError", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter",
+           "build_parser", "interrupted_message"]
 
 # name -> (module, one-line help). Modules are imported when the parser is built.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -39,54 +43,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("attnlab.cli.serve", "live attention explorer in the browser (local web app)"),
 }
 
-LAST_RESULT: object = None
-_DEPTH = 0  # main() calls in progress: the tour runs other subcommands through main()
 
+@dataclass
+class Outcome:
+    """What one command did: its exit code and the result its ``run`` returned (None when it failed
+    before or during the run)."""
 
-class UsageError(Exception):
-    """Bad command-line input: printed without a traceback, exit code 2."""
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, unless its help already says it or there is none to show."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (action.default in (None, False, argparse.SUPPRESS) or "default" in text.lower()
-                or not action.option_strings or isinstance(action.default, bool)):
-            return text
-        shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else action.default
-        return f"{text} (default: {str(shown).replace('%', '%%')})" if text else f"(default: {str(shown).replace('%', '%%')})"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (Note [One error boundary]): no usage block, a pointer to --help."""
-
-    def __init__(self, *a, **kw):
-        kw.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*a, **kw)
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    exit_code: int
+    result: Any = None
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``attnlab`` parser with every subcommand of ``SUBCOMMANDS`` that can be imported."""
     from attnlab import __version__
 
     parser = ArgumentParser(
         prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (mod_name, help_text) in SUBCOMMANDS.items():
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name != mod_name:
-                raise
-            continue  # a subcommand still being written is simply not offered
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        mod.build_parser(p)
-        p.set_defaults(_run=mod.run)
+    add_commands(parser, SUBCOMMANDS, "command", run_key="_run")
     return parser
 
 
@@ -148,53 +122,49 @@ def _exit_interrupted() -> None:
     os._exit(130)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``attnlab ARGV``; returns the exit code. ``argv=None`` (the command line, as the ``attnlab``
-    script and ``python -m attnlab.cli.main`` call it) reads ``sys.argv``."""
-    global LAST_RESULT, _DEPTH
-    from_command_line = argv is None and _DEPTH == 0
+def invoke(argv: list[str] | None = None) -> Outcome:
+    """Run ``attnlab ARGV`` behind the error boundary (Note [One error boundary]); the exit code and the
+    command's result. ``argv=None`` (the command line, as the ``attnlab`` script and
+    ``python -m attnlab.cli.main`` call it) reads ``sys.argv``; only then does Ctrl-C end the process."""
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     args = None
-    _DEPTH += 1
     try:
         parser = build_parser()
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # argparse already printed its message (or --help / --version)
-            return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+            return Outcome(e.code if isinstance(e.code, int) else (0 if e.code is None else 2))
         if not getattr(args, "_run", None):
             parser.print_help()
-            return 2
-        LAST_RESULT = args._run(args)
+            return Outcome(2)
+        result = args._run(args)
     except KeyboardInterrupt:
-        if _DEPTH > 1:
-            raise  # a subcommand run by another (the tour): the outer one stops and reports
         print(interrupted_message(args, argv), file=sys.stderr)
         if from_command_line:
             _exit_interrupted()
-        return 130
+        return Outcome(130)
     except Exception as e:  # Note [One error boundary]
         if os.environ.get("ATTNLAB_TRACEBACK"):
             raise
         prog = f"attnlab {_command(args)}" if args is not None else "attnlab"
         line, code = _error_line(prog, e)
         print(" ".join(line.split("\n")), file=sys.stderr)
-        return code
-    finally:
-        _DEPTH -= 1
-    code = getattr(LAST_RESULT, "exit_code", None)
-    if code is None and isinstance(LAST_RESULT, dict):
-        code = LAST_RESULT.get("exit_code")
+        return Outcome(code)
+    code = getattr(result, "exit_code", None)
+    if code is None and isinstance(result, dict):
+        code = result.get("exit_code")
     if code == 130:  # the command caught Ctrl-C itself, after writing what it had
         print(interrupted_message(args, argv), file=sys.stderr)
         if from_command_line:
             _exit_interrupted()
-    return int(code or 0)
+    return Outcome(int(code or 0), result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``attnlab ARGV``; returns the exit code (``invoke`` also returns the command's result)."""
+    return invoke(argv).exit_code
 
 
 if __name__ == "__main__":
-    # `python -m attnlab.cli.main` runs this file as __main__, a second copy of the module: the
-    # subcommands raise attnlab.cli.main.UsageError, which only the imported copy's boundary knows
-    from attnlab.cli.main import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

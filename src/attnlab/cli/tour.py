@@ -8,20 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..options import check_memory, output_dir
-from .main import UsageError
+from .options import check_memory, output_dir, positive_int_list
 
 __all__ = ["build_parser", "run"]
-
-
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UsageError(f"{name} takes comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise UsageError(f"{name} takes positive integers, got {text!r}")
-    return vals
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
@@ -34,9 +23,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="reports/tour", help="output folder (default reports/tour)")
     p.add_argument("--skip", default="", help=f"comma-separated pieces to skip: {','.join(PIECES)} (default: none)")
     p.add_argument("--sentence", default=SENTENCE, help=f"the sentence MiniLM's attention is shown on (default {SENTENCE!r})")
-    p.add_argument("--speed-n", default=speed, dest="speed_n",
+    p.add_argument("--speed-n", type=positive_int_list, default=speed, dest="speed_n",
                    help=f"sequence lengths timed for sliding window vs SDPA (default {speed})")
-    p.add_argument("--memory-n", default=memory, dest="memory_n",
+    p.add_argument("--memory-n", type=positive_int_list, default=memory, dest="memory_n",
                    help=f"sequence lengths whose peak memory is measured, tiled vs naive (default {memory})")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -46,8 +35,8 @@ def run(args: argparse.Namespace):
     from ..tour import TourConfig, run_tour
 
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
-    cfg = TourConfig(out=output_dir(args.out), sentence=args.sentence, skip=skip, speed_ns=_ints(args.speed_n, "--speed-n"),
-                     memory_ns=_ints(args.memory_n, "--memory-n"))
+    cfg = TourConfig(out=output_dir(args.out), sentence=args.sentence, skip=skip, speed_ns=tuple(args.speed_n),
+                     memory_ns=tuple(args.memory_n))
     # the memory piece runs naive attention ([H, n, n] scores and weights, float32) in a fresh process
     if "memory" not in skip:
         check_memory(f"--memory-n {max(cfg.memory_ns)}", 3 * 4 * cfg.heads * max(cfg.memory_ns) ** 2,

@@ -4,17 +4,21 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..options import nonneg_int, output_file, positive_int
-from ..report import atomic_write_text
-from .main import UsageError
+from .common import UsageError, show_or_write
+from .options import nonneg_int, output_file, positive_int
 
-__all__ = ["build_parser", "run", "load_matrix"]
+if TYPE_CHECKING:
+    from ..trace import TraceConfig
+
+__all__ = ["build_parser", "run", "load_matrix", "config_from_args"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
+    """trace's options: where the numbers come from, sizes, failure-mode switches, format, --expect."""
     src = p.add_argument_group("where the numbers come from (pick one; default --example)")
     src.add_argument("--example", action="store_true",
                      help='the 4-token worked example "I love machine learning" (d_model=8, d_k=d_v=4, seeded)')
@@ -94,11 +98,13 @@ def load_matrix(name: str, spec: str) -> np.ndarray:
     return as_matrix(name, data)
 
 
-def run(args: argparse.Namespace):
-    from .. import trace as tr
+def config_from_args(args: argparse.Namespace) -> TraceConfig:
+    """The ``TraceConfig`` the options describe; UsageError for options that do not go together."""
+    from ..trace import TraceConfig, TraceOptions
 
     sources = [n for n, on in (("--example", args.example), ("--text", args.text is not None),
-                               ("--scores", args.scores is not None), ("--q/--k", args.q is not None or args.k is not None),
+                               ("--scores", args.scores is not None),
+                               ("--q/--k", args.q is not None or args.k is not None),
                                ("--summary", args.summary)) if on]
     if len(sources) > 1:
         raise UsageError(f"choose one starting point, got {', '.join(sources)}")
@@ -111,53 +117,44 @@ def run(args: argparse.Namespace):
         raise UsageError(f"--max-show must be >= 2, got {args.max_show}")
     if args.d_k is not None and args.d_k < 1:
         raise UsageError(f"--d-k must be a positive int, got {args.d_k}")
-    opts = tr.TraceOptions(scale=args.scale, softmax=not args.no_softmax, cosine=args.cosine, causal=args.causal)
-    source = sources[0] if sources else "--example"
-    if source == "--example":
-        heads = 1 if args.heads is None else args.heads
-        if heads not in (1, 2):
-            raise UsageError(f"--heads for --example must be 1 or 2 (d_model=8 = heads × d_k=4), got {heads}")
-        trace = tr.trace_example(seed=args.seed, num_heads=heads, options=opts)
-    elif source == "--text":
-        trace = tr.trace_text(args.text, layer=args.layer, head=args.head, options=opts)
-    elif source == "--scores":
-        v = load_matrix("--v", args.v) if args.v is not None else None
-        trace = tr.trace_scores(load_matrix("--scores", args.scores), d_k=args.d_k, v=v, options=opts)
-    elif source == "--q/--k":
-        if args.q is None or args.k is None:
-            raise UsageError("--q and --k go together (and --v optionally)")
-        v = load_matrix("--v", args.v) if args.v is not None else None
-        trace = tr.trace_qkv(load_matrix("--q", args.q), load_matrix("--k", args.k), v, d_k=args.d_k, options=opts)
-    else:
-        trace = tr.trace_summary(args.d_model, args.seq_len, 12 if args.heads is None else args.heads,
-                                 batch=args.batch, dtype=args.dtype, seed=args.seed, options=opts)
-    if args.expect is not None:
-        return _check(trace, args)
-    png = _write_png(trace, args.png) if args.png else None
-    fmt = args.format
+    source = {"--q/--k": "qkv"}.get(sources[0], sources[0].lstrip("-")) if sources else "example"
+    if source == "example" and args.heads not in (None, 1, 2):
+        raise UsageError(f"--heads for --example must be 1 or 2 (d_model=8 = heads × d_k=4), got {args.heads}")
+    if source == "qkv" and (args.q is None or args.k is None):
+        raise UsageError("--q and --k go together (and --v optionally)")
+    if source == "summary" and args.expect is not None:
+        raise UsageError("--expect checks a small printed table; --summary has none (use --scores or --q/--k)")
+    opts = TraceOptions(scale=args.scale, softmax=not args.no_softmax, cosine=args.cosine, causal=args.causal)
+    return TraceConfig(
+        source=source, text=args.text, d_k=args.d_k, layer=args.layer, head=args.head, heads=args.heads,
+        d_model=args.d_model, seq_len=args.seq_len, batch=args.batch, dtype=args.dtype, seed=args.seed, options=opts,
+        scores=load_matrix("--scores", args.scores) if source == "scores" else None,
+        q=load_matrix("--q", args.q) if source == "qkv" else None,
+        k=load_matrix("--k", args.k) if source == "qkv" else None,
+        v=load_matrix("--v", args.v) if args.v is not None else None,
+        expect=None if args.expect is None else _expect_text(args.expect), expect_step=args.expect_step)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Trace as the options say, render it (terminal, or --out) and write --png; the trace and what was shown.
+
+    Exit status 1 when --expect found a wrong cell (like diff), else 0."""
+    from .. import trace as tr
+
+    res = tr.run_trace(config_from_args(args))
+    trace, check, fmt = res.trace, res.check, args.format
+    if check is not None:
+        content = {"json": lambda: json.dumps(check.to_dict(), indent=2) + "\n",
+                   "markdown": lambda: tr.check_markdown(check), "html": lambda: tr.check_html(check),
+                   "rich": lambda: tr.check_rich(check)}[fmt]()
+        text = show_or_write(content, args.out, wrote=f": {check.summary()}")
+        return {"trace": trace, "check": check, "format": fmt, "text": text, "out": args.out,
+                "exit_code": 0 if check.ok else 1}
+    png = str(tr.plot_trace(trace, args.png)) if args.png else None
     kw = {"max_show": args.max_show, "digits": args.digits}
-    text = None
-    if fmt == "json":
-        text = tr.to_json(trace)
-    elif fmt == "markdown":
-        text = tr.to_markdown(trace, **kw)
-    elif fmt == "html":
-        text = tr.to_html(trace, **kw)
-    if args.out:
-        if text is None:
-            from io import StringIO
-
-            from rich.console import Console
-
-            buf = StringIO()
-            tr.to_rich(trace, Console(file=buf, width=140, no_color=True), **kw)
-            text = buf.getvalue()
-        atomic_write_text(args.out, text)
-        print(f"wrote {args.out}")
-    elif text is not None:
-        print(text, end="")
-    else:
-        tr.to_rich(trace, **kw)
+    content = {"json": lambda: tr.to_json(trace), "markdown": lambda: tr.to_markdown(trace, **kw),
+               "html": lambda: tr.to_html(trace, **kw), "rich": lambda: tr.to_rich(trace, **kw)}[fmt]()
+    text = show_or_write(content, args.out)
     if png:
         print(f"wrote {png}")
     return {"trace": trace, "format": fmt, "text": text, "out": args.out, "png": png, "exit_code": 0}
@@ -171,56 +168,3 @@ def _expect_text(spec: str) -> str:
     if not s.startswith("[") and (s.endswith(".json") or s.endswith(".txt") or "/" in s):
         raise ValueError(f"--expect: file not found: {s}")
     return s
-
-
-def _check(trace, args: argparse.Namespace):
-    from .. import trace as tr
-
-    if trace.source == "summary":
-        raise UsageError("--expect checks a small printed table; --summary has none (use --scores or --q/--k)")
-    check = tr.check_table(_expect_text(args.expect), trace, step=args.expect_step)
-    text = None
-    if args.format == "json":
-        text = json.dumps(check.to_dict(), indent=2) + "\n"
-    elif args.format == "markdown":
-        text = tr.check_markdown(check)
-    elif args.format == "html":
-        text = tr.check_html(check)
-    if args.out:
-        if text is None:
-            from io import StringIO
-
-            from rich.console import Console
-
-            buf = StringIO()
-            tr.check_rich(check, Console(file=buf, width=140, no_color=True))
-            text = buf.getvalue()
-        atomic_write_text(args.out, text)
-        print(f"wrote {args.out}: {check.summary()}")
-    elif text is not None:
-        print(text, end="")
-    else:
-        tr.check_rich(check)
-    return {"trace": trace, "check": check, "format": args.format, "text": text, "out": args.out,
-            "exit_code": 0 if check.ok else 1}
-
-
-def _write_png(trace, path: str) -> str:
-    """Weights heatmap per shown head; for --summary the diagnostics of score scale vs d_k."""
-    from .. import diagnostics as dg
-    from .. import viz
-
-    if trace.source == "summary":
-        d_k = trace.d_k
-        d_ks = sorted({4, 16, 64, 256, d_k})
-        return str(viz.plot_diagnostics(dg.scale_sweep(d_ks=d_ks, seq_len=min(128, trace.meta["seq_len"])), path,
-                                        title=f"score scale vs d_k (this model: d_k={d_k})"))
-    w = trace.step("weights")
-    heads = trace.heads if (w.per_head and trace.heads) else None
-    value = w.value if w.per_head else w.value[None]
-    labels = trace.labels
-    title = "attention weights" + (f", layer {trace.meta['layer']}" if "layer" in trace.meta else "")
-    if heads is None and trace.heads and len(trace.heads) == 1:
-        title += f", head {trace.heads[0]}"
-    return str(viz.plot_heads(value, path, tokens=labels, title=title,
-                              heads=None if heads is None else list(range(len(heads)))))

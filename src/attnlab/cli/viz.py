@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ..options import output_dir, positive_int
-from .main import UsageError
+from .common import UsageError
+from .options import positive_int
 
-__all__ = ["build_parser", "run", "parse_params", "default_out"]
+__all__ = ["build_parser", "run", "parse_params"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
@@ -25,14 +24,6 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=4, help="keys kept per query in summary mode")
     p.add_argument("--max-length", type=positive_int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
     p.add_argument("--png", action="store_true", help="also write heads.png (layer 0 heatmaps, dense mode only)")
-
-
-def default_out(text: str, model: str) -> Path:
-    """reports/viz/<model>-<first words of text, as a safe file name>."""
-    import re
-
-    slug = "-".join(re.findall(r"[A-Za-z0-9]+", text.lower())[:6])[:48].strip("-") or "text"
-    return Path("reports") / "viz" / f"{model}-{slug}"
 
 
 def parse_params(items: list[str]) -> dict:
@@ -57,41 +48,17 @@ def parse_params(items: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace):
-    """Compute the page's data for TEXT, write index.html (and heads.png with --png), print where."""
-    from .. import viz
+    """Write the page for TEXT (and heads.png with --png) through ``attnlab.viz.run_viz``; print where."""
+    from ..viz import VizConfig, run_viz
 
-    if not args.text.strip():
-        raise UsageError("TEXT is empty: give some words to look at")
-    if args.out is None:
-        args.out = str(default_out(args.text, args.model))
-    output_dir(args.out)
-    if args.topk < 1:
-        raise UsageError(f"--topk must be >= 1, got {args.topk}")
     params = parse_params(args.param)
     if params and args.mechanism is None:
         raise UsageError("--param needs --mechanism")
-    if args.mechanism is not None:
-        from .. import mechanisms as M
-
-        if args.mechanism not in M.available():
-            raise UsageError(f"unknown mechanism {args.mechanism!r}; available: {', '.join(M.available())}")
-    try:
-        data = viz.attention_data(args.text, model=args.model, mechanism=args.mechanism, params=params,
-                                  dense_max_tokens=args.dense_max, max_length=args.max_length, topk=args.topk)
-    except KeyError as e:  # a mechanism's unknown parameter, reported by the registry
-        raise UsageError(str(e)) from None
-    path = viz.write_page(args.out, data)
-    files = [str(path)]
-    if args.png and data["mode"] == "dense":
-        import base64
-
-        import numpy as np
-
-        T, H = data["T"], data["heads"]
-        w = np.frombuffer(base64.b64decode(data["dense"]["b64"][0]), dtype=np.uint8).reshape(H, T, T) / 255.0
-        files.append(str(viz.plot_heads(w, Path(args.out) / "heads.png", tokens=data["tokens"],
-                                        title="layer 0 attention per head")))
-    print(f"wrote {path} ({data['T']} tokens, {data['mode']} mode, {path.stat().st_size / 1024:.0f} KiB); "
+    if args.topk < 1:
+        raise UsageError(f"--topk must be >= 1, got {args.topk}")
+    res = run_viz(VizConfig(args.text, out=args.out, model=args.model, mechanism=args.mechanism, params=params,
+                            dense_max=args.dense_max, topk=args.topk, max_length=args.max_length, png=args.png))
+    print(f"wrote {res.page} ({res.T} tokens, {res.mode} mode, {res.size_bytes / 1024:.0f} KiB); "
           f"open it in a browser (works offline)")
-    return {"out": str(path), "files": files, "mode": data["mode"], "T": data["T"], "tokens": data["tokens"],
+    return {"out": str(res.page), "files": res.files, "mode": res.mode, "T": res.T, "tokens": res.tokens,
             "exit_code": 0}

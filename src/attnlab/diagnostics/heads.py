@@ -7,10 +7,13 @@ previous word piece. Keys are the real tokens (padding gets no weight in the mod
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-__all__ = ["head_stats", "label_head", "measure_heads", "LABEL_RULES", "DEFAULT_SENTENCES"]
+__all__ = ["head_stats", "label_head", "measure_heads", "LABEL_RULES", "DEFAULT_SENTENCES", "HeadsConfig",
+           "HeadsResult", "run_heads"]
 
 #: label -> (measure, threshold): the first rule that holds names the head (checked in this order)
 LABEL_RULES = (
@@ -112,3 +115,67 @@ def measure_heads(sentences: list[str], model=None) -> dict:
     return {"stats": stats, "counts": dict(Counter(s["label"] for s in stats)), "n_sentences": len(sentences),
             "n_tokens": int((enc["attention_mask"].bool() & ~(cls | sep)).sum()),
             "num_layers": m.num_layers, "num_heads": m.num_heads}
+
+
+@dataclass
+class HeadsConfig:
+    """What ``run_heads`` measures and writes: the sentences (default ``DEFAULT_SENTENCES``), the folder
+    for heads.json (and heads.png unless ``plot`` is False), the layers the caller will show (default
+    all; checked against the model), and a loaded MiniLM to reuse (else loaded here)."""
+
+    sentences: list[str] = field(default_factory=lambda: list(DEFAULT_SENTENCES))
+    out: str | Path = "reports/heads"
+    layers: list[int] | None = None
+    plot: bool = True
+    model: object | None = None
+
+
+@dataclass
+class HeadsResult:
+    """Every head's measures (``stats``: one dict per (layer, head), see ``head_stats``), how many heads
+    got each label, the sentences and word pieces measured, the model's size, the layers asked for and
+    the files written."""
+
+    stats: list[dict]
+    counts: dict
+    n_sentences: int
+    n_tokens: int
+    num_layers: int
+    num_heads: int
+    sentences: list[str]
+    layers: list[int]
+    files: list[str]
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (what heads.json holds, less ``files`` and ``layers``)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("files", "layers")}
+
+
+def run_heads(config: HeadsConfig) -> HeadsResult:
+    """Measure MiniLM's heads over the sentences; write heads.json (and heads.png) into ``config.out``."""
+    from ..report import atomic_write_json
+    from ..resources import output_dir
+
+    out = output_dir(config.out)
+    sentences = [s for s in config.sentences if s.strip()]
+    if not sentences:
+        raise ValueError("the sentences given are all empty")
+    model = config.model
+    if model is None:
+        from ..trace.minilm import load_minilm
+
+        model = load_minilm()
+    nl = model.num_layers
+    layers = list(range(nl)) if config.layers is None else list(config.layers)
+    for li in layers:
+        if not 0 <= li < nl:
+            raise ValueError(f"layer {li} out of range: MiniLM has {nl} layers (0..{nl - 1})")
+    res = measure_heads(sentences, model)
+    result = HeadsResult(**res, sentences=sentences, layers=layers, files=[])
+    result.files.append(str(atomic_write_json(out / "heads.json", result.to_dict())))
+    if config.plot:
+        from ..viz.heatmaps import plot_head_stats
+
+        result.files.append(str(plot_head_stats(res["stats"], out / "heads.png", num_layers=nl,
+                                                num_heads=res["num_heads"])))
+    return result

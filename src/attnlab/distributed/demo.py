@@ -1,18 +1,19 @@
-"""Ring attention under torchrun: shard one sequence, attend across ranks, check against one process.
+"""Ring attention across the ranks of a job: shard one sequence, attend across ranks, check against one process.
 
-    torchrun --standalone --nproc-per-node 4 -m attnlab.distributed.demo --seq-len 4096 --causal
+    torchrun --standalone --nproc-per-node 4 -m attnlab.cli.ring_demo --seq-len 4096 --causal
 
-Uses NCCL and one GPU per rank when CUDA is available, gloo on CPU otherwise. Every rank builds the
-same full inputs from one seed (only to check the result), takes its shard, runs ring_attention
-forward and backward, and compares its rows of the output and gradients with PyTorch SDPA over the
-whole sequence (``--no-check`` skips that for sequences one process cannot hold).
+``run_ring_demo`` is the work on one rank (the command line above parses the options and prints each
+rank's report). Uses NCCL and one GPU per rank when CUDA is available, gloo on CPU otherwise. Every rank
+builds the same full inputs from one seed (only to check the result), takes its shard, runs
+ring_attention forward and backward, and compares its rows of the output and gradients with PyTorch
+SDPA over the whole sequence (``check=False`` skips that for sequences one process cannot hold).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,27 +22,41 @@ import torch.nn.functional as F
 from .layout import LAYOUTS, shard_sequence
 from .ring import ring_attention
 
+__all__ = ["RingDemoConfig", "run_ring_demo"]
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the demo on this rank (under torchrun) and return its report; ``argv`` as on the command line.
+
+@dataclass
+class RingDemoConfig:
+    """The demo's sizes: query, key, value [batch, heads, seq_len, head_dim] split across the ranks with
+    ``layout``; ``causal`` masking; ``check`` against SDPA in one process; the process group's timeout."""
+
+    seq_len: int = 4096
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    layout: str = "zigzag"
+    causal: bool = False
+    check: bool = True
+    timeout: float = 120.0
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        for name in ("seq_len", "batch", "heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def run_ring_demo(config: RingDemoConfig) -> dict:
+    """Run the demo on this rank (under torchrun) and return its report.
 
     Every rank builds the same seeded query, key, value and output gradient [B, H, n, E], shards them
-    with ``--layout``, runs ``ring_attention`` forward and backward on its shard, and (unless
-    ``--no-check``) compares its rows of the output and of dq, dk, dv with PyTorch SDPA over the whole
-    sequence. Returns {rank, world, backend, local_len, seconds, max_abs_error: {out, dq, dk, dv}} and
-    prints it (this is a script's entry point). Destroys the process group on the way out.
+    with ``config.layout``, runs ``ring_attention`` forward and backward on its shard, and (with
+    ``config.check``) compares its rows of the output and of dq, dk, dv with PyTorch SDPA over the whole
+    sequence. Returns {rank, world, backend, local_len, seconds, max_abs_error: {out, dq, dk, dv}}.
+    Joins the process group from torchrun's environment and destroys it on the way out.
     """
-    p = argparse.ArgumentParser(prog="python -m attnlab.distributed.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--layout", choices=LAYOUTS, default="zigzag")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--no-check", action="store_true", help="skip the single-process comparison")
-    p.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
-    args = p.parse_args(argv)
-
+    args = config
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -61,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         errors = {}
-        if not args.no_check:
+        if args.check:
             fq, fk, fv = (x.clone().requires_grad_() for x in full[:3])
             ref = F.scaled_dot_product_attention(fq, fk, fv, is_causal=args.causal)
             ref.backward(full[3])
@@ -70,11 +85,6 @@ def main(argv: list[str] | None = None) -> dict:
                 errors[name] = float((a.detach() - shard_sequence(b.detach(), layout=args.layout)).abs().max())
         report = dict(rank=rank, world=world, backend=dist.get_backend(), local_len=q.shape[2],
                       seconds=round(seconds, 4), max_abs_error=errors)
-        print(report, flush=True)
         return report
     finally:
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -14,10 +14,13 @@ requests get a 4xx with {"error": message}; text above ``max_tokens`` tokens get
 """
 from __future__ import annotations
 
+import ipaddress
+import socket
+
 from .engine import MAX_TOKENS, Explorer, ExplorerError, Settings, Variant, parse_settings
 
 __all__ = ["create_app", "serve_forever", "Explorer", "ExplorerError", "Settings", "Variant", "parse_settings",
-           "MAX_TOKENS"]
+           "MAX_TOKENS", "bind", "is_loopback"]
 
 
 def create_app(explorer: Explorer | None = None, *, allowed_hosts=None, **kwargs):
@@ -36,3 +39,33 @@ def serve_forever(app, sock) -> None:
     from .app import serve_forever as _serve
 
     _serve(app, sock)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); ValueError naming the address if it cannot be bound."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535 (0 = a free port), got {port!r}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (try --port 0 for a free port)") from None
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` ("localhost", "127.0.0.1", "::1", ...) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

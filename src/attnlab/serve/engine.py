@@ -112,6 +112,7 @@ class Settings:
 
     @property
     def is_default(self) -> bool:
+        """Whether these settings are the unmodified model's (nothing to compare against)."""
         return (self.scale == "sqrt" and self.temperature == 1.0 and self.softmax and self.similarity == "dot"
                 and self.mechanism is None and self.pattern is None and self.ablate is None)
 
@@ -167,6 +168,7 @@ def parse_settings(body: Any, layers: int, heads: int) -> Settings:
 
 
 def json_type(v) -> str:
+    """The JSON name of a value's type ("a boolean", "a number", ...) for error messages."""
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
 
@@ -219,6 +221,7 @@ class Explorer:
 
     @property
     def available(self) -> bool:
+        """Whether MiniLM loaded (else every request gets ``message``)."""
         return self.model is not None
 
     def _need_model(self):

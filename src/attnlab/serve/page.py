@@ -200,6 +200,8 @@ async function update() {
   document.body.dataset.busy = "1";
   let body;
   try { body = settings(); } catch (e) { return finish(my, e.message, true); }
+  // an emptied box (the moment before typing) is not a request: the server would only refuse it
+  if (!body.text.trim()) return finish(my, "type a sentence to see its attention", false);
   setStatus("computing…");
   try {
     const r = await post("/api/attention", body);

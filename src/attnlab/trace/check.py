@@ -199,12 +199,10 @@ def check_html(c: TableCheck) -> str:
             "</body></html>\n")
 
 
-def check_rich(c: TableCheck, console=None) -> None:
-    """A rich table: right cells green, wrong cells red with '✗ correct'."""
-    from rich.console import Console
+def check_rich(c: TableCheck):
+    """The check as a rich ``Table``: right cells green, wrong cells red with 'printed ✗ correct'."""
     from rich.table import Table
 
-    console = console or Console()
     t = Table(title=f"printed '{c.step}' vs exact (wrong: printed ✗ correct)", caption=c.summary())
     t.add_column("", no_wrap=True, min_width=2)
     for col in c.cols:
@@ -216,4 +214,4 @@ def check_rich(c: TableCheck, console=None) -> None:
             text, good = _cell_text(c, i, j)
             cells.append(f"[green]{text}[/green]" if good else f"[bold red]{text}[/bold red]")
         t.add_row(r, *cells, f"{c.printed[i].sum():.4g}")
-    console.print(t)
+    return t

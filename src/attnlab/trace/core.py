@@ -46,11 +46,16 @@ class TraceOptions:
 
     @property
     def is_standard(self) -> bool:
+        """Whether these are the textbook settings (÷√d_k, softmax, dot product): no comparison needed."""
         return self.scale == "sqrt" and self.softmax and not self.cosine
 
 
 @dataclass
 class Step:
+    """One step of the computation: its name ("Q", "scores", "weights", ...), title and formula, the value
+    ([rows, cols], or [H, rows, cols] when ``per_head``; None in a summary, which keeps only ``stats``),
+    the full shape, row and column labels, FLOPs and bytes, statistics and a note."""
+
     name: str
     title: str
     formula: str
@@ -81,12 +86,14 @@ class Trace:
     meta: dict = field(default_factory=dict)
 
     def step(self, name: str) -> Step:
+        """The step called ``name``; KeyError listing the steps when there is none."""
         for s in self.steps:
             if s.name == name:
                 return s
         raise KeyError(f"no step {name!r} in this trace; steps: {[s.name for s in self.steps]}")
 
     def names(self) -> list[str]:
+        """The steps' names, in order."""
         return [s.name for s in self.steps]
 
     def to_dict(self) -> dict:

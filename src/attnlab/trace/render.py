@@ -98,6 +98,7 @@ def _stat_line(step: Step) -> str:
 
 
 def to_json(trace: Trace) -> str:
+    """The trace as JSON (``Trace.to_dict``: every number, -inf written as null)."""
     return json.dumps(trace.to_dict(), indent=1)
 
 
@@ -116,6 +117,8 @@ def _header_lines(trace: Trace) -> list[str]:
 
 
 def to_markdown(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
+    """The trace as Markdown: header, one table per step and head (at most ``max_show`` rows and columns,
+    ``digits`` decimals), the comparison with standard attention, notes. User text is escaped."""
     lines = [f"# attnlab trace ({trace.source})", ""]
     lines += [f"- {x}" for x in _header_lines(trace)] + [""]
     if trace.source == "summary":
@@ -169,6 +172,7 @@ h2{font-size:1.05em;margin-top:1.4em}"""
 
 
 def to_html(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
+    """The trace as one self-contained HTML page (inline CSS, no scripts); every piece of text escaped."""
     e = lambda s: html.escape(str(s))  # noqa: E731 - every piece of user text goes through this
     out = ["<!doctype html><html><head><meta charset='utf-8'>",
            f"<title>attnlab trace ({e(trace.source)})</title><style>{_CSS}</style></head><body>",
@@ -211,16 +215,15 @@ def to_html(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
     return "\n".join(out) + "\n"
 
 
-def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -> None:
-    """Print the trace as rich tables (one per step and head)."""
-    from rich.console import Console
+def to_rich(trace: Trace, *, max_show: int = 8, digits: int = 3):
+    """The trace as a rich renderable (a ``Group``: header lines, one table per step and head, the
+    comparison with standard attention, notes); ``Console().print(to_rich(trace))`` shows it."""
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
-    console.print(f"[bold]attnlab trace[/bold] ({escape(trace.source)})")
-    for x in _header_lines(trace):
-        console.print("  " + escape(x))
+    parts: list = [f"[bold]attnlab trace[/bold] ({escape(trace.source)})"]
+    parts += ["  " + escape(x) for x in _header_lines(trace)]
     if trace.source == "summary":
         t = Table(title="per-step shapes, FLOPs, bytes and statistics")
         for c in ("step", "formula", "shape", "FLOPs", "bytes", "mean", "var", "min", "max", "more"):
@@ -231,7 +234,7 @@ def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -
             more = ", ".join(f"{k}={_fmt(v, 3) if isinstance(v, float) else v}" for k, v in st.items())
             t.add_row(escape(s.title), escape(s.formula), str(list(s.shape)), _fmt_int(s.flops), _fmt_bytes(s.bytes),
                       *base, escape(more))
-        console.print(t)
+        parts.append(t)
     else:
         for s in trace.steps:
             for cap, m in _matrices(s, trace):
@@ -246,7 +249,7 @@ def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -
                     t.add_column(escape(h), justify="right")
                 for lab, cells in body:
                     t.add_row(escape(lab), *cells)
-                console.print(t)
+                parts.append(t)
     if trace.comparison:
         keys = list(trace.comparison[0].keys())
         t = Table(title="what changes vs standard attention (÷√d_k, softmax, dot product)")
@@ -254,6 +257,6 @@ def to_rich(trace: Trace, console=None, *, max_show: int = 8, digits: int = 3) -
             t.add_column(escape(k), justify="left" if k == "measure" else "right")
         for row in trace.comparison:
             t.add_row(*[_fmt(v, 4) if isinstance(v, float) else escape(str(v)) for v in row.values()])
-        console.print(t)
-    for n in trace.notes:
-        console.print("[yellow]note:[/yellow] " + escape(n))
+        parts.append(t)
+    parts += ["[yellow]note:[/yellow] " + escape(n) for n in trace.notes]
+    return Group(*parts)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import diagnostics as dg
-from ..options import check_memory
+from ..resources import check_memory
 from .core import Step, Trace, TraceOptions
 
 __all__ = ["trace_summary"]

@@ -1,0 +1,81 @@
+"""argparse types shared by every command's options, plus the resource checks they go with.
+
+All subcommands take their number types from here, so that ``--seq-len 0`` or ``--lr nan`` is refused
+at parse time (argparse's one-line error) instead of being silently replaced by a default through
+``args.x or default``. The memory budget and output-folder checks live in ``attnlab.resources`` (the
+library makes them too) and are re-exported here for the commands' convenience.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..resources import RUN_MARKERS, OptionError, check_memory, memory_budget, output_dir, output_file
+
+__all__ = ["OptionError", "positive_int", "nonneg_int", "positive_float", "nonneg_float", "finite_float",
+           "positive_int_list", "memory_budget", "check_memory", "output_dir", "output_file", "RUN_MARKERS"]
+
+
+# -- argparse types -------------------------------------------------------------------------------------
+def _int(text: str, what: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    v = _int(text, "a positive integer")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    v = _int(text, "an integer >= 0")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return v
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (no nan, no inf)."""
+    try:
+        v = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    """argparse type: a finite float >= 0."""
+    v = finite_float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1, at least one ("128,256")."""
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}")
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from None
+    if min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}")
+    return vals
