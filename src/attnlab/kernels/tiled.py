@@ -16,13 +16,33 @@ import torch
 
 from .. import patterns as P
 from . import fused as _fused
+from .lse import acc_dtype as _acc_dtype
+from .lse import merge as _merge
 from .masks import MaskSpec
+from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["tiled_attention", "iter_blocks", "block_scores"]
+__all__ = ["tiled_attention", "tiled_lse", "iter_blocks", "block_scores", "SPEC", "DEFAULT_BLOCK"]
+
+#: (block_q, block_k) when the caller gives none
+DEFAULT_BLOCK = (512, 512)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _peak(r: Request, t: Tiling | None) -> int:
+    """Output, running max/denominator/lse per row, and three block_q × block_k score tiles; plus the
+    weights when the second pass returns them."""
+    bq, bk = (t.block_q, t.block_k) if t is not None else DEFAULT_BLOCK
+    return (io_bytes(r) + r.N * r.H * r.L * (r.Ev + 3) * 4 + 3 * r.N * r.H * bq * bk * 4
+            + (r.pairs * r.element_size if r.need_weights else 0))
+
+
+def _flops(r: Request, t: Tiling | None) -> int:
+    computed = t.computed(r.L, r.S) if t is not None else r.L * r.S
+    return r.N * r.H * computed * 2 * (r.E + r.Ev)
+
+
+SPEC = KernelSpec("tiled", "online-softmax tiles (FlashAttention's algorithm), recompute backward; weights by "
+                  "a second pass over the saved log-sum-exp", weights="second pass", lse="yes", blocked=True,
+                  peak_bytes=_peak, flops=_flops)
 
 
 def iter_blocks(layout: torch.Tensor, L: int, S: int, bq: int, bk: int):
@@ -115,15 +135,9 @@ def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
             l = torch.zeros_like(m)
             o = torch.zeros(N, H, q1 - q0, Ev, dtype=acc, device=q.device)
         if flash:
-            # merge the tile's normalised output by log-sum-exp (Note [Online softmax rescaling])
+            # merge the tile's normalised output by log-sum-exp (Note [Merging by log-sum-exp], kernels/lse.py)
             o_t, lse_t = _flash_tile(qc, ka[:, :, k0:k1], va[:, :, k0:k1], mask, scale, q0, q1, k0, k1, kind, N)
-            m_new = torch.maximum(m, lse_t)
-            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-            a, b = torch.exp(m - m_safe), torch.exp(lse_t - m_safe)
-            tot = a + b
-            denom = torch.where(tot > 0, tot, torch.ones_like(tot))
-            o = o * (a / denom).unsqueeze(-1) + o_t * (b / denom).unsqueeze(-1)
-            m = torch.where(tot > 0, m_safe + torch.log(denom), m_new)
+            o, m = _merge(o, m, o_t, lse_t)
             continue
         s = block_scores(qc, ka[:, :, k0:k1], mask, scale, q0, q1, k0, k1, kind, N)
         m_new = torch.maximum(m, s.amax(dim=-1))
@@ -219,6 +233,15 @@ class _TiledFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale, ctx.bq, ctx.bk)
         return dq, dk, dv, None, None, None, None
+
+
+def tiled_lse(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):
+    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]) by one
+    forward pass, outside autograd (nothing saved for a backward). lse is in ``acc_dtype(q.dtype)``,
+    -inf for a row with no key. For callers that need only the log-sum-exp (``attnlab.probe``), v may
+    have Ev = 0."""
+    with torch.no_grad():
+        return _forward(q, k, v, mask, scale, block_q, block_k)
 
 
 def tiled_attention(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):
