@@ -271,9 +271,12 @@ class Prepared:
 def to4d(t: torch.Tensor) -> torch.Tensor:
     """[..., T, D] -> [B, H, T, D]: rank 2 gets B = H = 1, rank 3 gets B = 1, higher ranks flatten the
     dims before the head dim into B (a view when possible)."""
-    if t.dim() == 2:
+    d = t.dim()
+    if d == 4:
+        return t
+    if d == 2:
         return t.unsqueeze(0).unsqueeze(0)
-    if t.dim() == 3:
+    if d == 3:
         return t.unsqueeze(0)
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: ambiguous when a dim is 0
 

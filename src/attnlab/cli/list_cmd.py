@@ -56,7 +56,7 @@ def run(args):
         d = M.describe(name)
         if args.kind and d["kind"] != args.kind:
             continue
-        if not M._needs_params(name):
+        if not M.needs_params(name):
             m = M.get(name)
             slow = _counted_pair_by_pair(m, L, S)
             d["gflop"] = None if slow else m.flops(L, S, D) / 1e9

@@ -11,6 +11,7 @@ E head dim, Ev value head dim.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -84,14 +85,17 @@ class Plan:
         return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=512)
+def _refusals(r: Request) -> tuple[tuple[str, str], ...]:
+    return tuple((s.name, "; ".join(why)) for s in KERNELS if (why := s.not_supported_reasons(r)))
+
+
 def refusals(r: Request) -> dict[str, str]:
-    """{kernel: every reason it cannot run ``r``, joined by "; "} over all declared kernels."""
-    out = {}
-    for s in KERNELS:
-        why = s.not_supported_reasons(r)
-        if why:
-            out[s.name] = "; ".join(why)
-    return out
+    """{kernel: every reason it cannot run ``r``, joined by "; "} over all declared kernels.
+
+    Cached per request: the declarations are constant, and their dynamic facts (whether the extension
+    loads) are settled once per process."""
+    return dict(_refusals(r))
 
 
 def sdpa_backend_of(p: Prepared) -> str:
