@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import cpu as _cpu
+from .. import cpu
 from .. import patterns as P
 from .. import kernels
 from ..kernels import KERNELS, Request, Tiling
@@ -81,7 +81,7 @@ class Plan:
                 cost = f"peak ≈ {format_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<8} {state:<50} {cost}")
-        lines.append(f"cpu: {_cpu.summary()}")
+        lines.append(f"cpu: {cpu.summary()}")
         return "\n".join(lines)
 
 
@@ -248,13 +248,13 @@ def compiled_block(p: Prepared) -> tuple[int, int]:
         return _clip(COMPILED_DENSE_BLOCK, L, S)
     if pat is None or mask.keep is not None or mask.bias is not None:
         return _clip(COMPILED_MASK_BLOCK, L, S)
-    if _translation_invariant(pat):
+    if pat.translation_invariant():
         def cost(b):
             return nonempty_blocks(p, *b) * b[0] * b[1] / COMPILED_BLOCK_SPEED[b]
         return min((_clip(b, L, S) for b in COMPILED_BLOCK_SPEED if _clip(b, L, S) == b), key=cost,
                    default=_clip((64, 64), L, S))
-    shape = _block_shape(pat)
-    if _is_block_table(pat) and shape is not None and 32 <= shape[0] <= 512:
+    shape = pat.block_shape()
+    if isinstance(pat, P.BlockTable) and shape is not None and 32 <= shape[0] <= 512:
         return _clip(shape, L, S)
     return _clip((128, 128), L, S)
 
@@ -272,12 +272,12 @@ def sparse_block(p: Prepared) -> tuple[int, int]:
         speed = SPARSE_BLOCK_SPEED[min(SPARSE_BLOCK_SPEED, key=lambda b: abs(b - bq))]
         return nonempty_blocks(p, bq, bk) * bq * bk / speed
 
-    if _translation_invariant(pat):
+    if pat.translation_invariant():
         return min(((b, b) for b in SPARSE_BLOCK_SPEED), key=lambda s: cost(*s))
-    shape = _block_shape(pat)
+    shape = pat.block_shape()
     if shape is None:
         return default
-    if _is_block_table(pat):
+    if isinstance(pat, P.BlockTable):
         return shape if 32 <= shape[0] <= 512 else default
     # Query blocks: whole multiples of the pattern's, about 256 rows, since each run is one fused call and
     # small calls are slow (measured on fixed(64, 8), n = 16384, one thread: 0.39x / 0.31x / 0.29x SDPA's
@@ -289,19 +289,13 @@ def sparse_block(p: Prepared) -> tuple[int, int]:
 
 
 def nonempty_blocks(p: Prepared, bq: int, bk: int) -> int:
-    """Non-empty (bq x bk) blocks of the combined mask. A band alone (causal, sliding windows) is counted in O(L / bq)
-    from each query block's key range: building [nq, nk] layouts for every candidate block shape cost
-    0.3-0.7 s per call at n = 16384 on the busy reference machine, as much as the kernel itself."""
+    """Non-empty (bq x bk) blocks of the combined mask. A band alone (causal, sliding windows) is counted
+    by the pattern in O(L / bq) (``Pattern.nonempty_blocks``); otherwise from the mask's layout, which
+    is cached for the kernel that runs next."""
     pat, mask = p.mask.pattern, p.mask
-    if _is_band(pat) and mask.keep is None:
-        L, S = p.info.L, p.info.S
-        off = _band_offset(pat, L, S)
-        q0 = torch.arange(0, L, bq, dtype=torch.float64)
-        q1 = torch.clamp(q0 + bq - 1, max=L - 1)
-        first = torch.clamp(q0 + off + pat.lo, min=0)
-        last = torch.clamp(q1 + off + pat.hi, max=S - 1)
-        n = torch.floor(last / bk) - torch.floor(first / bk) + 1
-        return int(torch.where(last >= first, n, torch.zeros_like(n)).sum())
+    L, S = p.info.L, p.info.S
+    if pat is not None and mask.keep is None and pat.band(L, S) is not None:
+        return pat.nonempty_blocks(L, S, bq, bk)
     return int((mask.layout(bq, bk) != P.EMPTY).sum())
 
 
@@ -309,27 +303,3 @@ def causal_blocks(L: int, S: int, bq: int, bk: int) -> int:
     """Non-empty (bq x bk) blocks of a top-left causal mask, counted without building the layout."""
     nk = -(-S // bk)
     return sum(min(nk, min(L - 1, qi * bq + bq - 1) // bk + 1) for qi in range(-(-L // bq)))
-
-
-# -- what the planner asks of a pattern ------------------------------------------------------------
-def _is_band(pat) -> bool:
-    return isinstance(pat, P._Band)
-
-
-def _band_offset(pat, L: int, S: int) -> int:
-    return pat._offset(L, S)
-
-
-def _translation_invariant(pat) -> bool:
-    from ..kernels import sparse as _sparse
-
-    return _sparse._translation_invariant(pat)
-
-
-def _block_shape(pat):
-    return pat._block_shape()
-
-
-def _is_block_table(pat) -> bool:
-    return isinstance(pat, P._BlockTable)
-
