@@ -41,14 +41,17 @@ class ConformanceResult:
 
     @property
     def failures(self) -> list[dict]:
+        """Rows with status FAIL (an exact mechanism off tolerance, or any crash / non-finite output)."""
         return [r for r in self.rows if r["status"] == "FAIL"]
 
     @property
     def exact_failures(self) -> list[dict]:
+        """Failures of mechanisms that declare themselves exact."""
         return [r for r in self.failures if r["exact"]]
 
     @property
     def exit_code(self) -> int:
+        """1 when anything failed, else 0 (``attnlab check``'s exit status)."""
         return 1 if self.failures else 0
 
 
@@ -64,6 +67,9 @@ def run_conformance(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float3
 
 @dataclass
 class Case:
+    """One case's inputs: q [B, H, L, E], k [B, Hkv, S, E], v [B, Hkv, S, E] and the keyword arguments
+    (attn_mask, is_causal, enable_gqa) every mechanism gets."""
+
     name: str
     q: torch.Tensor
     k: torch.Tensor

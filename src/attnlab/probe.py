@@ -40,10 +40,12 @@ class AttentionProbe:
 
     @property
     def L(self) -> int:
+        """Query length L."""
         return self._p.info.L
 
     @property
     def S(self) -> int:
+        """Key length S."""
         return self._p.info.S
 
     def _blocks(self, heads=None):

@@ -40,6 +40,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def shape_str(t: torch.Tensor) -> str:
+    """A tensor's shape as error messages show it: ``[2, 8, 128, 64]``."""
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 

@@ -120,6 +120,7 @@ class KernelLayout:
 
     @property
     def tensors(self):
+        """(kv_num, kv_idx, tile_id, tiles) in the order the extension takes them."""
         return self.kv_num, self.kv_idx, self.tile_id, self.tiles
 
 

@@ -62,6 +62,7 @@ class Request:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of the inputs' dtype."""
         return self.dtype.itemsize
 
     @property

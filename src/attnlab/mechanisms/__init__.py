@@ -97,6 +97,8 @@ class Inputs:
     @classmethod
     def from_tensors(cls, query, key, value, attn_mask=None, is_causal=False, dropout_p=0.0,
                      enable_gqa=False, need_weights=False, scale=None) -> "Inputs":
+        """Describe a call from its tensors (query [..., L, E], key [..., S, E], value [..., S, Ev]),
+        validating them as ``attnlab.attention`` does."""
         info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return cls._from_info(info, attn_mask, is_causal, dropout_p, need_weights)
 
@@ -147,6 +149,7 @@ class Mechanism:
         return []
 
     def supports(self, inputs: Inputs) -> bool:
+        """True when ``not_supported_reasons(inputs)`` is empty."""
         return not self.not_supported_reasons(inputs)
 
     # -- cost model (per batch element and head) ---------------------------------------------------
@@ -165,6 +168,7 @@ class Mechanism:
 
     # -- params ----------------------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
+        """The mechanism's hyperparameters as {name: value}."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     def as_module(self) -> nn.Module:
@@ -244,13 +248,17 @@ class MechanismModule(nn.Module):
 
     def forward(self, query, key, value, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
                 enable_gqa=False, need_weights=False):
+        """The wrapped mechanism's call: query [..., L, E], key [..., S, E], value [..., S, Ev] ->
+        out [..., L, Ev] (and weights [..., L, S] with need_weights)."""
         return self.mechanism(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                               dropout_p=dropout_p, enable_gqa=enable_gqa, need_weights=need_weights)
 
     def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        """The wrapped mechanism's reasons (see ``Mechanism.not_supported_reasons``)."""
         return self.mechanism.not_supported_reasons(inputs)
 
     def extra_repr(self) -> str:
+        """The wrapped mechanism's repr, shown by ``print(module)``."""
         return repr(self.mechanism)
 
 
@@ -288,6 +296,7 @@ def available() -> tuple[str, ...]:
 
 
 def specs() -> dict[str, Spec]:
+    """{name: Spec} of every registered mechanism, in registration order."""
     _load_builtins()
     return {n: c.spec for n, c in _REGISTRY.items()}
 

@@ -114,6 +114,8 @@ _EXACT_SPEC = dict(exact=True, causal=True, masks="any", kind="exact",
                        **_EXACT_SPEC))
 @dataclass(frozen=True)
 class Auto(Exact):
+    """attnlab.attention with method='auto' (the planner picks the kernel; see ``explain``)."""
+
     strict: bool = False
     block_size: int | None = None
     method = "auto"
@@ -123,6 +125,8 @@ class Auto(Exact):
                         **_EXACT_SPEC))
 @dataclass(frozen=True)
 class Dense(Exact):
+    """attnlab.attention with method='dense': the [B, H, L, S] scores materialised."""
+
     method = "dense"
 
 
@@ -130,6 +134,8 @@ class Dense(Exact):
                        **_caps("sdpa"), **_EXACT_SPEC))
 @dataclass(frozen=True)
 class SDPA(Exact):
+    """attnlab.attention with method='sdpa': PyTorch's scaled_dot_product_attention."""
+
     method = "sdpa"
 
 
@@ -137,6 +143,8 @@ class SDPA(Exact):
                         **_caps("tiled"), **{**_EXACT_SPEC, "paper": "Dao et al. 2022, FlashAttention"}))
 @dataclass(frozen=True)
 class Tiled(Exact):
+    """attnlab.attention with method='tiled': online-softmax tiles of ``block_size`` (default 512)."""
+
     block_size: int | None = None
     method = "tiled"
 
@@ -149,6 +157,8 @@ class Tiled(Exact):
                          **_caps("sparse"), **_EXACT_SPEC))
 @dataclass(frozen=True)
 class Sparse(Exact):
+    """attnlab.attention with method='sparse': only the non-empty key blocks of the mask."""
+
     block_size: int | None = None
     method = "sparse"
 
@@ -179,6 +189,8 @@ def _pspec(time: str, memory: str, paper: str, summary: str) -> Spec:
                                    "keys within `window` positions of the query (local attention)"))
 @dataclass(frozen=True)
 class SlidingWindow(PatternMechanism):
+    """Exact attention within ``window`` positions of each query (``patterns.sliding_window``)."""
+
     window: int = 128
     causal: bool = False
     align: str = "top_left"
@@ -192,6 +204,8 @@ class SlidingWindow(PatternMechanism):
                             "`window` keys on each side, `dilation` apart"))
 @dataclass(frozen=True)
 class Dilated(PatternMechanism):
+    """Exact attention to ``window`` keys on each side, ``dilation`` apart (``patterns.dilated``)."""
+
     window: int = 64
     dilation: int = 2
     causal: bool = False
@@ -205,6 +219,8 @@ class Dilated(PatternMechanism):
                             "previous `stride` tokens plus every stride-th token"))
 @dataclass(frozen=True)
 class Strided(PatternMechanism):
+    """Exact attention to the previous ``stride`` keys plus every stride-th key (``patterns.strided``)."""
+
     stride: int = 64
     causal: bool = True
     method: str = "auto"
@@ -217,6 +233,8 @@ class Strided(PatternMechanism):
                           "own block plus the last `summary` positions of every block"))
 @dataclass(frozen=True)
 class Fixed(PatternMechanism):
+    """Exact attention to the own block plus each block's last ``summary`` keys (``patterns.fixed``)."""
+
     block: int = 64
     summary: int = 8
     causal: bool = True
@@ -230,6 +248,8 @@ class Fixed(PatternMechanism):
                                  "user block layout [n_query_blocks, n_key_blocks]"))
 @dataclass(frozen=True, eq=False)
 class BlockSparse(PatternMechanism):
+    """Exact attention on a user block ``layout`` [n_query_blocks, n_key_blocks] of ``block_size``."""
+
     layout: torch.Tensor
     block_size: int = 64
     method: str = "auto"
@@ -249,6 +269,8 @@ class BlockSparse(PatternMechanism):
                                "sliding window plus global tokens"))
 @dataclass(frozen=True)
 class Longformer(PatternMechanism):
+    """Exact attention: a sliding ``window`` plus global tokens (``patterns.longformer``)."""
+
     window: int = 128
     global_tokens: int | tuple[int, ...] = 1
     method: str = "auto"
@@ -267,6 +289,8 @@ class Longformer(PatternMechanism):
                             "window + global + random blocks"))
 @dataclass(frozen=True)
 class BigBird(PatternMechanism):
+    """Exact attention: window, global and random blocks (``patterns.bigbird``)."""
+
     block_size: int = 64
     window_blocks: int = 3
     global_blocks: int = 1
