@@ -62,12 +62,34 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict: bool = False,
         block_size: int | None = None):
     """``attention`` on inputs already prepared by ``attnlab.shapes.prepare`` (validated once): plan,
-    run the chosen kernel, restore the leading dims. Returns out [..., L, Ev] (and weights [..., L, S])."""
+    run the chosen kernel on q [B, H, L, E], k/v [B, H|Hkv, S, E|Ev], restore the leading dims.
+    Returns out [..., L, Ev] (and weights [..., L, S] with need_weights)."""
     plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
-    out, weights = _run_kernel(p, plan, need_weights)
-    out = out.reshape(p.out_shape)
+    info, mask, m = p.info, p.mask, plan.method
+    weights = None
+    if p.empty:
+        out, weights = _empty_result(p)
+    elif m == "sdpa":
+        if mask.is_trivial or p.is_causal_only:
+            out = fused_kernel.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
+        elif mask.bias_finer_than(p.q.dtype):
+            # SDPA takes a float mask in q's dtype only: compute in float32 (Note [Bias precision])
+            out = fused_kernel.sdpa(p.q.float(), p.k.float(), p.v.float(), _materialize(mask, p, torch.float32),
+                                    p.dropout_p, False, info.scale).to(p.q.dtype)
+        else:
+            out = fused_kernel.sdpa(p.q, p.k, p.v, _materialize(mask, p), p.dropout_p, False, info.scale)
+    elif m == "dense":
+        out, weights = dense_kernel.dense_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p)
+    elif m == "compiled":
+        out = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, *plan.block_size)[0]
+    elif m == "sparse":
+        out = sparse_kernel.gathered_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p, *plan.block_size)
+    else:
+        out, lse = tiled_kernel.tiled_attention(p.q, p.k, p.v, mask, info.scale, *plan.block_size)
+        weights = _weights_from_lse(p, lse, *plan.block_size) if need_weights else None
+    out = out.reshape(p.out_shape)  # (..., L, Ev)
     if need_weights:
-        return out, weights.reshape(p.out_shape[:-1] + (p.info.S,))
+        return out, weights.reshape(p.out_shape[:-1] + (info.S,))
     return out
 
 
@@ -87,34 +109,6 @@ def _empty_result(p: Prepared):
     out = torch.zeros(*p.q.shape[:-1], info.Ev, dtype=p.q.dtype, device=p.q.device)
     out = out + (p.q[..., :0].sum() + p.kv_k[..., :0].sum() + p.kv_v[..., :0].sum()).to(out.dtype)
     return out, torch.zeros(*p.q.shape[:-1], info.S, dtype=p.q.dtype, device=p.q.device)
-
-
-def _run_kernel(p: Prepared, plan: Plan, need_weights: bool):
-    """(out [B, H, L, Ev], weights [B, H, L, S] | None) from the planned kernel."""
-    info, mask = p.info, p.mask
-    if p.empty:
-        return _empty_result(p)
-    m = plan.method
-    if m == "sdpa":
-        if mask.is_trivial or p.is_causal_only:
-            out = fused_kernel.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
-        elif mask.bias_finer_than(p.q.dtype):
-            # SDPA takes a float mask in q's dtype only: compute in float32 (Note [Bias precision])
-            out = fused_kernel.sdpa(p.q.float(), p.k.float(), p.v.float(), _materialize(mask, p, torch.float32),
-                                    p.dropout_p, False, info.scale).to(p.q.dtype)
-        else:
-            out = fused_kernel.sdpa(p.q, p.k, p.v, _materialize(mask, p), p.dropout_p, False, info.scale)
-        return out, None
-    if m == "dense":
-        return dense_kernel.dense_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p)
-    bq, bk = plan.block_size
-    if m == "compiled":
-        return compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, bq, bk)[0], None
-    if m == "sparse":
-        return sparse_kernel.gathered_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p, bq, bk), None
-    out, lse = tiled_kernel.tiled_attention(p.q, p.k, p.v, mask, info.scale, bq, bk)
-    weights = _weights_from_lse(p, lse, bq, bk) if need_weights else None
-    return out, weights
 
 
 def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:

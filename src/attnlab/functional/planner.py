@@ -52,6 +52,7 @@ COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skip
 #: dtypes for which auto runs plain dense / causal inputs (no other mask) on the compiled kernel rather
 #: than SDPA: measured no faster than SDPA for fp32 and bf16
 COMPILED_DENSE_DTYPES: tuple = ()
+_BLOCKED = frozenset(s.name for s in KERNELS if s.blocked)
 #: the kernels that return a log-sum-exp, in attention_with_lse's order of preference
 LSE_ORDER = ("sdpa", "compiled", "tiled")
 
@@ -175,7 +176,7 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     if chosen == "sparse" and r.dropout_p > 0:
         reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
                    "the same random stream for the same RNG state (matching it would draw all L×S)")
-    t = c.tiling(chosen)
+    t = c.tiling(chosen) if chosen in _BLOCKED else None
     out = Plan(chosen, reason, refused, sdpa_backend=backend or "unknown",
                block_size=(t.block_q, t.block_k) if t is not None else None)
     if costs:
@@ -188,36 +189,33 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
 
 def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None) -> tuple[str, str]:
     """Auto's rules, in order; costs are asked for only where two kernels are compared."""
-    def ok(m):
-        return m not in refused
-
     plain = r.trivial or r.causal_only
     if r.need_weights:
-        if ok("dense") and r.pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
+        if "dense" not in refused and r.pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
             return "dense", "weights requested and the L×S scores are small"
-        if ok("tiled"):
+        if "tiled" not in refused:
             return "tiled", ("weights requested: output by online softmax, weights by a second pass over the "
                              "saved log-sum-exp")
-        if ok("dense"):
+        if "dense" not in refused:
             return "dense", "weights requested with dropout: only the dense kernel does both"
-    elif ok("compiled") and not plain and not (
-            r.pattern and ok("sparse") and c.flops("sparse") * SPARSE_OVER_COMPILED < c.flops("compiled")):
+    elif "compiled" not in refused and not plain and not (
+            r.pattern and "sparse" not in refused and c.flops("sparse") * SPARSE_OVER_COMPILED < c.flops("compiled")):
         t = c.tiling("compiled")
         return "compiled", (f"attnlab's compiled kernel visits {c.density('compiled'):.1%} of "
                             f"{t.block_q}×{t.block_k} blocks, masks read inside the tiles")
-    elif ok("compiled") and r.dtype in COMPILED_DENSE_DTYPES:
+    elif "compiled" not in refused and r.dtype in COMPILED_DENSE_DTYPES:
         return "compiled", f"attnlab's compiled kernel is faster than SDPA for {r.dtype} here"
-    elif r.pattern and ok("sparse") and (1 - c.density("sparse") >= SPARSE_MIN_EMPTY or not ok("sdpa")):
+    elif r.pattern and "sparse" not in refused and (1 - c.density("sparse") >= SPARSE_MIN_EMPTY or "sdpa" in refused):
         t = c.tiling("sparse")
         return "sparse", (f"the pattern leaves {c.density('sparse'):.1%} of {t.block_q}×{t.block_k} blocks; "
                           "the fused kernel runs on just those")
-    elif ok("sdpa"):
+    elif "sdpa" not in refused:
         return "sdpa", f"delegated to PyTorch's fused attention ({backend or 'its own choice of'} backend)"
-    elif ok("compiled"):
+    elif "compiled" not in refused:
         return "compiled", "attnlab's compiled kernel: exact online softmax without materialising L×S"
-    elif ok("tiled"):
+    elif "tiled" not in refused:
         return "tiled", "exact online softmax without materialising L×S"
-    elif ok("sparse"):
+    elif "sparse" not in refused:
         return "sparse", "gathered key blocks through the fused kernel"
     reasons = "; ".join(f"{m}: {why}" for m, why in refused.items())
     raise ValueError(f"no attention method can run these inputs ({reasons})")
