@@ -66,7 +66,9 @@ class Exact(Mechanism):
                        dropout_p=inputs.dropout_p, need_weights=inputs.need_weights,
                        strict=bool(getattr(self, "strict", False)))
 
-    def _extra_reasons(self, inputs: Inputs) -> list[str]:
+    def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        """Why attnlab.attention with this method (and pattern) cannot run ``inputs``: the planner's
+        refusals, from the kernels' declarations (empty list: it can)."""
         refused = planner.refusals(self._request(inputs))
         if self.method == "auto":
             if len(refused) == len(kernels.KERNELS):
