@@ -18,7 +18,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
     return r.pairs * 2 * (r.E + r.Ev)
 
 
-SPEC = KernelSpec("dense", "materialises the [N, H, L, S] scores; supports everything", weights="yes",
+SPEC = KernelSpec("dense", "materialises the [B, H, L, S] scores; supports everything", weights="yes",
                   dropout=True, float_mask_grad=True, materializes="scores", peak_bytes=_peak, flops=_flops)
 
 
