@@ -84,18 +84,22 @@ class Exact(Mechanism):
 
     def memory(self, L, S, E, Ev=None, element_size=4):
         """Peak bytes beyond inputs and output for one batch element and head, from the kernel's declared
-        cost model (auto: the fused kernel's)."""
+        cost model (auto: the least of the kernels the planner would not refuse)."""
         Ev = E if Ev is None else Ev
         dtype = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}.get(element_size, torch.float32)
         r = Request(1, 1, 1, L, S, E, Ev, dtype, pattern=self.pattern_for() is not None)
-        spec = kernels.get("sdpa" if self.method == "auto" else self.method)
+        if self.method != "auto":
+            return self._peak(kernels.get(self.method), r)
+        refused = planner.refusals(r)
+        return min(self._peak(k, r) for k in kernels.KERNELS if k.name not in refused)
+
+    def _peak(self, spec, r: Request) -> int:
         t = None
         if spec.blocked:
             b = self._block()
             bq, bk = (b, b) if b else (planner.DEFAULT_TILED_BLOCK if spec.name == "tiled" else (128, 128))
             pat = self.pattern_for()
-            blocks = int((pat.block_layout(L, S, bq, bk) != P.EMPTY).sum()) if pat is not None else None
-            t = Tiling(bq, bk, blocks)
+            t = Tiling(bq, bk, pat.nonempty_blocks(r.L, r.S, bq, bk) if pat is not None else None)
         return spec.peak_bytes(r, t) - io_bytes(r)
 
 
