@@ -67,7 +67,8 @@ class MultiHeadAttention(nn.Module):
         value_head_dim: value head dim Dv (default D), so d_k != d_v is possible.
         bias: biases on the four projections.
         dropout: dropout on the attention weights while training.
-        mechanism: "auto" | "dense" | "sdpa" | "tiled" | "sparse" (exact, attnlab.attention), or a
+        mechanism: one of ``attnlab.METHODS`` ("auto", "dense", "sdpa", "tiled", "sparse", "compiled": exact,
+            attnlab.attention), or a
             name / instance accepted by ``attnlab.mechanisms.resolve``.
         pattern: an ``attnlab.patterns`` pattern applied on every call (AND with the other masks).
         positional: an ``attnlab.positional.AttentionPositional`` (RoPE, ALiBi, T5 bias) or None.
