@@ -210,7 +210,7 @@ def test_fixed_layouts_are_analytic_and_tight(block, summary, causal, bq, bk):
     L, S = 23, 19
     nq, nk = -(-L // bq), -(-S // bk)
     qlo, klo = (torch.arange(nq) * bq).unsqueeze(1), (torch.arange(nk) * bk).unsqueeze(0)
-    assert pat._bounds(qlo, (qlo + bq - 1).clamp(max=L - 1), klo, (klo + bk - 1).clamp(max=S - 1), L, S) is not None
+    assert pat.bounds(qlo, (qlo + bq - 1).clamp(max=L - 1), klo, (klo + bk - 1).clamp(max=S - 1), L, S) is not None
     x = torch.zeros(nq * bq, nk * bk, dtype=torch.bool)
     x[:L, :S] = pat.materialize(L, S)
     assert torch.equal(pat.block_layout(L, S, bq, bk) != P.EMPTY, x.view(nq, bq, nk, bk).any(3).any(1))

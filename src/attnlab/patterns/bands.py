@@ -176,10 +176,19 @@ class _Strided(Pattern):
         return m & (d >= 0) if self.causal else m
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
-        if not self.causal:
-            return None
-        any_, all_ = _band_bounds(-_INF, 0, qlo, qhi, klo, khi)
-        return any_, all_ & (self.stride == 1)
+        # Over a block, d = i - j takes every integer in [qlo - khi, qhi - klo]; causal keeps d >= 0 only.
+        # any: that range meets the local band |d| < stride or holds a multiple of stride (exact).
+        # all: the whole range lies in the band (or stride is 1), which is conservative: a range that
+        # leaves the band by exactly one multiple is reported PARTIAL.
+        st = self.stride
+        dlo, dhi = qlo - khi, qhi - klo
+        lo = torch.clamp(dlo, min=0) if self.causal else dlo
+        near = (lo <= st - 1) & (dhi >= -(st - 1))
+        column = torch.div(dhi, st, rounding_mode="floor") * st >= lo
+        any_ = (lo <= dhi) & (near | column)
+        floor = 0 if self.causal else -(st - 1)
+        all_ = (dlo >= floor) & ((dhi <= st - 1) | (st == 1))
+        return any_, all_
 
     def __repr__(self):
         return f"strided({self.stride}, causal={self.causal})"

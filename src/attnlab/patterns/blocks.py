@@ -109,14 +109,6 @@ class BlockTable(Pattern):
         kept = c[bq1 + 1, bk1 + 1] - c[bq0, bk1 + 1] - c[bq1 + 1, bk0] + c[bq0, bk0]
         return kept > 0, kept == (bq1 - bq0 + 1) * (bk1 - bk0 + 1)
 
-    def nnz(self, L: int, S: int) -> int:
-        """Kept pairs from the table in O(cells): each kept cell counts its rows x columns inside L x S."""
-        bs = self.block_size
-        nq, nk = -(-L // bs), -(-S // bs)
-        rows = torch.clamp(L - torch.arange(nq, dtype=torch.float64) * bs, max=bs)
-        cols = torch.clamp(S - torch.arange(nk, dtype=torch.float64) * bs, max=bs)
-        return int(rows @ self.table(nq, nk, "cpu").to(torch.float64) @ cols) if nq and nk else 0
-
     def __repr__(self):
         return self.name
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import Pattern, _check_int, _layout
+from .base import Pattern, _block_sizes, _check_int, _layout
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,9 +42,7 @@ class _MaskMod(Pattern):
                      device: torch.device | str | None = None) -> torch.Tensor:
         """As ``Pattern.block_layout``, exact, evaluated once per (L, S, block shape) and cached; a block
         shape that is a multiple of a cached one is pooled from it instead of evaluated again."""
-        block_k = block_q if block_k is None else block_k
-        _check_int("block_q", block_q, 1)
-        _check_int("block_k", block_k, 1)
+        block_q, block_k = _block_sizes(block_q, block_k)
         dev = str(torch.device(device)) if device is not None else "cpu"
         key = (L, S, block_q, block_k, dev)
         if key not in self._cache:

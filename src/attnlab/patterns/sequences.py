@@ -38,12 +38,15 @@ class _KeyKeep(Pattern):
         return kk & torch.ones_like(i, dtype=torch.bool)  # broadcast over i
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
-        # kept keys per batch element in [klo, khi] from a prefix count: exact for any key ranges
+        # Some element keeps a pair of the block iff the batch's union keeps a key in [klo, khi]; every
+        # element keeps all of it iff the intersection keeps every key there. Prefix counts over those
+        # two [S] rows answer any key ranges exactly in O(B·S + blocks).
         kk = self._keys(S)[:, :S].to(klo.device)
-        c = torch.nn.functional.pad(kk.to(torch.int64).cumsum(1), (1, 0))  # (B, S + 1)
-        n = c[:, khi + 1] - c[:, klo]  # (B, *klo.shape)
-        any_ = (n > 0).any(0) & torch.ones_like(qlo, dtype=torch.bool)  # union over the batch
-        all_ = (n == khi - klo + 1).all(0) & torch.ones_like(qlo, dtype=torch.bool)
+        rows = torch.stack([kk.any(0), kk.all(0)])  # (2, S): union, intersection over the batch
+        c = torch.nn.functional.pad(rows.to(torch.int32).cumsum(1), (1, 0))  # (2, S + 1)
+        n = c[:, khi + 1] - c[:, klo]  # (2, *klo.shape)
+        any_ = (n[0] > 0) & torch.ones_like(qlo, dtype=torch.bool)  # broadcast over query blocks
+        all_ = (n[1] == khi - klo + 1) & torch.ones_like(qlo, dtype=torch.bool)
         return any_, all_
 
     def __repr__(self):
@@ -69,8 +72,8 @@ def key_padding(lengths: torch.Tensor | list[int], max_len: int | None = None) -
 
 def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
     """From an ``nn.MultiheadAttention``-style ``key_padding_mask`` bool [B, S] (True = ignore): keys where
-    it is False take part. It covers exactly S keys (attention with another S raises ValueError). A float
-    (additive) mask is refused with TypeError: pass it as ``attn_mask``."""
+    it is False take part. It covers its S keys: attention over more keys raises ValueError (over fewer,
+    the first ones are used). A float (additive) mask is refused with TypeError: pass it as ``attn_mask``."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"key_padding_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     if mask.dtype == torch.bool:
@@ -82,7 +85,7 @@ def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
 
 def from_hf_attention_mask(mask: torch.Tensor) -> Pattern:
     """From a Hugging Face 2-D ``attention_mask`` [B, S] (1 = attend, 0 = padding; any dtype, nonzero =
-    attend), the polarity attnlab uses throughout. Covers exactly S keys."""
+    attend), the polarity attnlab uses throughout. Covers its S keys, as ``from_key_padding_mask``."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"attention_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     return _KeyKeep(mask != 0, name="hf_attention_mask")
@@ -187,6 +190,10 @@ def document(lengths, causal: bool = False, kv_lengths=None, align: str = "top_l
     up to L (and S). ``causal``: within each document, local key index <= local query index
     (``align="bottom_right"`` shifts it by that document's kv_len - q_len, as flash-attn >= 2.1 and
     xformers' BlockDiagonalCausalFromBottomRightMask do). Zero-length documents are allowed.
+
+    ``lengths``, ``kv_lengths``: int [D] (list or tensor), each >= 0. Materialises to bool [L, S]
+    (block-diagonal); any other (L, S) raises ValueError naming both totals. Block bounds are exact in
+    O(blocks) and ``nnz`` is O(L), so the kernels skip every off-diagonal block without building the mask.
     """
     ql = _lengths("lengths", lengths)
     kl = ql if kv_lengths is None else _lengths("kv_lengths", kv_lengths)
