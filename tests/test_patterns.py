@@ -158,7 +158,10 @@ def test_pattern_batch_mismatch_is_refused():
 
 @pytest.mark.parametrize("pat", [P.sliding_window(9, causal=True), P.sliding_window(5), P.longformer(4, 2),
                                  P.sliding_window(7) & P.key_padding([90, 61]), P.bigbird(8, 3, 1, 1, seed=3),
-                                 P.causal() | P.sliding_window(3)], ids=repr)
+                                 P.causal() | P.sliding_window(3),
+                                 # translation invariant but not bands: the kernel reuses one mask block per diagonal
+                                 P.dilated(5, 3, causal=True), P.dilated(4, 2), P.strided(6), P.strided(5, causal=False)],
+                         ids=repr)
 @pytest.mark.parametrize("L,S", [(96, 96), (101, 90)])
 def test_sparse_runs_bands_rectangles_and_gathers(pat, L, S):
     """Long enough that the sparse kernel uses band views, rectangles and gathers; values and grads exact."""

@@ -1,5 +1,6 @@
-"""The patterns' public analytic API (bounds, band, translation_invariant, block_shape, shifted) against
-``materialize``: the oracle is the dense mask, reduced by plain tensor ops over each block.
+"""The patterns' public analytic API (bounds, band, translation_invariant, block_shape, nonempty_blocks,
+nnz, shifted) against ``materialize``: the oracle is the dense mask, reduced by plain tensor ops or loops
+over each block.
 
 Random patterns come from every constructor and their ``&`` / ``|``; blocks are arbitrary rectangles
 (not only the regular grid ``block_layout`` uses), so a bound that silently assumes a grid fails here.
@@ -190,8 +191,12 @@ def test_band_answers_for_the_documented_cases():
     assert (P.sliding_window(left=-3, right=5) | P.causal()).band(8, 8) is None  # a gap at j - i = 1, 2
     assert (P.sliding_window(left=-1, right=5) | P.causal()).band(8, 8) == (-inf, 5)  # touching: one range
     assert P.shifted(P.causal(), 3).band(2, 5) == (-inf, 3)
-    for p in (P.dilated(2, 2), P.prefix_lm(2), P.key_padding([3]), P.block_sparse(torch.ones(2, 2), 4)):
+    empty = P.causal() & P.sliding_window(0, align="bottom_right")  # j <= i and j == i + 1: nothing
+    assert empty.band(2, 3) == (1, 0) and empty.nonempty_blocks(2, 3, 2, 1) == 0 and empty.nnz(2, 3) == 0
+    for p in (P.prefix_lm(2), P.key_padding([3]), P.block_sparse(torch.ones(2, 2), 4), P.fixed(4, 1)):
         assert p.band(8, 8) is None and not p.translation_invariant(), repr(p)
+    for p in (P.dilated(2, 2), P.strided(3), P.strided(3, causal=False) & P.sliding_window(5)):
+        assert p.band(8, 8) is None and p.translation_invariant(), repr(p)  # invariant, but not a band
     assert P.translation_invariant(None)
 
 
@@ -316,9 +321,13 @@ def test_package_reexports_its_modules_public_names():
 
 @SETTINGS
 @given(st.integers(1, 30), st.integers(1, 30), st.integers(1, 6), st.booleans(), st.integers(1, 7), st.integers(1, 7))
-def test_strided_any_is_exact(L, S, stride, causal, bq, bk):
-    """The strided pattern's bounds find every non-empty block and no empty one (all stays conservative)."""
-    pat = P.strided(stride, causal=causal)
+def test_strided_and_dilated_any_is_exact(L, S, stride, causal, bq, bk):
+    """Their bounds find every non-empty block and no empty one (all stays conservative)."""
+    for pat in (P.strided(stride, causal=causal), P.dilated(stride + bq % 3, stride, causal=causal)):
+        check_any_exact(pat, L, S, bq, bk)
+
+
+def check_any_exact(pat, L, S, bq, bk):
     got, want = pat.block_layout(L, S, bq, bk), oracle_layout(pat, L, S, bq, bk)
     assert torch.equal(got != P.EMPTY, want != P.EMPTY), (pat, L, S, bq, bk)
     assert not ((got == P.FULL) & (want != P.FULL)).any()

@@ -141,13 +141,22 @@ class _Dilated(Pattern):
         reach = self.window * self.dilation
         return -reach, 0 if self.causal else reach
 
+    def translation_invariant(self):
+        return True  # keep depends on j - i only: one mask block serves a whole diagonal
+
     def keep(self, i, j, L, S):
         lo, hi = self._limits()
         d = j - i
         return (d >= lo) & (d <= hi) & (torch.remainder(d, self.dilation) == 0)
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
-        any_, all_ = _band_bounds(*self._limits(), qlo, qhi, klo, khi)
+        # any (exact): the block's j - i range [klo - qhi, khi - qlo], clipped to the window, holds a
+        # multiple of dilation; all: the window covers the range and every offset counts (dilation 1)
+        lo, hi = self._limits()
+        a = torch.clamp(klo - qhi, min=lo)
+        b = torch.clamp(khi - qlo, max=hi)
+        any_ = torch.div(b, self.dilation, rounding_mode="floor") * self.dilation >= a
+        _, all_ = _band_bounds(lo, hi, qlo, qhi, klo, khi)
         return any_, all_ & (self.dilation == 1)
 
     def __repr__(self):
@@ -167,6 +176,9 @@ def dilated(window: int, dilation: int, causal: bool = False) -> Pattern:
 class _Strided(Pattern):
     stride: int
     causal: bool
+
+    def translation_invariant(self):
+        return True  # keep depends on i - j only
 
     def keep(self, i, j, L, S):
         d = i - j

@@ -179,6 +179,8 @@ class Pattern:
         if band is None:
             return int((self.block_layout(L, S, block_q, block_k) != EMPTY).sum())
         lo, hi = band
+        if lo > hi:  # an empty band (e.g. the & of two that do not meet): per-row ranges are all empty
+            return 0
         q0 = torch.arange(0, L, block_q, dtype=torch.float64)  # (nq,) first row of each query block
         q1 = torch.clamp(q0 + block_q - 1, max=L - 1)
         first = torch.clamp(q0 + lo, min=0)  # first and last key any row of the block keeps
