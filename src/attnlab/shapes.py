@@ -250,6 +250,15 @@ class Prepared:
         """Nothing to attend: no query, no key, or no (batch, head) row."""
         return self.info.L == 0 or self.info.S == 0 or self.q.shape[0] * self.q.shape[1] == 0
 
+    def empty_result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, H, L, Ev], weights [B, H, L, S]), both 0: the answer when there is nothing to attend.
+        ``out`` stays joined to the inputs' graph through sums of empty slices, which are exactly 0
+        whatever the inputs hold (0 * q.sum() was NaN for a query holding Inf)."""
+        q, Ev, S = self.q, self.info.Ev, self.info.S
+        out = torch.zeros(*q.shape[:-1], Ev, dtype=q.dtype, device=q.device)
+        out = out + (q[..., :0].sum() + self.kv_k[..., :0].sum() + self.kv_v[..., :0].sum()).to(out.dtype)
+        return out, torch.zeros(*q.shape[:-1], S, dtype=q.dtype, device=q.device)
+
     def _heads(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if self.info.H == self.info.Hkv:
             return t

@@ -68,7 +68,7 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
     info, mask, m = p.info, p.mask, plan.method
     weights = None
     if p.empty:
-        out, weights = _empty_result(p)
+        out, weights = p.empty_result()
     elif m == "sdpa":
         if mask.is_trivial or p.is_causal_only:
             out = fused_kernel.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
@@ -100,15 +100,6 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     Runs no attention."""
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
     return planner.plan(p, method, need_weights, strict, block_size, costs=True)
-
-
-def _empty_result(p: Prepared):
-    """Output 0 [B, H, L, Ev] and weights 0 for inputs with nothing to attend, joined to the graph:
-    sums of empty slices are exactly 0 whatever the inputs hold (0 * q.sum() was NaN for an Inf query)."""
-    info = p.info
-    out = torch.zeros(*p.q.shape[:-1], info.Ev, dtype=p.q.dtype, device=p.q.device)
-    out = out + (p.q[..., :0].sum() + p.kv_k[..., :0].sum() + p.kv_v[..., :0].sum()).to(out.dtype)
-    return out, torch.zeros(*p.q.shape[:-1], info.S, dtype=p.q.dtype, device=p.q.device)
 
 
 def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:

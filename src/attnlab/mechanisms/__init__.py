@@ -183,9 +183,9 @@ class Mechanism:
         p, key_keep, mask = c.prepared, c.key_keep, c.mask
         S = p.info.S
         if p.info.L == 0 or S == 0:  # nothing to attend: output 0, graph kept connected
-            out = (p.q.new_zeros(*p.q.shape[:-1], p.info.Ev)
-                   + (p.q[..., :0].sum() + p.kv_k[..., :0].sum() + p.kv_v[..., :0].sum())).reshape(p.out_shape)
-            return (out, p.q.new_zeros(p.out_shape[:-1] + (S,))) if need_weights else out
+            out, w = p.empty_result()
+            out = out.reshape(p.out_shape)
+            return (out, w.reshape(p.out_shape[:-1] + (S,))) if need_weights else out
         out, w = self._forward(p.q, p.k, p.v, key_keep=key_keep, attn_mask=mask, is_causal=is_causal,
                                scale=p.info.scale, dropout_p=p.dropout_p, need_weights=need_weights)
         out = out.reshape(p.out_shape)
