@@ -121,3 +121,20 @@ def test_attention_with_lse_refuses_a_float_mask_it_cannot_differentiate():
     bias = torch.zeros(6, 6, requires_grad=True)
     with pytest.raises(ValueError, match="log-sum-exp.*attn_mask that requires grad"):
         attnlab.attention_with_lse(q, q, q, attn_mask=bias)
+
+
+def test_reasons_are_derived_from_every_field():
+    """A made-up kernel that supports little: each field it lacks gives its own reason, and a request
+    it covers gives none."""
+    from attnlab.kernels import KernelSpec, Request
+
+    narrow = KernelSpec("narrow", "test kernel", masks=False, causal=False, dtypes=(torch.float32,),
+                        devices=("cuda",), needs_sparsity=False, unavailable=lambda r: "not built here")
+    r = Request(1, 2, 2, 8, 8, 4, 4, torch.float64, "cpu", causal_only=True)
+    why = narrow.not_supported_reasons(r)
+    assert why[0] == "not built here" and any("CUDA tensors only (got cpu)" in w for w in why)
+    assert any("float64" in w for w in why) and any("is_causal" in w for w in why)
+    assert any("attn_mask" in w for w in narrow.not_supported_reasons(Request(1, 1, 1, 4, 4, 2, 2, keep_mask=True)))
+    wide = KernelSpec("wide", "test kernel", weights="yes", dropout=True, float_mask_grad=True)
+    assert wide.not_supported_reasons(Request(1, 1, 1, 4, 4, 2, 2, float_mask=True, float_mask_grad=True,
+                                              dropout_p=0.5, need_weights=True)) == []

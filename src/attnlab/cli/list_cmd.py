@@ -51,7 +51,7 @@ def kernel_rows() -> list[dict]:
 
     rows = []
     for s in kernels.KERNELS:
-        rows.append({"name": s.name, "summary": s.summary, "weights": s.weights, "lse": s.lse, "dropout": s.dropout,
+        rows.append({"name": s.name, "summary": s.summary, "masks": s.masks, "causal": s.causal, "weights": s.weights, "lse": s.lse, "dropout": s.dropout,
                      "backward": s.backward, "float_mask_grad": s.float_mask_grad, "gqa_no_copy": s.gqa_no_copy,
                      "materializes": s.materializes, "needs_sparsity": s.needs_sparsity,
                      "needs_extension": s.needs_extension, "devices": list(s.devices) if s.devices else None,

@@ -97,6 +97,7 @@ def io_bytes(r: Request) -> int:
 class KernelSpec:
     """A kernel's capabilities and cost model, as data.
 
+    masks: applies patterns and user bool/float masks; causal: applies ``is_causal``.
     weights: "no" | "yes" (returns them) | "second pass" (recomputes them from the saved log-sum-exp).
     lse: returns each row's log-sum-exp: "no" | "yes" | "inference" (only without autograd, on CPU, and
         with no mask but causal: PyTorch's private CPU flash op).
@@ -113,6 +114,8 @@ class KernelSpec:
 
     name: str
     summary: str
+    masks: bool = True
+    causal: bool = True
     weights: str = "no"
     lse: str = "no"
     dropout: bool = False
@@ -140,6 +143,10 @@ class KernelSpec:
             why.append(f"{'/'.join(d.upper() for d in self.devices)} tensors only (got {r.device})")
         if r.dtype not in self.dtypes:
             why.append(f"dtype {r.dtype} is not supported")
+        if (r.pattern or r.keep_mask or r.float_mask) and not self.masks:
+            why.append("takes no pattern or attn_mask")
+        if r.causal_only and not self.causal:
+            why.append("does not apply is_causal")
         if r.dropout_p > 0 and not self.dropout:
             why.append("no dropout (its backward recomputes the weights; use sdpa, sparse or dense)")
         if r.float_mask_grad and not self.float_mask_grad:
