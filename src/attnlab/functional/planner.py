@@ -11,6 +11,7 @@ E head dim, Ev value head dim.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -225,7 +226,7 @@ def choose_lse_kernel(p: Prepared) -> tuple[list[str], dict[str, str]]:
     """For ``attention_with_lse``: the kernels that can return (out, lse) for these inputs, in order of
     preference, and why the others cannot."""
     needs_grad = torch.is_grad_enabled() and (p.q.requires_grad or p.kv_k.requires_grad or p.kv_v.requires_grad)
-    r = Request(**{**p.request().__dict__, "needs_lse": True, "needs_grad": needs_grad})
+    r = dataclasses.replace(p.request(), needs_lse=True, needs_grad=needs_grad)
     refused = refusals(r)
     return [m for m in LSE_ORDER if m not in refused], refused
 
