@@ -138,3 +138,12 @@ def test_reasons_are_derived_from_every_field():
     wide = KernelSpec("wide", "test kernel", weights="yes", dropout=True, float_mask_grad=True)
     assert wide.not_supported_reasons(Request(1, 1, 1, 4, 4, 2, 2, float_mask=True, float_mask_grad=True,
                                               dropout_p=0.5, need_weights=True)) == []
+
+
+def test_explain_meta_tensors_as_cpu_matches_a_real_cpu_plan():
+    pat = P.sliding_window(16, causal=True)
+    real = attnlab.explain(*(torch.empty(1, 2, 256, 16),) * 3, pattern=pat)
+    meta = torch.empty(1, 2, 256, 16, device="meta")
+    planned = attnlab.explain(meta, meta, meta, pattern=pat, device="cpu")
+    assert (planned.method, planned.refused, planned.flops) == (real.method, real.refused, real.flops)
+    assert "compiled" in attnlab.explain(meta, meta, meta, pattern=pat).refused  # meta itself: not CPU

@@ -94,12 +94,14 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-            pattern=None, method="auto", need_weights=False, strict=False, block_size=None) -> Plan:
+            pattern=None, method="auto", need_weights=False, strict=False, block_size=None,
+            device: str | None = None) -> Plan:
     """Which method ``attention`` would run for these arguments (query [..., L, E], key [..., S, E],
     value [..., S, Ev]), why the others were refused, and the predicted peak memory and FLOPs of each.
-    Runs no attention."""
+    Runs no attention. ``device`` ("cpu", "cuda") plans as if the tensors were there: meta tensors
+    (shapes only, no storage) can then describe a call of any size on that device."""
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
-    return planner.plan(p, method, need_weights, strict, block_size, costs=True)
+    return planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)
 
 
 def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -158,14 +158,17 @@ class _Costs:
 
 
 def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: bool = False,
-         block_size: int | None = None, *, costs: bool = True) -> Plan:
+         block_size: int | None = None, *, costs: bool = True, device: str | None = None) -> Plan:
     """The plan for prepared inputs: refusals of every kernel, then the requested method (raising when
-    it is refused) or auto's choice. ``costs=False`` skips the cost of kernels auto need not compare."""
+    it is refused) or auto's choice. ``costs=False`` skips the cost of kernels auto need not compare;
+    ``device`` plans as if the inputs were on that device type (meta tensors describing a CPU call)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_block_size(block_size)
     backend = sdpa_backend_of(p) if (strict or costs) else None
     r = p.request(need_weights, strict, backend)
+    if device is not None:
+        r = dataclasses.replace(r, device=device)
     refused = refusals(r)
     c = _Costs(p, r, block_size)
     if method != "auto":
