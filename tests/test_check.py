@@ -31,6 +31,18 @@ def test_list_shows_every_mechanism_with_its_spec(capsys):
     assert "performer" in capsys.readouterr().out
 
 
+def test_list_kernels_shows_the_planners_declarations(capsys):
+    from attnlab import kernels
+
+    code, res = run_cli(["list", "--kernels", "--json"])
+    assert code == 0 and [r["name"] for r in res["kernels"]] == list(attnlab.METHODS[1:])
+    by = {r["name"]: r for r in res["kernels"]}
+    for s in kernels.KERNELS:
+        assert by[s.name]["dropout"] == s.dropout and by[s.name]["weights"] == s.weights
+    assert run_cli(["list", "--kernels"])[0] == 0
+    assert "second pass" in capsys.readouterr().out
+
+
 def test_list_bad_cost_is_a_usage_error(capsys):
     assert cli.main(["list", "--cost", "4096,64"]) == 2
     assert "--cost" in capsys.readouterr().err

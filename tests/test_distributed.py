@@ -183,13 +183,14 @@ def test_one_rank_ring_equals_sdpa_fp32(layout, causal):
 
 def test_merge_into_equals_merge_partials():
     import attnlab
+    from attnlab.kernels.lse import merge_into
 
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 3)
     o1, l1 = attnlab.attention_with_lse(q, k[:, :, :4], v[:, :, :4])
     o2, l2 = attnlab.attention_with_lse(q, k[:, :, 4:], v[:, :, 4:])
     out, lse = torch.zeros(1, 2, 5, 3), torch.full((1, 2, 5), float("-inf"))
-    R._merge_into(out, lse, o1, l1)
-    R._merge_into(out, lse, o2, l2)
+    merge_into(out, lse, o1, l1)
+    merge_into(out, lse, o2, l2)
     assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=1e-6, what="merged out")
     ref_o, ref_l = attnlab.merge_partials(o1, l1, o2, l2)
     assert_close(lse, ref_l, atol=1e-6, what="merged lse")

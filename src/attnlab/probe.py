@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from . import patterns as P
-from .functional import DEFAULT_TILED_BLOCK, prepare
-from .kernels import tiled as _tiled
-from .shapes import check_block_size
+from .kernels import tiled
+from .kernels.lse import acc_dtype
+from .shapes import check_block_size, prepare
 
 __all__ = ["probe", "AttentionProbe"]
 
@@ -29,10 +29,10 @@ class AttentionProbe:
         value = key.new_zeros(*key.shape[:-1], 1)
         with torch.no_grad():
             self._p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern)
-            self._bq, self._bk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
-            acc = _tiled._acc_dtype(self._p.q.dtype)
+            self._bq, self._bk = (block_size, block_size) if block_size else tiled.DEFAULT_BLOCK
+            acc = acc_dtype(self._p.q.dtype)
             self._q, self._k = self._p.q.to(acc), self._p.k.to(acc)
-            _, lse = _tiled._forward(self._q, self._k, self._p.v.to(acc), self._p.mask, self._p.info.scale,
+            _, lse = tiled.tiled_lse(self._q, self._k, self._p.v.to(acc), self._p.mask, self._p.info.scale,
                                      self._bq, self._bk)
         self.lse = lse  # (N, H, L)
         self._lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
@@ -40,10 +40,12 @@ class AttentionProbe:
 
     @property
     def L(self) -> int:
+        """Query length L."""
         return self._p.info.L
 
     @property
     def S(self) -> int:
+        """Key length S."""
         return self._p.info.S
 
     def _blocks(self, heads=None):
@@ -53,8 +55,8 @@ class AttentionProbe:
         if heads is not None:
             q, k, lse = q[:, heads], k[:, heads], lse[:, heads]
         layout = p.mask.layout(self._bq, self._bk)
-        for q0, q1, k0, k1, kind in _tiled.iter_blocks(layout, self.L, self.S, self._bq, self._bk):
-            s = _tiled.block_scores(q[:, :, q0:q1], k[:, :, k0:k1], _HeadView(p.mask, heads), p.info.scale,
+        for q0, q1, k0, k1, kind in tiled.iter_blocks(layout, self.L, self.S, self._bq, self._bk):
+            s = tiled.block_scores(q[:, :, q0:q1], k[:, :, k0:k1], _HeadView(p.mask, heads), p.info.scale,
                                     q0, q1, k0, k1, kind, p.N)
             yield q0, q1, k0, k1, s, torch.exp(s - lse[:, :, q0:q1].unsqueeze(-1))
 

@@ -1,4 +1,5 @@
-"""Shape legend, input checks and the error messages attnlab gives for bad input.
+"""Shape legend, input checks, error messages, and the one way in: ``prepare`` validates attention
+inputs once and brings them to the kernels' 4-D form.
 
 Legend used across attnlab:
     B  batch (any number of leading dims, flattened to one)     H   query heads
@@ -11,12 +12,16 @@ value [..., S, Ev]; when rank >= 3 the dim before L/S is the head dim (used by G
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from . import patterns as P
+from .kernels.masks import MaskSpec
+from .kernels.spec import Request
+
 __all__ = ["AttentionInputError", "AttentionDtypeError", "AttentionInputs", "check_attention_inputs",
-           "check_block_size", "shape_str"]
+           "check_block_size", "shape_str", "Prepared", "prepare", "to4d", "mask4d"]
 
 
 class AttentionInputError(ValueError, RuntimeError):
@@ -35,6 +40,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def shape_str(t: torch.Tensor) -> str:
+    """A tensor's shape as error messages show it: ``[2, 8, 128, 64]``."""
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
@@ -199,3 +205,183 @@ def check_block_size(block_size) -> int | None:
     if block_size < 1:
         raise ValueError(f"block_size must be an int >= 1 or None, got {block_size}")
     return block_size
+
+
+# -- the one way in: validate, flatten to 4-D, describe the mask ------------------------------------
+@dataclass
+class Prepared:
+    """Validated attention inputs in the kernels' 4-D form (B = the query's leading dims flattened, or
+    with rank 2 inputs 1; the kernels' docstrings call it N)."""
+
+    info: AttentionInputs
+    q: torch.Tensor  # (B, H, L, E)
+    kv_k: torch.Tensor  # (B, Hkv, S, E) as given, dead keys zeroed; GQA heads not repeated
+    kv_v: torch.Tensor  # (B, Hkv, S, Ev)
+    mask: MaskSpec
+    is_causal_only: bool  # the mask is exactly top-left causal (SDPA's is_causal)
+    out_shape: tuple[int, ...]  # (..., L, Ev): the output's shape before flattening
+    dropout_p: float
+    mask_requires_grad: bool
+    _repeated: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def N(self) -> int:
+        """B, the flattened batch (the kernels' N)."""
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """(B, H, S, E): key heads repeated under GQA, built on first use (the compiled kernel reads kv_k)."""
+        return self._heads("k", self.kv_k)
+
+    @property
+    def v(self) -> torch.Tensor:
+        """(B, H, S, Ev), as ``k``."""
+        return self._heads("v", self.kv_v)
+
+    @property
+    def dead_per_head(self) -> bool:
+        """Under GQA, some keys are dead for only part of a key/value head's group (``k``/``v`` are then
+        per-head copies; a kernel reading ``kv_k`` in place cannot zero them)."""
+        return bool(self._repeated.get("dead_per_head"))
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to attend: no query, no key, or no (batch, head) row."""
+        return self.info.L == 0 or self.info.S == 0 or self.q.shape[0] * self.q.shape[1] == 0
+
+    def empty_result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, H, L, Ev], weights [B, H, L, S]), both 0: the answer when there is nothing to attend.
+        ``out`` stays joined to the inputs' graph through sums of empty slices, which are exactly 0
+        whatever the inputs hold (0 * q.sum() was NaN for a query holding Inf)."""
+        q, Ev, S = self.q, self.info.Ev, self.info.S
+        out = torch.zeros(*q.shape[:-1], Ev, dtype=q.dtype, device=q.device)
+        out = out + (q[..., :0].sum() + self.kv_k[..., :0].sum() + self.kv_v[..., :0].sum()).to(out.dtype)
+        return out, torch.zeros(*q.shape[:-1], S, dtype=q.dtype, device=q.device)
+
+    def _heads(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if self.info.H == self.info.Hkv:
+            return t
+        if name not in self._repeated:
+            self._repeated[name] = t.repeat_interleave(self.info.groups, dim=1)
+        return self._repeated[name]
+
+    def request(self, need_weights: bool = False, strict: bool = False, sdpa_backend: str | None = None) -> Request:
+        """These inputs as a kernel :class:`~attnlab.kernels.Request` (sizes and flags only)."""
+        i, m = self.info, self.mask
+        return Request(self.N, i.H, i.Hkv, i.L, i.S, i.E, i.Ev, self.q.dtype, self.q.device.type,
+                       causal_only=self.is_causal_only,
+                       pattern=m.pattern is not None and not self.is_causal_only,
+                       keep_mask=m.keep is not None, float_mask=m.bias is not None,
+                       float_mask_grad=self.mask_requires_grad, dropout_p=self.dropout_p,
+                       need_weights=bool(need_weights), strict=bool(strict), dead_per_head=self.dead_per_head,
+                       sdpa_backend=sdpa_backend)
+
+
+def to4d(t: torch.Tensor) -> torch.Tensor:
+    """[..., T, D] -> [B, H, T, D]: rank 2 gets B = H = 1, rank 3 gets B = 1, higher ranks flatten the
+    dims before the head dim into B (a view when possible)."""
+    d = t.dim()
+    if d == 4:
+        return t
+    if d == 2:
+        return t.unsqueeze(0).unsqueeze(0)
+    if d == 3:
+        return t.unsqueeze(0)
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: ambiguous when a dim is 0
+
+
+def mask4d(m: torch.Tensor, batch_shape: tuple[int, ...]) -> torch.Tensor:
+    """A validated ``attn_mask`` broadcastable to [*batch_shape, L, S] -> [B|1, H|1, L|1, S|1] (4-D,
+    size-1 dims kept for broadcasting; leading dims expanded only when they differ)."""
+    full_rank = len(batch_shape) + 2
+    m = m.reshape((1,) * (full_rank - m.dim()) + tuple(m.shape))
+    if full_rank == 2:
+        return m.unsqueeze(0).unsqueeze(0)
+    if full_rank == 3:
+        return m.unsqueeze(0)
+    lead = m.shape[:-3]
+    if all(s == 1 for s in lead):
+        return m.reshape(1, *m.shape[-3:])
+    return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(batch_shape[:-1]), *m.shape[-3:])
+
+
+def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            enable_gqa=False, pattern=None) -> Prepared:
+    """Validate inputs (``check_attention_inputs``) and bring them to the kernels' 4-D form:
+    query [..., L, E] -> q [B, H, L, E]; key/value -> [B, Hkv, S, E|Ev] with dead keys zeroed
+    (Note [Dead keys]); ``attn_mask``, ``is_causal`` and ``pattern`` become one ``MaskSpec``."""
+    info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if pattern is not None and not isinstance(pattern, P.Pattern):
+        raise TypeError(f"pattern must be an attnlab.patterns.Pattern, got {type(pattern).__name__}")
+    q, k, v = to4d(query), to4d(key), to4d(value)  # k, v: (B, Hkv, S, E)
+    N = q.shape[0]
+    if pattern is not None and pattern.batch_size and pattern.batch_size != N:
+        raise ValueError(
+            f"pattern {pattern!r} is for batch size {pattern.batch_size}, but query {shape_str(query)} "
+            f"has batch size {N}"
+        )
+    keep = bias = None
+    if attn_mask is not None:
+        m4 = mask4d(attn_mask, info.batch_shape)
+        if attn_mask.dtype == torch.bool:
+            keep = m4
+        else:
+            bias = m4
+    pat = pattern
+    if is_causal:
+        pat = P.causal() if pat is None else (pat & P.causal())
+    mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias)
+    k, v, per_head = _zero_dead_keys(k, v, mask, info.groups if info.Hkv else 1)
+    causal_only = is_causal and pattern is None and attn_mask is None
+    p = Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
+                 bool(attn_mask is not None and attn_mask.requires_grad))
+    if per_head is not None:
+        p._repeated.update(k=per_head[0], v=per_head[1], dead_per_head=True)
+    return p
+
+
+def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, groups: int = 1):
+    """Zero the key and value rows of keys that no query may attend (padding), so that whatever they
+    hold — even NaN or Inf — cannot reach the output through NaN scores or 0·NaN in a matrix product.
+
+    # Note [Dead keys]: only keys masked for *every* query are zeroed — by a bool mask (False) or a float
+    # mask (-inf) — ; the gradient reaching them is 0, which is also the true gradient. Costs one pass
+    # over the user's mask (already L×S) when given.
+    """
+    dead = None
+    if mask.keep is not None:
+        dead = ~mask.keep.any(dim=-2)  # (B|1, H|1, S|1)
+    if mask.bias is not None:
+        d = torch.isneginf(mask.bias.detach()).all(dim=-2)  # (B|1, H|1, S|1)
+        dead = d if dead is None else dead | d
+    if mask.pattern is not None and mask.pattern.batch_size:
+        kk = _pattern_keys(mask.pattern)
+        if kk is not None:
+            kk = torch.nn.functional.pad(kk, (0, max(0, mask.S - kk.shape[1])), value=False)[:, : mask.S]
+            d = ~kk.to(v.device).view(kk.shape[0], 1, -1)  # (B, 1, S)
+            dead = d if dead is None else dead | d
+    if dead is None or not bool(dead.any()):
+        return k, v, None
+    dead = dead.unsqueeze(-1)  # (B|1, H|1, S, 1)
+    per_head = None
+    if groups > 1 and dead.shape[1] > 1:
+        # GQA: k, v have H / groups heads; a key is zeroed there when dead for its whole group, and the
+        # per-head copies (made now) also zero keys dead for only some heads of a group
+        by_group = dead.view(dead.shape[0], -1, groups, *dead.shape[2:])
+        if not bool((by_group.all(2) == by_group.any(2)).all()):
+            per_head = (k.repeat_interleave(groups, dim=1).masked_fill(dead, 0),
+                        v.repeat_interleave(groups, dim=1).masked_fill(dead, 0))
+        dead = by_group.all(2)
+    return k.masked_fill(dead, 0), v.masked_fill(dead, 0), per_head
+
+
+def _pattern_keys(p):
+    """Per-batch key keep vector [B, S] of a key-padding pattern (or an AND containing one)."""
+    kk = getattr(p, "keep_keys", None)
+    if kk is not None:
+        return kk
+    if getattr(p, "op", None) == "and":
+        a, b = _pattern_keys(p.a), _pattern_keys(p.b)
+        return a if b is None else b if a is None else a & b
+    return None

@@ -1,32 +1,18 @@
 """attnlab check: every applicable mechanism against the float64 oracle, on your shapes and on edge cases.
 
-Cases: random inputs, causal, key padding with a fully masked batch element, a full [L, S] bool mask
-with fully masked rows, an additive float mask, L != S, L = 1 (a decoding step), GQA, bfloat16.
-For each (mechanism, case): the max abs and relative error against ``attnlab.reference``, the path that
-ran (the method attnlab.attention picked, or the approximation), or the reasons it was skipped.
-
-Tolerance for exact mechanisms (PyTorch's rule for fused kernels): error against float64 at most
-TOL_FACTOR × the error of the naive same-dtype computation against float64, plus a per-dtype floor.
-The exit code is 1 when an exact mechanism misses it (or any mechanism crashes on inputs it claims).
+The cases, tolerances and the check itself live in ``attnlab.conformance``; this module parses the
+arguments and prints the result. The exit code is 1 when an exact mechanism misses its tolerance (or
+any mechanism crashes on inputs it claims).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
-import numpy as np
-import torch
-
+from attnlab.conformance import (CASES, DTYPES, TOL_FACTOR, TOL_FLOOR, check, check_budget, make_cases,
+                                 run_conformance, sized_instance)
 from attnlab.options import positive_int
 
 from .common import UsageError
 
-__all__ = ["run", "build_parser", "check", "CASES", "TOL_FACTOR", "TOL_FLOOR"]
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOL_FACTOR = 3.0
-TOL_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-CASES = ("random", "causal", "key_padding", "full_mask", "float_mask", "L!=S", "L=1", "gqa", "bf16")
+__all__ = ["run", "build_parser", "check", "CASES", "TOL_FACTOR", "TOL_FLOOR", "make_cases", "sized_instance"]
 
 
 def build_parser(p):
@@ -40,15 +26,6 @@ def build_parser(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-@dataclass
-class Case:
-    name: str
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    kwargs: dict = field(default_factory=dict)
-
-
 def _shape(text: str) -> tuple[int, int, int, int]:
     try:
         dims = tuple(int(x) for x in text.split(","))
@@ -57,188 +34,6 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     if len(dims) != 4 or min(dims) < 1:
         raise UsageError(f"--shape must be four positive integers B,H,L,E, got {text!r}")
     return dims  # type: ignore[return-value]
-
-
-#: float64 [B, H, L, S] arrays alive at once while a case is checked (reference scores, weights and
-#: their temporaries, the naive same-dtype yardstick's scores and weights)
-_SCORE_COPIES = 6
-
-
-def check_budget(shape, S=None, only=None, text=None) -> None:
-    """Refuse, before anything is allocated, shapes whose [B, H, L, S] score matrices do not fit the
-    memory budget (``attnlab.options.memory_budget``): the oracle is dense and float64."""
-    from attnlab.options import check_memory
-
-    B, H, L, _ = shape
-    S = L if S is None else S
-    S_max = 2 * S + 3 if only is None or "L!=S" in only else S  # the L != S case doubles the keys
-    where = f"--shape {text or ','.join(map(str, shape))}" + (f" --kv-len {S}" if S != L else "")
-    check_memory(where, _SCORE_COPIES * 8 * B * H * L * S_max,
-                 f"the float64 reference's [B, H, L, S] scores, S up to {S_max}")
-
-
-def make_cases(shape, S=None, dtype=torch.float32, seed=0, only=None) -> list[Case]:
-    """The inputs of every case, built from one query shape [B, H, L, E]."""
-    B, H, L, E = shape
-    S = L if S is None else S
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*s, dt=dtype):
-        return torch.randn(*s, generator=g, dtype=torch.float64).to(dt)
-
-    cases = []
-
-    def add(name, q, k, v, **kw):
-        if only is None or name in only:
-            cases.append(Case(name, q, k, v, kw))
-
-    add("random", r(B, H, L, E), r(B, H, S, E), r(B, H, S, E))
-    add("causal", r(B, H, L, E), r(B, H, S, E), r(B, H, S, E), is_causal=True)
-    keep = torch.rand(B, 1, 1, S, generator=g) > 0.3
-    keep[0] = False  # batch element 0: every key masked -> fully masked rows, output 0
-    add("key_padding", r(B, H, L, E), r(B, H, S, E), r(B, H, S, E), attn_mask=keep)
-    full = torch.rand(L, S, generator=g) > 0.4
-    full[: max(1, L // 7)] = False  # some fully masked query rows
-    add("full_mask", r(B, H, L, E), r(B, H, S, E), r(B, H, S, E), attn_mask=full)
-    add("float_mask", r(B, H, L, E), r(B, H, S, E), r(B, H, S, E), attn_mask=r(L, S, dt=dtype))
-    S2 = 2 * S + 3
-    add("L!=S", r(B, H, L, E), r(B, H, S2, E), r(B, H, S2, E))
-    add("L=1", r(B, H, 1, E), r(B, H, S, E), r(B, H, S, E))
-    Hkv = H // 2 if H % 2 == 0 and H > 1 else 1
-    add("gqa", r(B, H, L, E), r(B, Hkv, S, E), r(B, Hkv, S, E), enable_gqa=True)
-    if dtype != torch.bfloat16:
-        add("bf16", r(B, H, L, E, dt=torch.bfloat16), r(B, H, S, E, dt=torch.bfloat16),
-            r(B, H, S, E, dt=torch.bfloat16))
-    return cases
-
-
-def _naive_same_dtype(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
-    """softmax(q kᵀ s + mask) v computed in the inputs' dtype: the yardstick for the tolerance."""
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        g = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
-    s = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(q.shape[-1]))
-    L, S = s.shape[-2:]
-    keep = torch.ones(L, S, dtype=torch.bool)
-    if is_causal:
-        keep = keep.tril()
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            keep = keep & attn_mask
-        else:
-            s = s + attn_mask
-    s = s.masked_fill(~keep, float("-inf"))
-    w = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return w @ v
-
-
-def _reference(case: Case, pattern):
-    from attnlab import reference
-
-    mask = case.kwargs.get("attn_mask")
-    if pattern is not None:
-        pm = pattern.materialize(case.q.shape[-2], case.k.shape[-2])
-        if mask is None:
-            mask = pm
-        elif mask.dtype == torch.bool:
-            mask = mask & pm
-        else:  # float mask and a pattern: the pattern's zeros become -inf
-            mask = mask.double().masked_fill(~pm, float("-inf"))
-    out, _ = reference.attention(case.q, case.k, case.v, mask, is_causal=case.kwargs.get("is_causal", False),
-                                 enable_gqa=case.kwargs.get("enable_gqa", False))
-    return torch.from_numpy(out), mask
-
-
-def _path(mech, case: Case) -> str:
-    import attnlab
-    from attnlab.mechanisms.exact import Exact
-
-    if isinstance(mech, Exact):
-        try:
-            plan = attnlab.explain(case.q, case.k, case.v, pattern=mech.pattern_for(), method=mech.method,
-                                   **case.kwargs)
-            return plan.method + (f" ({plan.sdpa_backend})" if plan.method == "sdpa" else "")
-        except ValueError as e:
-            return f"refused: {e}"
-    return f"{mech.name}{' causal' if case.kwargs.get('is_causal') else ''}"
-
-
-def sized_instance(name: str, L: int, S: int):
-    """The mechanism with its window/block/budget sized to the inputs (about an eighth of the length),
-    so that patterns really mask and approximations really approximate at the checked shape."""
-    import attnlab.mechanisms as M
-
-    n = max(L, S)
-    w, blk = max(1, n // 8), max(1, n // 8)
-    sized = {
-        "sliding_window": dict(window=w), "dilated": dict(window=max(1, w // 2), dilation=2),
-        "strided": dict(stride=max(1, round(math.sqrt(n)))), "fixed": dict(block=blk, summary=max(1, blk // 4)),
-        "longformer": dict(window=w, global_tokens=1), "bigbird": dict(block_size=blk),
-        "block_sparse": dict(layout=_layout(-(-n // blk)), block_size=blk),
-        "linformer": dict(k=max(1, S // 4)), "nystrom": dict(num_landmarks=max(1, min(L, S) // 4)),
-        "hierarchical": dict(block_size=blk), "performer": dict(num_features=64),
-    }
-    return M.get(name, **sized.get(name, {}))
-
-
-def _layout(nb: int) -> torch.Tensor:
-    """Block layout: the diagonal band plus the first block column (a local + global pattern)."""
-    i = torch.arange(nb)
-    return ((i.unsqueeze(1) - i.unsqueeze(0)).abs() <= 1) | (i.unsqueeze(0) == 0)
-
-
-def check(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float32, seed=0, only=None) -> list[dict]:
-    """Run the check; one dict per (mechanism, case)."""
-    import attnlab.mechanisms as M
-
-    names = list(M.available()) if not names else names
-    for n in names:
-        if n not in M.available():
-            raise UsageError(f"unknown mechanism {n!r}; available: {', '.join(M.available())}")
-    cases = make_cases(shape, S, dtype, seed, only)
-    refs: dict[tuple, tuple] = {}
-    rows = []
-    for n in names:
-        for c in cases:
-            mech = sized_instance(n, shape[2], max(c.k.shape[-2], S or shape[2]))
-            row = dict(mechanism=n, params=repr(mech), case=c.name, exact=mech.spec.exact,
-                       dtype=str(c.q.dtype).replace("torch.", ""))
-            inputs = M.Inputs.from_tensors(c.q, c.k, c.v, c.kwargs.get("attn_mask"), c.kwargs.get("is_causal", False),
-                                           0.0, c.kwargs.get("enable_gqa", False))
-            reasons = mech.not_supported_reasons(inputs)
-            if reasons:
-                rows.append(dict(row, status="skip", path="", reasons=reasons))
-                continue
-            pat = mech.pattern_for() if mech.spec.exact else None
-            key = (c.name, repr(pat))
-            if key not in refs:
-                refs[key] = _reference(c, pat)
-            want, ref_mask = refs[key]
-            try:
-                out = mech(c.q, c.k, c.v, **c.kwargs)
-            except Exception as e:  # a crash on inputs the spec claims: a failure, reported
-                rows.append(dict(row, status="FAIL", path=_path(mech, c), reasons=[f"{type(e).__name__}: {e}"]))
-                continue
-            o = out.detach().double()
-            err = float((o - want).abs().max()) if o.numel() else 0.0
-            rel = float((o - want).norm() / want.norm().clamp_min(1e-300)) if o.numel() else 0.0
-            row.update(path=_path(mech, c), max_abs_err=err, rel_fro_err=rel, reasons=[])
-            finite = bool(torch.isfinite(o).all())
-            if mech.spec.exact:
-                naive_kw = dict(c.kwargs)
-                naive_kw["attn_mask"] = ref_mask.to(c.q.dtype) if (
-                    ref_mask is not None and ref_mask.dtype != torch.bool) else ref_mask
-                naive = _naive_same_dtype(c.q, c.k, c.v, **naive_kw)
-                naive_err = float((naive.double() - want).abs().max()) if naive.numel() else 0.0
-                tol = TOL_FACTOR * naive_err + TOL_FLOOR[c.q.dtype]
-                row.update(naive_err=naive_err, tol=tol)
-                row["status"] = "ok" if (finite and err <= tol) else "FAIL"
-            else:
-                row["status"] = "approx" if finite else "FAIL"
-                if not finite:
-                    row["reasons"] = ["non-finite output"]
-            rows.append(row)
-    return rows
 
 
 def run(args):
@@ -250,10 +45,12 @@ def run(args):
     shape = _shape(args.shape)
     if args.kv_len is not None and args.kv_len < 1:
         raise UsageError(f"--kv-len must be >= 1, got {args.kv_len}")
-    check_budget(shape, args.kv_len, args.case, args.shape)
-    rows = check(args.mechanism, shape, args.kv_len, DTYPES[args.dtype], args.seed, args.case)
-    failures = [r for r in rows if r["status"] == "FAIL"]
-    exact_fail = [r for r in failures if r["exact"]]
+    check_budget(shape, args.kv_len, args.case, args.shape)  # names the user's --shape text
+    try:
+        res = run_conformance(args.mechanism, shape, args.kv_len, DTYPES[args.dtype], args.seed, args.case)
+    except ValueError as e:  # an unknown mechanism name
+        raise UsageError(str(e)) from None
+    rows, failures, exact_fail = res.rows, res.failures, res.exact_failures
     console = Console()  # follows the terminal (or $COLUMNS)
     if args.json:
         console.print_json(json.dumps(rows))
@@ -298,4 +95,4 @@ def run(args):
                else "[green]every exact mechanism is within tolerance[/]")
         console.print(msg + f" (tolerance = {TOL_FACTOR} × naive same-dtype error + floor)")
     return {"results": rows, "failures": len(failures), "exact_failures": len(exact_fail),
-            "exit_code": 1 if failures else 0}
+            "exit_code": res.exit_code}

@@ -55,8 +55,9 @@ _LAYOUT_BYTES_PER_BLOCK = 64
 
 
 def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pattern=None, **kw) -> dict:
-    """Plan for one query shape. The tensors live on the meta device (shapes and dtypes, no storage):
-    explain runs no attention, so a shape of any size can be explained; only a pattern's block layouts,
+    """Plan for one query shape on this machine's CPU. The tensors live on the meta device (shapes and
+    dtypes, no storage) and are planned as CPU tensors: explain runs no attention, so a shape of any size
+    can be explained; only a pattern's block layouts,
     which the planner builds for real, are checked against the memory budget first."""
     L = shape[-2]
     S = kv_len if kv_len is not None else L
@@ -74,7 +75,7 @@ def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pat
         blocks = -(-L // 32) * -(-S // 32)
         check_memory(f"--shape {','.join(map(str, shape))} with --pattern", blocks * _LAYOUT_BYTES_PER_BLOCK,
                      f"the sparse planner's block layout of {-(-L // 32)} x {-(-S // 32)} blocks")
-    plan = attnlab.explain(q, k, k, pattern=pat, **kw)
+    plan = attnlab.explain(q, k, k, pattern=pat, device="cpu", **kw)  # what a CPU run of these shapes does
     return {"shape": list(shape), "S": S, "pattern": pattern, "options": {k: v for k, v in kw.items() if v},
             "method": plan.method, "reason": plan.reason, "refused": plan.refused,
             "peak_bytes": plan.peak_bytes, "flops": plan.flops, "sdpa_backend": plan.sdpa_backend,

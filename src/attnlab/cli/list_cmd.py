@@ -1,9 +1,12 @@
-"""attnlab list: every registered mechanism and its declared capabilities (from its Spec)."""
+"""attnlab list: every registered mechanism and its declared capabilities (from its Spec), or with
+--kernels every attention kernel's declaration (``attnlab.kernels.KernelSpec``)."""
 from __future__ import annotations
 
 
 def build_parser(p):
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--kernels", action="store_true",
+                   help="list the kernels attnlab.attention plans over and what each declares it supports")
     p.add_argument("--kind", choices=["exact", "pattern", "approximate"], help="only this kind")
     p.add_argument("--cost", metavar="L,S,D", default="4096,4096,64",
                    help="cost model evaluated at these sizes, per batch element and head (default 4096,4096,64)")
@@ -42,6 +45,42 @@ def _sizes(text: str) -> tuple[int, int, int]:
     return L, S, D
 
 
+def kernel_rows() -> list[dict]:
+    """One dict per kernel from its declaration: name, summary and the capability fields."""
+    from attnlab import kernels
+
+    rows = []
+    for s in kernels.KERNELS:
+        rows.append({"name": s.name, "summary": s.summary, "masks": s.masks, "causal": s.causal, "weights": s.weights, "lse": s.lse, "dropout": s.dropout,
+                     "backward": s.backward, "float_mask_grad": s.float_mask_grad, "gqa_no_copy": s.gqa_no_copy,
+                     "materializes": s.materializes, "needs_sparsity": s.needs_sparsity,
+                     "needs_extension": s.needs_extension, "devices": list(s.devices) if s.devices else None,
+                     "dtypes": [str(d).replace("torch.", "") for d in s.dtypes]})
+    return rows
+
+
+def _run_kernels(args, console) -> dict:
+    import json
+
+    from rich.table import Table
+
+    rows = kernel_rows()
+    if args.json:
+        console.print_json(json.dumps(rows))
+        return {"kernels": rows, "exit_code": 0}
+    t = Table(title="attnlab kernels (what attnlab.attention's planner reads; `attnlab explain` shows its choice)",
+              title_justify="left")
+    for c in ("name", "weights", "lse", "dropout", "mask grad", "materialises", "needs", "summary"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        needs = [n for n, on in (("a mask", r["needs_sparsity"]), ("the extension", r["needs_extension"])) if on]
+        needs += [f"{'/'.join(r['devices'])} tensors"] if r["devices"] else []
+        t.add_row(r["name"], r["weights"], r["lse"], "yes" if r["dropout"] else "no",
+                  "yes" if r["float_mask_grad"] else "no", r["materializes"], ", ".join(needs) or "—", r["summary"])
+    console.print(t)
+    return {"kernels": rows, "exit_code": 0}
+
+
 def run(args):
     import json
 
@@ -50,13 +89,16 @@ def run(args):
 
     import attnlab.mechanisms as M
 
+    if getattr(args, "kernels", False):
+        return _run_kernels(args, Console())
+
     L, S, D = _sizes(args.cost)
     rows, uncounted = [], []
     for name in M.available():
         d = M.describe(name)
         if args.kind and d["kind"] != args.kind:
             continue
-        if not M._needs_params(name):
+        if not M.needs_params(name):
             m = M.get(name)
             slow = _counted_pair_by_pair(m, L, S)
             d["gflop"] = None if slow else m.flops(L, S, D) / 1e9

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..functional import attention_with_lse
+from ..kernels.lse import acc_dtype, merge_into
 from .layout import LAYOUTS, check_layout, chunk_sizes, shard_segments
 
 __all__ = ["ring_attention", "RingAttentionError", "DEFAULT_BLOCK_SIZE", "comm_stats"]
@@ -41,10 +42,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 class RingAttentionError(RuntimeError):
     """A collective or point-to-point operation of ring attention failed (a peer died or timed out)."""
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # -- the schedule: who holds which positions, and which pieces travel ------------------------------
@@ -209,23 +206,6 @@ def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 # -- forward ---------------------------------------------------------------------------------------
-def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Tensor) -> None:
-    """In place: (out, lse) <- merge of (out, lse) and (o, lse_o).
-
-    Note [Merging by log-sum-exp]: attention over keys K1 ∪ K2 is
-    (exp(lse1)·out1 + exp(lse2)·out2) / (exp(lse1) + exp(lse2)), with lse = log(exp(lse1) + exp(lse2));
-    computed relative to m = max(lse1, lse2). ``lse_o`` is always finite here (every row given to a
-    block sees at least one key), and lse = -inf (nothing seen yet) gets weight exactly 0.
-    Equivalent to ``attnlab.merge_partials``, without allocating a new output.
-    """
-    lse_o = lse_o.to(lse.dtype)
-    m = torch.maximum(lse, lse_o)
-    wa, wb = torch.exp(lse - m), torch.exp(lse_o - m)
-    tot = wa + wb
-    out.mul_((wa / tot).unsqueeze(-1)).addcmul_(o.to(out.dtype), (wb / tot).unsqueeze(-1))
-    lse.copy_(m + torch.log(tot))
-
-
 def _row_chunks(rows: tuple[int, int] | None, block: int):
     if rows is None:
         return
@@ -241,10 +221,10 @@ def _attend_piece(q, cur, piece: _Piece, sched: _Schedule, scale: float, out, ls
     if diag is not None:
         a, b = diag
         o, l = attention_with_lse(q[:, :, a:b], kp, vp, is_causal=True, scale=scale)
-        _merge_into(out[:, :, a:b], lse[:, :, a:b], o, l)
+        merge_into(out[:, :, a:b], lse[:, :, a:b], o, l)
     for a, b in _row_chunks(full, sched.block):
         o, l = attention_with_lse(q[:, :, a:b], kp, vp, scale=scale)
-        _merge_into(out[:, :, a:b], lse[:, :, a:b], o, l)
+        merge_into(out[:, :, a:b], lse[:, :, a:b], o, l)
 
 
 def _ring_forward(q, k, v, sched: _Schedule, scale: float, comm: _Comm):
@@ -252,7 +232,7 @@ def _ring_forward(q, k, v, sched: _Schedule, scale: float, comm: _Comm):
     Ev = v.shape[-1]
     D = E + Ev
     P, r = sched.world, sched.rank
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = torch.zeros(B, H, L_r, Ev, dtype=acc, device=q.device)
     lse = torch.full((B, H, L_r), float("-inf"), dtype=acc, device=q.device)
     maxn = max((p.n for ps in sched.pieces for p in ps), default=0)
@@ -318,7 +298,7 @@ def _ring_backward(dout, q, k, v, out, lse, sched: _Schedule, scale: float, comm
     Ev = v.shape[-1]
     D = E + Ev
     P, r = sched.world, sched.rank
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # (B, H, L_r): rowsum(dO ∘ O)
     dq = torch.zeros(B, H, L_r, E, dtype=acc, device=q.device)
     dk = torch.zeros(B, H, L_r, E, dtype=acc, device=q.device)

@@ -27,9 +27,10 @@ import torch
 
 from .. import patterns as P
 from .masks import MaskSpec
+from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm", "uses_brgemm"]
+           "has_fast_gemm", "uses_brgemm", "scratch_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
 ABI_VERSION = 2
@@ -119,6 +120,7 @@ class KernelLayout:
 
     @property
     def tensors(self):
+        """(kv_num, kv_idx, tile_id, tiles) in the order the extension takes them."""
         return self.kv_num, self.kv_idx, self.tile_id, self.tiles
 
 
@@ -300,3 +302,24 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
     return _CompiledFunction.apply(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), layout, keep, bias,
                                    alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L) if alibi_causal else 0)
+
+
+# -- declaration ------------------------------------------------------------------------------------
+def scratch_bytes(block_q: int, block_k: int, E: int, Ev: int) -> int:
+    """Bytes of the kernel's per-thread tiles (scores, probabilities, accumulators), all threads."""
+    return torch.get_num_threads() * 4 * (4 * block_q * block_k + block_q * (E + Ev + 4))
+
+
+def _peak(r: Request, t: Tiling | None) -> int:
+    bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
+    return io_bytes(r) + r.N * r.H * r.L * 4 + scratch_bytes(bq, bk, r.E, r.Ev)
+
+
+def _flops(r: Request, t: Tiling | None) -> int:
+    computed = t.computed(r.L, r.S) if t is not None else r.L * r.S
+    return r.N * r.H * computed * 2 * (r.E + r.Ev)
+
+
+SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the layout's tiles, masks read "
+                  "inside them", lse="yes", gqa_no_copy=True, needs_extension=True, blocked=True, devices=("cpu",),
+                  peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason())

@@ -4,8 +4,22 @@ from __future__ import annotations
 import torch
 
 from .masks import MaskSpec
+from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["dense_attention", "masked_softmax"]
+__all__ = ["dense_attention", "masked_softmax", "SPEC"]
+
+
+def _peak(r: Request, t: Tiling | None) -> int:
+    """Inputs and outputs, the float32 scores, weights and one temporary [N, H, L, S]; plus the returned weights."""
+    return io_bytes(r) + 3 * r.pairs * 4 + (r.pairs * r.element_size if r.need_weights else 0)
+
+
+def _flops(r: Request, t: Tiling | None) -> int:
+    return r.pairs * 2 * (r.E + r.Ev)
+
+
+SPEC = KernelSpec("dense", "materialises the [B, H, L, S] scores; supports everything", weights="yes",
+                  dropout=True, float_mask_grad=True, materializes="scores", peak_bytes=_peak, flops=_flops)
 
 
 def masked_softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

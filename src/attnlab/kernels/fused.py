@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sdpa", "flash_cpu_with_lse", "HAS_CPU_FLASH", "sdpa_backend"]
+from .spec import KernelSpec, Request, Tiling, io_bytes
+
+__all__ = ["sdpa", "flash_cpu_with_lse", "flash_cpu_backward", "HAS_CPU_FLASH", "sdpa_backend", "SPEC"]
 
 _flash = getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu", None)
 HAS_CPU_FLASH = _flash is not None and getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu_backward", None) is not None
@@ -72,3 +74,18 @@ def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=
         return SDPBackend(choice).name.lower()
     except Exception:  # private API: unknown is an honest answer
         return "unknown"
+
+
+def _peak(r: Request, t: Tiling | None) -> int:
+    """Fused backends keep O(L) state per row; a pattern or mask is passed as an L×S tensor; the math
+    backend builds [N, H, L, S] scores."""
+    mask = 0 if (r.trivial or r.causal_only) else r.L * r.S * (4 if r.float_mask else 1)
+    return io_bytes(r) + r.N * r.H * r.L * 4 + mask + (3 * r.pairs * 4 if r.sdpa_backend == "math" else 0)
+
+
+def _flops(r: Request, t: Tiling | None) -> int:
+    return r.pairs * 2 * (r.E + r.Ev) // (2 if r.causal_only and r.sdpa_backend != "math" else 1)
+
+
+SPEC = KernelSpec("sdpa", "PyTorch's scaled_dot_product_attention (patterns passed as an L×S mask)",
+                  lse="inference", dropout=True, float_mask_grad=True, materializes="mask", peak_bytes=_peak, flops=_flops)

@@ -18,6 +18,10 @@ __all__ = ["MaskSpec"]
 
 @dataclass
 class MaskSpec:
+    """Everything that masks the scores of one call, for [N, H, L, S] (N = B, the flattened batch): a
+    pattern (causal included), a user bool mask ``keep`` and a user float mask ``bias``, both 4-D and
+    broadcastable. Kernels ask it for one block's keep/bias (``block``) and for block layouts."""
+
     L: int
     S: int
     pattern: P.Pattern | None = None  # includes causal when is_causal was given
@@ -28,6 +32,7 @@ class MaskSpec:
 
     @property
     def is_trivial(self) -> bool:
+        """No mask at all (not even causal): every (query, key) pair takes part."""
         return self.pattern is None and self.keep is None and self.bias is None
 
     def bias_finer_than(self, dtype: torch.dtype) -> bool:

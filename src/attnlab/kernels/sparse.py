@@ -18,8 +18,28 @@ from .. import patterns as P
 from . import fused as _fused
 from .fused import sdpa
 from .masks import MaskSpec
+from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["gathered_attention", "plan_groups"]
+__all__ = ["gathered_attention", "plan_groups", "SPEC"]
+
+
+def _peak(r: Request, t: Tiling | None) -> int:
+    """Gathered key/value blocks per query block, the visited scores (float32) and the lse per row."""
+    bq, bk = (t.block_q, t.block_k) if t is not None else (128, 128)
+    blocks = t.blocks if t is not None else None
+    gathered = blocks * bk if blocks is not None else -(-r.L // bq) * max(r.S, 1)
+    computed = t.computed(r.L, r.S) if t is not None else r.L * r.S
+    return (io_bytes(r) + r.N * r.H * gathered * (r.E + r.Ev) * r.element_size + computed * 4
+            + r.N * r.H * r.L * 4)
+
+
+def _flops(r: Request, t: Tiling | None) -> int:
+    computed = t.computed(r.L, r.S) if t is not None else r.L * r.S
+    return r.N * r.H * computed * 2 * (r.E + r.Ev)
+
+
+SPEC = KernelSpec("sparse", "only the non-empty key blocks of a mask, gathered through the fused kernel",
+                  dropout=True, needs_sparsity=True, blocked=True, peak_bytes=_peak, flops=_flops)
 
 CHUNK_BYTES = 16 << 20
 

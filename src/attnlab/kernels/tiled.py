@@ -16,13 +16,33 @@ import torch
 
 from .. import patterns as P
 from . import fused as _fused
+from .lse import acc_dtype as _acc_dtype
+from .lse import merge as _merge
 from .masks import MaskSpec
+from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["tiled_attention", "iter_blocks", "block_scores"]
+__all__ = ["tiled_attention", "tiled_lse", "iter_blocks", "block_scores", "SPEC", "DEFAULT_BLOCK"]
+
+#: (block_q, block_k) when the caller gives none
+DEFAULT_BLOCK = (512, 512)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _peak(r: Request, t: Tiling | None) -> int:
+    """Output, running max/denominator/lse per row, and three block_q × block_k score tiles; plus the
+    weights when the second pass returns them."""
+    bq, bk = (t.block_q, t.block_k) if t is not None else DEFAULT_BLOCK
+    return (io_bytes(r) + r.N * r.H * r.L * (r.Ev + 3) * 4 + 3 * r.N * r.H * bq * bk * 4
+            + (r.pairs * r.element_size if r.need_weights else 0))
+
+
+def _flops(r: Request, t: Tiling | None) -> int:
+    computed = t.computed(r.L, r.S) if t is not None else r.L * r.S
+    return r.N * r.H * computed * 2 * (r.E + r.Ev)
+
+
+SPEC = KernelSpec("tiled", "online-softmax tiles (FlashAttention's algorithm), recompute backward; weights by "
+                  "a second pass over the saved log-sum-exp", weights="second pass", lse="yes", blocked=True,
+                  peak_bytes=_peak, flops=_flops)
 
 
 def iter_blocks(layout: torch.Tensor, L: int, S: int, bq: int, bk: int):
@@ -101,7 +121,7 @@ def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
         qa, ka, va = q.contiguous(), k.contiguous(), v.contiguous()
     else:
         qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
-    out = torch.zeros(N, H, L, Ev, dtype=q.dtype, device=q.device)
+    out = torch.zeros(N, H, L, Ev, dtype=acc, device=q.device)  # Note [Tiled output precision]
     lse = torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
     layout = mask.layout(bq, bk, device="cpu")
     cur = None
@@ -115,15 +135,9 @@ def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
             l = torch.zeros_like(m)
             o = torch.zeros(N, H, q1 - q0, Ev, dtype=acc, device=q.device)
         if flash:
-            # merge the tile's normalised output by log-sum-exp (Note [Online softmax rescaling])
+            # merge the tile's normalised output by log-sum-exp (Note [Merging by log-sum-exp], kernels/lse.py)
             o_t, lse_t = _flash_tile(qc, ka[:, :, k0:k1], va[:, :, k0:k1], mask, scale, q0, q1, k0, k1, kind, N)
-            m_new = torch.maximum(m, lse_t)
-            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-            a, b = torch.exp(m - m_safe), torch.exp(lse_t - m_safe)
-            tot = a + b
-            denom = torch.where(tot > 0, tot, torch.ones_like(tot))
-            o = o * (a / denom).unsqueeze(-1) + o_t * (b / denom).unsqueeze(-1)
-            m = torch.where(tot > 0, m_safe + torch.log(denom), m_new)
+            o, m = _merge(o, m, o_t, lse_t)
             continue
         s = block_scores(qc, ka[:, :, k0:k1], mask, scale, q0, q1, k0, k1, kind, N)
         m_new = torch.maximum(m, s.amax(dim=-1))
@@ -138,6 +152,10 @@ def _forward(q, k, v, mask: MaskSpec, scale: float, bq: int, bk: int):
     return out, lse
 
 
+# Note [Tiled output precision]: the forward keeps the output in the accumulation dtype (float32 for
+# half inputs) and the autograd Function saves that copy: the backward's rowsum(dO ∘ O) from a bf16-rounded
+# O cost up to 11x the naive bf16 computation's error in dk (found by test_differential's hypothesis
+# search: L=1, S=3, E=1, Ev=5, scale 2). Memory: L·Ev·4 bytes per head saved instead of L·Ev·2.
 def _finish_lse(out, lse, q0, q1, m, o):
     out[:, :, q0:q1] = o.to(out.dtype)
     lse[:, :, q0:q1] = m
@@ -161,7 +179,7 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
         # Each tile's gradient from the fused backward, given the *global* output and log-sum-exp:
         # P = exp(S - lse) and D = rowsum(dO ∘ O) are then exactly the full-attention quantities.
         qc_, kc_, vc_, do_ = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous().to(q.dtype)
-        oc_, lf = out.contiguous(), lse_b.contiguous()
+        oc_, lf = out.to(q.dtype).contiguous(), lse_b.contiguous()  # the op takes q's dtype
         dq, dk, dv = {}, {}, {}  # block start -> summed gradient (Note [Out-of-place gradient sums])
         for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
             tm = _tile_mask(mask, q0, q1, k0, k1, N, q.device, q.dtype)[0] if kind == P.PARTIAL else None
@@ -208,17 +226,27 @@ def _assemble(parts: dict, like: torch.Tensor, b: int, dtype: torch.dtype) -> to
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, bq, bk):
-        out, lse = _forward(q, k, v, mask, scale, bq, bk)
+        out, lse = _forward(q, k, v, mask, scale, bq, bk)  # out in the accumulation dtype
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mask, ctx.scale, ctx.bq, ctx.bk = mask, scale, bq, bk
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale, ctx.bq, ctx.bk)
         return dq, dk, dv, None, None, None, None
+
+
+def tiled_lse(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):
+    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]) by one
+    forward pass, outside autograd (nothing saved for a backward). lse is in ``acc_dtype(q.dtype)``,
+    -inf for a row with no key. For callers that need only the log-sum-exp (``attnlab.probe``), v may
+    have Ev = 0."""
+    with torch.no_grad():
+        out, lse = _forward(q, k, v, mask, scale, block_q, block_k)
+        return out.to(q.dtype), lse
 
 
 def tiled_attention(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):

@@ -25,18 +25,17 @@ redraw them, for Linformer it holds learnable projections (``as_module(max_len=.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
-from ..shapes import AttentionInputs, check_attention_inputs, shape_str
+from ..shapes import AttentionInputs, Prepared, check_attention_inputs, prepare, shape_str
 
 __all__ = [
     "Spec", "Inputs", "Mechanism", "MechanismModule", "register", "get", "available", "resolve", "describe",
-    "specs", "UnsupportedInputs",
+    "specs", "UnsupportedInputs", "needs_params",
 ]
 
 #: mask kinds a mechanism can declare: no attn_mask at all, masks that depend on the key only
@@ -98,6 +97,8 @@ class Inputs:
     @classmethod
     def from_tensors(cls, query, key, value, attn_mask=None, is_causal=False, dropout_p=0.0,
                      enable_gqa=False, need_weights=False, scale=None) -> "Inputs":
+        """Describe a call from its tensors (query [..., L, E], key [..., S, E], value [..., S, Ev]),
+        validating them as ``attnlab.attention`` does."""
         info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return cls._from_info(info, attn_mask, is_causal, dropout_p, need_weights)
 
@@ -116,7 +117,8 @@ class Mechanism:
     """Base of every registered mechanism (subclasses are frozen dataclasses of hyperparameters).
 
     Subclasses implement ``_forward(q, k, v, key_keep, attn_mask, is_causal, scale, dropout_p,
-    need_weights)`` on 4-D tensors (see ``_prepare``) or override ``__call__`` entirely (exact ones).
+    need_weights)`` on 4-D tensors (q [B, H, L, E], k [B, H, S, E], v [B, H, S, Ev]; see ``_prepare``)
+    or override ``__call__`` entirely (exact ones).
     """
 
     name: ClassVar[str] = ""
@@ -147,6 +149,7 @@ class Mechanism:
         return []
 
     def supports(self, inputs: Inputs) -> bool:
+        """True when ``not_supported_reasons(inputs)`` is empty."""
         return not self.not_supported_reasons(inputs)
 
     # -- cost model (per batch element and head) ---------------------------------------------------
@@ -165,6 +168,7 @@ class Mechanism:
 
     # -- params ----------------------------------------------------------------------------------
     def params(self) -> dict[str, Any]:
+        """The mechanism's hyperparameters as {name: value}."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     def as_module(self) -> nn.Module:
@@ -175,83 +179,63 @@ class Mechanism:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                  attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
                  dropout_p: float = 0.0, enable_gqa: bool = False, need_weights: bool = False):
-        p = _prepare(self, query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, need_weights)
-        if p.q.shape[-2] == 0 or p.S == 0:  # nothing to attend: output 0, graph kept connected
-            out = (p.q.new_zeros(*p.q.shape[:-1], p.v.shape[-1])
-                   + (p.q[..., :0].sum() + p.k[..., :0].sum() + p.v[..., :0].sum())).reshape(p.out_shape)
-            return (out, p.q.new_zeros(p.out_shape[:-1] + (p.S,))) if need_weights else out
-        out, w = self._forward(p.q, p.k, p.v, key_keep=p.key_keep, attn_mask=p.mask, is_causal=is_causal,
-                               scale=p.scale, dropout_p=p.dropout_p, need_weights=need_weights)
+        c = _prepare(self, query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa, need_weights)
+        p, key_keep, mask = c.prepared, c.key_keep, c.mask
+        S = p.info.S
+        if p.info.L == 0 or S == 0:  # nothing to attend: output 0, graph kept connected
+            out, w = p.empty_result()
+            out = out.reshape(p.out_shape)
+            return (out, w.reshape(p.out_shape[:-1] + (S,))) if need_weights else out
+        out, w = self._forward(p.q, p.k, p.v, key_keep=key_keep, attn_mask=mask, is_causal=is_causal,
+                               scale=p.info.scale, dropout_p=p.dropout_p, need_weights=need_weights)
         out = out.reshape(p.out_shape)
         if need_weights:
-            return out, w.reshape(p.out_shape[:-1] + (p.S,))
+            return out, w.reshape(p.out_shape[:-1] + (S,))
         return out
 
     def _forward(self, q, k, v, *, key_keep, attn_mask, is_causal, scale, dropout_p, need_weights):
         raise NotImplementedError
 
 
-@dataclass
-class Prepared:
-    q: torch.Tensor  # (N, H, L, E)
-    k: torch.Tensor  # (N, H, S, E), key/value heads repeated under GQA
-    v: torch.Tensor  # (N, H, S, Ev)
-    key_keep: torch.Tensor | None  # (N|1, H|1, S) bool, True = key takes part
-    mask: torch.Tensor | None  # (N|1, H|1, L|1, S) user mask, bool or float, 4-D
-    scale: float
-    dropout_p: float
-    out_shape: tuple[int, ...]
-    S: int
-    inputs: Inputs
+@dataclass(frozen=True)
+class _Call:
+    """A mechanism call's inputs as ``attnlab.shapes.prepare`` left them, plus the mask views mechanisms read.
 
+    q [B, H, L, E]; k, v [B, H, S, E|Ev] (GQA heads repeated, dead keys zeroed: Note [Dead keys]);
+    mask: the user's attn_mask as [B|1, H|1, L|1, S|1] (bool or float) or None; key_keep [B|1, H|1, S]
+    bool (True = takes part) when it is a key-padding mask ([..., 1, S]), else None.
+    """
 
-def _to4d(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() == 2:
-        return t.unsqueeze(0).unsqueeze(0)
-    if t.dim() == 3:
-        return t.unsqueeze(0)
-    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])  # not -1: ambiguous when a dim is 0
+    prepared: Prepared
+    key_keep: torch.Tensor | None
+    mask: torch.Tensor | None
+
+    q = property(lambda self: self.prepared.q)
+    k = property(lambda self: self.prepared.k)
+    v = property(lambda self: self.prepared.v)
+    scale = property(lambda self: self.prepared.info.scale)
+    dropout_p = property(lambda self: self.prepared.dropout_p)
+    out_shape = property(lambda self: self.prepared.out_shape)
+    S = property(lambda self: self.prepared.info.S)
 
 
 def _prepare(mech: Mechanism, query, key, value, attn_mask, is_causal, scale, dropout_p, enable_gqa,
-             need_weights) -> Prepared:
-    """Validate, refuse what the spec does not cover (listing why), flatten to 4-D, repeat GQA heads."""
-    info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    inputs = Inputs._from_info(info, attn_mask, is_causal, dropout_p, need_weights)
+             need_weights) -> _Call:
+    """Validate and flatten once (``attnlab.shapes.prepare``), then refuse what the spec does not
+    cover, listing why."""
+    p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    inputs = Inputs._from_info(p.info, attn_mask, is_causal, dropout_p, need_weights)
     reasons = mech.not_supported_reasons(inputs)
     if reasons:
         raise UnsupportedInputs(
             f"{mech!r} cannot run query {shape_str(query)}, key {shape_str(key)} with "
             f"is_causal={is_causal}, attn_mask={None if attn_mask is None else shape_str(attn_mask)}: "
             + "; ".join(reasons))
-    q, k, v = _to4d(query), _to4d(key), _to4d(value)
-    if info.H != info.Hkv:
-        k = k.repeat_interleave(info.groups, dim=1)  # (N, H, S, E)
-        v = v.repeat_interleave(info.groups, dim=1)
-    mask4 = key_keep = None
-    if attn_mask is not None:
-        m = attn_mask
-        full_rank = len(info.batch_shape) + 2
-        m = m.reshape((1,) * (full_rank - m.dim()) + tuple(m.shape))
-        lead = m.shape[:-2]
-        if len(lead) <= 1:
-            m = m.reshape((1,) * (2 - len(lead)) + tuple(m.shape))
-        elif all(s == 1 for s in lead[:-1]):
-            m = m.reshape(1, *m.shape[-3:])
-        else:
-            m = m.expand(*info.batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(info.batch_shape[:-1]), *m.shape[-3:])
-        mask4 = m  # (N|1, H|1, L|1, S|1)
-        if m.dtype == torch.bool and m.shape[-2] == 1:
-            key_keep = m[..., 0, :].expand(*m.shape[:-2], info.S)  # (N|1, H|1, S)
-        # Note [Dead keys] (attnlab.functional): a key masked for every query is zeroed, so that what it
-        # holds (NaN, Inf in padding) cannot reach the output through feature maps, segment means or
-        # 0·NaN in a product; its true gradient is 0 too.
-        dead = ~m.any(dim=-2) if m.dtype == torch.bool else torch.isneginf(m.detach()).all(dim=-2)  # (N|1, H|1, S|1)
-        if bool(dead.any()):
-            dead = dead.unsqueeze(-1)  # (N|1, H|1, S|1, 1)
-            k, v = k.masked_fill(dead, 0), v.masked_fill(dead, 0)
-    return Prepared(q, k, v, key_keep, mask4, info.scale, float(dropout_p),
-                    tuple(query.shape[:-1]) + (info.Ev,), info.S, inputs)
+    m = p.mask.keep if p.mask.keep is not None else p.mask.bias  # (B|1, H|1, L|1, S|1)
+    key_keep = None
+    if m is not None and m.dtype == torch.bool and m.shape[-2] == 1:
+        key_keep = m[..., 0, :].expand(*m.shape[:-2], p.info.S)  # (B|1, H|1, S)
+    return _Call(p, key_keep, m)
 
 
 class MechanismModule(nn.Module):
@@ -264,13 +248,17 @@ class MechanismModule(nn.Module):
 
     def forward(self, query, key, value, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
                 enable_gqa=False, need_weights=False):
+        """The wrapped mechanism's call: query [..., L, E], key [..., S, E], value [..., S, Ev] ->
+        out [..., L, Ev] (and weights [..., L, S] with need_weights)."""
         return self.mechanism(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                               dropout_p=dropout_p, enable_gqa=enable_gqa, need_weights=need_weights)
 
     def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        """The wrapped mechanism's reasons (see ``Mechanism.not_supported_reasons``)."""
         return self.mechanism.not_supported_reasons(inputs)
 
     def extra_repr(self) -> str:
+        """The wrapped mechanism's repr, shown by ``print(module)``."""
         return repr(self.mechanism)
 
 
@@ -308,6 +296,7 @@ def available() -> tuple[str, ...]:
 
 
 def specs() -> dict[str, Spec]:
+    """{name: Spec} of every registered mechanism, in registration order."""
     _load_builtins()
     return {n: c.spec for n, c in _REGISTRY.items()}
 
@@ -381,7 +370,11 @@ def describe(name_or_mech: "str | Mechanism") -> dict[str, Any]:
     }
 
 
-def _needs_params(name: str) -> bool:
+def needs_params(name: str) -> bool:
+    """Whether mechanism ``name`` has a parameter without a default (``get(name)`` alone would raise)."""
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown mechanism {name!r}; available: {', '.join(_REGISTRY)}")
     cls = _REGISTRY[name]
     return any(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
                for f in dataclasses.fields(cls))

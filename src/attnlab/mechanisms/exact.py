@@ -1,13 +1,19 @@
-"""Exact attention in the registry: attnlab.attention's methods and every core pattern."""
+"""Exact attention in the registry: attnlab.attention's methods and every core pattern.
+
+What each method supports is read from the kernels' declarations (``attnlab.kernels.KERNELS``) and
+refused by the one planner (``attnlab.functional.planner``); nothing here re-codes a kernel's limits.
+"""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .. import patterns as P
-from ..functional import attention
+from ..functional import planner, run
+from ..kernels.spec import Request, Tiling, io_bytes
+from ..shapes import prepare
 from . import Inputs, Mechanism, Spec, UnsupportedInputs, register
 
 __all__ = [
@@ -15,7 +21,7 @@ __all__ = [
     "PatternMechanism", "SlidingWindow", "Dilated", "Strided", "Fixed", "BlockSparse", "Longformer", "BigBird",
 ]
 
-_METHODS = ("auto", "dense", "sdpa", "tiled", "sparse")
+_METHODS = planner.METHODS
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -40,25 +46,36 @@ class Exact(Mechanism):
 
     def __call__(self, query, key, value, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
                  enable_gqa=False, need_weights=False):
-        inputs = Inputs.from_tensors(query, key, value, attn_mask, is_causal, dropout_p, enable_gqa, need_weights,
-                                     scale)
+        # validated once: the prepared inputs describe the call for the spec check and then run
+        p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, self.pattern_for())
+        inputs = Inputs._from_info(p.info, attn_mask, is_causal, dropout_p, need_weights)
         reasons = self.not_supported_reasons(inputs)
         if reasons:
             raise UnsupportedInputs(f"{self!r} cannot run these inputs: " + "; ".join(reasons))
-        return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa, pattern=self.pattern_for(), method=self.method,
-                         need_weights=need_weights, strict=getattr(self, "strict", False),
-                         block_size=self._block())
+        return run(p, method=self.method, need_weights=need_weights, strict=getattr(self, "strict", False),
+                   block_size=self._block())
 
-    def _extra_reasons(self, inputs: Inputs) -> list[str]:
-        r = []
-        if self.method == "sparse" and inputs.mask == "none" and self.pattern_for() is None:
-            r.append(f"{self.name}: method 'sparse' needs a pattern or an attn_mask to skip work with")
-        if self.method == "tiled" and inputs.dropout_p > 0:
-            r.append(f"{self.name}: method 'tiled' has no dropout")
-        if self.method in ("sdpa", "sparse") and inputs.need_weights:
-            r.append(f"{self.name}: method {self.method!r} cannot return attention weights")
-        return r
+    def _request(self, inputs: Inputs) -> Request:
+        """The inputs as a kernel request (one batch element; a mask's values are not known here)."""
+        has_mask = inputs.mask != "none"
+        is_bool = inputs.mask_dtype == torch.bool
+        pattern = self.pattern_for() is not None
+        return Request(1, inputs.H, inputs.Hkv, inputs.L, inputs.S, inputs.E, inputs.Ev, inputs.dtype,
+                       inputs.device, causal_only=inputs.is_causal and not has_mask and not pattern,
+                       pattern=pattern, keep_mask=has_mask and is_bool, float_mask=has_mask and not is_bool,
+                       dropout_p=inputs.dropout_p, need_weights=inputs.need_weights,
+                       strict=bool(getattr(self, "strict", False)))
+
+    def not_supported_reasons(self, inputs: Inputs) -> list[str]:
+        """Why attnlab.attention with this method (and pattern) cannot run ``inputs``: the planner's
+        refusals, from the kernels' declarations (empty list: it can)."""
+        refused = planner.refusals(self._request(inputs))
+        if self.method == "auto":
+            if len(refused) == len(kernels.KERNELS):
+                return [f"{self.name}: no attention method can run these inputs ("
+                        + "; ".join(f"{m}: {why}" for m, why in refused.items()) + ")"]
+            return []
+        return [f"{self.name}: method {self.method!r}: {refused[self.method]}"] if self.method in refused else []
 
     def flops(self, L, S, E, Ev=None):
         Ev = E if Ev is None else Ev
@@ -66,52 +83,74 @@ class Exact(Mechanism):
         return pat.flops(L, S, E, Ev) if pat is not None else 2 * L * S * (E + Ev)
 
     def memory(self, L, S, E, Ev=None, element_size=4):
+        """Peak bytes beyond inputs and output for one batch element and head, from the kernel's declared
+        cost model (auto: the least of the kernels the planner would not refuse)."""
         Ev = E if Ev is None else Ev
-        if self.method == "dense":
-            return 3 * L * S * 4
-        if self.method == "tiled":
-            b = self._block() or 512
-            return L * (Ev + 3) * 4 + 3 * b * b * 4
-        if self.method == "sparse":
+        dtype = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}.get(element_size, torch.float32)
+        r = Request(1, 1, 1, L, S, E, Ev, dtype, pattern=self.pattern_for() is not None)
+        if self.method != "auto":
+            return self._peak(kernels.get(self.method), r)
+        refused = planner.refusals(r)
+        return min(self._peak(k, r) for k in kernels.KERNELS if k.name not in refused)
+
+    def _peak(self, spec, r: Request) -> int:
+        t = None
+        if spec.blocked:
+            b = self._block()
+            bq, bk = (b, b) if b else (planner.DEFAULT_TILED_BLOCK if spec.name == "tiled" else (128, 128))
             pat = self.pattern_for()
-            nnz = pat.nnz(L, S) if pat is not None else L * S
-            return nnz * 4 + L * 4
-        return L * (Ev + 1) * 4  # sdpa/auto: fused kernels keep O(L) extra state
+            t = Tiling(bq, bk, pat.nonempty_blocks(r.L, r.S, bq, bk) if pat is not None else None)
+        return spec.peak_bytes(r, t) - io_bytes(r)
+
+
+def _caps(method: str) -> dict:
+    """A method's declared abilities, read from its kernel's declaration."""
+    k = kernels.get(method)
+    return dict(weights=k.weights != "no", dropout=k.dropout)
 
 
 _EXACT_SPEC = dict(exact=True, causal=True, masks="any", kind="exact",
                    paper="Vaswani et al. 2017, Attention Is All You Need")
 
 
-@register("auto", Spec(weights=True, dropout=True, time="O(L·S·D)", memory="depends on the chosen method",
-                       summary="attnlab.attention(method='auto'): picks dense/sdpa/tiled/sparse, see explain()",
+@register("auto", Spec(weights=any(k.weights != "no" for k in kernels.KERNELS),
+                       dropout=any(k.dropout for k in kernels.KERNELS), time="O(L·S·D)",
+                       memory="depends on the chosen method",
+                       summary=f"attnlab.attention(method='auto'): picks {'/'.join(planner.METHODS[1:])}, see explain()",
                        **_EXACT_SPEC))
 @dataclass(frozen=True)
 class Auto(Exact):
+    """attnlab.attention with method='auto' (the planner picks the kernel; see ``explain``)."""
+
     strict: bool = False
     block_size: int | None = None
     method = "auto"
 
 
-@register("dense", Spec(weights=True, dropout=True, time="O(L·S·D)", memory="O(L·S)",
-                        summary="materialises the L×S scores; supports everything", **_EXACT_SPEC))
+@register("dense", Spec(time="O(L·S·D)", memory="O(L·S)", summary=kernels.get("dense").summary, **_caps("dense"),
+                        **_EXACT_SPEC))
 @dataclass(frozen=True)
 class Dense(Exact):
+    """attnlab.attention with method='dense': the [B, H, L, S] scores materialised."""
+
     method = "dense"
 
 
-@register("sdpa", Spec(weights=False, dropout=True, time="O(L·S·D)", memory="O(L) (fused) or O(L·S) (math)",
-                       summary="PyTorch's scaled_dot_product_attention", **_EXACT_SPEC))
+@register("sdpa", Spec(time="O(L·S·D)", memory="O(L) (fused) or O(L·S) (math)", summary=kernels.get("sdpa").summary,
+                       **_caps("sdpa"), **_EXACT_SPEC))
 @dataclass(frozen=True)
 class SDPA(Exact):
+    """attnlab.attention with method='sdpa': PyTorch's scaled_dot_product_attention."""
+
     method = "sdpa"
 
 
-@register("tiled", Spec(weights=True, dropout=False, time="O(L·S·D)", memory="O(L·D + block²)",
-                        summary="online-softmax tiles (FlashAttention's algorithm), recompute backward",
-                        **{**_EXACT_SPEC, "paper": "Dao et al. 2022, FlashAttention"}))
+@register("tiled", Spec(time="O(L·S·D)", memory="O(L·D + block²)", summary=kernels.get("tiled").summary,
+                        **_caps("tiled"), **{**_EXACT_SPEC, "paper": "Dao et al. 2022, FlashAttention"}))
 @dataclass(frozen=True)
 class Tiled(Exact):
+    """attnlab.attention with method='tiled': online-softmax tiles of ``block_size`` (default 512)."""
+
     block_size: int | None = None
     method = "tiled"
 
@@ -120,11 +159,12 @@ class Tiled(Exact):
             _check_int("block_size", self.block_size, 1)
 
 
-@register("sparse", Spec(weights=False, dropout=True, time="O(nnz blocks·block²·D)", memory="O(nnz)",
-                         summary="only the non-empty key blocks of a mask, through the fused kernel",
-                         **_EXACT_SPEC))
+@register("sparse", Spec(time="O(nnz blocks·block²·D)", memory="O(nnz)", summary=kernels.get("sparse").summary,
+                         **_caps("sparse"), **_EXACT_SPEC))
 @dataclass(frozen=True)
 class Sparse(Exact):
+    """attnlab.attention with method='sparse': only the non-empty key blocks of the mask."""
+
     block_size: int | None = None
     method = "sparse"
 
@@ -155,6 +195,8 @@ def _pspec(time: str, memory: str, paper: str, summary: str) -> Spec:
                                    "keys within `window` positions of the query (local attention)"))
 @dataclass(frozen=True)
 class SlidingWindow(PatternMechanism):
+    """Exact attention within ``window`` positions of each query (``patterns.sliding_window``)."""
+
     window: int = 128
     causal: bool = False
     align: str = "top_left"
@@ -168,6 +210,8 @@ class SlidingWindow(PatternMechanism):
                             "`window` keys on each side, `dilation` apart"))
 @dataclass(frozen=True)
 class Dilated(PatternMechanism):
+    """Exact attention to ``window`` keys on each side, ``dilation`` apart (``patterns.dilated``)."""
+
     window: int = 64
     dilation: int = 2
     causal: bool = False
@@ -181,6 +225,8 @@ class Dilated(PatternMechanism):
                             "previous `stride` tokens plus every stride-th token"))
 @dataclass(frozen=True)
 class Strided(PatternMechanism):
+    """Exact attention to the previous ``stride`` keys plus every stride-th key (``patterns.strided``)."""
+
     stride: int = 64
     causal: bool = True
     method: str = "auto"
@@ -193,6 +239,8 @@ class Strided(PatternMechanism):
                           "own block plus the last `summary` positions of every block"))
 @dataclass(frozen=True)
 class Fixed(PatternMechanism):
+    """Exact attention to the own block plus each block's last ``summary`` keys (``patterns.fixed``)."""
+
     block: int = 64
     summary: int = 8
     causal: bool = True
@@ -206,6 +254,8 @@ class Fixed(PatternMechanism):
                                  "user block layout [n_query_blocks, n_key_blocks]"))
 @dataclass(frozen=True, eq=False)
 class BlockSparse(PatternMechanism):
+    """Exact attention on a user block ``layout`` [n_query_blocks, n_key_blocks] of ``block_size``."""
+
     layout: torch.Tensor
     block_size: int = 64
     method: str = "auto"
@@ -225,6 +275,8 @@ class BlockSparse(PatternMechanism):
                                "sliding window plus global tokens"))
 @dataclass(frozen=True)
 class Longformer(PatternMechanism):
+    """Exact attention: a sliding ``window`` plus global tokens (``patterns.longformer``)."""
+
     window: int = 128
     global_tokens: int | tuple[int, ...] = 1
     method: str = "auto"
@@ -243,6 +295,8 @@ class Longformer(PatternMechanism):
                             "window + global + random blocks"))
 @dataclass(frozen=True)
 class BigBird(PatternMechanism):
+    """Exact attention: window, global and random blocks (``patterns.bigbird``)."""
+
     block_size: int = 64
     window_blocks: int = 3
     global_blocks: int = 1

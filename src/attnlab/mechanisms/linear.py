@@ -18,12 +18,14 @@ import torch.nn.functional as F
 
 from . import Mechanism, Spec, register
 
-__all__ = ["Linear", "kernel_attention", "FEATURE_MAPS"]
+__all__ = ["Linear", "kernel_attention", "compute_dtype", "FEATURE_MAPS"]
 
 FEATURE_MAPS = ("elu+1", "relu")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype feature-map attention computes in: float32 for half types (their sums overflow or lose
+    the small terms), else the input dtype."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -127,7 +129,7 @@ class Linear(Mechanism):
         return elu_plus_one(x) if self.feature_map == "elu+1" else F.relu(x)
 
     def _forward(self, q, k, v, *, key_keep, attn_mask, is_causal, scale, dropout_p, need_weights):
-        cd = _compute_dtype(q.dtype)
+        cd = compute_dtype(q.dtype)
         out, w = kernel_attention(self.phi(q.to(cd)), self.phi(k.to(cd)), v.to(cd), key_keep=key_keep,
                                   is_causal=is_causal, chunk_size=self.chunk_size, need_weights=need_weights)
         return out.to(q.dtype), (w.to(q.dtype) if w is not None else None)

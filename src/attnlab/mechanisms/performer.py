@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import Mechanism, MechanismModule, Spec, register
-from .linear import _compute_dtype, kernel_attention
+from .linear import compute_dtype, kernel_attention
 
 __all__ = ["Performer", "PerformerModule", "orthogonal_gaussian"]
 
@@ -113,7 +113,7 @@ class Performer(Mechanism):
         return w.to(device=device, dtype=dtype)
 
     def _forward(self, q, k, v, *, key_keep, attn_mask, is_causal, scale, dropout_p, need_weights, omega=None):
-        cd = _compute_dtype(q.dtype)
+        cd = compute_dtype(q.dtype)
         w = self.omega(q.shape[-1], q.device, cd) if omega is None else omega.to(device=q.device, dtype=cd)
         pq = positive_features(q.to(cd), w, scale, True)
         pk = positive_features(k.to(cd), w, scale, False, causal=is_causal, keep=key_keep)

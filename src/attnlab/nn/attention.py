@@ -8,6 +8,7 @@ Hkv key/value heads (GQA/MQA when Hkv < H), D query/key head dim, Dv value head 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import kernels
 from .. import patterns as P
-from ..functional import METHODS, attention
+from ..functional import METHODS, planner, run
+from ..shapes import prepare
 from ..positional.base import AttentionPositional
 from ..shapes import AttentionDtypeError
 from .cache import LayerCache
@@ -64,7 +67,8 @@ class MultiHeadAttention(nn.Module):
         value_head_dim: value head dim Dv (default D), so d_k != d_v is possible.
         bias: biases on the four projections.
         dropout: dropout on the attention weights while training.
-        mechanism: "auto" | "dense" | "sdpa" | "tiled" | "sparse" (exact, attnlab.attention), or a
+        mechanism: one of ``attnlab.METHODS`` ("auto", "dense", "sdpa", "tiled", "sparse", "compiled": exact,
+            attnlab.attention), or a
             name / instance accepted by ``attnlab.mechanisms.resolve``.
         pattern: an ``attnlab.patterns`` pattern applied on every call (AND with the other masks).
         positional: an ``attnlab.positional.AttentionPositional`` (RoPE, ALiBi, T5 bias) or None.
@@ -373,23 +377,9 @@ class MultiHeadAttention(nn.Module):
             if key_keep is not None:
                 kp = P.from_key_padding_mask(~key_keep)
                 pattern = kp if pattern is None else pattern & kp
-            method = mech
-            if need_weights and method in ("sdpa", "sparse"):
-                method = "auto"  # every exact method gives the same output; these two cannot give weights
-            if method == "sparse" and pattern is None and mask is None and not is_causal:
-                method = "auto"  # nothing to skip (e.g. an unpadded MiniLM batch): the core refuses sparse
-            if (method in ("tiled", "sparse") and mask is not None and mask.requires_grad
-                    and torch.is_grad_enabled()):
-                # Note [Learned bias and the tiled kernel]: the core's tiled/sparse backward does not
-                # differentiate a float mask; a learned bias (T5) is trained through sdpa/dense instead
-                if not self._warned_bias:
-                    warnings.warn(f"mechanism={method!r} cannot train a learned attention bias "
-                                  f"({type(self.positional).__name__}); this layer uses method='auto' while "
-                                  "gradients are on", stacklevel=4)
-                    self._warned_bias = True
-                method = "auto"
-            r = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.scale,
-                          enable_gqa=gqa, pattern=pattern, method=method, need_weights=need_weights)
+            p = prepare(q, k, v, mask, dropout_p, is_causal, self.scale, gqa, pattern)  # validated once
+            method = self._method_for(p, mech, need_weights)
+            r = run(p, method=method, need_weights=need_weights)
             return r if need_weights else (r, None)
         if key_keep is not None:
             # Note [Padded keys are zeroed]: a padded key's score is masked, but NaN/inf in its key
@@ -406,6 +396,29 @@ class MultiHeadAttention(nn.Module):
         r = mech(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, dropout_p=dropout_p,
                  enable_gqa=gqa, need_weights=need_weights)
         return r if need_weights else (r, None)
+
+    def _method_for(self, p, method: str, need_weights: bool) -> str:
+        """The layer's method, or "auto" when the planner refuses it only for what the layer itself brings:
+        weights asked for (by the caller or a weights hook), no mask to skip work with (an unpadded batch
+        under method="sparse"), or a learned float bias that requires grad. Every exact method gives the
+        same output. Any other refusal (e.g. the compiled extension not built) is raised by the planner."""
+        if method == "auto":
+            return method
+        r = p.request(need_weights)
+        if method not in planner.refusals(r):
+            return method
+        layer_only = dataclasses.replace(r, need_weights=False, float_mask_grad=False, pattern=True)
+        if method in planner.refusals(layer_only):
+            return method  # refused for the inputs themselves: the planner's error says why
+        if p.mask_requires_grad and not kernels.get(method).float_mask_grad and torch.is_grad_enabled():
+            # Note [Learned bias and the tiled kernel]: the tiled/sparse/compiled backward does not
+            # differentiate a float mask; a learned bias (T5) is trained through sdpa/dense instead
+            if not self._warned_bias:
+                warnings.warn(f"mechanism={method!r} cannot train a learned attention bias "
+                              f"({type(self.positional).__name__}); this layer uses method='auto' while "
+                              "gradients are on", stacklevel=5)
+                self._warned_bias = True
+        return "auto"
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "

@@ -1,0 +1,181 @@
+"""What each attention kernel supports and costs, declared as data (as xformers' fmha ops do).
+
+Every kernel module declares one :class:`KernelSpec` (``SPEC``). The planner
+(``attnlab.functional.planner``), the mechanism registry, ``explain`` and ``attnlab check`` read these
+declarations; none of them re-codes a kernel's limits.
+
+Legend: N batch (leading dims flattened), H heads, Hkv key/value heads, L query length, S key length,
+E query/key head dim, Ev value head dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = ["KernelSpec", "Request", "Tiling", "FLOAT_DTYPES", "io_bytes"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One attention call described by sizes and flags, enough to decide support and cost without
+    running it (``attnlab.shapes.Prepared.request`` builds one from real inputs).
+
+    causal_only: the only mask is top-left causal (SDPA's ``is_causal``).
+    pattern: a structured pattern other than plain causal is part of the mask.
+    keep_mask / float_mask: a user bool / float ``attn_mask`` takes part; float_mask_grad: it requires grad.
+    dead_per_head: under GQA some keys are dead for only part of a key/value head's group.
+    sdpa_backend: the backend PyTorch's SDPA would pick ("math", "flash", ...), or None when not asked.
+    needs_lse: the caller wants each row's log-sum-exp too (``attention_with_lse``); needs_grad: autograd
+        will differentiate the result.
+    """
+
+    N: int
+    H: int
+    Hkv: int
+    L: int
+    S: int
+    E: int
+    Ev: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    causal_only: bool = False
+    pattern: bool = False
+    keep_mask: bool = False
+    float_mask: bool = False
+    float_mask_grad: bool = False
+    dropout_p: float = 0.0
+    need_weights: bool = False
+    strict: bool = False
+    dead_per_head: bool = False
+    sdpa_backend: str | None = None
+    needs_lse: bool = False
+    needs_grad: bool = False
+
+    @property
+    def trivial(self) -> bool:
+        """No mask of any kind (not even causal)."""
+        return not (self.causal_only or self.pattern or self.keep_mask or self.float_mask)
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element of the inputs' dtype."""
+        return self.dtype.itemsize
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs over every batch element and head: N·H·L·S."""
+        return self.N * self.H * self.L * self.S
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A blocked kernel's tile shape and how many (block_q × block_k) tiles it visits (None: every pair
+    is computed, no layout was built)."""
+
+    block_q: int
+    block_k: int
+    blocks: int | None = None
+
+    def computed(self, L: int, S: int) -> int:
+        """(query, key) pairs the visited tiles cover per batch element and head (at most 4·L·S)."""
+        if self.blocks is None:
+            return L * S
+        return min(self.blocks * self.block_q * self.block_k, max(L, 1) * max(S, 1) * 4)
+
+
+def io_bytes(r: Request) -> int:
+    """Bytes of q, k, v, the output and their gradients' worth of inputs: what every kernel reads/writes."""
+    el = r.element_size
+    return r.N * r.H * r.L * (r.E + 2 * r.Ev) * el + 2 * r.N * r.H * r.S * (r.E + r.Ev) * el
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel's capabilities and cost model, as data.
+
+    masks: applies patterns and user bool/float masks; causal: applies ``is_causal``.
+    weights: "no" | "yes" (returns them) | "second pass" (recomputes them from the saved log-sum-exp).
+    lse: returns each row's log-sum-exp: "no" | "yes" | "inference" (only without autograd, on CPU, and
+        with no mask but causal: PyTorch's private CPU flash op).
+    materializes: "scores" (always builds [N, H, L, S]), "mask" (a pattern becomes an L×S mask, and
+        PyTorch's math backend builds the scores), "never".
+    needs_sparsity: refuses inputs with no mask at all (nothing to skip).
+    float_mask_grad: differentiates a float ``attn_mask`` that requires grad.
+    gqa_no_copy: reads key/value heads in place under GQA (so per-head dead keys cannot be zeroed).
+    needs_extension: runs only when attnlab's compiled extension loads.
+    devices: device types it runs on (None: any).
+    peak_bytes / flops: ``f(request, tiling)`` (tiling None for unblocked kernels).
+    unavailable: a hook for dynamic facts (e.g. "extension not built"): ``f(request) -> reason | None``.
+    """
+
+    name: str
+    summary: str
+    masks: bool = True
+    causal: bool = True
+    weights: str = "no"
+    lse: str = "no"
+    dropout: bool = False
+    backward: bool = True
+    float_mask_grad: bool = False
+    gqa_no_copy: bool = False
+    materializes: str = "never"
+    needs_sparsity: bool = False
+    needs_extension: bool = False
+    blocked: bool = False
+    dtypes: tuple = FLOAT_DTYPES
+    devices: tuple[str, ...] | None = None
+    peak_bytes: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
+    flops: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
+    unavailable: Callable[[Request], str | None] | None = field(default=None, compare=False)
+
+    def not_supported_reasons(self, r: Request) -> list[str]:
+        """Every reason this kernel cannot run ``r`` (empty: it can), derived from the fields above."""
+        why: list[str] = []
+        if self.unavailable is not None:
+            u = self.unavailable(r)
+            if u:
+                why.append(u)
+        if self.devices is not None and r.device not in self.devices:
+            why.append(f"{'/'.join(d.upper() for d in self.devices)} tensors only (got {r.device})")
+        if r.dtype not in self.dtypes:
+            why.append(f"dtype {r.dtype} is not supported")
+        if (r.pattern or r.keep_mask or r.float_mask) and not self.masks:
+            why.append("takes no pattern or attn_mask")
+        if r.causal_only and not self.causal:
+            why.append("does not apply is_causal")
+        if r.dropout_p > 0 and not self.dropout:
+            why.append("no dropout (its backward recomputes the weights; use sdpa, sparse or dense)")
+        if r.float_mask_grad and not self.float_mask_grad:
+            why.append("does not differentiate a float attn_mask that requires grad")
+        if r.dead_per_head and self.gqa_no_copy:
+            why.append("a per-head mask under GQA leaves some keys dead in only part of a key/value "
+                       "head's group (their NaN-safe zeroing needs per-head copies)")
+        if r.need_weights and self.weights == "no":
+            why.append("cannot return attention weights (need_weights=True)")
+        if r.strict:
+            if r.need_weights and self.weights != "no":
+                why.append("strict=True: need_weights returns an L×S tensor; use attnlab.probe(...) "
+                           "for streaming summaries")
+            elif self.materializes == "scores":
+                why.append("strict=True: it materialises the L×S scores")
+            if self.materializes == "mask":
+                if r.sdpa_backend == "math":
+                    why.append("strict=True: PyTorch would run its math backend, which materialises L×S")
+                elif r.pattern:
+                    why.append("strict=True: the pattern would be materialised as an L×S mask")
+        if r.needs_lse and self.lse == "no":
+            why.append("does not return the log-sum-exp")
+        elif r.needs_lse and self.lse == "inference":
+            if r.needs_grad:
+                why.append("its log-sum-exp comes from PyTorch's private CPU flash op, which has no autograd here")
+            if r.device != "cpu":
+                why.append(f"its log-sum-exp comes from PyTorch's private CPU flash op (got {r.device})")
+            if not (r.trivial or r.causal_only):
+                why.append("its log-sum-exp path takes no mask but causal")
+        if self.needs_sparsity and r.trivial:
+            why.append("no pattern or mask to skip work with (nothing is sparse)")
+        return why
