@@ -178,3 +178,37 @@ def test_minilm_padding_reaches_a_mechanism_as_one_key_mask(monkeypatch):
     assert torch.equal(seen[0][:, 0, 0], t["attention_mask"] == 1)
     real = t["attention_mask"].bool()
     assert_close(out[real], ref[real], atol=1e-5, what="dense mechanism vs default path, real tokens")
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_encoder_layer_lean_path_same_values_and_leaves_held_tensors_alone(norm_first):
+    from attnlab.nn import EncoderLayer
+
+    torch.manual_seed(3)
+    layer = EncoderLayer(48, 4, 96, norm_first=norm_first).eval()
+    layer.self_attn.pack_qkv()
+    x = torch.randn(2, 6, 48)
+    x0 = x.clone()
+    ref = layer(x)  # gradients on: the plain path (no in-place, no packing)
+    with torch.no_grad():
+        lean = layer(x)
+        full, r = layer.forward_intermediates(x)
+    assert torch.equal(x, x0)  # the input is never written
+    assert_close(lean, ref.detach(), atol=1e-6, what="lean vs grad path")
+    assert torch.equal(lean, full) and r.output is not None and r.q.shape == (2, 4, 6, 12)
+    # tensors a hook or the caller holds are never written in place
+    held = {}
+    h1 = layer.ffn.linear2.register_forward_hook(lambda m, i, o: held.__setitem__("f", (o, o.clone())))
+    h2 = layer.self_attn.hooks.add("out", lambda y, ctx: held.__setitem__("a", (y, y.clone())) or y)
+    with torch.no_grad():
+        hooked = layer(x)
+    h1.remove(), h2.remove()
+    assert_close(hooked, lean, atol=1e-6, what="with hooks")
+    for name, (t, copy_) in held.items():
+        assert torch.equal(t, copy_), f"{name} was modified in place"
+    with torch.no_grad():
+        _, r2 = layer.forward_intermediates(x)
+    a = r2.output.clone()
+    with torch.no_grad():
+        layer.forward_intermediates(x)
+    assert torch.equal(r2.output, a)  # returned intermediates stay as returned

@@ -208,6 +208,11 @@ class MiniLM(nn.Module):
         hidden = [x] if output_hidden_states else None
         attns, qkvs = [], []
         for layer in self.layers:
+            if not (output_attentions or output_qkv):  # the layer may then free q, k, v early (same values)
+                x = layer(x, key_padding_mask=keys)
+                if output_hidden_states:
+                    hidden.append(x)
+                continue
             x, r = layer.forward_intermediates(x, key_padding_mask=keys, need_weights=output_attentions)
             if output_hidden_states:
                 hidden.append(x)
