@@ -61,6 +61,10 @@ def test_replaced_parameters_unpack():
     with torch.no_grad():
         assert packed._packed_weights() is None
         assert_close(packed(x)[0], plain(x)[0], atol=1e-6, what="after assign")
+    _, packed = _pair()
+    packed.v_proj.bias = torch.nn.Parameter(packed.v_proj.bias.detach() + 1.0)  # one bias replaced
+    with torch.no_grad():
+        assert packed._packed_weights() is None
     p64, q64 = copy.deepcopy(plain).double(), _pair()[1].double()
     q64.load_state_dict(p64.state_dict())
     with torch.no_grad():

@@ -232,18 +232,19 @@ class MultiHeadAttention(nn.Module):
         if any(type(m) is not nn.Linear or _torch_hooked(m) for m in lins):
             return None  # a subclass or a torch hook on one projection must see its own call
         w, b, rows = pk
-        ws = [m.weight for m in lins]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in ws):
+        if torch.is_grad_enabled() and any(t.requires_grad for m in lins for t in m.parameters()):
             return None  # gradients must reach the three Parameters themselves
         start = 0
-        for t, n in zip(ws, rows):
-            if t.dtype != w.dtype or t.device != w.device or t.data_ptr() != w[start].data_ptr():
-                self._packed = None  # a parameter was replaced: unpack for good
+        for m, n in zip(lins, rows):
+            # a parameter whose memory is not the packed tensor's rows was replaced: unpack for good
+            if m.weight.dtype != w.dtype or m.weight.device != w.device or m.weight.data_ptr() != w[start].data_ptr():
+                self._packed = None
+                return None
+            if b is not None and (m.bias is None or m.bias.dtype != b.dtype or m.bias.device != b.device
+                                  or m.bias.data_ptr() != b[start].data_ptr()):
+                self._packed = None
                 return None
             start += n
-        if b is not None and self.q_proj.bias.data_ptr() != b.data_ptr():
-            self._packed = None
-            return None
         return pk
 
     # -- forward ---------------------------------------------------------------------------------
