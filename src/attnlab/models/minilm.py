@@ -165,8 +165,8 @@ class MiniLM(nn.Module):
         pos = torch.arange(T, device=input_ids.device)
         tt = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         # summed in the order BERT sums them, so float32 rounding matches its reference implementation
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(tt)
-        x = x + self.position_embeddings(pos)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(tt)  # (B, T, d), ours to add into
+        x.add_(self.position_embeddings(pos))  # (T, d) broadcast over B
         return self.embed_norm(x)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
