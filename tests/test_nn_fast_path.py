@@ -216,3 +216,16 @@ def test_encoder_layer_lean_path_same_values_and_leaves_held_tensors_alone(norm_
     with torch.no_grad():
         layer.forward_intermediates(x)
     assert torch.equal(r2.output, a)  # returned intermediates stay as returned
+
+
+def test_unpack_gives_each_projection_its_own_storage():
+    plain, packed = _pair()
+    x = torch.randn(2, 5, 48)
+    ptrs = {n: getattr(packed, n).weight.untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")}
+    assert len(set(ptrs.values())) == 1  # packed: one storage
+    packed.unpack_qkv()
+    ptrs = {n: getattr(packed, n).weight.untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")}
+    assert len(set(ptrs.values())) == 3
+    with torch.no_grad():
+        assert packed._packed_weights() is None
+        assert_close(packed(x)[0], plain(x)[0], atol=1e-6, what="unpacked")

@@ -198,6 +198,18 @@ class MultiHeadAttention(nn.Module):
         self._packed = (w, b, tuple(rows))
         return self
 
+    def unpack_qkv(self) -> "MultiHeadAttention":
+        """Undo :meth:`pack_qkv`: each projection's weight and bias get storage of their own again (same
+        Parameters, same values). Needed only by tools that refuse parameters sharing one storage, e.g.
+        ``safetensors.torch.save_model`` (``save_file(m.state_dict())`` and ``torch.save`` accept them)."""
+        with torch.no_grad():
+            for m in (self.q_proj, self.k_proj, self.v_proj):
+                m.weight.data = m.weight.data.clone()
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.clone()
+        self._packed = None
+        return self
+
     def _packed_weights(self):
         """(weight [rows, E], bias [rows] | None, row split) when pack_qkv's tensor is still the storage of
         all three input projections and may stand in for them, else None."""
