@@ -165,8 +165,8 @@ class MiniLM(nn.Module):
         pos = torch.arange(T, device=input_ids.device)
         tt = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         # summed in the order BERT sums them, so float32 rounding matches its reference implementation
-        x = self.word_embeddings(input_ids) + self.token_type_embeddings(tt)
-        x = x + self.position_embeddings(pos)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(tt)  # (B, T, d), ours to add into
+        x.add_(self.position_embeddings(pos))  # (T, d) broadcast over B
         return self.embed_norm(x)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -191,7 +191,7 @@ class MiniLM(nn.Module):
                              f"{bad.numel()} outside it, e.g. {int(bad[0])}")
         if T > self.max_position:
             raise ValueError(f"{T} tokens is more than MiniLM's {self.max_position} positions; tokenize with max_length")
-        kpm = None
+        keys = None  # Note [One key-padding pattern]
         if attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (B, T):
                 raise ValueError(f"attention_mask must be [batch, tokens] = [{B}, {T}] (1 = token, 0 = padding), "
@@ -199,12 +199,21 @@ class MiniLM(nn.Module):
             if attention_mask.dtype.is_floating_point:
                 raise TypeError("attention_mask must be 0/1 integers or bool (1 = token), got a float tensor")
             if not bool(attention_mask.bool().all()):
-                kpm = attention_mask == 0  # (B, T), True = ignore
+                keys = P.from_hf_attention_mask(attention_mask)  # (B, T) keep, True = takes part
+        # Note [One key-padding pattern]: the 0/1 mask becomes one key-padding pattern here, in attnlab's
+        # polarity (True = takes part), and every layer gets that same object: no per-layer flips or
+        # re-validation of the mask, and mechanisms see it as a [B, 1, 1, T] key mask, never [B, T, T].
+        # An unpadded batch passes no mask at all (the fused kernel's unmasked path).
         x = self.embed(input_ids, token_type_ids)
         hidden = [x] if output_hidden_states else None
         attns, qkvs = [], []
         for layer in self.layers:
-            x, r = layer.forward_intermediates(x, key_padding_mask=kpm, need_weights=output_attentions)
+            if not (output_attentions or output_qkv):  # the layer may then free q, k, v early (same values)
+                x = layer(x, key_padding_mask=keys)
+                if output_hidden_states:
+                    hidden.append(x)
+                continue
+            x, r = layer.forward_intermediates(x, key_padding_mask=keys, need_weights=output_attentions)
             if output_hidden_states:
                 hidden.append(x)
             if output_attentions:
@@ -214,12 +223,12 @@ class MiniLM(nn.Module):
         return MiniLMOutput(x, tuple(hidden) if hidden is not None else None,
                             tuple(attns) if output_attentions else None, tuple(qkvs) if output_qkv else None)
 
-    @torch.no_grad()
     def encode(self, sentences: str | list[str], batch_size: int = 32, max_length: int = 256,
                show_progress: bool = False) -> torch.Tensor:
         """Sentence embeddings [n, 384] (on the model's device) as sentence-transformers computes them:
         mean of the last hidden states over real tokens, then L2-normalised. Sentences are batched by length (longest first)
-        so little padding is computed; the result is in input order."""
+        so little padding is computed; the result is in input order. The model runs under
+        ``torch.inference_mode``; the returned tensor is an ordinary one (editable in place)."""
         if isinstance(sentences, str):
             sentences = [sentences]
         if not isinstance(sentences, (list, tuple)) or not all(isinstance(s, str) for s in sentences):
@@ -230,7 +239,7 @@ class MiniLM(nn.Module):
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         sentences = list(sentences)
         dtype, device = self.embed_norm.weight.dtype, self.embed_norm.weight.device
-        out = torch.zeros(len(sentences), self.hidden_size, dtype=dtype, device=device)
+        out = torch.zeros(len(sentences), self.hidden_size, dtype=dtype, device=device)  # made outside inference mode
         order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
         starts = range(0, len(order), batch_size)
         if show_progress:
@@ -240,14 +249,15 @@ class MiniLM(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            for s in starts:
-                idx = order[s: s + batch_size]
-                t = self.tokenize([sentences[i] for i in idx], max_length=max_length)
-                ids, am = t["input_ids"].to(device), t["attention_mask"].to(device)
-                h = self(ids, am).last_hidden_state  # (b, T, d)
-                m = am.unsqueeze(-1).to(h.dtype)  # (b, T, 1)
-                pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-                out[torch.tensor(idx, device=device)] = torch.nn.functional.normalize(pooled, p=2, dim=-1).to(out.dtype)
+            with torch.inference_mode():
+                for s in starts:
+                    idx = order[s: s + batch_size]
+                    t = self.tokenize([sentences[i] for i in idx], max_length=max_length)
+                    ids, am = t["input_ids"].to(device), t["attention_mask"].to(device)
+                    h = self(ids, am).last_hidden_state  # (b, T, d)
+                    m = am.unsqueeze(-1).to(h.dtype)  # (b, T, 1)
+                    pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)  # (b, d)
+                    out[torch.tensor(idx, device=device)] = torch.nn.functional.normalize(pooled, p=2, dim=-1).to(out.dtype)
         finally:
             self.train(was_training)
         return out
@@ -262,6 +272,8 @@ def load(mechanism="auto", pattern: P.Pattern | None = None, dtype: torch.dtype 
     with torch.device("meta"):  # no random init of 22M parameters that are overwritten next
         m = MiniLM(config, path=path)
     m.load_state_dict({k: v.to(dtype=dtype, copy=True) for k, v in state.items()}, strict=True, assign=True)
+    for layer in m.layers:  # W_Q, W_K, W_V as one [3·384, 384] weight: one matmul per layer (Note [Packed QKV])
+        layer.self_attn.pack_qkv()
     # mechanisms are resolved outside the meta-device context (they may create tensors of their own)
     return m.set_mechanism(mechanism, pattern).eval()
 

