@@ -185,43 +185,163 @@ void modify_scores(A* s, int64_t ld, int64_t rows, int64_t cols, int64_t n, int6
   }
 }
 
+// Note [Row passes]: after each tile product, every score row is read twice: once for its max, once
+// for exp (which also sums and stores the probabilities in the second product's dtype). Both passes are
+// pure arithmetic over the tile (for a bf16 tile about as long as the AMX products themselves), so they
+// keep several independent accumulators (a single max/add chain is bound by its latency, ~4 cycles per
+// vector) and the exp pass writes bf16 directly instead of storing fp32 and converting in a third pass.
+// A NaN score need not survive the max (x86 max drops it); it reaches the sum through exp and so the
+// output (see finish_row).
 template <typename A>
 inline A row_max(const A* x, int64_t n) {
   using V = Vectorized<A>;
+  constexpr int64_t W = V::size();
   A m = -std::numeric_limits<A>::infinity();
   int64_t c = 0;
-  if (n >= V::size()) {
-    V vm(m);
-    for (; c + V::size() <= n; c += V::size()) vm = at::vec::maximum(vm, V::loadu(x + c));
-    m = at::vec::vec_reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
+  if (n >= W) {
+    V m0(m), m1(m), m2(m), m3(m);
+    for (; c + 4 * W <= n; c += 4 * W) {
+      m0 = at::vec::maximum(m0, V::loadu(x + c));
+      m1 = at::vec::maximum(m1, V::loadu(x + c + W));
+      m2 = at::vec::maximum(m2, V::loadu(x + c + 2 * W));
+      m3 = at::vec::maximum(m3, V::loadu(x + c + 3 * W));
+    }
+    for (; c + W <= n; c += W) m0 = at::vec::maximum(m0, V::loadu(x + c));
+    m0 = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
+    m = at::vec::vec_reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, m0);
   }
   for (; c < n; ++c) m = std::max(m, x[c]);
   return m;
-}
-
-// x <- exp(x - shift) in place; returns the sum. exp(-inf) is 0 (masked scores).
-template <typename A>
-inline A exp_sum(A* x, int64_t n, A shift, A mul = A(1)) {  // x <- exp(x * mul - shift)
-  using V = Vectorized<A>;
-  V vs(0), vsh(-shift), vm(mul);
-  int64_t c = 0;
-  for (; c + V::size() <= n; c += V::size()) {
-    V e = at::vec::fmadd(V::loadu(x + c), vm, vsh).exp_u20();
-    e.store(x + c);
-    vs = vs + e;
-  }
-  A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, vs);
-  for (; c < n; ++c) {
-    x[c] = std::exp(x[c] * mul - shift);
-    s += x[c];
-  }
-  return s;
 }
 
 template <typename T, typename A>
 inline void to_gemm_type(const A* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);
 }
+
+// dst <- exp(x * mul - shift) (dst may be x, or x's row in the product's dtype); returns the sum in A.
+// exp(-inf) is 0 (masked scores).
+template <typename T, typename A>
+inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst) {
+  using V = Vectorized<A>;
+  constexpr int64_t W = V::size();
+  const V vsh(-shift), vm(mul);
+  V s0(0), s1(0);
+  int64_t c = 0;
+  if constexpr (std::is_same_v<T, A>) {
+    for (; c + 2 * W <= n; c += 2 * W) {
+      V e0 = at::vec::fmadd(V::loadu(x + c), vm, vsh).exp_u20();
+      V e1 = at::vec::fmadd(V::loadu(x + c + W), vm, vsh).exp_u20();
+      e0.store(dst + c);
+      e1.store(dst + c + W);
+      s0 = s0 + e0;
+      s1 = s1 + e1;
+    }
+  } else {
+    A tmp[2 * W];
+    for (; c + 2 * W <= n; c += 2 * W) {
+      V e0 = at::vec::fmadd(V::loadu(x + c), vm, vsh).exp_u20();
+      V e1 = at::vec::fmadd(V::loadu(x + c + W), vm, vsh).exp_u20();
+      s0 = s0 + e0;
+      s1 = s1 + e1;
+      e0.store(tmp);
+      e1.store(tmp + W);
+      at::vec::convert(tmp, dst + c, 2 * W);
+    }
+  }
+  s0 = s0 + s1;
+  A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, s0);
+  for (; c < n; ++c) {
+    const A e = std::exp(x[c] * mul - shift);
+    s += e;
+    dst[c] = static_cast<T>(e);
+  }
+  return s;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Note [Half-type exp]: probabilities headed for a bf16/fp16 product are rounded to 8 (11) significant
+// bits, so their exp need not be at::vec's exp_u20 (~17 instructions with its range checks). This one is
+// 2^t with t = (x * mul - shift) * log2(e), a degree-5 fit of 2^f on f in [-1/2, 1/2] (relative error
+// 2.3e-7 evaluated in fp32, fitted for this kernel) and vscalefps for the 2^n, which also gives exact 0 for
+// t = -inf (clamped to -200: masked scores) and keeps NaN; ~10 instructions. The row sum (fp32) is of
+// these values, so it is as accurate as with exp_u20 (20 ulp).
+inline __m512 exp2_half_target(__m512 t) {
+  t = _mm512_max_ps(_mm512_set1_ps(-200.f), t);  // max(c, NaN) is NaN: NaN survives
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.001327647129073739f), f, _mm512_set1_ps(0.009675541892647743f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713092088699f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The CPU's own fp32 -> bf16 conversion (vcvtne2ps2bf16, AVX512-BF16: 32 values in one instruction,
+// round to nearest even like at::vec's ~10-instruction integer sequence), chosen at run time.
+const bool kNativeBf16 = __builtin_cpu_supports("avx512bf16");
+
+struct StoreBf16Native {
+  __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) static void store(__m512 lo, __m512 hi, void* dst) {
+    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+};
+struct StoreBf16 {
+  static void store(__m512 lo, __m512 hi, void* dst) {
+    at::vec::convert_float_bfloat16(Vectorized<float>(lo), Vectorized<float>(hi)).store(dst);
+  }
+};
+struct StoreHalf {
+  static void store(__m512 lo, __m512 hi, void* dst) {
+    auto* d = static_cast<__m256i*>(dst);
+    _mm256_storeu_si256(d, _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(d + 1, _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+// exp_sum for a half-type destination, 32 scores per step (Note [Half-type exp], Note [Row passes]).
+template <typename Store, typename T>
+__attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t n, float shift, float mul, T* dst) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const __m512 a = _mm512_set1_ps(mul * kLog2e), b = _mm512_set1_ps(-shift * kLog2e);
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const __m512 e0 = exp2_half_target(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, b));
+    const __m512 e1 = exp2_half_target(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, b));
+    s0 = _mm512_add_ps(s0, e0);
+    s1 = _mm512_add_ps(s1, e1);
+    Store::store(e0, e1, dst + c);
+  }
+  if (c < n) {  // the tail, zero-padded to 32 (exp of the padding is masked out of the sum)
+    alignas(64) T tmp[32];
+    const __mmask16 m0 = n - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - c)) - 1);
+    const __mmask16 m1 = n - c > 16 ? __mmask16((1u << (n - c - 16)) - 1) : __mmask16(0);
+    const __m512 e0 = exp2_half_target(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x + c), a, b));
+    const __m512 e1 = exp2_half_target(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x + c + 16), a, b));
+    s0 = _mm512_mask_add_ps(s0, m0, s0, e0);
+    s1 = _mm512_mask_add_ps(s1, m1, s1, e1);
+    Store::store(e0, e1, tmp);
+    for (int64_t i = 0; i < n - c; ++i) dst[c + i] = tmp[i];
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+float exp_sum_bf16_native(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst) {
+  return exp_sum_half<StoreBf16Native>(x, n, shift, mul, dst);
+}
+
+template <>
+inline float exp_sum<at::BFloat16, float>(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst) {
+  return kNativeBf16 ? exp_sum_bf16_native(x, n, shift, mul, dst) : exp_sum_half<StoreBf16>(x, n, shift, mul, dst);
+}
+template <>
+inline float exp_sum<at::Half, float>(const float* x, int64_t n, float shift, float mul, at::Half* dst) {
+  return exp_sum_half<StoreHalf>(x, n, shift, mul, dst);
+}
+#endif
 
 // oneDNN's batch-reduce gemm micro-kernel through cpublas::brgemm (what PyTorch's CPU flash kernel
 // uses for half types): C[M, N] (+)= A[M, K] @ B[K, N], no transposes, no alpha, tiny call overhead
@@ -439,17 +559,19 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           A* row = s + r * bk;
           const A mnew = std::max(mrow[r], row_max(row, cols) * mul);
           const A shift = mnew == ninf ? A(0) : mnew;  // a row with nothing kept yet: exp(-inf) = 0
-          const A sum = exp_sum(row, cols, shift, mul);
+          A sum;
+          if constexpr (kSame) {
+            sum = exp_sum(row, cols, shift, mul, row);
+          } else {
+            sum = exp_sum(row, cols, shift, mul, pbuf.data() + r * bk);
+            if (use_brg && (cols & 1)) pbuf[r * bk + cols] = T(0);  // pairs with V's zero pad row
+          }
           const A alpha = std::exp(mrow[r] - shift);
           lrow[r] = lrow[r] * alpha + sum;
           mrow[r] = mnew;
           if (alpha != A(1)) {
             A* o = obuf.data() + r * Ev;
             at::vec::map([alpha](Vectorized<A> x) { return x * Vectorized<A>(alpha); }, o, o, Ev);
-          }
-          if constexpr (!kSame) {
-            to_gemm_type(row, pbuf.data() + r * bk, cols);
-            if (use_brg && (cols & 1)) pbuf[r * bk + cols] = T(0);  // pairs with V's zero pad row
           }
         }
         if constexpr (kSame) {
