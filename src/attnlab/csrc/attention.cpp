@@ -29,9 +29,13 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/native/CPUBlas.h>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -214,6 +218,30 @@ inline A row_max(const A* x, int64_t n) {
   return m;
 }
 
+// The max without NaN propagation (x86's max keeps either operand when one is NaN), for the half-type
+// path: a NaN score still reaches the row's sum through exp_sum (exp2_half_target keeps NaN), so the
+// row's output is NaN either way, and the max costs one instruction per vector instead of four.
+template <typename A>
+inline A row_max_loose(const A* x, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    const __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 m0 = lo, m1 = lo, m2 = lo, m3 = lo;
+    int64_t c = 0;
+    for (; c + 64 <= n; c += 64) {
+      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + c));
+      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + c + 16));
+      m2 = _mm512_max_ps(m2, _mm512_loadu_ps(x + c + 32));
+      m3 = _mm512_max_ps(m3, _mm512_loadu_ps(x + c + 48));
+    }
+    for (; c + 16 <= n; c += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + c));
+    if (c < n) m1 = _mm512_mask_max_ps(m1, __mmask16((1u << (n - c)) - 1), m1, _mm512_maskz_loadu_ps(__mmask16((1u << (n - c)) - 1), x + c));
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  }
+#endif
+  return row_max(x, n);
+}
+
 template <typename T, typename A>
 inline void to_gemm_type(const A* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);
@@ -372,15 +400,47 @@ inline void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, 
     for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
 }
 
+// dst[e * ldd + c] = src[c * ld + e] for c < cols, e < width, on 4-byte words (a float, or a pair of
+// bf16/fp16 values: the VNNI layout of a transpose is the word transpose). ld in words. AVX-512 gathers 16
+// rows' word e at once (the scalar loop's strided stores ran ~3 cycles a value: 10% of a bf16 call).
+inline void transpose_words(const uint32_t* src, int64_t ld, int64_t cols, int64_t width, uint32_t* dst,
+                            int64_t ldd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (ld * 4 * 16 < (int64_t(1) << 31)) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(ld)));
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 m = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
+      const uint32_t* base = src + c * ld;
+      for (int64_t e = 0; e < width; ++e) {
+        const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + e, 4);
+        _mm512_mask_storeu_epi32(dst + e * ldd + c, m, w);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t e = 0; e < width; ++e) dst[e * ldd + c] = src[c * ld + e];
+}
+
 // Packs the transpose of x [S, D] (row stride ld) as brgemm B operands of K = D, N = bk, one contiguous
 // [D, bk] panel per key block (plain for float, VNNI [D / 2, bk, 2] for half types, D even). Block-major
 // panels keep each tile's rows close: a [D, S] transpose read bk columns at a time strides S apart and
 // (at S = 4096 floats) maps every row to one L1 set.
 template <typename T>
 inline void pack_transposed_blocks(const T* x, int64_t ld, int64_t S, int64_t D, int64_t bk, T* dst) {
+  constexpr int64_t per = 4 / sizeof(T);  // values per 4-byte word
+  const bool words = (sizeof(T) == 4 || sizeof(T) == 2) && ld % per == 0 && D % per == 0 &&
+                     reinterpret_cast<uintptr_t>(x) % 4 == 0;
   for (int64_t k0 = 0; k0 < S; k0 += bk) {
     const int64_t cols = std::min(bk, S - k0);
     T* panel = dst + (k0 / bk) * D * bk;
+    if (words) {
+      transpose_words(reinterpret_cast<const uint32_t*>(x + k0 * ld), ld / per, cols, D / per,
+                      reinterpret_cast<uint32_t*>(panel), bk);
+      continue;
+    }
     for (int64_t c = 0; c < cols; ++c) {
       const T* row = x + (k0 + c) * ld;
       if constexpr (std::is_same_v<T, float>) {
@@ -393,12 +453,27 @@ inline void pack_transposed_blocks(const T* x, int64_t ld, int64_t S, int64_t D,
 }
 
 // Packs x [rows, cols] (row stride ld) as a VNNI B operand (K = rows, N = cols): [rows_pad / 2, cols, 2],
-// an odd last row padded with zeros.
+// an odd last row padded with zeros. Each pair of rows interleaves into 4-byte words (vectorised by -O3).
 template <typename T>
 inline void pack_vnni(const T* x, int64_t ld, int64_t rows, int64_t cols, T* dst) {
+  static_assert(sizeof(T) == 2, "VNNI pairs of 16-bit values");
   const int64_t rp = rows + (rows & 1);
-  for (int64_t r = 0; r < rp; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[((r >> 1) * cols + c) * 2 + (r & 1)] = r < rows ? x[r * ld + c] : T(0);
+  for (int64_t r = 0; r < rp; r += 2) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(x + r * ld);
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(x + (r + 1) * ld);
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst + (r >> 1) * cols * 2);
+    if (r + 1 < rows) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint32_t w = uint32_t(a[c]) | (uint32_t(b[c]) << 16);
+        std::memcpy(d + 2 * c, &w, 4);
+      }
+    } else {
+      for (int64_t c = 0; c < cols; ++c) {
+        d[2 * c] = a[c];
+        d[2 * c + 1] = 0;
+      }
+    }
+  }
 }
 
 // Work units per task: everything in one task (no thread start-up) when the whole call is too small for
@@ -515,7 +590,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t n = u / Hkv, g = u % Hkv;
         // K^T as B of q @ k^T (K = E, N = S); rows past S are never read
         pack_transposed_blocks(K + n * k.stride(0) + g * k.stride(1), k.stride(2), S, E, bk, KT + u * nk * E * bk);
-        if (kHalf) pack_vnni(Vp + n * v.stride(0) + g * v.stride(1), v.stride(2), S, Ev, VV + u * Sp * Ev);
+        if constexpr (kHalf) pack_vnni(Vp + n * v.stride(0) + g * v.stride(1), v.stride(2), S, Ev, VV + u * Sp * Ev);
       }
     });
   }
@@ -557,7 +632,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         for (int64_t r = 0; r < rows; ++r) {
           A* row = s + r * bk;
-          const A mnew = std::max(mrow[r], row_max(row, cols) * mul);
+          const A mnew = std::max(mrow[r], (kSame ? row_max(row, cols) : row_max_loose(row, cols)) * mul);
           const A shift = mnew == ninf ? A(0) : mnew;  // a row with nothing kept yet: exp(-inf) = 0
           A sum;
           if constexpr (kSame) {
@@ -595,8 +670,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       T* op = O + ((n * H + h) * L + q0) * Ev;
       A* lp = LSE + (n * H + h) * L + q0;
       for (int64_t r = 0; r < rows; ++r) {
-        const bool any = lrow[r] > A(0);
-        const A inv = any ? A(1) / lrow[r] : A(0);  // a fully masked row: output 0
+        // a fully masked row: output 0; a NaN score kept in the row: NaN (its sum is NaN), as in SDPA
+        const bool any = !(lrow[r] == A(0));
+        const A inv = any ? A(1) / lrow[r] : A(0);
         const A* o = obuf.data() + r * Ev;
         for (int64_t c = 0; c < Ev; ++c) op[r * Ev + c] = static_cast<T>(o[c] * inv);
         lp[r] = any ? mrow[r] + std::log(lrow[r]) : ninf;
