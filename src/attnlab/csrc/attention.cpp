@@ -393,13 +393,6 @@ inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64
   }
 }
 
-// dst[c * ld_dst + r] = src[r * ld_src + c]: a tile transposed (brgemm takes no transposed operand)
-template <typename T>
-inline void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst, int64_t ld_dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
-}
-
 // dst[e * ldd + c] = src[c * ld + e] for c < cols, e < width, on 4-byte words (a float, or a pair of
 // bf16/fp16 values: the VNNI layout of a transpose is the word transpose). ld in words. AVX-512 gathers 16
 // rows' word e at once (the scalar loop's strided stores ran ~3 cycles a value: 10% of a bf16 call).
@@ -422,6 +415,20 @@ inline void transpose_words(const uint32_t* src, int64_t ld, int64_t cols, int64
 #endif
   for (int64_t c = 0; c < cols; ++c)
     for (int64_t e = 0; e < width; ++e) dst[e * ldd + c] = src[c * ld + e];
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c]: a tile transposed (brgemm takes no transposed operand).
+// fp32 tiles go through transpose_words (the fp32 backward transposes P and dS per tile: scalar, that was
+// ~10% of a causal window's forward+backward).
+template <typename T>
+inline void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst, int64_t ld_dst) {
+  if constexpr (sizeof(T) == 4) {
+    transpose_words(reinterpret_cast<const uint32_t*>(src), ld_src, rows, cols, reinterpret_cast<uint32_t*>(dst),
+                    ld_dst);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
 }
 
 // Packs the transpose of x [S, D] (row stride ld) as brgemm B operands of K = D, N = bk, one contiguous
@@ -559,6 +566,9 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
               "attnlab._C: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not agree");
 }
 
+// The widest tile a run of full key blocks merges into (Note [Merged runs]): the dense tile's width.
+constexpr int64_t kMergeCols = 512;
+
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Layout& lay,
                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& out,
@@ -595,10 +605,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     });
   }
   const T* KT = use_brg ? kt.data_ptr<T>() : nullptr;
+  const int64_t W = std::max(bk, kMergeCols);  // Note [Merged runs]
   const T* VV = use_brg && kHalf ? vv.data_ptr<T>() : nullptr;
   at::parallel_for(0, N * H * nq, grain(N * H * nq, flops), [&](int64_t begin, int64_t end) {
-    std::vector<A> sbuf(bq * bk), obuf(bq * Ev), mrow(bq), lrow(bq);
-    std::vector<T> pbuf(kSame ? 0 : bq * (bk + 1));
+    std::vector<A> sbuf(bq * W), obuf(bq * Ev), mrow(bq), lrow(bq);
+    std::vector<T> pbuf(kSame ? 0 : bq * (W + 1));
     for (int64_t u = begin; u < end; ++u) {
       const int64_t n = u / (H * nq), h = (u / nq) % H, qb = u % nq;
       const int64_t q0 = qb * bq, rows = std::min(bq, L - q0), kvh = h / groups;
@@ -607,39 +618,49 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
       const int64_t base = lay.base(n, qb);
       const int32_t cnt = lay.kv_num[base];
+      const int32_t* kidx = lay.kv_idx + base * lay.maxk;
+      const int32_t* tids = lay.tile_id + base * lay.maxk;
       std::fill(mrow.begin(), mrow.begin() + rows, ninf);
       std::fill(lrow.begin(), lrow.begin() + rows, A(0));
       std::fill(obuf.begin(), obuf.begin() + rows * Ev, A(0));
-      for (int32_t t = 0; t < cnt; ++t) {
-        const int64_t k0 = static_cast<int64_t>(lay.kv_idx[base * lay.maxk + t]) * bk;
-        const int64_t cols = std::min(bk, S - k0);
+      for (int32_t t = 0; t < cnt;) {
+        const int64_t kb0 = kidx[t], k0 = kb0 * bk;
+        const uint8_t* tile = lay.tile(tids[t]);
+        // Note [Merged runs]: consecutive FULL key blocks run as one tile up to W keys wide (one max/exp
+        // pass per row and one P @ V product over the run instead of one per block)
+        int32_t run = 1;
+        if (tile == nullptr)
+          while (t + run < cnt && (run + 1) * bk <= W && kidx[t + run] == kb0 + run && tids[t + run] < 0) ++run;
+        t += run;
+        const int64_t cols = std::min(run * bk, S - k0), ls = run > 1 ? W : bk;
         A* s = sbuf.data();
         A mul = A(1);
         if constexpr (!std::is_same_v<T, double>) {
           if (use_brg) {
-            const T* ktp = KT + ((n * Hkv + kvh) * nk + k0 / bk) * E * bk;
-            brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, ktp, s);
+            for (int32_t j = 0; j < run; ++j) {
+              const T* ktp = KT + ((n * Hkv + kvh) * nk + kb0 + j) * E * bk;
+              brg<T>(rows, std::min(bk, S - k0 - j * bk), E, q.stride(2), bk, ls, false, qp, ktp, s + j * bk);
+            }
             mul = scale;
           }
         }
-        if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), s, bk);
-        const uint8_t* tile = lay.tile(lay.tile_id[base * lay.maxk + t]);
+        if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), s, ls);
         // a full tile with nothing to add: the scale is folded into the max and exp passes (one pass fewer)
         const bool fold = tile == nullptr && mod.plain() && mul > A(0);
         if (!fold) {
-          modify_scores<A>(s, bk, rows, cols, n, h, q0, k0, tile, mod, nullptr, mul);
+          modify_scores<A>(s, ls, rows, cols, n, h, q0, k0, tile, mod, nullptr, mul);
           mul = A(1);
         }
         for (int64_t r = 0; r < rows; ++r) {
-          A* row = s + r * bk;
+          A* row = s + r * ls;
           const A mnew = std::max(mrow[r], (kSame ? row_max(row, cols) : row_max_loose(row, cols)) * mul);
           const A shift = mnew == ninf ? A(0) : mnew;  // a row with nothing kept yet: exp(-inf) = 0
           A sum;
           if constexpr (kSame) {
             sum = exp_sum(row, cols, shift, mul, row);
           } else {
-            sum = exp_sum(row, cols, shift, mul, pbuf.data() + r * bk);
-            if (use_brg && (cols & 1)) pbuf[r * bk + cols] = T(0);  // pairs with V's zero pad row
+            sum = exp_sum(row, cols, shift, mul, pbuf.data() + r * ls);
+            if (use_brg && (cols & 1)) pbuf[r * ls + cols] = T(0);  // pairs with V's zero pad row
           }
           const A alpha = std::exp(mrow[r] - shift);
           lrow[r] = lrow[r] * alpha + sum;
@@ -652,17 +673,17 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if constexpr (kSame) {
           if constexpr (std::is_same_v<T, float>) {
             if (use_brg) {
-              brg<T>(rows, Ev, cols, bk, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
+              brg<T>(rows, Ev, cols, ls, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
               continue;
             }
           }
-          gemm(false, false, rows, Ev, cols, A(1), s, bk, vp + k0 * v.stride(2), v.stride(2), A(1), obuf.data(), Ev);
+          gemm(false, false, rows, Ev, cols, A(1), s, ls, vp + k0 * v.stride(2), v.stride(2), A(1), obuf.data(), Ev);
         } else {
           if (use_brg) {
-            brg<T>(rows, Ev, cols + (cols & 1), bk, Ev, Ev, true, pbuf.data(), VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev,
+            brg<T>(rows, Ev, cols + (cols & 1), ls, Ev, Ev, true, pbuf.data(), VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev,
                    obuf.data());
           } else {
-            gemm(false, false, rows, Ev, cols, A(1), pbuf.data(), bk, vp + k0 * v.stride(2), v.stride(2), A(1),
+            gemm(false, false, rows, Ev, cols, A(1), pbuf.data(), ls, vp + k0 * v.stride(2), v.stride(2), A(1),
                  obuf.data(), Ev);
           }
         }
