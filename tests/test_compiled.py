@@ -191,6 +191,26 @@ def test_half_types_dense_tiles_tails_masked_rows_nan(dtype):
     assert np.isnan(ref[0, 0]).all() and torch.isnan(out[0, 0]).all() and torch.isfinite(out[0, 1]).all()
 
 
+def test_bf16_conversion_fallback_matches_native():
+    """The bf16 probabilities' conversion: the CPU's instruction where it has AVX512-BF16 (detected, not
+    assumed), else at::vec's integer sequence; both round to nearest even, so the outputs are identical."""
+    if compiled.capability() == "AVX512":
+        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+        assert compiled.converts_bf16_natively() == (" avx512_bf16" in flags)
+    code = ("import torch; from attnlab.kernels import compiled as C; from attnlab.kernels.masks import MaskSpec;"
+            "torch.manual_seed(5); q, k, v = (torch.randn(1, 2, 200, 64).bfloat16() for _ in range(3));"
+            "o, _ = C.compiled_attention(q, k, v, MaskSpec(200, 200), 0.125, 64, 128);"
+            "print(C.converts_bf16_natively(), o.float().sum().item(), o.float().abs().sum().item())")
+    runs = []
+    for off in ("1", "0"):
+        env = dict(os.environ, ATTNLAB_EXT_NO_AVX512BF16=off)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        runs.append(r.stdout.split())
+    assert runs[0][0] == "False"
+    assert runs[0][1:] == runs[1][1:], runs
+
+
 def _grads(fn, q, k, v, do):
     return torch.autograd.grad(fn(q, k, v), (q, k, v), do)
 

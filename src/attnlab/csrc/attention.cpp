@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -307,8 +308,14 @@ inline __m512 exp2_half_target(__m512 t) {
 }
 
 // The CPU's own fp32 -> bf16 conversion (vcvtne2ps2bf16, AVX512-BF16: 32 values in one instruction,
-// round to nearest even like at::vec's ~10-instruction integer sequence), chosen at run time.
-const bool kNativeBf16 = __builtin_cpu_supports("avx512bf16");
+// round to nearest even like at::vec's ~10-instruction integer sequence), chosen at load time from the
+// CPU's flags (never assumed from the build). ATTNLAB_EXT_NO_AVX512BF16=1 takes at::vec's sequence
+// instead (for comparisons, and so the fallback is tested on CPUs that have the instruction).
+const bool kNativeBf16 = [] {
+  __builtin_cpu_init();  // we run among the library's constructors: make sure the flags are read
+  const char* off = std::getenv("ATTNLAB_EXT_NO_AVX512BF16");
+  return __builtin_cpu_supports("avx512bf16") && !(off && *off && std::string(off) != "0");
+}();
 
 struct StoreBf16Native {
   __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) static void store(__m512 lo, __m512 hi, void* dst) {
@@ -927,6 +934,13 @@ bool brgemm_for(const std::string& dtype, int64_t E, int64_t Ev, int64_t bk) {
                                                                                                              : at::kDouble;
   return brgemm_applies(dt, E, Ev, bk, true);
 }
+bool native_bf16_convert() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return kNativeBf16;
+#else
+  return false;
+#endif
+}
 bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f16f16f32 != nullptr; }
 
 }  // namespace
@@ -939,9 +953,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &attention_forward, "(out, lse) of block-layout attention");
   m.def("backward", &attention_backward, "(dq, dk, dv) by recomputation from (out, lse)");
   m.def("has_blas", &has_blas, "fp32/fp64 tiles run through MKL's gemm (else a plain loop)");
+  m.def("native_bf16_convert", &native_bf16_convert,
+        "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
   m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 2;
+  m.attr("abi_version") = 3;
 }
