@@ -251,7 +251,7 @@ inline void to_gemm_type(const A* src, T* dst, int64_t n) {
 // dst <- exp(x * mul - shift) (dst may be x, or x's row in the product's dtype); returns the sum in A.
 // exp(-inf) is 0 (masked scores).
 template <typename T, typename A>
-inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst) {
+inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst, bool /*masked*/ = true) {
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
   const V vsh(-shift), vm(mul);
@@ -293,17 +293,27 @@ inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst) {
 // bits, so their exp need not be at::vec's exp_u20 (~17 instructions with its range checks). This one is
 // 2^t with t = (x * mul - shift) * log2(e), a degree-4 fit of 2^f on f in [-1/2, 1/2] (relative error
 // 2.7e-6 evaluated in fp32, fitted for this kernel: 1/700 of bf16's and 1/180 of fp16's rounding of the
-// probabilities, about exp_u20's 20 ulp) and vscalefps for the 2^n, which also gives exact 0 for
-// t = -inf (clamped to -200: masked scores) and keeps NaN; 9 instructions. The fp32 row sum is of these
-// values. (Degree 5, 2.3e-7, cost one more FMA of the pass's ~11 per vector.)
+// probabilities, about exp_u20's 20 ulp) and vscalefps for the 2^n; exact 0 below 2^-125 (as exp_u20
+// gives below FLT_MIN) and NaN kept; 11 instructions. The fp32 row sum is of these values. (Degree 5,
+// 2.3e-7, cost one more FMA of the pass's ~13 per vector.)
+template <bool kMasked>
 inline __m512 exp2_half_target(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-200.f), t);  // max(c, NaN) is NaN: NaN survives
+  // kMasked (a tile with masked scores, -inf): lanes below 2^-125 become exact 0 by a mask, never by
+  // underflow: an underflowing result takes a microcode assist on Intel cores (measured: the causal bf16
+  // forward's exp pass ran 4x slower per value than the dense one). NaN compares unordered and is kept.
+  // A full tile has no -inf, so it skips the mask (2 of ~13 instructions); clamped at -200 its rare
+  // underflows are still exact, only slow.
+  const __m512 lo = _mm512_set1_ps(kMasked ? -125.f : -200.f);
+  __mmask16 keep = 0xFFFF;
+  if constexpr (kMasked) keep = _mm512_cmp_ps_mask(t, lo, _CMP_NLT_UQ);
+  t = _mm512_max_ps(lo, t);  // max(c, NaN) is NaN: NaN survives
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009570101276040077f), f, _mm512_set1_ps(0.05591786280274391f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
+  if constexpr (kMasked) return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -336,15 +346,15 @@ struct StoreHalf {
 };
 
 // exp_sum for a half-type destination, 32 scores per step (Note [Half-type exp], Note [Row passes]).
-template <typename Store, typename T>
+template <bool kMasked, typename Store, typename T>
 __attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t n, float shift, float mul, T* dst) {
   constexpr float kLog2e = 1.4426950408889634f;
   const __m512 a = _mm512_set1_ps(mul * kLog2e), b = _mm512_set1_ps(-shift * kLog2e);
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {
-    const __m512 e0 = exp2_half_target(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, b));
-    const __m512 e1 = exp2_half_target(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, b));
+    const __m512 e0 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, b));
+    const __m512 e1 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, b));
     s0 = _mm512_add_ps(s0, e0);
     s1 = _mm512_add_ps(s1, e1);
     Store::store(e0, e1, dst + c);
@@ -353,8 +363,8 @@ __attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t
     alignas(64) T tmp[32];
     const __mmask16 m0 = n - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - c)) - 1);
     const __mmask16 m1 = n - c > 16 ? __mmask16((1u << (n - c - 16)) - 1) : __mmask16(0);
-    const __m512 e0 = exp2_half_target(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x + c), a, b));
-    const __m512 e1 = exp2_half_target(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x + c + 16), a, b));
+    const __m512 e0 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x + c), a, b));
+    const __m512 e1 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x + c + 16), a, b));
     s0 = _mm512_mask_add_ps(s0, m0, s0, e0);
     s1 = _mm512_mask_add_ps(s1, m1, s1, e1);
     Store::store(e0, e1, tmp);
@@ -363,18 +373,25 @@ __attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
+template <bool kMasked>
 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
 float exp_sum_bf16_native(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst) {
-  return exp_sum_half<StoreBf16Native>(x, n, shift, mul, dst);
+  return exp_sum_half<kMasked, StoreBf16Native>(x, n, shift, mul, dst);
 }
 
 template <>
-inline float exp_sum<at::BFloat16, float>(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst) {
-  return kNativeBf16 ? exp_sum_bf16_native(x, n, shift, mul, dst) : exp_sum_half<StoreBf16>(x, n, shift, mul, dst);
+inline float exp_sum<at::BFloat16, float>(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst,
+                                          bool masked) {
+  if (kNativeBf16)
+    return masked ? exp_sum_bf16_native<true>(x, n, shift, mul, dst) : exp_sum_bf16_native<false>(x, n, shift, mul, dst);
+  return masked ? exp_sum_half<true, StoreBf16>(x, n, shift, mul, dst)
+                : exp_sum_half<false, StoreBf16>(x, n, shift, mul, dst);
 }
 template <>
-inline float exp_sum<at::Half, float>(const float* x, int64_t n, float shift, float mul, at::Half* dst) {
-  return exp_sum_half<StoreHalf>(x, n, shift, mul, dst);
+inline float exp_sum<at::Half, float>(const float* x, int64_t n, float shift, float mul, at::Half* dst,
+                                      bool masked) {
+  return masked ? exp_sum_half<true, StoreHalf>(x, n, shift, mul, dst)
+                : exp_sum_half<false, StoreHalf>(x, n, shift, mul, dst);
 }
 #endif
 
@@ -666,7 +683,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           if constexpr (kSame) {
             sum = exp_sum(row, cols, shift, mul, row);
           } else {
-            sum = exp_sum(row, cols, shift, mul, pbuf.data() + r * ls);
+            sum = exp_sum(row, cols, shift, mul, pbuf.data() + r * ls, !fold);
             if (use_brg && (cols & 1)) pbuf[r * ls + cols] = T(0);  // pairs with V's zero pad row
           }
           const A alpha = std::exp(mrow[r] - shift);
