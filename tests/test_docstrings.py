@@ -44,7 +44,6 @@ NOT_YET = {
     # the same time would have meant merge conflicts.
     "functional.py",
     "kernels/",
-    "patterns/",
     "mechanisms/",
     "cli/",
     "trace/",
@@ -57,7 +56,6 @@ NOT_YET = {
     "nn/cache.py",
     "nn/hooks.py",
     "bench/__init__.py",  # empty package markers: no module docstring yet
-    "experiments/__init__.py",
 }
 
 

@@ -8,7 +8,9 @@ import torch
 
 from attnlab.cli.main import main
 from attnlab.data import make_task
-from attnlab.experiments import _common as C
+from attnlab import harness
+from attnlab.experiments import model as M
+from attnlab.experiments import training as TR
 from attnlab.experiments import variance as V
 
 
@@ -65,9 +67,12 @@ def test_variance_experiment_quick(tmp_path):
 
 
 # -- the model's switches --------------------------------------------------------------------------------
-def _attn(score, scale=0.5, causal=False):
+def _layer(score, scale=0.5, causal=False):
     torch.manual_seed(0)
-    return C.Attention(8, 2, 4, score=score, scale=scale, attend=C.attention_fn("torch_sdpa"), causal=causal)
+    # head_dim 3 != d_model / heads: the width of q, k is the experiment's own (nn.EncoderLayer(head_dim=))
+    m = M.ExperimentModel(11, 3, 5, d_model=8, num_heads=2, head_dim=3, num_layers=1, score=score, scale=scale,
+                          causal=causal)
+    return m, m.encoder.layers[0].self_attn
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -75,10 +80,10 @@ def test_attention_switches_match_hand_written(causal):
     x = torch.randn(3, 5, 8)
     mask = torch.ones(5, 5, dtype=torch.bool).tril() if causal else torch.ones(5, 5, dtype=torch.bool)
     for score in ("softmax", "none", "cosine"):
-        a = _attn(score, causal=causal)
-        q = a.q_proj(x).view(3, 5, 2, 4).transpose(1, 2)
-        k = a.k_proj(x).view(3, 5, 2, 4).transpose(1, 2)
-        v = a.v_proj(x).view(3, 5, 2, 4).transpose(1, 2)
+        m, a = _layer(score, causal=causal)
+        q = a.q_proj(x).view(3, 5, 2, 3).transpose(1, 2)
+        k = a.k_proj(x).view(3, 5, 2, 3).transpose(1, 2)
+        v = a.v_proj(x).view(3, 5, 2, 3).transpose(1, 2)
         if score == "cosine":
             s = torch.nn.functional.cosine_similarity(q.unsqueeze(-2), k.unsqueeze(-3), dim=-1)  # temperature 1
         else:
@@ -87,34 +92,60 @@ def test_attention_switches_match_hand_written(causal):
             w = s * mask
         else:
             w = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
-        want = a.out_proj((w @ v).transpose(1, 2).reshape(3, 5, 8))
-        got = a(x)
+        want = a.out_proj((w @ v).transpose(1, 2).reshape(3, 5, 6))
+        got = a.forward_intermediates(x, is_causal=causal).output
         assert torch.allclose(got, want, atol=1e-5), (score, (got - want).abs().max())
+        # the statistics each layer reports are those of the weights above (softmax rows only)
+        stats = []
+        m(torch.randint(1, 11, (2, 5)), readout="all", stats=stats)
+        assert len(stats) == 1 and (stats[0]["entropy"] is None) == (score == "none")
+
+
+def test_weight_stats_match_numpy():
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 2, 6, 4, generator=g), torch.randn(2, 2, 6, 4, generator=g)
+    st = M.weight_stats(q, k, 0.7, "softmax", causal=True)
+    z = (q.double().numpy() @ k.double().numpy().transpose(0, 1, 3, 2)) * 0.7
+    z = np.where(np.tril(np.ones((6, 6), bool)), z, -np.inf)
+    w = np.exp(z - z.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    ent = -(np.where(w > 0, w * np.log(np.where(w > 0, w, 1)), 0)).sum(-1)
+    assert st["entropy"] == pytest.approx(ent.mean(), rel=1e-5)
+    assert st["max_weight"] == pytest.approx(w.max(-1).mean(), rel=1e-5)
+    assert st["entropy_uniform"] == pytest.approx(np.log(np.arange(1, 7)).mean(), rel=1e-6)
+
+
+def test_unknown_attention_lists_the_choices():
+    from attnlab.experiments.attention import choose
+
+    with pytest.raises(ValueError, match="sdpa.*pattern:<name>.*registered mechanism"):
+        choose("no_such_thing", 64)
+    assert choose("torch_sdpa").mechanism == "sdpa" and choose("pattern:bigbird", 64).pattern is not None
 
 
 def test_scale_value():
-    assert C.scale_value("sqrt", 64) == 0.125 and C.scale_value("none", 64) == 1.0 and C.scale_value("dk", 64) == 1 / 64
+    assert M.scale_value("sqrt", 64) == 0.125 and M.scale_value("none", 64) == 1.0 and M.scale_value("dk", 64) == 1 / 64
     with pytest.raises(ValueError):
-        C.scale_value("half", 64)
+        M.scale_value("half", 64)
 
 
 # -- training, checkpoints and resume -----------------------------------------------------------------------
 def _tiny(tmp_path, steps=6):
     tr, te = make_task("recall", 96, 16, seed=0, num_pairs=3).split(64)
-    cfg = C.RunConfig(name="t/1", task="recall", seq_len=16, d_model=16, num_heads=2, head_dim=8, num_layers=1,
+    cfg = TR.RunConfig(name="t/1", task="recall", seq_len=16, d_model=16, num_heads=2, head_dim=8, num_layers=1,
                       steps=steps, batch_size=8, log_every=1)
     return cfg, tr, te
 
 
 @pytest.fixture
 def one_thread():
-    with C.threads(1):
+    with harness.threads(1):
         yield
 
 
 def test_resume_after_kill_gives_the_uninterrupted_run(tmp_path, one_thread):
     cfg, tr, te = _tiny(tmp_path)
-    straight = C.train_run(cfg, tr, te)
+    straight = TR.train_run(cfg, tr, te)
 
     class Killed(Exception):
         pass
@@ -128,18 +159,18 @@ def test_resume_after_kill_gives_the_uninterrupted_run(tmp_path, one_thread):
 
     ck = tmp_path / f"{cfg.file_id}.pt"
     with pytest.raises(Killed):
-        C.train_run(cfg, tr, te, ck, advance=kill_at_4, checkpoint_every_s=0.0)
+        TR.train_run(cfg, tr, te, ck, advance=kill_at_4, checkpoint_every_s=0.0)
     state = torch.load(ck, weights_only=True)
     assert state["step"] == 3 and not state["done"]
-    resumed = C.train_run(cfg, tr, te, ck, resume=True)
+    resumed = TR.train_run(cfg, tr, te, ck, resume=True)
     assert resumed["resumed_from"] == 3
     assert resumed["history"]["loss"] == pytest.approx(straight["history"]["loss"], rel=1e-6)
     assert resumed["eval"]["loss"] == pytest.approx(straight["eval"]["loss"], rel=1e-6)
     # a finished run is not repeated
-    again = C.train_run(cfg, tr, te, ck, resume=True)
+    again = TR.train_run(cfg, tr, te, ck, resume=True)
     assert again["resumed_from"] == cfg.steps and again["history"] == resumed["history"]
     # ... and keeps the training memory the process that trained it measured
-    if C.reset_peak_rss():
+    if harness.reset_peak_rss():
         assert resumed["peak_rss_delta_bytes"] is not None
     assert again["peak_rss_delta_bytes"] == resumed["peak_rss_delta_bytes"]
 
@@ -214,18 +245,29 @@ def test_bad_input_exit_code_2(argv, tmp_path):
 
 def test_token_shift_adds_the_predecessor_embedding():
     torch.manual_seed(0)
-    m = C.TinyTransformer(11, 5, 7, d_model=8, num_heads=2, head_dim=4, num_layers=1, token_shift=True,
-                          scale=0.5, attend=C.attention_fn("torch_sdpa"))
+    m = M.ExperimentModel(11, 5, 7, d_model=8, num_heads=2, head_dim=4, num_layers=1, token_shift=True, scale=0.5)
     seen = {}
-    m.blocks[0].register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    m.encoder.layers[0].norm1.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
     m(ids, readout="all")
     want = torch.stack([m.tok.weight[t] + m.pos.weight[i] + m.prev.weight[ids[0, i - 1] if i else 0]
                         for i, t in enumerate(ids[0].tolist())])  # written out token by token
     assert torch.allclose(seen["x"][0], want, atol=1e-6)
-    plain = C.TinyTransformer(11, 5, 7, d_model=8, num_heads=2, head_dim=4, num_layers=1, scale=0.5,
-                              attend=C.attention_fn("torch_sdpa"))
+    plain = M.ExperimentModel(11, 5, 7, d_model=8, num_heads=2, head_dim=4, num_layers=1, scale=0.5)
     assert plain.prev is None
+
+
+def test_experiments_run_as_a_library_without_the_cli(tmp_path, one_thread):
+    from attnlab.experiments import failure_modes as FM
+
+    cfg = FM.FailureModesConfig(quick=True, seeds=[0], tasks=["recall"], steps=2)
+    res = FM.run(cfg)  # no folder: nothing is written until asked
+    assert res.out is None and [r["arm"] for r in res.runs] == ["standard", "no scaling", "no softmax", "cosine"]
+    paths = res.write(tmp_path)
+    on_disk = _read(tmp_path / "results.json")
+    assert on_disk["runs"][0]["eval"] == res.runs[0]["eval"] and paths["report"].endswith("report.md")
+    with pytest.raises(ValueError, match="--tasks"):
+        FM.run(FM.FailureModesConfig(tasks=["poems"]))
 
 
 def test_long_range_baselines_count_the_majority_class():
@@ -248,7 +290,7 @@ def test_long_range_killed_leaves_a_report_and_resumes(tmp_path, monkeypatch):
 
     argv = ["experiment", "long-range", "--quick", "--seq-len", "48", "--tasks", "recall,copy", "--steps", "2",
             "--mechanisms", "sdpa,linear", "--no-progress", "--out", str(tmp_path)]
-    real, calls = C.train_run, []
+    real, calls = LR.train_run, []
 
     def killed_at_third(cfg, *a, **k):
         calls.append(cfg.run_id)
@@ -256,14 +298,14 @@ def test_long_range_killed_leaves_a_report_and_resumes(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)
         return real(cfg, *a, **k)
 
-    monkeypatch.setattr(LR.C, "train_run", killed_at_third)
+    monkeypatch.setattr(LR, "train_run", killed_at_third)
     assert main(argv) == 130
     res = _read(tmp_path / "results.json")
     # task by task: the finished task has every mechanism
     assert not res["complete"] and [(r["task"], r["mechanism"]) for r in res["runs"]] == [("recall", "sdpa"),
                                                                                         ("recall", "linear")]
     assert "Partial report" in (tmp_path / "report.md").read_text()
-    monkeypatch.setattr(LR.C, "train_run", real)
+    monkeypatch.setattr(LR, "train_run", real)
     assert main(argv + ["--report-only"]) == 0  # trains nothing: reports the finished runs, lists the rest
     res = _read(tmp_path / "results.json")
     assert [r["resumed_from"] for r in res["runs"]] == [2, 2] and not res["complete"]
@@ -273,3 +315,41 @@ def test_long_range_killed_leaves_a_report_and_resumes(tmp_path, monkeypatch):
     res = _read(tmp_path / "results.json")
     assert res["complete"] and len(res["runs"]) == 4 and "Partial report" not in (tmp_path / "report.md").read_text()
     assert [r["resumed_from"] for r in res["runs"][:2]] == [2, 2]  # finished runs are not trained again
+
+
+# the options each experiment had when its parser lived in the experiment module (issue 15 moved them to
+# cli/experiment.py; the command line must not change)
+FLAGS = {
+    "approximation": "--head-dim --heads --minilm-tokens --n --no-minilm --no-progress --out --quick --seed "
+                     "--speed-n --threads",
+    "failure-modes": "--d-k --force --lr --model --no-progress --optimizer --out --qk-init --quick --resume --seeds "
+                     "--steps --tasks --threads",
+    "long-range": "--batch-size --d-model --force --layers --lr --mechanisms --no-progress --no-token-shift --out "
+                  "--quick --recall-queries --report-only --resume --seeds --seq-len --steps --tasks --test-examples "
+                  "--threads --train-examples",
+    "scaling": "--d-k --force --lr --model --no-progress --optimizer --out --qk-init --quick --resume --seeds --steps "
+               "--tasks --threads",
+    "variance": "--d-k --force --keys --no-minilm --no-progress --out --quick --resume --rows --seeds --steps --threads",
+}
+
+
+def test_experiment_options_unchanged():
+    import argparse
+
+    from attnlab.cli import experiment as E
+
+    p = argparse.ArgumentParser()
+    E.build_parser(p)
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(FLAGS)
+    for name, sp in sub.choices.items():
+        got = sorted(a.option_strings[0] for a in sp._actions if a.option_strings and a.option_strings[0] != "-h")
+        assert got == FLAGS[name].split(), name
+
+
+def test_library_runs_print_nothing(capsys, tmp_path):
+    res = V.run(V.VarianceConfig(quick=True, d_k=[16, 64], rows=16, keys=8, minilm=False))
+    res.write(tmp_path)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""  # only cli/ prints
+    assert _read(tmp_path / "results.json")["settings"]["d_k"] == [16, 64]

@@ -158,7 +158,10 @@ def test_pattern_batch_mismatch_is_refused():
 
 @pytest.mark.parametrize("pat", [P.sliding_window(9, causal=True), P.sliding_window(5), P.longformer(4, 2),
                                  P.sliding_window(7) & P.key_padding([90, 61]), P.bigbird(8, 3, 1, 1, seed=3),
-                                 P.causal() | P.sliding_window(3)], ids=repr)
+                                 P.causal() | P.sliding_window(3),
+                                 # translation invariant but not bands: the kernel reuses one mask block per diagonal
+                                 P.dilated(5, 3, causal=True), P.dilated(4, 2), P.strided(6), P.strided(5, causal=False)],
+                         ids=repr)
 @pytest.mark.parametrize("L,S", [(96, 96), (101, 90)])
 def test_sparse_runs_bands_rectangles_and_gathers(pat, L, S):
     """Long enough that the sparse kernel uses band views, rectangles and gathers; values and grads exact."""
@@ -210,7 +213,7 @@ def test_fixed_layouts_are_analytic_and_tight(block, summary, causal, bq, bk):
     L, S = 23, 19
     nq, nk = -(-L // bq), -(-S // bk)
     qlo, klo = (torch.arange(nq) * bq).unsqueeze(1), (torch.arange(nk) * bk).unsqueeze(0)
-    assert pat._bounds(qlo, (qlo + bq - 1).clamp(max=L - 1), klo, (klo + bk - 1).clamp(max=S - 1), L, S) is not None
+    assert pat.bounds(qlo, (qlo + bq - 1).clamp(max=L - 1), klo, (klo + bk - 1).clamp(max=S - 1), L, S) is not None
     x = torch.zeros(nq * bq, nk * bk, dtype=torch.bool)
     x[:L, :S] = pat.materialize(L, S)
     assert torch.equal(pat.block_layout(L, S, bq, bk) != P.EMPTY, x.view(nq, bq, nk, bk).any(3).any(1))

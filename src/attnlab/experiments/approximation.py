@@ -9,22 +9,27 @@ Errors (against exact softmax attention computed in float64):
            non-negative weights.
 Time: median seconds per call (no grad) on the random input, side by side with PyTorch SDPA in one run.
 Headline: linear attention vs SDPA dense at n = 16384, D = 64, measured side by side (target >= 50×).
-Writes reports/approximation/ (results.json, report.md, error_vs_budget_*.png, frontier_*.png).
+``ApproximationResult.write`` makes results.json, report.md, error_vs_budget_*.png and frontier_*.png
+(reports/approximation/ from the CLI).
 """
 from __future__ import annotations
 
 import math
 import statistics
-import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from attnlab.options import check_memory, output_dir, positive_int
+from attnlab import harness
+from attnlab.harness import fmt as _fmt
+from attnlab.harness import markdown_table as _table
+from attnlab.options import check_memory
+from attnlab.report import environment
 
-__all__ = ["build_parser", "run", "grid", "errors", "time_call", "pareto"]
+__all__ = ["ApproximationConfig", "ApproximationResult", "run", "grid", "errors", "time_call", "pareto",
+           "measure_inputs", "headline", "minilm_qkv", "GRID"]
 
 #: mechanism -> (budget parameter, full budgets, quick budgets, fixed params)
 GRID = {
@@ -40,25 +45,6 @@ GRID = {
 MECH_OF = {"linformer_random": "linformer"}
 #: how far each budget is from exact, for plotting on one axis: the budget as a fraction of n
 NUMERIC = {"performer", "linformer", "linformer_random", "nystrom", "hierarchical", "sliding_window"}
-
-
-def build_parser(p):
-    """Add ``experiment approximation``'s options (--out, --quick, sizes of the random input, --speed-n,
-    --minilm-tokens, --no-minilm, --seed, --threads, --no-progress) to the argparse parser ``p``."""
-    p.add_argument("--out", default=None, help="output folder (default reports/approximation)")
-    p.add_argument("--quick", action="store_true", help="toy sizes: finishes in seconds")
-    p.add_argument("--n", type=positive_int, default=None, help="random-input length (default 2048; quick 128)")
-    p.add_argument("--heads", type=positive_int, default=None, help="heads of the random input (default 4; quick 2)")
-    p.add_argument("--head-dim", type=positive_int, default=64, help="head dim of the random input")
-    p.add_argument("--speed-n", type=positive_int, default=None,
-                   help="length of the linear-vs-SDPA headline (default 16384; quick 1024)")
-    p.add_argument("--minilm-tokens", type=positive_int, default=None, help="tokens of MiniLM text (default 256; quick 48)")
-    p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K/V")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--threads", type=positive_int, default=1,
-                   help="torch threads for every timing (default 1: the same resources for SDPA and each "
-                        "mechanism, and a shared machine stays usable)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 # -- measurement --------------------------------------------------------------------------------------
@@ -86,19 +72,10 @@ def errors(out, w, out_ref, w_ref) -> dict:
 
 
 def time_call(fn, repeats: int = 5, warmup: int = 1, budget_s: float = 20.0) -> float:
-    """Median wall seconds of fn() (no grad); fewer repeats when one call is slow."""
+    """Median wall seconds of fn() without autograd (``attnlab.harness.time_call``); fewer repeats when
+    one call is slow."""
     with torch.no_grad():
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            fn()
-        once = (time.perf_counter() - t0) / max(warmup, 1)
-        n = max(1, min(repeats, int(budget_s / max(once, 1e-9))))
-        ts = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+        return harness.time_call(fn, repeats, warmup, budget_s=budget_s)
 
 
 def grid(quick: bool):
@@ -158,7 +135,8 @@ def measure_inputs(q, k, v, configs, *, timed: bool, progress=None, task=None) -
 
 
 def headline(n: int, D: int = 64, H: int = 1, seed: int = 0) -> dict:
-    """Linear attention vs PyTorch SDPA (dense, no mask) at length n, side by side, non-causal and causal."""
+    """Linear attention vs PyTorch SDPA (dense, no mask) on q, k, v [1, H, n, D] float32, non-causal and
+    causal, timed side by side in interleaved rounds (``attnlab.harness.interleaved``, median)."""
     import attnlab.mechanisms as M
 
     g = torch.Generator().manual_seed(seed)
@@ -166,10 +144,15 @@ def headline(n: int, D: int = 64, H: int = 1, seed: int = 0) -> dict:
     lin = M.get("linear")
     res = {"n": n, "D": D, "heads": H, "batch": 1, "dtype": "float32"}
     for causal in (False, True):
-        t_sdpa = time_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), repeats=3)
-        t_lin = time_call(lambda: lin(q, k, v, is_causal=causal), repeats=7)
+        # interleaved rounds, median (Note [Median, interleaved] in attnlab.harness.timing): a slow spell of
+        # a shared machine falls on both sides of the ratio
+        with torch.no_grad():
+            t = harness.interleaved({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                     "linear": lambda: lin(q, k, v, is_causal=causal)},
+                                    rounds=5, min_rounds=3, budget_s=40.0)
+        t_sdpa, t_lin = t["sdpa"].median, t["linear"].median
         key = "causal" if causal else "full"
-        res[key] = {"sdpa_s": t_sdpa, "linear_s": t_lin, "ratio": t_sdpa / t_lin}
+        res[key] = {"sdpa_s": t_sdpa, "linear_s": t_lin, "ratio": t_sdpa / t_lin, "rounds": len(t["sdpa"].times)}
     res["target_ratio"] = 50.0
     res["meets_target"] = res["full"]["ratio"] >= 50.0
     return res
@@ -214,13 +197,9 @@ def minilm_points(res: dict) -> list[dict]:
 
 
 def _plots(res: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import LogLocator, NullFormatter
 
-    from attnlab.report import save_figure
+    plt = harness.pyplot()
 
     def logy(ax, x=False):
         # log axes only over wide ranges (few major ticks, no minor labels: tick-label layout
@@ -260,7 +239,7 @@ def _plots(res: dict, out: Path) -> list[str]:
             if source == "minilm" and label == labels[0]:
                 ax.legend(fontsize=7)
         fig.suptitle(f"error vs budget — {source} inputs")
-        files.append(str(save_figure(fig, out / f"error_vs_budget_{source}.png")))
+        files.append(harness.save_plot(fig, out / f"error_vs_budget_{source}.png"))
     for source, rows, t_sdpa, what in (
             ("random", [r for r in res.get("random", []) if r.get("time_s")], res.get("sdpa_time_s"),
              f"random inputs n={res['config']['n']}"),
@@ -281,22 +260,8 @@ def _plots(res: dict, out: Path) -> list[str]:
         ax.set_ylabel("relative Frobenius error")
         ax.set_title(f"error–speed frontier, {what}")
         ax.legend(fontsize=7)
-        files.append(str(save_figure(fig, out / f"frontier_{source}.png")))
+        files.append(harness.save_plot(fig, out / f"frontier_{source}.png"))
     return files
-
-
-def _fmt(x, d=3):
-    if x is None:
-        return "—"
-    if isinstance(x, float):
-        return f"{x:.{d}g}"
-    return str(x)
-
-
-def _table(headers, rows) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def _report(res: dict) -> str:
@@ -307,7 +272,8 @@ def _report(res: dict) -> str:
          "", "## Headline: linear attention vs PyTorch SDPA (dense)", ""]
     h = res.get("headline")
     if h:
-        L += [f"n = {h['n']}, D = {h['D']}, batch 1, {h['heads']} head(s), float32, both timed in this run.", "",
+        L += [f"n = {h['n']}, D = {h['D']}, batch 1, {h['heads']} head(s), float32, both timed in this run"
+              + (f", in {h['full']['rounds']} interleaved rounds (median)." if h["full"].get("rounds") else "."), "",
               _table(["", "SDPA s/call", "linear s/call", "SDPA / linear"],
                      [["non-causal", h["full"]["sdpa_s"], h["full"]["linear_s"], h["full"]["ratio"]],
                       ["causal", h["causal"]["sdpa_s"], h["causal"]["linear_s"], h["causal"]["ratio"]]]), "",
@@ -370,96 +336,130 @@ def _report(res: dict) -> str:
     return "\n".join(L)
 
 
-def run(args):
-    """Run the approximation experiment with the parsed options ``args``; returns {"out", "results",
-    "exit_code"}.
+@dataclass
+class ApproximationConfig:
+    """Settings of the approximation experiment; a None size means the default (quick in brackets):
+    n 2048 (128) and heads 4 (2) of the random input, speed_n 16384 (1024) for the linear-vs-SDPA
+    headline, minilm_tokens 256 (48). minilm: also MiniLM's real Q/K/V; threads: torch threads for every
+    timing; command: the command line recorded in the report."""
 
-    1) On random query, key, value [1, H, n, D], every (mechanism, budget) of :func:`grid`: errors
+    quick: bool = False
+    n: int | None = None
+    heads: int | None = None
+    head_dim: int = 64
+    speed_n: int | None = None
+    minilm_tokens: int | None = None
+    minilm: bool = True
+    seed: int = 0
+    threads: int | None = 1
+    command: str | None = None
+
+    def resolved(self) -> dict:
+        """The sizes after defaults; ValueError naming the option for a size < 1."""
+        pick = lambda given, q, full: given if given is not None else (q if self.quick else full)  # noqa: E731
+        s = {"n": pick(self.n, 128, 2048), "heads": pick(self.heads, 2, 4), "head_dim": self.head_dim,
+             "speed_n": pick(self.speed_n, 1024, 16384), "minilm_tokens": pick(self.minilm_tokens, 48, 256)}
+        for name, key in (("--n", "n"), ("--heads", "heads"), ("--head-dim", "head_dim"), ("--speed-n", "speed_n"),
+                          ("--minilm-tokens", "minilm_tokens")):
+            if s[key] < 1:
+                raise ValueError(f"{name} must be >= 1, got {s[key]}")
+        return s
+
+
+@dataclass
+class ApproximationResult:
+    """Everything measured. ``random``: one row per (mechanism, budget) on the random input (errors,
+    time, speed-up vs SDPA, FLOPs); ``minilm``: the same errors per MiniLM layer (time on layer 0);
+    ``headline``: linear vs SDPA at speed_n; ``minilm_error``: why MiniLM was not measured. :meth:`write`
+    makes the plots and the report; :meth:`to_json` is results.json's content."""
+
+    config: dict
+    command: str
+    env: dict
+    random: list[dict]
+    sdpa_time_s: float | None
+    headline: dict
+    minilm: list[dict]
+    minilm_sdpa_time_s: float | None = None
+    minilm_error: str | None = None
+    exit_code: int = 0
+
+    def to_json(self, plots: list[str] | None = None) -> dict:
+        """results.json's content (``plots``: the figures written beside it)."""
+        res = {"config": self.config, "command": self.command, "env": self.env, "random": self.random,
+               "sdpa_time_s": self.sdpa_time_s, "minilm": self.minilm, "headline": self.headline}
+        if self.minilm_sdpa_time_s is not None:
+            res["minilm_sdpa_time_s"] = self.minilm_sdpa_time_s
+        if self.minilm_error is not None:
+            res["minilm_error"] = self.minilm_error
+        if plots is not None:
+            res["plots"] = plots
+        return res
+
+    def write(self, out: str | Path) -> dict:
+        """The plots, results.json, report.md and report.html into ``out``; returns the paths."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = self.to_json(_plots(self.to_json(), out))
+        return harness.write_report(out, res, _report(res), "attnlab approximation report")
+
+    def summary_lines(self, out=None) -> list[str]:
+        """A few lines for a terminal (rich markup): the headline ratio and the error–speed frontier."""
+        h, err = self.headline, self.minilm_error
+        lines = [f"[yellow]MiniLM skipped: {err}[/]"] if err and err != "skipped (--no-minilm)" else []
+        return lines + [f"linear vs SDPA at n={h['n']}, D={h['D']}: {h['full']['ratio']:.1f}× (non-causal), "
+                        f"{h['causal']['ratio']:.1f}× (causal); frontier: "
+                        + ", ".join(f"{p['mechanism']}({p['budget']})" for p in pareto(self.random, max_y=1.0)),
+                        f"wrote {out / 'report.md' if out is not None else 'nothing yet'}"]
+
+
+def run(config: ApproximationConfig, *, progress=None) -> ApproximationResult:
+    """1) On random query, key, value [1, H, n, D], every (mechanism, budget) of :func:`grid`: errors
     against float64 exact attention (rel_fro, cosine, KL of the weights) and median time per call beside
-    SDPA's. 2) Unless --no-minilm, the same errors on MiniLM's real per-layer Q/K/V. 3) The headline:
-    linear attention vs SDPA at --speed-n, non-causal and causal. Writes results.json, report.md and the
-    plots to --out (default reports/approximation) and prints the headline and the error–speed frontier.
-    Torch's thread count is set to --threads for the run and restored. Raises ValueError for a size < 1
-    or a float64 [H, n, n] reference that would not fit in memory.
-    """
-    from rich.console import Console
-
+    SDPA's. 2) With ``config.minilm``, the same errors on MiniLM's real per-layer Q/K/V. 3) The headline:
+    linear attention vs SDPA at speed_n, non-causal and causal. Torch's thread count is
+    ``config.threads`` for the run. Raises ValueError for a size < 1 and OptionError for a float64
+    [H, n, n] reference over the memory budget."""
     import attnlab.mechanisms as M  # noqa: F401  (registers everything)
-    from attnlab.report import atomic_write_json, atomic_write_text, environment, render_markdown_file
 
-    quick = args.quick
-    pick = lambda given, q, full: given if given is not None else (q if quick else full)  # noqa: E731
-    n = pick(args.n, 128, 2048)
-    H = pick(args.heads, 2, 4)
-    D = args.head_dim
-    speed_n = pick(args.speed_n, 1024, 16384)
-    tokens = pick(args.minilm_tokens, 48, 256)
-    for name, val in (("--n", n), ("--heads", H), ("--head-dim", D), ("--speed-n", speed_n),
-                      ("--minilm-tokens", tokens)):
-        if val < 1:
-            raise ValueError(f"{name} must be >= 1, got {val}")
+    s = config.resolved()
+    n, H, D, speed_n, tokens = s["n"], s["heads"], s["head_dim"], s["speed_n"], s["minilm_tokens"]
     # the exact reference keeps float64 [H, n, n] scores and weights; the speed headline [H, speed_n, D] inputs
     check_memory(f"--n {n} --heads {H}", 4 * 8 * H * n * n + 8 * 4 * H * speed_n * D,
                  "the exact reference's float64 [H, n, n] scores and weights")
-    out = output_dir(Path(args.out) if args.out else Path("reports") / "approximation")
-    args.out = str(out)
-    prev_threads = torch.get_num_threads()
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console(stderr=True)
-    configs = grid(quick)
-    env = environment()
-    res = {"config": {"quick": quick, "n": n, "heads": H, "head_dim": D, "speed_n": speed_n,
-                      "minilm_tokens": tokens, "seed": args.seed},
-           "command": "attnlab " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("attnlab")
-           else "attnlab experiment approximation" + (" --quick" if quick else ""),
-           "env": env}
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, disable=args.no_progress) as prog:
-            # 1) random inputs: errors and time per call
-            g = torch.Generator().manual_seed(args.seed)
-            q, k, v = (torch.randn(1, H, n, D, generator=g) for _ in range(3))
-            t = prog.add_task(f"random n={n}", total=len(configs))
-            res["random"], res["sdpa_time_s"] = measure_inputs(q, k, v, configs, timed=True, progress=prog, task=t)
-            # 2) MiniLM: every layer, errors only (short sequences: time there says little)
-            if not args.no_minilm:
-                try:
-                    layers = minilm_qkv(tokens)
-                except (ImportError, AttributeError, FileNotFoundError, OSError, TypeError) as e:
-                    layers, res["minilm_error"] = [], f"{type(e).__name__}: {e}"
-                    console.print(f"[yellow]MiniLM skipped: {res['minilm_error']}[/]")
-                rows = []
-                if layers:
-                    res["config"]["minilm_tokens_actual"] = layers[0][1].shape[-2]
-                    t = prog.add_task("MiniLM layers", total=len(configs) * len(layers))
-                    for layer, lq, lk, lv in layers:
-                        # time per call on the first layer's inputs (the shapes are the same in every layer)
-                        r, t_sdpa = measure_inputs(lq, lk, lv, configs, timed=layer == 0, progress=prog, task=t)
-                        if layer == 0:
-                            res["minilm_sdpa_time_s"] = t_sdpa
-                        rows += [dict(x, layer=layer) for x in r]
-                res["minilm"] = rows
-            else:
-                res["minilm"], res["minilm_error"] = [], "skipped (--no-minilm)"
-            # 3) headline: linear vs SDPA at long n
-            t = prog.add_task(f"linear vs SDPA n={speed_n}", total=1)
-            res["headline"] = headline(speed_n, D, seed=args.seed)
-            prog.advance(t)
-    finally:
-        torch.set_num_threads(prev_threads)
-    out.mkdir(parents=True, exist_ok=True)
-    res["plots"] = _plots(res, out)
-    atomic_write_json(out / "results.json", res)
-    atomic_write_text(out / "report.md", _report(res))
-    render_markdown_file(out / "report.md", "attnlab approximation report")
-    h = res["headline"]
-    Console().print(f"linear vs SDPA at n={h['n']}, D={h['D']}: {h['full']['ratio']:.1f}× (non-causal), "
-                    f"{h['causal']['ratio']:.1f}× (causal); frontier: "
-                    + ", ".join(f"{p['mechanism']}({p['budget']})" for p in pareto(res["random"], max_y=1.0))
-                    + f"\nwrote {out / 'report.md'}")
-    return {"out": str(out), "results": res, "exit_code": 0}
+    prog = progress if progress is not None else harness.NoProgress()
+    configs = grid(config.quick)
+    res = {"config": {"quick": config.quick, "n": n, "heads": H, "head_dim": D, "speed_n": speed_n,
+                      "minilm_tokens": tokens, "seed": config.seed},
+           "command": config.command or ("attnlab experiment approximation" + (" --quick" if config.quick else ""))}
+    with harness.threads(config.threads):
+        res["env"] = environment()
+        # 1) random inputs: errors and time per call
+        g = torch.Generator().manual_seed(config.seed)
+        q, k, v = (torch.randn(1, H, n, D, generator=g) for _ in range(3))
+        t = prog.add_task(f"random n={n}", total=len(configs))
+        res["random"], res["sdpa_time_s"] = measure_inputs(q, k, v, configs, timed=True, progress=prog, task=t)
+        # 2) MiniLM: every layer, errors only (short sequences: time there says little)
+        if config.minilm:
+            try:
+                layers = minilm_qkv(tokens)
+            except (ImportError, AttributeError, FileNotFoundError, OSError, TypeError) as e:
+                layers, res["minilm_error"] = [], f"{type(e).__name__}: {e}"
+            rows = []
+            if layers:
+                res["config"]["minilm_tokens_actual"] = layers[0][1].shape[-2]
+                t = prog.add_task("MiniLM layers", total=len(configs) * len(layers))
+                for layer, lq, lk, lv in layers:
+                    # time per call on the first layer's inputs (the shapes are the same in every layer)
+                    r, t_sdpa = measure_inputs(lq, lk, lv, configs, timed=layer == 0, progress=prog, task=t)
+                    if layer == 0:
+                        res["minilm_sdpa_time_s"] = t_sdpa
+                    rows += [dict(x, layer=layer) for x in r]
+            res["minilm"] = rows
+        else:
+            res["minilm"], res["minilm_error"] = [], "skipped (--no-minilm)"
+        # 3) headline: linear vs SDPA at long n
+        t = prog.add_task(f"linear vs SDPA n={speed_n}", total=1)
+        res["headline"] = headline(speed_n, D, seed=config.seed)
+        prog.advance(t)
+    return ApproximationResult(**res)

@@ -3,7 +3,7 @@ every attention mechanism trained with the same small budget.
 
 Reports accuracy per task, training steps/s and peak memory (RSS growth while training, measured per
 run after handing freed memory back to the OS) relative to vanilla exact attention, in the layout of
-Tay et al. 2020 (Long Range Arena), Tables 1 and 2. Writes reports/long-range/.
+Tay et al. 2020 (Long Range Arena), Tables 1 and 2 (``LongRangeResult.write``; reports/long-range/ from the CLI).
 """
 from __future__ import annotations
 
@@ -11,14 +11,21 @@ import math
 import signal
 import threading
 import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from attnlab.options import check_memory, positive_float, positive_int
+from attnlab import harness
+from attnlab.harness import fmt
+from attnlab.harness import markdown_table as table
+from attnlab.options import check_memory
 
-from . import _common as C
+from .attention import choose, mechanism_names
+from .training import RunConfig, plot_curves, train_run
 
-__all__ = ["build_parser", "run", "default_mechanisms", "VANILLA"]
+__all__ = ["LongRangeConfig", "LongRangeResult", "run", "default_mechanisms", "baseline_accuracy", "learned",
+           "VANILLA", "TASKS", "FULL", "QUICK"]
 
 VANILLA = "sdpa"
 TASKS = ("listops", "recall", "copy")
@@ -28,35 +35,9 @@ FULL = {"seq_len": 1024, "steps": 1000, "batch": 8, "lr": 3e-3, "d_model": 64, "
 QUICK = {"seq_len": 128, "steps": 6, "batch": 4, "lr": 1e-3, "d_model": 64, "layers": 2, "train": 64, "test": 32, "queries": 4}
 
 
-def build_parser(p):
-    """Add ``experiment long-range``'s options (the common ones, --seq-len, --tasks, --mechanisms, model
-    and data sizes, --recall-queries, --no-token-shift, --report-only) to the argparse parser ``p``."""
-    C.add_common_args(p, seeds="0")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default 1024; quick 128)")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {', '.join(TASKS)}")
-    p.add_argument("--mechanisms", default=None,
-                   help="comma-separated mechanisms (default: vanilla 'sdpa' and every registered pattern and "
-                        "approximation); also torch_sdpa, naive, dense, tiled")
-    p.add_argument("--batch-size", type=positive_int, default=None, help=f"batch size (default {FULL['batch']}; quick 4)")
-    p.add_argument("--lr", type=positive_float, default=None, help=f"AdamW learning rate (default {FULL['lr']:g})")
-    p.add_argument("--d-model", type=positive_int, default=None, help=f"model width (default {FULL['d_model']}; heads of 32)")
-    p.add_argument("--layers", type=positive_int, default=None, help=f"Transformer layers (default {FULL['layers']})")
-    p.add_argument("--recall-queries", type=positive_int, default=None,
-                   help=f"queries per associative-recall example, answered in place (default {FULL['queries']}; "
-                        "1 = one query read at the last token)")
-    p.add_argument("--no-token-shift", action="store_true",
-                   help="do not give each position the embedding of its predecessor (see Note [Token shift])")
-    p.add_argument("--report-only", action="store_true",
-                   help="train nothing: report the runs whose checkpoints in --out are finished (same settings) "
-                        "and list the others as not run")
-    p.add_argument("--train-examples", type=positive_int, default=None,
-                   help=f"generated training examples per task (default {FULL['train']})")
-    p.add_argument("--test-examples", type=positive_int, default=None, help=f"held-out examples per task (default {FULL['test']})")
-
-
 def default_mechanisms() -> tuple[list[str], str | None]:
     """Vanilla first, then every registered non-exact mechanism (patterns and approximations)."""
-    names, why = C.mechanism_names()
+    names, why = mechanism_names()
     if why is not None:
         return [VANILLA, "pattern:sliding_window", "pattern:longformer", "pattern:bigbird", "pattern:strided"], why
     import attnlab.mechanisms as M
@@ -75,85 +56,180 @@ def _datasets(tasks, T, n_train, n_test, seed, recall_queries=1):
     return out
 
 
-def run(args):
+@dataclass
+class LongRangeConfig:
+    """Settings of the long-range experiment; a None size means the default (``FULL``, or ``QUICK`` with
+    quick). out: folder for checkpoints and partial results (None: none); resume: continue from them;
+    report_only: train nothing, report the finished runs in ``out``; mechanisms None: vanilla and every
+    registered non-exact mechanism (quick: the first four); token_shift: Note [Token shift]."""
+
+    out: Path | None = None
+    quick: bool = False
+    resume: bool = False
+    report_only: bool = False
+    seeds: list[int] = field(default_factory=lambda: [0])
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    mechanisms: list[str] | None = None
+    seq_len: int | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    d_model: int | None = None
+    layers: int | None = None
+    recall_queries: int | None = None
+    token_shift: bool = True
+    train_examples: int | None = None
+    test_examples: int | None = None
+    threads: int | None = 1
+
+    def resolved(self) -> dict:
+        """The sizes after defaults (quick mode changes the defaults only, never a value that was given),
+        checked: ValueError naming the option otherwise."""
+        size = QUICK if self.quick else FULL
+
+        def given(v, default):  # an option's value, the default only when it was not given (0 is refused, not replaced)
+            return default if v is None else v
+
+        s = {"seq_len": given(self.seq_len, size["seq_len"]), "steps": given(self.steps, size["steps"]),
+             "batch_size": given(self.batch_size, size["batch"]), "lr": given(self.lr, size["lr"]),
+             "d_model": given(self.d_model, size["d_model"]), "num_layers": given(self.layers, size["layers"]),
+             "train_examples": given(self.train_examples, size["train"]),
+             "test_examples": given(self.test_examples, size["test"]),
+             "recall_queries": given(self.recall_queries, size["queries"])}
+        if s["seq_len"] < 32:
+            raise ValueError(f"--seq-len must be >= 32, got {s['seq_len']}")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"--tasks must be a comma-separated subset of {TASKS}, got {','.join(self.tasks)!r}")
+        if not self.seeds:
+            raise ValueError("--seeds must name at least one seed")
+        for name, key in (("--steps", "steps"), ("--batch-size", "batch_size"), ("--layers", "num_layers"),
+                          ("--train-examples", "train_examples"), ("--test-examples", "test_examples")):
+            if s[key] < 1:
+                raise ValueError(f"{name} must be >= 1, got {s[key]}")
+        if s["d_model"] < 32 or s["d_model"] % 32:
+            raise ValueError(f"--d-model must be a positive multiple of 32 (heads of 32), got {s['d_model']}")
+        if not (s["lr"] > 0 and math.isfinite(s["lr"])):
+            raise ValueError(f"--lr must be a finite number > 0, got {s['lr']}")
+        if not 1 <= s["recall_queries"] <= 8:
+            raise ValueError(f"--recall-queries must be in [1, 8] (8 key-value pairs), got {s['recall_queries']}")
+        return s
+
+
+@dataclass
+class LongRangeResult:
+    """Every run and the LRA-style table (accuracy per task, steps/s and memory relative to vanilla).
+    ``interrupted`` (Ctrl-C or SIGTERM; ``exit_code`` 130) or ``not_run`` (report only) make it partial.
+    :meth:`write` makes the report; :meth:`to_json` is results.json's content."""
+
+    settings: dict
+    baselines: dict
+    table: list[dict]
+    refused: dict
+    runs: list[dict]
+    task_meta: dict
+    environment: dict
+    wall_s: float
+    interrupted: str | None = None
+    not_run: list[str] = field(default_factory=list)
+    configs: int = 0
+    exit_code: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """True when every run was trained (not interrupted, nothing left out by report_only)."""
+        return self.interrupted is None and not self.not_run
+
+    def to_json(self, files: list[str] | None = None) -> dict:
+        """results.json's content (``files``: the plots written beside it)."""
+        return {"experiment": "long-range", **self.settings, "baselines": self.baselines, "table": self.table,
+                "refused": self.refused, "runs": self.runs, "task_meta": self.task_meta,
+                "environment": self.environment, "files": files or [], "complete": self.complete,
+                "wall_s": self.wall_s, "interrupted": self.interrupted, "not_run": self.not_run}
+
+    def write(self, out: str | Path) -> dict:
+        """lra.png, curves.png, results.json, report.md, report.html into ``out``; the partial results
+        file goes once the run is complete. Returns the paths."""
+        out = Path(out)
+        tasks = self.settings["tasks"]
+        files = [_plot(out, self.table, tasks, self.baselines)] if self.table else []
+        if self.runs:
+            files.append(plot_curves(self.runs, lambda r: r["mechanism"], lambda r: r["task"], out / "curves.png",
+                                     keys=(("loss", "training loss", False),
+                                           ("entropy", "attention entropy (nats)", False))))
+        res = self.to_json(files)
+        paths = harness.write_report(out, res, _report(res))
+        if self.complete:
+            harness.remove_partial(out)
+        return paths
+
+    def summary_lines(self, out=None) -> list[str]:
+        """A few lines for a terminal (rich markup): accuracy, speed and memory per mechanism."""
+        tasks = self.settings["tasks"]
+        lines = [f"[bold]long-range[/bold] n={self.settings['seq_len']} -> {out}/report.md"]
+        if self.interrupted:
+            lines.append(f"[bold red]{self.interrupted}[/bold red] after {len(self.runs)} of {self.configs} runs: "
+                         "partial report written; `--resume` with the same options continues")
+        for row in self.table:
+            accs = ", ".join(f"{t} {fmt(row['accuracy'].get(t))}" for t in tasks)
+            lines.append(f"  {row['mechanism']:<16} {accs}; steps/s ×{fmt(row['speed_vs_vanilla'])}, "
+                         f"memory ×{fmt(row['memory_vs_vanilla'])}")
+        if self.refused:
+            lines.append(f"  refused: {', '.join(self.refused)}")
+        return lines
+
+
+def run(config: LongRangeConfig, *, progress=None) -> LongRangeResult:
     """Train every mechanism on every task (ListOps, associative recall, selective copy; token ids
-    [batch, seq_len]) with the same budget, and return the result dict: accuracy per task, training
-    steps/s and peak memory relative to vanilla SDPA, in the layout of Tay et al. 2020 (LRA) Tables 1-2.
+    [batch, seq_len]) with the same budget: accuracy per task, training steps/s and peak memory relative
+    to vanilla SDPA, in the layout of Tay et al. 2020 (LRA) Tables 1-2.
 
-    Each run checkpoints to --out (default reports/long-range), so --resume continues a killed run and
-    --report-only reports finished runs without training; Ctrl-C or SIGTERM writes a partial report and
-    sets ``exit_code`` 130. Default mechanisms that cannot run at --seq-len are listed as refused (one
-    named in --mechanisms raises instead). Torch's thread count is set to --threads while it runs. Raises ValueError for bad options (--seq-len < 32, unknown
-    tasks or mechanisms, --d-model not a multiple of 32, ...).
-    """
-    with C.threads(args.threads):
-        return _run(args)
+    Each run checkpoints to ``config.out``, so ``resume`` continues a killed run and ``report_only``
+    reports finished runs without training; Ctrl-C or SIGTERM ends the training early with a partial
+    result (``exit_code`` 130). Default mechanisms that cannot run at seq_len are listed as refused (one
+    named in ``mechanisms`` raises instead). Torch's thread count is ``config.threads`` while it runs.
+    Raises ValueError for bad settings (seq_len < 32, unknown tasks or mechanisms, d_model not a
+    multiple of 32, ...)."""
+    s = config.resolved()
+    with harness.threads(config.threads):
+        return _run(config, s, progress if progress is not None else harness.NoProgress())
 
 
-def _run(args):
+def _run(config: LongRangeConfig, s: dict, prog) -> LongRangeResult:
     t0 = time.perf_counter()
-    seeds = C.seeds_of(args.seeds)
-    size = QUICK if args.quick else FULL
-    T = args.seq_len if args.seq_len is not None else size["seq_len"]
-    if T < 32:
-        raise ValueError(f"--seq-len must be >= 32, got {T}")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    bad = [t for t in tasks if t not in TASKS]
-    if bad or not tasks:
-        raise ValueError(f"--tasks must be a comma-separated subset of {TASKS}, got {args.tasks!r}")
-    if args.mechanisms:
-        mechs, why = [m.strip() for m in args.mechanisms.split(",") if m.strip()], None
+    seeds, tasks, T = list(config.seeds), list(config.tasks), s["seq_len"]
+    if config.mechanisms:
+        mechs, why = list(config.mechanisms), None
     else:
         mechs, why = default_mechanisms()
-        if args.quick:
+        if config.quick:
             mechs = mechs[:4]
-    def given(v, default):  # an option's value, the default only when it was not given (0 is refused, not replaced)
-        return default if v is None else v
-
-    steps = given(args.steps, size["steps"])
-    batch = given(args.batch_size, size["batch"])
-    lr = given(args.lr, size["lr"])
-    d_model, layers = given(args.d_model, size["d_model"]), given(args.layers, size["layers"])
-    n_train, n_test = given(args.train_examples, size["train"]), given(args.test_examples, size["test"])
-    for name, v in (("--steps", steps), ("--batch-size", batch), ("--layers", layers), ("--train-examples", n_train),
-                    ("--test-examples", n_test)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if d_model < 32 or d_model % 32:
-        raise ValueError(f"--d-model must be a positive multiple of 32 (heads of 32), got {d_model}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"--lr must be a finite number > 0, got {lr}")
-    token_shift = not args.no_token_shift
-    queries = given(args.recall_queries, size["queries"])
-    if not 1 <= queries <= 8:
-        raise ValueError(f"--recall-queries must be in [1, 8] (8 key-value pairs), got {queries}")
-    configs, refused = [], {}
-    usable = []
+    refused, usable = {}, []
     for m in mechs:
         try:
-            C.attention_fn(m, T)  # unknown names fail here, before any training
+            choose(m, T)  # unknown names fail here, before any training
             usable.append(m)
         except (ValueError, TypeError) as e:
-            if args.mechanisms:  # asked for by name: a typo must not become an empty report marked complete
+            if config.mechanisms:  # asked for by name: a typo must not become an empty report marked complete
                 raise ValueError(f"--mechanisms: {e}") from None
             refused[m] = str(e)
     if not usable:
         raise ValueError(f"no mechanism can run at --seq-len {T}: " + "; ".join(f"{m}: {w}" for m, w in refused.items()))
+    n_train, n_test, batch, d_model = s["train_examples"], s["test_examples"], s["batch_size"], s["d_model"]
     # the generated token ids (int64, a few copies while built) and the activations of one training step
     check_memory(f"--seq-len {T} with --train-examples {n_train} --test-examples {n_test}",
-                 3 * 8 * (n_train + n_test) * T + 4 * 32 * batch * T * d_model * layers,
+                 3 * 8 * (n_train + n_test) * T + 4 * 32 * batch * T * d_model * s["num_layers"],
                  "the generated examples and one training step's activations")
-    out = C.out_dir(args, "long-range")
-    datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=queries)
+    out = Path(config.out) if config.out is not None else None
+    datasets = _datasets(tasks, T, n_train, n_test, seed=1234, recall_queries=s["recall_queries"])
     # task by task: a run cut short still has every mechanism on the tasks it finished
-    for task in tasks:
-        for m in usable:
-            for seed in seeds:
-                configs.append(C.RunConfig(name=f"{task}-{m}", task=task, seq_len=T, d_model=d_model,
-                                           num_heads=d_model // 32, head_dim=32, num_layers=layers, attention=m,
-                                           steps=steps, batch_size=batch, lr=lr, seed=seed,
-                                           log_every=max(1, steps // 20), token_shift=token_shift))
+    configs = [RunConfig(name=f"{task}-{m}", task=task, seq_len=T, d_model=d_model, num_heads=d_model // 32,
+                         head_dim=32, num_layers=s["num_layers"], attention=m, steps=s["steps"], batch_size=batch,
+                         lr=s["lr"], seed=seed, log_every=max(1, s["steps"] // 20), token_shift=config.token_shift)
+               for task in tasks for m in usable for seed in seeds]
     runs, interrupted, not_run = [], None, []
+    store = harness.ResultStore(out, sections=("runs",)) if out is not None else None
+    ckdir = out / "checkpoints" if out is not None else None
 
     def on_term(signum, frame):
         raise _Interrupted(f"signal {signum}")
@@ -161,81 +237,53 @@ def _run(args):
     main_thread = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, on_term) if main_thread else None
     try:
-        with C.progress(args.no_progress) as prog:
-            tid = prog.add_task("long-range", total=sum(c.steps for c in configs))
-            ckdir = out / "checkpoints"
-            for cfg in configs:
-                train, test = datasets[cfg.task]
-                if args.report_only and not _finished(ckdir / f"{cfg.file_id}.pt", cfg):
-                    not_run.append(cfg.run_id)
-                    prog.advance(tid, cfg.steps)
-                    continue
-                try:
-                    r = C.train_run(cfg, train, test, ckdir / f"{cfg.file_id}.pt", resume=args.resume or args.report_only,
-                                    advance=lambda n: prog.advance(tid, n))
-                except C.CheckpointError:
-                    raise  # the user's file to fix, not the mechanism's failure
-                except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
-                    refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
-                    prog.advance(tid, cfg.steps)
-                    continue
-                r["mechanism"], r["task"] = cfg.attention, cfg.task
-                runs.append(r)
-                from attnlab.report import atomic_write_json
-
-                atomic_write_json(out / "results.partial.json", {"complete": False, "runs": runs, "refused": refused})
+        tid = prog.add_task("long-range", total=sum(c.steps for c in configs))
+        for cfg in configs:
+            train, test = datasets[cfg.task]
+            ckpt = ckdir / f"{cfg.file_id}.pt" if ckdir is not None else None
+            if config.report_only and not (ckpt is not None and _finished(ckpt, cfg)):
+                not_run.append(cfg.run_id)
+                prog.advance(tid, cfg.steps)
+                continue
+            try:
+                r = train_run(cfg, train, test, ckpt, resume=config.resume or config.report_only,
+                              advance=lambda n: prog.advance(tid, n))
+            except harness.CheckpointError:
+                raise  # the user's file to fix, not the mechanism's failure
+            except Exception as e:  # a mechanism that cannot run this input: record why, measure the rest
+                refused[f"{cfg.attention} on {cfg.task}"] = f"{type(e).__name__}: {e}"
+                prog.advance(tid, cfg.steps)
+                continue
+            r["mechanism"], r["task"] = cfg.attention, cfg.task
+            runs.append(r)
+            if store is not None:
+                store.state["refused"] = refused
+                store.add(r)
     except (KeyboardInterrupt, _Interrupted) as e:
-        # the run in progress keeps its last checkpoint (every 20 s): --resume continues it
+        # the run in progress keeps its last checkpoint (every 20 s): resume continues it
         interrupted = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"terminated ({e})"
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
     baselines = {t: baseline_accuracy(datasets[t][1]) for t in tasks}
-    table = _lra_table(runs, tasks, baselines)
-    files = [_plot(out, table, tasks, baselines)] if table else []
-    if runs:
-        files.append(C.plot_curves(runs, lambda r: r["mechanism"], lambda r: r["task"], out / "curves.png",
-                                   keys=(("loss", "training loss", False),
-                                         ("entropy", "attention entropy (nats)", False))))
-    results = {"experiment": "long-range", "seq_len": T, "tasks": tasks, "mechanisms": mechs,
-               "mechanisms_note": why, "vanilla": VANILLA, "steps": steps, "batch_size": batch, "lr": lr,
-               "d_model": d_model, "num_layers": layers, "num_heads": d_model // 32, "token_shift": token_shift,
-               "recall_queries": queries, "train_examples": n_train, "test_examples": n_test, "seeds": seeds, "quick": bool(args.quick),
-               "baselines": baselines, "table": table, "refused": refused, "runs": runs,
-               "task_meta": {t: {k: v for k, v in datasets[t][0].meta.items() if k != "lengths"} for t in tasks},
-               "environment": C.env_record(seeds), "files": files, "complete": True,
-               "wall_s": time.perf_counter() - t0}
-    results["complete"] = interrupted is None and not not_run
-    results["interrupted"], results["not_run"] = interrupted, not_run
-    md = _report(results)
-    results["paths"] = C.write_results(out, results, md)
-    partial = out / "results.partial.json"
-    if interrupted:
-        results["exit_code"] = 130
-    elif results["complete"] and partial.exists():
-        partial.unlink()
-    lines = [f"[bold]long-range[/bold] n={T} -> {out}/report.md"]
-    if interrupted:
-        lines.append(f"[bold red]{interrupted}[/bold red] after {len(runs)} of {len(configs)} runs: partial report "
-                     "written; `--resume` with the same options continues")
-    for row in table:
-        accs = ", ".join(f"{t} {C.fmt(row['accuracy'].get(t))}" for t in tasks)
-        lines.append(f"  {row['mechanism']:<16} {accs}; steps/s ×{C.fmt(row['speed_vs_vanilla'])}, "
-                     f"memory ×{C.fmt(row['memory_vs_vanilla'])}")
-    if refused:
-        lines.append(f"  refused: {', '.join(refused)}")
-    C.render(lines)
-    results["summary_lines"] = lines
-    return results
+    settings = {"seq_len": T, "tasks": tasks, "mechanisms": mechs, "mechanisms_note": why, "vanilla": VANILLA,
+                "steps": s["steps"], "batch_size": batch, "lr": s["lr"], "d_model": d_model,
+                "num_layers": s["num_layers"], "num_heads": d_model // 32, "token_shift": config.token_shift,
+                "recall_queries": s["recall_queries"], "train_examples": n_train, "test_examples": n_test,
+                "seeds": seeds, "quick": bool(config.quick)}
+    return LongRangeResult(settings=settings, baselines=baselines, table=_lra_table(runs, tasks, baselines),
+                           refused=refused, runs=runs,
+                           task_meta={t: {k: v for k, v in datasets[t][0].meta.items() if k != "lengths"} for t in tasks},
+                           environment=harness.environment_record(seeds), wall_s=time.perf_counter() - t0,
+                           interrupted=interrupted, not_run=not_run, configs=len(configs),
+                           exit_code=130 if interrupted else 0)
 
 
 def _finished(ckpt, cfg) -> bool:
     """Whether ``ckpt`` holds a finished training run of exactly ``cfg``."""
-    from dataclasses import asdict
-
     if not ckpt.exists():
         return False
-    state = C.load_checkpoint(ckpt)
+    state = harness.load_checkpoint(ckpt)
     return bool(state.get("done")) and state.get("config") == asdict(cfg)
 
 
@@ -265,10 +313,10 @@ def _lra_table(runs, tasks, baselines) -> list[dict]:
         by.setdefault(r["mechanism"], []).append(r)
     rows = []
     for m, rs in by.items():
-        acc = {t: C.mean_std([r["eval"]["accuracy"] for r in rs if r["task"] == t])[0] for t in tasks}
-        sps = C.mean_std([r["steps_per_s"] for r in rs])[0]
+        acc = {t: harness.mean_std([r["eval"]["accuracy"] for r in rs if r["task"] == t])[0] for t in tasks}
+        sps = harness.mean_std([r["steps_per_s"] for r in rs])[0]
         # training memory per task; runs re-evaluated from checkpoints written before checkpoints kept it have none
-        mem_by_task = {t: C.mean_std([r["peak_rss_delta_bytes"] for r in rs
+        mem_by_task = {t: harness.mean_std([r["peak_rss_delta_bytes"] for r in rs
                                       if r["task"] == t and r["peak_rss_delta_bytes"] is not None])[0] for t in tasks}
         mem_by_task = {t: v for t, v in mem_by_task.items() if v is not None}
         vals = [a for a in acc.values() if a is not None]
@@ -304,8 +352,8 @@ def _plain_log_x(ax) -> None:
 
 
 def _plot(out, table, tasks, baselines):
-    plt = C.plt()
-    from ..report import line_styles
+    plt = harness.pyplot()
+    line_styles = harness.line_styles
 
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4.2), squeeze=False)
     names = [r["mechanism"] for r in table]
@@ -339,7 +387,7 @@ def _plot(out, table, tasks, baselines):
     fig.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
     fig.suptitle("accuracy vs training speed (marker area ∝ peak memory vs vanilla)", fontsize=10)
     fig.tight_layout()
-    return C.save_plot(fig, out / "lra.png")
+    return harness.save_plot(fig, out / "lra.png")
 
 
 _TASK_TEXT = {
@@ -370,7 +418,7 @@ def _report(res) -> str:
             if not res.get("complete", True) else []),
           "What a model that learned nothing scores on the held-out set, and the bar an accuracy must clear to "
           "count as learned (majority rate + 3 binomial standard errors):", ""]
-    md += [C.fmt_table(["task", "chance (1/classes)", "majority class", "scored items", "learned above"],
+    md += [table(["task", "chance (1/classes)", "majority class", "scored items", "learned above"],
                        [[t, base[t]["chance"], base[t]["majority"], base[t]["items"],
                          base[t]["majority"] + base[t]["margin"]] for t in tasks]), ""]
     md += ["## Accuracy, speed and memory (LRA Tables 1 and 2 layout)", "",
@@ -392,12 +440,12 @@ def _report(res) -> str:
         if r.get("peak_bytes") is None:
             return None
         some = r.get("memory_tasks", tasks)
-        return C.fmt(r["peak_bytes"] / 2**20) + ("" if len(some) == len(tasks) else f" ({', '.join(some)} only)")
+        return fmt(r["peak_bytes"] / 2**20) + ("" if len(some) == len(tasks) else f" ({', '.join(some)} only)")
 
     rows = [[r["mechanism"], *[cell(r, t) for t in tasks], r["avg_accuracy"], r["steps_per_s"],
              r["speed_vs_vanilla"], peak(r), r["memory_vs_vanilla"]]
             for r in res["table"]]
-    md += [C.fmt_table(["mechanism", *[f"{t} acc" for t in tasks], "avg", "steps/s", "speed vs vanilla",
+    md += [table(["mechanism", *[f"{t} acc" for t in tasks], "avg", "steps/s", "speed vs vanilla",
                         "peak MiB", "memory vs vanilla"], rows), ""]
     md += ["## What learned what", ""]
     for t in tasks:

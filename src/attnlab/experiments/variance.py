@@ -3,20 +3,24 @@
 For random q, k with unit-variance entries and for MiniLM's real queries and keys, each record holds
 the variance of the scaled scores, the softmax's mean max weight and mean row entropy (nats), and the
 mean norm of the gradient that reaches the raw scores q·k from a random linear read-out of the output.
-Writes reports/variance/ (report.md, results.json, variance.png, minilm.png).
+``VarianceResult.write`` makes report.md, results.json, variance.png and minilm.png (reports/variance/
+from the CLI).
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from attnlab.options import check_memory, positive_int
+from attnlab import harness
+from attnlab.harness import fmt
+from attnlab.harness import markdown_table as table
+from attnlab.options import check_memory
 
-from . import _common as C
-
-__all__ = ["build_parser", "run", "measure", "SCALINGS"]
+__all__ = ["VarianceConfig", "VarianceResult", "run", "measure", "random_records", "minilm_records", "SCALINGS"]
 
 #: scaling name -> score scale as a function of d_k
 SCALINGS = {"none": lambda d: 1.0, "sqrt": lambda d: 1.0 / math.sqrt(d), "dk": lambda d: 1.0 / d}
@@ -31,16 +35,6 @@ SENTENCES = (
     "She read the report twice before she signed it and sent it back.",
     "Scaling the dot products keeps the softmax away from its flat regions.",
 )
-
-
-def build_parser(p):
-    """Add ``experiment variance``'s options (the common ones, --d-k, --keys, --rows, --no-minilm) to the
-    argparse parser ``p``."""
-    C.add_common_args(p, seeds="0")
-    p.add_argument("--d-k", default=None, help="comma-separated d_k values (default 16..1024)")
-    p.add_argument("--keys", type=positive_int, default=None, help="keys per query row (default 128; quick 64)")
-    p.add_argument("--rows", type=positive_int, default=None, help="query rows per measurement (default 512; quick 128)")
-    p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K")
 
 
 def measure(q: torch.Tensor, k: torch.Tensor, scale: float, seed: int = 0) -> dict:
@@ -189,7 +183,7 @@ def _tutorial_checks() -> list[dict]:
 
 
 def _plots(out, recs, source_name: str, fname: str):
-    plt = C.plt()
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     keys = [("score_var", "Var(scaled q·k)"), ("max_weight", "mean max softmax weight"),
             ("entropy", "mean row entropy (nats)"), ("grad_norm", "‖dL/d(q·k)‖ per row")]
@@ -211,77 +205,129 @@ def _plots(out, recs, source_name: str, fname: str):
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{source_name} queries and keys (dotted: d_k·scale², the unit-variance theory)" if source_name == "random"
                  else f"{source_name} queries and keys (mean over layers)", fontsize=10)
-    return C.save_plot(fig, out / fname)
+    return harness.save_plot(fig, out / fname)
 
 
-def run(args):
+@dataclass
+class VarianceConfig:
+    """Settings of the variance experiment. d_k None: 16..1024 (quick 16, 64, 256, 1024); rows/keys None:
+    512/128 query rows/keys per measurement (quick 128/64); minilm: also MiniLM's real q, k (quick: two
+    sentences, heads 1 and 12); seeds: random inputs averaged over them; threads: torch threads."""
+
+    quick: bool = False
+    seeds: list[int] = field(default_factory=lambda: [0])
+    d_k: list[int] | None = None
+    rows: int | None = None
+    keys: int | None = None
+    minilm: bool = True
+    threads: int | None = 1
+
+    def resolved(self) -> tuple[list[int], int, int]:
+        """(d_k values, rows, keys) after the quick/full defaults; quick mode changes the defaults only,
+        never a value that was given. Raises ValueError for a d_k < 1 or rows/keys < 2."""
+        dks = list(self.d_k) if self.d_k else list(QUICK_DK if self.quick else FULL_DK)
+        rows = self.rows if self.rows is not None else (128 if self.quick else 512)
+        keys = self.keys if self.keys is not None else (64 if self.quick else 128)
+        if not self.seeds:
+            raise ValueError("--seeds must name at least one seed")
+        if min(dks) < 1:
+            raise ValueError(f"--d-k must be positive integers, got {dks}")
+        if rows < 2 or keys < 2:
+            raise ValueError(f"--rows and --keys must be >= 2, got {rows} and {keys}")
+        return dks, rows, keys
+
+
+@dataclass
+class VarianceResult:
+    """Records per (d_k, scaling) on random inputs (``records``) and on MiniLM (``minilm``), the fitted
+    log-log slopes of Var against d_k, the tutorial's softmax examples recomputed. :meth:`write` makes
+    the report; :meth:`to_json` is results.json's content."""
+
+    records: list[dict]
+    minilm: list[dict]
+    minilm_source: str
+    slopes: dict
+    checks: list[dict]
+    settings: dict
+    environment: dict
+    wall_s: float
+    exit_code: int = 0
+
+    def at(self, scaling: str) -> dict:
+        """The random-input record at the largest d_k for ``scaling``."""
+        dmax = max(self.settings["d_k"])
+        return next(r for r in self.records if r["d_k"] == dmax and r["scaling"] == scaling)
+
+    def to_json(self, files: list[str] | None = None) -> dict:
+        """results.json's content (``files``: the plots written beside it)."""
+        return {"experiment": "variance", "variance": self.records + self.minilm, "minilm_source": self.minilm_source,
+                "fitted_log_slope_of_var_vs_dk": self.slopes, "tutorial_checks": self.checks,
+                "settings": self.settings, "environment": self.environment, "files": files or [],
+                "wall_s": self.wall_s}
+
+    def write(self, out: str | Path) -> dict:
+        """variance.png (and minilm.png), results.json, report.md, report.html into ``out``; the paths."""
+        out = Path(out)
+        files = [_plots(out, self.records, "random", "variance.png")]
+        if self.minilm:
+            files.append(_plots(out, self.minilm, "MiniLM", "minilm.png"))
+        res = self.to_json([str(f) for f in files])
+        dmax = max(self.settings["d_k"])
+        md = _report(res, self.records, self.minilm, self.slopes, {n: self.at(n) for n in SCALINGS}, dmax,
+                     self.settings["keys"], self.checks)
+        return harness.write_report(out, res, md)
+
+    def summary_lines(self, out=None) -> list[str]:
+        """A few lines for a terminal (rich markup): the slopes and the saturation at the largest d_k."""
+        s, dmax = self.slopes, max(self.settings["d_k"])
+        n, q = self.at("none"), self.at("sqrt")
+        return [f"[bold]variance[/bold] -> {out}/report.md",
+                f"fitted slope of log Var vs log d_k: scale 1 {fmt(s['none'])}, 1/√d_k {fmt(s['sqrt'])}, "
+                f"1/d_k {fmt(s['dk'])} (theory 1, 0, -1)",
+                f"at d_k={dmax}: max weight {fmt(n['max_weight'])} (scale 1) vs {fmt(q['max_weight'])} "
+                f"(1/√d_k); score gradient {fmt(n['grad_norm'])} vs {fmt(q['grad_norm'])}",
+                f"MiniLM: {len(self.minilm)} records ({self.minilm_source})"]
+
+
+def run(config: VarianceConfig, *, progress=None) -> VarianceResult:
     """Measure Var(q·k), max weight, entropy and score gradients against d_k for the scales 1, 1/√d_k and
-    1/d_k, on random inputs (averaged over --seeds) and, unless --no-minilm, on MiniLM's real queries
-    and keys; fit the log-log slope of the variance against d_k (theory: 1, 0, -1). Writes report.md,
-    results.json, variance.png and (when MiniLM ran) minilm.png to --out (default reports/variance) and returns the
-    results dict. Raises ValueError for --rows or --keys < 2."""
-    with C.threads(args.threads):
-        return _run(args)
-
-
-def _run(args):
-    t0 = time.perf_counter()
-    seeds = C.seeds_of(args.seeds)
-    dks = C.ints_of(args.d_k, "--d-k") if args.d_k else (QUICK_DK if args.quick else FULL_DK)
-    # quick mode changes the defaults, never a value given on the command line
-    rows = args.rows if args.rows is not None else (128 if args.quick else 512)
-    keys = args.keys if args.keys is not None else (64 if args.quick else 128)
-    if rows < 2 or keys < 2:
-        raise ValueError(f"--rows and --keys must be >= 2, got {rows} and {keys}")
+    1/d_k, on random inputs (averaged over the seeds) and, with ``config.minilm``, on MiniLM's real
+    queries and keys; fit the log-log slope of the variance against d_k (theory: 1, 0, -1). Raises
+    ValueError for rows or keys < 2 and OptionError for sizes over the memory budget."""
+    dks, rows, keys = config.resolved()
     # float64 q [rows, d_k], k [keys, d_k], and a few [rows, keys] scores, weights and gradients
     check_memory(f"--rows {rows} --keys {keys} --d-k {max(dks)}", 8 * (max(dks) * (rows + keys) + 6 * rows * keys),
                  "the float64 scores and weights of one measurement")
-    out = C.out_dir(args, "variance", resumable=False)  # nothing is checkpointed: a rerun replaces every file
-    recs = []
-    for seed in seeds:
-        recs += random_records(dks, rows, keys, seed)
-    if len(seeds) > 1:  # average the seeds per (d_k, scaling)
-        merged = []
-        for d in dks:
-            for name in SCALINGS:
-                rs = [r for r in recs if r["d_k"] == d and r["scaling"] == name]
-                m = dict(rs[0])
-                for key in ("score_var", "max_weight", "entropy", "grad_norm", "grad_norm_logits"):
-                    m[key] = sum(r[key] for r in rs) / len(rs)
-                m["seeds"] = seeds
-                merged.append(m)
-        recs = merged
-    if args.no_minilm:
-        mini, mini_source = [], "skipped (--no-minilm)"
-    elif args.quick:
-        mini, mini_source = minilm_records(seeds[0], (1, 12), SENTENCES[:2])
-    else:
-        mini, mini_source = minilm_records(seeds[0])
-    files = [_plots(out, recs, "random", "variance.png")]
-    if mini:
-        files.append(_plots(out, mini, "MiniLM", "minilm.png"))
-
-    slopes = {name: _slope([r["d_k"] for r in recs if r["scaling"] == name],
-                           [r["score_var"] for r in recs if r["scaling"] == name]) for name in SCALINGS}
-    dmax = max(dks)
-    at = {name: next(r for r in recs if r["d_k"] == dmax and r["scaling"] == name) for name in SCALINGS}
-    checks = _tutorial_checks()
-    results = {"experiment": "variance", "variance": recs + mini, "minilm_source": mini_source,
-               "fitted_log_slope_of_var_vs_dk": slopes, "tutorial_checks": checks,
-               "settings": {"d_k": list(dks), "rows": rows, "keys": keys, "seeds": seeds, "quick": bool(args.quick)},
-               "environment": C.env_record(seeds), "files": [str(f) for f in files],
-               "wall_s": time.perf_counter() - t0}
-    md = _report(results, recs, mini, slopes, at, dmax, keys, checks)
-    results["paths"] = C.write_results(out, results, md)
-    lines = [f"[bold]variance[/bold] -> {out}/report.md",
-             f"fitted slope of log Var vs log d_k: scale 1 {C.fmt(slopes['none'])}, 1/√d_k {C.fmt(slopes['sqrt'])}, "
-             f"1/d_k {C.fmt(slopes['dk'])} (theory 1, 0, -1)",
-             f"at d_k={dmax}: max weight {C.fmt(at['none']['max_weight'])} (scale 1) vs {C.fmt(at['sqrt']['max_weight'])} "
-             f"(1/√d_k); score gradient {C.fmt(at['none']['grad_norm'])} vs {C.fmt(at['sqrt']['grad_norm'])}",
-             f"MiniLM: {len(mini)} records ({mini_source})"]
-    C.render(lines)
-    results["summary"] = lines
-    return results
+    with harness.threads(config.threads):
+        t0 = time.perf_counter()
+        seeds = list(config.seeds)
+        recs = []
+        for seed in seeds:
+            recs += random_records(dks, rows, keys, seed)
+        if len(seeds) > 1:  # average the seeds per (d_k, scaling)
+            merged = []
+            for d in dks:
+                for name in SCALINGS:
+                    rs = [r for r in recs if r["d_k"] == d and r["scaling"] == name]
+                    m = dict(rs[0])
+                    for key in ("score_var", "max_weight", "entropy", "grad_norm", "grad_norm_logits"):
+                        m[key] = sum(r[key] for r in rs) / len(rs)
+                    m["seeds"] = seeds
+                    merged.append(m)
+            recs = merged
+        if not config.minilm:
+            mini, mini_source = [], "skipped (--no-minilm)"
+        elif config.quick:
+            mini, mini_source = minilm_records(seeds[0], (1, 12), SENTENCES[:2])
+        else:
+            mini, mini_source = minilm_records(seeds[0])
+        slopes = {name: _slope([r["d_k"] for r in recs if r["scaling"] == name],
+                               [r["score_var"] for r in recs if r["scaling"] == name]) for name in SCALINGS}
+        return VarianceResult(records=recs, minilm=mini, minilm_source=mini_source, slopes=slopes,
+                              checks=_tutorial_checks(),
+                              settings={"d_k": list(dks), "rows": rows, "keys": keys, "seeds": seeds,
+                                        "quick": bool(config.quick)},
+                              environment=harness.environment_record(seeds), wall_s=time.perf_counter() - t0)
 
 
 def _report(results, recs, mini, slopes, at, dmax, keys, checks) -> str:
@@ -294,33 +340,33 @@ def _report(results, recs, mini, slopes, at, dmax, keys, checks) -> str:
           f"{keys} keys per d_k; gradient from a random linear read-out of softmax(scale·qkᵀ)·V. "
           f"Seeds {results['settings']['seeds']}.", "",
           "![random](variance.png)", "",
-          C.fmt_table(["d_k", "scaling", "theory Var", "measured Var", "max weight", "entropy (nats)",
+          table(["d_k", "scaling", "theory Var", "measured Var", "max weight", "entropy (nats)",
                        "‖grad‖ to logits", "‖grad‖ to q·k"], rows), "",
-          f"Fitted slope of log Var against log d_k: scale 1 → {C.fmt(slopes['none'])}, 1/√d_k → {C.fmt(slopes['sqrt'])}, "
-          f"1/d_k → {C.fmt(slopes['dk'])} (the theory says 1, 0, −1).", "",
+          f"Fitted slope of log Var against log d_k: scale 1 → {fmt(slopes['none'])}, 1/√d_k → {fmt(slopes['sqrt'])}, "
+          f"1/d_k → {fmt(slopes['dk'])} (the theory says 1, 0, −1).", "",
           "## What the numbers show", ""]
     n, s, d = at["none"], at["sqrt"], at["dk"]
-    md.append(f"- At d_k = {dmax} without scaling the mean max weight is {C.fmt(n['max_weight'])} and the row entropy "
-              f"{C.fmt(n['entropy'])} nats (uniform over {keys} keys would be {C.fmt(n['entropy_uniform'])}); with 1/√d_k "
-              f"they are {C.fmt(s['max_weight'])} and {C.fmt(s['entropy'])}.")
+    md.append(f"- At d_k = {dmax} without scaling the mean max weight is {fmt(n['max_weight'])} and the row entropy "
+              f"{fmt(n['entropy'])} nats (uniform over {keys} keys would be {fmt(n['entropy_uniform'])}); with 1/√d_k "
+              f"they are {fmt(s['max_weight'])} and {fmt(s['entropy'])}.")
     ratio = n["grad_norm_logits"] / s["grad_norm_logits"] if s["grad_norm_logits"] else None
-    md.append(f"- Saturation: at d_k = {dmax} the gradient reaching the logits without scaling is {C.fmt(ratio)}× the "
+    md.append(f"- Saturation: at d_k = {dmax} the gradient reaching the logits without scaling is {fmt(ratio)}× the "
               f"scaled one's ({'smaller, as the tutorial says' if ratio is not None and ratio < 1 else 'not smaller: the claim does not hold here'}"
               f"{'; reduced, not vanished' if ratio is not None and 0.1 < ratio < 1 else ''}).")
     raw = [(r["d_k"], r["grad_norm"] / next(x for x in recs if x["d_k"] == r["d_k"] and x["scaling"] == "sqrt")["grad_norm"])
            for r in sorted(recs, key=lambda r: r["d_k"]) if r["scaling"] == "none"]
     lo, hi = min(v for _, v in raw), max(v for _, v in raw)
     md.append(f"- The gradient that reaches the raw dot products q·k (and from there W_Q and W_K) is, without scaling, "
-              f"{C.fmt(lo)}× to {C.fmt(hi)}× the scaled one's over d_k = {raw[0][0]}…{raw[-1][0]} "
+              f"{fmt(lo)}× to {fmt(hi)}× the scaled one's over d_k = {raw[0][0]}…{raw[-1][0]} "
               f"({'larger' if lo > 1 else 'smaller' if hi < 1 else 'larger at some d_k and smaller at others'}): the "
               "scale also multiplies the backward pass, which offsets the softmax's saturation.")
     nn_ = sorted((r for r in recs if r["scaling"] == "none"), key=lambda r: r["d_k"])
-    md.append(f"- Without scaling that gradient goes from {C.fmt(nn_[0]['grad_norm'])} at d_k = {nn_[0]['d_k']} to "
-              f"{C.fmt(nn_[-1]['grad_norm'])} at d_k = {nn_[-1]['d_k']}; with 1/√d_k from "
-              f"{C.fmt(next(r for r in recs if r['scaling'] == 'sqrt' and r['d_k'] == nn_[0]['d_k'])['grad_norm'])} to "
-              f"{C.fmt(s['grad_norm'])}.")
-    md.append(f"- With 1/d_k the softmax is close to uniform (entropy {C.fmt(d['entropy'])} of {C.fmt(d['entropy_uniform'])}, "
-              f"max weight {C.fmt(d['max_weight'])} vs 1/{keys} = {C.fmt(1 / keys)}), as the tutorial's follow-up says.")
+    md.append(f"- Without scaling that gradient goes from {fmt(nn_[0]['grad_norm'])} at d_k = {nn_[0]['d_k']} to "
+              f"{fmt(nn_[-1]['grad_norm'])} at d_k = {nn_[-1]['d_k']}; with 1/√d_k from "
+              f"{fmt(next(r for r in recs if r['scaling'] == 'sqrt' and r['d_k'] == nn_[0]['d_k'])['grad_norm'])} to "
+              f"{fmt(s['grad_norm'])}.")
+    md.append(f"- With 1/d_k the softmax is close to uniform (entropy {fmt(d['entropy'])} of {fmt(d['entropy_uniform'])}, "
+              f"max weight {fmt(d['max_weight'])} vs 1/{keys} = {fmt(1 / keys)}), as the tutorial's follow-up says.")
     if mini:
         md += ["", f"## MiniLM's real queries and keys ({results['minilm_source']})", "",
                "d_k = 32 is one head exactly as the model computes it (its own scale is 1/√32). Larger d_k concatenate "
@@ -335,17 +381,17 @@ def _report(results, recs, mini, slopes, at, dmax, keys, checks) -> str:
             mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
             rows.append([dk, sc, mean("q_entry_var"), mean("k_entry_var"), dk * mean("q_entry_var") * mean("k_entry_var") * SCALINGS[sc](dk) ** 2,
                          mean("score_var"), mean("max_weight"), mean("entropy"), mean("grad_norm")])
-        md.append(C.fmt_table(["d_k", "scaling", "Var q entry", "Var k entry", "independent-entries Var",
+        md.append(table(["d_k", "scaling", "Var q entry", "Var k entry", "independent-entries Var",
                                "measured Var", "max weight", "entropy", "‖grad‖ to q·k"], rows))
         r32 = [r for r in mini if r["d_k"] == 32 and r["scaling"] == "sqrt"]
         if r32:
             mv = sum(r["score_var"] for r in r32) / len(r32)
-            md += ["", f"- With the model's own scale (1/√32) the real scores have variance {C.fmt(mv)} on average over "
+            md += ["", f"- With the model's own scale (1/√32) the real scores have variance {fmt(mv)} on average over "
                    f"layers — {'above' if mv > 1 else 'below'} the unit variance the derivation aims for."]
     else:
         md += ["", f"MiniLM: not measured — {results['minilm_source']}."]
     md += ["", "## The tutorial's softmax examples, recomputed", "",
-           C.fmt_table(["case", "scores", "softmax (computed)", "tutorial says"],
+           table(["case", "scores", "softmax (computed)", "tutorial says"],
                        [[c["case"], c["scores"], c["softmax"], c["tutorial_says"]] for c in checks]), "",
            "## Environment", "", "```", *[f"{k}: {v}" for k, v in results["environment"].items() if k != "argv"], "```", ""]
     return "\n".join(md)

@@ -314,15 +314,8 @@ def _contiguous(rows: torch.Tensor) -> bool:
     return int(rows[-1]) - int(rows[0]) + 1 == len(rows)
 
 
-def _translation_invariant(p) -> bool:
-    """True when keep(i, j) depends on j - i only (bands and their combinations)."""
-    if p is None:
-        return True
-    if isinstance(p, P._Band):
-        return True
-    if isinstance(p, P._Combine):
-        return _translation_invariant(p.a) and _translation_invariant(p.b)
-    return False
+# the logic lives in patterns now; this alias goes when functional calls P.translation_invariant
+_translation_invariant = P.translation_invariant
 
 
 def _combine(keep, bias, dtype):

@@ -51,30 +51,6 @@ class AttentionIntermediates:
     v: torch.Tensor
 
 
-class _Shifted(P.Pattern):
-    """A pattern seen from query rows ``offset .. offset + L - 1`` of the full (S × S) square.
-
-    Under a KV cache the L new queries are the last rows of the sequence; patterns (and causal) are
-    defined over absolute positions, so row i here is row i + offset there.
-    """
-
-    def __init__(self, inner: P.Pattern, offset: int):
-        self.inner, self.offset = inner, offset
-
-    @property
-    def batch_size(self):  # type: ignore[override]
-        return self.inner.batch_size
-
-    def keep(self, i, j, L, S):
-        return self.inner.keep(i + self.offset, j, S, S)
-
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
-        return self.inner._bounds(qlo + self.offset, qhi + self.offset, klo, khi, S, S)
-
-    def __repr__(self):
-        return f"shifted({self.inner!r}, offset={self.offset})"
-
-
 class MultiHeadAttention(nn.Module):
     """Batch-first multi-head attention with separate W_Q, W_K, W_V, W_O (``q_proj``, ``k_proj``,
     ``v_proj``, ``out_proj``).
@@ -314,7 +290,7 @@ class MultiHeadAttention(nn.Module):
             elif not (L == 1 and offset == S - 1 and pattern is None):  # one new token sees every key
                 pattern = P.causal() if pattern is None else pattern & P.causal()
         if pattern is not None and offset:
-            pattern = _Shifted(pattern, offset)
+            pattern = P.shifted(pattern, offset)  # the cached rows' absolute positions
         if pos is not None and pos.has_bias:
             k_pos = torch.arange(S, device=query.device)
             bias = pos.bias(q_pos, k_pos).to(q.dtype).unsqueeze(0)  # (1, H, L, S)

@@ -64,10 +64,12 @@ class EncoderLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *, num_kv_heads: int | None = None,
                  dropout: float = 0.0, attention_dropout: float | None = None, activation: str = "gelu",
                  norm_first: bool = True, layer_norm_eps: float = 1e-5, bias: bool = True, mechanism="auto",
-                 pattern=None, positional=None, scale: float | None = None):
+                 pattern=None, positional=None, scale: float | None = None, head_dim: int | None = None):
         super().__init__()
         adrop = dropout if attention_dropout is None else attention_dropout
-        self.self_attn = _attn(d_model, num_heads, num_kv_heads, adrop, bias, mechanism, pattern, positional, scale)
+        # head_dim: heads narrower or wider than d_model / num_heads (the experiments vary d_k alone)
+        self.self_attn = _attn(d_model, num_heads, num_kv_heads, adrop, bias, mechanism, pattern, positional, scale,
+                               head_dim=head_dim)
         self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias)
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps)
@@ -156,7 +158,7 @@ class Encoder(nn.Module):
     """A stack of EncoderLayers (+ a final LayerNorm when pre-norm): x [B, L, d] -> [B, L, d].
 
     ``layer_kwargs`` are EncoderLayer's keyword arguments (d_ff, num_kv_heads, dropout, activation,
-    norm_first, layer_norm_eps, bias, mechanism, pattern, positional, scale).
+    norm_first, layer_norm_eps, bias, mechanism, pattern, positional, scale, head_dim).
     """
 
     def __init__(self, d_model: int, num_heads: int, num_layers: int, **layer_kwargs):

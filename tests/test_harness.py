@@ -1,0 +1,176 @@
+"""attnlab.harness: the timer, memory probes, result store, table writer and training loop, each against
+an oracle computed here (call logs, a buffer of known size, the files on disk, a run without resume)."""
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from attnlab import harness as Hn
+from attnlab.harness import training as T
+
+
+# -- timing ------------------------------------------------------------------------------------------
+def test_time_call_counts_warmup_and_takes_the_median():
+    calls, sleeps = [], iter([0.0, 0.03, 0.001, 0.002])  # warm-up, then three timed calls
+
+    def f():
+        calls.append(1)
+        time.sleep(next(sleeps))
+
+    t = Hn.time_call(f, repeats=3, warmup=1)
+    assert len(calls) == 4
+    assert 0.002 <= t < 0.03  # the median of (0.03, 0.001, 0.002) is the 0.002 s call, not the slow one
+    with pytest.raises(ValueError, match="repeats"):
+        Hn.time_call(f, repeats=0)
+
+
+def test_interleaved_rotates_the_order_and_keeps_every_sample():
+    log = []
+    calls = {name: (lambda name=name: log.append(name)) for name in "abc"}
+    res = Hn.interleaved(calls, rounds=4, min_rounds=1, min_sample_s=0.0, budget_s=1e9)
+    assert list(res) == ["a", "b", "c"]
+    for name, t in res.items():
+        assert len(t.times) == 4 and t.calls_per_sample == 1 and t.first_s is not None
+    timed = log[6:]  # two untimed calls each (warm-up, probe) come first
+    assert [timed[3 * r] for r in range(4)] == ["a", "b", "c", "a"]  # round r starts at the r-th callable
+    assert Hn.interleaved({}) == {}
+
+
+def test_median_rate_ignores_an_outlier():
+    assert Hn.median_rate([0.1, 0.1, 100.0]) == pytest.approx(10.0)
+    assert Hn.median_rate([]) is None
+
+
+# -- memory ------------------------------------------------------------------------------------------
+def test_peak_rss_sees_a_buffer_of_known_size():
+    assert Hn.rss_bytes() > 0 and Hn.peak_rss_bytes() >= Hn.rss_bytes()
+    size = 64 * 2**20
+    with Hn.PeakRSS() as m:
+        buf = bytearray(size)  # zero-filled: every page touched
+        del buf
+    if not m.ok:
+        pytest.skip("this kernel cannot reset the peak RSS (/proc/self/clear_refs)")
+    assert 0.9 * size <= m.bytes <= size + 16 * 2**20
+
+
+# -- store -------------------------------------------------------------------------------------------
+def test_store_keeps_partial_results_and_resumes_only_matching_keys(tmp_path):
+    s = Hn.ResultStore(tmp_path, sections=("records", "extra"), context={"threads": 1})
+    s.add({"n": 1, "t": 0.5}, job={"n": 1})
+    s.add({"note": "x"}, section="extra")
+    on_disk = json.loads((tmp_path / "results.partial.json").read_text())  # a kill now keeps this
+    assert on_disk["records"][0]["t"] == 0.5 and on_disk["extra"] == [{"note": "x"}] and on_disk["complete"] is False
+    again = Hn.ResultStore(tmp_path, sections=("records",), context={"threads": 1}, resume=True)
+    assert again.lookup({"n": 1})["t"] == 0.5 and again.lookup({"n": 2}) is None
+    assert again.source == str(tmp_path / "results.partial.json")
+    other = Hn.ResultStore(tmp_path, context={"threads": 2}, resume=True)
+    assert other.lookup({"n": 1}) is None  # another context: measured again
+    fresh = Hn.ResultStore(tmp_path, context={"threads": 1})
+    assert fresh.lookup({"n": 1}) is None  # no resume: nothing reused
+    paths = again.finish({"complete": True, "records": []}, "# done\n\n| a |\n|---|\n| 1 |\n")
+    assert not (tmp_path / "results.partial.json").exists()
+    assert json.loads(open(paths["results"]).read())["complete"] is True
+    assert "<table>" in open(paths["html"]).read()
+    with pytest.raises(ValueError, match="section"):
+        again.add({}, section="nope")
+
+
+def test_store_names_an_unreadable_earlier_file(tmp_path):
+    (tmp_path / "results.partial.json").write_text("{not json")
+    with pytest.raises(ValueError, match="results.partial.json"):
+        Hn.ResultStore(tmp_path, resume=True)
+
+
+# -- tables ------------------------------------------------------------------------------------------
+def test_markdown_table_cells_escape_and_check_lengths():
+    md = Hn.markdown_table(["a", "b|c"], [[1.23456, None], ["x|y", float("nan")]])
+    lines = md.splitlines()
+    assert lines[0] == "| a | b\\|c |" and lines[1] == "|---|---|"
+    assert lines[2] == "| 1.23 | — |" and lines[3] == "| x\\|y | nan |"
+    assert Hn.markdown_table(["a"], [[1]], align=["r"]).splitlines()[1] == "|---:|"
+    with pytest.raises(ValueError, match="row 0 has 1 cells, headers have 2"):
+        Hn.markdown_table(["a", "b"], [[1]])
+
+
+def test_mean_std_is_the_sample_std_of_finite_values():
+    m, sd = Hn.mean_std([1.0, 2.0, 3.0, None, float("inf")])
+    assert m == 2.0 and sd == pytest.approx(1.0)
+    assert Hn.mean_std([]) == (None, None) and Hn.mean_std([4.0]) == (4.0, 0.0)
+
+
+# -- training ----------------------------------------------------------------------------------------
+@dataclass
+class _Data:
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    def __len__(self):
+        return len(self.inputs)
+
+
+@dataclass
+class _Cfg(T.TrainConfig):
+    name: str = "toy"
+
+
+def _toy():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 5, generator=g)
+    y = (x.sum(1) > 0).long()
+    return _Data(x, y)
+
+
+def _loss(model, ids, tgt, stats):
+    logits = model(ids)  # (B, 2)
+    if stats is not None:
+        logits_d = logits.detach()
+    if stats is not None:
+        stats.append({"entropy": float(-(logits_d.softmax(-1) * logits_d.log_softmax(-1)).sum(-1).mean()),
+                      "max_weight": None, "score_std": 0.0})
+    return torch.nn.functional.cross_entropy(logits, tgt), logits.argmax(-1) == tgt
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def test_train_run_resumed_equals_uninterrupted(tmp_path):
+    data = _toy()
+    cfg = _Cfg(steps=9, batch_size=8, lr=0.05, log_every=2)
+    whole_model = _model(0)
+    whole = Hn.train_run(cfg, whole_model, _loss, data, data, tmp_path / "a.pt")
+    assert whole["history"]["step"] == [0, 2, 4, 6, 8] and whole["steps"] == 9
+    assert all(e is not None for e in whole["history"]["entropy"])
+    assert whole["history"]["max_weight"] == [None] * 5  # no layer reported one
+    # stop after 4 steps (the checkpoint a killed run leaves), then resume to 9 in a new model
+    Hn.train_run(_Cfg(steps=4, batch_size=8, lr=0.05, log_every=2), _model(0), _loss, data, data, tmp_path / "b.pt")
+    state = torch.load(tmp_path / "b.pt", weights_only=True)
+    state["config"], state["done"] = T.asdict(cfg), False
+    torch.save(state, tmp_path / "b.pt")
+    resumed_model = _model(1)  # other weights: the checkpoint must replace them
+    resumed = Hn.train_run(cfg, resumed_model, _loss, data, data, tmp_path / "b.pt", resume=True)
+    assert resumed["resumed_from"] == 4
+    for p, q in zip(whole_model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+    assert resumed["eval"] == whole["eval"]
+
+
+def test_unreadable_checkpoint_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "c.pt").write_bytes(b"truncated")
+    with pytest.raises(Hn.CheckpointError, match="c.pt"):
+        Hn.load_checkpoint(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="optimizer"):
+        T.make_optimizer("lion", [], 0.1)
+
+
+def test_threads_restores_the_previous_count():
+    before = torch.get_num_threads()
+    with Hn.threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="--threads"):
+        Hn.threads(0)
