@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,6 +164,51 @@ def test_half_types_forward(dtype, pattern):
     out = attnlab.attention(q, k, v, pattern=pattern, enable_gqa=True, method="compiled", block_size=32)
     assert out.dtype == dtype
     _check_fwd(out, q, k, v, mask, f"{dtype} {pattern!r}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_dense_tiles_tails_masked_rows_nan(dtype):
+    """The half-type row passes (csrc Note [Half-type exp], Note [Row passes]) at the dense tile shape:
+    a key tail that is not a multiple of 32 (700 = 512 + 188), scores folded with the scale, fully masked
+    rows (0, lse -inf), and a NaN in a key every query keeps: that row is NaN, as in SDPA and the oracle."""
+    torch.manual_seed(3)
+    q, k, v = _qkv((1, 2, 300, 64), (1, 2, 700, 64), dtype=dtype)
+    q = q * 2  # sharper softmax rows: the exp's error is not hidden by near-uniform weights
+    spec = MaskSpec(300, 700)
+    out, lse = compiled.compiled_attention(q, k, v, spec, 0.125, 256, 512)
+    _check_fwd(out, q, k, v, None, f"{dtype} dense 256x512 tiles", scale=0.125)
+    s = (q.double() @ k.double().transpose(-2, -1)) * 0.125
+    assert_close(lse, torch.logsumexp(s, -1), atol=1e-3, rtol=1e-3, what="lse")
+    keep = torch.rand(1, 2, 300, 700) < 0.6
+    keep[0, 1, 17] = False
+    keep[0, :, 290:] = False
+    out, lse = compiled.compiled_attention(q, k, v, MaskSpec(300, 700, keep=keep), 0.125, 256, 512)
+    _check_fwd(out, q, k, v, keep, f"{dtype} masked", scale=0.125)
+    assert (out[0, 1, 17] == 0).all() and (out[0, :, 290:] == 0).all() and torch.isneginf(lse[0, :, 290:]).all()
+    k[0, 0, 600] = float("nan")
+    out, _ = compiled.compiled_attention(q, k, v, spec, 0.125, 256, 512)
+    ref, _ = reference.attention(q, k, v, scale=0.125)
+    assert np.isnan(ref[0, 0]).all() and torch.isnan(out[0, 0]).all() and torch.isfinite(out[0, 1]).all()
+
+
+def test_bf16_conversion_fallback_matches_native():
+    """The bf16 probabilities' conversion: the CPU's instruction where it has AVX512-BF16 (detected, not
+    assumed), else at::vec's integer sequence; both round to nearest even, so the outputs are identical."""
+    if compiled.capability() == "AVX512":
+        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+        assert compiled.converts_bf16_natively() == (" avx512_bf16" in flags)
+    code = ("import torch; from attnlab.kernels import compiled as C; from attnlab.kernels.masks import MaskSpec;"
+            "torch.manual_seed(5); q, k, v = (torch.randn(1, 2, 200, 64).bfloat16() for _ in range(3));"
+            "o, _ = C.compiled_attention(q, k, v, MaskSpec(200, 200), 0.125, 64, 128);"
+            "print(C.converts_bf16_natively(), o.float().sum().item(), o.float().abs().sum().item())")
+    runs = []
+    for off in ("1", "0"):
+        env = dict(os.environ, ATTNLAB_EXT_NO_AVX512BF16=off)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        runs.append(r.stdout.split())
+    assert runs[0][0] == "False"
+    assert runs[0][1:] == runs[1][1:], runs
 
 
 def _grads(fn, q, k, v, do):

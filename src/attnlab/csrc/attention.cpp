@@ -29,9 +29,14 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/native/CPUBlas.h>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -185,43 +190,210 @@ void modify_scores(A* s, int64_t ld, int64_t rows, int64_t cols, int64_t n, int6
   }
 }
 
+// Note [Row passes]: after each tile product, every score row is read twice: once for its max, once
+// for exp (which also sums and stores the probabilities in the second product's dtype). Both passes are
+// pure arithmetic over the tile (for a bf16 tile about as long as the AMX products themselves), so they
+// keep several independent accumulators (a single max/add chain is bound by its latency, ~4 cycles per
+// vector) and the exp pass writes bf16 directly instead of storing fp32 and converting in a third pass.
+// A NaN score need not survive the max (x86 max drops it); it reaches the sum through exp and so the
+// output (see finish_row).
 template <typename A>
 inline A row_max(const A* x, int64_t n) {
   using V = Vectorized<A>;
+  constexpr int64_t W = V::size();
   A m = -std::numeric_limits<A>::infinity();
   int64_t c = 0;
-  if (n >= V::size()) {
-    V vm(m);
-    for (; c + V::size() <= n; c += V::size()) vm = at::vec::maximum(vm, V::loadu(x + c));
-    m = at::vec::vec_reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, vm);
+  if (n >= W) {
+    V m0(m), m1(m), m2(m), m3(m);
+    for (; c + 4 * W <= n; c += 4 * W) {
+      m0 = at::vec::maximum(m0, V::loadu(x + c));
+      m1 = at::vec::maximum(m1, V::loadu(x + c + W));
+      m2 = at::vec::maximum(m2, V::loadu(x + c + 2 * W));
+      m3 = at::vec::maximum(m3, V::loadu(x + c + 3 * W));
+    }
+    for (; c + W <= n; c += W) m0 = at::vec::maximum(m0, V::loadu(x + c));
+    m0 = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
+    m = at::vec::vec_reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, m0);
   }
   for (; c < n; ++c) m = std::max(m, x[c]);
   return m;
 }
 
-// x <- exp(x - shift) in place; returns the sum. exp(-inf) is 0 (masked scores).
+// The max without NaN propagation (x86's max keeps either operand when one is NaN), for the half-type
+// path: a NaN score still reaches the row's sum through exp_sum (exp2_half_target keeps NaN), so the
+// row's output is NaN either way, and the max costs one instruction per vector instead of four.
 template <typename A>
-inline A exp_sum(A* x, int64_t n, A shift, A mul = A(1)) {  // x <- exp(x * mul - shift)
-  using V = Vectorized<A>;
-  V vs(0), vsh(-shift), vm(mul);
-  int64_t c = 0;
-  for (; c + V::size() <= n; c += V::size()) {
-    V e = at::vec::fmadd(V::loadu(x + c), vm, vsh).exp_u20();
-    e.store(x + c);
-    vs = vs + e;
+inline A row_max_loose(const A* x, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    const __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 m0 = lo, m1 = lo, m2 = lo, m3 = lo;
+    int64_t c = 0;
+    for (; c + 64 <= n; c += 64) {
+      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + c));
+      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + c + 16));
+      m2 = _mm512_max_ps(m2, _mm512_loadu_ps(x + c + 32));
+      m3 = _mm512_max_ps(m3, _mm512_loadu_ps(x + c + 48));
+    }
+    for (; c + 16 <= n; c += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + c));
+    if (c < n) m1 = _mm512_mask_max_ps(m1, __mmask16((1u << (n - c)) - 1), m1, _mm512_maskz_loadu_ps(__mmask16((1u << (n - c)) - 1), x + c));
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
   }
-  A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, vs);
-  for (; c < n; ++c) {
-    x[c] = std::exp(x[c] * mul - shift);
-    s += x[c];
-  }
-  return s;
+#endif
+  return row_max(x, n);
 }
 
 template <typename T, typename A>
 inline void to_gemm_type(const A* src, T* dst, int64_t n) {
   at::vec::convert(src, dst, n);
 }
+
+// dst <- exp(x * mul - shift) (dst may be x, or x's row in the product's dtype); returns the sum in A.
+// exp(-inf) is 0 (masked scores).
+template <typename T, typename A>
+inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst, bool /*masked*/ = true) {
+  using V = Vectorized<A>;
+  constexpr int64_t W = V::size();
+  const V vsh(-shift), vm(mul);
+  V s0(0), s1(0);
+  int64_t c = 0;
+  if constexpr (std::is_same_v<T, A>) {
+    for (; c + 2 * W <= n; c += 2 * W) {
+      V e0 = at::vec::fmadd(V::loadu(x + c), vm, vsh).exp_u20();
+      V e1 = at::vec::fmadd(V::loadu(x + c + W), vm, vsh).exp_u20();
+      e0.store(dst + c);
+      e1.store(dst + c + W);
+      s0 = s0 + e0;
+      s1 = s1 + e1;
+    }
+  } else {
+    A tmp[2 * W];
+    for (; c + 2 * W <= n; c += 2 * W) {
+      V e0 = at::vec::fmadd(V::loadu(x + c), vm, vsh).exp_u20();
+      V e1 = at::vec::fmadd(V::loadu(x + c + W), vm, vsh).exp_u20();
+      s0 = s0 + e0;
+      s1 = s1 + e1;
+      e0.store(tmp);
+      e1.store(tmp + W);
+      at::vec::convert(tmp, dst + c, 2 * W);
+    }
+  }
+  s0 = s0 + s1;
+  A s = at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, s0);
+  for (; c < n; ++c) {
+    const A e = std::exp(x[c] * mul - shift);
+    s += e;
+    dst[c] = static_cast<T>(e);
+  }
+  return s;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Note [Half-type exp]: probabilities headed for a bf16/fp16 product are rounded to 8 (11) significant
+// bits, so their exp need not be at::vec's exp_u20 (~17 instructions with its range checks). This one is
+// 2^t with t = (x * mul - shift) * log2(e), a degree-4 fit of 2^f on f in [-1/2, 1/2] (relative error
+// 2.7e-6 evaluated in fp32, fitted for this kernel: 1/700 of bf16's and 1/180 of fp16's rounding of the
+// probabilities, about exp_u20's 20 ulp) and vscalefps for the 2^n; exact 0 below 2^-125 (as exp_u20
+// gives below FLT_MIN) and NaN kept; 11 instructions. The fp32 row sum is of these values. (Degree 5,
+// 2.3e-7, cost one more FMA of the pass's ~13 per vector.)
+template <bool kMasked>
+inline __m512 exp2_half_target(__m512 t) {
+  // kMasked (a tile with masked scores, -inf): lanes below 2^-125 become exact 0 by a mask, never by
+  // underflow: an underflowing result takes a microcode assist on Intel cores (measured: the causal bf16
+  // forward's exp pass ran 4x slower per value than the dense one). NaN compares unordered and is kept.
+  // A full tile has no -inf, so it skips the mask (2 of ~13 instructions); clamped at -200 its rare
+  // underflows are still exact, only slow.
+  const __m512 lo = _mm512_set1_ps(kMasked ? -125.f : -200.f);
+  __mmask16 keep = 0xFFFF;
+  if constexpr (kMasked) keep = _mm512_cmp_ps_mask(t, lo, _CMP_NLT_UQ);
+  t = _mm512_max_ps(lo, t);  // max(c, NaN) is NaN: NaN survives
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009570101276040077f), f, _mm512_set1_ps(0.05591786280274391f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
+  if constexpr (kMasked) return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The CPU's own fp32 -> bf16 conversion (vcvtne2ps2bf16, AVX512-BF16: 32 values in one instruction,
+// round to nearest even like at::vec's ~10-instruction integer sequence), chosen at load time from the
+// CPU's flags (never assumed from the build). ATTNLAB_EXT_NO_AVX512BF16=1 takes at::vec's sequence
+// instead (for comparisons, and so the fallback is tested on CPUs that have the instruction).
+const bool kNativeBf16 = [] {
+  __builtin_cpu_init();  // we run among the library's constructors: make sure the flags are read
+  const char* off = std::getenv("ATTNLAB_EXT_NO_AVX512BF16");
+  return __builtin_cpu_supports("avx512bf16") && !(off && *off && std::string(off) != "0");
+}();
+
+struct StoreBf16Native {
+  __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl"))) static void store(__m512 lo, __m512 hi, void* dst) {
+    _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+};
+struct StoreBf16 {
+  static void store(__m512 lo, __m512 hi, void* dst) {
+    at::vec::convert_float_bfloat16(Vectorized<float>(lo), Vectorized<float>(hi)).store(dst);
+  }
+};
+struct StoreHalf {
+  static void store(__m512 lo, __m512 hi, void* dst) {
+    auto* d = static_cast<__m256i*>(dst);
+    _mm256_storeu_si256(d, _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(d + 1, _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+// exp_sum for a half-type destination, 32 scores per step (Note [Half-type exp], Note [Row passes]).
+template <bool kMasked, typename Store, typename T>
+__attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t n, float shift, float mul, T* dst) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const __m512 a = _mm512_set1_ps(mul * kLog2e), b = _mm512_set1_ps(-shift * kLog2e);
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const __m512 e0 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, b));
+    const __m512 e1 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, b));
+    s0 = _mm512_add_ps(s0, e0);
+    s1 = _mm512_add_ps(s1, e1);
+    Store::store(e0, e1, dst + c);
+  }
+  if (c < n) {  // the tail, zero-padded to 32 (exp of the padding is masked out of the sum)
+    alignas(64) T tmp[32];
+    const __mmask16 m0 = n - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - c)) - 1);
+    const __mmask16 m1 = n - c > 16 ? __mmask16((1u << (n - c - 16)) - 1) : __mmask16(0);
+    const __m512 e0 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x + c), a, b));
+    const __m512 e1 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x + c + 16), a, b));
+    s0 = _mm512_mask_add_ps(s0, m0, s0, e0);
+    s1 = _mm512_mask_add_ps(s1, m1, s1, e1);
+    Store::store(e0, e1, tmp);
+    for (int64_t i = 0; i < n - c; ++i) dst[c + i] = tmp[i];
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+template <bool kMasked>
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+float exp_sum_bf16_native(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst) {
+  return exp_sum_half<kMasked, StoreBf16Native>(x, n, shift, mul, dst);
+}
+
+template <>
+inline float exp_sum<at::BFloat16, float>(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst,
+                                          bool masked) {
+  if (kNativeBf16)
+    return masked ? exp_sum_bf16_native<true>(x, n, shift, mul, dst) : exp_sum_bf16_native<false>(x, n, shift, mul, dst);
+  return masked ? exp_sum_half<true, StoreBf16>(x, n, shift, mul, dst)
+                : exp_sum_half<false, StoreBf16>(x, n, shift, mul, dst);
+}
+template <>
+inline float exp_sum<at::Half, float>(const float* x, int64_t n, float shift, float mul, at::Half* dst,
+                                      bool masked) {
+  return masked ? exp_sum_half<true, StoreHalf>(x, n, shift, mul, dst)
+                : exp_sum_half<false, StoreHalf>(x, n, shift, mul, dst);
+}
+#endif
 
 // oneDNN's batch-reduce gemm micro-kernel through cpublas::brgemm (what PyTorch's CPU flash kernel
 // uses for half types): C[M, N] (+)= A[M, K] @ B[K, N], no transposes, no alpha, tiny call overhead
@@ -245,11 +417,42 @@ inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64
   }
 }
 
-// dst[c * ld_dst + r] = src[r * ld_src + c]: a tile transposed (brgemm takes no transposed operand)
+// dst[e * ldd + c] = src[c * ld + e] for c < cols, e < width, on 4-byte words (a float, or a pair of
+// bf16/fp16 values: the VNNI layout of a transpose is the word transpose). ld in words. AVX-512 gathers 16
+// rows' word e at once (the scalar loop's strided stores ran ~3 cycles a value: 10% of a bf16 call).
+inline void transpose_words(const uint32_t* src, int64_t ld, int64_t cols, int64_t width, uint32_t* dst,
+                            int64_t ldd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (ld * 4 * 16 < (int64_t(1) << 31)) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(ld)));
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 m = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
+      const uint32_t* base = src + c * ld;
+      for (int64_t e = 0; e < width; ++e) {
+        const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + e, 4);
+        _mm512_mask_storeu_epi32(dst + e * ldd + c, m, w);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t e = 0; e < width; ++e) dst[e * ldd + c] = src[c * ld + e];
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c]: a tile transposed (brgemm takes no transposed operand).
+// fp32 tiles go through transpose_words (the fp32 backward transposes P and dS per tile: scalar, that was
+// ~10% of a causal window's forward+backward).
 template <typename T>
 inline void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst, int64_t ld_dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  if constexpr (sizeof(T) == 4) {
+    transpose_words(reinterpret_cast<const uint32_t*>(src), ld_src, rows, cols, reinterpret_cast<uint32_t*>(dst),
+                    ld_dst);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
 }
 
 // Packs the transpose of x [S, D] (row stride ld) as brgemm B operands of K = D, N = bk, one contiguous
@@ -258,9 +461,17 @@ inline void transpose(const T* src, int64_t ld_src, int64_t rows, int64_t cols, 
 // (at S = 4096 floats) maps every row to one L1 set.
 template <typename T>
 inline void pack_transposed_blocks(const T* x, int64_t ld, int64_t S, int64_t D, int64_t bk, T* dst) {
+  constexpr int64_t per = 4 / sizeof(T);  // values per 4-byte word
+  const bool words = (sizeof(T) == 4 || sizeof(T) == 2) && ld % per == 0 && D % per == 0 &&
+                     reinterpret_cast<uintptr_t>(x) % 4 == 0;
   for (int64_t k0 = 0; k0 < S; k0 += bk) {
     const int64_t cols = std::min(bk, S - k0);
     T* panel = dst + (k0 / bk) * D * bk;
+    if (words) {
+      transpose_words(reinterpret_cast<const uint32_t*>(x + k0 * ld), ld / per, cols, D / per,
+                      reinterpret_cast<uint32_t*>(panel), bk);
+      continue;
+    }
     for (int64_t c = 0; c < cols; ++c) {
       const T* row = x + (k0 + c) * ld;
       if constexpr (std::is_same_v<T, float>) {
@@ -273,12 +484,27 @@ inline void pack_transposed_blocks(const T* x, int64_t ld, int64_t S, int64_t D,
 }
 
 // Packs x [rows, cols] (row stride ld) as a VNNI B operand (K = rows, N = cols): [rows_pad / 2, cols, 2],
-// an odd last row padded with zeros.
+// an odd last row padded with zeros. Each pair of rows interleaves into 4-byte words (vectorised by -O3).
 template <typename T>
 inline void pack_vnni(const T* x, int64_t ld, int64_t rows, int64_t cols, T* dst) {
+  static_assert(sizeof(T) == 2, "VNNI pairs of 16-bit values");
   const int64_t rp = rows + (rows & 1);
-  for (int64_t r = 0; r < rp; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[((r >> 1) * cols + c) * 2 + (r & 1)] = r < rows ? x[r * ld + c] : T(0);
+  for (int64_t r = 0; r < rp; r += 2) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(x + r * ld);
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(x + (r + 1) * ld);
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst + (r >> 1) * cols * 2);
+    if (r + 1 < rows) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint32_t w = uint32_t(a[c]) | (uint32_t(b[c]) << 16);
+        std::memcpy(d + 2 * c, &w, 4);
+      }
+    } else {
+      for (int64_t c = 0; c < cols; ++c) {
+        d[2 * c] = a[c];
+        d[2 * c + 1] = 0;
+      }
+    }
+  }
 }
 
 // Work units per task: everything in one task (no thread start-up) when the whole call is too small for
@@ -364,6 +590,9 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
               "attnlab._C: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not agree");
 }
 
+// The widest tile a run of full key blocks merges into (Note [Merged runs]): the dense tile's width.
+constexpr int64_t kMergeCols = 512;
+
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Layout& lay,
                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& out,
@@ -395,15 +624,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t n = u / Hkv, g = u % Hkv;
         // K^T as B of q @ k^T (K = E, N = S); rows past S are never read
         pack_transposed_blocks(K + n * k.stride(0) + g * k.stride(1), k.stride(2), S, E, bk, KT + u * nk * E * bk);
-        if (kHalf) pack_vnni(Vp + n * v.stride(0) + g * v.stride(1), v.stride(2), S, Ev, VV + u * Sp * Ev);
+        if constexpr (kHalf) pack_vnni(Vp + n * v.stride(0) + g * v.stride(1), v.stride(2), S, Ev, VV + u * Sp * Ev);
       }
     });
   }
   const T* KT = use_brg ? kt.data_ptr<T>() : nullptr;
+  const int64_t W = std::max(bk, kMergeCols);  // Note [Merged runs]
   const T* VV = use_brg && kHalf ? vv.data_ptr<T>() : nullptr;
   at::parallel_for(0, N * H * nq, grain(N * H * nq, flops), [&](int64_t begin, int64_t end) {
-    std::vector<A> sbuf(bq * bk), obuf(bq * Ev), mrow(bq), lrow(bq);
-    std::vector<T> pbuf(kSame ? 0 : bq * (bk + 1));
+    std::vector<A> sbuf(bq * W), obuf(bq * Ev), mrow(bq), lrow(bq);
+    std::vector<T> pbuf(kSame ? 0 : bq * (W + 1));
     for (int64_t u = begin; u < end; ++u) {
       const int64_t n = u / (H * nq), h = (u / nq) % H, qb = u % nq;
       const int64_t q0 = qb * bq, rows = std::min(bq, L - q0), kvh = h / groups;
@@ -412,34 +642,50 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
       const int64_t base = lay.base(n, qb);
       const int32_t cnt = lay.kv_num[base];
+      const int32_t* kidx = lay.kv_idx + base * lay.maxk;
+      const int32_t* tids = lay.tile_id + base * lay.maxk;
       std::fill(mrow.begin(), mrow.begin() + rows, ninf);
       std::fill(lrow.begin(), lrow.begin() + rows, A(0));
       std::fill(obuf.begin(), obuf.begin() + rows * Ev, A(0));
-      for (int32_t t = 0; t < cnt; ++t) {
-        const int64_t k0 = static_cast<int64_t>(lay.kv_idx[base * lay.maxk + t]) * bk;
-        const int64_t cols = std::min(bk, S - k0);
+      for (int32_t t = 0; t < cnt;) {
+        const int64_t kb0 = kidx[t], k0 = kb0 * bk;
+        const uint8_t* tile = lay.tile(tids[t]);
+        // Note [Merged runs]: consecutive FULL key blocks run as one tile up to W keys wide (one max/exp
+        // pass per row and one P @ V product over the run instead of one per block)
+        int32_t run = 1;
+        if (tile == nullptr)
+          while (t + run < cnt && (run + 1) * bk <= W && kidx[t + run] == kb0 + run && tids[t + run] < 0) ++run;
+        t += run;
+        const int64_t cols = std::min(run * bk, S - k0), ls = run > 1 ? W : bk;
         A* s = sbuf.data();
         A mul = A(1);
         if constexpr (!std::is_same_v<T, double>) {
           if (use_brg) {
-            const T* ktp = KT + ((n * Hkv + kvh) * nk + k0 / bk) * E * bk;
-            brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, ktp, s);
+            for (int32_t j = 0; j < run; ++j) {
+              const T* ktp = KT + ((n * Hkv + kvh) * nk + kb0 + j) * E * bk;
+              brg<T>(rows, std::min(bk, S - k0 - j * bk), E, q.stride(2), bk, ls, false, qp, ktp, s + j * bk);
+            }
             mul = scale;
           }
         }
-        if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), s, bk);
-        const uint8_t* tile = lay.tile(lay.tile_id[base * lay.maxk + t]);
+        if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), s, ls);
         // a full tile with nothing to add: the scale is folded into the max and exp passes (one pass fewer)
         const bool fold = tile == nullptr && mod.plain() && mul > A(0);
         if (!fold) {
-          modify_scores<A>(s, bk, rows, cols, n, h, q0, k0, tile, mod, nullptr, mul);
+          modify_scores<A>(s, ls, rows, cols, n, h, q0, k0, tile, mod, nullptr, mul);
           mul = A(1);
         }
         for (int64_t r = 0; r < rows; ++r) {
-          A* row = s + r * bk;
-          const A mnew = std::max(mrow[r], row_max(row, cols) * mul);
+          A* row = s + r * ls;
+          const A mnew = std::max(mrow[r], (kSame ? row_max(row, cols) : row_max_loose(row, cols)) * mul);
           const A shift = mnew == ninf ? A(0) : mnew;  // a row with nothing kept yet: exp(-inf) = 0
-          const A sum = exp_sum(row, cols, shift, mul);
+          A sum;
+          if constexpr (kSame) {
+            sum = exp_sum(row, cols, shift, mul, row);
+          } else {
+            sum = exp_sum(row, cols, shift, mul, pbuf.data() + r * ls, !fold);
+            if (use_brg && (cols & 1)) pbuf[r * ls + cols] = T(0);  // pairs with V's zero pad row
+          }
           const A alpha = std::exp(mrow[r] - shift);
           lrow[r] = lrow[r] * alpha + sum;
           mrow[r] = mnew;
@@ -447,25 +693,21 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             A* o = obuf.data() + r * Ev;
             at::vec::map([alpha](Vectorized<A> x) { return x * Vectorized<A>(alpha); }, o, o, Ev);
           }
-          if constexpr (!kSame) {
-            to_gemm_type(row, pbuf.data() + r * bk, cols);
-            if (use_brg && (cols & 1)) pbuf[r * bk + cols] = T(0);  // pairs with V's zero pad row
-          }
         }
         if constexpr (kSame) {
           if constexpr (std::is_same_v<T, float>) {
             if (use_brg) {
-              brg<T>(rows, Ev, cols, bk, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
+              brg<T>(rows, Ev, cols, ls, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
               continue;
             }
           }
-          gemm(false, false, rows, Ev, cols, A(1), s, bk, vp + k0 * v.stride(2), v.stride(2), A(1), obuf.data(), Ev);
+          gemm(false, false, rows, Ev, cols, A(1), s, ls, vp + k0 * v.stride(2), v.stride(2), A(1), obuf.data(), Ev);
         } else {
           if (use_brg) {
-            brg<T>(rows, Ev, cols + (cols & 1), bk, Ev, Ev, true, pbuf.data(), VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev,
+            brg<T>(rows, Ev, cols + (cols & 1), ls, Ev, Ev, true, pbuf.data(), VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev,
                    obuf.data());
           } else {
-            gemm(false, false, rows, Ev, cols, A(1), pbuf.data(), bk, vp + k0 * v.stride(2), v.stride(2), A(1),
+            gemm(false, false, rows, Ev, cols, A(1), pbuf.data(), ls, vp + k0 * v.stride(2), v.stride(2), A(1),
                  obuf.data(), Ev);
           }
         }
@@ -473,8 +715,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       T* op = O + ((n * H + h) * L + q0) * Ev;
       A* lp = LSE + (n * H + h) * L + q0;
       for (int64_t r = 0; r < rows; ++r) {
-        const bool any = lrow[r] > A(0);
-        const A inv = any ? A(1) / lrow[r] : A(0);  // a fully masked row: output 0
+        // a fully masked row: output 0; a NaN score kept in the row: NaN (its sum is NaN), as in SDPA
+        const bool any = !(lrow[r] == A(0));
+        const A inv = any ? A(1) / lrow[r] : A(0);
         const A* o = obuf.data() + r * Ev;
         for (int64_t c = 0; c < Ev; ++c) op[r * Ev + c] = static_cast<T>(o[c] * inv);
         lp[r] = any ? mrow[r] + std::log(lrow[r]) : ninf;
@@ -708,6 +951,13 @@ bool brgemm_for(const std::string& dtype, int64_t E, int64_t Ev, int64_t bk) {
                                                                                                              : at::kDouble;
   return brgemm_applies(dt, E, Ev, bk, true);
 }
+bool native_bf16_convert() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return kNativeBf16;
+#else
+  return false;
+#endif
+}
 bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f16f16f32 != nullptr; }
 
 }  // namespace
@@ -720,9 +970,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &attention_forward, "(out, lse) of block-layout attention");
   m.def("backward", &attention_backward, "(dq, dk, dv) by recomputation from (out, lse)");
   m.def("has_blas", &has_blas, "fp32/fp64 tiles run through MKL's gemm (else a plain loop)");
+  m.def("native_bf16_convert", &native_bf16_convert,
+        "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
   m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 2;
+  m.attr("abi_version") = 3;
 }

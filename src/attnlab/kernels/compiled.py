@@ -9,7 +9,10 @@ backward recomputes each block's probabilities from them (no L×S tensor is save
 
 Inputs are CPU tensors q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] (GQA: query head h reads
 key/value head h // (H / Hkv), without copying K/V); fp32, fp64, bf16 or fp16 (half types accumulate
-in fp32 and multiply tiles with the CPU's bf16/fp16 instructions through MKL's gemm).
+in fp32). On AVX-512 builds the tiles multiply through oneDNN's brgemm micro-kernel, for bf16 on the
+CPU's AMX / AVX512-BF16 units where oneDNN packs for them (``uses_brgemm``), and the bf16 forward's
+exp and conversion run in one pass (csrc Note [Half-type exp]); elsewhere MKL's gemm. Consecutive full
+key blocks run as one tile up to 512 keys wide (Note [Merged runs]).
 
 ``available()`` says whether the extension can run (False with ``ATTNLAB_NO_EXT=1``, when it was not
 built, or for non-CPU tensors) and ``unavailable_reason()`` why not. Nothing is compiled at call
@@ -30,10 +33,10 @@ from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm", "uses_brgemm", "scratch_bytes", "SPEC"]
+           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 2
+ABI_VERSION = 3
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -98,6 +101,13 @@ def has_fast_gemm(dtype: torch.dtype) -> bool:
     if ext is None:
         return False
     return bool(ext.has_half_blas()) if dtype in (torch.bfloat16, torch.float16) else bool(ext.has_blas())
+
+
+def converts_bf16_natively() -> bool:
+    """Whether the kernel turns fp32 probabilities into bf16 with the CPU's AVX512-BF16 instruction
+    (detected at load; ``ATTNLAB_EXT_NO_AVX512BF16=1`` forces at::vec's integer sequence, same rounding)."""
+    ext = _load()
+    return bool(ext is not None and ext.native_bf16_convert())
 
 
 # -- block layouts ---------------------------------------------------------------------------------
