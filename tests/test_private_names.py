@@ -13,9 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 
-KNOWN = {
-    "bench/mechanisms.py: from attnlab.experiments import _common",  # bench/experiments harness split (issue 15)
-}
+KNOWN: set = set()
 
 
 def _package(rel: Path) -> str:

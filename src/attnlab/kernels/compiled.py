@@ -317,7 +317,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 # -- declaration ------------------------------------------------------------------------------------
 def scratch_bytes(block_q: int, block_k: int, E: int, Ev: int) -> int:
     """Bytes of the kernel's per-thread tiles (scores, probabilities, accumulators), all threads."""
-    return torch.get_num_threads() * 4 * (4 * block_q * block_k + block_q * (E + Ev + 4))
+    # the forward merges runs of full key blocks into tiles up to 512 keys wide (csrc: merged runs)
+    return torch.get_num_threads() * 4 * (4 * block_q * max(block_k, 512) + block_q * (E + Ev + 4))
 
 
 def _peak(r: Request, t: Tiling | None) -> int:
