@@ -274,3 +274,22 @@ def test_any_chunking_of_cached_decoding_equals_full(chunks, window, method):
         parts.append(m(x[:, t: t + c], is_causal=True, cache=cache)[0])
         t += c
     assert_close(torch.cat(parts, 1), full, atol=1e-5, what=f"chunks {chunks}")
+
+
+def test_mechanism_given_as_a_module_runs_and_can_be_swapped():
+    """A mechanism passed as an nn.Module (``Mechanism.as_module()``) is resolved, runs like the same
+    mechanism given by name, and can be replaced by a method name and back."""
+    import attnlab.mechanisms as M
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    by_name = MultiHeadAttention(16, 2, mechanism="linear")
+    by_module = MultiHeadAttention(16, 2, mechanism=M.get("linear").as_module())
+    by_module.load_state_dict(by_name.state_dict())
+    assert_close(by_module(x, x, x)[0], by_name(x, x, x)[0], 1e-6, 1e-6)
+    by_module.mechanism = "dense"
+    ref = MultiHeadAttention(16, 2, mechanism="dense")
+    ref.load_state_dict(by_name.state_dict())
+    assert_close(by_module(x, x, x)[0], ref(x, x, x)[0], 1e-6, 1e-6)
+    by_module.mechanism = M.get("linear").as_module()
+    assert_close(by_module(x, x, x)[0], by_name(x, x, x)[0], 1e-6, 1e-6)

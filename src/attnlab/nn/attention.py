@@ -141,8 +141,18 @@ class MultiHeadAttention(nn.Module):
 
     @mechanism.setter
     def mechanism(self, spec) -> None:
-        self._mechanism = resolve_mechanism(spec)
-        self._mechanism_spec = spec
+        resolved = resolve_mechanism(spec)
+        self._modules.pop("_mechanism", None)  # a module mechanism may be replaced by a name, and back
+        self._mechanism = resolved  # a stateful mechanism module registers as a child (its parameters train)
+        object.__setattr__(self, "_mechanism_spec", spec)  # as given; not a second child registration
+
+    def __setattr__(self, name: str, value) -> None:
+        # nn.Module.__setattr__ registers a Module value as a child without calling the property's setter,
+        # which left a mechanism given as a module unresolved (AttributeError: _mechanism)
+        if name == "mechanism":
+            type(self).mechanism.fset(self, value)
+        else:
+            super().__setattr__(name, value)
 
     # -- import from PyTorch ---------------------------------------------------------------------
     @classmethod
