@@ -123,7 +123,7 @@ class StepBoundary:
     Note [Ctrl-C between steps]: a KeyboardInterrupt raised mid-step leaves the model updated and the
     step counter not, so the checkpoint written then would resume into a different run than the
     uninterrupted one. Deferring the interrupt to the step boundary keeps resumed runs identical to
-    uninterrupted ones (tests/test_experiments.py) and makes Ctrl-C keep every finished step. Only the
+    uninterrupted ones (tests/instruments/experiments/test_experiments.py) and makes Ctrl-C keep every finished step. Only the
     main thread can install a signal handler; elsewhere Ctrl-C behaves as usual."""
 
     def __init__(self):

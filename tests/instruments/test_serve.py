@@ -37,7 +37,7 @@ from attnlab.serve import Explorer, create_app  # noqa: E402
 
 FACTOR = 4.0  # see Note [Explorer weight budget]
 TEXT = "The cat sat on the mat because it was tired."
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="module", autouse=True)

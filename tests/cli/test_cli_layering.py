@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "src" / "attnlab"
+ROOT = Path(__file__).resolve().parents[2] / "src" / "attnlab"
 
 # Packages whose instruments still print or parse their own options (helper "bench" is moving them
 # behind configs, issue 15); a trailing "/" covers a package.

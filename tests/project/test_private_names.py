@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "src" / "attnlab"
+ROOT = Path(__file__).resolve().parents[2] / "src" / "attnlab"
 
 KNOWN: set = set()
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # MiniLM and HF BertModel loads (tests/conftest.py: MiniLM tests are slow)
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Attention, please."]  # the second one is padded
-FP32_FACTOR = 3.0  # as tests/test_minilm.py: error against float64 at most 3x HF eager's own float32 error
+FP32_FACTOR = 3.0  # as tests/models/test_minilm.py: error against float64 at most 3x HF eager's own float32 error
 
 
 @pytest.fixture(scope="module", autouse=True)
