@@ -9,6 +9,16 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 torch.set_num_threads(1) if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny tensors: two threads on a busy 2-core machine stall in
+    every parallel region. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

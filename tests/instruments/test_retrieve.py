@@ -15,13 +15,7 @@ from attnlab import retrieval as R
 from attnlab.cli.main import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread. Two threads on a busy 2-core machine stall in every parallel region."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

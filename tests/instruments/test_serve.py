@@ -40,12 +40,7 @@ TEXT = "The cat sat on the mat because it was tired."
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

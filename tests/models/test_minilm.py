@@ -32,13 +32,7 @@ def _no_grad():
         yield
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # small matmuls: one thread is faster than two contending ones on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,7 @@ from attnlab.nn import (Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForwar
                         Transformer, TransformerLM)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def _copy_mha(dst: MultiHeadAttention, src: nn.MultiheadAttention):

@@ -13,13 +13,7 @@ from attnlab.bench import layers as BL
 from attnlab.cli import main as cli
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread. Two threads on a busy 2-core machine stall in every parallel region."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def _counted(fn) -> int:
