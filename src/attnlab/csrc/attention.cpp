@@ -12,7 +12,8 @@
 //   broadcast dim has stride 0), so a user L x S mask is never expanded or copied per head.
 //
 // Forward: online softmax over the visited key blocks; returns out [N, H, L, Ev] and the
-// log-sum-exp lse [N, H, L] (float32; float64 for float64), -inf for a row with no key (out 0).
+// log-sum-exp lse [N, H, L] (float32; float64 for float64), -inf for a row with no key (out 0), and
+// for half types when asked (the inputs need grad) out_acc [N, H, L, Ev] float32, O before rounding.
 // Backward: recomputes each block's probabilities from lse (FA2), accumulating dq per query block
 // and dk, dv per kv head in float buffers owned by one thread (units are (n, kv head) pairs).
 //
@@ -596,7 +597,7 @@ constexpr int64_t kMergeCols = 512;
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Layout& lay,
                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& out,
-                  at::Tensor& lse) {
+                  at::Tensor& lse, at::Tensor& out_acc) {
   using A = typename Acc<T>::type;
   constexpr bool kSame = std::is_same_v<T, A>;
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
@@ -607,6 +608,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const T* Vp = v.data_ptr<T>();
   T* O = out.data_ptr<T>();
   A* LSE = lse.data_ptr<A>();
+  A* OA = out_acc.defined() ? out_acc.data_ptr<A>() : nullptr;  // Note [fp32 O for delta]
   const A scale = static_cast<A>(scale_d);
   const A ninf = -std::numeric_limits<A>::infinity();
   const int64_t flops = N * H * L * S * (E + Ev);
@@ -720,6 +722,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const A inv = any ? A(1) / lrow[r] : A(0);
         const A* o = obuf.data() + r * Ev;
         for (int64_t c = 0; c < Ev; ++c) op[r * Ev + c] = static_cast<T>(o[c] * inv);
+        if (OA) {
+          A* oa = OA + ((n * H + h) * L + q0 + r) * Ev;
+          for (int64_t c = 0; c < Ev; ++c) oa[c] = o[c] * inv;
+        }
         lp[r] = any ? mrow[r] + std::log(lrow[r]) : ninf;
       }
     }
@@ -742,7 +748,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const T* K = k.data_ptr<T>();
   const T* Vp = v.data_ptr<T>();
   const T* DO = dout.data_ptr<T>();
-  const T* O = out.data_ptr<T>();
+  // Note [fp32 O for delta]: delta = rowsum(dO * O) is a difference of nearly equal sums when one value
+  // dominates a row; from O rounded to bf16 its error reaches the gradients unscaled (hypothesis found dk
+  // 10x the naive bf16 error at L=1, S=3). Half types get the forward's fp32 O when it was kept.
+  const bool out_acc = !kSame && out.scalar_type() == c10::CppTypeToScalarType<A>::value;
+  const T* O = out_acc ? nullptr : out.data_ptr<T>();
+  const A* OA = out_acc ? out.data_ptr<A>() : nullptr;
   const A* LSE = lse.data_ptr<A>();
   T* DQ = dq.data_ptr<T>();
   A* DK = dk.data_ptr<A>();  // [N, Hkv, S, E] accumulation dtype, zeroed
@@ -775,7 +786,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const int32_t cnt = lay.kv_num[base];
           const T* qp = Q + n * q.stride(0) + h * q.stride(1) + q0 * q.stride(2);
           const T* dop = DO + ((n * H + h) * L + q0) * Ev;
-          const T* op = O + ((n * H + h) * L + q0) * Ev;
+          const int64_t o0 = ((n * H + h) * L + q0) * Ev;
           const A* lp = LSE + (n * H + h) * L + q0;
           T* dqp = DQ + ((n * H + h) * L + q0) * E;
           if (cnt == 0) {
@@ -784,7 +795,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
           for (int64_t r = 0; r < rows; ++r) {
             A d = 0;
-            for (int64_t c = 0; c < Ev; ++c) d += static_cast<A>(dop[r * Ev + c]) * static_cast<A>(op[r * Ev + c]);
+            if (OA) {
+              for (int64_t c = 0; c < Ev; ++c) d += static_cast<A>(dop[r * Ev + c]) * OA[o0 + r * Ev + c];
+            } else {
+              for (int64_t c = 0; c < Ev; ++c) d += static_cast<A>(dop[r * Ev + c]) * static_cast<A>(O[o0 + r * Ev + c]);
+            }
             delta[r] = d;
             lsafe[r] = lp[r] == -inf ? inf : lp[r];  // a row with no key: P = exp(-inf) = 0
           }
@@ -894,7 +909,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
                                           const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
                                           const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                           bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                          bool allow_brgemm) {
+                                          bool allow_brgemm, bool keep_out_acc) {
   check_qkv(q, k, v);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Ev = v.size(3);
   const bool use_brg = brgemm_applies(q.scalar_type(), q.size(3), Ev, bk, allow_brgemm);
@@ -902,13 +917,16 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor out = at::empty({N, H, L, Ev}, q.options());
   at::Tensor lse = at::empty({N, H, L}, q.options().dtype(acc));
+  // Note [fp32 O for delta]: for half types the backward's delta reads O in the accumulation dtype
+  at::Tensor out_acc;
+  if (keep_out_acc && acc != q.scalar_type()) out_acc = at::empty({N, H, L, Ev}, q.options().dtype(acc));
   const std::vector<int64_t> shape4{N, H, L, S};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_forward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, out, lse);
+    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, out, lse, out_acc);
   });
-  return {out, lse};
+  return {out, lse, out_acc};
 }
 
 std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
@@ -928,7 +946,8 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
-  at::Tensor out = out_in.contiguous();
+  // out: the forward's output in q's dtype, or (half types) its fp32 copy (Note [fp32 O for delta])
+  at::Tensor out = out_in.scalar_type() == acc ? out_in.contiguous() : out_in.to(q.scalar_type()).contiguous();
   at::Tensor lse = lse_in.to(acc).contiguous();
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == N && out.size(1) == H && out.size(2) == L &&
               out.size(3) == v.size(3) && lse.sizes() == at::IntArrayRef({N, H, L}),
@@ -967,8 +986,9 @@ bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f1
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnlab's compiled CPU attention kernel (block-layout driven, flash-attention-2 style)";
-  m.def("forward", &attention_forward, "(out, lse) of block-layout attention");
-  m.def("backward", &attention_backward, "(dq, dk, dv) by recomputation from (out, lse)");
+  m.def("forward", &attention_forward,
+        "(out, lse, out_acc) of block-layout attention; out_acc: O in fp32 for half types when asked, else None");
+  m.def("backward", &attention_backward, "(dq, dk, dv) by recomputation from (out or out_acc, lse)");
   m.def("has_blas", &has_blas, "fp32/fp64 tiles run through MKL's gemm (else a plain loop)");
   m.def("native_bf16_convert", &native_bf16_convert,
         "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
@@ -976,5 +996,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 3;
+  m.attr("abi_version") = 4;
 }

@@ -33,10 +33,10 @@ from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "SPEC"]
+           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 3
+ABI_VERSION = 4
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -256,9 +256,11 @@ class _CompiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset):
         ext = _load()
-        out, lse = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
-                               alibi_offset, lay.block_q, lay.block_k, _allow_brgemm())
-        ctx.save_for_backward(q, k, v, out, lse)
+        # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
+        keep_acc = q.dtype in (torch.bfloat16, torch.float16) and any(ctx.needs_input_grad[:3])
+        out, lse, out_acc = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
+                                        alibi_offset, lay.block_q, lay.block_k, _allow_brgemm(), keep_acc)
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse)
         ctx.args = (lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -321,9 +323,18 @@ def scratch_bytes(block_q: int, block_k: int, E: int, Ev: int) -> int:
     return torch.get_num_threads() * 4 * (4 * block_q * max(block_k, 512) + block_q * (E + Ev + 4))
 
 
+def saved_bytes(r: Request) -> int:
+    """Bytes the forward keeps for the backward besides q, k, v and the output: the log-sum-exp
+    [N, H, L] and, for half types under autograd, the output again in float32 [N, H, L, Ev]
+    (csrc Note [fp32 O for delta])."""
+    acc = 8 if r.dtype == torch.float64 else 4
+    out_acc = r.N * r.H * r.L * r.Ev * 4 if r.needs_grad and r.dtype in (torch.bfloat16, torch.float16) else 0
+    return r.N * r.H * r.L * acc + out_acc
+
+
 def _peak(r: Request, t: Tiling | None) -> int:
     bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
-    return io_bytes(r) + r.N * r.H * r.L * 4 + scratch_bytes(bq, bk, r.E, r.Ev)
+    return io_bytes(r) + saved_bytes(r) + scratch_bytes(bq, bk, r.E, r.Ev)
 
 
 def _flops(r: Request, t: Tiling | None) -> int:
