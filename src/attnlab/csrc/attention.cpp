@@ -15,7 +15,8 @@
 // log-sum-exp lse [N, H, L] (float32; float64 for float64), -inf for a row with no key (out 0), and
 // for half types when asked (the inputs need grad) out_acc [N, H, L, Ev] float32, O before rounding.
 // Backward: recomputes each block's probabilities from lse (FA2), accumulating dq per query block
-// and dk, dv per kv head in float buffers owned by one thread (units are (n, kv head) pairs).
+// and dk, dv per kv head in float buffers owned by one thread (units are (n, kv head) pairs); when the
+// float mask needs grad, also dbias [N, H, L, S] (the score gradient of the visited blocks, else 0).
 //
 // Note [Masked scores]: masking *overwrites* a score with -inf rather than adding, so a NaN or Inf
 // produced by a masked key cannot reach the softmax. Values of keys no query may attend are zeroed
@@ -733,11 +734,37 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
+// One row of the score gradient, in place over dr = dP: g = P (dP - delta) is the gradient of the final
+// score, hence of an additive float mask (modify_scores adds the bias after the soft-cap), stored to db
+// when asked; the gradient of the scaled q k^T score is g (1 - tanh^2) under a soft-cap; `mul` is the
+// score scale when the next products cannot apply it (brgemm has no alpha).
+template <typename A>
+inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int64_t cols, A* db) {
+  using V = Vectorized<A>;
+  const V dl(delta), vm(mul), one(A(1));
+  int64_t c = 0;
+  for (; c + V::size() <= cols; c += V::size()) {
+    V g = V::loadu(pr + c) * (V::loadu(dr + c) - dl);
+    if (db) g.store(db + c);
+    if (tr) {
+      const V t = V::loadu(tr + c);
+      g = g * (one - t * t);
+    }
+    (g * vm).store(dr + c);
+  }
+  for (; c < cols; ++c) {
+    A g = pr[c] * (dr[c] - delta);
+    if (db) db[c] = g;
+    if (tr) g *= A(1) - tr[c] * tr[c];
+    dr[c] = g * mul;
+  }
+}
+
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& out, const at::Tensor& lse, const Layout& lay,
                    const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& dq,
-                   at::Tensor& dk, at::Tensor& dv) {
+                   at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
   using A = typename Acc<T>::type;
   using Vec = Vectorized<A>;
   constexpr bool kSame = std::is_same_v<T, A>;
@@ -758,6 +785,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   T* DQ = dq.data_ptr<T>();
   A* DK = dk.data_ptr<A>();  // [N, Hkv, S, E] accumulation dtype, zeroed
   A* DV = dv.data_ptr<A>();
+  A* DB = dbias.defined() ? dbias.data_ptr<A>() : nullptr;  // [N, H, L, S] zeroed, when the float mask needs grad
   const A scale = static_cast<A>(scale_d);
   const A inf = std::numeric_limits<A>::infinity();
   // one unit per (n, kv head): it alone writes that head's dk, dv, and the dq of its query heads
@@ -833,20 +861,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 transpose(p, bk, rows, cols, ptile.data(), bq);
                 brg<T>(cols, Ev, rows, bq, Ev, Ev, true, ptile.data(), dop, dvp + k0 * Ev);
                 brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + (k0 / bk) * Ev * bk, ds);
-                for (int64_t r = 0; r < rows; ++r) {
-                  A* dr = ds + r * bk;
-                  const A* pr = p + r * bk;
-                  if (tbuf.empty()) {
-                    const Vec dl(delta[r]), sc(scale);
-                    int64_t c = 0;
-                    for (; c + Vec::size() <= cols; c += Vec::size())
-                      (Vec::loadu(pr + c) * (Vec::loadu(dr + c) - dl) * sc).store(dr + c);
-                    for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * scale;
-                  } else {
-                    const A* tr = tbuf.data() + r * bk;
-                    for (int64_t c = 0; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * (A(1) - tr[c] * tr[c]) * scale;
-                  }
-                }
+                for (int64_t r = 0; r < rows; ++r)
+                  score_grad_row<A>(ds + r * bk, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r],
+                                    scale, cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
                 transpose(ds, bk, rows, cols, dstile.data(), bq);
                 brg<T>(rows, E, cols, bk, k.stride(2), E, true, ds, kp + k0 * k.stride(2), dqacc.data());
                 brg<T>(cols, E, rows, bq, q.stride(2), E, true, dstile.data(), qp, dkp + k0 * E);
@@ -863,17 +880,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             gemm(false, true, rows, cols, Ev, A(1), dop, Ev, vp + k0 * v.stride(2), v.stride(2), A(0), ds, bk);
             for (int64_t r = 0; r < rows; ++r) {
               A* dr = ds + r * bk;
-              const A* pr = p + r * bk;
-              const Vec dl(delta[r]);
-              int64_t c = 0;
-              if (tbuf.empty()) {
-                for (; c + Vec::size() <= cols; c += Vec::size())
-                  (Vec::loadu(pr + c) * (Vec::loadu(dr + c) - dl)).store(dr + c);
-                for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]);
-              } else {
-                const A* tr = tbuf.data() + r * bk;
-                for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * (A(1) - tr[c] * tr[c]);
-              }
+              score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], A(1), cols,
+                                DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
               if constexpr (!kSame) to_gemm_type(dr, dsT.data() + r * bk, cols);
             }
             const T* kb = kp + k0 * k.stride(2);
@@ -937,9 +945,10 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
                                            const std::optional<at::Tensor>& bias,
                                            const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                            bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                           bool allow_brgemm) {
+                                           bool allow_brgemm, bool bias_grad) {
   check_qkv(q, k, v);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  TORCH_CHECK(!bias_grad || (bias && bias->defined()), "attnlab._C: bias_grad needs a bias");
   // the backward's brgemm path is fp32 only (half types keep MKL's mixed-precision gemm there)
   const bool use_brg = q.scalar_type() == at::kFloat && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
                                                                       allow_brgemm);
@@ -955,13 +964,17 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
   at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
+  // the float mask's gradient, dense: the bias may broadcast (stride 0), so the caller sums it to its shape;
+  // blocks the layout skips stay 0 (their probabilities are 0)
+  at::Tensor dbias;
+  if (bias_grad) dbias = at::zeros({N, H, L, S}, q.options().dtype(acc));
   const std::vector<int64_t> shape4{N, H, L, S};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_backward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, dq, dk, dv);
+    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, dq, dk, dv, dbias);
   });
-  return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type())};
+  return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type()), dbias};
 }
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
@@ -988,7 +1001,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnlab's compiled CPU attention kernel (block-layout driven, flash-attention-2 style)";
   m.def("forward", &attention_forward,
         "(out, lse, out_acc) of block-layout attention; out_acc: O in fp32 for half types when asked, else None");
-  m.def("backward", &attention_backward, "(dq, dk, dv) by recomputation from (out or out_acc, lse)");
+  m.def("backward", &attention_backward,
+        "(dq, dk, dv, dbias) by recomputation from (out or out_acc, lse); dbias [N, H, L, S] when asked, else None");
   m.def("has_blas", &has_blas, "fp32/fp64 tiles run through MKL's gemm (else a plain loop)");
   m.def("native_bf16_convert", &native_bf16_convert,
         "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
@@ -996,5 +1010,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 4;
+  m.attr("abi_version") = 5;
 }

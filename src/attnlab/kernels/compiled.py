@@ -33,10 +33,10 @@ from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "SPEC"]
+           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 4
+ABI_VERSION = 5
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -260,19 +260,23 @@ class _CompiledFunction(torch.autograd.Function):
         keep_acc = q.dtype in (torch.bfloat16, torch.float16) and any(ctx.needs_input_grad[:3])
         out, lse, out_acc = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
                                         alibi_offset, lay.block_q, lay.block_k, _allow_brgemm(), keep_acc)
-        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse)
-        ctx.args = (lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset)
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, bias)
+        ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
-        dq, dk, dv = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
-                                      alibi_causal, alibi_offset, lay.block_q, lay.block_k,
-                                      _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        q, k, v, out, lse, bias = ctx.saved_tensors
+        lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
+        # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
+        # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
+        bias_grad = bias is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, dbias = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
+                                             alibi_causal, alibi_offset, lay.block_q, lay.block_k,
+                                             _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE,
+                                             bias_grad)
+        return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -286,7 +290,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
 
     lse is float32 (float64 for float64 inputs), -inf for a row with no key (whose output is 0), and
-    not differentiable. Differentiable in q, k, v; a float mask in ``mask.bias`` must not require grad.
+    not differentiable. Differentiable in q, k, v and in a float mask ``mask.bias`` that requires grad
+    (its gradient is built dense, [N, H, L, S] in the accumulation dtype, then summed to its shape).
     softcap > 0 replaces each scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn);
     ``alibi_slopes`` [H] adds slope·(j − i) (alibi_causal) or −slope·|j − i| to the scores, from positions.
     Raises RuntimeError when the extension is unavailable (check ``available()`` first).
@@ -306,9 +311,7 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     keep = bias = None
     if mask.keep is not None:
         keep = mask.keep.expand(N, H, L, S)
-    if mask.bias is not None:
-        if mask.bias.requires_grad:
-            raise ValueError("the compiled kernel does not differentiate a float attn_mask that requires grad")
+    if mask.bias is not None:  # differentiable: the backward returns its gradient when it requires grad
         bias = mask.bias.to(acc).expand(N, H, L, S)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
@@ -332,9 +335,16 @@ def saved_bytes(r: Request) -> int:
     return r.N * r.H * r.L * acc + out_acc
 
 
+def bias_grad_bytes(r: Request) -> int:
+    """Bytes of the float mask's dense gradient [N, H, L, S] (accumulation dtype) when it requires grad:
+    the mask may broadcast, so the kernel writes every (head, query, key) before summing to its shape
+    (as PyTorch's math path materialises the L×S gradient too)."""
+    return r.pairs * (8 if r.dtype == torch.float64 else 4) if r.float_mask_grad else 0
+
+
 def _peak(r: Request, t: Tiling | None) -> int:
     bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
-    return io_bytes(r) + saved_bytes(r) + scratch_bytes(bq, bk, r.E, r.Ev)
+    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + scratch_bytes(bq, bk, r.E, r.Ev)
 
 
 def _flops(r: Request, t: Tiling | None) -> int:
@@ -343,5 +353,5 @@ def _flops(r: Request, t: Tiling | None) -> int:
 
 
 SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the layout's tiles, masks read "
-                  "inside them", lse="yes", gqa_no_copy=True, needs_extension=True, blocked=True, devices=("cpu",),
+                  "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True, devices=("cpu",),
                   peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason())
