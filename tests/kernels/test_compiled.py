@@ -22,7 +22,7 @@ from attnlab import patterns as P
 from attnlab import reference
 from attnlab.kernels import compiled
 from attnlab.kernels.masks import MaskSpec
-from helpers import FUSED_ERROR_FACTOR, assert_close, max_err
+from helpers import FUSED_ERROR_FACTOR, TOL, assert_close, max_err
 
 pytestmark = pytest.mark.skipif(not compiled.available(), reason=f"compiled kernel: {compiled.unavailable_reason()}")
 
@@ -39,6 +39,15 @@ def _naive(q, k, v, mask, scale=None):
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
     w = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
     return w @ v
+
+
+def _attn64(q, k, v, mask):
+    """softmax(q kᵀ / √E + mask) v entirely in float64, differentiable (masked rows 0): the gradient oracle."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
 def _check_fwd(out, q, k, v, mask, what, scale=None):
@@ -291,7 +300,7 @@ def test_float_mask_grad_matches_float64_and_sdpa(kind):
 
     def masked(b):
         return b if pattern is None else b.masked_fill(~pattern.materialize(Lq, Sk), float("-inf"))
-    ref = grads(lambda q, k, v, b: _naive(q, k, v, masked(b)), torch.float64)
+    ref = grads(lambda q, k, v, b: _attn64(q, k, v, masked(b)), torch.float64)
     naive = grads(lambda q, k, v, b: _naive(q, k, v, masked(b)), torch.float32)
     sdpa = grads(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=masked(b)), torch.float32)
     assert full.shape[-2:] == (Lq, Sk) and got[3].shape == bias.shape
@@ -317,11 +326,31 @@ def test_float_mask_grad_half_types(dtype):
 
     def ref_grad(dt):
         b = bias.detach().double().requires_grad_()
-        out = _naive(*(t.detach().to(dt) for t in (q, k, v)), b.to(dt) if dt != torch.float64 else b)
+        qkv = [t.detach().to(dt) for t in (q, k, v)]
+        out = _attn64(*qkv, b) if dt == torch.float64 else _naive(*qkv, b.to(dt))
         return torch.autograd.grad(out, b, do.to(dt))[0]
     ref, naive = ref_grad(torch.float64), ref_grad(dtype)
     bound = FUSED_ERROR_FACTOR * max_err(naive, ref) + FLOOR[dtype]
     assert max_err(got, ref) <= bound, f"{dtype} dbias {max_err(got, ref):.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("splits", ["1", "3", "100"])
+@pytest.mark.parametrize("pattern", [None, P.causal(), P.sliding_window(9, causal=True), P.bigbird(8, 3, 1, 2)],
+                         ids=repr)
+def test_backward_key_ranges_match_float64(splits, pattern, monkeypatch):
+    """csrc Note [Backward balance]: each kv head's key blocks split into ranges (partial dq per range,
+    summed) give float64 autograd's gradients, the float mask's included; 100 ranges = one per key block."""
+    monkeypatch.setenv("ATTNLAB_EXT_BWD_SPLITS", splits)
+    q, k, v = _qkv((2, 4, 45, 8), (2, 2, 61, 8), Ev=6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 4, 45, 61, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(2, 4, 45, 6, dtype=torch.float64)
+    ins = (q, k, v, bias)
+    got = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=bias, pattern=pattern, enable_gqa=True,
+                                                method="compiled", block_size=16), ins, do)
+    full = bias if pattern is None else bias.masked_fill(~pattern.materialize(45, 61), float("-inf"))
+    ref = torch.autograd.grad(_attn64(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), full), ins, do)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        assert_close(g, r, **TOL[torch.float64], what=f"{name} splits={splits} {pattern!r}")
 
 
 def test_softcap_and_alibi_match_formula():

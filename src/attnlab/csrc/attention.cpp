@@ -15,7 +15,8 @@
 // log-sum-exp lse [N, H, L] (float32; float64 for float64), -inf for a row with no key (out 0), and
 // for half types when asked (the inputs need grad) out_acc [N, H, L, Ev] float32, O before rounding.
 // Backward: recomputes each block's probabilities from lse (FA2), accumulating dq per query block
-// and dk, dv per kv head in float buffers owned by one thread (units are (n, kv head) pairs); when the
+// and dk, dv in float buffers owned by one unit, (n, kv head, range of key blocks), units pulled by
+// threads longest first (Note [Backward balance]); when the
 // float mask needs grad, also dbias [N, H, L, S] (the score gradient of the visited blocks, else 0).
 //
 // Note [Masked scores]: masking *overwrites* a score with -inf rather than adding, so a NaN or Inf
@@ -35,6 +36,7 @@
 #include <immintrin.h>
 #endif
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -763,8 +765,8 @@ inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int6
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& out, const at::Tensor& lse, const Layout& lay,
-                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& dq,
-                   at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
+                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, int64_t splits,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
   using A = typename Acc<T>::type;
   using Vec = Vectorized<A>;
   constexpr bool kSame = std::is_same_v<T, A>;
@@ -788,22 +790,56 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   A* DB = dbias.defined() ? dbias.data_ptr<A>() : nullptr;  // [N, H, L, S] zeroed, when the float mask needs grad
   const A scale = static_cast<A>(scale_d);
   const A inf = std::numeric_limits<A>::infinity();
-  // one unit per (n, kv head): it alone writes that head's dk, dv, and the dq of its query heads
-  at::parallel_for(0, N * Hkv, grain(N * Hkv, 2 * N * H * L * S * (E + Ev)), [&](int64_t begin, int64_t end) {
+  // Note [Backward balance]: a unit is (n, kv head, range of key blocks). It alone writes the dk, dv rows
+  // of its keys, and dq of its kv head's query heads: directly when each kv head is one unit (splits = 1),
+  // else into its range's fp32 partial dq, summed at the end. Threads pull units from an atomic counter,
+  // most visited blocks first, so a thread slowed by another process takes fewer units instead of holding
+  // up a static split (B=1, H=8 is only 8 units over the threads).
+  const int64_t nk = (S + bk - 1) / bk;
+  const int64_t ranges = std::max<int64_t>(1, std::min(splits, nk));
+  const int64_t span = (nk + ranges - 1) / ranges;  // key blocks per range
+  const int64_t units = N * Hkv * ranges;
+  at::Tensor dq_part;
+  if (ranges > 1) dq_part = at::zeros({ranges, N, H, L, E}, q.options().dtype(dk.scalar_type()));
+  A* DQP = ranges > 1 ? dq_part.data_ptr<A>() : nullptr;
+  std::vector<int64_t> cost(units, 0), order(units);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t n = u / (Hkv * ranges), cr = u % ranges, lo = cr * span, hi = std::min(nk, lo + span);
+    if (lay.Nl == 1 && n > 0) {
+      cost[u] = cost[u % (Hkv * ranges)];
+      continue;
+    }
+    int64_t c = 0;
+    for (int64_t qb = 0; qb < nq; ++qb) {
+      const int64_t base = lay.base(n, qb);
+      for (int32_t t = 0; t < lay.kv_num[base]; ++t) {
+        const int32_t kb = lay.kv_idx[base * lay.maxk + t];
+        c += kb >= lo && kb < hi;
+      }
+    }
+    cost[u] = c;
+  }
+  for (int64_t u = 0; u < units; ++u) order[u] = u;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = grain(units, 2 * N * H * L * S * (E + Ev)) > 1 ? 1 : std::min<int64_t>(units, at::get_num_threads());
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     std::vector<A> pbuf(bq * bk), dpbuf(bq * bk), tbuf(mod.softcap > 0 ? bq * bk : 0), dqacc(bq * E), delta(bq),
         lsafe(bq);
     std::vector<T> pT(kSame ? 0 : bq * bk), dsT(kSame ? 0 : bq * bk);
-    // brgemm (fp32): K^T, V^T of this kv head, and transposed P, dS tiles (brgemm takes no transposes)
-    const int64_t nk = (S + bk - 1) / bk;
-    std::vector<T> kt(use_brg ? nk * E * bk : 0), vt(use_brg ? nk * Ev * bk : 0), ptile(use_brg ? bk * bq : 0),
+    // brgemm (fp32): K^T, V^T of this unit's key blocks, and transposed P, dS tiles (brgemm takes no transposes)
+    std::vector<T> kt(use_brg ? span * E * bk : 0), vt(use_brg ? span * Ev * bk : 0), ptile(use_brg ? bk * bq : 0),
         dstile(use_brg ? bk * bq : 0);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t n = u / Hkv, kvh = u % Hkv;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      const int64_t u = order[i];
+      const int64_t n = u / (Hkv * ranges), kvh = (u / ranges) % Hkv, cr = u % ranges;
+      const int64_t kb_lo = cr * span, kb_hi = std::min(nk, kb_lo + span);
       const T* kp = K + n * k.stride(0) + kvh * k.stride(1);
       const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
       if (use_brg) {
-        pack_transposed_blocks(kp, k.stride(2), S, E, bk, kt.data());
-        pack_transposed_blocks(vp, v.stride(2), S, Ev, bk, vt.data());
+        const int64_t s0 = kb_lo * bk, s1 = std::min(S, kb_hi * bk);
+        pack_transposed_blocks(kp + s0 * k.stride(2), k.stride(2), s1 - s0, E, bk, kt.data());
+        pack_transposed_blocks(vp + s0 * v.stride(2), v.stride(2), s1 - s0, Ev, bk, vt.data());
       }
       A* dkp = DK + (n * Hkv + kvh) * S * E;
       A* dvp = DV + (n * Hkv + kvh) * S * Ev;
@@ -812,13 +848,17 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const int64_t q0 = qb * bq, rows = std::min(bq, L - q0);
           const int64_t base = lay.base(n, qb);
           const int32_t cnt = lay.kv_num[base];
+          const int32_t* kidx = lay.kv_idx + base * lay.maxk;
+          int32_t t0 = 0, t1;
+          while (t0 < cnt && kidx[t0] < kb_lo) ++t0;  // kv_idx ascends
+          for (t1 = t0; t1 < cnt && kidx[t1] < kb_hi; ++t1) {}
           const T* qp = Q + n * q.stride(0) + h * q.stride(1) + q0 * q.stride(2);
           const T* dop = DO + ((n * H + h) * L + q0) * Ev;
           const int64_t o0 = ((n * H + h) * L + q0) * Ev;
           const A* lp = LSE + (n * H + h) * L + q0;
           T* dqp = DQ + ((n * H + h) * L + q0) * E;
-          if (cnt == 0) {
-            std::fill(dqp, dqp + rows * E, T(0));
+          if (t0 == t1) {
+            if (!DQP) std::fill(dqp, dqp + rows * E, T(0));  // partial dq buffers start at 0
             continue;
           }
           for (int64_t r = 0; r < rows; ++r) {
@@ -832,15 +872,15 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             lsafe[r] = lp[r] == -inf ? inf : lp[r];  // a row with no key: P = exp(-inf) = 0
           }
           std::fill(dqacc.begin(), dqacc.begin() + rows * E, A(0));
-          for (int32_t t = 0; t < cnt; ++t) {
-            const int64_t k0 = static_cast<int64_t>(lay.kv_idx[base * lay.maxk + t]) * bk;
+          for (int32_t t = t0; t < t1; ++t) {
+            const int64_t k0 = static_cast<int64_t>(kidx[t]) * bk, panel = kidx[t] - kb_lo;
             const int64_t cols = std::min(bk, S - k0);
             A* p = pbuf.data();
             A* ds = dpbuf.data();
             A mul = A(1);
             if constexpr (std::is_same_v<T, float>) {
               if (use_brg) {
-                brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + (k0 / bk) * E * bk, p);
+                brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + panel * E * bk, p);
                 mul = scale;
               }
             }
@@ -860,7 +900,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 // dV += P^T dO; dP = dO V^T; dS = P (dP - delta) scale; dQ += dS K; dK += dS^T Q
                 transpose(p, bk, rows, cols, ptile.data(), bq);
                 brg<T>(cols, Ev, rows, bq, Ev, Ev, true, ptile.data(), dop, dvp + k0 * Ev);
-                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + (k0 / bk) * Ev * bk, ds);
+                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
                 for (int64_t r = 0; r < rows; ++r)
                   score_grad_row<A>(ds + r * bk, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r],
                                     scale, cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
@@ -893,12 +933,17 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               gemm(true, false, cols, E, rows, scale, dsT.data(), bk, qp, q.stride(2), A(1), dkp + k0 * E, E);
             }
           }
-          for (int64_t i = 0; i < rows * E; ++i) dqp[i] = static_cast<T>(dqacc[i]);
+          if (DQP) {
+            std::copy(dqacc.begin(), dqacc.begin() + rows * E, DQP + (((cr * N + n) * H + h) * L + q0) * E);
+          } else {
+            for (int64_t i = 0; i < rows * E; ++i) dqp[i] = static_cast<T>(dqacc[i]);
+          }
         }
       }
     }
     if (use_brg) at::native::cpublas::brgemm_release(false);
   });
+  if (DQP) dq.copy_(dq_part.sum(0));
 }
 
 // fp32 tiles always run through brgemm on AVX-512 builds; half types when oneDNN packs them for this CPU
@@ -945,7 +990,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
                                            const std::optional<at::Tensor>& bias,
                                            const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                            bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                           bool allow_brgemm, bool bias_grad) {
+                                           bool allow_brgemm, bool bias_grad, int64_t splits) {
   check_qkv(q, k, v);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   TORCH_CHECK(!bias_grad || (bias && bias->defined()), "attnlab._C: bias_grad needs a bias");
@@ -972,7 +1017,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_backward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, dq, dk, dv, dbias);
+    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, splits, dq, dk, dv, dbias);
   });
   return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type()), dbias};
 }
@@ -1010,5 +1055,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 5;
+  m.attr("abi_version") = 6;
 }

@@ -36,7 +36,7 @@ __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "bui
            "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 5
+ABI_VERSION = 6
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -244,6 +244,24 @@ def _allow_brgemm() -> bool:
 BACKWARD_BRGEMM_MAX_TILE = 64 * 64
 
 
+#: the backward wants at least this many units per thread (csrc Note [Backward balance]); fewer (n, kv head)
+#: pairs than that split each kv head's key blocks into ranges, at the cost of a partial fp32 dq per range
+BACKWARD_UNITS_PER_THREAD = 2
+
+
+def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
+    """Key-block ranges per (batch element, kv head) in the backward: 1 when N·Hkv already gives every
+    thread BACKWARD_UNITS_PER_THREAD units, else enough ranges for that (at most one per key block).
+    ``ATTNLAB_EXT_BWD_SPLITS=k`` forces k (for comparisons)."""
+    forced = os.environ.get("ATTNLAB_EXT_BWD_SPLITS", "")
+    nk = max(1, -(-S // block_k))
+    if forced:
+        return max(1, min(int(forced), nk))
+    want = BACKWARD_UNITS_PER_THREAD * torch.get_num_threads()
+    pairs = max(1, N * Hkv)
+    return 1 if pairs >= want else min(nk, -(-want // pairs))
+
+
 def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
     """Whether tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX or
     AVX512-BF16 instructions) rather than MKL's gemm."""
@@ -275,7 +293,7 @@ class _CompiledFunction(torch.autograd.Function):
         dq, dk, dv, dbias = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
                                              alibi_causal, alibi_offset, lay.block_q, lay.block_k,
                                              _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE,
-                                             bias_grad)
+                                             bias_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
         return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
 
@@ -344,7 +362,9 @@ def bias_grad_bytes(r: Request) -> int:
 
 def _peak(r: Request, t: Tiling | None) -> int:
     bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
-    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + scratch_bytes(bq, bk, r.E, r.Ev)
+    splits = backward_splits(r.N, r.Hkv, r.S, bk) if r.needs_grad else 1
+    dq_parts = splits * r.N * r.H * r.L * r.E * 4 if splits > 1 else 0  # csrc Note [Backward balance]
+    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + dq_parts + scratch_bytes(bq, bk, r.E, r.Ev)
 
 
 def _flops(r: Request, t: Tiling | None) -> int:
