@@ -353,6 +353,39 @@ def test_backward_key_ranges_match_float64(splits, pattern, monkeypatch):
         assert_close(g, r, **TOL[torch.float64], what=f"{name} splits={splits} {pattern!r}")
 
 
+@pytest.mark.parametrize("gemm", ["auto", "mkl"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_half_backward_brgemm_odd_tails(gemm, dtype, splits, monkeypatch):
+    """csrc Note [Half-type backward on brgemm]: odd query and key tails (VNNI pairs padded with zeros), GQA,
+    key ranges, a learned float32 bias and a causal window, against float64 autograd, within the fused budget
+    of the naive same-dtype computation; the same with MKL's gemm (ATTNLAB_EXT_GEMM=mkl)."""
+    monkeypatch.setenv("ATTNLAB_EXT_GEMM", gemm)
+    monkeypatch.setenv("ATTNLAB_EXT_BWD_SPLITS", splits)
+    torch.manual_seed(5)
+    Lq, Sk = 77, 93
+    q, k, v = _qkv((2, 4, Lq, 32), (2, 2, Sk, 32), Ev=16, dtype=dtype, requires_grad=True)
+    bias = torch.randn(1, 1, Lq, Sk, requires_grad=True)
+    pattern = P.sliding_window(40, causal=True)
+    do = torch.randn(2, 4, Lq, 16, dtype=dtype)
+    ins = (q, k, v, bias)
+    got = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=bias, pattern=pattern, enable_gqa=True,
+                                                method="compiled", block_size=32), ins, do)
+    full = bias.masked_fill(~pattern.materialize(Lq, Sk), float("-inf"))
+
+    def grads(fn, dt):
+        t = [x.detach().to(dt).requires_grad_() for x in ins]
+        return torch.autograd.grad(fn(*t), t, do.to(dt))
+    fm = lambda b: b.masked_fill(~pattern.materialize(Lq, Sk), float("-inf"))  # noqa: E731
+    ref = grads(lambda q, k, v, b: _attn64(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), fm(b)),
+                torch.float64)
+    naive = grads(lambda q, k, v, b: _naive(q, k, v, fm(b)), dtype)
+    assert full.shape == (1, 1, Lq, Sk)
+    for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), got, ref, naive):
+        bound = FUSED_ERROR_FACTOR * max_err(n, r) + FLOOR[dtype] * 10
+        assert max_err(g, r) <= bound, f"{name} {dtype} {gemm} splits={splits}: {max_err(g, r):.3g} > {bound:.3g}"
+
+
 def test_softcap_and_alibi_match_formula():
     q, k, v = _qkv((1, 2, 30, 8), (1, 2, 30, 8), dtype=torch.float64)
     spec = MaskSpec(30, 30, pattern=P.causal())

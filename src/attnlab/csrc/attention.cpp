@@ -770,6 +770,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   using A = typename Acc<T>::type;
   using Vec = Vectorized<A>;
   constexpr bool kSame = std::is_same_v<T, A>;
+  constexpr bool kHalf = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Ev = v.size(3), groups = H / Hkv;
   const int64_t bq = lay.bq, bk = lay.bk, nq = lay.nq;
@@ -828,18 +829,37 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         lsafe(bq);
     std::vector<T> pT(kSame ? 0 : bq * bk), dsT(kSame ? 0 : bq * bk);
     // brgemm (fp32): K^T, V^T of this unit's key blocks, and transposed P, dS tiles (brgemm takes no transposes)
-    std::vector<T> kt(use_brg ? span * E * bk : 0), vt(use_brg ? span * Ev * bk : 0), ptile(use_brg ? bk * bq : 0),
-        dstile(use_brg ? bk * bq : 0);
+    std::vector<T> kt(use_brg ? span * E * bk : 0), vt(use_brg ? span * Ev * bk : 0),
+        ptile(use_brg && kSame ? bk * bq : 0), dstile(use_brg && kSame ? bk * bq : 0);
+    // Note [Half-type backward on brgemm]: all five products on oneDNN's brgemm (AMX / AVX512-BF16), whose B
+    // operand is VNNI-packed [K/2, N, 2] and which takes no transposes. dK and dV are accumulated transposed,
+    // dK^T += Q^T dS and dV^T += dO^T P, so the per-tile operands are P and dS packed in row pairs (a cheap
+    // interleave) and Q^T, dO^T are transposed once per query block, not per tile; dQ += dS K reads K
+    // VNNI-packed once per unit. dK^T, dV^T [E | Ev, keys] are written back to dk, dv when the unit ends.
+    const bool hb = kHalf && use_brg;
+    const int64_t bqp = bq + (bq & 1), ldt = span * bk;
+    std::vector<T> kv(hb ? span * bk * E : 0), qT(hb ? E * bqp : 0), doT(hb ? Ev * bqp : 0), pv(hb ? bqp * bk : 0),
+        dsv(hb ? bqp * bk : 0);
+    std::vector<A> dkT(hb ? E * ldt : 0), dvT(hb ? Ev * ldt : 0);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
       const int64_t u = order[i];
       const int64_t n = u / (Hkv * ranges), kvh = (u / ranges) % Hkv, cr = u % ranges;
       const int64_t kb_lo = cr * span, kb_hi = std::min(nk, kb_lo + span);
       const T* kp = K + n * k.stride(0) + kvh * k.stride(1);
       const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
+      const int64_t s0 = kb_lo * bk, s1 = std::min(S, kb_hi * bk);
       if (use_brg) {
-        const int64_t s0 = kb_lo * bk, s1 = std::min(S, kb_hi * bk);
         pack_transposed_blocks(kp + s0 * k.stride(2), k.stride(2), s1 - s0, E, bk, kt.data());
         pack_transposed_blocks(vp + s0 * v.stride(2), v.stride(2), s1 - s0, Ev, bk, vt.data());
+      }
+      if constexpr (kHalf) {
+        if (hb) {
+          for (int64_t j = 0; s0 + j * bk < s1; ++j)
+            pack_vnni(kp + (s0 + j * bk) * k.stride(2), k.stride(2), std::min(bk, s1 - s0 - j * bk), E,
+                      kv.data() + j * bk * E);
+          std::fill(dkT.begin(), dkT.end(), A(0));
+          std::fill(dvT.begin(), dvT.end(), A(0));
+        }
       }
       A* dkp = DK + (n * Hkv + kvh) * S * E;
       A* dvp = DV + (n * Hkv + kvh) * S * Ev;
@@ -872,13 +892,25 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             lsafe[r] = lp[r] == -inf ? inf : lp[r];  // a row with no key: P = exp(-inf) = 0
           }
           std::fill(dqacc.begin(), dqacc.begin() + rows * E, A(0));
+          if constexpr (kHalf) {
+            if (hb) {  // Q^T, dO^T of this query block as brgemm A operands [E | Ev, rows (+ a zero column)]
+              for (int64_t r = 0; r < rows; ++r)
+                for (int64_t e = 0; e < E; ++e) qT[e * bqp + r] = qp[r * q.stride(2) + e];
+              for (int64_t r = 0; r < rows; ++r)
+                for (int64_t e = 0; e < Ev; ++e) doT[e * bqp + r] = dop[r * Ev + e];
+              if (rows & 1) {
+                for (int64_t e = 0; e < E; ++e) qT[e * bqp + rows] = T(0);
+                for (int64_t e = 0; e < Ev; ++e) doT[e * bqp + rows] = T(0);
+              }
+            }
+          }
           for (int32_t t = t0; t < t1; ++t) {
             const int64_t k0 = static_cast<int64_t>(kidx[t]) * bk, panel = kidx[t] - kb_lo;
             const int64_t cols = std::min(bk, S - k0);
             A* p = pbuf.data();
             A* ds = dpbuf.data();
             A mul = A(1);
-            if constexpr (std::is_same_v<T, float>) {
+            if constexpr (!std::is_same_v<T, double>) {
               if (use_brg) {
                 brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + panel * E * bk, p);
                 mul = scale;
@@ -894,6 +926,25 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               for (; c + Vec::size() <= cols; c += Vec::size()) (Vec::loadu(row + c) - sh).exp_u20().store(row + c);
               for (; c < cols; ++c) row[c] = std::exp(row[c] - lsafe[r]);
               if constexpr (!kSame) to_gemm_type(row, pT.data() + r * bk, cols);
+            }
+            if constexpr (kHalf) {
+              if (hb) {  // Note [Half-type backward on brgemm]
+                const int64_t rp = rows + (rows & 1), cp = cols + (cols & 1);
+                pack_vnni(pT.data(), bk, rows, cols, pv.data());
+                brg<T>(Ev, cols, rp, bqp, cols, ldt, true, doT.data(), pv.data(), dvT.data() + panel * bk);
+                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
+                for (int64_t r = 0; r < rows; ++r) {
+                  A* dr = ds + r * bk;
+                  score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], scale,
+                                    cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
+                  to_gemm_type(dr, dsT.data() + r * bk, cols);
+                  if (cols & 1) dsT[r * bk + cols] = T(0);  // pairs with K's zero pad row
+                }
+                brg<T>(rows, E, cp, bk, E, E, true, dsT.data(), kv.data() + panel * bk * E, dqacc.data());
+                pack_vnni(dsT.data(), bk, rows, cols, dsv.data());
+                brg<T>(E, cols, rp, bqp, cols, ldt, true, qT.data(), dsv.data(), dkT.data() + panel * bk);
+                continue;
+              }
             }
             if constexpr (std::is_same_v<T, float>) {
               if (use_brg) {
@@ -940,8 +991,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           }
         }
       }
+      if (hb) {  // this unit's keys alone: dk, dv rows [s0, s1) from dK^T, dV^T
+        for (int64_t c = 0; c < s1 - s0; ++c) {
+          for (int64_t e = 0; e < E; ++e) dkp[(s0 + c) * E + e] = dkT[e * ldt + c];
+          for (int64_t e = 0; e < Ev; ++e) dvp[(s0 + c) * Ev + e] = dvT[e * ldt + c];
+        }
+      }
     }
-    if (use_brg) at::native::cpublas::brgemm_release(false);
+    if (use_brg) at::native::cpublas::brgemm_release(kHalf);
   });
   if (DQP) dq.copy_(dq_part.sum(0));
 }
@@ -994,9 +1051,9 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   check_qkv(q, k, v);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   TORCH_CHECK(!bias_grad || (bias && bias->defined()), "attnlab._C: bias_grad needs a bias");
-  // the backward's brgemm path is fp32 only (half types keep MKL's mixed-precision gemm there)
-  const bool use_brg = q.scalar_type() == at::kFloat && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
-                                                                      allow_brgemm);
+  // fp32 and (Note [Half-type backward on brgemm]) bf16 / fp16 where oneDNN packs them for this CPU
+  const bool use_brg = q.scalar_type() != at::kDouble && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
+                                                                       allow_brgemm);
   const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();

@@ -262,6 +262,14 @@ def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
     return 1 if pairs >= want else min(nk, -(-want // pairs))
 
 
+def _backward_brgemm(dtype: torch.dtype, lay: KernelLayout) -> bool:
+    """Whether the backward may take brgemm: half types always (csrc Note [Half-type backward on brgemm]:
+    no per-tile transposes), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return _allow_brgemm()
+    return _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE
+
+
 def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
     """Whether tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX or
     AVX512-BF16 instructions) rather than MKL's gemm."""
@@ -292,7 +300,7 @@ class _CompiledFunction(torch.autograd.Function):
         bias_grad = bias is not None and ctx.needs_input_grad[5]
         dq, dk, dv, dbias = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
                                              alibi_causal, alibi_offset, lay.block_q, lay.block_k,
-                                             _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE,
+                                             _backward_brgemm(q.dtype, lay),
                                              bias_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
         return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
