@@ -211,6 +211,8 @@ def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None)
     elif "compiled" not in refused and not plain and not (
             r.pattern and "sparse" not in refused and c.flops("sparse") * SPARSE_OVER_COMPILED < c.flops("compiled")):
         t = c.tiling("compiled")
+        if not (r.pattern or r.keep_mask or r.float_mask or r.causal_only):
+            return "compiled", f"attnlab's compiled kernel: {mods} computed inside its {t.block_q}×{t.block_k} tiles"
         return "compiled", (f"attnlab's compiled kernel visits {c.density('compiled'):.1%} of "
                             f"{t.block_q}×{t.block_k} blocks, masks read inside the tiles"
                             + (f", {mods} computed there from positions" if mods else ""))

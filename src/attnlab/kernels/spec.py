@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from ..report import format_bytes
+
 __all__ = ["KernelSpec", "Request", "Tiling", "FLOAT_DTYPES", "io_bytes", "alibi_mask_bytes"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -223,5 +225,5 @@ class KernelSpec:
         out = []
         if r.alibi is not None and self.alibi == "mask" and r.alibi in self.alibi_shapes:
             out.append(f"ALiBi written out as a [{'B' if r.alibi == '[B, H]' else '1'}, H, L, S] float mask: "
-                       f"{alibi_mask_bytes(r) / 2**20:.3g} MiB")
+                       f"{format_bytes(alibi_mask_bytes(r))}")
         return out
