@@ -287,6 +287,8 @@ def test_auto_falls_back_to_tiled_for_softcap_without_the_extension(monkeypatch)
         assert p.refused["compiled"].startswith("ATTNLAB_NO_EXT")
         out = attnlab.attention(q, k, v, softcap=cap, alibi_slopes=slopes, **kw)
         assert_close(out, _reference(q, k, v, kw, cap, slopes)[0], **F64, what="auto without extension")
+        out, lse = attnlab.attention_with_lse(q, k, v, softcap=cap, alibi_slopes=slopes, **kw)  # tiled's
+        assert_close(out, _reference(q, k, v, kw, cap, slopes)[0], **F64, what="attention_with_lse on tiled")
         # ALiBi alone, no extension: SDPA with the bias written out (no tanh needed)
         assert attnlab.explain(q, k, v, alibi_slopes=slopes).method == "sdpa"
     finally:
