@@ -144,6 +144,9 @@ class MultiHeadAttention(nn.Module):
     # -- configuration -----------------------------------------------------------------------------
     @property
     def mechanism(self):
+        """The attention this layer runs, as given: a method name of ``attnlab.METHODS`` or anything
+        ``attnlab.mechanisms.resolve`` accepts. Assigning it swaps the mechanism (a name resolves again;
+        with ``softcap`` set, only exact method names are accepted)."""
         return self._mechanism_spec
 
     @mechanism.setter
@@ -556,6 +559,7 @@ class MultiHeadAttention(nn.Module):
         return "auto"
 
     def extra_repr(self) -> str:
+        """The settings shown by ``repr(module)``."""
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}, mechanism={self._mechanism_spec!r}, "
                 f"pattern={self.pattern!r}, scale={self.scale}, dropout={self.dropout}"
