@@ -321,7 +321,8 @@ def check_softcap(softcap) -> float | None:
 
 
 def check_alibi_slopes(alibi_slopes, query: torch.Tensor, info: AttentionInputs) -> torch.Tensor | None:
-    """``alibi_slopes`` [H] or [*batch, H] (query's dims before L) -> [B|1, H], float32 (float64 stays).
+    """``alibi_slopes`` [H] or [*batch, H] (query's dims before L) -> [B|1, H], float32 (float64 stays);
+    per-batch slopes whose rows are all equal become one row (kernels that take slopes [H] then run them).
     Raises naming the argument and the shapes: not floating, on another device, another shape,
     non-finite values, or requiring grad (no kernel differentiates the slopes)."""
     if alibi_slopes is None:
@@ -345,7 +346,10 @@ def check_alibi_slopes(alibi_slopes, query: torch.Tensor, info: AttentionInputs)
     N = math.prod(lead[:-1]) if len(lead) >= 2 else 1
     if a.dim() == 1 or N == 1:
         return a.reshape(1, H)
-    return a.reshape(N, H)
+    a = a.reshape(N, H)
+    if a.device.type != "meta" and bool((a == a[:1]).all()):
+        return a[:1]
+    return a
 
 
 def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

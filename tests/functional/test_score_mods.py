@@ -270,8 +270,12 @@ def test_explain_shows_the_choice_and_what_sdpa_pays_for_alibi():
     assert "sdpa     refused: no soft-capping (softcap=)" in str(p)
     if HAS_EXT:
         assert p.method == "compiled" and "soft-capping computed inside its" in p.reason
-    p = attnlab.explain(q, k, v, softcap=3.0, alibi_slopes=_slopes(4, 1).expand(1, 4))
-    assert "[B, H]" not in p.refused.get("compiled", "")  # one batch row is per-head slopes
+    q2, k2, v2 = _qkv(B=3, H=4, L=16, S=16)
+    p = attnlab.explain(q2, k2, v2, alibi_slopes=_slopes(4).expand(3, 4))
+    assert "[B, H]" not in p.refused.get("compiled", "")  # equal rows are per-head slopes
+    p = attnlab.explain(q2, k2, v2, alibi_slopes=_slopes(4, 3))
+    assert "got [B, H]" in p.refused["compiled"]
+    assert p.notes["sdpa"].startswith("ALiBi written out as a [B, H, L, S] float mask")
     # the peak sdpa is predicted to need includes the written-out mask, and explain says so
     p0, p1 = attnlab.explain(q, k, v, is_causal=True), attnlab.explain(q, k, v, alibi_slopes=_slopes(4))
     assert p1.peak_bytes["sdpa"] - p0.peak_bytes["sdpa"] >= 4 * 64 * 64 * 8
