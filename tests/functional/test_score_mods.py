@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnlab
 from attnlab import kernels
@@ -110,6 +112,28 @@ def test_each_declaring_method_matches_the_float64_reference(method, case):
         _, w = attnlab.attention(q, k, v, method=method, softcap=cap, alibi_slopes=slopes, block_size=bs,
                                  need_weights=True, **kw)
         assert_close(w, rw, **F64, what=f"{method} {case} weights")
+
+
+@settings(max_examples=30, deadline=None)
+@given(B=st.sampled_from([1, 2]), H=st.sampled_from([1, 3]), L=st.sampled_from([1, 3, 17]),
+       S=st.sampled_from([1, 5, 17]), causal=st.booleans(), cap=st.sampled_from([None, 0.5, 4.0]),
+       slopes=st.sampled_from(["none", "[H]", "[B, H]"]), block=st.sampled_from([1, 3, 16]),
+       method=st.sampled_from(["tiled", "compiled", "dense"]), seed=st.integers(0, 2**16))
+def test_random_shapes_and_blocks_match_the_reference(B, H, L, S, causal, cap, slopes, block, method, seed):
+    if slopes == "[B, H]" and not _declares(method, cap is not None, slopes):
+        method = "tiled"  # the compiled kernel refuses per-batch slopes (tested above)
+    if method == "compiled" and not HAS_EXT:
+        method = "tiled"
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, S, 4, generator=g, dtype=torch.float64) * 2
+    v = torch.randn(B, H, S, 3, generator=g, dtype=torch.float64)
+    # float32 slopes (the compiled kernel reads them as float32, as flash-attn does), compared in float64
+    sl = None if slopes == "none" else torch.rand(H if slopes == "[H]" else (B, H), generator=g).double()
+    ro, _ = reference.attention(q, k, v, is_causal=causal, softcap=cap, alibi_slopes=sl)
+    out = attnlab.attention(q, k, v, is_causal=causal, softcap=cap, alibi_slopes=sl, method=method,
+                            block_size=block if method != "dense" else None)
+    assert_close(out, ro, **F64, what=f"{method} block {block}")
 
 
 @pytest.mark.parametrize("case", ["both", "both causal", "both window", "alibi L<S causal"])

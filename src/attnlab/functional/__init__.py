@@ -55,7 +55,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         alibi_slopes: ALiBi (Press et al. 2022) from positions, no L×S tensor where the kernel takes
             slopes: [H] or [*batch, H] (query's dims before L), adds −slope·|i + S − L − j| to query i's
             score for key j — flash-attn's formula: queries line up with the last L keys, so with
-            ``is_causal`` and L = S it is slope·(j − i) on every kept key. Not differentiated.
+            ``is_causal`` and L = S it is slope·(j − i) on every kept key. Not differentiated; float32
+            or float64 (the compiled kernel reads them as float32, as flash-attn does).
 
     Returns: output [..., L, Ev], or (output, weights) with need_weights.
 
