@@ -112,6 +112,8 @@ def sdpa_backend_of(p: Prepared) -> str:
     kb, vb = (p.kv_k, p.kv_v) if info.H == info.Hkv else (
         p.kv_k[:, :1].expand(N, H, S, info.E), p.kv_v[:, :1].expand(N, H, S, info.Ev))
     m = None if mask.is_trivial or p.is_causal_only else (mask.keep if mask.keep is not None else mask.bias)
+    if m is None and mask.alibi is not None:  # SDPA would get ALiBi as a float mask: described by a 0-stride view
+        m = torch.zeros((), dtype=p.q.dtype, device=p.q.device).expand(N, H, info.L, S)
     return fused_kernel.sdpa_backend(p.q, kb, vb, m, p.dropout_p, p.is_causal_only, info.scale)
 
 
