@@ -309,14 +309,16 @@ def mask4d(m: torch.Tensor, batch_shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def check_softcap(softcap) -> float | None:
-    """``softcap``: None (off) or a finite float > 0."""
+    """``softcap``: None or 0.0 (off, as flash-attn's default ``softcap=0.0``) or a finite float > 0."""
     if softcap is None:
         return None
     if isinstance(softcap, (bool, torch.Tensor)) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
+        raise TypeError(f"softcap must be a float > 0, 0.0 or None, got {type(softcap).__name__}")
+    if softcap == 0:
+        return None  # flash-attn's "no capping": code ported from flash_attn_func(softcap=0.0) runs as written
     if not (math.isfinite(softcap) and softcap > 0):
-        raise AttentionInputError(f"softcap must be a finite float > 0 (None turns soft-capping off; flash-attn's "
-                                  f"softcap=0.0 means None here), got {softcap!r}")
+        raise AttentionInputError(f"softcap must be a finite float > 0 (0.0 or None turn soft-capping off), "
+                                  f"got {softcap!r}")
     return float(softcap)
 
 

@@ -252,12 +252,11 @@ def test_refusals_name_the_argument():
 
 
 BAD = [
-    (dict(softcap=0.0), AttentionInputError, r"softcap must be a finite float > 0.*got 0\.0"),
     (dict(softcap=-1.0), AttentionInputError, r"softcap must be a finite float > 0"),
     (dict(softcap=float("nan")), AttentionInputError, r"softcap must be a finite float > 0.*nan"),
     (dict(softcap=float("inf")), AttentionInputError, r"softcap must be a finite float > 0"),
-    (dict(softcap=True), TypeError, r"softcap must be a float > 0 or None, got bool"),
-    (dict(softcap=torch.tensor(2.0)), TypeError, r"softcap must be a float > 0 or None, got Tensor"),
+    (dict(softcap=True), TypeError, r"softcap must be a float > 0, 0.0 or None, got bool"),
+    (dict(softcap=torch.tensor(2.0)), TypeError, r"softcap must be a float > 0, 0.0 or None, got Tensor"),
     (dict(alibi_slopes=torch.ones(5)), AttentionInputError, r"alibi_slopes \[5\] must be \[H\] = \[4\] or "
                                                             r"\[\*batch, H\] = \[2, 4\].*query \[2, 4, 13, 8\]"),
     (dict(alibi_slopes=torch.ones(3, 4)), AttentionInputError, r"alibi_slopes \[3, 4\] must be \[H\] = \[4\]"),
@@ -388,6 +387,17 @@ def test_mha_softcap_matches_the_reference():
 
 def test_mha_softcap_errors():
     with pytest.raises(AttentionInputError, match=r"softcap must be a finite float > 0"):
-        MultiHeadAttention(16, 2, softcap=0.0)
+        MultiHeadAttention(16, 2, softcap=-1.0)
     with pytest.raises(ValueError, match=r"softcap=2.0 needs an exact method.*takes no soft-capping"):
         MultiHeadAttention(16, 2, softcap=2.0, mechanism="linear")
+
+
+def test_softcap_zero_is_off_as_in_flash_attn():
+    """flash_attn_func's default softcap=0.0 means no capping; ported code must run unchanged (and exactly)."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 11, 8, dtype=torch.float64) for _ in range(3))
+    want, _ = reference.attention(q, k, v, is_causal=True)
+    for method in ("dense", "tiled", "sdpa") + (("compiled",) if HAS_EXT else ()):
+        got = attnlab.attention(q, k, v, is_causal=True, softcap=0.0, method=method)
+        assert_close(got, torch.as_tensor(want), **F64, what=f"{method} softcap=0.0")
+    assert MultiHeadAttention(16, 2, softcap=0.0).softcap is None
