@@ -318,8 +318,11 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     lse is float32 (float64 for float64 inputs), -inf for a row with no key (whose output is 0), and
     not differentiable. Differentiable in q, k, v and in a float mask ``mask.bias`` that requires grad
     (its gradient is built dense, [N, H, L, S] in the accumulation dtype, then summed to its shape).
-    softcap > 0 replaces each scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn);
-    ``alibi_slopes`` [H] adds slope·(j − i) (alibi_causal) or −slope·|j − i| to the scores, from positions.
+    Soft-capping and ALiBi come from ``mask`` (``mask.softcap``, ``mask.alibi`` [1, H]: Note [Score
+    modifications]) or, for direct callers, from the keywords (not both): softcap > 0 replaces each
+    scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn); ``alibi_slopes`` [H] adds
+    −slope·|j − i'| to the scores, or slope·(j − i') with ``alibi_causal`` (equal on the keys a
+    bottom-right causal mask keeps), where i' = i + S − L (flash-attn's alignment).
     Raises RuntimeError when the extension is unavailable (check ``available()`` first).
     """
     why = unavailable_reason(q, k, v)
@@ -339,10 +342,19 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         keep = mask.keep.expand(N, H, L, S)
     if mask.bias is not None:  # differentiable: the backward returns its gradient when it requires grad
         bias = mask.bias.to(acc).expand(N, H, L, S)
+    if mask.softcap is not None or mask.alibi is not None:
+        if softcap or alibi_slopes is not None:
+            raise ValueError("compiled_attention: softcap/alibi_slopes given both in mask and as keywords")
+        softcap = mask.softcap or 0.0
+        if mask.alibi is not None:
+            if mask.alibi.shape[0] != 1:
+                raise ValueError(f"the compiled kernel takes ALiBi slopes [H] only, got one row per batch element "
+                                 f"{list(mask.alibi.shape)}")
+            alibi_slopes, alibi_causal = mask.alibi[0], False
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
     return _CompiledFunction.apply(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), layout, keep, bias,
-                                   alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L) if alibi_causal else 0)
+                                   alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L))
 
 
 # -- declaration ------------------------------------------------------------------------------------
@@ -381,5 +393,6 @@ def _flops(r: Request, t: Tiling | None) -> int:
 
 
 SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the layout's tiles, masks read "
-                  "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True, devices=("cpu",),
+                  "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True,
+                  devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",),
                   peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason())

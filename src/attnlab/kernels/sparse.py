@@ -38,6 +38,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
     return r.N * r.H * computed * 2 * (r.E + r.Ev)
 
 
+# no softcap or ALiBi: each run is one SDPA call, which takes neither (its edge masks cover partial blocks only)
 SPEC = KernelSpec("sparse", "only the non-empty key blocks of a mask, gathered through the fused kernel",
                   dropout=True, needs_sparsity=True, blocked=True, peak_bytes=_peak, flops=_flops)
 
@@ -298,7 +299,7 @@ def _run_inputs(qp, kp, vp, rows, cols, step, full, mask, bq, bk, additive=False
         span = slice(k0 * bk, (k0 + G - 1 + c) * bk)
         kg = kp[:, :, span].unfold(2, c * bk, bk).transpose(-1, -2)  # (N, H, G, c·bk, E)
         vg = vp[:, :, span].unfold(2, c * bk, bk).transpose(-1, -2)
-        if not full and (mask.keep is None and mask.bias is None and _translation_invariant(mask.pattern)
+        if not full and (mask.keep is None and mask.bias is None and P.translation_invariant(mask.pattern)
                          and (k0 + G - 1 + c) * bk <= mask.S):
             m = _combine(*mask.block(i[:1], j[:1], N), dtype)[0]  # (1, 1, bq, c·bk): same for every row
     else:
@@ -332,10 +333,6 @@ def _fold_mask(m, N, H):
 
 def _contiguous(rows: torch.Tensor) -> bool:
     return int(rows[-1]) - int(rows[0]) + 1 == len(rows)
-
-
-# the logic lives in patterns now; this alias goes when functional calls P.translation_invariant
-_translation_invariant = P.translation_invariant
 
 
 def _combine(keep, bias, dtype):
