@@ -795,7 +795,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   // of its keys, and dq of its kv head's query heads: directly when each kv head is one unit (splits = 1),
   // else into its range's fp32 partial dq, summed at the end. Threads pull units from an atomic counter,
   // most visited blocks first, so a thread slowed by another process takes fewer units instead of holding
-  // up a static split (B=1, H=8 is only 8 units over the threads).
+  // up a static split (B=1, H=8 is only 8 units over the threads). Ranges cost a partial dq each and a
+  // pass over the query blocks per range, so the wrapper asks for them only when there are fewer
+  // (n, kv head) pairs than threads (MQA at B=1; compiled.backward_splits has the measurements).
   const int64_t nk = (S + bk - 1) / bk;
   const int64_t ranges = std::max<int64_t>(1, std::min(splits, nk));
   const int64_t span = (nk + ranges - 1) / ranges;  // key blocks per range

@@ -246,7 +246,10 @@ BACKWARD_BRGEMM_MAX_TILE = 64 * 64
 
 #: the backward wants at least this many units per thread (csrc Note [Backward balance]); fewer (n, kv head)
 #: pairs than that split each kv head's key blocks into ranges, at the cost of a partial fp32 dq per range
-BACKWARD_UNITS_PER_THREAD = 2
+#: (zeroed, then summed) and of each range's own pass over the query blocks. Measured fwd+bwd, window 256,
+#: n=16384, H=8, Hkv=1 (one pair), fp32, loaded machine: 2 threads 490 / 328 / 429 ms for 1 / 2 / 4 ranges,
+#: 1 thread 384 / 457 / 538 ms: ranges pay only to give an idle thread work, so one unit per thread.
+BACKWARD_UNITS_PER_THREAD = 1
 
 
 def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
