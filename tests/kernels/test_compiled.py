@@ -362,6 +362,7 @@ def test_half_backward_brgemm_odd_tails(gemm, dtype, splits, monkeypatch):
     of the naive same-dtype computation; the same with MKL's gemm (ATTNLAB_EXT_GEMM=mkl)."""
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", gemm)
     monkeypatch.setenv("ATTNLAB_EXT_BWD_SPLITS", splits)
+    monkeypatch.setattr(compiled, "BACKWARD_HALF_BRGEMM_MIN_BLOCKS", 0)  # brgemm even for this sparse layout
     torch.manual_seed(5)
     Lq, Sk = 77, 93
     q, k, v = _qkv((2, 4, Lq, 32), (2, 2, Sk, 32), Ev=16, dtype=dtype, requires_grad=True)

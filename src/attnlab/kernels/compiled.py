@@ -265,12 +265,23 @@ def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
     return 1 if pairs >= want else min(nk, -(-want // pairs))
 
 
+#: the bf16/fp16 backward takes brgemm when query blocks visit at least this many key blocks on average:
+#: it transposes Q and dO once per query block (csrc Note [Half-type backward on brgemm]), which pays over
+#: many key blocks only. Measured bf16 fwd+bwd vs MKL's gemm, H=8, D=64, 2 threads, loaded machine:
+#: dense n=4096 (32 blocks of 128 keys) backward 1.03-1.17x at every tile from 64x128 to 256x512, causal
+#: n=8192 (8 blocks of 512 on average) 1.17x, but window 256 n=8192 (5 blocks of 64) 0.89x and block-sparse
+#: 0.05 (4 blocks of 128) 0.95x.
+BACKWARD_HALF_BRGEMM_MIN_BLOCKS = 8
+
+
 def _backward_brgemm(dtype: torch.dtype, lay: KernelLayout) -> bool:
-    """Whether the backward may take brgemm: half types always (csrc Note [Half-type backward on brgemm]:
-    no per-tile transposes), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE."""
+    """Whether the backward takes brgemm: half types when their query blocks visit enough key blocks
+    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE."""
+    if not _allow_brgemm():
+        return False
     if dtype in (torch.bfloat16, torch.float16):
-        return _allow_brgemm()
-    return _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE
+        return float(lay.kv_num.float().mean()) >= BACKWARD_HALF_BRGEMM_MIN_BLOCKS if lay.kv_num.numel() else False
+    return lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE
 
 
 def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
