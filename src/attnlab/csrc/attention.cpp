@@ -445,6 +445,35 @@ inline void transpose_words(const uint32_t* src, int64_t ld, int64_t cols, int64
     for (int64_t e = 0; e < width; ++e) dst[e * ldd + c] = src[c * ld + e];
 }
 
+// dst[e * ldd + r] = src[r * ld + e] for 16-bit values (bf16 / fp16), r < rows, e < width: AVX-512 gathers 16
+// rows' 4-byte word (two values) at once and splits the pairs with one permute (the scalar loop over a 64 x 64
+// query tile cost as much as a query block's few AMX products under a sparse layout).
+inline void transpose_halves(const uint16_t* src, int64_t ld, int64_t rows, int64_t width, uint16_t* dst,
+                             int64_t ldd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (ld % 2 == 0 && width % 2 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 && ld * 2 * 16 < (int64_t(1) << 31)) {
+    alignas(64) static const uint16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                    1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const __m512i split = _mm512_load_si512(kSplit);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(ld / 2)));
+    for (int64_t r = 0; r < rows; r += 16) {
+      const __mmask16 m = rows - r >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rows - r)) - 1);
+      const uint32_t* base = reinterpret_cast<const uint32_t*>(src + r * ld);
+      for (int64_t w = 0; w < width / 2; ++w) {
+        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + w, 4);
+        const __m512i d = _mm512_permutexvar_epi16(split, g);  // [value 2w of the 16 rows | value 2w + 1]
+        _mm256_mask_storeu_epi16(dst + (2 * w) * ldd + r, m, _mm512_castsi512_si256(d));
+        _mm256_mask_storeu_epi16(dst + (2 * w + 1) * ldd + r, m, _mm512_extracti64x4_epi64(d, 1));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < width; ++e) dst[e * ldd + r] = src[r * ld + e];
+}
+
 // dst[c * ld_dst + r] = src[r * ld_src + c]: a tile transposed (brgemm takes no transposed operand).
 // fp32 tiles go through transpose_words (the fp32 backward transposes P and dS per tile: scalar, that was
 // ~10% of a causal window's forward+backward).
@@ -896,10 +925,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           std::fill(dqacc.begin(), dqacc.begin() + rows * E, A(0));
           if constexpr (kHalf) {
             if (hb) {  // Q^T, dO^T of this query block as brgemm A operands [E | Ev, rows (+ a zero column)]
-              for (int64_t r = 0; r < rows; ++r)
-                for (int64_t e = 0; e < E; ++e) qT[e * bqp + r] = qp[r * q.stride(2) + e];
-              for (int64_t r = 0; r < rows; ++r)
-                for (int64_t e = 0; e < Ev; ++e) doT[e * bqp + r] = dop[r * Ev + e];
+              transpose_halves(reinterpret_cast<const uint16_t*>(qp), q.stride(2), rows, E,
+                               reinterpret_cast<uint16_t*>(qT.data()), bqp);
+              transpose_halves(reinterpret_cast<const uint16_t*>(dop), Ev, rows, Ev,
+                               reinterpret_cast<uint16_t*>(doT.data()), bqp);
               if (rows & 1) {
                 for (int64_t e = 0; e < E; ++e) qT[e * bqp + rows] = T(0);
                 for (int64_t e = 0; e < Ev; ++e) doT[e * bqp + rows] = T(0);

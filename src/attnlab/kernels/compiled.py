@@ -269,8 +269,9 @@ def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
 #: it transposes Q and dO once per query block (csrc Note [Half-type backward on brgemm]), which pays over
 #: many key blocks only. Measured bf16 fwd+bwd vs MKL's gemm, H=8, D=64, 2 threads, loaded machine:
 #: dense n=4096 (32 blocks of 128 keys) backward 1.03-1.17x at every tile from 64x128 to 256x512, causal
-#: n=8192 (8 blocks of 512 on average) 1.17x, but window 256 n=8192 (5 blocks of 64) 0.89x and block-sparse
-#: 0.05 (4 blocks of 128) 0.95x.
+#: n=8192 (8 blocks of 512 on average) 1.17-1.26x, but window 256 n=8192 (5 blocks of 64) 0.89x and
+#: block-sparse 0.05 (4 blocks of 128) 0.95x; with the transposes vectorised, window 1.00x, block-sparse
+#: 0.94x (noisy).
 BACKWARD_HALF_BRGEMM_MIN_BLOCKS = 8
 
 
