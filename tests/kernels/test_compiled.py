@@ -7,6 +7,7 @@ Skipped as a whole when the extension is not built (or ATTNLAB_NO_EXT=1).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -273,6 +274,24 @@ def test_gradcheck_float64_float_mask_with_softcap_pattern_alibi():
             spec = MaskSpec(12, 14, pattern=P.sliding_window(5), keep=keep, bias=b)
             return compiled.compiled_attention(q, k, v, spec, 0.6, 8, 8, **kw)[0]
         assert torch.autograd.gradcheck(f, (q, k, v, bias)), kw
+
+
+def test_peak_counts_saved_fp32_output_and_bias_gradient():
+    """explain's compiled peak: + the bias's dense gradient [N, H, L, S] float32 when it requires grad,
+    + the fp32 O [N, H, L, Ev] a half-type forward keeps for the backward (csrc Note [fp32 O for delta])."""
+    q, k, v = _qkv((2, 4, 96, 16), (2, 4, 80, 16), Ev=8)
+    pat = P.sliding_window(16)
+
+    def peak(q, bias):
+        return attnlab.explain(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias, pattern=pat,
+                               method="compiled").peak_bytes["compiled"]
+    bias = torch.randn(96, 80)
+    assert peak(q, bias.requires_grad_()) - peak(q, bias.detach()) == 2 * 4 * 96 * 80 * 4
+    # explain's request does not say whether autograd will run (Request.needs_grad): the spec's own count
+    from attnlab.kernels.spec import Request
+    r = Request(2, 4, 4, 96, 80, 16, 8, torch.bfloat16)
+    assert compiled.saved_bytes(dataclasses.replace(r, needs_grad=True)) - compiled.saved_bytes(r) == 2 * 4 * 96 * 8 * 4
+    assert compiled.saved_bytes(dataclasses.replace(r, dtype=torch.float32, needs_grad=True)) == 2 * 4 * 96 * 4
 
 
 @pytest.mark.parametrize("kind", ["window", "float_mask"])

@@ -549,8 +549,8 @@ class MultiHeadAttention(nn.Module):
         if method in planner.refusals(layer_only):
             return method  # refused for the inputs themselves: the planner's error says why
         if p.mask_requires_grad and not kernels.get(method).float_mask_grad and torch.is_grad_enabled():
-            # Note [Learned bias and the tiled kernel]: the tiled/sparse/compiled backward does not
-            # differentiate a float mask; a learned bias (T5) is trained through sdpa/dense instead
+            # Note [Learned bias and the tiled kernel]: the tiled/sparse backward does not differentiate
+            # a float mask; a learned bias (T5) is trained through auto (sdpa/dense/compiled) instead
             if not self._warned_bias:
                 warnings.warn(f"mechanism={method!r} cannot train a learned attention bias "
                               f"({type(self.positional).__name__}); this layer uses method='auto' while "
