@@ -267,6 +267,13 @@ class Prepared:
             self._repeated[name] = t.repeat_interleave(self.info.groups, dim=1)
         return self._repeated[name]
 
+    @property
+    def needs_grad(self) -> bool:
+        """Autograd will call a backward: grad mode is on and q, k or v requires grad (kernels that keep extra
+        tensors for their backward count them in their peak only then)."""
+        return torch.is_grad_enabled() and (self.q.requires_grad or self.kv_k.requires_grad
+                                            or self.kv_v.requires_grad)
+
     def request(self, need_weights: bool = False, strict: bool = False, sdpa_backend: str | None = None) -> Request:
         """These inputs as a kernel :class:`~attnlab.kernels.Request` (sizes and flags only)."""
         i, m = self.info, self.mask
@@ -277,7 +284,8 @@ class Prepared:
                        float_mask_grad=self.mask_requires_grad, dropout_p=self.dropout_p,
                        need_weights=bool(need_weights), strict=bool(strict), dead_per_head=self.dead_per_head,
                        sdpa_backend=sdpa_backend, softcap=m.softcap is not None,
-                       alibi=None if m.alibi is None else "[H]" if m.alibi.shape[0] == 1 else "[B, H]")
+                       alibi=None if m.alibi is None else "[H]" if m.alibi.shape[0] == 1 else "[B, H]",
+                       needs_grad=self.needs_grad)
 
 
 def to4d(t: torch.Tensor) -> torch.Tensor:

@@ -287,7 +287,11 @@ def test_peak_counts_saved_fp32_output_and_bias_gradient():
                                method="compiled").peak_bytes["compiled"]
     bias = torch.randn(96, 80)
     assert peak(q, bias.requires_grad_()) - peak(q, bias.detach()) == 2 * 4 * 96 * 80 * 4
-    # explain's request does not say whether autograd will run (Request.needs_grad): the spec's own count
+    # explain's request says whether autograd will run (q, k or v requires grad under grad mode)
+    qb = q.to(torch.bfloat16)
+    assert peak(qb.clone().requires_grad_(), None) - peak(qb, None) == 2 * 4 * 96 * 8 * 4
+    with torch.no_grad():
+        assert peak(qb.clone().requires_grad_(), None) == peak(qb, None)
     from attnlab.kernels.spec import Request
     r = Request(2, 4, 4, 96, 80, 16, 8, torch.bfloat16)
     assert compiled.saved_bytes(dataclasses.replace(r, needs_grad=True)) - compiled.saved_bytes(r) == 2 * 4 * 96 * 8 * 4

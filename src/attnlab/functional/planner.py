@@ -240,8 +240,7 @@ def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None)
 def choose_lse_kernel(p: Prepared) -> tuple[list[str], dict[str, str]]:
     """For ``attention_with_lse``: the kernels that can return (out, lse) for these inputs, in order of
     preference, and why the others cannot."""
-    needs_grad = torch.is_grad_enabled() and (p.q.requires_grad or p.kv_k.requires_grad or p.kv_v.requires_grad)
-    r = dataclasses.replace(p.request(), needs_lse=True, needs_grad=needs_grad)
+    r = dataclasses.replace(p.request(), needs_lse=True)
     refused = refusals(r)
     return [m for m in LSE_ORDER if m not in refused], refused
 
