@@ -142,6 +142,37 @@ def test_fully_masked_rows_are_zero_and_lse_minus_inf():
     assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5, what="lse")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uneven_units_any_schedule(dtype):
+    """csrc Note [Dynamic schedule]: threads pull (batch, head, query block) units costliest first. Units
+    of very different cost (one query block visits every key block, the others one or none; a per-batch
+    key padding makes the layout per batch element) match float64, and the result does not depend on the
+    schedule: two threads (units pulled in any order) equal one thread bit for bit."""
+    n, b = 512, 32
+    layout = torch.zeros(n // b, n // b, dtype=torch.bool)
+    layout[0] = True  # one dense row of blocks
+    layout[2::3, 1] = True  # others a single block
+    layout[5] = False  # a query block with no key: output 0, lse -inf
+    pattern = P.block_sparse(layout, b) & P.key_padding([n, 300])
+    torch.manual_seed(11)
+    q, k, v = _qkv((2, 4, n, 32), (2, 4, n, 32), dtype=dtype)
+    lay = compiled.build_layout(MaskSpec(n, n, pattern=pattern), b, b)
+    assert lay.kv_num.shape[0] == 2 and int(lay.kv_num.max()) == n // b and int(lay.kv_num.min()) == 0
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (2, 1):
+            torch.set_num_threads(t)
+            runs.append(compiled.compiled_attention(q, k, v, MaskSpec(n, n, pattern=pattern), 32 ** -0.5, b, b))
+    finally:
+        torch.set_num_threads(threads)
+    (out, lse), (out1, lse1) = runs
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    mask = pattern.materialize(n, n)
+    _check_fwd(out, q, k, v, mask, f"{dtype} uneven units")
+    assert (out[:, :, 5 * b:6 * b] == 0).all() and torch.isneginf(lse[:, :, 5 * b:6 * b]).all()
+
+
 def test_nan_and_inf_in_masked_keys_do_not_leak():
     q, k, v = _qkv((2, 2, L, 8), (2, 2, S, 8))
     k[:, :, 50:], v[:, :, 50:] = float("nan"), float("inf")  # padding: masked for every query
