@@ -222,6 +222,33 @@ def test_half_types_dense_tiles_tails_masked_rows_nan(dtype):
     assert np.isnan(ref[0, 0]).all() and torch.isnan(out[0, 0]).all() and torch.isfinite(out[0, 1]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_lazy_max_and_lse(dtype):
+    """csrc Note [Lazy max] and Note [Half-type exp]: after a row's first tile the half-type forward keeps
+    its old max as the exponentials' reference unless the new keys would outweigh 2^15 of the best so far.
+    Rows whose max grows a little in later tiles (kept lazily), a lot (+12: redone, else fp16's p would
+    overflow), and every tile (a rising ramp) all match float64; the log-sum-exp, whose sum is of the fp32
+    exponentials (relative error 2.7e-6), matches float64 to within a few fp32 ulps of its magnitude."""
+    torch.manual_seed(7)
+    L_, S_ = 96, 2048
+    q, k, v = _qkv((1, 3, L_, 64), (1, 3, S_, 64), dtype=dtype)
+    q = q * 2
+    bias = torch.zeros(1, 3, L_, S_)
+    bias[0, 0, :, 600:] = 3.0  # head 0: a small jump after the first 512-key tile
+    bias[0, 1, :, 1500:] = 12.0  # head 1: a jump p = e^12 > fp16's range would not survive
+    bias[0, 2] = torch.linspace(0, 40, S_)  # head 2: the max rises in every tile
+    spec = MaskSpec(L_, S_, bias=bias)
+    out, lse = compiled.compiled_attention(q, k, v, spec, 0.125, 256, 512)
+    assert torch.isfinite(out).all()
+    _check_fwd(out, q, k, v, bias, f"{dtype} lazy max", scale=0.125)
+    s = (q.double() @ k.double().transpose(-2, -1)) * 0.125 + bias.double()
+    ref = torch.logsumexp(s, -1)
+    # fp32 rounding of lse = m + log(l) (m up to ~50 here) plus the exp fit's 2.7e-6 relative error
+    tol = 4 * torch.finfo(torch.float32).eps * ref.abs() + 4e-6
+    err = (lse.double() - ref).abs()
+    assert (err <= tol).all(), f"lse error {err.max():.3g} vs float64"
+
+
 def test_bf16_conversion_fallback_matches_native():
     """The bf16 probabilities' conversion: the CPU's instruction where it has AVX512-BF16 (detected, not
     assumed), else at::vec's integer sequence; both round to nearest even, so the outputs are identical."""
