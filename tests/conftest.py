@@ -19,6 +19,34 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def no_grad():
+    """Autograd off for a whole module of inference tests (MiniLM, HF models): no graph is built or kept.
+    Use with ``pytestmark = pytest.mark.usefixtures("no_grad")``."""
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(scope="module")
+def minilm_model():
+    """attnlab's all-MiniLM-L6-v2 (``attnlab.models.minilm.load()``, default mechanism), loaded once per test
+    module: a module may change its mechanism, so modules do not share one."""
+    from attnlab.models import minilm
+
+    return minilm.load()
+
+
+@pytest.fixture(scope="module")
+def hf_bert():
+    """Hugging Face's BertModel on the same MiniLM checkpoint folder, eager attention, eval mode: the oracle
+    for attnlab's MiniLM. Loaded once per test module (a module may switch its attention implementation)."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.models import minilm
+
+    return transformers.BertModel.from_pretrained(str(minilm.model_path()), local_files_only=True,
+                                                  attn_implementation="eager").eval()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

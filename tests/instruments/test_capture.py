@@ -15,43 +15,24 @@ from attnlab import capture as C
 from attnlab.models import minilm
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # MiniLM and HF BertModel loads (tests/conftest.py: MiniLM tests are slow)
+# MiniLM and HF BertModel loads (tests/conftest.py: MiniLM tests are slow); inference only, tiny batches
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "no_grad")]
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Attention, please."]  # the second one is padded
 FP32_FACTOR = 3.0  # as tests/models/test_minilm.py: error against float64 at most 3x HF eager's own float32 error
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _setup():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
+@pytest.fixture(scope="module")
+def batch(minilm_model):
+    return minilm_model.tokenize(SENTENCES)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return minilm.load()
+def cached(minilm_model, batch):
+    return C.run_with_cache(minilm_model, batch["input_ids"], batch["attention_mask"])
 
 
-@pytest.fixture(scope="module")
-def batch(model):
-    return model.tokenize(SENTENCES)
-
-
-@pytest.fixture(scope="module")
-def cached(model, batch):
-    return C.run_with_cache(model, batch["input_ids"], batch["attention_mask"])
-
-
-def test_names_and_shapes_are_as_documented(model, batch, cached):
+def test_names_and_shapes_are_as_documented(minilm_model, batch, cached):
     out, cache = cached
     B, T = batch["input_ids"].shape
     assert len(cache) == 6 * len(C.ACTIVATIONS) and cache.modules[3] == "layers.3.self_attn"
@@ -67,12 +48,9 @@ def test_names_and_shapes_are_as_documented(model, batch, cached):
         cache["blocks.6.attn.q"]
 
 
-def test_cached_weights_equal_hf_eager_attentions(model, batch, cached):
-    from transformers import BertModel
-
+def test_cached_weights_equal_hf_eager_attentions(minilm_model, hf_bert, batch, cached):
     _, cache = cached
-    hf32 = BertModel.from_pretrained(str(minilm.model_path()), local_files_only=True,
-                                     attn_implementation="eager").eval()
+    hf32 = hf_bert
     hf64 = copy.deepcopy(hf32).double()
     kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_attentions=True)
     a32, a64 = hf32(**kw).attentions, hf64(**kw).attentions
@@ -90,7 +68,7 @@ def test_cached_weights_equal_hf_eager_attentions(model, batch, cached):
         assert torch.isinf(cache[f"blocks.{i}.attn.scores"][1, :, :, batch["attention_mask"][1] == 0]).all()
 
 
-def test_cache_draws_in_viz_show(model, batch, cached, tmp_path):
+def test_cache_draws_in_viz_show(minilm_model, batch, cached, tmp_path):
     from attnlab import viz
 
     _, cache = cached
@@ -100,38 +78,38 @@ def test_cache_draws_in_viz_show(model, batch, cached, tmp_path):
         pytest.skip("attnlab.viz.show is not on this branch")
     show(cache, batch["tokens"][0]).save(tmp_path / "cache.html")
     assert (tmp_path / "cache.html").stat().st_size > 0
-    _, only_q = C.run_with_cache(model, batch["input_ids"], names=["blocks.0.attn.q"])
+    _, only_q = C.run_with_cache(minilm_model, batch["input_ids"], names=["blocks.0.attn.q"])
     with pytest.raises(ValueError, match="no weights were cached"):
         only_q.weights()
 
 
-def test_z_and_out_are_the_layer_arithmetic(model, cached):
+def test_z_and_out_are_the_layer_arithmetic(minilm_model, cached):
     _, cache = cached
     for i in (0, 4):
         w, v, z = (cache[f"blocks.{i}.attn.{k}"].double() for k in ("weights", "v", "z"))
         assert_close(z, w @ v, 1e-5, what=f"layer {i}: z vs weights · V")
         B, H, T, Dv = z.shape
-        out_proj = model.layers[i].self_attn.out_proj
+        out_proj = minilm_model.layers[i].self_attn.out_proj
         merged = cache[f"blocks.{i}.attn.z"].transpose(1, 2).reshape(B, T, H * Dv)
         assert torch.equal(out_proj(merged), cache[f"blocks.{i}.attn.out"])
 
 
-def test_ablating_nothing_is_identity_and_a_head_matches_zeroed_w_o(model, batch):
-    base = C.sentence_embeddings(model, batch)
-    with C.ablate_heads(model, 2, heads=[]):
-        assert torch.equal(C.sentence_embeddings(model, batch), base)
+def test_ablating_nothing_is_identity_and_a_head_matches_zeroed_w_o(minilm_model, batch):
+    base = C.sentence_embeddings(minilm_model, batch)
+    with C.ablate_heads(minilm_model, 2, heads=[]):
+        assert torch.equal(C.sentence_embeddings(minilm_model, batch), base)
     layer, head, Dv = 2, 5, 32
-    with C.ablate_heads(model, layer, heads=[head], how="zero"):
-        ablated = C.sentence_embeddings(model, batch)
+    with C.ablate_heads(minilm_model, layer, heads=[head], how="zero"):
+        ablated = C.sentence_embeddings(minilm_model, batch)
     # oracle: the same head removed by zeroing its W_O columns in a copy of the model
-    edited = copy.deepcopy(model)
+    edited = copy.deepcopy(minilm_model)
     edited.layers[layer].self_attn.out_proj.weight[:, head * Dv:(head + 1) * Dv] = 0
     assert_close(ablated, C.sentence_embeddings(edited, batch), 1e-6, what="zero ablation vs zeroed W_O")
     cos = (ablated * base).sum(-1)
     assert (cos < 1 - 1e-4).all() and (cos > 0.5).all()  # it moves the embedding, it does not destroy it
-    eff = C.head_effect(model, SENTENCES, layer, [head])
+    eff = C.head_effect(minilm_model, SENTENCES, layer, [head])
     assert eff["cosine"] == pytest.approx(cos.double().tolist(), abs=1e-6) and eff["how"] == "zero"
-    assert not any(m.self_attn.hooks for m in model.layers)  # every hook removed
+    assert not any(m.self_attn.hooks for m in minilm_model.layers)  # every hook removed
 
 
 def test_mean_ablation_matches_bias_oracle_in_float64():
@@ -150,49 +128,49 @@ def test_mean_ablation_matches_bias_oracle_in_float64():
     assert_close(got, C.sentence_embeddings(edited, b), 1e-12, what="mean ablation vs bias oracle (float64)")
 
 
-def test_patching_with_own_activation_is_identity_and_full_patch_copies_the_layer(model, batch, cached):
-    base = C.sentence_embeddings(model, batch)
+def test_patching_with_own_activation_is_identity_and_full_patch_copies_the_layer(minilm_model, batch, cached):
+    base = C.sentence_embeddings(minilm_model, batch)
     # z only: caching weights too would run the weights-returning kernel, equal to ~1 float32 ulp, not bitwise
-    _, own = C.run_with_cache(model, batch["input_ids"], batch["attention_mask"], names=["blocks.1.attn.z"])
-    with C.patch_heads(model, 1, heads=range(12), source=own):
-        assert torch.equal(C.sentence_embeddings(model, batch), base)
-    with C.patch_heads(model, 1, heads=range(12), source=cached[1]):  # from the all-activations run
-        assert_close(C.sentence_embeddings(model, batch), base, 1e-6, what="patch from a weights-kernel cache")
-    other = model.tokenize(["A slow green turtle walks under the busy bridge.", "Listen, everyone."])
+    _, own = C.run_with_cache(minilm_model, batch["input_ids"], batch["attention_mask"], names=["blocks.1.attn.z"])
+    with C.patch_heads(minilm_model, 1, heads=range(12), source=own):
+        assert torch.equal(C.sentence_embeddings(minilm_model, batch), base)
+    with C.patch_heads(minilm_model, 1, heads=range(12), source=cached[1]):  # from the all-activations run
+        assert_close(C.sentence_embeddings(minilm_model, batch), base, 1e-6, what="patch from a weights-kernel cache")
+    other = minilm_model.tokenize(["A slow green turtle walks under the busy bridge.", "Listen, everyone."])
     assert other["input_ids"].shape == batch["input_ids"].shape
-    _, cache_b = C.run_with_cache(model, other["input_ids"], other["attention_mask"],
+    _, cache_b = C.run_with_cache(minilm_model, other["input_ids"], other["attention_mask"],
                                  names=["blocks.4.attn.z", "blocks.4.attn.out"])
-    with C.patch_heads(model, 4, heads=range(12), source=cache_b):
-        _, patched = C.run_with_cache(model, batch["input_ids"], batch["attention_mask"], names=["blocks.4.attn.out"])
+    with C.patch_heads(minilm_model, 4, heads=range(12), source=cache_b):
+        _, patched = C.run_with_cache(minilm_model, batch["input_ids"], batch["attention_mask"], names=["blocks.4.attn.out"])
     # every head of layer 4 from run B: the layer's output is run B's, bit for bit
     assert torch.equal(patched["blocks.4.attn.out"], cache_b["blocks.4.attn.out"])
-    eff = C.head_effect(model, SENTENCES, 4, [0, 1], how=cache_b)
+    eff = C.head_effect(minilm_model, SENTENCES, 4, [0, 1], how=cache_b)
     assert eff["how"] == "patch" and all(c < 1 for c in eff["cosine"])
-    short = model.tokenize("Hi.")
+    short = minilm_model.tokenize("Hi.")
     with pytest.raises(ValueError, match="same batch and token count"):
-        with C.patch_heads(model, 4, heads=[0], source=cache_b):
-            model(short["input_ids"], short["attention_mask"])
+        with C.patch_heads(minilm_model, 4, heads=[0], source=cache_b):
+            minilm_model(short["input_ids"], short["attention_mask"])
 
 
-def test_hooks_replace_read_and_refuse(model, batch):
+def test_hooks_replace_read_and_refuse(minilm_model, batch):
     seen = []
-    out = C.run_with_hooks(model, batch["input_ids"], batch["attention_mask"],
+    out = C.run_with_hooks(minilm_model, batch["input_ids"], batch["attention_mask"],
                            fwd_hooks=[("blocks.0.attn.weights", lambda w, ctx: seen.append(w.shape))])
     assert len(seen) == 1 and out.attentions is None
     with pytest.raises(ValueError, match="read only"):
-        C.run_with_hooks(model, batch["input_ids"], fwd_hooks=[("blocks.0.attn.weights", lambda w, ctx: w * 2)])
+        C.run_with_hooks(minilm_model, batch["input_ids"], fwd_hooks=[("blocks.0.attn.weights", lambda w, ctx: w * 2)])
     with pytest.raises(ValueError, match="same shape"):
-        C.run_with_hooks(model, batch["input_ids"], fwd_hooks=[("blocks.0.attn.q", lambda q, ctx: q[:, :1])])
+        C.run_with_hooks(minilm_model, batch["input_ids"], fwd_hooks=[("blocks.0.attn.q", lambda q, ctx: q[:, :1])])
     with pytest.raises(ValueError, match="derived from q and k"):
-        with C.hooks(model, [("blocks.0.attn.scores", lambda s, ctx: None)]):
+        with C.hooks(minilm_model, [("blocks.0.attn.scores", lambda s, ctx: None)]):
             pass
     with pytest.raises(ValueError, match="out of range"):
-        with C.ablate_heads(model, 0, heads=[12]):
+        with C.ablate_heads(minilm_model, 0, heads=[12]):
             pass
     with pytest.raises(ValueError, match="how must be"):
-        with C.ablate_heads(model, 0, heads=[1], how="noise"):
+        with C.ablate_heads(minilm_model, 0, heads=[1], how="noise"):
             pass
-    assert not any(m.self_attn.hooks for m in model.layers)
+    assert not any(m.self_attn.hooks for m in minilm_model.layers)
 
 
 def test_inspect_is_a_deprecated_alias():

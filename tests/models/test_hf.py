@@ -7,7 +7,6 @@ import torch
 from helpers import assert_close
 
 from attnlab import patterns as P
-from attnlab.models import minilm
 
 transformers = pytest.importorskip("transformers")
 from attnlab.integrations import hf  # noqa: E402
@@ -15,24 +14,14 @@ from attnlab.integrations import hf  # noqa: E402
 SENTENCES = ["Hello world!", "The quick brown fox jumps over the lazy dog.", "Attention, please."]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _setup():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread", "no_grad")  # inference on tiny batches
 
 
 @pytest.fixture(scope="module")
-def bert():
-    from transformers import BertModel
-
+def bert(hf_bert, minilm_model):
+    """(HF BertModel, attnlab MiniLM, a tokenized batch); the tests switch HF's attention implementation."""
     hf.register_all()
-    m = BertModel.from_pretrained(str(minilm.model_path()), local_files_only=True, attn_implementation="eager").eval()
-    ours = minilm.load()
-    batch = ours.tokenize(SENTENCES)
-    return m, ours, batch
+    return hf_bert, minilm_model, minilm_model.tokenize(SENTENCES)
 
 
 def _run(m, batch, impl, **kw):

@@ -26,33 +26,20 @@ SENTENCES = ["Hello world!", "The quick brown fox jumps over the lazy dog.", "At
 FP32_FACTOR = 3.0
 
 
-@pytest.fixture(autouse=True)
-def _no_grad():
-    with torch.no_grad():
-        yield
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
+pytestmark = pytest.mark.usefixtures("one_thread", "no_grad")  # inference on tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")
-def model():
-    return minilm.load()
-
-
-@pytest.fixture(scope="module")
-def hf():
+def hf(hf_bert):
     from transformers import BertModel
 
-    path = str(minilm.model_path())
-    eager = BertModel.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
-    sdpa = BertModel.from_pretrained(path, local_files_only=True, attn_implementation="sdpa").eval()
-    return {"eager": eager, "sdpa": sdpa, "eager64": copy.deepcopy(eager).double()}
+    sdpa = BertModel.from_pretrained(str(minilm.model_path()), local_files_only=True, attn_implementation="sdpa").eval()
+    return {"eager": hf_bert, "sdpa": sdpa, "eager64": copy.deepcopy(hf_bert).double()}
 
 
 @pytest.fixture(scope="module")
-def batch(model):
-    return model.tokenize(SENTENCES)
+def batch(minilm_model):
+    return minilm_model.tokenize(SENTENCES)
 
 
 def _hf(m, batch, **kw):
@@ -60,30 +47,30 @@ def _hf(m, batch, **kw):
         return m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True, **kw)
 
 
-def test_structure_and_contract(model):
-    assert (model.num_layers, model.num_heads, model.hidden_size) == (6, 12, 384)
-    assert len(model.layers) == 6
-    for layer in model.layers:
+def test_structure_and_contract(minilm_model):
+    assert (minilm_model.num_layers, minilm_model.num_heads, minilm_model.hidden_size) == (6, 12, 384)
+    assert len(minilm_model.layers) == 6
+    for layer in minilm_model.layers:
         assert isinstance(layer.self_attn, MultiHeadAttention)
         assert layer.self_attn.q_proj.weight.shape == (384, 384)
 
 
-def test_tokenize_matches_transformers_tokenizer(model):
+def test_tokenize_matches_transformers_tokenizer(minilm_model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(minilm.model_path()), local_files_only=True)
     ref = tok(SENTENCES, padding=True, truncation=True, max_length=256, return_tensors="pt")
-    t = model.tokenize(SENTENCES)
+    t = minilm_model.tokenize(SENTENCES)
     assert torch.equal(t["input_ids"], ref["input_ids"])
     assert torch.equal(t["attention_mask"], ref["attention_mask"])
     assert t["tokens"][0][:5] == ["[CLS]", "hello", "world", "!", "[SEP]"]
     assert all(len(x) == t["input_ids"].shape[1] for x in t["tokens"])
-    long = model.tokenize("word " * 400, max_length=20)
+    long = minilm_model.tokenize("word " * 400, max_length=20)
     assert long["input_ids"].shape == (1, 20)
 
 
-def test_default_path_matches_hf_sdpa_within_1e5(model, hf, batch):
-    out = model(batch["input_ids"], batch["attention_mask"], output_hidden_states=True)
+def test_default_path_matches_hf_sdpa_within_1e5(minilm_model, hf, batch):
+    out = minilm_model(batch["input_ids"], batch["attention_mask"], output_hidden_states=True)
     ref = _hf(hf["sdpa"], batch)
     assert len(out.hidden_states) == 7
     for i, (a, b) in enumerate(zip(out.hidden_states, ref.hidden_states)):
@@ -102,13 +89,13 @@ def test_float64_matches_hf_float64(hf, batch):
 
 
 @pytest.mark.parametrize("method", ["dense", "tiled", "sdpa", "sparse", "auto"])
-def test_every_exact_method_within_fp32_budget(model, hf, batch, method):
+def test_every_exact_method_within_fp32_budget(minilm_model, hf, batch, method):
     """See Note [MiniLM fp32 budget]."""
-    model.set_mechanism(method)
+    minilm_model.set_mechanism(method)
     try:
-        out = model(batch["input_ids"], batch["attention_mask"], output_hidden_states=True)
+        out = minilm_model(batch["input_ids"], batch["attention_mask"], output_hidden_states=True)
     finally:
-        model.set_mechanism("auto")
+        minilm_model.set_mechanism("auto")
     ref64 = _hf(hf["eager64"], batch).hidden_states
     ref32 = _hf(hf["eager"], batch).hidden_states
     for i, (a, b, c) in enumerate(zip(out.hidden_states, ref64, ref32)):
@@ -116,8 +103,8 @@ def test_every_exact_method_within_fp32_budget(model, hf, batch, method):
         assert_close(a, b, atol=FP32_FACTOR * hf_err + 1e-6, what=f"{method} hidden_states[{i}] vs HF float64")
 
 
-def test_attention_weights_equal_hf(model, hf, batch):
-    out = model(batch["input_ids"], batch["attention_mask"], output_attentions=True, output_qkv=True)
+def test_attention_weights_equal_hf(minilm_model, hf, batch):
+    out = minilm_model(batch["input_ids"], batch["attention_mask"], output_attentions=True, output_qkv=True)
     ref = _hf(hf["eager"], batch, output_attentions=True)
     assert len(out.attentions) == 6 and out.attentions[0].shape == (4, 12, *batch["input_ids"].shape[1:] * 2)
     for i, (a, b) in enumerate(zip(out.attentions, ref.attentions)):
@@ -137,16 +124,16 @@ def test_attention_weights_equal_hf(model, hf, batch):
             assert_close(t, expect, atol=1e-6, what=f"layer 0 {name}")
 
 
-def test_encode_matches_hf_mean_pooling(model, hf):
-    emb = model.encode(SENTENCES, batch_size=3)
-    t = model.tokenize(SENTENCES)
+def test_encode_matches_hf_mean_pooling(minilm_model, hf):
+    emb = minilm_model.encode(SENTENCES, batch_size=3)
+    t = minilm_model.tokenize(SENTENCES)
     h = _hf(hf["sdpa"], t).last_hidden_state
     m = t["attention_mask"].unsqueeze(-1).float()
     ref = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
     assert emb.shape == (4, 384)
     assert_close(emb, ref, atol=1e-5, what="embeddings")
     assert_close(emb.norm(dim=-1), torch.ones(4), atol=1e-6, what="norms")
-    one = model.encode(SENTENCES[1])
+    one = minilm_model.encode(SENTENCES[1])
     assert_close(one[0], emb[1], atol=1e-6, what="single sentence vs batched")
 
 
@@ -170,15 +157,15 @@ def test_missing_package_names_the_install(monkeypatch):
         minilm.load()
 
 
-def test_bad_input(model):
-    ids = model.tokenize("hi")["input_ids"]
+def test_bad_input(minilm_model):
+    ids = minilm_model.tokenize("hi")["input_ids"]
     with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
-        model(ids.float())
+        minilm_model(ids.float())
     with pytest.raises(ValueError, match=r"attention_mask must be \[batch, tokens\] = \[1, 3\]"):
-        model(ids, torch.ones(1, 4, dtype=torch.long))
+        minilm_model(ids, torch.ones(1, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="attention_mask must be 0/1"):
-        model(ids, torch.ones(1, 3))
+        minilm_model(ids, torch.ones(1, 3))
     with pytest.raises(ValueError, match="512 positions"):
-        model(torch.zeros(1, 513, dtype=torch.long))
+        minilm_model(torch.zeros(1, 513, dtype=torch.long))
     with pytest.raises(TypeError, match="texts must be"):
-        model.tokenize([1, 2])
+        minilm_model.tokenize([1, 2])

@@ -229,29 +229,23 @@ def test_shifted_refuses_rows_outside_the_square_and_bad_arguments():
         P.shifted("causal", 1)
 
 
-def test_old_private_names_still_work():
-    """Callers outside patterns used these before session 18; they stay until they move."""
-    p = P.sliding_window(2)
-    qlo, klo = torch.tensor([[0]]), torch.tensor([[3]])
-    assert [bool(x) for x in p._bounds(qlo, qlo, klo, klo, 5, 5)] == [False, False]
-    assert P._BlockTable is P.BlockTable and isinstance(P.bigbird(4), P._BlockTable)
-    assert P.fixed(4, 2)._block_shape() == (4, 2)
-    assert isinstance(p, P._Band) and p._offset(3, 5) == 0 and (p.lo, p.hi) == (-2, 2)
+def test_a_user_pattern_plans_with_its_own_public_bounds_hook():
+    """block_layout consults a subclass's ``bounds`` (the documented hook) and agrees with the oracle."""
 
-    class OldStyle(P.Pattern):
-        """A subclass that overrides the old hook: block_layout must still use its bounds."""
-
+    class Lower(P.Pattern):
         calls = 0
 
         def keep(self, i, j, L, S):
             return j <= i
 
-        def _bounds(self, qlo, qhi, klo, khi, L, S):
-            OldStyle.calls += 1
-            return P.causal()._bounds(qlo, qhi, klo, khi, L, S)
+        def bounds(self, qlo, qhi, klo, khi, L, S):
+            Lower.calls += 1
+            return P.causal().bounds(qlo, qhi, klo, khi, L, S)
 
-    lay = OldStyle().block_layout(8, 8, 4)
-    assert OldStyle.calls == 1 and torch.equal(lay, P.causal().block_layout(8, 8, 4))
+    pat = Lower()
+    lay = pat.block_layout(9, 9, 4)
+    assert Lower.calls == 1 and torch.equal(lay, oracle_layout(pat, 9, 9, 4, 4))
+    assert torch.equal(lay, P.causal().block_layout(9, 9, 4))
 
 
 @pytest.mark.parametrize("L,S", [(61, 45), (64, 64), (7, 30)])

@@ -6,6 +6,8 @@ any mechanism crashes on inputs it claims).
 """
 from __future__ import annotations
 
+import argparse
+
 from attnlab.conformance import (CASES, DTYPES, TOL_FACTOR, TOL_FLOOR, check, check_budget, make_cases,
                                  run_conformance, sized_instance)
 from attnlab.options import positive_int
@@ -15,7 +17,8 @@ from .common import UsageError
 __all__ = ["run", "build_parser", "check", "CASES", "TOL_FACTOR", "TOL_FLOOR", "make_cases", "sized_instance"]
 
 
-def build_parser(p):
+def build_parser(p: argparse.ArgumentParser) -> None:
+    """check's options: the query shape and S, dtype, which mechanisms and cases, the seed, --json."""
     p.add_argument("--shape", default="2,4,77,32", metavar="B,H,L,E", help="query shape (default 2,4,77,32)")
     p.add_argument("--kv-len", type=positive_int, help="key/value length S (default L)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the inputs")
@@ -36,7 +39,11 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return dims  # type: ignore[return-value]
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict:
+    """Run the conformance check (``attnlab.conformance.run_conformance``) and print its table or JSON.
+
+    Returns the rows, the failure counts and ``exit_code`` (1 when an exact mechanism missed its
+    tolerance or any mechanism crashed on inputs it claims, else 0)."""
     import json
 
     from rich.console import Console

@@ -1,6 +1,7 @@
 """attnlab explain: which attention method runs for given shapes, why the others were refused, and the cost."""
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -15,7 +16,8 @@ from .common import UsageError
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_parser(p):
+def build_parser(p: argparse.ArgumentParser) -> None:
+    """explain's options: shapes, S, key/value heads, causal or a pattern, dtype, weights, dropout, method."""
     p.add_argument("--shape", action="append", metavar="B,H,L,E",
                    help="query shape; repeat for several (default: a few typical shapes)")
     p.add_argument("--kv-len", type=nonneg_int, help="key/value length S (default: L)")
@@ -82,7 +84,11 @@ def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pat
             "density": plan.density, "plan": plan}
 
 
-def run(args):
+def run(args: argparse.Namespace) -> dict:
+    """Plan each --shape (or ``DEFAULT_SHAPES``) with ``explain_shape`` and print one table per shape: every
+    method, chosen or refused and why, its predicted peak memory and GFLOP. Runs no attention.
+
+    Returns the plans, this CPU's capabilities and ``exit_code`` 0; bad shapes raise ``UsageError``."""
     from rich.console import Console
     from rich.table import Table
 

@@ -298,7 +298,7 @@ def _run_inputs(qp, kp, vp, rows, cols, step, full, mask, bq, bk, additive=False
         span = slice(k0 * bk, (k0 + G - 1 + c) * bk)
         kg = kp[:, :, span].unfold(2, c * bk, bk).transpose(-1, -2)  # (N, H, G, c·bk, E)
         vg = vp[:, :, span].unfold(2, c * bk, bk).transpose(-1, -2)
-        if not full and (mask.keep is None and mask.bias is None and _translation_invariant(mask.pattern)
+        if not full and (mask.keep is None and mask.bias is None and P.translation_invariant(mask.pattern)
                          and (k0 + G - 1 + c) * bk <= mask.S):
             m = _combine(*mask.block(i[:1], j[:1], N), dtype)[0]  # (1, 1, bq, c·bk): same for every row
     else:
@@ -332,10 +332,6 @@ def _fold_mask(m, N, H):
 
 def _contiguous(rows: torch.Tensor) -> bool:
     return int(rows[-1]) - int(rows[0]) + 1 == len(rows)
-
-
-# the logic lives in patterns now; this alias goes when functional calls P.translation_invariant
-_translation_invariant = P.translation_invariant
 
 
 def _combine(keep, bias, dtype):

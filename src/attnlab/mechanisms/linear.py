@@ -98,6 +98,8 @@ def _causal_chunked(phi_q, phi_k, v1, C):
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """φ(x) = elu(x) + 1, elementwise, same shape and dtype as ``x``: Katharopoulos et al.'s feature map,
+    positive everywhere, so every weight φ(q)·φ(k) and every normaliser is > 0."""
     if x.requires_grad and torch.is_grad_enabled():
         return F.elu(x) + 1.0
     return F.elu(x).add_(1.0)  # in place on a fresh tensor: one pass fewer when no graph is built
@@ -126,6 +128,9 @@ class Linear(Mechanism):
             raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
 
     def phi(self, x: torch.Tensor) -> torch.Tensor:
+        """The feature map φ of ``feature_map`` applied to queries or keys [..., E] -> [..., E] (F = E),
+        same dtype. With "relu" a row can be all zero; a query whose every φ(q)·φ(k) is 0 gets output 0
+        (``_safe_div``), as a query with no key does in ``attnlab.attention``."""
         return elu_plus_one(x) if self.feature_map == "elu+1" else F.relu(x)
 
     def _forward(self, q, k, v, *, key_keep, attn_mask, is_causal, scale, dropout_p, need_weights):
@@ -143,7 +148,10 @@ class Linear(Mechanism):
         Ev = E if Ev is None else Ev
         return ((L + S) * E + E * Ev + L) * element_size
 
-    def causal_flops(self, L, E, Ev=None):
+    def causal_flops(self, L: int, E: int, Ev: int | None = None) -> int:
+        """FLOPs of the causal path (L = S) per batch element and head: the chunk states φ(K_c)ᵀV_c and
+        their use φ(Q_c)·state (4·L·E·Ev), plus the C x C block inside each chunk (2·L·C·(E + Ev)).
+        ``flops`` counts the non-causal path, which has no C x C term."""
         Ev = E if Ev is None else Ev
         C = self.chunk_size
         return 2 * L * E * Ev * 2 + 2 * L * C * (E + Ev)

@@ -69,7 +69,10 @@ class Linformer(Mechanism):
             return [f"linformer: projection='identity' needs k == S, got k={self.k}, S={inputs.S}"]
         return []
 
-    def projections(self, S: int, device=None, dtype=torch.float32):
+    def projections(self, S: int, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed (P_K, P_V) for S keys, each [k, S] ([S, S] for "identity", [min(k, S), S] for "mean"),
+        in ``dtype`` on ``device``. "random" is the same for a given (seed, k, S) on every call, and P_V
+        is P_K when ``share_kv``."""
         if self.projection == "identity":
             e = torch.eye(S, device=device, dtype=dtype)
             return e, e

@@ -106,6 +106,8 @@ class Performer(Mechanism):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
 
     def omega(self, dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
+        """ω: [num_features, dim] random feature directions for head dim E = ``dim``, in ``dtype``: the same
+        for a given (seed, num_features, dim, orthogonal), freshly drawn on every call when ``seed`` is None."""
         if self.seed is None:
             w = orthogonal_gaussian(self.num_features, dim, orthogonal=self.orthogonal)
         else:
@@ -150,6 +152,8 @@ class PerformerModule(MechanismModule):
 
     @torch.no_grad()
     def redraw_features(self, dim: int | None = None) -> None:
+        """Replace the ``omega`` buffer by a fresh unseeded draw [num_features, dim] (float32, on the
+        buffer's device); ``dim`` defaults to the current buffer's head dim E."""
         dim = dim or self.omega.shape[-1]
         w = orthogonal_gaussian(self.mechanism.num_features, dim, orthogonal=self.mechanism.orthogonal)
         self.omega = w.to(device=self.omega.device, dtype=torch.float32)

@@ -79,6 +79,7 @@ class TokenPruning(Mechanism):
         return []
 
     def kept(self, S: int) -> int:
+        """r, the number of keys kept out of S: ``keep`` or ceil(keep_ratio·S), clipped to [1, S]."""
         return max(1, min(S, self.keep if self.keep is not None else math.ceil(self.keep_ratio * S)))
 
     # -- importance ------------------------------------------------------------------------------

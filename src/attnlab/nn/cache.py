@@ -33,6 +33,8 @@ class LayerCache:
         return f"LayerCache(length={self.length}, keys={shape}, static={self.static})"
 
     def claim(self, owner: object, what: str) -> None:
+        """Record ``owner`` (the attention layer about to write) on first use; raise ValueError, naming
+        ``what``, when another layer already filled this cache: its keys would silently be attended over."""
         if self.owner is None:
             self.owner = owner
         elif self.owner is not owner:
@@ -43,10 +45,12 @@ class LayerCache:
 
     @property
     def keys(self) -> torch.Tensor | None:
+        """The cached keys [B, Hkv, S, D] (a view of the storage, S = ``length``), or None before the first write."""
         return None if self._k is None else self._k[:, :, : self.length]
 
     @property
     def values(self) -> torch.Tensor | None:
+        """The cached values [B, Hkv, S, Dv] (a view of the storage, S = ``length``), or None before the first write."""
         return None if self._v is None else self._v[:, :, : self.length]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +82,8 @@ class LayerCache:
         return self.keys, self.values
 
     def set_static(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k [B, Hkv, S, D], v [B, Hkv, S, Dv] as the whole cache (detached, not copied): the encoder
+        memory of cross-attention, projected once and reused at every decoding step."""
         self._k, self._v, self.length = k.detach(), v.detach(), k.shape[2]
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -110,6 +116,8 @@ class KVCache:
         return f"KVCache(layers={len(self.self_attn)}, length={self.length}, cross={self.cross_attn is not None})"
 
     def check(self, owner: object, num_layers: int) -> None:
+        """Raise before a model uses this cache if it was made by another model (``owner`` is the model
+        about to run) or has a different number of layers than ``num_layers`` (ValueError)."""
         if not isinstance(self, KVCache):
             raise TypeError(f"cache must be an attnlab.nn.KVCache, got {type(self).__name__}")
         if self.owner is not None and self.owner is not owner:
@@ -122,5 +130,6 @@ class KVCache:
                              "create one with model.new_cache()")
 
     def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (int64 [B']) in every layer's cache (beam search, dropping finished sequences)."""
         for c in self.self_attn + (self.cross_attn or []):
             c.reorder(index)

@@ -61,6 +61,7 @@ class HookHandle:
         self._hooks, self._point, self._key = hooks, point, key
 
     def remove(self) -> None:
+        """Unregister the hook; calling it again does nothing."""
         self._hooks.remove(self._point, self._key)
 
     def __enter__(self) -> "HookHandle":
@@ -91,6 +92,8 @@ class AttentionHooks:
         return HookHandle(self, point, key)
 
     def remove(self, point: str, key: int) -> None:
+        """Unregister the hook ``key`` (from its handle) at ``point``; an unknown or removed one is ignored.
+        ``HookHandle.remove()`` is the usual way to call this."""
         if self._fns.get(point, {}).pop(key, None) is not None:
             self._count -= 1
 
@@ -104,6 +107,8 @@ class AttentionHooks:
         return self._count > 0
 
     def has(self, point: str) -> bool:
+        """Whether a hook is registered at ``point``, so the layer computes that activation only when asked
+        (a ``weights`` hook makes it ask the mechanism for weights)."""
         return bool(self._fns[point])
 
     def run(self, point: str, x: torch.Tensor, ctx: HookContext) -> torch.Tensor:

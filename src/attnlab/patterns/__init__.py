@@ -14,11 +14,11 @@ Modules: ``base`` (Pattern, ``&`` / ``|``, ``shifted``), ``bands`` (causal, wind
 """
 from __future__ import annotations
 
-from .bands import _Band, _Dilated, _PrefixLM, _Strided, causal, dilated, full, prefix_lm, sliding_window, strided
-from .base import EMPTY, FULL, MAX_INT, PARTIAL, Pattern, _Combine, _Shifted, shifted, translation_invariant
-from .blocks import BlockTable, _BigBird, _Fixed, _Global, _Layout, bigbird, block_sparse, fixed, longformer
-from .mask_mod import _MaskMod, from_mask_mod
-from .sequences import _Document, _KeyKeep, document, from_hf_attention_mask, from_key_padding_mask, key_padding
+from .bands import causal, dilated, full, prefix_lm, sliding_window, strided
+from .base import EMPTY, FULL, MAX_INT, PARTIAL, Pattern, shifted, translation_invariant
+from .blocks import BlockTable, bigbird, block_sparse, fixed, longformer
+from .mask_mod import from_mask_mod
+from .sequences import document, from_hf_attention_mask, from_key_padding_mask, key_padding
 from .spec import MAX_PARSE_TERMS, parse
 
 __all__ = [
@@ -27,8 +27,3 @@ __all__ = [
     "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full", "parse",
     "document", "prefix_lm", "from_mask_mod",
 ]
-
-# Old private names, kept while callers outside patterns move to the public ones (session 18): functional
-# uses _Band / _BlockTable, kernels/sparse _Combine. The other private classes stay importable from here for
-# the same session so that nothing that reached them breaks; new code uses the constructors.
-_BlockTable = BlockTable

@@ -21,11 +21,8 @@ class _Band(Pattern):
     align: str = "top_left"
     name: str = "band"
 
-    def _offset(self, L, S):  # kept for callers outside patterns until they use band(L, S)
-        return _diagonal_offset(self.align, L, S)
-
     def band(self, L, S):
-        off = self._offset(L, S)
+        off = _diagonal_offset(self.align, L, S)
         return self.lo + off, self.hi + off
 
     def translation_invariant(self):

@@ -76,13 +76,6 @@ class Pattern:
     #: leading batch size for patterns that differ per batch element (key padding), else None
     batch_size: int | None = None
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # A subclass written against the old private hook (before session 18 it was ``_bounds``) still
-        # gets its analytic bounds used: route the public name to it.
-        if "_bounds" in cls.__dict__ and "bounds" not in cls.__dict__:
-            cls.bounds = cls.__dict__["_bounds"]
-
     def keep(self, i: torch.Tensor, j: torch.Tensor, L: int, S: int) -> torch.Tensor:
         """Whether query i may attend to key j in an L x S problem.
 
@@ -126,13 +119,6 @@ class Pattern:
         """True when, for each (L, S), ``keep(i, j)`` is known to depend on j - i only (bands and their
         ``&`` / ``|``), so one mask block serves every block on the same diagonal. False = not known."""
         return False
-
-    # Old private names, kept while callers move to the public ones (session 18); do not use in new code.
-    def _bounds(self, qlo, qhi, klo, khi, L, S):
-        return self.bounds(qlo, qhi, klo, khi, L, S)
-
-    def _block_shape(self):
-        return self.block_shape()
 
     # -- derived ---------------------------------------------------------------------------------
     def materialize(self, L: int, S: int, device: torch.device | str | None = None) -> torch.Tensor:
