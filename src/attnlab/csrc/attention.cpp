@@ -295,9 +295,10 @@ inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst, bool /*masked*/ 
 // 2^t with t = (x * mul - shift) * log2(e): f = t - floor(t) in [0, 1] by one vreduceps, a degree-4 fit of
 // 2^f on [0, 1] (relative error 2.7e-6 evaluated in fp32, fitted for this kernel: 1/700 of bf16's and 1/180
 // of fp16's rounding of the probabilities, about exp_u20's 20 ulp), and vscalefps, which multiplies by
-// 2^floor(t) itself (no separate rounding and subtraction: 2 of the pass's ~12 micro-ops per vector,
-// measured 8 % of a dense bf16 forward). exp(-inf) is 0 (vreduceps(-inf) is 0, vscalefps(1, -inf) is 0);
-// NaN is kept. The fp32 row sum is of these values, so the log-sum-exp is accurate to ~3e-6.
+// 2^floor(t) itself (no separate rounding, subtraction or clamp: 3 of the pass's ~12 micro-ops per vector;
+// measured 5-15 % of a dense bf16 forward's CPU time, 1 thread). exp(-inf) is 0 (vreduceps(-inf) is 0,
+// vscalefps(1, -inf) is 0); NaN is kept. The fp32 row sum is of these values, so the log-sum-exp is
+// accurate to ~3e-6 (tests/kernels/test_compiled.py checks it against float64).
 template <bool kMasked>
 inline __m512 exp2_half_target(__m512 t) {
   // f = t - floor(t): imm 0x09 = keep 0 fraction bits, round down, no exceptions (AVX512DQ)
@@ -405,8 +406,8 @@ inline float exp_sum<at::Half, float>(const float* x, int64_t n, float shift, fl
 // infinite) the row is redone against its new max, as a first tile is. Removing the max pass measured 5 %
 // of a dense bf16 forward (1 thread, n = 2048, CPU time). What changes: the row's largest p is no longer
 // exactly 1, so it is rounded to bf16 like the others (measured: mean output error vs float64 +19 % on
-// sharp rows, logits std 3, still 1/3 of the naive bf16 computation's error). A NaN sum stands (the row is NaN anyway).
-// Half types only: fp32 rows are exponentiated in place, so there is nothing to redo from.
+// sharp rows, logits std 3, still 1/3 of the naive bf16 computation's error). A NaN sum stands (the row
+// is NaN anyway). Half types only: fp32 rows are exponentiated in place, so there is nothing to redo from.
 constexpr float kLazySum = 32768.f;
 
 // oneDNN's batch-reduce gemm micro-kernel through cpublas::brgemm (what PyTorch's CPU flash kernel
