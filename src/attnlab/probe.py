@@ -159,6 +159,7 @@ class _HeadView:
 
     def __init__(self, mask, heads):
         self.mask, self.heads = mask, heads
+        self.softcap = mask.softcap  # None: probe takes no score modifications
 
     def block(self, i, j, N):
         keep, bias = self.mask.block(i, j, N)

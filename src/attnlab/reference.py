@@ -8,12 +8,15 @@ import numpy as np
 __all__ = ["attention"]
 
 
-def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
+              softcap=None, alibi_slopes=None):
     """softmax(Q Kᵀ · scale + mask) V in float64.
 
     query [..., L, E], key [..., S, E], value [..., S, Ev]; attn_mask bool (True = takes part) or float
     (added), broadcast to [..., L, S]; is_causal keeps key j for query i when j <= i (top-left), and is
     ANDed with attn_mask. A query row with no key left gets output 0 and weights 0.
+    softcap: the scaled product x becomes softcap·tanh(x / softcap) before anything is added.
+    alibi_slopes [H] or [..., H] (query's dims before L): adds −slope·|i + S − L − j| (flash-attn's ALiBi).
     Returns (output [..., L, Ev], weights [..., L, S]) as float64 arrays.
     """
     q, k, v = (np.asarray(_np(t), dtype=np.float64) for t in (query, key, value))
@@ -23,6 +26,12 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, en
         k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
     s = 1.0 / math.sqrt(E) if scale is None else scale
     scores = (q @ np.swapaxes(k, -1, -2)) * s  # [..., L, S]
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = _np(alibi_slopes).astype(np.float64)[..., None, None]  # [..., H, 1, 1]
+        i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+        scores = scores - slopes * np.abs(i + S - L - j)
     keep = np.ones((L, S), dtype=bool)
     if is_causal:
         keep &= np.tril(np.ones((L, S), dtype=bool))

@@ -21,7 +21,8 @@ from .kernels.masks import MaskSpec
 from .kernels.spec import Request
 
 __all__ = ["AttentionInputError", "AttentionDtypeError", "AttentionInputs", "check_attention_inputs",
-           "check_block_size", "shape_str", "Prepared", "prepare", "to4d", "mask4d"]
+           "check_block_size", "check_softcap", "check_alibi_slopes", "shape_str", "Prepared", "prepare", "to4d",
+           "mask4d"]
 
 
 class AttentionInputError(ValueError, RuntimeError):
@@ -266,6 +267,13 @@ class Prepared:
             self._repeated[name] = t.repeat_interleave(self.info.groups, dim=1)
         return self._repeated[name]
 
+    @property
+    def needs_grad(self) -> bool:
+        """Autograd will call a backward: grad mode is on and q, k or v requires grad (kernels that keep extra
+        tensors for their backward count them in their peak only then)."""
+        return torch.is_grad_enabled() and (self.q.requires_grad or self.kv_k.requires_grad
+                                            or self.kv_v.requires_grad)
+
     def request(self, need_weights: bool = False, strict: bool = False, sdpa_backend: str | None = None) -> Request:
         """These inputs as a kernel :class:`~attnlab.kernels.Request` (sizes and flags only)."""
         i, m = self.info, self.mask
@@ -275,7 +283,9 @@ class Prepared:
                        keep_mask=m.keep is not None, float_mask=m.bias is not None,
                        float_mask_grad=self.mask_requires_grad, dropout_p=self.dropout_p,
                        need_weights=bool(need_weights), strict=bool(strict), dead_per_head=self.dead_per_head,
-                       sdpa_backend=sdpa_backend)
+                       sdpa_backend=sdpa_backend, softcap=m.softcap is not None,
+                       alibi=None if m.alibi is None else "[H]" if m.alibi.shape[0] == 1 else "[B, H]",
+                       needs_grad=self.needs_grad)
 
 
 def to4d(t: torch.Tensor) -> torch.Tensor:
@@ -306,12 +316,62 @@ def mask4d(m: torch.Tensor, batch_shape: tuple[int, ...]) -> torch.Tensor:
     return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(batch_shape[:-1]), *m.shape[-3:])
 
 
+def check_softcap(softcap) -> float | None:
+    """``softcap``: None or 0.0 (off, as flash-attn's default ``softcap=0.0``) or a finite float > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, torch.Tensor)) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0, 0.0 or None, got {type(softcap).__name__}")
+    if softcap == 0:
+        return None  # flash-attn's "no capping": code ported from flash_attn_func(softcap=0.0) runs as written
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise AttentionInputError(f"softcap must be a finite float > 0 (0.0 or None turn soft-capping off), "
+                                  f"got {softcap!r}")
+    return float(softcap)
+
+
+def check_alibi_slopes(alibi_slopes, query: torch.Tensor, info: AttentionInputs) -> torch.Tensor | None:
+    """``alibi_slopes`` [H] or [*batch, H] (query's dims before L) -> [B|1, H], float32 (float64 stays);
+    per-batch slopes whose rows are all equal become one row (kernels that take slopes [H] then run them).
+    Raises naming the argument and the shapes: not floating, on another device, another shape,
+    non-finite values, or requiring grad (no kernel differentiates the slopes)."""
+    if alibi_slopes is None:
+        return None
+    a = _require_tensor("alibi_slopes", alibi_slopes)
+    if not a.dtype.is_floating_point:
+        raise AttentionDtypeError(f"alibi_slopes must be a floating tensor (float32 as in flash-attn), got {a.dtype}")
+    if a.device != query.device:
+        raise AttentionInputError(f"alibi_slopes is on {a.device} but query is on {query.device}")
+    H, lead = info.H, tuple(query.shape[:-2])
+    if tuple(a.shape) not in ((H,), lead) or (a.dim() == 0):
+        raise AttentionInputError(
+            f"alibi_slopes {shape_str(a)} must be [H] = [{H}] or [*batch, H] = {list(lead)} (one slope per "
+            f"query head; query {shape_str(query)})")
+    if a.requires_grad:
+        raise AttentionInputError("alibi_slopes requires grad, but no kernel differentiates the slopes; "
+                                  "pass alibi_slopes.detach()")
+    if a.device.type != "meta" and not bool(torch.isfinite(a).all()):
+        raise AttentionInputError(f"alibi_slopes must be finite, got {a.tolist() if a.numel() <= 16 else 'non-finite values'}")
+    a = a.to(torch.float64 if a.dtype == torch.float64 else torch.float32)
+    N = math.prod(lead[:-1]) if len(lead) >= 2 else 1
+    if a.dim() == 1 or N == 1:
+        return a.reshape(1, H)
+    a = a.reshape(N, H)
+    if a.device.type != "meta" and bool((a == a[:1]).all()):
+        return a[:1]
+    return a
+
+
 def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-            enable_gqa=False, pattern=None) -> Prepared:
-    """Validate inputs (``check_attention_inputs``) and bring them to the kernels' 4-D form:
-    query [..., L, E] -> q [B, H, L, E]; key/value -> [B, Hkv, S, E|Ev] with dead keys zeroed
-    (Note [Dead keys]); ``attn_mask``, ``is_causal`` and ``pattern`` become one ``MaskSpec``."""
+            enable_gqa=False, pattern=None, *, softcap: float | None = None,
+            alibi_slopes: torch.Tensor | None = None) -> Prepared:
+    """Validate inputs (``check_attention_inputs``, ``check_softcap``, ``check_alibi_slopes``) and bring
+    them to the kernels' 4-D form: query [..., L, E] -> q [B, H, L, E]; key/value -> [B, Hkv, S, E|Ev] with
+    dead keys zeroed (Note [Dead keys]); ``attn_mask``, ``is_causal``, ``pattern``, ``softcap`` and
+    ``alibi_slopes`` (-> [B|1, H]) become one ``MaskSpec`` (Note [Score modifications])."""
     info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    cap = check_softcap(softcap)
+    slopes = check_alibi_slopes(alibi_slopes, query, info)
     if pattern is not None and not isinstance(pattern, P.Pattern):
         raise TypeError(f"pattern must be an attnlab.patterns.Pattern, got {type(pattern).__name__}")
     q, k, v = to4d(query), to4d(key), to4d(value)  # k, v: (B, Hkv, S, E)
@@ -331,9 +391,10 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     pat = pattern
     if is_causal:
         pat = P.causal() if pat is None else (pat & P.causal())
-    mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias)
+    mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias, softcap=cap, alibi=slopes)
     k, v, per_head = _zero_dead_keys(k, v, mask, info.groups if info.Hkv else 1)
-    causal_only = is_causal and pattern is None and attn_mask is None
+    # ALiBi is a bias: with it, causal is no longer the only mask (soft-capping masks nothing)
+    causal_only = is_causal and pattern is None and attn_mask is None and slopes is None
     p = Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
                  bool(attn_mask is not None and attn_mask.requires_grad))
     if per_head is not None:

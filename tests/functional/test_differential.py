@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import attnlab
@@ -144,10 +144,10 @@ def _lse_err(a, ref):
     return float(torch.where(both, torch.zeros_like(a), a - ref).abs().max())
 
 
-def _check(what, got, ref, naive_err, dtype, factor=ERROR_FACTOR):
+def _check(what, got, ref, naive_err, dtype, factor=ERROR_FACTOR, floor=None):
     """PyTorch's rule: |got - ref| <= atol + rtol·|ref| elementwise, atol = max(factor · naive
-    error, default atol[dtype]), rtol = default rtol[dtype]. Rows at -inf (an lse with no key) must be
-    -inf in both and are then equal."""
+    error, default atol[dtype]), rtol = default rtol[dtype]; plus ``floor`` (elementwise) where given.
+    Rows at -inf (an lse with no key) must be -inf in both and are then equal."""
     if not got.numel():
         return
     got = got.double()
@@ -157,10 +157,35 @@ def _check(what, got, ref, naive_err, dtype, factor=ERROR_FACTOR):
     rtol = DEFAULT_RTOL[dtype]
     err = torch.where(fin, got - ref, torch.zeros_like(ref)).abs()
     bound = atol + rtol * torch.where(fin, ref, torch.zeros_like(ref)).abs()
+    if floor is not None:
+        bound = bound + floor
     assert not torch.isnan(err).any(), f"{what}: NaN"
     worst = int((err - bound).argmax())
     assert bool((err <= bound).all()), (f"{what}: error {float(err.flatten()[worst]):.3g} > {atol:.3g} + {rtol:g}·|ref| "
                                         f"(naive error {naive_err:.3g})")
+
+
+def _delta_floor(q, k, v, mask, is_causal, scale, gqa, gout, dtype):
+    """Elementwise rounding floors for (dq, dk) of a backward that takes delta = rowsum(dO∘O) from O
+    rounded to ``dtype`` (FlashAttention-2's backward, PyTorch's CPU flash kernel): dS = P∘(dP − delta)
+    cancels terms of size P·(|dP| + Σ|dO∘O|), each rounded at ``dtype``'s unit roundoff u, so
+    |ddq| <= u·|scale|·(P·(|dP| + D)) |k| and |ddk| <= u·|scale|·(P·(|dP| + D))ᵀ |q| to first order.
+    On tiny rows (L = 1, S = 3) the naive computation's own error can be 25x below this by luck, so the
+    naive-error budget alone fails a correct kernel (hypothesis found SDPA bf16 dq at 25x naive)."""
+    q, k, v, g = q.double(), k.double(), v.double(), gout.double()
+    rep = q.shape[-3] // k.shape[-3] if gqa else 1
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    p = torch.softmax(_scores(q, k, mask, is_causal, scale, False), -1).nan_to_num(0.0)  # rows with no key: 0
+    dp = g @ v.transpose(-2, -1)  # [..., L, S]
+    d = (g.abs() * (p @ v).abs()).sum(-1, keepdim=True) + (p * dp.abs()).sum(-1, keepdim=True)
+    t = p * (dp.abs() + d)
+    u = torch.finfo(dtype).eps / 2
+    sc = abs(1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    fq, fk = u * sc * (t @ k.abs()), u * sc * (t.transpose(-2, -1) @ q.abs())
+    if rep > 1:
+        fk = fk.unflatten(-3, (fk.shape[-3] // rep, rep)).sum(-3)  # the group's query heads share a key head
+    return fq, fk
 
 
 def _err(a, ref):
@@ -217,8 +242,16 @@ def test_the_naive_budget_is_not_vacuous(method):
         _check("one key dropped", out, ref, naive, torch.float32)
 
 
+#: found by hypothesis (stop 18): the compiled backward took delta = rowsum(dO∘O) from O rounded to bfloat16,
+#: dk error 0.00256 against the naive bf16 error 0.00025; with the float32 O (csrc Note [fp32 O for delta])
+#: its error equals the naive one
+FOUND_BF16_DELTA = dict(rank=4, dtype=torch.bfloat16, H=1, Hkv=1, lead=[1], L=1, S=3, E=1, Ev=5, scale=2.0,
+                        is_causal=False, mask_kind="none", mask_full=False, poison=None, block=None, seed=0)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
+@example(FOUND_BF16_DELTA)
 def test_every_exact_method_differentiates_like_the_float64_naive_computation(c):
     # gradient oracle: autograd through _naive in float64 (plain torch ops, no attnlab kernel), on the
     # clean keys; budget as for the output (GRAD_ERROR_FACTOR), against the naive computation's gradients
@@ -240,12 +273,16 @@ def test_every_exact_method_differentiates_like_the_float64_naive_computation(c)
     naive = grads(lambda a, b, d: _naive(a, b, d, mask, c["is_causal"], c["scale"], gqa), q, ck, cv)
     for method in EXACT:
         try:
-            attnlab.explain(q, k, v, **kw, method=method, block_size=c["block"])
+            ran = attnlab.explain(q, k, v, **kw, method=method, block_size=c["block"]).method
         except ValueError as e:
             assert "cannot run these inputs" in str(e), e
             continue
         got = grads(lambda a, b, d: attnlab.attention(a, b, d, **kw, method=method, block_size=c["block"]), q, k, v)
-        for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        # PyTorch's fused backward takes delta from O rounded to the input dtype; attnlab's kernels keep O
+        # in float32 for it (tiled; compiled: csrc Note [fp32 O for delta]) and get no floor
+        floors = (*_delta_floor(q, ck, cv, m64, c["is_causal"], c["scale"], gqa, gout, c["dtype"]), None) \
+            if ran == "sdpa" and c["dtype"] != torch.float64 else (None, None, None)
+        for name, g, r, n, f in zip(("dq", "dk", "dv"), got, ref, naive, floors):
             g = torch.zeros_like(r) if g is None else g
             n = torch.zeros_like(r) if n is None else n
-            _check(f"{method} {name} {c}", g, r, _err(n, r), c["dtype"], GRAD_ERROR_FACTOR)
+            _check(f"{method} {name} {c}", g, r, _err(n, r), c["dtype"], GRAD_ERROR_FACTOR, f)

@@ -7,6 +7,7 @@ Skipped as a whole when the extension is not built (or ATTNLAB_NO_EXT=1).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -22,7 +23,7 @@ from attnlab import patterns as P
 from attnlab import reference
 from attnlab.kernels import compiled
 from attnlab.kernels.masks import MaskSpec
-from helpers import FUSED_ERROR_FACTOR, assert_close, max_err
+from helpers import FUSED_ERROR_FACTOR, TOL, assert_close, max_err
 
 pytestmark = pytest.mark.skipif(not compiled.available(), reason=f"compiled kernel: {compiled.unavailable_reason()}")
 
@@ -39,6 +40,15 @@ def _naive(q, k, v, mask, scale=None):
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
     w = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
     return w @ v
+
+
+def _attn64(q, k, v, mask):
+    """softmax(q kᵀ / √E + mask) v entirely in float64, differentiable (masked rows 0): the gradient oracle."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
 def _check_fwd(out, q, k, v, mask, what, scale=None):
@@ -304,6 +314,164 @@ def test_gradcheck_float64_masks_softcap_alibi():
             fast_mode=True), kw
 
 
+@pytest.mark.parametrize("shape", [(12, 14), (1, 1, 12, 14), (2, 2, 12, 14), (2, 1, 1, 14)], ids=str)
+def test_gradcheck_float64_float_mask_requiring_grad(shape):
+    """A learned float mask (bias) differentiates through the compiled kernel: full [L, S], broadcast over
+    batch and heads, per head, and a key bias broadcast over queries (its dense gradient is summed back)."""
+    q, k, v = _qkv((2, 2, 12, 4), (2, 2, 14, 4), dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    assert attnlab.explain(q, k, v, attn_mask=bias, method="compiled").method == "compiled"
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, b: attnlab.attention(q, k, v, attn_mask=b, method="compiled", block_size=8), (q, k, v, bias))
+
+
+def test_gradcheck_float64_float_mask_with_softcap_pattern_alibi():
+    # the bias is added after the soft-cap (modify_scores), so its gradient skips the cap's 1 - tanh²
+    q, k, v = _qkv((1, 2, 12, 4), (1, 2, 14, 4), dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 2, 12, 14, dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(1, 1, 12, 14) < 0.8
+    slopes = torch.tensor([0.5, 0.125])
+    for kw in ({"softcap": 1.5}, {"softcap": 0.7, "alibi_slopes": slopes, "alibi_causal": True}):
+        def f(q, k, v, b):
+            spec = MaskSpec(12, 14, pattern=P.sliding_window(5), keep=keep, bias=b)
+            return compiled.compiled_attention(q, k, v, spec, 0.6, 8, 8, **kw)[0]
+        assert torch.autograd.gradcheck(f, (q, k, v, bias)), kw
+
+
+def test_peak_counts_saved_fp32_output_and_bias_gradient():
+    """explain's compiled peak: + the bias's dense gradient [N, H, L, S] float32 when it requires grad,
+    + the fp32 O [N, H, L, Ev] a half-type forward keeps for the backward (csrc Note [fp32 O for delta])."""
+    q, k, v = _qkv((2, 4, 96, 16), (2, 4, 80, 16), Ev=8)
+    pat = P.sliding_window(16)
+
+    def peak(q, bias):
+        return attnlab.explain(q, k.to(q.dtype), v.to(q.dtype), attn_mask=bias, pattern=pat,
+                               method="compiled").peak_bytes["compiled"]
+    bias = torch.randn(96, 80)
+    assert peak(q, bias.requires_grad_()) - peak(q, bias.detach()) == 2 * 4 * 96 * 80 * 4
+    # explain's request says whether autograd will run (q, k or v requires grad under grad mode)
+    qb = q.to(torch.bfloat16)
+    assert peak(qb.clone().requires_grad_(), None) - peak(qb, None) == 2 * 4 * 96 * 8 * 4
+    with torch.no_grad():
+        assert peak(qb.clone().requires_grad_(), None) == peak(qb, None)
+    from attnlab.kernels.spec import Request
+    r = Request(2, 4, 4, 96, 80, 16, 8, torch.bfloat16)
+    assert compiled.saved_bytes(dataclasses.replace(r, needs_grad=True)) - compiled.saved_bytes(r) == 2 * 4 * 96 * 8 * 4
+    assert compiled.saved_bytes(dataclasses.replace(r, dtype=torch.float32, needs_grad=True)) == 2 * 4 * 96 * 4
+
+
+@pytest.mark.parametrize("kind", ["window", "float_mask"])
+def test_float_mask_grad_matches_float64_and_sdpa(kind):
+    """fp32: the bias's gradient (and q, k, v's) against float64 autograd with the fused-kernel budget, and
+    against PyTorch SDPA's (math backend: it differentiates the float mask) within both their budgets."""
+    torch.manual_seed(7)
+    Lq, Sk = 70, 90
+    q, k, v = _qkv((2, 4, Lq, 16), (2, 4, Sk, 16), dtype=torch.float32, requires_grad=True)
+    pattern = P.sliding_window(12, causal=True) if kind == "window" else None
+    bias = torch.randn(1, 4, Lq, Sk) if kind == "window" else torch.randn(Lq, Sk)
+    if kind == "float_mask":
+        bias = bias.masked_fill(torch.rand(Lq, Sk) < 0.2, float("-inf"))  # a float mask with removed keys
+    bias.requires_grad_()
+    do = torch.randn(2, 4, Lq, 16)
+    full = bias if pattern is None else bias.masked_fill(~pattern.materialize(Lq, Sk), float("-inf"))
+    ins = (q, k, v, bias)
+
+    def grads(fn, dtype):
+        t = [x.detach().to(dtype).requires_grad_() for x in ins]
+        return torch.autograd.grad(fn(*t), t, do.to(dtype))
+
+    got = grads(lambda q, k, v, b: attnlab.attention(q, k, v, attn_mask=b, pattern=pattern, method="compiled",
+                                                     block_size=32), torch.float32)
+
+    def masked(b):
+        return b if pattern is None else b.masked_fill(~pattern.materialize(Lq, Sk), float("-inf"))
+    ref = grads(lambda q, k, v, b: _attn64(q, k, v, masked(b)), torch.float64)
+    naive = grads(lambda q, k, v, b: _naive(q, k, v, masked(b)), torch.float32)
+    sdpa = grads(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=masked(b)), torch.float32)
+    assert full.shape[-2:] == (Lq, Sk) and got[3].shape == bias.shape
+    for name, g, r, n, sd in zip(("dq", "dk", "dv", "dbias"), got, ref, naive, sdpa):
+        bound = FUSED_ERROR_FACTOR * max_err(n, r) + FLOOR[torch.float32]
+        assert max_err(g, r) <= bound, f"{kind} {name}: {max_err(g, r):.3g} > {bound:.3g} vs float64"
+        sd_bound = bound + FUSED_ERROR_FACTOR * max_err(sd, r)
+        assert max_err(g, sd) <= sd_bound, f"{kind} {name}: {max_err(g, sd):.3g} > {sd_bound:.3g} vs SDPA"
+    # masked (query, key) pairs get no gradient, as in SDPA
+    assert (got[3][torch.isneginf(full.detach().expand_as(got[3]))] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float_mask_grad_half_types(dtype):
+    """bf16/fp16 inputs with a float32 learned bias: its gradient stays float32 and within the fused budget
+    of the naive same-dtype computation's error against float64."""
+    torch.manual_seed(11)
+    q, k, v = _qkv((1, 2, 40, 32), (1, 2, 56, 32), dtype=dtype, requires_grad=True)
+    bias = torch.randn(40, 56, requires_grad=True)
+    do = torch.randn(1, 2, 40, 32, dtype=dtype)
+    got = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=bias, method="compiled", block_size=16), bias, do)[0]
+    assert got.dtype == torch.float32
+
+    def ref_grad(dt):
+        b = bias.detach().double().requires_grad_()
+        qkv = [t.detach().to(dt) for t in (q, k, v)]
+        out = _attn64(*qkv, b) if dt == torch.float64 else _naive(*qkv, b.to(dt))
+        return torch.autograd.grad(out, b, do.to(dt))[0]
+    ref, naive = ref_grad(torch.float64), ref_grad(dtype)
+    bound = FUSED_ERROR_FACTOR * max_err(naive, ref) + FLOOR[dtype]
+    assert max_err(got, ref) <= bound, f"{dtype} dbias {max_err(got, ref):.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("splits", ["1", "3", "100"])
+@pytest.mark.parametrize("pattern", [None, P.causal(), P.sliding_window(9, causal=True), P.bigbird(8, 3, 1, 2)],
+                         ids=repr)
+def test_backward_key_ranges_match_float64(splits, pattern, monkeypatch):
+    """csrc Note [Backward balance]: each kv head's key blocks split into ranges (partial dq per range,
+    summed) give float64 autograd's gradients, the float mask's included; 100 ranges = one per key block."""
+    monkeypatch.setenv("ATTNLAB_EXT_BWD_SPLITS", splits)
+    q, k, v = _qkv((2, 4, 45, 8), (2, 2, 61, 8), Ev=6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 4, 45, 61, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(2, 4, 45, 6, dtype=torch.float64)
+    ins = (q, k, v, bias)
+    got = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=bias, pattern=pattern, enable_gqa=True,
+                                                method="compiled", block_size=16), ins, do)
+    full = bias if pattern is None else bias.masked_fill(~pattern.materialize(45, 61), float("-inf"))
+    ref = torch.autograd.grad(_attn64(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), full), ins, do)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), got, ref):
+        assert_close(g, r, **TOL[torch.float64], what=f"{name} splits={splits} {pattern!r}")
+
+
+@pytest.mark.parametrize("gemm", ["auto", "mkl"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_half_backward_brgemm_odd_tails(gemm, dtype, splits, monkeypatch):
+    """csrc Note [Half-type backward on brgemm]: odd query and key tails (VNNI pairs padded with zeros), GQA,
+    key ranges, a learned float32 bias and a causal window, against float64 autograd, within the fused budget
+    of the naive same-dtype computation; the same with MKL's gemm (ATTNLAB_EXT_GEMM=mkl)."""
+    monkeypatch.setenv("ATTNLAB_EXT_GEMM", gemm)
+    monkeypatch.setenv("ATTNLAB_EXT_BWD_SPLITS", splits)
+    monkeypatch.setattr(compiled, "BACKWARD_HALF_BRGEMM_MIN_BLOCKS", 0)  # brgemm even for this sparse layout
+    torch.manual_seed(5)
+    Lq, Sk = 77, 93
+    q, k, v = _qkv((2, 4, Lq, 32), (2, 2, Sk, 32), Ev=16, dtype=dtype, requires_grad=True)
+    bias = torch.randn(1, 1, Lq, Sk, requires_grad=True)
+    pattern = P.sliding_window(40, causal=True)
+    do = torch.randn(2, 4, Lq, 16, dtype=dtype)
+    ins = (q, k, v, bias)
+    got = torch.autograd.grad(attnlab.attention(q, k, v, attn_mask=bias, pattern=pattern, enable_gqa=True,
+                                                method="compiled", block_size=32), ins, do)
+    full = bias.masked_fill(~pattern.materialize(Lq, Sk), float("-inf"))
+
+    def grads(fn, dt):
+        t = [x.detach().to(dt).requires_grad_() for x in ins]
+        return torch.autograd.grad(fn(*t), t, do.to(dt))
+    fm = lambda b: b.masked_fill(~pattern.materialize(Lq, Sk), float("-inf"))  # noqa: E731
+    ref = grads(lambda q, k, v, b: _attn64(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), fm(b)),
+                torch.float64)
+    naive = grads(lambda q, k, v, b: _naive(q, k, v, fm(b)), dtype)
+    assert full.shape == (1, 1, Lq, Sk)
+    for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), got, ref, naive):
+        bound = FUSED_ERROR_FACTOR * max_err(n, r) + FLOOR[dtype] * 10
+        assert max_err(g, r) <= bound, f"{name} {dtype} {gemm} splits={splits}: {max_err(g, r):.3g} > {bound:.3g}"
+
+
 def test_softcap_and_alibi_match_formula():
     q, k, v = _qkv((1, 2, 30, 8), (1, 2, 30, 8), dtype=torch.float64)
     spec = MaskSpec(30, 30, pattern=P.causal())
@@ -361,8 +529,9 @@ def test_planner_refusals_and_choices():
     assert attnlab.explain(q, k, v, pattern=pat).method == "compiled"
     assert "dropout" in attnlab.explain(q, k, v, pattern=pat, dropout_p=0.1).refused["compiled"]
     assert "weights" in attnlab.explain(q, k, v, pattern=pat, need_weights=True).refused["compiled"]
-    bias = torch.randn(64, 64, requires_grad=True)
-    assert "grad" in attnlab.explain(q, k, v, attn_mask=bias).refused["compiled"]
+    bias = torch.randn(64, 64, requires_grad=True)  # a learned bias: the compiled backward differentiates it
+    assert "compiled" not in attnlab.explain(q, k, v, attn_mask=bias).refused
+    assert attnlab.explain(q, k, v, pattern=pat, attn_mask=bias).method == "compiled"
     with pytest.raises(ValueError, match="compiled"):
         attnlab.attention(q, k, v, pattern=pat, dropout_p=0.1, method="compiled")
     if torch.cuda.is_available():

@@ -16,6 +16,7 @@ from attnlab import patterns as P
 from attnlab.functional import planner
 from attnlab.kernels.lse import merge, merge_into
 from attnlab.nn import MultiHeadAttention
+from helpers import TOL, assert_close
 
 
 def _q(*shape, dtype=torch.float64, seed=0):
@@ -116,11 +117,20 @@ def test_lse_merge_equals_attention_over_the_union():
     torch.testing.assert_close(acc_lse, lse, atol=1e-14, rtol=0)
 
 
-def test_attention_with_lse_refuses_a_float_mask_it_cannot_differentiate():
+def test_attention_with_lse_differentiates_a_float_mask_only_through_compiled():
+    # of the kernels that return the log-sum-exp, only the compiled one differentiates a float mask
+    from attnlab.kernels import compiled
+
     q = _q(1, 1, 6, 4, dtype=torch.float32)
-    bias = torch.zeros(6, 6, requires_grad=True)
-    with pytest.raises(ValueError, match="log-sum-exp.*attn_mask that requires grad"):
-        attnlab.attention_with_lse(q, q, q, attn_mask=bias)
+    bias = torch.randn(6, 6, requires_grad=True)
+    if not compiled.available():
+        with pytest.raises(ValueError, match="log-sum-exp.*attn_mask that requires grad"):
+            attnlab.attention_with_lse(q, q, q, attn_mask=bias)
+        return
+    out, _ = attnlab.attention_with_lse(q, q, q, attn_mask=bias)
+    got = torch.autograd.grad(out.sum(), bias)[0]
+    want = torch.autograd.grad(attnlab.attention(q, q, q, attn_mask=bias, method="dense").sum(), bias)[0]
+    assert_close(got, want, **TOL[torch.float32], what="dbias via attention_with_lse vs dense")
 
 
 def test_reasons_are_derived_from_every_field():

@@ -9,6 +9,7 @@ import torch
 import attnlab
 from attnlab import patterns as P
 from attnlab.options import check_memory, nonneg_int, positive_int
+from attnlab.positional import alibi_slopes
 from attnlab.report import format_bytes as _fmt_bytes
 
 from .common import UsageError
@@ -27,6 +28,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the inputs")
     p.add_argument("--need-weights", action="store_true", help="the attention weights are asked for too")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability on the weights (dropout_p)")
+    p.add_argument("--softcap", type=float, help="tanh soft-capping of the scores (softcap=, as in Gemma 2)")
+    p.add_argument("--alibi", action="store_true", help="ALiBi with the standard slopes of H heads (alibi_slopes=)")
     p.add_argument("--strict", action="store_true", help="refuse rather than fall back (strict=True)")
     p.add_argument("--method", default="auto", choices=list(attnlab.METHODS), help="the method asked for")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -56,7 +59,8 @@ def _shape(text: str) -> tuple[int, ...]:
 _LAYOUT_BYTES_PER_BLOCK = 64
 
 
-def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pattern=None, **kw) -> dict:
+def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pattern=None, alibi=False,
+                  **kw) -> dict:
     """Plan for one query shape on this machine's CPU. The tensors live on the meta device (shapes and
     dtypes, no storage) and are planned as CPU tensors: explain runs no attention, so a shape of any size
     can be explained; only a pattern's block layouts,
@@ -77,8 +81,13 @@ def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pat
         blocks = -(-L // 32) * -(-S // 32)
         check_memory(f"--shape {','.join(map(str, shape))} with --pattern", blocks * _LAYOUT_BYTES_PER_BLOCK,
                      f"the sparse planner's block layout of {-(-L // 32)} x {-(-S // 32)} blocks")
+    if alibi:
+        if len(shape) < 3:
+            raise UsageError("--alibi needs a shape with a head dim (B,H,L,E)")
+        kw["alibi_slopes"] = alibi_slopes(shape[-3]).to(q.device)
     plan = attnlab.explain(q, k, k, pattern=pat, device="cpu", **kw)  # what a CPU run of these shapes does
-    return {"shape": list(shape), "S": S, "pattern": pattern, "options": {k: v for k, v in kw.items() if v},
+    return {"shape": list(shape), "S": S, "pattern": pattern, "options": {k: True if isinstance(v, torch.Tensor) else v for k, v in kw.items()
+                                                          if isinstance(v, torch.Tensor) or v},
             "method": plan.method, "reason": plan.reason, "refused": plan.refused,
             "peak_bytes": plan.peak_bytes, "flops": plan.flops, "sdpa_backend": plan.sdpa_backend,
             "density": plan.density, "plan": plan}
@@ -93,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     from rich.table import Table
 
     opts = dict(is_causal=args.causal, need_weights=args.need_weights, dropout_p=args.dropout,
-                strict=args.strict, method=args.method)
+                strict=args.strict, method=args.method, softcap=args.softcap, alibi=args.alibi)
     if args.shape or args.pattern:
         todo = [(s, {"pattern": args.pattern} if args.pattern else {}) for s in args.shape or ["1,8,4096,64"]]
     else:

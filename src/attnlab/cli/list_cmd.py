@@ -58,7 +58,8 @@ def kernel_rows() -> list[dict]:
                      "backward": s.backward, "float_mask_grad": s.float_mask_grad, "gqa_no_copy": s.gqa_no_copy,
                      "materializes": s.materializes, "needs_sparsity": s.needs_sparsity,
                      "needs_extension": s.needs_extension, "devices": list(s.devices) if s.devices else None,
-                     "dtypes": [str(d).replace("torch.", "") for d in s.dtypes]})
+                     "dtypes": [str(d).replace("torch.", "") for d in s.dtypes], "softcap": s.softcap,
+                     "alibi": s.alibi, "alibi_shapes": list(s.alibi_shapes) if s.alibi != "no" else []})
     return rows
 
 
@@ -73,13 +74,15 @@ def _run_kernels(args, console) -> dict:
         return {"kernels": rows, "exit_code": 0}
     t = Table(title="attnlab kernels (what attnlab.attention's planner reads; `attnlab explain` shows its choice)",
               title_justify="left")
-    for c in ("name", "weights", "lse", "dropout", "mask grad", "materialises", "needs", "summary"):
+    for c in ("name", "weights", "lse", "dropout", "mask grad", "softcap", "ALiBi", "materialises", "needs", "summary"):
         t.add_column(c, overflow="fold")
     for r in rows:
         needs = [n for n, on in (("a mask", r["needs_sparsity"]), ("the extension", r["needs_extension"])) if on]
         needs += [f"{'/'.join(r['devices'])} tensors"] if r["devices"] else []
         t.add_row(r["name"], r["weights"], r["lse"], "yes" if r["dropout"] else "no",
-                  "yes" if r["float_mask_grad"] else "no", r["materializes"], ", ".join(needs) or "—", r["summary"])
+                  "yes" if r["float_mask_grad"] else "no", "yes" if r["softcap"] else "no",
+                  r["alibi"] + (f" {' or '.join(r['alibi_shapes'])}" if r["alibi"] != "no" else ""),
+                  r["materializes"], ", ".join(needs) or "—", r["summary"])
     console.print(t)
     return {"kernels": rows, "exit_code": 0}
 

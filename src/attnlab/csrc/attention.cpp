@@ -12,9 +12,12 @@
 //   broadcast dim has stride 0), so a user L x S mask is never expanded or copied per head.
 //
 // Forward: online softmax over the visited key blocks; returns out [N, H, L, Ev] and the
-// log-sum-exp lse [N, H, L] (float32; float64 for float64), -inf for a row with no key (out 0).
+// log-sum-exp lse [N, H, L] (float32; float64 for float64), -inf for a row with no key (out 0), and
+// for half types when asked (the inputs need grad) out_acc [N, H, L, Ev] float32, O before rounding.
 // Backward: recomputes each block's probabilities from lse (FA2), accumulating dq per query block
-// and dk, dv per kv head in float buffers owned by one thread (units are (n, kv head) pairs).
+// and dk, dv in float buffers owned by one unit, (n, kv head, range of key blocks), units pulled by
+// threads longest first (Note [Backward balance]); when the
+// float mask needs grad, also dbias [N, H, L, S] (the score gradient of the visited blocks, else 0).
 //
 // Note [Masked scores]: masking *overwrites* a score with -inf rather than adding, so a NaN or Inf
 // produced by a masked key cannot reach the softmax. Values of keys no query may attend are zeroed
@@ -456,6 +459,35 @@ inline void transpose_words(const uint32_t* src, int64_t ld, int64_t cols, int64
     for (int64_t e = 0; e < width; ++e) dst[e * ldd + c] = src[c * ld + e];
 }
 
+// dst[e * ldd + r] = src[r * ld + e] for 16-bit values (bf16 / fp16), r < rows, e < width: AVX-512 gathers 16
+// rows' 4-byte word (two values) at once and splits the pairs with one permute (the scalar loop over a 64 x 64
+// query tile cost as much as a query block's few AMX products under a sparse layout).
+inline void transpose_halves(const uint16_t* src, int64_t ld, int64_t rows, int64_t width, uint16_t* dst,
+                             int64_t ldd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (ld % 2 == 0 && width % 2 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 && ld * 2 * 16 < (int64_t(1) << 31)) {
+    alignas(64) static const uint16_t kSplit[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                    1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    const __m512i split = _mm512_load_si512(kSplit);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(ld / 2)));
+    for (int64_t r = 0; r < rows; r += 16) {
+      const __mmask16 m = rows - r >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (rows - r)) - 1);
+      const uint32_t* base = reinterpret_cast<const uint32_t*>(src + r * ld);
+      for (int64_t w = 0; w < width / 2; ++w) {
+        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, base + w, 4);
+        const __m512i d = _mm512_permutexvar_epi16(split, g);  // [value 2w of the 16 rows | value 2w + 1]
+        _mm256_mask_storeu_epi16(dst + (2 * w) * ldd + r, m, _mm512_castsi512_si256(d));
+        _mm256_mask_storeu_epi16(dst + (2 * w + 1) * ldd + r, m, _mm512_extracti64x4_epi64(d, 1));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < width; ++e) dst[e * ldd + r] = src[r * ld + e];
+}
+
 // dst[c * ld_dst + r] = src[r * ld_src + c]: a tile transposed (brgemm takes no transposed operand).
 // fp32 tiles go through transpose_words (the fp32 backward transposes P and dS per tile: scalar, that was
 // ~10% of a causal window's forward+backward).
@@ -652,7 +684,7 @@ constexpr int64_t kMergeCols = 512;
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Layout& lay,
                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& out,
-                  at::Tensor& lse) {
+                  at::Tensor& lse, at::Tensor& out_acc) {
   using A = typename Acc<T>::type;
   constexpr bool kSame = std::is_same_v<T, A>;
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
@@ -663,6 +695,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const T* Vp = v.data_ptr<T>();
   T* O = out.data_ptr<T>();
   A* LSE = lse.data_ptr<A>();
+  A* OA = out_acc.defined() ? out_acc.data_ptr<A>() : nullptr;  // Note [fp32 O for delta]
   const A scale = static_cast<A>(scale_d);
   const A ninf = -std::numeric_limits<A>::infinity();
   const int64_t flops = N * H * L * S * (E + Ev);
@@ -790,6 +823,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const A inv = any ? A(1) / lrow[r] : A(0);
         const A* o = obuf.data() + r * Ev;
         for (int64_t c = 0; c < Ev; ++c) op[r * Ev + c] = static_cast<T>(o[c] * inv);
+        if (OA) {
+          A* oa = OA + ((n * H + h) * L + q0 + r) * Ev;
+          for (int64_t c = 0; c < Ev; ++c) oa[c] = o[c] * inv;
+        }
         lp[r] = any ? mrow[r] + std::log(lrow[r]) : ninf;
       }
     }
@@ -797,14 +834,41 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
+// One row of the score gradient, in place over dr = dP: g = P (dP - delta) is the gradient of the final
+// score, hence of an additive float mask (modify_scores adds the bias after the soft-cap), stored to db
+// when asked; the gradient of the scaled q k^T score is g (1 - tanh^2) under a soft-cap; `mul` is the
+// score scale when the next products cannot apply it (brgemm has no alpha).
+template <typename A>
+inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int64_t cols, A* db) {
+  using V = Vectorized<A>;
+  const V dl(delta), vm(mul), one(A(1));
+  int64_t c = 0;
+  for (; c + V::size() <= cols; c += V::size()) {
+    V g = V::loadu(pr + c) * (V::loadu(dr + c) - dl);
+    if (db) g.store(db + c);
+    if (tr) {
+      const V t = V::loadu(tr + c);
+      g = g * (one - t * t);
+    }
+    (g * vm).store(dr + c);
+  }
+  for (; c < cols; ++c) {
+    A g = pr[c] * (dr[c] - delta);
+    if (db) db[c] = g;
+    if (tr) g *= A(1) - tr[c] * tr[c];
+    dr[c] = g * mul;
+  }
+}
+
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& out, const at::Tensor& lse, const Layout& lay,
-                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& dq,
-                   at::Tensor& dk, at::Tensor& dv) {
+                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, int64_t splits,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
   using A = typename Acc<T>::type;
   using Vec = Vectorized<A>;
   constexpr bool kSame = std::is_same_v<T, A>;
+  constexpr bool kHalf = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Ev = v.size(3), groups = H / Hkv;
   const int64_t bq = lay.bq, bk = lay.bk, nq = lay.nq;
@@ -812,29 +876,90 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const T* K = k.data_ptr<T>();
   const T* Vp = v.data_ptr<T>();
   const T* DO = dout.data_ptr<T>();
-  const T* O = out.data_ptr<T>();
+  // Note [fp32 O for delta]: delta = rowsum(dO * O) is a difference of nearly equal sums when one value
+  // dominates a row; from O rounded to bf16 its error reaches the gradients unscaled (hypothesis found dk
+  // 10x the naive bf16 error at L=1, S=3). Half types get the forward's fp32 O when it was kept.
+  const bool out_acc = !kSame && out.scalar_type() == c10::CppTypeToScalarType<A>::value;
+  const T* O = out_acc ? nullptr : out.data_ptr<T>();
+  const A* OA = out_acc ? out.data_ptr<A>() : nullptr;
   const A* LSE = lse.data_ptr<A>();
   T* DQ = dq.data_ptr<T>();
   A* DK = dk.data_ptr<A>();  // [N, Hkv, S, E] accumulation dtype, zeroed
   A* DV = dv.data_ptr<A>();
+  A* DB = dbias.defined() ? dbias.data_ptr<A>() : nullptr;  // [N, H, L, S] zeroed, when the float mask needs grad
   const A scale = static_cast<A>(scale_d);
   const A inf = std::numeric_limits<A>::infinity();
-  // one unit per (n, kv head): it alone writes that head's dk, dv, and the dq of its query heads
-  at::parallel_for(0, N * Hkv, grain(N * Hkv, 2 * N * H * L * S * (E + Ev)), [&](int64_t begin, int64_t end) {
+  // Note [Backward balance]: a unit is (n, kv head, range of key blocks). It alone writes the dk, dv rows
+  // of its keys, and dq of its kv head's query heads: directly when each kv head is one unit (splits = 1),
+  // else into its range's fp32 partial dq, summed at the end. Threads pull units from an atomic counter,
+  // most visited blocks first, so a thread slowed by another process takes fewer units instead of holding
+  // up a static split (B=1, H=8 is only 8 units over the threads). Ranges cost a partial dq each and a
+  // pass over the query blocks per range, so the wrapper asks for them only when there are fewer
+  // (n, kv head) pairs than threads (MQA at B=1; compiled.backward_splits has the measurements).
+  const int64_t nk = (S + bk - 1) / bk;
+  const int64_t ranges = std::max<int64_t>(1, std::min(splits, nk));
+  const int64_t span = (nk + ranges - 1) / ranges;  // key blocks per range
+  const int64_t units = N * Hkv * ranges;
+  at::Tensor dq_part;
+  if (ranges > 1) dq_part = at::zeros({ranges, N, H, L, E}, q.options().dtype(dk.scalar_type()));
+  A* DQP = ranges > 1 ? dq_part.data_ptr<A>() : nullptr;
+  std::vector<int64_t> cost(units, 0), order(units);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t n = u / (Hkv * ranges), cr = u % ranges, lo = cr * span, hi = std::min(nk, lo + span);
+    if (lay.Nl == 1 && n > 0) {
+      cost[u] = cost[u % (Hkv * ranges)];
+      continue;
+    }
+    int64_t c = 0;
+    for (int64_t qb = 0; qb < nq; ++qb) {
+      const int64_t base = lay.base(n, qb);
+      for (int32_t t = 0; t < lay.kv_num[base]; ++t) {
+        const int32_t kb = lay.kv_idx[base * lay.maxk + t];
+        c += kb >= lo && kb < hi;
+      }
+    }
+    cost[u] = c;
+  }
+  for (int64_t u = 0; u < units; ++u) order[u] = u;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = grain(units, 2 * N * H * L * S * (E + Ev)) > 1 ? 1 : std::min<int64_t>(units, at::get_num_threads());
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     std::vector<A> pbuf(bq * bk), dpbuf(bq * bk), tbuf(mod.softcap > 0 ? bq * bk : 0), dqacc(bq * E), delta(bq),
         lsafe(bq);
     std::vector<T> pT(kSame ? 0 : bq * bk), dsT(kSame ? 0 : bq * bk);
-    // brgemm (fp32): K^T, V^T of this kv head, and transposed P, dS tiles (brgemm takes no transposes)
-    const int64_t nk = (S + bk - 1) / bk;
-    std::vector<T> kt(use_brg ? nk * E * bk : 0), vt(use_brg ? nk * Ev * bk : 0), ptile(use_brg ? bk * bq : 0),
-        dstile(use_brg ? bk * bq : 0);
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t n = u / Hkv, kvh = u % Hkv;
+    // brgemm (fp32): K^T, V^T of this unit's key blocks, and transposed P, dS tiles (brgemm takes no transposes)
+    std::vector<T> kt(use_brg ? span * E * bk : 0), vt(use_brg ? span * Ev * bk : 0),
+        ptile(use_brg && kSame ? bk * bq : 0), dstile(use_brg && kSame ? bk * bq : 0);
+    // Note [Half-type backward on brgemm]: all five products on oneDNN's brgemm (AMX / AVX512-BF16), whose B
+    // operand is VNNI-packed [K/2, N, 2] and which takes no transposes. dK and dV are accumulated transposed,
+    // dK^T += Q^T dS and dV^T += dO^T P, so the per-tile operands are P and dS packed in row pairs (a cheap
+    // interleave) and Q^T, dO^T are transposed once per query block, not per tile; dQ += dS K reads K
+    // VNNI-packed once per unit. dK^T, dV^T [E | Ev, keys] are written back to dk, dv when the unit ends.
+    const bool hb = kHalf && use_brg;
+    const int64_t bqp = bq + (bq & 1), ldt = span * bk;
+    std::vector<T> kv(hb ? span * bk * E : 0), qT(hb ? E * bqp : 0), doT(hb ? Ev * bqp : 0), pv(hb ? bqp * bk : 0),
+        dsv(hb ? bqp * bk : 0);
+    std::vector<A> dkT(hb ? E * ldt : 0), dvT(hb ? Ev * ldt : 0);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      const int64_t u = order[i];
+      const int64_t n = u / (Hkv * ranges), kvh = (u / ranges) % Hkv, cr = u % ranges;
+      const int64_t kb_lo = cr * span, kb_hi = std::min(nk, kb_lo + span);
       const T* kp = K + n * k.stride(0) + kvh * k.stride(1);
       const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
+      const int64_t s0 = kb_lo * bk, s1 = std::min(S, kb_hi * bk);
       if (use_brg) {
-        pack_transposed_blocks(kp, k.stride(2), S, E, bk, kt.data());
-        pack_transposed_blocks(vp, v.stride(2), S, Ev, bk, vt.data());
+        pack_transposed_blocks(kp + s0 * k.stride(2), k.stride(2), s1 - s0, E, bk, kt.data());
+        pack_transposed_blocks(vp + s0 * v.stride(2), v.stride(2), s1 - s0, Ev, bk, vt.data());
+      }
+      if constexpr (kHalf) {
+        if (hb) {
+          for (int64_t j = 0; s0 + j * bk < s1; ++j)
+            pack_vnni(kp + (s0 + j * bk) * k.stride(2), k.stride(2), std::min(bk, s1 - s0 - j * bk), E,
+                      kv.data() + j * bk * E);
+          std::fill(dkT.begin(), dkT.end(), A(0));
+          std::fill(dvT.begin(), dvT.end(), A(0));
+        }
       }
       A* dkp = DK + (n * Hkv + kvh) * S * E;
       A* dvp = DV + (n * Hkv + kvh) * S * Ev;
@@ -843,31 +968,51 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const int64_t q0 = qb * bq, rows = std::min(bq, L - q0);
           const int64_t base = lay.base(n, qb);
           const int32_t cnt = lay.kv_num[base];
+          const int32_t* kidx = lay.kv_idx + base * lay.maxk;
+          int32_t t0 = 0, t1;
+          while (t0 < cnt && kidx[t0] < kb_lo) ++t0;  // kv_idx ascends
+          for (t1 = t0; t1 < cnt && kidx[t1] < kb_hi; ++t1) {}
           const T* qp = Q + n * q.stride(0) + h * q.stride(1) + q0 * q.stride(2);
           const T* dop = DO + ((n * H + h) * L + q0) * Ev;
-          const T* op = O + ((n * H + h) * L + q0) * Ev;
+          const int64_t o0 = ((n * H + h) * L + q0) * Ev;
           const A* lp = LSE + (n * H + h) * L + q0;
           T* dqp = DQ + ((n * H + h) * L + q0) * E;
-          if (cnt == 0) {
-            std::fill(dqp, dqp + rows * E, T(0));
+          if (t0 == t1) {
+            if (!DQP) std::fill(dqp, dqp + rows * E, T(0));  // partial dq buffers start at 0
             continue;
           }
           for (int64_t r = 0; r < rows; ++r) {
             A d = 0;
-            for (int64_t c = 0; c < Ev; ++c) d += static_cast<A>(dop[r * Ev + c]) * static_cast<A>(op[r * Ev + c]);
+            if (OA) {
+              for (int64_t c = 0; c < Ev; ++c) d += static_cast<A>(dop[r * Ev + c]) * OA[o0 + r * Ev + c];
+            } else {
+              for (int64_t c = 0; c < Ev; ++c) d += static_cast<A>(dop[r * Ev + c]) * static_cast<A>(O[o0 + r * Ev + c]);
+            }
             delta[r] = d;
             lsafe[r] = lp[r] == -inf ? inf : lp[r];  // a row with no key: P = exp(-inf) = 0
           }
           std::fill(dqacc.begin(), dqacc.begin() + rows * E, A(0));
-          for (int32_t t = 0; t < cnt; ++t) {
-            const int64_t k0 = static_cast<int64_t>(lay.kv_idx[base * lay.maxk + t]) * bk;
+          if constexpr (kHalf) {
+            if (hb) {  // Q^T, dO^T of this query block as brgemm A operands [E | Ev, rows (+ a zero column)]
+              transpose_halves(reinterpret_cast<const uint16_t*>(qp), q.stride(2), rows, E,
+                               reinterpret_cast<uint16_t*>(qT.data()), bqp);
+              transpose_halves(reinterpret_cast<const uint16_t*>(dop), Ev, rows, Ev,
+                               reinterpret_cast<uint16_t*>(doT.data()), bqp);
+              if (rows & 1) {
+                for (int64_t e = 0; e < E; ++e) qT[e * bqp + rows] = T(0);
+                for (int64_t e = 0; e < Ev; ++e) doT[e * bqp + rows] = T(0);
+              }
+            }
+          }
+          for (int32_t t = t0; t < t1; ++t) {
+            const int64_t k0 = static_cast<int64_t>(kidx[t]) * bk, panel = kidx[t] - kb_lo;
             const int64_t cols = std::min(bk, S - k0);
             A* p = pbuf.data();
             A* ds = dpbuf.data();
             A mul = A(1);
-            if constexpr (std::is_same_v<T, float>) {
+            if constexpr (!std::is_same_v<T, double>) {
               if (use_brg) {
-                brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + (k0 / bk) * E * bk, p);
+                brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + panel * E * bk, p);
                 mul = scale;
               }
             }
@@ -882,26 +1027,34 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               for (; c < cols; ++c) row[c] = std::exp(row[c] - lsafe[r]);
               if constexpr (!kSame) to_gemm_type(row, pT.data() + r * bk, cols);
             }
+            if constexpr (kHalf) {
+              if (hb) {  // Note [Half-type backward on brgemm]
+                const int64_t rp = rows + (rows & 1), cp = cols + (cols & 1);
+                pack_vnni(pT.data(), bk, rows, cols, pv.data());
+                brg<T>(Ev, cols, rp, bqp, cols, ldt, true, doT.data(), pv.data(), dvT.data() + panel * bk);
+                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
+                for (int64_t r = 0; r < rows; ++r) {
+                  A* dr = ds + r * bk;
+                  score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], scale,
+                                    cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
+                  to_gemm_type(dr, dsT.data() + r * bk, cols);
+                  if (cols & 1) dsT[r * bk + cols] = T(0);  // pairs with K's zero pad row
+                }
+                brg<T>(rows, E, cp, bk, E, E, true, dsT.data(), kv.data() + panel * bk * E, dqacc.data());
+                pack_vnni(dsT.data(), bk, rows, cols, dsv.data());
+                brg<T>(E, cols, rp, bqp, cols, ldt, true, qT.data(), dsv.data(), dkT.data() + panel * bk);
+                continue;
+              }
+            }
             if constexpr (std::is_same_v<T, float>) {
               if (use_brg) {
                 // dV += P^T dO; dP = dO V^T; dS = P (dP - delta) scale; dQ += dS K; dK += dS^T Q
                 transpose(p, bk, rows, cols, ptile.data(), bq);
                 brg<T>(cols, Ev, rows, bq, Ev, Ev, true, ptile.data(), dop, dvp + k0 * Ev);
-                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + (k0 / bk) * Ev * bk, ds);
-                for (int64_t r = 0; r < rows; ++r) {
-                  A* dr = ds + r * bk;
-                  const A* pr = p + r * bk;
-                  if (tbuf.empty()) {
-                    const Vec dl(delta[r]), sc(scale);
-                    int64_t c = 0;
-                    for (; c + Vec::size() <= cols; c += Vec::size())
-                      (Vec::loadu(pr + c) * (Vec::loadu(dr + c) - dl) * sc).store(dr + c);
-                    for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * scale;
-                  } else {
-                    const A* tr = tbuf.data() + r * bk;
-                    for (int64_t c = 0; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * (A(1) - tr[c] * tr[c]) * scale;
-                  }
-                }
+                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
+                for (int64_t r = 0; r < rows; ++r)
+                  score_grad_row<A>(ds + r * bk, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r],
+                                    scale, cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
                 transpose(ds, bk, rows, cols, dstile.data(), bq);
                 brg<T>(rows, E, cols, bk, k.stride(2), E, true, ds, kp + k0 * k.stride(2), dqacc.data());
                 brg<T>(cols, E, rows, bq, q.stride(2), E, true, dstile.data(), qp, dkp + k0 * E);
@@ -918,17 +1071,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             gemm(false, true, rows, cols, Ev, A(1), dop, Ev, vp + k0 * v.stride(2), v.stride(2), A(0), ds, bk);
             for (int64_t r = 0; r < rows; ++r) {
               A* dr = ds + r * bk;
-              const A* pr = p + r * bk;
-              const Vec dl(delta[r]);
-              int64_t c = 0;
-              if (tbuf.empty()) {
-                for (; c + Vec::size() <= cols; c += Vec::size())
-                  (Vec::loadu(pr + c) * (Vec::loadu(dr + c) - dl)).store(dr + c);
-                for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]);
-              } else {
-                const A* tr = tbuf.data() + r * bk;
-                for (; c < cols; ++c) dr[c] = pr[c] * (dr[c] - delta[r]) * (A(1) - tr[c] * tr[c]);
-              }
+              score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], A(1), cols,
+                                DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
               if constexpr (!kSame) to_gemm_type(dr, dsT.data() + r * bk, cols);
             }
             const T* kb = kp + k0 * k.stride(2);
@@ -940,12 +1084,23 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               gemm(true, false, cols, E, rows, scale, dsT.data(), bk, qp, q.stride(2), A(1), dkp + k0 * E, E);
             }
           }
-          for (int64_t i = 0; i < rows * E; ++i) dqp[i] = static_cast<T>(dqacc[i]);
+          if (DQP) {
+            std::copy(dqacc.begin(), dqacc.begin() + rows * E, DQP + (((cr * N + n) * H + h) * L + q0) * E);
+          } else {
+            for (int64_t i = 0; i < rows * E; ++i) dqp[i] = static_cast<T>(dqacc[i]);
+          }
+        }
+      }
+      if (hb) {  // this unit's keys alone: dk, dv rows [s0, s1) from dK^T, dV^T
+        for (int64_t c = 0; c < s1 - s0; ++c) {
+          for (int64_t e = 0; e < E; ++e) dkp[(s0 + c) * E + e] = dkT[e * ldt + c];
+          for (int64_t e = 0; e < Ev; ++e) dvp[(s0 + c) * Ev + e] = dvT[e * ldt + c];
         }
       }
     }
-    if (use_brg) at::native::cpublas::brgemm_release(false);
+    if (use_brg) at::native::cpublas::brgemm_release(kHalf);
   });
+  if (DQP) dq.copy_(dq_part.sum(0));
 }
 
 // fp32 tiles always run through brgemm on AVX-512 builds; half types when oneDNN packs them for this CPU
@@ -964,7 +1119,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
                                           const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
                                           const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                           bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                          bool allow_brgemm) {
+                                          bool allow_brgemm, bool keep_out_acc) {
   check_qkv(q, k, v);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Ev = v.size(3);
   const bool use_brg = brgemm_applies(q.scalar_type(), q.size(3), Ev, bk, allow_brgemm);
@@ -972,13 +1127,16 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor out = at::empty({N, H, L, Ev}, q.options());
   at::Tensor lse = at::empty({N, H, L}, q.options().dtype(acc));
+  // Note [fp32 O for delta]: for half types the backward's delta reads O in the accumulation dtype
+  at::Tensor out_acc;
+  if (keep_out_acc && acc != q.scalar_type()) out_acc = at::empty({N, H, L, Ev}, q.options().dtype(acc));
   const std::vector<int64_t> shape4{N, H, L, S};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_forward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, out, lse);
+    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, out, lse, out_acc);
   });
-  return {out, lse};
+  return {out, lse, out_acc};
 }
 
 std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
@@ -989,16 +1147,18 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
                                            const std::optional<at::Tensor>& bias,
                                            const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                            bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                           bool allow_brgemm) {
+                                           bool allow_brgemm, bool bias_grad, int64_t splits) {
   check_qkv(q, k, v);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
-  // the backward's brgemm path is fp32 only (half types keep MKL's mixed-precision gemm there)
-  const bool use_brg = q.scalar_type() == at::kFloat && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
-                                                                      allow_brgemm);
+  TORCH_CHECK(!bias_grad || (bias && bias->defined()), "attnlab._C: bias_grad needs a bias");
+  // fp32 and (Note [Half-type backward on brgemm]) bf16 / fp16 where oneDNN packs them for this CPU
+  const bool use_brg = q.scalar_type() != at::kDouble && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
+                                                                       allow_brgemm);
   const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
-  at::Tensor out = out_in.contiguous();
+  // out: the forward's output in q's dtype, or (half types) its fp32 copy (Note [fp32 O for delta])
+  at::Tensor out = out_in.scalar_type() == acc ? out_in.contiguous() : out_in.to(q.scalar_type()).contiguous();
   at::Tensor lse = lse_in.to(acc).contiguous();
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == N && out.size(1) == H && out.size(2) == L &&
               out.size(3) == v.size(3) && lse.sizes() == at::IntArrayRef({N, H, L}),
@@ -1006,13 +1166,17 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
   at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(acc));
+  // the float mask's gradient, dense: the bias may broadcast (stride 0), so the caller sums it to its shape;
+  // blocks the layout skips stay 0 (their probabilities are 0)
+  at::Tensor dbias;
+  if (bias_grad) dbias = at::zeros({N, H, L, S}, q.options().dtype(acc));
   const std::vector<int64_t> shape4{N, H, L, S};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_backward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, dq, dk, dv);
+    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, splits, dq, dk, dv, dbias);
   });
-  return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type())};
+  return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type()), dbias};
 }
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
@@ -1037,8 +1201,10 @@ bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f1
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnlab's compiled CPU attention kernel (block-layout driven, flash-attention-2 style)";
-  m.def("forward", &attention_forward, "(out, lse) of block-layout attention");
-  m.def("backward", &attention_backward, "(dq, dk, dv) by recomputation from (out, lse)");
+  m.def("forward", &attention_forward,
+        "(out, lse, out_acc) of block-layout attention; out_acc: O in fp32 for half types when asked, else None");
+  m.def("backward", &attention_backward,
+        "(dq, dk, dv, dbias) by recomputation from (out or out_acc, lse); dbias [N, H, L, S] when asked, else None");
   m.def("has_blas", &has_blas, "fp32/fp64 tiles run through MKL's gemm (else a plain loop)");
   m.def("native_bf16_convert", &native_bf16_convert,
         "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
@@ -1046,5 +1212,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 3;
+  m.attr("abi_version") = 6;
 }

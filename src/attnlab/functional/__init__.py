@@ -29,7 +29,8 @@ __all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "run"
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False, *, pattern: P.Pattern | None = None, method: str = "auto",
-              need_weights: bool = False, strict: bool = False, block_size: int | None = None):
+              need_weights: bool = False, strict: bool = False, block_size: int | None = None,
+              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None):
     """Scaled dot-product attention with PyTorch's semantics, structured patterns and a tiled kernel.
 
     Args:
@@ -49,13 +50,24 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         strict: refuse any path that would materialise an L×S tensor.
         block_size: block edge for the tiled and sparse kernels (default: 512 for tiled; for sparse a
             block table's own block, the fastest predicted edge for bands, else 128).
+        softcap: tanh soft-capping (Gemma 2; flash-attn's ``softcap``): each scaled product x becomes
+            softcap·tanh(x / softcap) before ALiBi and ``attn_mask`` are added. A finite float > 0, or None.
+        alibi_slopes: ALiBi (Press et al. 2022) from positions, no L×S tensor where the kernel takes
+            slopes: [H] or [*batch, H] (query's dims before L), adds −slope·|i + S − L − j| to query i's
+            score for key j — flash-attn's formula: queries line up with the last L keys, so with
+            ``is_causal`` and L = S it is slope·(j − i) on every kept key. Not differentiated; float32
+            or float64 (the compiled kernel reads them as float32, as flash-attn does).
 
     Returns: output [..., L, Ev], or (output, weights) with need_weights.
 
     A query row with no key left after masking gets output 0 and weights 0 (never NaN).
-    Equivalent to: ``softmax(q @ k.transpose(-2, -1) * scale + mask) @ v`` with masked scores at -inf.
+    Equivalent to: ``softmax(q @ k.transpose(-2, -1) * scale + mask) @ v`` with masked scores at -inf;
+    with the score modifications, ``x = q @ k.transpose(-2, -1) * scale``,
+    ``softmax(softcap * tanh(x / softcap) - slopes[..., None, None] * (i + S - L - j).abs() + mask) @ v``
+    (Note [Score modifications] in ``attnlab.kernels.masks``).
     """
-    p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
+    p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
+                alibi_slopes=alibi_slopes)
     return run(p, method=method, need_weights=need_weights, strict=strict, block_size=block_size)
 
 
@@ -69,7 +81,7 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
     weights = None
     if p.empty:
         out, weights = p.empty_result()
-    elif m == "sdpa":
+    elif m == "sdpa":  # ALiBi arrives here written out as a float mask (the planner's notes say what it costs)
         if mask.is_trivial or p.is_causal_only:
             out = fused_kernel.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
         elif mask.bias_finer_than(p.q.dtype):
@@ -95,12 +107,15 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
             pattern=None, method="auto", need_weights=False, strict=False, block_size=None,
+            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
             device: str | None = None) -> Plan:
     """Which method ``attention`` would run for these arguments (query [..., L, E], key [..., S, E],
-    value [..., S, Ev]), why the others were refused, and the predicted peak memory and FLOPs of each.
+    value [..., S, Ev]), why the others were refused, and the predicted peak memory and FLOPs of each
+    (with what a kernel pays extra, e.g. ALiBi written out as a mask, in ``Plan.notes``).
     Runs no attention. ``device`` ("cpu", "cuda") plans as if the tensors were there: meta tensors
     (shapes only, no storage) can then describe a call of any size on that device."""
-    p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern)
+    p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
+                alibi_slopes=alibi_slopes)
     return planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)
 
 
@@ -108,7 +123,7 @@ def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) 
     """One SDPA mask (bool, or float in ``dtype``, default q's, when there is a bias) for the whole
     [B|1, H|1, L, S]."""
     kk = getattr(mask.pattern, "keep_keys", None)
-    if kk is not None and mask.keep is None and mask.bias is None and kk.shape[1] >= mask.S:
+    if kk is not None and mask.keep is None and mask.bias is None and mask.alibi is None and kk.shape[1] >= mask.S:
         # key padding alone: SDPA broadcasts a [B, 1, 1, S] mask, so no L×S tensor is built
         return kk[:, : mask.S].to(p.q.device).view(kk.shape[0], 1, 1, mask.S)
     i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
@@ -134,16 +149,19 @@ def _weights_from_lse(p: Prepared, lse: torch.Tensor, bq: int, bk: int) -> torch
 
 
 def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
-                       pattern=None, block_size=None):
+                       pattern=None, block_size=None, softcap: float | None = None,
+                       alibi_slopes: torch.Tensor | None = None):
     """(output [..., L, Ev], lse [..., L]) where lse is the log-sum-exp of each query row's scaled,
-    masked scores (float32; float64 for float64 inputs; -inf for a row with no key).
+    (soft-capped, ALiBi-biased: as in ``attention``) masked scores (float32; float64 for float64 inputs;
+    -inf for a row with no key).
 
     The pair is what partial attentions over disjoint key sets need to be merged exactly
     (``merge_partials``): ring attention and split-KV decoding build on it. The kernel is the first of
     ``planner.LSE_ORDER`` the planner does not refuse.
     """
     check_block_size(block_size)
-    p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern)
+    p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern, softcap=softcap,
+                alibi_slopes=alibi_slopes)
     lead = p.out_shape[:-1]
     acc = lse_merge.acc_dtype(p.q.dtype)
     if p.empty:

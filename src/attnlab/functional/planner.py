@@ -74,6 +74,8 @@ class Plan:
     sdpa_backend: str = "unknown"
     block_size: tuple[int, int] | None = None
     density: float = 1.0  # fraction of (query, key) blocks that are computed
+    #: {kernel: what it would pay beyond its usual work (e.g. ALiBi written out as a mask)}, for kernels not refused
+    notes: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"method: {self.method} — {self.reason}"]
@@ -83,6 +85,8 @@ class Plan:
                 cost = f"peak ≈ {format_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<8} {state:<50} {cost}")
+            if m in self.notes:
+                lines.append(f"  {'':<8} note: {self.notes[m]}")
         lines.append(f"cpu: {cpu.summary()}")
         return "\n".join(lines)
 
@@ -108,6 +112,8 @@ def sdpa_backend_of(p: Prepared) -> str:
     kb, vb = (p.kv_k, p.kv_v) if info.H == info.Hkv else (
         p.kv_k[:, :1].expand(N, H, S, info.E), p.kv_v[:, :1].expand(N, H, S, info.Ev))
     m = None if mask.is_trivial or p.is_causal_only else (mask.keep if mask.keep is not None else mask.bias)
+    if m is None and mask.alibi is not None:  # SDPA would get ALiBi as a float mask: described by a 0-stride view
+        m = torch.zeros((), dtype=p.q.dtype, device=p.q.device).expand(N, H, info.L, S)
     return fused_kernel.sdpa_backend(p.q, kb, vb, m, p.dropout_p, p.is_causal_only, info.scale)
 
 
@@ -136,7 +142,7 @@ class _Costs:
             bq, bk = (bs, bs) if bs else DEFAULT_TILED_BLOCK
         elif name == "compiled":
             bq, bk = (bs, bs) if bs else compiled_block(p)
-            if trivial:
+            if _no_mask_tiles(p):  # ALiBi alone costs the compiled kernel no tile and skips nothing
                 return Tiling(bq, bk, -(-L // bq) * -(-S // bk))
         else:
             return None
@@ -182,7 +188,8 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
                    "the same random stream for the same RNG state (matching it would draw all L×S)")
     t = c.tiling(chosen) if chosen in _BLOCKED else None
     out = Plan(chosen, reason, refused, sdpa_backend=backend or "unknown",
-               block_size=(t.block_q, t.block_k) if t is not None else None)
+               block_size=(t.block_q, t.block_k) if t is not None else None,
+               notes={s.name: "; ".join(n) for s in KERNELS if s.name not in refused and (n := s.notes(r))})
     if costs:
         out.peak_bytes = {s.name: c.peak(s.name) for s in KERNELS}
         out.flops = {s.name: c.flops(s.name) for s in KERNELS}
@@ -193,7 +200,8 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
 
 def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None) -> tuple[str, str]:
     """Auto's rules, in order; costs are asked for only where two kernels are compared."""
-    plain = r.trivial or r.causal_only
+    plain = (r.trivial or r.causal_only) and not r.score_mods
+    mods = " and ".join(n for n, on in (("soft-capping", r.softcap), ("ALiBi", r.alibi)) if on)
     if r.need_weights:
         if "dense" not in refused and r.pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
             return "dense", "weights requested and the L×S scores are small"
@@ -205,8 +213,11 @@ def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None)
     elif "compiled" not in refused and not plain and not (
             r.pattern and "sparse" not in refused and c.flops("sparse") * SPARSE_OVER_COMPILED < c.flops("compiled")):
         t = c.tiling("compiled")
+        if not (r.pattern or r.keep_mask or r.float_mask or r.causal_only):
+            return "compiled", f"attnlab's compiled kernel: {mods} computed inside its {t.block_q}×{t.block_k} tiles"
         return "compiled", (f"attnlab's compiled kernel visits {c.density('compiled'):.1%} of "
-                            f"{t.block_q}×{t.block_k} blocks, masks read inside the tiles")
+                            f"{t.block_q}×{t.block_k} blocks, masks read inside the tiles"
+                            + (f", {mods} computed there from positions" if mods else ""))
     elif "compiled" not in refused and r.dtype in COMPILED_DENSE_DTYPES:
         return "compiled", f"attnlab's compiled kernel is faster than SDPA for {r.dtype} here"
     elif r.pattern and "sparse" not in refused and (1 - c.density("sparse") >= SPARSE_MIN_EMPTY or "sdpa" in refused):
@@ -218,7 +229,8 @@ def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None)
     elif "compiled" not in refused:
         return "compiled", "attnlab's compiled kernel: exact online softmax without materialising L×S"
     elif "tiled" not in refused:
-        return "tiled", "exact online softmax without materialising L×S"
+        return "tiled", "exact online softmax without materialising L×S" + (
+            f" ({mods} computed per tile)" if mods else "")
     elif "sparse" not in refused:
         return "sparse", "gathered key blocks through the fused kernel"
     reasons = "; ".join(f"{m}: {why}" for m, why in refused.items())
@@ -228,8 +240,7 @@ def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None)
 def choose_lse_kernel(p: Prepared) -> tuple[list[str], dict[str, str]]:
     """For ``attention_with_lse``: the kernels that can return (out, lse) for these inputs, in order of
     preference, and why the others cannot."""
-    needs_grad = torch.is_grad_enabled() and (p.q.requires_grad or p.kv_k.requires_grad or p.kv_v.requires_grad)
-    r = dataclasses.replace(p.request(), needs_lse=True, needs_grad=needs_grad)
+    r = dataclasses.replace(p.request(), needs_lse=True)
     refused = refusals(r)
     return [m for m in LSE_ORDER if m not in refused], refused
 
@@ -246,7 +257,7 @@ def compiled_block(p: Prepared) -> tuple[int, int]:
     masks and other patterns a middle shape. Clipped to the sequence (rounded up to 16)."""
     pat, mask = p.mask.pattern, p.mask
     L, S = p.info.L, p.info.S
-    if mask.is_trivial or p.is_causal_only:
+    if _no_mask_tiles(p) or p.is_causal_only:
         return _clip(COMPILED_DENSE_BLOCK, L, S)
     if pat is None or mask.keep is not None or mask.bias is not None:
         return _clip(COMPILED_MASK_BLOCK, L, S)
@@ -259,6 +270,12 @@ def compiled_block(p: Prepared) -> tuple[int, int]:
     if isinstance(pat, P.BlockTable) and shape is not None and 32 <= shape[0] <= 512:
         return _clip(shape, L, S)
     return _clip((128, 128), L, S)
+
+
+def _no_mask_tiles(p: Prepared) -> bool:
+    """No pattern, user mask or bias: the compiled kernel reads no mask tile (it computes ALiBi itself)."""
+    m = p.mask
+    return m.pattern is None and m.keep is None and m.bias is None
 
 
 def sparse_block(p: Prepared) -> tuple[int, int]:

@@ -33,10 +33,10 @@ from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "SPEC"]
+           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 3
+ABI_VERSION = 6
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -244,6 +244,47 @@ def _allow_brgemm() -> bool:
 BACKWARD_BRGEMM_MAX_TILE = 64 * 64
 
 
+#: the backward wants at least this many units per thread (csrc Note [Backward balance]); fewer (n, kv head)
+#: pairs than that split each kv head's key blocks into ranges, at the cost of a partial fp32 dq per range
+#: (zeroed, then summed) and of each range's own pass over the query blocks. Measured fwd+bwd, window 256,
+#: n=16384, H=8, Hkv=1 (one pair), fp32, loaded machine: 2 threads 490 / 328 / 429 ms for 1 / 2 / 4 ranges,
+#: 1 thread 384 / 457 / 538 ms: ranges pay only to give an idle thread work, so one unit per thread.
+BACKWARD_UNITS_PER_THREAD = 1
+
+
+def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
+    """Key-block ranges per (batch element, kv head) in the backward: 1 when N·Hkv already gives every
+    thread BACKWARD_UNITS_PER_THREAD units, else enough ranges for that (at most one per key block).
+    ``ATTNLAB_EXT_BWD_SPLITS=k`` forces k (for comparisons)."""
+    forced = os.environ.get("ATTNLAB_EXT_BWD_SPLITS", "")
+    nk = max(1, -(-S // block_k))
+    if forced:
+        return max(1, min(int(forced), nk))
+    want = BACKWARD_UNITS_PER_THREAD * torch.get_num_threads()
+    pairs = max(1, N * Hkv)
+    return 1 if pairs >= want else min(nk, -(-want // pairs))
+
+
+#: the bf16/fp16 backward takes brgemm when query blocks visit at least this many key blocks on average:
+#: it transposes Q and dO once per query block (csrc Note [Half-type backward on brgemm]), which pays over
+#: many key blocks only. Measured bf16 fwd+bwd vs MKL's gemm, H=8, D=64, 2 threads, loaded machine:
+#: dense n=4096 (32 blocks of 128 keys) backward 1.03-1.17x at every tile from 64x128 to 256x512, causal
+#: n=8192 (8 blocks of 512 on average) 1.17-1.26x, but window 256 n=8192 (5 blocks of 64) 0.89x and
+#: block-sparse 0.05 (4 blocks of 128) 0.95x; with the transposes vectorised, window 1.00x, block-sparse
+#: 0.94x (noisy).
+BACKWARD_HALF_BRGEMM_MIN_BLOCKS = 8
+
+
+def _backward_brgemm(dtype: torch.dtype, lay: KernelLayout) -> bool:
+    """Whether the backward takes brgemm: half types when their query blocks visit enough key blocks
+    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE."""
+    if not _allow_brgemm():
+        return False
+    if dtype in (torch.bfloat16, torch.float16):
+        return float(lay.kv_num.float().mean()) >= BACKWARD_HALF_BRGEMM_MIN_BLOCKS if lay.kv_num.numel() else False
+    return lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE
+
+
 def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
     """Whether tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX or
     AVX512-BF16 instructions) rather than MKL's gemm."""
@@ -256,21 +297,27 @@ class _CompiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset):
         ext = _load()
-        out, lse = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
-                               alibi_offset, lay.block_q, lay.block_k, _allow_brgemm())
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset)
+        # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
+        keep_acc = q.dtype in (torch.bfloat16, torch.float16) and any(ctx.needs_input_grad[:3])
+        out, lse, out_acc = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
+                                        alibi_offset, lay.block_q, lay.block_k, _allow_brgemm(), keep_acc)
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, bias)
+        ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
-        dq, dk, dv = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
-                                      alibi_causal, alibi_offset, lay.block_q, lay.block_k,
-                                      _allow_brgemm() and lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        q, k, v, out, lse, bias = ctx.saved_tensors
+        lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
+        # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
+        # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
+        bias_grad = bias is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, dbias = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
+                                             alibi_causal, alibi_offset, lay.block_q, lay.block_k,
+                                             _backward_brgemm(q.dtype, lay),
+                                             bias_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
+        return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -284,9 +331,13 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
 
     lse is float32 (float64 for float64 inputs), -inf for a row with no key (whose output is 0), and
-    not differentiable. Differentiable in q, k, v; a float mask in ``mask.bias`` must not require grad.
-    softcap > 0 replaces each scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn);
-    ``alibi_slopes`` [H] adds slope·(j − i) (alibi_causal) or −slope·|j − i| to the scores, from positions.
+    not differentiable. Differentiable in q, k, v and in a float mask ``mask.bias`` that requires grad
+    (its gradient is built dense, [N, H, L, S] in the accumulation dtype, then summed to its shape).
+    Soft-capping and ALiBi come from ``mask`` (``mask.softcap``, ``mask.alibi`` [1, H]: Note [Score
+    modifications]) or, for direct callers, from the keywords (not both): softcap > 0 replaces each
+    scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn); ``alibi_slopes`` [H] adds
+    −slope·|j − i'| to the scores, or slope·(j − i') with ``alibi_causal`` (equal on the keys a
+    bottom-right causal mask keeps), where i' = i + S − L (flash-attn's alignment).
     Raises RuntimeError when the extension is unavailable (check ``available()`` first).
     """
     why = unavailable_reason(q, k, v)
@@ -304,14 +355,21 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     keep = bias = None
     if mask.keep is not None:
         keep = mask.keep.expand(N, H, L, S)
-    if mask.bias is not None:
-        if mask.bias.requires_grad:
-            raise ValueError("the compiled kernel does not differentiate a float attn_mask that requires grad")
+    if mask.bias is not None:  # differentiable: the backward returns its gradient when it requires grad
         bias = mask.bias.to(acc).expand(N, H, L, S)
+    if mask.softcap is not None or mask.alibi is not None:
+        if softcap or alibi_slopes is not None:
+            raise ValueError("compiled_attention: softcap/alibi_slopes given both in mask and as keywords")
+        softcap = mask.softcap or 0.0
+        if mask.alibi is not None:
+            if mask.alibi.shape[0] != 1:
+                raise ValueError(f"the compiled kernel takes ALiBi slopes [H] only, got one row per batch element "
+                                 f"{list(mask.alibi.shape)}")
+            alibi_slopes, alibi_causal = mask.alibi[0], False
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
     return _CompiledFunction.apply(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), layout, keep, bias,
-                                   alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L) if alibi_causal else 0)
+                                   alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L))
 
 
 # -- declaration ------------------------------------------------------------------------------------
@@ -321,9 +379,27 @@ def scratch_bytes(block_q: int, block_k: int, E: int, Ev: int) -> int:
     return torch.get_num_threads() * 4 * (4 * block_q * max(block_k, 512) + block_q * (E + Ev + 4))
 
 
+def saved_bytes(r: Request) -> int:
+    """Bytes the forward keeps for the backward besides q, k, v and the output: the log-sum-exp
+    [N, H, L] and, for half types under autograd, the output again in float32 [N, H, L, Ev]
+    (csrc Note [fp32 O for delta])."""
+    acc = 8 if r.dtype == torch.float64 else 4
+    out_acc = r.N * r.H * r.L * r.Ev * 4 if r.needs_grad and r.dtype in (torch.bfloat16, torch.float16) else 0
+    return r.N * r.H * r.L * acc + out_acc
+
+
+def bias_grad_bytes(r: Request) -> int:
+    """Bytes of the float mask's dense gradient [N, H, L, S] (accumulation dtype) when it requires grad:
+    the mask may broadcast, so the kernel writes every (head, query, key) before summing to its shape
+    (as PyTorch's math path materialises the L×S gradient too)."""
+    return r.pairs * (8 if r.dtype == torch.float64 else 4) if r.float_mask_grad else 0
+
+
 def _peak(r: Request, t: Tiling | None) -> int:
     bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
-    return io_bytes(r) + r.N * r.H * r.L * 4 + scratch_bytes(bq, bk, r.E, r.Ev)
+    splits = backward_splits(r.N, r.Hkv, r.S, bk) if r.needs_grad else 1
+    dq_parts = splits * r.N * r.H * r.L * r.E * 4 if splits > 1 else 0  # csrc Note [Backward balance]
+    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + dq_parts + scratch_bytes(bq, bk, r.E, r.Ev)
 
 
 def _flops(r: Request, t: Tiling | None) -> int:
@@ -332,5 +408,6 @@ def _flops(r: Request, t: Tiling | None) -> int:
 
 
 SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the layout's tiles, masks read "
-                  "inside them", lse="yes", gqa_no_copy=True, needs_extension=True, blocked=True, devices=("cpu",),
+                  "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True,
+                  devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",),
                   peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason())

@@ -19,7 +19,8 @@ def _flops(r: Request, t: Tiling | None) -> int:
 
 
 SPEC = KernelSpec("dense", "materialises the [B, H, L, S] scores; supports everything", weights="yes",
-                  dropout=True, float_mask_grad=True, materializes="scores", peak_bytes=_peak, flops=_flops)
+                  dropout=True, float_mask_grad=True, materializes="scores", softcap=True, alibi="positions",
+                  peak_bytes=_peak, flops=_flops)
 
 
 def masked_softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -40,11 +41,12 @@ def masked_softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Ten
 def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.0, training_dropout: bool = True):
     """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> (out [N, H, L, Ev], weights [N, H, L, S]).
 
-    Computes in float32 for half types (as PyTorch's math path does), returns the input dtype.
+    Computes in float32 for half types (as PyTorch's math path does), returns the input dtype. Soft-capping
+    and ALiBi as ``mask`` says (Note [Score modifications]); autograd differentiates the cap.
     """
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     L, S = q.shape[-2], k.shape[-2]
-    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale  # (N, H, L, S)
+    scores = mask.cap(torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale)  # (N, H, L, S)
     i = torch.arange(L, device=q.device).unsqueeze(-1)
     j = torch.arange(S, device=q.device).unsqueeze(0)
     keep, bias = mask.block(i, j, q.shape[0]) if not mask.is_trivial else (None, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .spec import KernelSpec, Request, Tiling, io_bytes
+from .spec import KernelSpec, Request, Tiling, alibi_mask_bytes, io_bytes
 
 __all__ = ["sdpa", "flash_cpu_with_lse", "flash_cpu_backward", "HAS_CPU_FLASH", "sdpa_backend", "SPEC"]
 
@@ -78,14 +78,17 @@ def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=
 
 def _peak(r: Request, t: Tiling | None) -> int:
     """Fused backends keep O(L) state per row; a pattern or mask is passed as an L×S tensor; the math
-    backend builds [N, H, L, S] scores."""
+    backend builds [N, H, L, S] scores. ALiBi is written out per head (``alibi_mask_bytes``)."""
     mask = 0 if (r.trivial or r.causal_only) else r.L * r.S * (4 if r.float_mask else 1)
-    return io_bytes(r) + r.N * r.H * r.L * 4 + mask + (3 * r.pairs * 4 if r.sdpa_backend == "math" else 0)
+    return (io_bytes(r) + r.N * r.H * r.L * 4 + mask + alibi_mask_bytes(r)
+            + (3 * r.pairs * 4 if r.sdpa_backend == "math" else 0))
 
 
 def _flops(r: Request, t: Tiling | None) -> int:
     return r.pairs * 2 * (r.E + r.Ev) // (2 if r.causal_only and r.sdpa_backend != "math" else 1)
 
 
+# no softcap: SDPA adds a mask to q·kᵀ·scale and cannot apply tanh in between
 SPEC = KernelSpec("sdpa", "PyTorch's scaled_dot_product_attention (patterns passed as an L×S mask)",
-                  lse="inference", dropout=True, float_mask_grad=True, materializes="mask", peak_bytes=_peak, flops=_flops)
+                  lse="inference", dropout=True, float_mask_grad=True, materializes="mask", alibi="mask",
+                  peak_bytes=_peak, flops=_flops)

@@ -1,7 +1,15 @@
-"""One description of everything that masks a score: causal, a pattern, a user bool or float mask.
+"""One description of everything besides q·kᵀ·scale that shapes a score: causal, a pattern, a user bool
+or float mask, ALiBi slopes and tanh soft-capping.
 
 Kernels never see the user's arguments; they ask a ``MaskSpec`` for the keep/bias of a block of
-queries x keys, and for the block layout (which blocks are empty, partial or full).
+queries x keys (ALiBi included, computed from positions), for the block layout (which blocks are empty,
+partial or full), and to soft-cap a block of scores (``cap``).
+
+Note [Score modifications]: one formula for every kernel, flash-attn's (``flash_attn_func(softcap=,
+alibi_slopes=)``): with x = q·kᵀ·scale,
+    score[n, h, i, j] = softcap·tanh(x / softcap)  -  slope[n, h]·|i + S − L − j|  +  bias[n, h, i, j]
+then masked entries become -inf. Soft-capping comes first (only the product is capped); ALiBi counts
+query i at position i + S − L, so queries line up with the last L keys (as a KV cache does).
 
 Tensors inside are 4-D: [N, H, L, S] with N the flattened batch (each dim may be 1 to broadcast).
 """
@@ -27,24 +35,40 @@ class MaskSpec:
     pattern: P.Pattern | None = None  # includes causal when is_causal was given
     keep: torch.Tensor | None = None  # user bool mask, 4-D broadcastable, True = takes part
     bias: torch.Tensor | None = None  # user float mask, 4-D broadcastable, added to the scores
+    softcap: float | None = None  # > 0: x -> softcap·tanh(x / softcap) on the scaled product (Note [Score modifications])
+    alibi: torch.Tensor | None = None  # ALiBi slopes [N|1, H], float32 or float64
     # layouts already built for this call: the planner costs block shapes and the kernel then asks again
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_trivial(self) -> bool:
-        """No mask at all (not even causal): every (query, key) pair takes part."""
-        return self.pattern is None and self.keep is None and self.bias is None
+        """No mask or bias at all (not even causal or ALiBi): every (query, key) pair takes part as
+        its (maybe soft-capped) product."""
+        return self.pattern is None and self.keep is None and self.bias is None and self.alibi is None
+
+    def cap(self, s: torch.Tensor) -> torch.Tensor:
+        """Scaled products s (any shape) soft-capped when ``softcap`` is set (Note [Score modifications])."""
+        return s if self.softcap is None else torch.tanh(s / self.softcap) * self.softcap
+
+    def alibi_bias(self, i: torch.Tensor, j: torch.Tensor, g: int = 0) -> torch.Tensor:
+        """-slope·|i + S − L − j| for query positions i [*G, bq, 1] and key positions j [*G, 1, bk]:
+        [*G, N|1, H, bq, bk] in the slopes' dtype (g = len(G))."""
+        d = (i + (self.S - self.L) - j).abs().to(self.alibi.dtype).unsqueeze(g).unsqueeze(g)  # (*G, 1, 1, bq, bk)
+        return -self.alibi.view(*self.alibi.shape, 1, 1) * d
 
     def bias_finer_than(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` is a half type and the float mask is finer (a float32 bias with bfloat16
-        inputs): a kernel that would round it to ``dtype`` must compute in float32 instead.
+        inputs), or ALiBi is given (its bias is float32 at least): a kernel that would round it to
+        ``dtype`` must compute in float32 instead.
 
         # Note [Bias precision]: a bias of magnitude b loses up to b·2^-9 in bfloat16 (0.1 at b = 50),
         # a logit error no accumulation in float32 can undo; the dense kernel keeps it in float32.
         """
         eps = torch.finfo(dtype).eps
-        return (self.bias is not None and eps > torch.finfo(torch.float32).eps  # half inputs only
-                and torch.finfo(self.bias.dtype).eps < eps)
+        if eps <= torch.finfo(torch.float32).eps:  # half inputs only
+            return False
+        # ALiBi's bias reaches slope·(L + S) and is computed in float32 (as flash-attn does)
+        return self.alibi is not None or (self.bias is not None and torch.finfo(self.bias.dtype).eps < eps)
 
     def block(self, i: torch.Tensor, j: torch.Tensor, N: int):
         """keep, bias for query positions i [..., bq, 1] and key positions j [..., 1, bk].
@@ -69,6 +93,9 @@ class MaskSpec:
         if self.keep is not None:
             keep = self._gather(self.keep, ic, jc, g) if keep is None else keep & self._gather(self.keep, ic, jc, g)
         bias = self._gather(self.bias, ic, jc, g) if self.bias is not None else None
+        if self.alibi is not None:
+            a = self.alibi_bias(ic, jc, g)
+            bias = a if bias is None else bias + a
         return keep, bias
 
     @staticmethod
@@ -104,7 +131,7 @@ class MaskSpec:
             any_, all_ = any_.to(lay.device), all_.to(lay.device)
             lay = torch.where(~any_, torch.zeros_like(lay), lay)
             lay = torch.where((lay == P.FULL) & ~all_, torch.ones_like(lay), lay)
-        if self.bias is not None:
+        if self.bias is not None or self.alibi is not None:  # every block adds its bias
             lay = torch.where(lay == P.FULL, torch.ones_like(lay), lay)
         return lay
 

@@ -38,6 +38,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
     return r.N * r.H * computed * 2 * (r.E + r.Ev)
 
 
+# no softcap or ALiBi: each run is one SDPA call, which takes neither (its edge masks cover partial blocks only)
 SPEC = KernelSpec("sparse", "only the non-empty key blocks of a mask, gathered through the fused kernel",
                   dropout=True, needs_sparsity=True, blocked=True, peak_bytes=_peak, flops=_flops)
 

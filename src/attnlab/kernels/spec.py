@@ -14,7 +14,9 @@ from typing import Callable
 
 import torch
 
-__all__ = ["KernelSpec", "Request", "Tiling", "FLOAT_DTYPES", "io_bytes"]
+from ..report import format_bytes
+
+__all__ = ["KernelSpec", "Request", "Tiling", "FLOAT_DTYPES", "io_bytes", "alibi_mask_bytes"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -31,6 +33,8 @@ class Request:
     sdpa_backend: the backend PyTorch's SDPA would pick ("math", "flash", ...), or None when not asked.
     needs_lse: the caller wants each row's log-sum-exp too (``attention_with_lse``); needs_grad: autograd
         will differentiate the result.
+    softcap: tanh soft-capping of the scores is asked for; alibi: ALiBi slopes are given, of shape "[H]" or
+        "[B, H]" (None: no ALiBi).
     """
 
     N: int
@@ -54,11 +58,18 @@ class Request:
     sdpa_backend: str | None = None
     needs_lse: bool = False
     needs_grad: bool = False
+    softcap: bool = False
+    alibi: str | None = None
 
     @property
     def trivial(self) -> bool:
-        """No mask of any kind (not even causal)."""
-        return not (self.causal_only or self.pattern or self.keep_mask or self.float_mask)
+        """No mask or bias of any kind (not even causal or ALiBi); soft-capping may still be asked for."""
+        return not (self.causal_only or self.pattern or self.keep_mask or self.float_mask or self.alibi)
+
+    @property
+    def score_mods(self) -> bool:
+        """Soft-capping or ALiBi is asked for."""
+        return self.softcap or self.alibi is not None
 
     @property
     def element_size(self) -> int:
@@ -93,6 +104,18 @@ def io_bytes(r: Request) -> int:
     return r.N * r.H * r.L * (r.E + 2 * r.Ev) * el + 2 * r.N * r.H * r.S * (r.E + r.Ev) * el
 
 
+def alibi_mask_bytes(r: Request) -> int:
+    """Bytes of ALiBi written out as a float mask [B|1, H, L, S] (float32, float64 for float64 inputs):
+    what a kernel that takes no slopes pays for them."""
+    if r.alibi is None:
+        return 0
+    return (r.N if r.alibi == "[B, H]" else 1) * r.H * r.L * r.S * max(4, r.element_size)
+
+
+#: ALiBi slope shapes a request may carry (``Request.alibi``)
+ALIBI_SHAPES = ("[H]", "[B, H]")
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """A kernel's capabilities and cost model, as data.
@@ -107,6 +130,11 @@ class KernelSpec:
     float_mask_grad: differentiates a float ``attn_mask`` that requires grad.
     gqa_no_copy: reads key/value heads in place under GQA (so per-head dead keys cannot be zeroed).
     needs_extension: runs only when attnlab's compiled extension loads.
+    softcap: applies tanh soft-capping (s -> softcap·tanh(s / softcap)) to the scaled scores, with its
+        gradient.
+    alibi: how it applies ALiBi slopes: "no" | "native" (the slopes are read inside the compiled tiles) |
+        "positions" (each visited block's bias is computed from positions) | "mask" (written out as an
+        L×S float mask per head first: ``alibi_mask_bytes``). alibi_shapes: the slope shapes it takes.
     devices: device types it runs on (None: any).
     peak_bytes / flops: ``f(request, tiling)`` (tiling None for unblocked kernels).
     unavailable: a hook for dynamic facts (e.g. "extension not built"): ``f(request) -> reason | None``.
@@ -126,6 +154,9 @@ class KernelSpec:
     needs_sparsity: bool = False
     needs_extension: bool = False
     blocked: bool = False
+    softcap: bool = False
+    alibi: str = "no"
+    alibi_shapes: tuple[str, ...] = ALIBI_SHAPES
     dtypes: tuple = FLOAT_DTYPES
     devices: tuple[str, ...] | None = None
     peak_bytes: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
@@ -178,4 +209,21 @@ class KernelSpec:
                 why.append("its log-sum-exp path takes no mask but causal")
         if self.needs_sparsity and r.trivial:
             why.append("no pattern or mask to skip work with (nothing is sparse)")
+        if r.softcap and not self.softcap:
+            why.append("no soft-capping (softcap=)")
+        if r.alibi is not None:
+            if self.alibi == "no":
+                why.append("no ALiBi (alibi_slopes=)")
+            elif r.alibi not in self.alibi_shapes:
+                why.append(f"takes alibi_slopes of shape {' or '.join(self.alibi_shapes)} only, got {r.alibi}")
+            elif self.alibi == "mask" and r.strict:
+                why.append("strict=True: ALiBi would be written out as an L×S float mask per head")
         return why
+
+    def notes(self, r: Request) -> list[str]:
+        """What running ``r`` here costs beyond the kernel's usual work, for ``explain`` (empty: nothing)."""
+        out = []
+        if r.alibi is not None and self.alibi == "mask" and r.alibi in self.alibi_shapes:
+            out.append(f"ALiBi written out as a [{'B' if r.alibi == '[B, H]' else '1'}, H, L, S] float mask: "
+                       f"{format_bytes(alibi_mask_bytes(r))}")
+        return out

@@ -42,7 +42,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
 
 SPEC = KernelSpec("tiled", "online-softmax tiles (FlashAttention's algorithm), recompute backward; weights by "
                   "a second pass over the saved log-sum-exp", weights="second pass", lse="yes", blocked=True,
-                  peak_bytes=_peak, flops=_flops)
+                  softcap=True, alibi="positions", peak_bytes=_peak, flops=_flops)
 
 
 def iter_blocks(layout: torch.Tensor, L: int, S: int, bq: int, bk: int):
@@ -53,9 +53,15 @@ def iter_blocks(layout: torch.Tensor, L: int, S: int, bq: int, bk: int):
         yield qi * bq, min(L, (qi + 1) * bq), ki * bk, min(S, (ki + 1) * bk), lay[qi][ki]
 
 
-def block_scores(qc, kb, mask: MaskSpec, scale, q0, q1, k0, k1, kind, N):
-    """Scaled, masked scores of one block: [N, H, q1-q0, k1-k0]; masked entries are -inf."""
+def block_scores(qc, kb, mask: MaskSpec, scale, q0, q1, k0, k1, kind, N, with_tanh: bool = False):
+    """Scaled, soft-capped, biased, masked scores of one block: [N, H, q1-q0, k1-k0]; masked entries are
+    -inf (Note [Score modifications]). ``with_tanh``: (scores, tanh(x / softcap) or None), what the
+    backward needs to differentiate the cap."""
     s = torch.matmul(qc, kb.transpose(-2, -1)) * scale  # (N, H, bl, bk)
+    t = None
+    if mask.softcap is not None:
+        t = torch.tanh(s / mask.softcap)
+        s = t * mask.softcap
     if kind == P.PARTIAL:
         i = torch.arange(q0, q1, device=qc.device).unsqueeze(-1)
         j = torch.arange(k0, k1, device=qc.device).unsqueeze(0)
@@ -64,7 +70,7 @@ def block_scores(qc, kb, mask: MaskSpec, scale, q0, q1, k0, k1, kind, N):
             s = s + bias.to(s.dtype)
         if keep is not None:
             s = s.masked_fill(~keep, float("-inf"))
-    return s
+    return (s, t) if with_tanh else s
 
 
 #: "auto" uses PyTorch's private CPU flash op per tile where it applies; "torch" forces plain tensor ops
@@ -72,10 +78,11 @@ ENGINE = "auto"
 
 
 def _use_flash(q, v, mask: MaskSpec) -> bool:
-    """The fused CPU op applies: CPU tensors, equal query/value head dims (its backward needs that) and no
-    float mask finer than the inputs (the op takes it in their dtype; Note [Bias precision])."""
+    """The fused CPU op applies: CPU tensors, equal query/value head dims (its backward needs that), no
+    float mask finer than the inputs (the op takes it in their dtype; Note [Bias precision]) and no
+    soft-capping (the op adds its mask to the raw product; ALiBi is such a mask, computed per tile)."""
     return (ENGINE == "auto" and _fused.HAS_CPU_FLASH and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
-            and not mask.bias_finer_than(q.dtype))
+            and not mask.bias_finer_than(q.dtype) and mask.softcap is None)
 
 
 def _tile_mask(mask: MaskSpec, q0, q1, k0, k1, N, device, dtype):
@@ -196,11 +203,13 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
     dq, dk, dv = {}, {}, {}  # block start -> summed gradient (Note [Out-of-place gradient sums])
     for q0, q1, k0, k1, kind in iter_blocks(layout, L, S, bq, bk):
         qc, kb, vb, doc = qa[:, :, q0:q1], ka[:, :, k0:k1], va[:, :, k0:k1], doa.narrow(2, q0, q1 - q0)  # narrow: vmap-able
-        s = block_scores(qc, kb, mask, scale, q0, q1, k0, k1, kind, N)
+        s, t = block_scores(qc, kb, mask, scale, q0, q1, k0, k1, kind, N, with_tanh=True)
         p = torch.exp(s - lse_b[:, :, q0:q1].unsqueeze(-1))  # (N, H, bl, bk)
         _add(dv, k0, torch.matmul(p.transpose(-2, -1), doc))
         dp = torch.matmul(doc, vb.transpose(-2, -1))
         ds = p * (dp - delta.narrow(2, q0, q1 - q0).unsqueeze(-1))
+        if t is not None:  # through the cap: d(c·tanh(x / c)) / dx = 1 − tanh²
+            ds = ds * (1 - t * t)
         _add(dq, q0, torch.matmul(ds, kb) * scale)
         _add(dk, k0, torch.matmul(ds.transpose(-2, -1), qc) * scale)
     return (_assemble(dq, q, bq, acc).to(q.dtype), _assemble(dk, k, bk, acc).to(k.dtype),

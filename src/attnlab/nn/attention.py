@@ -21,7 +21,7 @@ from .. import patterns as P
 from ..functional import METHODS, planner, run
 from ..shapes import prepare
 from ..positional.base import AttentionPositional
-from ..shapes import AttentionDtypeError
+from ..shapes import AttentionDtypeError, check_softcap
 from .cache import LayerCache
 from .hooks import AttentionHooks, HookContext
 
@@ -71,8 +71,13 @@ class MultiHeadAttention(nn.Module):
             attnlab.attention), or a
             name / instance accepted by ``attnlab.mechanisms.resolve``.
         pattern: an ``attnlab.patterns`` pattern applied on every call (AND with the other masks).
-        positional: an ``attnlab.positional.AttentionPositional`` (RoPE, ALiBi, T5 bias) or None.
+        positional: an ``attnlab.positional.AttentionPositional`` (RoPE, ALiBi, T5 bias) or None. ALiBi
+            goes to the kernel as slopes (no L×S bias) when the kernel that runs computes it from
+            positions and the queries are the last L of the S keys (self-attention, with or without a
+            cache); otherwise its bias is written out and added as a float mask (the same values).
         scale: score scale; None means 1/sqrt(D).
+        softcap: tanh soft-capping of the scores (Gemma 2): x -> softcap·tanh(x / softcap) on each scaled
+            product (``attnlab.attention(softcap=)``); None (default) for none. Exact methods only.
 
     Cost per call: O(B·L·d·(H·D)) for the projections plus whatever the mechanism costs.
     """
@@ -81,7 +86,8 @@ class MultiHeadAttention(nn.Module):
                  head_dim: int | None = None, kdim: int | None = None, vdim: int | None = None,
                  value_head_dim: int | None = None, bias: bool = True, dropout: float = 0.0,
                  mechanism="auto", pattern: P.Pattern | None = None,
-                 positional: AttentionPositional | None = None, scale: float | None = None):
+                 positional: AttentionPositional | None = None, scale: float | None = None,
+                 softcap: float | None = None):
         super().__init__()
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
@@ -123,6 +129,7 @@ class MultiHeadAttention(nn.Module):
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
         self.dropout, self.scale, self.pattern = float(dropout), scale, pattern
+        self.softcap = check_softcap(softcap)
         self.positional = positional
         self.mechanism = mechanism
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
@@ -137,11 +144,17 @@ class MultiHeadAttention(nn.Module):
     # -- configuration -----------------------------------------------------------------------------
     @property
     def mechanism(self):
+        """The attention this layer runs, as given: a method name of ``attnlab.METHODS`` or anything
+        ``attnlab.mechanisms.resolve`` accepts. Assigning it swaps the mechanism (a name resolves again;
+        with ``softcap`` set, only exact method names are accepted)."""
         return self._mechanism_spec
 
     @mechanism.setter
     def mechanism(self, spec) -> None:
         resolved = resolve_mechanism(spec)
+        if getattr(self, "softcap", None) is not None and not isinstance(resolved, str):
+            raise ValueError(f"softcap={self.softcap} needs an exact method ({', '.join(METHODS)}); the mechanism "
+                             f"{spec!r} takes no soft-capping")
         self._modules.pop("_mechanism", None)  # a module mechanism may be replaced by a name, and back
         self._mechanism = resolved  # a stateful mechanism module registers as a child (its parameters train)
         object.__setattr__(self, "_mechanism_spec", spec)  # as given; not a second child registration
@@ -382,19 +395,22 @@ class MultiHeadAttention(nn.Module):
                 pattern = P.causal() if pattern is None else pattern & P.causal()
         if pattern is not None and offset:
             pattern = P.shifted(pattern, offset)  # the cached rows' absolute positions
+        slopes = None
         if pos is not None and pos.has_bias:
             k_pos = torch.arange(S, device=query.device)
-            bias = pos.bias(q_pos, k_pos).to(q.dtype).unsqueeze(0)  # (1, H, L, S)
-            if mask is None:
-                mask = bias
-            elif mask.dtype == torch.bool:
-                mask = bias.masked_fill(~mask, float("-inf"))
+            # queries at the last L of the S key positions: the bias is flash-attn's ALiBi, −slope·|i + S − L − j|
+            slopes = pos.kernel_slopes() if offset == S - L and isinstance(self._mechanism, str) else None
+            if slopes is None:
+                mask = _add_bias(mask, pos.bias(q_pos, k_pos).to(q.dtype).unsqueeze(0))  # (1, H, L, S)
             else:
-                mask = mask + bias
+                def written_out(m):  # the fallback: the same bias as a float mask (1, H, L, S)
+                    return _add_bias(m, pos.bias(q_pos, k_pos).to(q.dtype).unsqueeze(0))
+                slopes = (slopes.to(query.device), written_out)
 
         # 4) attend
         hook_weights = ctx is not None and self.hooks.has("weights")
-        out, weights = self._attend(q, k, v, mask, causal_flag, pattern, key_pattern, need_weights or hook_weights)
+        out, weights = self._attend(q, k, v, mask, causal_flag, pattern, key_pattern, need_weights or hook_weights,
+                                    slopes)
         if ctx is not None:
             if weights is not None:
                 self.hooks.run("weights", weights, ctx)
@@ -460,12 +476,14 @@ class MultiHeadAttention(nn.Module):
             f"[B|1, H|1, L, S] = [{B}, {H}, {L}, {S}] (S counts cached keys)"
         )
 
-    def _attend(self, q, k, v, mask, is_causal, pattern, key_pattern, need_weights):
+    def _attend(self, q, k, v, mask, is_causal, pattern, key_pattern, need_weights, alibi=None):
         """q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> (out [B, H, L, Dv], weights | None).
 
         key_pattern (a key-padding Pattern, True = takes part) is ANDed into the pattern for the core
         methods, and becomes a [B, 1, 1, S] bool mask for mechanisms (which can then treat it as key
-        padding); it is never materialised to [B, L, S].
+        padding); it is never materialised to [B, L, S]. alibi: (slopes [H], f(mask) -> mask with the
+        bias added) for the core methods: the slopes go to the kernel when it computes ALiBi from
+        positions, else the bias is written out (``_alibi_method``).
         """
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.num_kv_heads != self.num_heads
@@ -475,8 +493,18 @@ class MultiHeadAttention(nn.Module):
             # (functional's Note [Dead keys])
             if key_pattern is not None:
                 pattern = key_pattern if pattern is None else pattern & key_pattern
-            p = prepare(q, k, v, mask, dropout_p, is_causal, self.scale, gqa, pattern)  # validated once
-            method = self._method_for(p, mech, need_weights)
+            slopes = None
+            if alibi is not None:
+                slopes, written_out = alibi
+                p = prepare(q, k, v, mask, dropout_p, is_causal, self.scale, gqa, pattern, softcap=self.softcap,
+                            alibi_slopes=slopes)
+                method = self._alibi_method(p, mech, need_weights)
+                if method is None:
+                    slopes, mask = None, written_out(mask)
+            if slopes is None:
+                p = prepare(q, k, v, mask, dropout_p, is_causal, self.scale, gqa, pattern,
+                            softcap=self.softcap)  # validated once
+                method = self._method_for(p, mech, need_weights)
             r = run(p, method=method, need_weights=need_weights)
             return r if need_weights else (r, None)
         key_keep = None if key_pattern is None else _keys_kept(key_pattern, k.shape[2]).to(k.device)  # (B, S)
@@ -496,6 +524,17 @@ class MultiHeadAttention(nn.Module):
                  enable_gqa=gqa, need_weights=need_weights)
         return r if need_weights else (r, None)
 
+    def _alibi_method(self, p, method: str, need_weights: bool) -> str | None:
+        """The method to run with ALiBi given as slopes, or None when the kernel that would run does not
+        compute it from positions (it would write the bias out anyway, or refuses slopes): the caller then
+        adds the written-out bias to the mask, as before slopes existed."""
+        m = self._method_for(p, method, need_weights)
+        try:
+            chosen = planner.plan(p, m, need_weights, costs=False).method
+        except ValueError:
+            return None
+        return m if kernels.get(chosen).alibi in ("native", "positions") else None
+
     def _method_for(self, p, method: str, need_weights: bool) -> str:
         """The layer's method, or "auto" when the planner refuses it only for what the layer itself brings:
         weights asked for (by the caller or a weights hook), no mask to skip work with (an unpadded batch
@@ -510,8 +549,8 @@ class MultiHeadAttention(nn.Module):
         if method in planner.refusals(layer_only):
             return method  # refused for the inputs themselves: the planner's error says why
         if p.mask_requires_grad and not kernels.get(method).float_mask_grad and torch.is_grad_enabled():
-            # Note [Learned bias and the tiled kernel]: the tiled/sparse/compiled backward does not
-            # differentiate a float mask; a learned bias (T5) is trained through sdpa/dense instead
+            # Note [Learned bias and the tiled kernel]: the tiled/sparse backward does not differentiate
+            # a float mask; a learned bias (T5) is trained through auto (sdpa/dense/compiled) instead
             if not self._warned_bias:
                 warnings.warn(f"mechanism={method!r} cannot train a learned attention bias "
                               f"({type(self.positional).__name__}); this layer uses method='auto' while "
@@ -520,9 +559,20 @@ class MultiHeadAttention(nn.Module):
         return "auto"
 
     def extra_repr(self) -> str:
+        """The settings shown by ``repr(module)``."""
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, value_head_dim={self.value_head_dim}, mechanism={self._mechanism_spec!r}, "
-                f"pattern={self.pattern!r}, scale={self.scale}, dropout={self.dropout}")
+                f"pattern={self.pattern!r}, scale={self.scale}, dropout={self.dropout}"
+                + (f", softcap={self.softcap}" if self.softcap is not None else ""))
+
+
+def _add_bias(mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tensor:
+    """An SDPA-style mask (None, bool True = takes part, or float) with a float bias [1, H, L, S] added."""
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return mask + bias
 
 
 def _and_keep(mask: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:

@@ -48,3 +48,9 @@ class AttentionPositional(nn.Module):
         """Float bias [H, L, S] added to the attention scores for positions q_pos [L], k_pos [S], or None
         for no bias (the base's answer; subclasses that return one set ``has_bias = True``)."""
         return None
+
+    def kernel_slopes(self) -> torch.Tensor | None:
+        """Slopes [H] when ``bias(q_pos, k_pos)`` is ALiBi, −slope_h·|q_pos[i] − k_pos[j]|, so that a kernel
+        can compute it from positions (``attnlab.attention(alibi_slopes=)``) instead of reading an
+        [H, L, S] tensor; None (the base's answer) for any other bias."""
+        return None

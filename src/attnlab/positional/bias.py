@@ -47,6 +47,11 @@ class ALiBi(AttentionPositional):
         d = (q_pos.unsqueeze(-1) - k_pos.unsqueeze(0)).abs().to(torch.float64)  # (L, S)
         return -(self.slopes.to(q_pos.device).view(-1, 1, 1) * d).to(torch.float32)  # (H, L, S)
 
+    def kernel_slopes(self) -> torch.Tensor:
+        """The slopes [H] (float64; the compiled kernel reads them as float32, as flash-attn does):
+        ``bias`` is exactly ALiBi."""
+        return self.slopes
+
     def extra_repr(self):
         """The settings shown by ``repr(module)``."""
         return f"num_heads={self.num_heads}"

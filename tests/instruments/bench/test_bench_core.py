@@ -44,6 +44,22 @@ def test_explain_cli_returns_plans(capsys):
     assert plan["method"] in capsys.readouterr().out
 
 
+def test_explain_cli_score_mods_plan_like_the_library(capsys):
+    """--softcap / --alibi plan what attention(softcap=, alibi_slopes=) on real tensors would run."""
+    outcome = cli.invoke(["explain", "--shape", "1,4,256,32", "--causal", "--softcap", "30", "--alibi", "--json"])
+    assert outcome.exit_code == 0
+    plan = outcome.result["plans"][0]
+    q = torch.empty(1, 4, 256, 32)
+    real = attnlab.explain(q, q, q, is_causal=True, softcap=30.0, alibi_slopes=attnlab.positional.alibi_slopes(4))
+    assert plan["method"] == real.method
+    assert "softcap" in plan["refused"]["sdpa"]  # SDPA has no soft-capping
+    assert plan["options"]["softcap"] == 30.0 and plan["options"]["alibi_slopes"] is True
+    capsys.readouterr()
+    assert cli.main(["explain", "--shape", "1,4,256,32", "--softcap", "-1"]) == 2
+    assert "softcap" in capsys.readouterr().err
+    assert cli.main(["explain", "--shape", "256,32", "--alibi"]) == 2
+
+
 def test_explain_cli_bad_input_exit_2(capsys):
     assert cli.main(["explain", "--shape", "1,x,4"]) == 2
     assert "--shape" in capsys.readouterr().err
