@@ -152,6 +152,41 @@ def test_fully_masked_rows_are_zero_and_lse_minus_inf():
     assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5, what="lse")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uneven_units_any_schedule(dtype):
+    """csrc Note [Dynamic schedule]: threads pull (batch, head, query block) units costliest first. Units
+    of very different cost (one query block visits every key block, the others one or none; a per-batch
+    key padding makes the layout per batch element) match float64, and the result does not depend on the
+    schedule: two runs on two threads (units pulled in whatever order the threads reach the counter) are
+    equal bit for bit, and equal one thread's where the tiles multiply on brgemm (MKL's gemm may take
+    another path at another thread count: it did before the schedule changed too)."""
+    n, b = 512, 32
+    layout = torch.zeros(n // b, n // b, dtype=torch.bool)
+    layout[0] = True  # one dense row of blocks
+    layout[2::3, 1] = True  # others a single block
+    layout[5] = False  # a query block with no key: output 0, lse -inf
+    pattern = P.block_sparse(layout, b) & P.key_padding([n, 300])
+    torch.manual_seed(11)
+    q, k, v = _qkv((2, 4, n, 32), (2, 4, n, 32), dtype=dtype)
+    lay = compiled.build_layout(MaskSpec(n, n, pattern=pattern), b, b)
+    assert lay.kv_num.shape[0] == 2 and int(lay.kv_num.max()) == n // b and int(lay.kv_num.min()) == 0
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (2, 2, 1):
+            torch.set_num_threads(t)
+            runs.append(compiled.compiled_attention(q, k, v, MaskSpec(n, n, pattern=pattern), 32 ** -0.5, b, b))
+    finally:
+        torch.set_num_threads(threads)
+    (out, lse), (out2, lse2), (out1, lse1) = runs
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    if compiled.uses_brgemm(dtype, 32, 32, b):
+        assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    mask = pattern.materialize(n, n)
+    _check_fwd(out, q, k, v, mask, f"{dtype} uneven units")
+    assert (out[:, :, 5 * b:6 * b] == 0).all() and torch.isneginf(lse[:, :, 5 * b:6 * b]).all()
+
+
 def test_nan_and_inf_in_masked_keys_do_not_leak():
     q, k, v = _qkv((2, 2, L, 8), (2, 2, S, 8))
     k[:, :, 50:], v[:, :, 50:] = float("nan"), float("inf")  # padding: masked for every query
@@ -199,6 +234,33 @@ def test_half_types_dense_tiles_tails_masked_rows_nan(dtype):
     out, _ = compiled.compiled_attention(q, k, v, spec, 0.125, 256, 512)
     ref, _ = reference.attention(q, k, v, scale=0.125)
     assert np.isnan(ref[0, 0]).all() and torch.isnan(out[0, 0]).all() and torch.isfinite(out[0, 1]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_types_lazy_max_and_lse(dtype):
+    """csrc Note [Lazy max] and Note [Half-type exp]: after a row's first tile the half-type forward keeps
+    its old max as the exponentials' reference unless the new keys would outweigh 2^15 of the best so far.
+    Rows whose max grows a little in later tiles (kept lazily), a lot (+12: redone, else fp16's p would
+    overflow), and every tile (a rising ramp) all match float64; the log-sum-exp, whose sum is of the fp32
+    exponentials (relative error 2.7e-6), matches float64 to within a few fp32 ulps of its magnitude."""
+    torch.manual_seed(7)
+    L_, S_ = 96, 2048
+    q, k, v = _qkv((1, 3, L_, 64), (1, 3, S_, 64), dtype=dtype)
+    q = q * 2
+    bias = torch.zeros(1, 3, L_, S_)
+    bias[0, 0, :, 600:] = 3.0  # head 0: a small jump after the first 512-key tile
+    bias[0, 1, :, 1500:] = 12.0  # head 1: a jump p = e^12 > fp16's range would not survive
+    bias[0, 2] = torch.linspace(0, 40, S_)  # head 2: the max rises in every tile
+    spec = MaskSpec(L_, S_, bias=bias)
+    out, lse = compiled.compiled_attention(q, k, v, spec, 0.125, 256, 512)
+    assert torch.isfinite(out).all()
+    _check_fwd(out, q, k, v, bias, f"{dtype} lazy max", scale=0.125)
+    s = (q.double() @ k.double().transpose(-2, -1)) * 0.125 + bias.double()
+    ref = torch.logsumexp(s, -1)
+    # fp32 rounding of lse = m + log(l) (m up to ~50 here) plus the exp fit's 2.7e-6 relative error
+    tol = 4 * torch.finfo(torch.float32).eps * ref.abs() + 4e-6
+    err = (lse.double() - ref).abs()
+    assert (err <= tol).all(), f"lse error {err.max():.3g} vs float64"
 
 
 def test_bf16_conversion_fallback_matches_native():

@@ -295,30 +295,30 @@ inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst, bool /*masked*/ 
 #if defined(CPU_CAPABILITY_AVX512)
 // Note [Half-type exp]: probabilities headed for a bf16/fp16 product are rounded to 8 (11) significant
 // bits, so their exp need not be at::vec's exp_u20 (~17 instructions with its range checks). This one is
-// 2^t with t = (x * mul - shift) * log2(e), a degree-4 fit of 2^f on f in [-1/2, 1/2] (relative error
-// 2.7e-6 evaluated in fp32, fitted for this kernel: 1/700 of bf16's and 1/180 of fp16's rounding of the
-// probabilities, about exp_u20's 20 ulp) and vscalefps for the 2^n; exact 0 below 2^-125 (as exp_u20
-// gives below FLT_MIN) and NaN kept; 11 instructions. The fp32 row sum is of these values. (Degree 5,
-// 2.3e-7, cost one more FMA of the pass's ~13 per vector.)
+// 2^t with t = (x * mul - shift) * log2(e): f = t - floor(t) in [0, 1] by one vreduceps, a degree-4 fit of
+// 2^f on [0, 1] (relative error 2.7e-6 evaluated in fp32, fitted for this kernel: 1/700 of bf16's and 1/180
+// of fp16's rounding of the probabilities, about exp_u20's 20 ulp), and vscalefps, which multiplies by
+// 2^floor(t) itself (no separate rounding, subtraction or clamp: 3 of the pass's ~12 micro-ops per vector;
+// measured 5-15 % of a dense bf16 forward's CPU time, 1 thread). exp(-inf) is 0 (vreduceps(-inf) is 0,
+// vscalefps(1, -inf) is 0); NaN is kept. The fp32 row sum is of these values, so the log-sum-exp is
+// accurate to ~3e-6 (tests/kernels/test_compiled.py checks it against float64).
 template <bool kMasked>
 inline __m512 exp2_half_target(__m512 t) {
-  // kMasked (a tile with masked scores, -inf): lanes below 2^-125 become exact 0 by a mask, never by
-  // underflow: an underflowing result takes a microcode assist on Intel cores (measured: the causal bf16
-  // forward's exp pass ran 4x slower per value than the dense one). NaN compares unordered and is kept.
-  // A full tile has no -inf, so it skips the mask (2 of ~13 instructions); clamped at -200 its rare
-  // underflows are still exact, only slow.
-  const __m512 lo = _mm512_set1_ps(kMasked ? -125.f : -200.f);
-  __mmask16 keep = 0xFFFF;
-  if constexpr (kMasked) keep = _mm512_cmp_ps_mask(t, lo, _CMP_NLT_UQ);
-  t = _mm512_max_ps(lo, t);  // max(c, NaN) is NaN: NaN survives
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009570101276040077f), f, _mm512_set1_ps(0.05591786280274391f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
-  if constexpr (kMasked) return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-  return _mm512_scalef_ps(p, n);
+  // f = t - floor(t): imm 0x09 = keep 0 fraction bits, round down, no exceptions (AVX512DQ)
+  const __m512 f = _mm512_reduce_ps(t, 0x09);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013534167781472206f), f, _mm512_set1_ps(0.052011460065841675f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414427548646927f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930038332939148f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+  if constexpr (kMasked) {
+    // a tile with masked scores (-inf): lanes below 2^-125 become exact 0 by a mask, never by underflow: an
+    // underflowing result takes a microcode assist on Intel cores (measured: the causal bf16 forward's exp
+    // pass ran 4x slower per value than the dense one). NaN compares unordered and is kept.
+    const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
+    return _mm512_maskz_scalef_ps(keep, p, t);
+  }
+  // a full tile has no -inf; its rare scores 87 below the row's max underflow exactly, only slowly
+  return _mm512_scalef_ps(p, t);
 }
 
 // The CPU's own fp32 -> bf16 conversion (vcvtne2ps2bf16, AVX512-BF16: 32 values in one instruction,
@@ -378,7 +378,7 @@ __attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t
 }
 
 template <bool kMasked>
-__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+__attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
 float exp_sum_bf16_native(const float* x, int64_t n, float shift, float mul, at::BFloat16* dst) {
   return exp_sum_half<kMasked, StoreBf16Native>(x, n, shift, mul, dst);
 }
@@ -398,6 +398,20 @@ inline float exp_sum<at::Half, float>(const float* x, int64_t n, float shift, fl
                 : exp_sum_half<false, StoreHalf>(x, n, shift, mul, dst);
 }
 #endif
+
+// Note [Lazy max]: the online softmax needs each row's running max m only as the reference point of its
+// exponentials; it need not be the exact max. After a row's first tile, the half-type forward runs one pass
+// per tile row: p = exp(x - m) against the running max, no max pass over the fp32 tile row first. When the
+// row's sum of p is at most kLazySum (nearly always, once a row has seen a few hundred keys: the new keys
+// would have to outweigh 2^15 copies of the best one so far) the pass stands: m, the row's sum and its
+// output row stay on the old reference (no rescale), with every p <= 2^15, within fp16's range; half types
+// hold values above 1 with the same relative precision as below. Otherwise (a sum above kLazySum or
+// infinite) the row is redone against its new max, as a first tile is. Removing the max pass measured 5 %
+// of a dense bf16 forward (1 thread, n = 2048, CPU time). What changes: the row's largest p is no longer
+// exactly 1, so it is rounded to bf16 like the others (measured: mean output error vs float64 +19 % on
+// sharp rows, logits std 3, still 1/3 of the naive bf16 computation's error). A NaN sum stands (the row
+// is NaN anyway). Half types only: fp32 rows are exponentiated in place, so there is nothing to redo from.
+constexpr float kLazySum = 32768.f;
 
 // oneDNN's batch-reduce gemm micro-kernel through cpublas::brgemm (what PyTorch's CPU flash kernel
 // uses for half types): C[M, N] (+)= A[M, K] @ B[K, N], no transposes, no alpha, tiny call overhead
@@ -546,6 +560,47 @@ inline int64_t grain(int64_t units, int64_t flops_upper_bound) {
   return flops_upper_bound < (int64_t(1) << 18) ? std::max<int64_t>(units, 1) : 1;
 }
 
+// Note [Dynamic schedule]: the forward's units (batch, head, query block) differ in cost (each query
+// block visits its own number of key blocks), and on a shared CPU one of our threads may share its core
+// with another process. A static split of the unit range makes the call wait for the slowest thread
+// (measured: block-sparse rho=0.05 n=16384 fwd kept 0.64 of its quiet speed with a matmul loop running).
+// Instead each thread pulls the next unit from one atomic counter, the costliest units first (longest
+// processing time first: the cheap ones even out the tail). Every unit is still computed whole by one
+// thread with the same code, so results do not depend on the schedule. `work(pull)` runs once per thread
+// (its per-thread buffers allocated once) and calls pull() until it returns -1; `serial` runs everything
+// on the calling thread (calls too small for threads to pay off, see grain()).
+template <typename F>
+void parallel_pull(int64_t units, bool serial, F&& work) {
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = serial ? std::min<int64_t>(units, 1) : std::min<int64_t>(at::get_num_threads(), units);
+  // inside another parallel region at::parallel_for runs f(0, tasks) once, inline: that call pulls every unit
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    work([&]() -> int64_t {
+      const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+      return u < units ? u : -1;
+    });
+  });
+}
+
+// The forward's units (u = (n * H + h) * nq + qb) in the order threads take them: by the number of key
+// blocks their query block visits, most first; ties keep u's order (a head's query blocks run together,
+// so its K/V stay in cache as under the static split). A stable counting sort, O(units + maxk). Empty
+// when every unit costs the same (the identity order).
+inline std::vector<int32_t> costliest_first(const int32_t* kv_num, int64_t Nl, int64_t N, int64_t H, int64_t nq,
+                                            int64_t maxk) {
+  const int64_t units = N * H * nq;
+  auto cnt = [&](int64_t u) { return kv_num[(Nl == 1 ? 0 : u / (H * nq)) * nq + u % nq]; };
+  bool same = true;
+  for (int64_t r = 1; r < Nl * nq && same; ++r) same = kv_num[r] == kv_num[0];
+  if (same || units > std::numeric_limits<int32_t>::max()) return {};
+  std::vector<int64_t> start(maxk + 2, 0);  // bucket maxk - c holds units visiting c key blocks
+  for (int64_t u = 0; u < units; ++u) ++start[maxk - cnt(u) + 1];
+  for (int64_t b = 1; b <= maxk + 1; ++b) start[b] += start[b - 1];
+  std::vector<int32_t> order(units);
+  for (int64_t u = 0; u < units; ++u) order[start[maxk - cnt(u)]++] = static_cast<int32_t>(u);
+  return order;
+}
+
 struct Layout {
   const int32_t* kv_num;
   const int32_t* kv_idx;
@@ -653,8 +708,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     if (kHalf) vv = at::empty({N * Hkv, Sp * Ev}, q.options());
     T* KT = kt.data_ptr<T>();
     T* VV = kHalf ? vv.data_ptr<T>() : nullptr;
-    at::parallel_for(0, N * Hkv, grain(N * Hkv, flops), [&](int64_t b0, int64_t b1) {
-      for (int64_t u = b0; u < b1; ++u) {
+    // pulled like the units below (Note [Dynamic schedule]): equal costs, but a thread may be slowed
+    parallel_pull(N * Hkv, grain(N * Hkv, flops) > 1, [&](auto pull) {
+      for (int64_t u = pull(); u >= 0; u = pull()) {
         const int64_t n = u / Hkv, g = u % Hkv;
         // K^T as B of q @ k^T (K = E, N = S); rows past S are never read
         pack_transposed_blocks(K + n * k.stride(0) + g * k.stride(1), k.stride(2), S, E, bk, KT + u * nk * E * bk);
@@ -665,10 +721,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const T* KT = use_brg ? kt.data_ptr<T>() : nullptr;
   const int64_t W = std::max(bk, kMergeCols);  // Note [Merged runs]
   const T* VV = use_brg && kHalf ? vv.data_ptr<T>() : nullptr;
-  at::parallel_for(0, N * H * nq, grain(N * H * nq, flops), [&](int64_t begin, int64_t end) {
+  const int64_t units = N * H * nq;
+  const std::vector<int32_t> order = costliest_first(lay.kv_num, lay.Nl, N, H, nq, lay.maxk);
+  parallel_pull(units, grain(units, flops) > 1, [&](auto pull) {  // Note [Dynamic schedule]
     std::vector<A> sbuf(bq * W), obuf(bq * Ev), mrow(bq), lrow(bq);
     std::vector<T> pbuf(kSame ? 0 : bq * (W + 1));
-    for (int64_t u = begin; u < end; ++u) {
+    for (int64_t i = pull(); i >= 0; i = pull()) {
+      const int64_t u = order.empty() ? i : order[i];
       const int64_t n = u / (H * nq), h = (u / nq) % H, qb = u % nq;
       const int64_t q0 = qb * bq, rows = std::min(bq, L - q0), kvh = h / groups;
       const T* qp = Q + n * q.stride(0) + h * q.stride(1) + q0 * q.stride(2);
@@ -711,6 +770,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         for (int64_t r = 0; r < rows; ++r) {
           A* row = s + r * ls;
+          if constexpr (!kSame) {
+            if (mrow[r] != ninf) {  // Note [Lazy max]
+              const A sum = exp_sum(row, cols, mrow[r], mul, pbuf.data() + r * ls, !fold);
+              if (!(sum > A(kLazySum))) {
+                lrow[r] += sum;
+                if (use_brg && (cols & 1)) pbuf[r * ls + cols] = T(0);  // pairs with V's zero pad row
+                continue;
+              }
+            }
+          }
           const A mnew = std::max(mrow[r], (kSame ? row_max(row, cols) : row_max_loose(row, cols)) * mul);
           const A shift = mnew == ninf ? A(0) : mnew;  // a row with nothing kept yet: exp(-inf) = 0
           A sum;
