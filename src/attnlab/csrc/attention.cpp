@@ -889,13 +889,13 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   A* DB = dbias.defined() ? dbias.data_ptr<A>() : nullptr;  // [N, H, L, S] zeroed, when the float mask needs grad
   const A scale = static_cast<A>(scale_d);
   const A inf = std::numeric_limits<A>::infinity();
-  // Note [Backward balance]: a unit is (n, kv head, range of key blocks). It alone writes the dk, dv rows
-  // of its keys, and dq of its kv head's query heads: directly when each kv head is one unit (splits = 1),
-  // else into its range's fp32 partial dq, summed at the end. Threads pull units from an atomic counter,
-  // most visited blocks first, so a thread slowed by another process takes fewer units instead of holding
-  // up a static split (B=1, H=8 is only 8 units over the threads). Ranges cost a partial dq each and a
-  // pass over the query blocks per range, so the wrapper asks for them only when there are fewer
-  // (n, kv head) pairs than threads (MQA at B=1; compiled.backward_splits has the measurements).
+  // Note [Backward balance]: a unit is (n, kv head, range of key blocks). It alone writes the dk, dv rows of
+  // its keys, and dq of its kv head's query heads: directly when each kv head is one unit (splits = 1), else
+  // into its range's fp32 partial dq, summed at the end. Threads pull units (parallel_pull, Note [Dynamic
+  // schedule]), most visited blocks first, so a thread slowed by another process takes fewer units instead of
+  // holding up a static split (B=1, H=8 is only 8 units over the threads). Ranges cost a partial dq each and
+  // a pass over the query blocks per range, so the wrapper asks for them only when there are fewer (n, kv
+  // head) pairs than threads (MQA at B=1; compiled.backward_splits has the measurements).
   const int64_t nk = (S + bk - 1) / bk;
   const int64_t ranges = std::max<int64_t>(1, std::min(splits, nk));
   const int64_t span = (nk + ranges - 1) / ranges;  // key blocks per range
@@ -922,9 +922,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   }
   for (int64_t u = 0; u < units; ++u) order[u] = u;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  std::atomic<int64_t> next{0};
-  const int64_t tasks = grain(units, 2 * N * H * L * S * (E + Ev)) > 1 ? 1 : std::min<int64_t>(units, at::get_num_threads());
-  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+  parallel_pull(units, grain(units, 2 * N * H * L * S * (E + Ev)) > 1, [&](auto pull) {
     std::vector<A> pbuf(bq * bk), dpbuf(bq * bk), tbuf(mod.softcap > 0 ? bq * bk : 0), dqacc(bq * E), delta(bq),
         lsafe(bq);
     std::vector<T> pT(kSame ? 0 : bq * bk), dsT(kSame ? 0 : bq * bk);
@@ -941,7 +939,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     std::vector<T> kv(hb ? span * bk * E : 0), qT(hb ? E * bqp : 0), doT(hb ? Ev * bqp : 0), pv(hb ? bqp * bk : 0),
         dsv(hb ? bqp * bk : 0);
     std::vector<A> dkT(hb ? E * ldt : 0), dvT(hb ? Ev * ldt : 0);
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+    for (int64_t i; (i = pull()) >= 0;) {
       const int64_t u = order[i];
       const int64_t n = u / (Hkv * ranges), kvh = (u / ranges) % Hkv, cr = u % ranges;
       const int64_t kb_lo = cr * span, kb_hi = std::min(nk, kb_lo + span);
