@@ -106,8 +106,26 @@ def create_app(explorer: Explorer, allowed_hosts=None) -> Starlette:
 
 
 def serve_forever(app, sock) -> None:
-    """Run ``app`` with uvicorn on an already bound socket (so port 0 can be printed before serving)."""
+    """Run ``app`` with uvicorn on an already bound socket (so port 0 can be printed before serving).
+    Ctrl-C raises KeyboardInterrupt here after uvicorn's graceful shutdown (Note [Ctrl-C under uvicorn])."""
+    import signal
+
     import uvicorn
 
+    # Note [Ctrl-C under uvicorn]: uvicorn catches SIGINT, shuts down, then re-raises it under the handler it found
+    # at start. Under asyncio.run that handler is asyncio's own, which cancels the main task rather than raising,
+    # and whether the cancel surfaces as KeyboardInterrupt depends on when Python runs the handler: once, in a fresh
+    # clone's `make test`, run() returned normally and `attnlab serve` exited 0 instead of 130. So the signal is
+    # recorded here and turned into KeyboardInterrupt whichever way run() ends.
+    class _Server(uvicorn.Server):
+        stopped_by: int | None = None
+
+        def handle_exit(self, sig, frame):
+            self.stopped_by = sig
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
-    uvicorn.Server(config).run(sockets=[sock])
+    server = _Server(config)
+    server.run(sockets=[sock])
+    if server.stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt
