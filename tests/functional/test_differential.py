@@ -100,19 +100,9 @@ def _build(c):
 def _naive(q, k, v, mask, is_causal, scale, gqa):
     """softmax(q kᵀ·scale + mask) v with every op in q's dtype; masked scores -inf, empty rows 0."""
     if gqa:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    s = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(E) if scale is None else scale)
-    keep = torch.ones(L, S, dtype=torch.bool)
-    if is_causal:
-        keep = keep.tril()
-    if mask is not None and mask.dtype == torch.bool:
-        keep = keep & mask
-    elif mask is not None:
-        s = s + mask.to(q.dtype)
-    s = s.masked_fill(~keep, float("-inf"))
-    m = s.amax(-1, keepdim=True) if S else torch.zeros(*s.shape[:-1], 1, dtype=s.dtype)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    s = _scores(q, k, mask, is_causal, scale, gqa)
+    m = s.amax(-1, keepdim=True) if s.shape[-1] else torch.zeros(*s.shape[:-1], 1, dtype=s.dtype)
     p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
     d = p.sum(-1, keepdim=True)
     return (p / torch.where(d == 0, torch.ones_like(d), d)) @ v

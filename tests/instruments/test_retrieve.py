@@ -19,11 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    return R.generate_corpus(48, seed=0)
-
-
-@pytest.fixture(scope="module")
 def keys(corpus):
     return R.hashing_embedder()(corpus.texts)  # (n, d)
 

@@ -14,11 +14,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    return R.generate_corpus(48, seed=0)
-
-
-@pytest.fixture(scope="module")
 def ours(corpus):
     return R.minilm_embedder()(corpus.texts)  # (n, 384)
 

@@ -68,28 +68,22 @@ def _defs(body):
                 yield from _defs(block)
 
 
+def _last_name(node) -> str | None:
+    """``b`` of ``a.b``, ``a`` of a bare name; None for anything else."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def _decorator_names(fn) -> set[str]:
-    names = set()
-    for d in fn.decorator_list:
-        if isinstance(d, ast.Call):
-            d = d.func
-        if isinstance(d, ast.Attribute):
-            names.add(d.attr)
-        elif isinstance(d, ast.Name):
-            names.add(d.id)
-    return names
+    names = (_last_name(d.func if isinstance(d, ast.Call) else d) for d in fn.decorator_list)
+    return {n for n in names if n}
 
 
 def _base_names(cls: ast.ClassDef) -> list[str]:
-    out = []
-    for b in cls.bases:
-        if isinstance(b, ast.Subscript):  # Generic[T], Protocol[...]
-            b = b.value
-        if isinstance(b, ast.Attribute):
-            out.append(b.attr)
-        elif isinstance(b, ast.Name):
-            out.append(b.id)
-    return out
+    # Generic[T], Protocol[...]: the subscripted name
+    names = (_last_name(b.value if isinstance(b, ast.Subscript) else b) for b in cls.bases)
+    return [n for n in names if n]
 
 
 def _classes(trees) -> dict[str, list[ast.ClassDef]]:
