@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from .. import patterns as P
+from ..caches import ByteLRU
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
@@ -134,8 +134,11 @@ class KernelLayout:
         return self.kv_num, self.kv_idx, self.tile_id, self.tiles
 
 
-_CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 64
+#: the layouts kept together weigh at most this (their tensors and their keys: a pattern key holds every
+#: global token of a longformer, so a key alone can weigh gigabytes; such an entry is built, used, dropped)
+CACHE_BYTES = 256 << 20
+_CACHE = ByteLRU("kernels.compiled layouts", CACHE_BYTES, max_entries=CACHE_SIZE)
 #: tiles evaluated per step while building a layout's tile table (bounds its scratch memory)
 _TILE_CHUNK_BYTES = 1 << 24
 
@@ -217,15 +220,7 @@ def build_layout(mask: MaskSpec, block_q: int, block_k: int) -> KernelLayout:
     are read inside the tiles by the kernel)."""
     L, S = mask.L, mask.S
     key = (_pattern_key(mask.pattern), L, S, block_q, block_k)
-    hit = _CACHE.get(key)
-    if hit is None:
-        hit = _pattern_layout(mask.pattern, L, S, block_q, block_k)
-        _CACHE[key] = hit
-        while len(_CACHE) > CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
-    visit, tid, tiles = hit
+    visit, tid, tiles = _CACHE.get_or_compute(key, lambda: _pattern_layout(mask.pattern, L, S, block_q, block_k))
     if mask.keep is not None:
         visit = visit & (mask.layout(block_q, block_k, device="cpu") != P.EMPTY)
     return _compress(visit, tid, tiles, block_q, block_k)

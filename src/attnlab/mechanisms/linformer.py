@@ -11,13 +11,13 @@ key/value is a mean — far better than Gaussian on untrained inputs), or the id
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from . import Inputs, Mechanism, MechanismModule, Spec, register
+from ..caches import ByteLRU
 from ..kernels.dense import masked_softmax
 
 __all__ = ["Linformer", "LinformerModule"]
@@ -25,10 +25,17 @@ __all__ = ["Linformer", "LinformerModule"]
 PROJECTIONS = ("random", "mean", "identity")
 
 
-@functools.lru_cache(maxsize=64)
+#: the seeded projections kept for reuse weigh at most this together (one [k, S] float64 matrix each)
+PROJECTION_CACHE_BYTES = 64 << 20
+_PROJECTIONS = ByteLRU("mechanisms.linformer projections", PROJECTION_CACHE_BYTES, max_entries=64)
+
+
 def _gaussian(seed: int, k: int, S: int, which: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 2 + which)
-    return torch.randn(k, S, generator=g, dtype=torch.float64) / k ** 0.5
+    def draw():
+        g = torch.Generator().manual_seed(seed * 2 + which)
+        return torch.randn(k, S, generator=g, dtype=torch.float64) / k ** 0.5
+
+    return _PROJECTIONS.get_or_compute((seed, k, S, which), draw)
 
 
 def linformer_attention(q, k, v, proj_k, proj_v, scale, dropout_p=0.0):

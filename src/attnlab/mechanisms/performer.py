@@ -10,7 +10,6 @@ linear attention with this φ (``linear.kernel_attention``), causal by chunked p
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from . import Mechanism, MechanismModule, Spec, register
+from ..caches import ByteLRU
 from .linear import compute_dtype, kernel_attention
 
 __all__ = ["Performer", "PerformerModule", "orthogonal_gaussian"]
@@ -44,10 +44,18 @@ def orthogonal_gaussian(num_features: int, dim: int, *, orthogonal: bool = True,
     return w * norms.unsqueeze(1)
 
 
-@functools.lru_cache(maxsize=64)
+#: the seeded feature matrices kept for reuse weigh at most this together (a million features of dim 32 are
+#: 256 MB: such a matrix is drawn, used and dropped, never kept)
+FEATURE_CACHE_BYTES = 64 << 20
+_FEATURES = ByteLRU("mechanisms.performer features", FEATURE_CACHE_BYTES, max_entries=64)
+
+
 def _features(seed: int, num_features: int, dim: int, orthogonal: bool) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return orthogonal_gaussian(num_features, dim, orthogonal=orthogonal, generator=g)
+    def draw():
+        g = torch.Generator().manual_seed(seed)
+        return orthogonal_gaussian(num_features, dim, orthogonal=orthogonal, generator=g)
+
+    return _FEATURES.get_or_compute((seed, num_features, dim, orthogonal), draw)
 
 
 def positive_features(x: torch.Tensor, omega: torch.Tensor, scale: float, is_query: bool,

@@ -21,12 +21,27 @@ from .page import PAGE
 __all__ = ["create_app", "serve_forever", "MAX_BODY", "LOOPBACK_HOSTS"]
 
 MAX_BODY = 64 * 1024  # bytes; a request is a sentence and a few switches
+MAX_DEPTH = 16  # JSON nesting: a request is an object of scalars and one small params object
 _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
         "img-src 'self' data:; base-uri 'none'; form-action 'none'")
 
 
 def _error(message: str, status: int) -> JSONResponse:
+    # a message quoting the request may carry a lone surrogate, which UTF-8 cannot: escaped, not a 500
+    message = " ".join(message.encode("utf-8", "backslashreplace").decode("utf-8").split("\n"))
     return JSONResponse({"error": message}, status_code=status)
+
+
+def _depth_over(value, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests lists/objects more than ``limit`` deep (iteratively)."""
+    stack = [(value, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (list, dict)):
+            if d > limit:
+                return True
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 async def _json_body(request: Request):
@@ -36,9 +51,16 @@ async def _json_body(request: Request):
     if len(body) > MAX_BODY:
         raise ExplorerError(f"the request body is {len(body)} bytes; at most {MAX_BODY}", 413)
     try:
-        return json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        value = json.loads(body.decode("utf-8"))
+    except RecursionError:
+        raise ExplorerError(f"the request body is nested too deeply to parse; at most {MAX_DEPTH} levels") from None
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, an integer past Python's digit limit
         raise ExplorerError(f"the request body is not valid JSON: {e}") from None
+    if _depth_over(value, MAX_DEPTH):
+        deep = [k for k, v in value.items() if _depth_over(v, MAX_DEPTH - 1)] if isinstance(value, dict) else []
+        subject = f"field {deep[0]!r}" if deep else "the request body"
+        raise ExplorerError(f"{subject} nests lists/objects more than {MAX_DEPTH} levels deep; at most {MAX_DEPTH}")
+    return value
 
 
 class _HostCheck:

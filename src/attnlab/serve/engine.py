@@ -17,9 +17,17 @@ removes the chosen head's output (zero or its mean; ``attnlab.capture.ablate_hea
 the output effect shows what the head contributes. The
 shown weights are those the model computed (read through ``attnlab.capture``), and the output effect is
 the cosine similarity of the sentence embedding to the unmodified model's.
+
+Note [Request budget]: one request must not buy minutes of work or memory that stays. Text is bounded by
+``MAX_CHARS`` and ``max_tokens``; every integer in ``params`` and in the ``pattern`` literal (seeds aside) by
+``MAX_SIZE``, read from the JSON and the spec's syntax tree before anything is built (``longformer(3,
+30000000)`` would build a 30-million-entry tuple); their [heads, tokens, size] intermediates by the memory
+budget every command uses (``attnlab.resources.check_memory``). Each refusal is a 413 naming the field and
+the limit. The caches such a request fills are bounded by bytes (``attnlab.caches``).
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import math
 import threading
@@ -35,13 +43,19 @@ from ..functional import METHODS
 from .. import mechanisms as M
 from .. import patterns as P
 from ..mechanisms import Mechanism, Spec
+from ..resources import OptionError, check_memory
 
-__all__ = ["Explorer", "Settings", "ExplorerError", "Variant", "parse_settings", "MAX_TOKENS", "SCALES"]
+__all__ = ["Explorer", "Settings", "ExplorerError", "Variant", "parse_settings", "request_sizes", "MAX_TOKENS",
+           "MAX_SIZE", "SCALES"]
 
 MAX_TOKENS = 128  # default limit: a T×T matrix per request stays small enough to draw as cells
 MAX_CHARS = 20_000  # refused before tokenising, so a huge paste costs nothing
 SCALES = {"sqrt": "1/√d_k", "none": "1", "dk": "1/d_k"}
 TEMPERATURE_RANGE = (0.05, 20.0)
+#: the largest integer a request's pattern literal or mechanism parameters may hold (seeds aside): sizes and
+#: positions past it buy nothing on at most 512 tokens, and each costs work in proportion (Note [Request budget])
+MAX_SIZE = 4096
+_BUDGET_COPIES = 8  # live [H, T, size] float32 tensors a mechanism's forward holds at once, an upper estimate
 PREVIEW_ROWS, PREVIEW_COLS = 128, 48  # trace matrices larger than this are sent cut (X is T×384, W_* 384×384)
 
 
@@ -139,6 +153,7 @@ def parse_settings(body: Any, layers: int, heads: int) -> Settings:
             want = {str: "a string", int: "an integer", bool: "true or false", (int, float): "a number",
                     (str, type(None)): "a string or null", (dict, type(None)): "an object or null"}[t]
             raise ExplorerError(f"field {k!r} must be {want}, got {json_type(v)}")
+        _check_unicode(k, v)
     s = Settings(**{k: body[k] for k in known if k in body})
     if not s.text.strip():
         raise ExplorerError("field 'text' is empty: type a sentence")
@@ -164,7 +179,81 @@ def parse_settings(body: Any, layers: int, heads: int) -> Settings:
     if s.mechanism is not None and (not s.softmax or s.similarity == "cosine"):
         raise ExplorerError("softmax off and cosine similarity are experiments on exact attention; "
                             "set 'mechanism' to null to use them")
+    seed = (s.params or {}).get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and not -2**63 <= seed < 2**63:
+        raise ExplorerError(f"field 'params': seed is {_clip_int(seed)}; a seed must be in [-2**63, 2**63)")
+    for field, where, v in request_sizes(s):
+        if abs(v) > MAX_SIZE:
+            raise ExplorerError(f"field {field!r}: {where} is {_clip_int(v)}, over {MAX_SIZE}, the largest size or "
+                                f"position a request may ask for (the explorer runs at most 512 tokens)", 413)
     return s
+
+
+def _clip_text(t: str, n: int = 60) -> str:
+    return repr(t) if len(t) <= n else repr(t[:n]) + f"... ({len(t)} characters)"
+
+
+def _clip_int(v: int) -> str:
+    t = str(v)
+    return t if len(t) <= 24 else f"{t[:12]}...({len(t)} digits)"
+
+
+def _check_unicode(field: str, v) -> None:
+    """ExplorerError naming ``field`` when a string in ``v`` cannot be UTF-8 (a lone surrogate such as
+    "\\ud800", which JSON can spell and no tokenizer or response can carry)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ExplorerError(f"field {field!r} holds {ascii(x[e.start])} at character {e.start}, a lone "
+                                    "surrogate, which is not Unicode text; send valid UTF-8") from None
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+
+
+def _ints(v, where: str):
+    """(where, int) for every integer in a JSON value or literal (bools are not sizes; seeds are not sizes)."""
+    if isinstance(v, bool):
+        return
+    if isinstance(v, int):
+        yield where, v
+    elif isinstance(v, (list, tuple, set, frozenset)):
+        for i, x in enumerate(v):
+            yield from _ints(x, f"{where}[{i}]")
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            if k != "seed":
+                yield from _ints(x, f"{where}[{k!r}]" if where else f"{k}")
+
+
+def request_sizes(s: Settings) -> list[tuple[str, str, int]]:
+    """(field, where in it, value) for every integer in the request's mechanism ``params`` and in the
+    literal arguments of its ``pattern`` spec, read without building anything (Note [Request budget])."""
+    out = [("params", where, v) for where, v in _ints(s.params or {}, "")]
+    if s.pattern is not None:
+        try:
+            tree = ast.parse(s.pattern.strip(), mode="eval")
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return out  # attnlab.patterns.parse says what is wrong with it
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            name = node.func.id
+            args = [(f"argument {i + 1} of {name}()", a) for i, a in enumerate(node.args)]
+            args += [(f"{kw.arg}= of {name}()", kw.value) for kw in node.keywords if kw.arg != "seed"]
+            for where, a in args:
+                try:
+                    val = ast.literal_eval(a)
+                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                    continue  # not a literal: parse refuses it
+                out += [("pattern", w or where, v) for w, v in _ints(val, where)]
+    return out
 
 
 def json_type(v) -> str:
@@ -242,7 +331,7 @@ class Explorer:
             "model": "all-MiniLM-L6-v2" if m is not None else None,
             "layers": m.num_layers if m is not None else 0, "heads": m.num_heads if m is not None else 0,
             "d_k": (m.hidden_size // m.num_heads) if m is not None else None,
-            "max_tokens": self.max_tokens, "max_chars": MAX_CHARS, "scales": SCALES,
+            "max_tokens": self.max_tokens, "max_chars": MAX_CHARS, "max_size": MAX_SIZE, "scales": SCALES,
             "temperature_range": list(TEMPERATURE_RANGE), "mechanisms": mechs,
         }
 
@@ -257,8 +346,40 @@ class Explorer:
                                 "(shorten it, or start attnlab serve with a larger --max-tokens)", 413)
         return enc
 
+    def _check_budget(self, s: Settings, T: int) -> None:
+        """Refuse (413) a request whose sizes would need more than the memory budget (Note [Request budget])."""
+        m = self._need_model()
+        sizes = request_sizes(s)
+        if not sizes:
+            return
+        field, where, v = max(sizes, key=lambda t: abs(t[2]))
+        # every layer's [H, T, max(T, v)] float32 intermediates (features, landmarks, projections), a few copies
+        need = _BUDGET_COPIES * 4 * m.num_heads * T * max(T, abs(v))
+        try:
+            check_memory(f"field {field!r} ({where} = {v}) on {T} tokens", need,
+                         "the [heads, tokens, size] float32 intermediates it asks for")
+        except OptionError as e:
+            raise ExplorerError(str(e), 413) from None
+
+    @staticmethod
+    def _pattern(s: Settings, T: int):
+        """The request's pattern, checked by materialising it at (T, T) (cheap: T <= 512), or None."""
+        if s.pattern is None:
+            return None
+        try:
+            pattern = P.parse(s.pattern)
+            pattern.materialize(T, T)
+        except (TypeError, ValueError) as e:
+            raise ExplorerError(f"field 'pattern': {' '.join(str(e).split())}") from None
+        except (OverflowError, RuntimeError, IndexError) as e:
+            # the constructors check their arguments; a value they let through that cannot build a [T, T]
+            # mask (a negative length, an index past int64) is still this field's fault, not a server error
+            raise ExplorerError(f"field 'pattern': {_clip_text(s.pattern)} cannot build a {T} x {T} mask "
+                                f"({' '.join(str(e).split())})") from None
+        return pattern
+
     @contextlib.contextmanager
-    def _configured(self, s: Settings):
+    def _configured(self, s: Settings, T: int):
         """Apply ``s`` to the model's attention layers for the block; restore them whatever happens."""
         m = self._need_model()
         attn = [layer.self_attn for layer in m.layers]
@@ -276,15 +397,10 @@ class Explorer:
                 try:
                     mech = M.get(s.mechanism, **(s.params or {}))
                 except (TypeError, ValueError) as e:
-                    raise ExplorerError(f"mechanism: {e}") from None
+                    raise ExplorerError(f"field 'mechanism': {' '.join(str(e).split())}") from None
             elif not s.softmax or s.similarity == "cosine":
                 mech = Variant(softmax=s.softmax, cosine=s.similarity == "cosine")
-            pattern = None
-            if s.pattern is not None:
-                try:
-                    pattern = P.parse(s.pattern)
-                except (TypeError, ValueError) as e:
-                    raise ExplorerError(f"pattern: {e}") from None
+            pattern = self._pattern(s, T)
             for a in targets:
                 if mech is not None:
                     a.mechanism = mech
@@ -300,7 +416,9 @@ class Explorer:
     def _run(self, s: Settings, enc: dict) -> tuple[np.ndarray, torch.Tensor]:
         """Weights of (s.layer, all heads) [H, T, T] float64 and the sentence embedding [E], under ``s``."""
         m = self._need_model()
-        with torch.no_grad(), self._configured(s):
+        T = enc["input_ids"].shape[1]
+        self._check_budget(s, T)
+        with torch.no_grad(), self._configured(s, T):
             try:
                 ablation = (C.ablate_heads(m, s.layer, [s.head], s.ablate) if s.ablate is not None
                             else contextlib.nullcontext())
@@ -308,8 +426,16 @@ class Explorer:
                     emb = C.sentence_embeddings(m, enc)[0]
             except ExplorerError:
                 raise
-            except (ValueError, TypeError, NotImplementedError) as e:  # a mechanism refusing these inputs
-                raise ExplorerError(f"this combination cannot run: {e}") from None
+            except (ValueError, TypeError, NotImplementedError, OverflowError) as e:  # a mechanism refusing these
+                raise ExplorerError(f"this combination cannot run: {' '.join(str(e).split())}") from None
+            except MemoryError:
+                raise ExplorerError("this request needs more memory than the machine can give; use smaller sizes",
+                                    413) from None
+            except RuntimeError as e:
+                if "can't allocate memory" not in str(e) and "out of memory" not in str(e):
+                    raise
+                raise ExplorerError("this request needs more memory than the machine can give; use smaller sizes",
+                                    413) from None
         w = cache[C.activation_name(s.layer, "weights")][0].double().numpy()  # (H, T, T)
         return w, emb
 
