@@ -172,9 +172,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, ctx) -> torch.Tensor:
         pattern = am if pattern is None else pattern & am
         am = None
     if pattern is not None:
-        # patterns are defined over absolute positions: under a KV cache the queries are the last rows
-        full = pattern.materialize(S, S, device=s.device)  # (S, S) or (B, 1, S, S)
-        keep = keep & full[..., S - L:, :]
+        # as the layer applies it: a pattern over the call's (L, S), except that under a KV cache (offset > 0)
+        # the L queries are rows offset .. offset + L - 1 of the sequence (patterns.shifted). Cross-attention
+        # (L != S, no offset) is the pattern's own [L, S] mask, not rows of an [S, S] one.
+        if ctx.offset:
+            pattern = P.shifted(pattern, ctx.offset)
+        keep = keep & pattern.materialize(L, S, device=s.device)  # (L, S) or (B, 1, L, S)
     if ctx.is_causal:
         qpos = torch.arange(ctx.offset, ctx.offset + L, device=s.device).unsqueeze(-1)  # (L, 1)
         keep = keep & (torch.arange(S, device=s.device) <= qpos)
@@ -283,15 +286,35 @@ def _layer_module(model, layer: int):
 def ablate_heads(model, layer: int, heads, how: str = "zero") -> Iterator[None]:
     """Replace the per-head output z of ``heads`` in attention module ``layer`` while the block runs.
 
-    how="zero": z = 0 (the head contributes only W_O's bias). how="mean": z at every query position is
-    that head's mean z over the call's positions (real tokens only when a key padding mask marks padding
-    in self-attention), so the head still adds its average, not its token-specific, information.
+    how="zero": z = 0 (the head contributes only W_O's bias). how="mean": z becomes that head's mean z, so
+    the head still adds its average, not its token-specific, information (Note [Mean ablation]):
+
+    - in a call that sees every position (no causal flag, no KV cache: an encoder such as MiniLM), the mean
+      over the call's positions (and batch), real tokens only when a key padding mask marks padding;
+    - in a causal call, and in every call that continues a KV cache, z at position t is the mean over
+      positions 0..t of the sequence (and the batch), real tokens only: what position t can see. It is
+      kept as a running sum per head across the calls of one sequence, so decoding with a KV cache
+      gives the tokens and logits that decoding without one gives.
+
     ``heads=[]`` ablates nothing and leaves the output bit for bit unchanged.
+
+    Note [Mean ablation]: the mean over "the call's positions" is not defined incrementally: a KV-cache
+    step is one position, whose mean is the token itself, so the ablation did nothing there and cached and
+    uncached generation diverged. The causal (prefix) mean is the definition that a step can compute from
+    a running sum and that a full causal call reproduces position by position; an encoder's
+    bidirectional call keeps the whole-call mean (tests/instruments/test_capture.py's bias oracle).
     """
     if how not in ("zero", "mean"):
         raise ValueError(f"how must be 'zero' or 'mean', got {how!r}")
     m = _layer_module(model, layer)
     hs = _head_list(heads, m.num_heads)
+    state: dict = {"next": None, "sum": None, "count": None}  # the running prefix sums of one causal sequence
+
+    def real_rows(z, ctx):  # (B, L) 1.0 for real query tokens, or None when nothing marks padding
+        kpm, L = ctx.key_padding_mask, z.shape[2]
+        if kpm is None or kpm.shape[-1] != ctx.offset + L:  # a cross-attention mask covers keys, not queries
+            return None
+        return (~kpm[:, ctx.offset:]).to(z.dtype)
 
     def hook(z, ctx):  # z: (B, H, L, Dv)
         if not hs:
@@ -301,13 +324,27 @@ def ablate_heads(model, layer: int, heads, how: str = "zero") -> Iterator[None]:
             z[:, hs] = 0.0
             return z
         sel = z[:, hs]  # (B, h, L, Dv)
-        kpm = ctx.key_padding_mask
-        if kpm is not None and kpm.shape[-1] == z.shape[2]:
-            real = (~kpm).to(z.dtype)[:, None, :, None]  # (B, 1, L, 1)
-            mean = (sel * real).sum((0, 2), keepdim=True) / real.sum((0, 2), keepdim=True).clamp(min=1)
-        else:
-            mean = sel.mean((0, 2), keepdim=True)  # (1, h, 1, Dv)
-        z[:, hs] = mean.expand_as(sel)
+        real = real_rows(z, ctx)
+        w = torch.ones(sel.shape[0], sel.shape[2], dtype=z.dtype, device=z.device) if real is None else real  # (B, L)
+        if not ctx.is_causal and ctx.offset == 0:
+            mean = (sel * w[:, None, :, None]).sum((0, 2), keepdim=True) / w.sum().clamp(min=1)  # (1, h, 1, Dv)
+            z[:, hs] = mean.expand_as(sel)
+            return z
+        if ctx.offset == 0:
+            state.update(next=0, sum=None, count=None)  # a new sequence
+        elif state["next"] != ctx.offset:
+            raise ValueError(
+                f"ablate_heads(how='mean') on layer {layer}: this call continues a KV cache at position {ctx.offset}, "
+                f"but the ablation has seen {state['next'] or 0} positions of that sequence; enter ablate_heads "
+                "before the sequence's first call (cache offset 0) and decode one sequence at a time")
+        csum = torch.cumsum((sel * w[:, None, :, None]).sum(0), dim=1)  # (h, L, Dv): prefix sums of this call
+        ccount = torch.cumsum(w.sum(0), dim=0)  # (L,)
+        if state["sum"] is not None:
+            csum = csum + state["sum"].unsqueeze(1)
+            ccount = ccount + state["count"]
+        mean = csum / ccount.clamp(min=1)[None, :, None]  # (h, L, Dv): position t's mean over 0..t
+        state.update(next=ctx.offset + z.shape[2], sum=csum[:, -1], count=ccount[-1])
+        z[:, hs] = mean.unsqueeze(0).expand_as(sel)
         return z
 
     with _registered([(m, "z", hook)]):
@@ -472,6 +509,8 @@ def _summarise(q: torch.Tensor, k: torch.Tensor, ctx, topk: int) -> list:
     if isinstance(am, P.Pattern):
         pattern = am if pattern is None else pattern & am
         am = None
+    if pattern is not None and ctx.offset:  # under a KV cache the queries are rows offset.. (as in _scores)
+        pattern = P.shifted(pattern, ctx.offset)
     kpm = ctx.key_padding_mask
     out = []
     for b in range(q.shape[0]):
