@@ -2,7 +2,8 @@
 
 Sizes are checked against ``memory_budget()`` before anything is allocated (``check_memory``), and
 ``output_dir`` refuses an output folder that is a file, or a folder holding an earlier run, unless
-``resume`` or ``force`` says what to do with it. The errors are ``OptionError`` (a ``ValueError``) and
+``resume`` or ``force`` says what to do with it; ``output_file`` refuses a file that exists unless ``force``
+(Note [One rule for --out]). The errors are ``OptionError`` (a ``ValueError``) and
 name the option or setting as the caller passes it ("--out", "--shape 1,1,200000,64"), so the command
 line can show them as they are.
 """
@@ -13,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["OptionError", "memory_budget", "check_memory", "output_dir", "output_file", "RUN_MARKERS"]
+__all__ = ["OptionError", "memory_budget", "check_memory", "output_dir", "output_file", "RUN_MARKERS", "OUTPUT_MARKERS"]
 
 
 class OptionError(ValueError):
@@ -67,39 +68,64 @@ def check_memory(option: str, nbytes: float, what: str = "") -> None:
 
 # -- output ---------------------------------------------------------------------------------------------
 #: files and folders whose presence marks a folder as holding an earlier run of a resumable command
+#: (``--force`` removes these before the new run, so an old run cannot mix with it)
 RUN_MARKERS = ("results.json", "results.partial.json", "checkpoints", "report.md")
+#: what else marks a folder as holding an earlier run of any command: every command that writes a folder
+#: writes a JSON of its results there (results.json, heads.json, layers.json, ...) or a page (viz)
+OUTPUT_MARKERS = ("*.json", "index.html")
+
+# Note [One rule for --out]: every command that writes an --out refuses one holding another run unless told
+# what to do with it (issue 21): a folder holding any of RUN_MARKERS or OUTPUT_MARKERS needs --force (replace
+# it: RUN_MARKERS are removed first, the other files are written over) or, for a command that resumes,
+# --resume; a file that exists needs --force. The refusal is an OptionError, which the command line shows as
+# one line on stderr and exit 2. Library calls (``resume=None``, ``force=None``) only check the kind of path.
 
 
-def output_file(path: str | os.PathLike, option: str = "--out") -> Path:
-    """A file to write: refused when it names a folder, or sits under a path component that is a file."""
+def output_file(path: str | os.PathLike, option: str = "--out", *, force: bool | None = None) -> Path:
+    """A file to write: refused when it names a folder, or sits under a path component that is a file;
+    with ``force`` given (a command's --force), also when it exists and ``force`` is False."""
     p = Path(path)
     if p.is_dir():
         raise OptionError(f"{option} {p} is a folder; name a file to write (e.g. {p / 'trace.html'})")
     for parent in p.parents:
         if parent.exists() and not parent.is_dir():
             raise OptionError(f"{option} {p}: {parent} is a file, not a folder")
+    if force is False and p.exists():
+        raise OptionError(f"{option} {p} exists (an earlier run?); pass --force to replace it, or choose another "
+                          f"{option}")
     return p
 
 
+def _held(p: Path, markers: tuple[str, ...]) -> list[str]:
+    """The entries of folder ``p`` that mark an earlier run: ``markers`` and ``OUTPUT_MARKERS`` (globs)."""
+    found = [m for m in markers if (p / m).exists()]
+    for g in OUTPUT_MARKERS:
+        found += sorted(x.name for x in p.glob(g) if x.name not in found)
+    return found
+
+
 def output_dir(path: str | os.PathLike, option: str = "--out", *, resume: bool | None = None, force: bool = False,
-               markers: tuple[str, ...] = RUN_MARKERS) -> Path:
+               markers: tuple[str, ...] = RUN_MARKERS, resumable: bool = True) -> Path:
     """An output folder: refused when it is a file (or under one).
 
-    For commands that resume (``resume`` is not None): a folder holding an earlier run (any of
-    ``markers``) is refused unless ``resume`` (continue it) or ``force`` (its markers are removed first,
-    so the old run cannot mix with the new one)."""
+    For a command (``resume`` is not None; Note [One rule for --out]): a folder holding an earlier run
+    (any of ``markers``, or of ``OUTPUT_MARKERS``) is refused unless ``resume`` (continue it; only where
+    ``resumable``) or ``force`` (``markers`` are removed first, so the old run cannot mix with the new
+    one; other files are written over)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise OptionError(f"{option} {p} is a file; name a folder to write into")
     for parent in p.parents:
         if parent.exists() and not parent.is_dir():
             raise OptionError(f"{option} {p}: {parent} is a file, not a folder")
-    if resume is None or resume or not p.is_dir():
+    if resume is None or (resume and resumable) or not p.is_dir():
         return p
+    held = _held(p, markers)
+    if held and not force:
+        shown = ", ".join(held[:4]) + (f", ... ({len(held)} entries)" if len(held) > 4 else "")
+        how = "pass --resume to continue it, --force to replace it" if resumable else "pass --force to replace it"
+        raise OptionError(f"{option} {p} holds an earlier run ({shown}); {how}, or choose another {option}")
     found = [m for m in markers if (p / m).exists()]
-    if found and not force:
-        raise OptionError(f"{option} {p} holds an earlier run ({', '.join(found)}); pass --resume to continue it, "
-                          f"--force to replace it, or choose another {option}")
     for m in found:
         target = p / m
         if target.is_dir() and not target.is_symlink():

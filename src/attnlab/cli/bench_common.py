@@ -36,10 +36,11 @@ def progress_display(enabled: bool = True, title: str = "") -> Iterator[Callable
 
 
 def checked_out(args, *, resumable: bool = False):
-    """``args.out`` checked as an output folder (``--resume``/``--force`` where the suite resumes); a suite
+    """``args.out`` checked as an output folder (a used one needs ``--force``, or ``--resume`` where the suite
+    resumes: Note [One rule for --out] in attnlab.resources); a suite
     that resumes also records it as ``args.checkpoint_dir``, which the Ctrl-C message names."""
-    if not resumable:
-        return output_dir(args.out)
+    if not resumable:  # Note [One rule for --out]: a used folder needs --force all the same
+        return output_dir(args.out, resume=False, force=bool(getattr(args, "force", False)), resumable=False)
     out = output_dir(args.out, resume=bool(args.resume), force=bool(args.force))
     args.checkpoint_dir = str(out)
     return out

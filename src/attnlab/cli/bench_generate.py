@@ -5,6 +5,7 @@ from attnlab.bench.generate import GenerateBench, GenerateConfig, run as run_gen
 from attnlab.options import positive_int, positive_int_list
 
 from .bench_common import run_suite
+from .common import add_force
 
 
 def build_parser(p) -> None:
@@ -12,6 +13,7 @@ def build_parser(p) -> None:
     --mechanism, --threads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="tiny model, contexts 64 and 128 (seconds)")
     p.add_argument("--out", default=GenerateConfig.out, help=f"output folder (default {GenerateConfig.out})")
+    add_force(p)
     p.add_argument("--contexts", type=positive_int_list, default=None,
                    help="comma-separated context lengths (default 512,2048; quick 64,128)")
     p.add_argument("--new-tokens", type=positive_int, default=None, help="tokens generated per run (default 16; quick 4)")

@@ -5,6 +5,7 @@ from attnlab.bench.kernels import KernelsConfig, KernelsResult, run as run_kerne
 from attnlab.options import nonneg_int, positive_int, positive_int_list
 
 from .bench_common import run_suite
+from .common import add_force
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -26,6 +27,7 @@ def build_parser(p):
     """Options of ``attnlab bench kernels``; each defaults to KernelsConfig's (the issue-14 sizes)."""
     d = KernelsConfig()
     p.add_argument("--out", default=d.out, help=f"output folder (default {d.out})")
+    add_force(p)
     p.add_argument("--quick", action="store_true", help="small sizes (n <= 4096): minutes, for a first look")
     p.add_argument("--dense-ns", type=_ints, help=f"dense fp32 lengths (default {','.join(map(str, d.dense_ns))})")
     p.add_argument("--bf16-ns", type=_ints, help=f"bf16 lengths (default {','.join(map(str, d.bf16_ns))})")

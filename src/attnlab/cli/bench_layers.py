@@ -11,6 +11,7 @@ from attnlab.bench.layers import LAYERS, LayersConfig, LayersResult, run as run_
 from attnlab.options import nonneg_int, positive_float, positive_int
 
 from .bench_common import run_suite
+from .common import add_force
 
 
 def _int_list(text: str) -> list[int]:
@@ -28,6 +29,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     --json) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="toy sizes, runs in seconds (what the tests run)")
     p.add_argument("--out", default=LayersConfig.out, help="folder for layers.json, layers.md, PNGs")
+    add_force(p)
     p.add_argument("--ns", type=_int_list, help="sequence lengths, e.g. 32,128,512")
     p.add_argument("--ds", type=_int_list, help="model widths, e.g. 32,128,512")
     p.add_argument("--layers", type=lambda s: [v.strip() for v in s.split(",") if v.strip()],

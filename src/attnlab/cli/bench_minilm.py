@@ -5,6 +5,7 @@ from attnlab.bench.minilm import MiniLMBench, MiniLMConfig, run as run_minilm
 from attnlab.options import positive_int
 
 from .bench_common import run_suite
+from .common import add_force
 
 
 def build_parser(p) -> None:
@@ -12,6 +13,7 @@ def build_parser(p) -> None:
     --threads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="batch 4 x 32 tokens, 2 repeats (seconds)")
     p.add_argument("--out", default=MiniLMConfig.out, help=f"output folder (default {MiniLMConfig.out})")
+    add_force(p)
     p.add_argument("--batch", type=positive_int, default=None, help="sentences per batch (default 32; quick 4)")
     p.add_argument("--tokens", type=positive_int, default=None,
                    help="tokens per sentence incl. [CLS]/[SEP] (default 128; quick 32)")

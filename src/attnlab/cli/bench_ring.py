@@ -5,6 +5,7 @@ from attnlab.bench.ring import TARGET_N, TARGET_PROCS, RingBenchResult, RingConf
 from attnlab.options import positive_float, positive_int
 
 from .bench_common import run_suite
+from .common import add_force
 
 
 def build_parser(p) -> None:
@@ -24,6 +25,7 @@ def build_parser(p) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="total threads per configuration (default: cores)")
     p.add_argument("--timeout", type=positive_float, default=None, help="seconds per configuration (default 1800; quick 180)")
     p.add_argument("--out", default=RingConfig.out, help=f"output folder (default {RingConfig.out})")
+    add_force(p)
 
 
 def config_from_args(args) -> RingConfig:

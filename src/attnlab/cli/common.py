@@ -11,7 +11,8 @@ import importlib
 import sys
 from typing import Any
 
-__all__ = ["UsageError", "HelpFormatter", "ArgumentParser", "add_commands", "console", "plain_text", "show_or_write"]
+__all__ = ["UsageError", "HelpFormatter", "ArgumentParser", "add_commands", "add_force", "console", "plain_text",
+           "show_or_write"]
 
 
 class UsageError(Exception):
@@ -61,6 +62,13 @@ def add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, st
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.build_parser(p)
         p.set_defaults(**{run_key: mod.run})
+
+
+def add_force(parser: argparse.ArgumentParser, what: str = "folder") -> None:
+    """The --force every command that writes an --out takes (Note [One rule for --out] in attnlab.resources)."""
+    text = ("replace the earlier run an --out folder holds (without it, such a folder is refused)" if what == "folder"
+            else "write over an --out file that exists (without it, such a file is refused)")
+    parser.add_argument("--force", action="store_true", help=text)
 
 
 def console(*, stderr: bool = False):

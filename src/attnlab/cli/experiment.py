@@ -12,6 +12,8 @@ from pathlib import Path
 
 from attnlab.options import output_dir, positive_float, positive_int, positive_int_list
 
+from .common import add_force
+
 __all__ = ["EXPERIMENTS", "build_parser", "run", "seeds_of"]
 
 #: name -> (help, module under attnlab.experiments)
@@ -117,6 +119,7 @@ def _approximation_args(p) -> None:
                    help="torch threads for every timing (default 1: the same resources for SDPA and each "
                         "mechanism, and a shared machine stays usable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_force(p)
 
 
 _ARGS = {"variance": _variance_args,
@@ -135,13 +138,13 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 # -- argv -> config ------------------------------------------------------------------------------------------
 def _out(args, name: str, *, resumable: bool = True) -> Path:
-    """``--out`` or reports/<name>, checked (``attnlab.options.output_dir``): not a file; for a
-    ``resumable`` experiment, a folder holding an earlier run needs --resume or --force, so an old report
-    never mixes with a new run. ``args.out`` is set to the folder, and ``args.checkpoint_dir`` for a
+    """``--out`` or reports/<name>, checked (``attnlab.options.output_dir``): not a file; a folder holding an
+    earlier run needs --force (or, for a ``resumable`` experiment, --resume), so an old report is never
+    overwritten unasked nor mixed with a new run (Note [One rule for --out]). ``args.out`` is set to the folder, and ``args.checkpoint_dir`` for a
     resumable one (Ctrl-C names it, ``cli.main``)."""
     path = Path(args.out) if args.out else Path("reports") / name
-    resume = (bool(getattr(args, "resume", False)) or bool(getattr(args, "report_only", False))) if resumable else None
-    path = output_dir(path, "--out", resume=resume, force=bool(getattr(args, "force", False)))
+    resume = (bool(getattr(args, "resume", False)) or bool(getattr(args, "report_only", False))) if resumable else False
+    path = output_dir(path, "--out", resume=resume, force=bool(getattr(args, "force", False)), resumable=resumable)
     args.out = str(path)
     if resumable:
         args.checkpoint_dir = str(path)
@@ -159,7 +162,7 @@ def _config(args):
                                  d_k=args.d_k, rows=args.rows,
                                  keys=args.keys, minilm=not args.no_minilm, threads=args.threads)
         cfg.resolved()  # bad sizes are refused before the output folder is looked at
-        return mod, cfg, _out(args, name, resumable=False)  # nothing is checkpointed: a rerun replaces every file
+        return mod, cfg, _out(args, name, resumable=False)  # nothing is checkpointed: --force replaces every file
     if name in ("scaling", "failure-modes"):
         cls = mod.ScalingConfig if name == "scaling" else mod.FailureModesConfig
         cfg = cls(quick=args.quick, resume=args.resume, seeds=seeds_of(args.seeds), tasks=_names(args.tasks),

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ..diagnostics.heads import HeadsConfig, HeadsResult, run_heads
-from .common import UsageError, console
+from .common import UsageError, add_force, console
 from .options import nonneg_int, output_dir
 
 __all__ = ["build_parser", "run"]
@@ -19,11 +19,12 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", type=nonneg_int, action="append", default=None,
                    help="only this layer in the table (repeatable; default every layer)")
     p.add_argument("--no-plot", action="store_true", help="skip heads.png")
+    add_force(p)
 
 
 def run(args: argparse.Namespace) -> dict:
     """Measure the heads through ``attnlab.diagnostics.heads.run_heads``; print the table and the files."""
-    out = output_dir(args.out)
+    out = output_dir(args.out, resume=False, force=args.force, resumable=False)  # Note [One rule for --out]
     sentences = list(args.sentence)
     if args.sentences:
         path = Path(args.sentences)

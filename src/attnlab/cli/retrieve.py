@@ -7,7 +7,7 @@ import math
 
 from .. import retrieval as R
 from ..retrieval import DEFAULT_QUERY
-from .common import UsageError, console
+from .common import UsageError, add_force, console
 from .options import nonneg_int, output_dir, positive_float, positive_int
 
 __all__ = ["build_parser", "run", "render"]
@@ -32,12 +32,13 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show", type=positive_int, default=10, help="entries shown in the weight table")
     p.add_argument("--out", default="reports/retrieve", help="folder for retrieve.json and retrieve.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    add_force(p)
 
 
 def run(args: argparse.Namespace) -> R.RetrievalResult:
     """Answer the query through ``attnlab.retrieval.run_retrieve`` with a status line; tables or JSON."""
     con = console(stderr=args.json)
-    out = output_dir(args.out)
+    out = output_dir(args.out, resume=False, force=args.force, resumable=False)  # Note [One rule for --out]
     cfg = R.RetrieveConfig(args.query, embedder=args.embedder, num_subjects=args.subjects, seed=args.seed,
                            tau=args.tau, k=args.k, learn=not args.no_learn, target=args.target,
                            train_subjects=args.train, rank=args.rank, steps=args.steps, lr=args.lr, show=args.show,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import UsageError, show_or_write
+from .common import UsageError, add_force, show_or_write
 from .options import nonneg_int, output_file, positive_int
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    help="how the trace is rendered")
     p.add_argument("--out", help="write the rendered trace to this file instead of the terminal")
     p.add_argument("--png", help="also write a PNG: the weights per head, or (with --summary) score scale vs d_k")
+    add_force(p, "file")
     p.add_argument("--max-show", type=int, default=8, dest="max_show", help="rows/columns printed per matrix")
     p.add_argument("--digits", type=nonneg_int, default=3, help="decimals printed")
     ck = p.add_argument_group("check a printed table (a textbook's, say)")
@@ -112,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> TraceConfig:
         raise UsageError("--v goes with --scores or --q/--k")
     for opt, path in (("--out", args.out), ("--png", args.png)):
         if path:
-            output_file(path, opt)
+            output_file(path, opt, force=bool(args.force))  # Note [One rule for --out]
     if args.max_show < 2:
         raise UsageError(f"--max-show must be >= 2, got {args.max_show}")
     if args.d_k is not None and args.d_k < 1:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import UsageError
-from .options import positive_int
+from .common import UsageError, add_force
+from .options import output_dir, positive_int
 
 __all__ = ["build_parser", "run", "parse_params"]
 
@@ -24,6 +24,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=4, help="keys kept per query in summary mode")
     p.add_argument("--max-length", type=positive_int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
     p.add_argument("--png", action="store_true", help="also write heads.png (layer 0 heatmaps, dense mode only)")
+    add_force(p)
 
 
 def parse_params(items: list[str]) -> dict:
@@ -49,14 +50,16 @@ def parse_params(items: list[str]) -> dict:
 
 def run(args: argparse.Namespace):
     """Write the page for TEXT (and heads.png with --png) through ``attnlab.viz.run_viz``; print where."""
-    from ..viz import VizConfig, run_viz
+    from ..viz import VizConfig, default_out, run_viz
 
     params = parse_params(args.param)
     if params and args.mechanism is None:
         raise UsageError("--param needs --mechanism")
     if args.topk < 1:
         raise UsageError(f"--topk must be >= 1, got {args.topk}")
-    res = run_viz(VizConfig(args.text, out=args.out, model=args.model, mechanism=args.mechanism, params=params,
+    out = output_dir(args.out if args.out is not None else default_out(args.text, args.model), resume=False,
+                     force=args.force, resumable=False)  # Note [One rule for --out]
+    res = run_viz(VizConfig(args.text, out=out, model=args.model, mechanism=args.mechanism, params=params,
                             dense_max=args.dense_max, topk=args.topk, max_length=args.max_length, png=args.png))
     print(f"wrote {res.page} ({res.T} tokens, {res.mode} mode, {res.size_bytes / 1024:.0f} KiB); "
           f"open it in a browser (works offline)")
