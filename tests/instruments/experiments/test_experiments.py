@@ -320,7 +320,7 @@ def test_long_range_killed_leaves_a_report_and_resumes(tmp_path, monkeypatch):
 # the options each experiment had when its parser lived in the experiment module (issue 15 moved them to
 # cli/experiment.py; the command line must not change)
 FLAGS = {
-    "approximation": "--head-dim --heads --minilm-tokens --n --no-minilm --no-progress --out --quick --seed "
+    "approximation": "--force --head-dim --heads --minilm-tokens --n --no-minilm --no-progress --out --quick --seed "
                      "--speed-n --threads",
     "failure-modes": "--d-k --force --lr --model --no-progress --optimizer --out --qk-init --quick --resume --seeds "
                      "--steps --tasks --threads",
