@@ -121,3 +121,22 @@ def test_mean_ablation_refuses_a_cache_it_did_not_see_from_the_start():
     lm(torch.tensor([[1, 2, 3]]), cache=cache)
     with C.ablate_heads(lm, 0, [1], how="mean"), pytest.raises(ValueError, match="enter ablate_heads before"):
         lm(torch.tensor([[4]]), cache=cache)
+
+
+def test_summary_mode_under_a_kv_cache_sees_the_cached_keys():
+    """capture(mode="summary") on a causal decoding step: the step's query sees every cached key (the
+    pattern's rows under the offset), so its entropy and max weight are those of the layer's weights."""
+    from attnlab.nn import LayerCache
+
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(8, 2, pattern=P.sliding_window(3)).double()
+    x = torch.randn(1, 7, 8, dtype=torch.float64)
+    cache = LayerCache()
+    mha(x[:, :6], is_causal=True, cache=cache)
+    with C.capture(mha, mode="summary") as cap:
+        _, w = mha(x[:, 6:], is_causal=True, cache=cache, need_weights=True, average_attn_weights=False)
+    summ = cap.summaries()[0][0]
+    w = w[0]  # (H, 1, 7)
+    ent = -(w * torch.log(torch.where(w > 0, w, torch.ones_like(w)))).sum(-1)
+    assert_close(summ.max_weight, w.amax(-1), 1e-12, what="summary max weight vs the layer's weights")
+    assert_close(summ.entropy, ent, 1e-10, what="summary entropy vs the layer's weights")

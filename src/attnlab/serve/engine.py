@@ -31,7 +31,6 @@ import ast
 import contextlib
 import math
 import threading
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from .. import capture as C
+from ..caches import ByteLRU, key_bytes
 from ..functional import METHODS
 from .. import mechanisms as M
 from .. import patterns as P
@@ -55,6 +55,7 @@ TEMPERATURE_RANGE = (0.05, 20.0)
 #: the largest integer a request's pattern literal or mechanism parameters may hold (seeds aside): sizes and
 #: positions past it buy nothing on at most 512 tokens, and each costs work in proportion (Note [Request budget])
 MAX_SIZE = 4096
+BASELINE_CACHE_BYTES = 64 << 20  # the unmodified model's weights kept per (text, layer): [H, T, T] float64 each
 _BUDGET_COPIES = 8  # live [H, T, size] float32 tensors a mechanism's forward holds at once, an upper estimate
 PREVIEW_ROWS, PREVIEW_COLS = 128, 48  # trace matrices larger than this are sent cut (X is T×384, W_* 384×384)
 
@@ -306,7 +307,7 @@ class Explorer:
                 self.message = f"MiniLM is not available: {e}"
         self.model = model
         self._lock = threading.Lock()
-        self._baselines: OrderedDict = OrderedDict()
+        self._baselines = ByteLRU("serve baselines", BASELINE_CACHE_BYTES, max_entries=16)
 
     @property
     def available(self) -> bool:
@@ -441,14 +442,11 @@ class Explorer:
 
     def _baseline(self, text: str, layer: int, enc: dict):
         key = (text, layer)
-        if key in self._baselines:
-            self._baselines.move_to_end(key)
-            return self._baselines[key]
-        r = self._run(Settings(text=text, layer=layer), enc)
-        self._baselines[key] = r
-        while len(self._baselines) > 16:
-            self._baselines.popitem(last=False)
-        return r
+        hit = self._baselines.get(key)
+        if hit is not None:
+            return hit
+        w, emb = r = self._run(Settings(text=text, layer=layer), enc)
+        return self._baselines.put(key, r, nbytes=w.nbytes + emb.untyped_storage().nbytes() + key_bytes(key))
 
     def attention(self, body: Any) -> dict:
         """POST /api/attention: one head's weights under the experiment, beside the unmodified model's."""
