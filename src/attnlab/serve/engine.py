@@ -21,8 +21,10 @@ the cosine similarity of the sentence embedding to the unmodified model's.
 Note [Request budget]: one request must not buy minutes of work or memory that stays. Text is bounded by
 ``MAX_CHARS`` and ``max_tokens``; every integer in ``params`` and in the ``pattern`` literal (seeds aside) by
 ``MAX_SIZE``, read from the JSON and the spec's syntax tree before anything is built (``longformer(3,
-30000000)`` would build a 30-million-entry tuple); their [heads, tokens, size] intermediates by the memory
-budget every command uses (``attnlab.resources.check_memory``). Each refusal is a 413 naming the field and
+30000000)`` would build a 30-million-entry tuple); their [heads, tokens, size] intermediates, and a
+mechanism's own declared ``memory``, by the memory budget every command uses
+(``attnlab.resources.check_memory``); a mechanism's declared ``flops`` over its layers by
+``MAX_REQUEST_FLOPS`` (Nyström with 4096 pseudo-inverse iterations: 600 GFLOP, a minute). Each refusal is a 413 naming the field and
 the limit. The caches such a request fills are bounded by bytes (``attnlab.caches``).
 """
 from __future__ import annotations
@@ -55,6 +57,9 @@ TEMPERATURE_RANGE = (0.05, 20.0)
 #: the largest integer a request's pattern literal or mechanism parameters may hold (seeds aside): sizes and
 #: positions past it buy nothing on at most 512 tokens, and each costs work in proportion (Note [Request budget])
 MAX_SIZE = 4096
+#: the most work one request may ask of a mechanism: its declared FLOPs (``Mechanism.flops``) over every layer
+#: and head; a few seconds of this machine (Note [Request budget])
+MAX_REQUEST_FLOPS = 40e9
 BASELINE_CACHE_BYTES = 64 << 20  # the unmodified model's weights kept per (text, layer): [H, T, T] float64 each
 _BUDGET_COPIES = 8  # live [H, T, size] float32 tensors a mechanism's forward holds at once, an upper estimate
 PREVIEW_ROWS, PREVIEW_COLS = 128, 48  # trace matrices larger than this are sent cut (X is T×384, W_* 384×384)
@@ -362,6 +367,25 @@ class Explorer:
         except OptionError as e:
             raise ExplorerError(str(e), 413) from None
 
+    def _check_cost(self, mech, s: Settings, T: int, layers: int) -> None:
+        """Refuse (413) a mechanism whose declared cost on T tokens (``flops``, ``memory`` per head) is over
+        MAX_REQUEST_FLOPS over its layers, or whose heads' intermediates are over the memory budget."""
+        m = self._need_model()
+        H, D = m.num_heads, m.hidden_size // m.num_heads
+        what = f"field 'params' {s.params}" if s.params else f"field 'mechanism' {s.mechanism!r}"
+        try:
+            flops = layers * H * mech.flops(T, T, D)
+            need = H * mech.memory(T, T, D)
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            return  # no declared cost: the sizes were bounded in parse_settings
+        if flops > MAX_REQUEST_FLOPS:
+            raise ExplorerError(f"{what} on {T} tokens is about {flops / 1e9:.3g} GFLOP over {layers} layer(s), over "
+                                f"the {MAX_REQUEST_FLOPS / 1e9:g} GFLOP a request may take; use smaller sizes", 413)
+        try:
+            check_memory(f"{what} on {T} tokens", need, "the intermediates its heads hold at once")
+        except OptionError as e:
+            raise ExplorerError(str(e), 413) from None
+
     @staticmethod
     def _pattern(s: Settings, T: int):
         """The request's pattern, checked by materialising it at (T, T) (cheap: T <= 512), or None."""
@@ -399,6 +423,7 @@ class Explorer:
                     mech = M.get(s.mechanism, **(s.params or {}))
                 except (TypeError, ValueError) as e:
                     raise ExplorerError(f"field 'mechanism': {' '.join(str(e).split())}") from None
+                self._check_cost(mech, s, T, len(targets))
             elif not s.softmax or s.similarity == "cosine":
                 mech = Variant(softmax=s.softmax, cosine=s.similarity == "cosine")
             pattern = self._pattern(s, T)
@@ -459,9 +484,9 @@ class Explorer:
         a, b = emb.double(), base_emb.double()
         cos = min(1.0, float((a @ b) / (a.norm() * b.norm())))  # float64 rounding can give 1 + 4e-16
         head = w[s.head]
-        if not np.isfinite(head).all():
-            raise ExplorerError("the weights are not finite under these settings (overflow); lower the scale "
-                                "or raise the temperature")
+        if not (np.isfinite(w).all() and bool(torch.isfinite(emb).all())):
+            raise ExplorerError("the weights are not finite under these settings (an overflow, or a mechanism that "
+                                "diverged); lower the scale, raise the temperature or change 'params'")
         notes = []
         if s.scope == "all" and not s.is_default and s.layer > 0:
             notes.append(f"every layer runs the experiment, so layer {s.layer}'s queries and keys differ from the "
