@@ -4,7 +4,6 @@ budget] in attnlab.serve.engine); and the caches such a request fills are bounde
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
