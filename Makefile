@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 PYTEST  := $(BIN)/python -m pytest -n 2 -q
 
-.PHONY: demo test test-fast bench venv chromium clean
+.PHONY: demo test test-fast bench docs venv chromium clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,7 @@ $(BIN)/python:
 # again, and could pull a multi-GB CUDA build); its C++ extension needs setuptools and ninja first.
 $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard src/attnlab/csrc/*)
 	$(BIN)/pip install -q torch==2.13.0 'setuptools>=77' wheel ninja
-	$(BIN)/pip install -q --no-build-isolation -e '.[test,minilm,hf,serve]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,docs,minilm,hf,serve]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -53,5 +53,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/attnlab bench kernels
 
+# the docs site (guides, course notebooks with their outputs, measured results, API reference) into site/,
+# offline; open site/index.html. `python tests/project/test_notebooks.py --write` refreshes the notebooks' outputs.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) reports build src/attnlab/*.so
+	rm -rf $(VENV) reports build site .cache src/attnlab/*.so

@@ -4,7 +4,28 @@ from .functional import METHODS, Plan, attention, attention_with_lse, explain, m
 from .probe import AttentionProbe, probe
 from .shapes import AttentionDtypeError, AttentionInputError
 
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's ``[project] version``, the one source);
+    a source tree on ``PYTHONPATH`` without an install reads that pyproject.toml itself."""
+    from importlib import metadata
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file() and (pyproject.parent / "src" / "attnlab").is_dir():  # a source checkout
+        import re
+
+        m = re.search(r'(?m)^version\s*=\s*"([^"]+)"', pyproject.read_text())
+        if m:
+            return m.group(1)
+    try:
+        return metadata.version("attnlab")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 __all__ = [
     "attention", "explain", "attention_with_lse", "merge_partials", "Plan", "METHODS",
     "probe", "AttentionProbe", "patterns", "reference", "cpu", "AttentionInputError", "AttentionDtypeError",

