@@ -4,6 +4,7 @@ Legend: L query length, S key length, B batch; a block is rows [qlo, qhi] x colu
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -17,14 +18,73 @@ _INF = float("inf")
 MAX_INT = 2**62
 
 
-def _check_int(name: str, value, minimum: int = 0) -> int:
+def _big(value: int) -> str:
+    """An int for a message: as written up to 20 digits, else in scientific notation."""
+    return str(value) if abs(value) < 10**20 else f"{value:.3g}"
+
+
+def _check_int(name: str, value, minimum: int = 0, maximum: int = MAX_INT, why: str = "positions are int64") -> int:
+    """``value`` checked as an int (not a bool) in [minimum, maximum]; the error names ``name``, the value
+    and the allowed range."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {value!r:.40} ({type(value).__name__})")
+    hi = "2**62" if maximum == MAX_INT else _big(maximum)
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value > MAX_INT:
-        raise ValueError(f"{name} must be <= 2**62 (positions are int64), got {value:.3g}")
+        raise ValueError(f"{name} must be >= {minimum} (an int in [{_big(minimum)}, {hi}]), got {_big(value)}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {hi} (an int in [{_big(minimum)}, {hi}]; {why}), got {_big(value)}")
     return value
+
+
+def _index(x):
+    """An integer-like value (int, numpy integer, 0-d integer tensor) as an int; anything else unchanged,
+    for ``_check_int`` to refuse by name."""
+    if isinstance(x, bool) or isinstance(x, int):
+        return x
+    try:
+        return int(operator.index(x))
+    except TypeError:
+        return x
+
+
+def _check_bool(name: str, value) -> bool:
+    """``value`` checked as a bool: a string such as 'yes' or a 0/1 int is refused, naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r:.40} ({type(value).__name__})")
+    return value
+
+
+def _check_lengths(name: str, lengths, allow_empty: bool = True) -> torch.Tensor:
+    """Sequence lengths (a 1-D list or integer tensor, each in [0, 2**62]) -> int64 [n]; errors name
+    ``name``, the offending entry and the allowed range, before any tensor is built from them."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype.is_complex \
+                or lengths.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor or list, got {lengths!r:.60}")
+        t = lengths.detach().to("cpu", torch.long)
+        bad = ((t < 0) | (t > MAX_INT)).nonzero()
+        if len(bad):
+            b = int(bad[0])
+            _check_int(f"{name}[{b}]", int(t[b]), 0, why="a length is a position count")
+    else:
+        try:
+            items = list(lengths)
+        except TypeError:
+            raise ValueError(f"{name} must be a 1-D list or integer tensor of lengths, got "
+                             f"{type(lengths).__name__}") from None
+        for b, x in enumerate(items):
+            x = _index(x)
+            if isinstance(x, bool) or not isinstance(x, int):  # a nested list, a float: not 1-D integers
+                raise ValueError(f"{name} must be a 1-D list of integer lengths, but {name}[{b}] is {x!r:.40} "
+                                 f"({type(x).__name__})")
+            items[b] = _check_int(f"{name}[{b}]", x, 0, why="a length is a position count")
+        t = torch.tensor(items, dtype=torch.long)
+    if not allow_empty and t.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D list of integer lengths, got {lengths!r:.80}")
+    total = sum(t.tolist())  # in Python ints: an int64 sum could wrap
+    if total > MAX_INT:
+        raise ValueError(f"{name} must add up to at most 2**62 positions, got {_big(total)}")
+    return t
 
 
 _ALIGNS = ("top_left", "bottom_right")
