@@ -106,12 +106,29 @@ class _MaskMod(Pattern):
         nq, nk = -(-L // block_q), -(-S // block_k)
         any_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
         all_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+        alive = torch.zeros(self.B or 1, S, dtype=torch.bool, device=device)  # keys some query keeps
         for r0, r1, m in self._slices(L, S, block_q, device):
             m_any, m_all = (m.any(0), m.all(0)) if self.B is not None else (m, m)
+            alive |= m.any(-2).view(-1, S)
             q0, q1 = r0 // block_q, -(-r1 // block_q)
             any_[q0:q1] = _reduce_grid(m_any, block_q, block_k, "any")
             all_[q0:q1] = _reduce_grid(m_all, block_q, block_k, "all")
+        self._cache[("dead", L, S)] = ~alive.cpu()
         return any_, all_
+
+    def dead_keys(self, L: int, S: int) -> torch.Tensor:
+        """As ``Pattern.dead_keys``: found in the same pass over the grid as the block layout and cached
+        with it (a first call builds the 128 x 128 layout, which coarser layouts are pooled from)."""
+        key = ("dead", L, S)
+        if key not in self._cache:
+            if L <= 0 or S <= 0:
+                return super().dead_keys(L, S)
+            self._cache[(L, S, 128, 128, "cpu")] = self._grid_bounds(L, S, 128, 128, "cpu")  # fills key
+            dead = self._cache[key]
+            while len(self._cache) > 32:
+                self._cache.pop(next(iter(self._cache)))
+            return dead
+        return self._cache[key]
 
     def nnz(self, L: int, S: int) -> int:
         """Kept pairs (averaged over the batch when per-batch), counted once per (L, S) and cached."""
