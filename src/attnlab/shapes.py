@@ -318,9 +318,11 @@ class Prepared:
             if self.mask.alibi is not None:
                 stop = S
         m = self.mask
+        key, value = self.key, self.value
         if (start, stop) == (0, S):
             mask, dead = m, self.dead
         else:
+            key, value = key[..., start:stop, :], value[..., start:stop, :]  # (B, Hkv, S', E|Ev): views
             def cut(t):
                 return t if t is None or t.shape[-1] == 1 else t[..., start:stop]
 
@@ -331,7 +333,7 @@ class Prepared:
         if dead is not None and not bool(dead.any()):
             dead = None
         info = dataclasses.replace(self.info, S=stop - start)
-        return Prepared(info, self.q, self.key[..., start:stop, :], self.value[..., start:stop, :], mask,
+        return Prepared(info, self.q, key, value, mask,
                         self.is_causal_only and start == 0, self.out_shape, self.dropout_p, self.mask_requires_grad,
                         dead, (start, stop, S))
 
