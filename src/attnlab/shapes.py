@@ -11,6 +11,7 @@ value [..., S, Ev]; when rank >= 3 the dim before L/S is the head dim (used by G
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -212,23 +213,40 @@ def check_block_size(block_size) -> int | None:
 @dataclass
 class Prepared:
     """Validated attention inputs in the kernels' 4-D form (B = the query's leading dims flattened, or
-    with rank 2 inputs 1; the kernels' docstrings call it N)."""
+    with rank 2 inputs 1; the kernels' docstrings call it N).
+
+    ``key``/``value`` are the caller's tensors as given; ``kv_k``/``kv_v`` (and ``k``/``v``) read them with
+    dead keys made harmless (Note [Dead keys]): every dead key zeroed here, only the non-finite ones inside
+    the live range in ``live()``, which is what ``attnlab.attention`` runs on."""
 
     info: AttentionInputs
     q: torch.Tensor  # (B, H, L, E)
-    kv_k: torch.Tensor  # (B, Hkv, S, E) as given, dead keys zeroed; GQA heads not repeated
-    kv_v: torch.Tensor  # (B, Hkv, S, Ev)
+    key: torch.Tensor  # (B, Hkv, S, E) as given; GQA heads not repeated
+    value: torch.Tensor  # (B, Hkv, S, Ev)
     mask: MaskSpec
     is_causal_only: bool  # the mask is exactly top-left causal (SDPA's is_causal)
     out_shape: tuple[int, ...]  # (..., L, Ev): the output's shape before flattening
     dropout_p: float
     mask_requires_grad: bool
+    dead: torch.Tensor | None = None  # (B|1, H|1, S) bool: keys no query may attend, or None
+    #: (start, stop, S) when these inputs are the live keys start .. stop - 1 of S (``live()``), else None
+    key_range: tuple[int, int, int] | None = None
     _repeated: dict = field(default_factory=dict, repr=False)
 
     @property
     def N(self) -> int:
         """B, the flattened batch (the kernels' N)."""
         return self.q.shape[0]
+
+    @property
+    def kv_k(self) -> torch.Tensor:
+        """(B, Hkv, S, E): ``key`` with dead keys made harmless (Note [Dead keys]); the compiled kernel reads it."""
+        return self._clean()[0]
+
+    @property
+    def kv_v(self) -> torch.Tensor:
+        """(B, Hkv, S, Ev), as ``kv_k``."""
+        return self._clean()[1]
 
     @property
     def k(self) -> torch.Tensor:
@@ -242,9 +260,9 @@ class Prepared:
 
     @property
     def dead_per_head(self) -> bool:
-        """Under GQA, some keys are dead for only part of a key/value head's group (``k``/``v`` are then
-        per-head copies; a kernel reading ``kv_k`` in place cannot zero them)."""
-        return bool(self._repeated.get("dead_per_head"))
+        """Under GQA, a key dead for only part of a key/value head's group holds a non-finite value (``k``/``v``
+        are then per-head copies; a kernel reading ``kv_k`` in place cannot zero it)."""
+        return self._clean()[2] is not None
 
     @property
     def empty(self) -> bool:
@@ -257,32 +275,86 @@ class Prepared:
         whatever the inputs hold (0 * q.sum() was NaN for a query holding Inf)."""
         q, Ev, S = self.q, self.info.Ev, self.info.S
         out = torch.zeros(*q.shape[:-1], Ev, dtype=q.dtype, device=q.device)
-        out = out + (q[..., :0].sum() + self.kv_k[..., :0].sum() + self.kv_v[..., :0].sum()).to(out.dtype)
+        out = out + (q[..., :0].sum() + self.key[..., :0].sum() + self.value[..., :0].sum()).to(out.dtype)
         return out, torch.zeros(*q.shape[:-1], S, dtype=q.dtype, device=q.device)
 
     def _heads(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if self.info.H == self.info.Hkv:
             return t
+        per_head = self._clean()[2]
+        if per_head is not None:
+            return per_head[0 if name == "k" else 1]
         if name not in self._repeated:
             self._repeated[name] = t.repeat_interleave(self.info.groups, dim=1)
         return self._repeated[name]
+
+    def _clean(self):
+        """(kv_k, kv_v, per-head (k, v) or None), built once (Note [Dead keys])."""
+        if "clean" not in self._repeated:
+            groups = self.info.groups if self.info.Hkv else 1
+            self._repeated["clean"] = _harmless_dead_keys(self.key, self.value, self.dead, groups,
+                                                          every=self.key_range is None)
+        return self._repeated["clean"]
+
+    def live(self) -> "Prepared":
+        """These inputs restricted to the live keys: when the keys no query may attend form a prefix or a
+        suffix, k, v become views of the keys between (no copy, nothing past them is read), with the mask's
+        coordinates moved to match (patterns through ``patterns.sliced_keys``); dead keys left inside are
+        zeroed only if they hold NaN or Inf (Note [Dead keys]). ``key_range`` records (start, stop, S).
+        With ALiBi only a dead prefix is cut (its distances count from the last key). Built once."""
+        if self.key_range is not None:
+            return self
+        if "live" not in self._repeated:
+            self._repeated["live"] = self._live()
+        return self._repeated["live"]
+
+    def _live(self) -> "Prepared":
+        S = self.info.S
+        start, stop = 0, S
+        if self.dead is not None and self.q.device.type != "meta":
+            alive = ~self.dead.all(0).all(0)  # (S,): some batch element and head may see the key
+            idx = alive.nonzero()
+            start, stop = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
+            if self.mask.alibi is not None:
+                stop = S
+        m = self.mask
+        key, value = self.key, self.value
+        if (start, stop) == (0, S):
+            mask, dead = m, self.dead
+        else:
+            key, value = key[..., start:stop, :], value[..., start:stop, :]  # (B, Hkv, S', E|Ev): views
+            def cut(t):
+                return t if t is None or t.shape[-1] == 1 else t[..., start:stop]
+
+            pat = None if m.pattern is None else P.sliced_keys(m.pattern, start, S)
+            mask = MaskSpec(m.L, stop - start, pattern=pat, keep=cut(m.keep), bias=cut(m.bias), softcap=m.softcap,
+                            alibi=m.alibi)
+            dead = self.dead[..., start:stop]
+        if dead is not None and not bool(dead.any()):
+            dead = None
+        info = dataclasses.replace(self.info, S=stop - start)
+        return Prepared(info, self.q, key, value, mask,
+                        self.is_causal_only and start == 0, self.out_shape, self.dropout_p, self.mask_requires_grad,
+                        dead, (start, stop, S))
 
     @property
     def needs_grad(self) -> bool:
         """Autograd will call a backward: grad mode is on and q, k or v requires grad (kernels that keep extra
         tensors for their backward count them in their peak only then)."""
-        return torch.is_grad_enabled() and (self.q.requires_grad or self.kv_k.requires_grad
-                                            or self.kv_v.requires_grad)
+        return torch.is_grad_enabled() and (self.q.requires_grad or self.key.requires_grad
+                                            or self.value.requires_grad)
 
     def request(self, need_weights: bool = False, strict: bool = False, sdpa_backend: str | None = None) -> Request:
-        """These inputs as a kernel :class:`~attnlab.kernels.Request` (sizes and flags only)."""
+        """These inputs as a kernel :class:`~attnlab.kernels.Request` (sizes and flags only; whether a
+        kernel must copy per-head keys is asked of the live view, which is what runs)."""
         i, m = self.info, self.mask
         return Request(self.N, i.H, i.Hkv, i.L, i.S, i.E, i.Ev, self.q.dtype, self.q.device.type,
                        causal_only=self.is_causal_only,
                        pattern=m.pattern is not None and not self.is_causal_only,
                        keep_mask=m.keep is not None, float_mask=m.bias is not None,
                        float_mask_grad=self.mask_requires_grad, dropout_p=self.dropout_p,
-                       need_weights=bool(need_weights), strict=bool(strict), dead_per_head=self.dead_per_head,
+                       need_weights=bool(need_weights), strict=bool(strict),
+                       dead_per_head=self.live().dead_per_head,
                        sdpa_backend=sdpa_backend, softcap=m.softcap is not None,
                        alibi=None if m.alibi is None else "[H]" if m.alibi.shape[0] == 1 else "[B, H]",
                        needs_grad=self.needs_grad)
@@ -392,57 +464,80 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if is_causal:
         pat = P.causal() if pat is None else (pat & P.causal())
     mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias, softcap=cap, alibi=slopes)
-    k, v, per_head = _zero_dead_keys(k, v, mask, info.groups if info.Hkv else 1)
     # ALiBi is a bias: with it, causal is no longer the only mask (soft-capping masks nothing)
     causal_only = is_causal and pattern is None and attn_mask is None and slopes is None
-    p = Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
-                 bool(attn_mask is not None and attn_mask.requires_grad))
-    if per_head is not None:
-        p._repeated.update(k=per_head[0], v=per_head[1], dead_per_head=True)
-    return p
+    return Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
+                    bool(attn_mask is not None and attn_mask.requires_grad), _dead_keys(mask, N))
 
 
-def _zero_dead_keys(k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, groups: int = 1):
-    """Zero the key and value rows of keys that no query may attend (padding), so that whatever they
-    hold — even NaN or Inf — cannot reach the output through NaN scores or 0·NaN in a matrix product.
+def _dead_keys(mask: MaskSpec, N: int) -> torch.Tensor | None:
+    """Bool (B|1, H|1, S): keys that no query may attend under the whole mask, or None when there are none.
 
-    # Note [Dead keys]: only keys masked for *every* query are zeroed — by a bool mask (False) or a float
-    # mask (-inf) — ; the gradient reaching them is 0, which is also the true gradient. Costs one pass
-    # over the user's mask (already L×S) when given.
+    # Note [Dead keys]: keys masked for *every* query — by the pattern (key padding, causal or a window
+    # with L < S, any pattern through ``Pattern.dead_keys``), a bool mask (False) or a float mask (-inf) —
+    # have no influence: the result equals running on k, v with them replaced by anything finite, and
+    # their gradients are 0. A preallocated KV cache with garbage (even NaN) past its length is the common
+    # case. ``Prepared.live()`` cuts a dead prefix or suffix off by a view (never read); a dead key left
+    # inside is read only to see whether it holds NaN or Inf, and then zeroed in a copy (0·NaN in
+    # P·V, or NaN + -inf in an additive mask, would leak it). Every method runs on ``live()``.
+    # Cost: a pattern alone is O(1) for bands, O(B·S) for key padding and O(L + S) for other
+    # translation-invariant patterns; a user mask adds one pass over the combined [L, S] mask
+    # (the mask is already that size).
     """
-    dead = None
-    if mask.keep is not None:
-        dead = ~mask.keep.any(dim=-2)  # (B|1, H|1, S|1)
-    if mask.bias is not None:
-        d = torch.isneginf(mask.bias.detach()).all(dim=-2)  # (B|1, H|1, S|1)
-        dead = d if dead is None else dead | d
-    if mask.pattern is not None and mask.pattern.batch_size:
-        kk = _pattern_keys(mask.pattern)
-        if kk is not None:
-            kk = torch.nn.functional.pad(kk, (0, max(0, mask.S - kk.shape[1])), value=False)[:, : mask.S]
-            d = ~kk.to(v.device).view(kk.shape[0], 1, -1)  # (B, 1, S)
-            dead = d if dead is None else dead | d
-    if dead is None or not bool(dead.any()):
+    L, S = mask.L, mask.S
+    if L == 0 or S == 0:
+        return None
+    if mask.keep is None and mask.bias is None:
+        if mask.pattern is None:
+            return None
+        d = mask.pattern.dead_keys(L, S)  # (B|1, S)
+        return d.unsqueeze(1) if bool(d.any()) else None  # (B|1, 1, S)
+    m = mask.keep if mask.keep is not None else mask.bias
+    if m.device.type == "meta":
+        return None
+    alive = None
+    rows = max(1, (1 << 22) // max(1, S * m.shape[0] * m.shape[1]))
+    j = torch.arange(S, device=m.device).unsqueeze(0)  # (1, S)
+    for r0 in range(0, L, rows):
+        i = torch.arange(r0, min(L, r0 + rows), device=m.device).unsqueeze(-1)  # (r, 1)
+        keep, bias = mask.block(i, j, N)  # (N|1, H|1, r, S) each, or None
+        ok = None if bias is None else ~torch.isneginf(bias.detach())
+        ok = keep if ok is None else ok if keep is None else keep & ok
+        a = torch.broadcast_to(ok, ok.shape[:2] + (i.shape[0], S)).any(-2)  # (N|1, H|1, S)
+        alive = a if alive is None else alive | a
+    dead = ~alive
+    return dead if bool(dead.any()) else None
+
+
+def _harmless_dead_keys(k: torch.Tensor, v: torch.Tensor, dead: torch.Tensor | None, groups: int, every: bool):
+    """(k, v, per-head (k, v) or None) with dead keys zeroed (Note [Dead keys]): all of them when ``every``
+    (the full-S view that mechanisms read), else only when a dead row holds NaN or Inf, reading only the
+    dead rows. Under GQA a key dead for only some heads of a group is zeroed in per-head copies."""
+    if dead is None or k.device.type == "meta":
         return k, v, None
-    dead = dead.unsqueeze(-1)  # (B|1, H|1, S, 1)
+    dead = dead.to(k.device)
     per_head = None
     if groups > 1 and dead.shape[1] > 1:
         # GQA: k, v have H / groups heads; a key is zeroed there when dead for its whole group, and the
-        # per-head copies (made now) also zero keys dead for only some heads of a group
-        by_group = dead.view(dead.shape[0], -1, groups, *dead.shape[2:])
-        if not bool((by_group.all(2) == by_group.any(2)).all()):
-            per_head = (k.repeat_interleave(groups, dim=1).masked_fill(dead, 0),
-                        v.repeat_interleave(groups, dim=1).masked_fill(dead, 0))
+        # per-head copies (made only when needed) zero keys dead for only some heads of a group
+        by_group = dead.view(dead.shape[0], -1, groups, dead.shape[-1])
+        some = by_group.any(2) & ~by_group.all(2)  # (B|1, Hkv, S)
+        if bool(some.any()) and (every or _non_finite(k, some) or _non_finite(v, some)):
+            d4 = dead.unsqueeze(-1)  # (B|1, H, S, 1)
+            per_head = (k.repeat_interleave(groups, dim=1).masked_fill(d4, 0),
+                        v.repeat_interleave(groups, dim=1).masked_fill(d4, 0))
         dead = by_group.all(2)
-    return k.masked_fill(dead, 0), v.masked_fill(dead, 0), per_head
+    return _zeroed(k, dead, every), _zeroed(v, dead, every), per_head
 
 
-def _pattern_keys(p):
-    """Per-batch key keep vector [B, S] of a key-padding pattern (or an AND containing one)."""
-    kk = getattr(p, "keep_keys", None)
-    if kk is not None:
-        return kk
-    if getattr(p, "op", None) == "and":
-        a, b = _pattern_keys(p.a), _pattern_keys(p.b)
-        return a if b is None else b if a is None else a & b
-    return None
+def _non_finite(t: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether rows [B|1, Hkv|1, S] of t [B, Hkv, S, D] hold NaN or Inf; reads those rows only."""
+    with torch.no_grad():
+        sel = t[torch.broadcast_to(rows, t.shape[:-1])]  # (n, D): the selected rows, gathered
+        return not bool(torch.isfinite(sel).all())
+
+
+def _zeroed(t: torch.Tensor, dead: torch.Tensor, every: bool) -> torch.Tensor:
+    if not bool(dead.any()) or not (every or _non_finite(t, dead)):
+        return t
+    return t.masked_fill(dead.unsqueeze(-1), 0)  # a copy: the caller's tensor is left as it was

@@ -164,6 +164,8 @@ def test_from_mask_mod_is_evaluated_on_tensors_and_cached():
         return k <= q
 
     pat = P.from_mask_mod(fn)
+    assert calls == [(1, 1)]  # construction checks the function once on a 1 x 1 grid
+    calls.clear()
     lay = pat.block_layout(64, 64, 8, 8)
     n = len(calls)
     assert n >= 1 and all(len(s) == 2 and s[0] * s[1] > 64 for s in calls)  # whole slices, not elements

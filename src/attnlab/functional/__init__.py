@@ -76,6 +76,7 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
     """``attention`` on inputs already prepared by ``attnlab.shapes.prepare`` (validated once): plan,
     run the chosen kernel on q [B, H, L, E], k/v [B, H|Hkv, S, E|Ev], restore the leading dims.
     Returns out [..., L, Ev] (and weights [..., L, S] with need_weights)."""
+    p = p.live()  # dead prefix/suffix keys cut off, dead keys inside made harmless (Note [Dead keys])
     plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
     info, mask, m = p.info, p.mask, plan.method
     weights = None
@@ -101,7 +102,11 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
         weights = _weights_from_lse(p, lse, *plan.block_size) if need_weights else None
     out = out.reshape(p.out_shape)  # (..., L, Ev)
     if need_weights:
-        return out, weights.reshape(p.out_shape[:-1] + (info.S,))
+        weights = weights.reshape(p.out_shape[:-1] + (info.S,))  # (..., L, S'): the live keys
+        if p.key_range is not None and p.key_range[:2] != (0, p.key_range[2]):
+            start, stop, S = p.key_range  # dead keys cut off have weight 0
+            weights = torch.nn.functional.pad(weights, (start, S - stop))
+        return out, weights
     return out
 
 
@@ -115,17 +120,17 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     Runs no attention. ``device`` ("cpu", "cuda") plans as if the tensors were there: meta tensors
     (shapes only, no storage) can then describe a call of any size on that device."""
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
-                alibi_slopes=alibi_slopes)
+                alibi_slopes=alibi_slopes).live()  # what run() plans for
     return planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)
 
 
 def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:
     """One SDPA mask (bool, or float in ``dtype``, default q's, when there is a bias) for the whole
     [B|1, H|1, L, S]."""
-    kk = getattr(mask.pattern, "keep_keys", None)
-    if kk is not None and mask.keep is None and mask.bias is None and mask.alibi is None and kk.shape[1] >= mask.S:
+    if getattr(mask.pattern, "by_key", False) and mask.keep is None and mask.bias is None and mask.alibi is None:
         # key padding alone: SDPA broadcasts a [B, 1, 1, S] mask, so no L×S tensor is built
-        return kk[:, : mask.S].to(p.q.device).view(kk.shape[0], 1, 1, mask.S)
+        kk = mask.pattern.key_mask(mask.S)
+        return kk.to(p.q.device).view(kk.shape[0], 1, 1, mask.S)
     i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
     j = torch.arange(mask.S, device=p.q.device).unsqueeze(0)
     keep, bias = mask.block(i, j, p.N)
@@ -161,7 +166,7 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     """
     check_block_size(block_size)
     p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern, softcap=softcap,
-                alibi_slopes=alibi_slopes)
+                alibi_slopes=alibi_slopes).live()  # Note [Dead keys]
     lead = p.out_shape[:-1]
     acc = lse_merge.acc_dtype(p.q.dtype)
     if p.empty:

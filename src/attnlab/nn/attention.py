@@ -587,10 +587,7 @@ def _and_keep(mask: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
 def _keys_kept(p: P.Pattern, S: int) -> torch.Tensor:
     """The bool [B, S] keep vector (True = takes part) of a key-padding pattern checked by
     ``_key_padding_pattern``; keys past a lengths-based pattern's width are padding."""
-    kk = p.keep_keys
-    if kk.shape[1] < S:
-        kk = torch.nn.functional.pad(kk, (0, S - kk.shape[1]), value=False)
-    return kk[:, :S]
+    return p.key_mask(S)  # [B, S]; a length past S is refused there
 
 
 def _torch_hooked(m: nn.Module) -> bool:

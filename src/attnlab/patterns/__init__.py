@@ -8,21 +8,21 @@ gives exactly what passing ``attn_mask=p.materialize(L, S)`` gives, but the kern
 Block layouts are *conservative*: EMPTY blocks are truly empty and FULL blocks truly full; anything the
 analytic bounds cannot decide is PARTIAL (computed with its mask), which is always correct.
 
-Modules: ``base`` (Pattern, ``&`` / ``|``, ``shifted``), ``bands`` (causal, windows, prefix LM),
+Modules: ``base`` (Pattern, ``&`` / ``|``, ``shifted``, ``sliced_keys``), ``bands`` (causal, windows, prefix LM),
 ``blocks`` (block tables, fixed, Longformer, BigBird), ``sequences`` (key padding, packed documents),
 ``mask_mod`` (FlexAttention mask functions), ``spec`` (``parse``).
 """
 from __future__ import annotations
 
 from .bands import causal, dilated, full, prefix_lm, sliding_window, strided
-from .base import EMPTY, FULL, MAX_INT, PARTIAL, Pattern, shifted, translation_invariant
+from .base import EMPTY, FULL, MAX_INT, PARTIAL, Pattern, shifted, sliced_keys, translation_invariant
 from .blocks import BlockTable, bigbird, block_sparse, fixed, longformer
 from .mask_mod import from_mask_mod
 from .sequences import document, from_hf_attention_mask, from_key_padding_mask, key_padding
 from .spec import MAX_PARSE_TERMS, parse
 
 __all__ = [
-    "Pattern", "BlockTable", "EMPTY", "PARTIAL", "FULL", "shifted", "translation_invariant",
+    "Pattern", "BlockTable", "EMPTY", "PARTIAL", "FULL", "shifted", "sliced_keys", "translation_invariant",
     "causal", "sliding_window", "dilated", "strided", "fixed", "block_sparse", "longformer", "bigbird",
     "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full", "parse",
     "document", "prefix_lm", "from_mask_mod",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import _INF, Pattern, _check_align, _check_int
+from .base import _INF, MAX_INT, Pattern, _check_align, _check_bool, _check_int
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,6 +104,7 @@ def sliding_window(window: int | None = None, causal: bool = False, align: str =
     analytic (O(L) and O(blocks)), so the kernels visit only the diagonal strip of blocks.
     """
     _check_align(align)
+    _check_bool("causal", causal)
     if left is None and right is None:
         if window is None:
             raise ValueError("sliding_window needs window=, or left= and/or right= (None = unbounded side); "
@@ -166,6 +167,10 @@ def dilated(window: int, dilation: int, causal: bool = False) -> Pattern:
     j <= i only). Materialises to bool [L, S]; blocks are bounded by the undilated window."""
     _check_int("window", window, 0)
     _check_int("dilation", dilation, 1)
+    _check_bool("causal", causal)
+    if window * dilation > MAX_INT:
+        raise ValueError(f"dilated: window * dilation (the window's reach in positions) must be <= 2**62, got "
+                         f"window={window} * dilation={dilation} = {window * dilation:.3g}")
     return _Dilated(window, dilation, causal)
 
 
@@ -208,6 +213,7 @@ def strided(stride: int, causal: bool = True) -> Pattern:
     every ``stride``-th token before them: (i, j) kept when ``|i - j| < stride`` or ``stride`` divides
     i - j (and j <= i when ``causal``). Materialises to bool [L, S]."""
     _check_int("stride", stride, 1)
+    _check_bool("causal", causal)
     return _Strided(stride, causal)
 
 

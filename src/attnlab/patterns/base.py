@@ -4,6 +4,8 @@ Legend: L query length, S key length, B batch; a block is rows [qlo, qhi] x colu
 """
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -17,14 +19,73 @@ _INF = float("inf")
 MAX_INT = 2**62
 
 
-def _check_int(name: str, value, minimum: int = 0) -> int:
+def _big(value: int) -> str:
+    """An int for a message: as written up to 20 digits, else in scientific notation."""
+    return str(value) if abs(value) < 10**20 else f"{value:.3g}"
+
+
+def _check_int(name: str, value, minimum: int = 0, maximum: int = MAX_INT, why: str = "positions are int64") -> int:
+    """``value`` checked as an int (not a bool) in [minimum, maximum]; the error names ``name``, the value
+    and the allowed range."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {value!r:.40} ({type(value).__name__})")
+    hi = "2**62" if maximum == MAX_INT else _big(maximum)
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value > MAX_INT:
-        raise ValueError(f"{name} must be <= 2**62 (positions are int64), got {value:.3g}")
+        raise ValueError(f"{name} must be >= {minimum} (an int in [{_big(minimum)}, {hi}]), got {_big(value)}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {hi} (an int in [{_big(minimum)}, {hi}]; {why}), got {_big(value)}")
     return value
+
+
+def _index(x):
+    """An integer-like value (int, numpy integer, 0-d integer tensor) as an int; anything else unchanged,
+    for ``_check_int`` to refuse by name."""
+    if isinstance(x, bool) or isinstance(x, int):
+        return x
+    try:
+        return int(operator.index(x))
+    except TypeError:
+        return x
+
+
+def _check_bool(name: str, value) -> bool:
+    """``value`` checked as a bool: a string such as 'yes' or a 0/1 int is refused, naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r:.40} ({type(value).__name__})")
+    return value
+
+
+def _check_lengths(name: str, lengths, allow_empty: bool = True) -> torch.Tensor:
+    """Sequence lengths (a 1-D list or integer tensor, each in [0, 2**62]) -> int64 [n]; errors name
+    ``name``, the offending entry and the allowed range, before any tensor is built from them."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype.is_complex \
+                or lengths.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor or list, got {lengths!r:.60}")
+        t = lengths.detach().to("cpu", torch.long)
+        bad = ((t < 0) | (t > MAX_INT)).nonzero()
+        if len(bad):
+            b = int(bad[0])
+            _check_int(f"{name}[{b}]", int(t[b]), 0, why="a length is a position count")
+    else:
+        try:
+            items = list(lengths)
+        except TypeError:
+            raise ValueError(f"{name} must be a 1-D list or integer tensor of lengths, got "
+                             f"{type(lengths).__name__}") from None
+        for b, x in enumerate(items):
+            x = _index(x)
+            if isinstance(x, bool) or not isinstance(x, int):  # a nested list, a float: not 1-D integers
+                raise ValueError(f"{name} must be a 1-D list of integer lengths, but {name}[{b}] is {x!r:.40} "
+                                 f"({type(x).__name__})")
+            items[b] = _check_int(f"{name}[{b}]", x, 0, why="a length is a position count")
+        t = torch.tensor(items, dtype=torch.long)
+    if not allow_empty and t.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D list of integer lengths, got {lengths!r:.80}")
+    total = sum(t.tolist())  # in Python ints: an int64 sum could wrap
+    if total > MAX_INT:
+        raise ValueError(f"{name} must add up to at most 2**62 positions, got {_big(total)}")
+    return t
 
 
 _ALIGNS = ("top_left", "bottom_right")
@@ -198,6 +259,64 @@ class Pattern:
             all_[q0:q1] = f.all(3).all(1)
         return any_, all_
 
+    def dead_keys(self, L: int, S: int) -> torch.Tensor:
+        """Bool [B|1, S] (B = ``batch_size`` for per-batch patterns): True where no query i < L keeps key j.
+        Exact, never conservative: ``attnlab.attention`` never reads such a key (Note [Dead keys] in
+        ``attnlab.shapes``), so a wrong True would drop a live key.
+
+        A band (causal, windows, their ``&``) answers in O(1): its live keys are one range. Other
+        translation-invariant patterns (dilated, strided) evaluate ``keep`` once per offset j - i, O(L + S).
+        Otherwise from ``bounds`` on a block grid: a column of EMPTY blocks is dead, a column with a FULL
+        block is live, and only the PARTIAL blocks of the remaining columns are evaluated (without bounds:
+        every pair, in strips of about 4M pairs).
+        """
+        B = self.batch_size or 1
+        if L <= 0 or S <= 0:
+            return torch.ones(B, max(S, 0), dtype=torch.bool)
+        band = self.band(L, S)
+        if band is not None:
+            lo, hi = band
+            first, last = max(0.0, lo), min(S - 1.0, L - 1.0 + hi)  # keys some row i in [0, L) keeps
+            dead = torch.ones(1, S, dtype=torch.bool)
+            if lo <= hi and first <= last:
+                dead[:, math.ceil(first):math.floor(last) + 1] = False
+            return dead
+        if self.translation_invariant() and not self.batch_size:
+            d = torch.arange(-(L - 1), S)  # (L + S - 1,): every offset j - i of the grid
+            i = (-d).clamp(min=0)  # one (i, j) pair per offset, inside the grid
+            f = torch.broadcast_to(self.keep(i, i + d, L, S), d.shape)
+            c = torch.nn.functional.pad(f.to(torch.int64).cumsum(0), (1, 0))  # (L + S,)
+            return ~(c[L:L + S] - c[:S] > 0).unsqueeze(0)  # key j is seen from offsets j - L + 1 .. j
+        return self._dead_by_blocks(L, S)
+
+    def _dead_by_blocks(self, L: int, S: int) -> torch.Tensor:
+        """``dead_keys`` from block bounds, evaluating only undecided columns' PARTIAL blocks."""
+        B = self.batch_size or 1
+        bq, bk = self.block_shape() or (_NNZ_BLOCK, _NNZ_BLOCK)
+        if -(-L // bq) * -(-S // bk) > _NNZ_MAX_BLOCKS:
+            bq = bk = _NNZ_BLOCK
+        b = self._bounds_on_grid(L, S, bq, bk)
+        j_all = torch.arange(S)
+        if b is None:
+            alive = torch.zeros(B, S, dtype=torch.bool)
+            for i in _strips(L, S):
+                alive |= self._keeps(i, j_all, L, S).any(-2)
+            return ~alive
+        any_, all_ = b  # (nq, nk): union and intersection over the batch
+        empty, full = ~any_.any(0), (any_ & all_).any(0)  # (nk,): no block keeps / some block keeps all
+        dead = empty[j_all // bk].unsqueeze(0).expand(B, S).clone()
+        for kb in (~empty & ~full).nonzero().view(-1).tolist():
+            rows = any_[:, kb].nonzero().view(-1)  # the column's PARTIAL query blocks
+            i = (rows.unsqueeze(1) * bq + torch.arange(bq)).view(-1)
+            j = j_all[kb * bk:(kb + 1) * bk]
+            dead[:, j] = ~self._keeps(i[i < L], j, L, S).any(-2)
+        return dead
+
+    def _keeps(self, i: torch.Tensor, j: torch.Tensor, L: int, S: int) -> torch.Tensor:
+        """keep of rows i [r] x columns j [c] as bool [B|1, r, c]."""
+        m = self.keep(i.unsqueeze(-1), j.unsqueeze(0), L, S)
+        return torch.broadcast_to(m, ((self.batch_size,) if self.batch_size else (1,)) + (len(i), len(j)))
+
     def nnz(self, L: int, S: int) -> int:
         """Number of (query, key) pairs kept in the L x S grid (per batch element, averaged for per-batch
         patterns).
@@ -288,6 +407,15 @@ class _Combine(Pattern):
     def translation_invariant(self):
         return self.a.translation_invariant() and self.b.translation_invariant()
 
+    def dead_keys(self, L, S):
+        # exact from the parts where it can be: a key is dead in a | b iff dead in both; in a & b with a
+        # side that keeps by key alone (key padding), iff dead in either. Else the general rules.
+        if self.op == "or":
+            return self.a.dead_keys(L, S) & self.b.dead_keys(L, S)
+        if getattr(self.a, "by_key", False) or getattr(self.b, "by_key", False):
+            return self.a.dead_keys(L, S) | self.b.dead_keys(L, S)
+        return super().dead_keys(L, S)
+
     def band(self, L, S):
         ba, bb = self.a.band(L, S), self.b.band(L, S)
         if ba is None or bb is None:
@@ -356,3 +484,71 @@ def translation_invariant(pattern: Pattern | None) -> bool:
     """True when ``pattern`` is None (no mask) or, for each (L, S), is known to keep (i, j) by j - i
     alone, so one mask block serves every block on a diagonal (see ``Pattern.translation_invariant``)."""
     return pattern is None or pattern.translation_invariant()
+
+
+@dataclass(frozen=True, eq=False)
+class _KeySlice(Pattern):
+    inner: Pattern
+    start: int
+    S_full: int
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return self.inner.batch_size
+
+    @property
+    def by_key(self) -> bool:
+        """Keeps by key alone when the inner pattern does (key padding)."""
+        return bool(getattr(self.inner, "by_key", False))
+
+    def key_mask(self, S: int) -> torch.Tensor:
+        """The inner key-padding mask over the sliced keys, bool [B, S] (inner patterns that keep by key)."""
+        return self.inner.key_mask(self.S_full)[:, self.start:self.start + S]
+
+    def keep(self, i, j, L, S):
+        return self.inner.keep(i, j + self.start, L, self.S_full)
+
+    def bounds(self, qlo, qhi, klo, khi, L, S):
+        return self.inner.bounds(qlo, qhi, klo + self.start, khi + self.start, L, self.S_full)
+
+    def band(self, L, S):
+        b = self.inner.band(L, self.S_full)
+        return None if b is None else (b[0] - self.start, b[1] - self.start)
+
+    def translation_invariant(self):
+        return self.inner.translation_invariant()
+
+    def block_shape(self):
+        shape = self.inner.block_shape()
+        return shape if shape is not None and self.start % shape[1] == 0 else None
+
+    def block_layout(self, L, S, block_q, block_k=None, device=None):
+        """As ``Pattern.block_layout``; a pattern without bounds whose own layout is cached (a mask_mod)
+        lends its layout's columns when the slice starts on a key block (conservative on the last one)."""
+        block_q, block_k = _block_sizes(block_q, block_k)
+        b = self._bounds_on_grid(L, S, block_q, block_k, device)
+        if b is None and self.start % block_k == 0:
+            k0 = self.start // block_k
+            lay = self.inner.block_layout(L, self.S_full, block_q, block_k, device=device)
+            return lay[:, k0:k0 + -(-S // block_k)].clone()
+        any_, all_ = self._exact_bounds(L, S, block_q, block_k, device) if b is None else b
+        return _layout(any_, all_)
+
+    def dead_keys(self, L, S):
+        return self.inner.dead_keys(L, self.S_full)[:, self.start:self.start + S]
+
+    def __repr__(self):
+        return f"sliced_keys({self.inner!r}, start={self.start}, S={self.S_full})"
+
+
+def sliced_keys(pattern: Pattern, start: int, S: int) -> Pattern:
+    """``pattern`` over keys ``start .. start + S' - 1`` of an L x ``S`` problem, for any S' <= S - start:
+    ``sliced_keys(p, start, S).materialize(L, S')`` equals ``p.materialize(L, S)[..., start:start + S']``.
+
+    ``attnlab.attention`` runs on the live key range this way when a pattern leaves a prefix or suffix of
+    keys dead (Note [Dead keys] in ``attnlab.shapes``). Bounds, band and batch size carry over, shifted.
+    """
+    _as_pattern(pattern)
+    _check_int("start", start, 0)
+    _check_int("S", S, start)
+    return _KeySlice(pattern, start, S)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .bands import sliding_window
-from .base import Pattern, _check_int
+from .base import Pattern, _check_bool, _check_int, _index
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +68,7 @@ def fixed(block: int, summary: int, causal: bool = True) -> Pattern:
     """
     _check_int("block", block, 1)
     _check_int("summary", summary, 0)
+    _check_bool("causal", causal)
     if summary > block:
         raise ValueError(f"summary ({summary}) must be <= block ({block})")
     return _Fixed(block, summary, causal)
@@ -168,19 +169,32 @@ class _Global(Pattern):
         return f"global({list(self.tokens)[:4]}{'...' if len(self.tokens) > 4 else ''})"
 
 
+#: most global tokens a Longformer pattern takes (as a count or as positions): each block's bounds compare
+#: against every one of them, O(blocks x tokens) per layout; the paper uses a CLS token or a question's
+MAX_GLOBAL_TOKENS = 4096
+
+
 def longformer(window: int, global_tokens: int | list[int] | tuple[int, ...] = 1) -> Pattern:
     """Longformer (Beltagy et al. 2020): a sliding window of ``window`` keys on each side, plus global
     tokens (an int n for the first n positions, or explicit positions) that see and are seen by all.
 
     Equivalent to ``sliding_window(window) | global rows and columns``; materialises to bool [L, S].
-    Global positions past L or S simply never occur.
+    Global positions past L or S simply never occur. At most ``MAX_GLOBAL_TOKENS`` global tokens (their
+    block bounds cost O(blocks x tokens)); positions are ints in [0, 2**62].
     """
     w = sliding_window(window)
     if isinstance(global_tokens, int) and not isinstance(global_tokens, bool):
-        _check_int("global_tokens", global_tokens, 0)
+        _check_int("global_tokens", global_tokens, 0, MAX_GLOBAL_TOKENS,
+                   "each global token costs every block's bounds a comparison; give positions for sparse ones")
         toks = tuple(range(global_tokens))
     else:
-        toks = tuple(sorted({_check_int("global_tokens[i]", int(t), 0) for t in global_tokens}))
+        if isinstance(global_tokens, (str, bytes, bool)) or not hasattr(global_tokens, "__iter__"):
+            raise TypeError(f"global_tokens must be an int count or a list of positions, got {global_tokens!r:.40}")
+        toks = list(global_tokens)
+        if len(toks) > MAX_GLOBAL_TOKENS:
+            raise ValueError(f"global_tokens lists {len(toks)} positions; at most {MAX_GLOBAL_TOKENS} are supported")
+        toks = tuple(sorted({_check_int(f"global_tokens[{n}]", _index(t), 0)
+                             for n, t in enumerate(toks)}))
     return w | _Global(toks) if toks else w
 
 
@@ -218,6 +232,7 @@ def bigbird(block_size: int, window_blocks: int = 3, global_blocks: int = 1, ran
     _check_int("window_blocks", window_blocks, 1)
     _check_int("global_blocks", global_blocks, 0)
     _check_int("random_blocks", random_blocks, 0)
+    _check_int("seed", seed, 0, 2**64 - 1, "torch.Generator seeds are 64-bit")
     return _BigBird(block_size=block_size, window_blocks=window_blocks, global_blocks=global_blocks,
                     random_blocks=random_blocks, seed=seed,
                     name=f"bigbird({block_size}, {window_blocks}, {global_blocks}, {random_blocks}, seed={seed})")

@@ -8,6 +8,20 @@ import torch
 from .base import Pattern, _block_sizes, _check_int, _layout
 
 
+class _HeadUsed(Exception):
+    """Raised inside a mask_mod when it reads h (caught by ``_MaskMod.keep``, which names the function)."""
+
+
+class _HeadIndex(torch.Tensor):
+    """h as a mask_mod sees it: a 0-d int64 zero whose every use (an op, a comparison, ``int(h)``, indexing
+    by it) raises ``_HeadUsed``. Patterns are shared by all heads, so a mask that reads h is refused rather
+    than silently evaluated at h = 0."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise _HeadUsed(getattr(func, "__name__", str(func)))
+
+
 @dataclass(frozen=True, eq=False)
 class _MaskMod(Pattern):
     """A FlexAttention mask_mod as a pattern; block layouts found from the full grid, cached."""
@@ -23,12 +37,29 @@ class _MaskMod(Pattern):
         return self.B
 
     def keep(self, i, j, L, S):
+        # Note [One index dtype]: q_idx, kv_idx (and b) are int64 wherever a pattern is evaluated
+        # (materialize, block layouts, kernel tiles), so arithmetic such as i * 2**20 + j gives one answer
+        # everywhere and ``pattern=p`` equals ``attn_mask=p.materialize(L, S)``
+        i, j = i.to(torch.long), j.to(torch.long)
         shape = torch.broadcast_shapes(i.shape, j.shape)
         zero = torch.zeros((), dtype=torch.long, device=i.device)
         b = zero if self.B is None else torch.arange(self.B, device=i.device).view(-1, *([1] * len(shape)))
-        m = self.fn(b, zero, i, j)
+        h = zero.as_subclass(_HeadIndex)
+        try:
+            m = self.fn(b, h, i, j)
+        except _HeadUsed as e:
+            raise ValueError(f"mask_mod {self.name} reads h (the head index: {e} on h); attnlab patterns are "
+                             "shared by all heads, so per-head mask_mods are refused. Write the mask without h, "
+                             "or pass a per-head bool attn_mask [B, H, L, S] instead") from None
+        if m is None or not isinstance(m, (torch.Tensor, bool)):
+            raise TypeError(f"mask_mod {self.name} must return a bool tensor (True = keep) built from q_idx and "
+                            f"kv_idx, got {type(m).__name__}")
         if not isinstance(m, torch.Tensor):
-            m = torch.as_tensor(m, device=i.device)
+            m = torch.tensor(m, device=i.device)
+        if m.device != i.device:
+            what = "a meta tensor (a shape without values)" if m.device.type == "meta" else f"a tensor on {m.device}"
+            raise TypeError(f"mask_mod {self.name} returned {what}, but its indices are on {i.device}; build the "
+                            "mask from q_idx and kv_idx with tensor operations")
         if m.dtype != torch.bool:
             raise TypeError(f"mask_mod {self.name} must return a bool tensor, got {m.dtype}")
         out_shape = ((self.B,) if self.B is not None else ()) + tuple(shape)
@@ -60,14 +91,14 @@ class _MaskMod(Pattern):
         return _layout(any_, all_)
 
     def _slices(self, L, S, rows, device):
-        """(r0, r1, mask [r1 - r0, S] or [B, r1 - r0, S]) over the grid, int32 indices, about 1M pairs each:
-        small enough to stay in cache between the function's element-wise ops (measured 2-3x faster than
-        4M-pair int64 slices at n = 16384)."""
-        j = torch.arange(S, dtype=torch.int32, device=device).unsqueeze(0)  # (1, S)
+        """(r0, r1, mask [r1 - r0, S] or [B, r1 - r0, S]) over the grid, about 1M pairs each: small enough to
+        stay in cache between the function's element-wise ops. Indices are int64, as everywhere a pattern is
+        evaluated (Note [One index dtype]: int32 here once overflowed where the kernels' int64 did not)."""
+        j = torch.arange(S, device=device).unsqueeze(0)  # (1, S)
         step = max(1, (1 << 20) // max(1, rows * S)) * rows
         for r0 in range(0, L, step):
             r1 = min(L, r0 + step)
-            i = torch.arange(r0, r1, dtype=torch.int32, device=device).unsqueeze(1)  # (r, 1)
+            i = torch.arange(r0, r1, device=device).unsqueeze(1)  # (r, 1)
             yield r0, r1, self.keep(i, j, L, S)
 
     def _grid_bounds(self, L, S, block_q, block_k, device):
@@ -75,12 +106,29 @@ class _MaskMod(Pattern):
         nq, nk = -(-L // block_q), -(-S // block_k)
         any_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
         all_ = torch.zeros(nq, nk, dtype=torch.bool, device=device)
+        alive = torch.zeros(self.B or 1, S, dtype=torch.bool, device=device)  # keys some query keeps
         for r0, r1, m in self._slices(L, S, block_q, device):
             m_any, m_all = (m.any(0), m.all(0)) if self.B is not None else (m, m)
+            alive |= m.any(-2).view(-1, S)
             q0, q1 = r0 // block_q, -(-r1 // block_q)
             any_[q0:q1] = _reduce_grid(m_any, block_q, block_k, "any")
             all_[q0:q1] = _reduce_grid(m_all, block_q, block_k, "all")
+        self._cache[("dead", L, S)] = ~alive.cpu()
         return any_, all_
+
+    def dead_keys(self, L: int, S: int) -> torch.Tensor:
+        """As ``Pattern.dead_keys``: found in the same pass over the grid as the block layout and cached
+        with it (a first call builds the 128 x 128 layout, which coarser layouts are pooled from)."""
+        key = ("dead", L, S)
+        if key not in self._cache:
+            if L <= 0 or S <= 0:
+                return super().dead_keys(L, S)
+            self._cache[(L, S, 128, 128, "cpu")] = self._grid_bounds(L, S, 128, 128, "cpu")  # fills key
+            dead = self._cache[key]
+            while len(self._cache) > 32:
+                self._cache.pop(next(iter(self._cache)))
+            return dead
+        return self._cache[key]
 
     def nnz(self, L: int, S: int) -> int:
         """Kept pairs (averaged over the batch when per-batch), counted once per (L, S) and cached."""
@@ -121,13 +169,16 @@ def from_mask_mod(mask_mod, B: int | None = None, H: int | None = None, name: st
     it must use tensor operations (``&``, ``|``, ``torch.where``, indexing a tensor by q_idx). As in
     ``torch.nn.attention.flex_attention.create_block_mask``, ``B=None`` evaluates it at b = 0 and the
     mask is shared by the whole batch; ``B=n`` evaluates b = 0 .. n-1 and the pattern is per batch
-    element (its batch size must then match the input's). Heads: the mask is shared by all heads and
-    evaluated at h = 0; per-head masks are not supported (pass ``H=None`` or 1, or give a per-head bool
-    ``attn_mask`` instead).
+    element (its batch size must then match the input's). Heads: the mask is shared by all heads, so it
+    must not read h: a function that uses h in any way raises ValueError naming it (pass ``H=None`` or 1;
+    for per-head masks give a per-head bool ``attn_mask`` [B, H, L, S] instead).
 
-    The function gets b: int64 [B, 1, 1] (or a 0-d zero when ``B=None``), h: 0-d zero, q_idx: integer
-    [r, 1] and kv_idx: integer [1, S] for a strip of r query rows, and returns a bool tensor that broadcasts
-    to [r, S] ([B, r, S]). The pattern materialises to bool [L, S] ([B, 1, L, S] when ``B`` is given).
+    The function gets b: int64 [B, 1, 1] (or a 0-d zero when ``B=None``), h: a 0-d stand-in that refuses
+    every use, q_idx: int64 [r, 1] and kv_idx: int64 [1, S] for a strip of r query rows (int64 wherever the
+    pattern is evaluated, so ``pattern=p`` equals ``attn_mask=p.materialize(L, S)``), and returns a bool
+    tensor that broadcasts to [r, S] ([B, r, S]). The pattern materialises to bool [L, S] ([B, 1, L, S]
+    when ``B`` is given). It is called once on a 1 x 1 grid at construction, so a function that reads h
+    or returns something other than a bool tensor is refused there, with its name.
 
     The block layout comes from evaluating the function on the full L x S grid in slices (O(L·S) work,
     vectorised), once per (L, S, block shape), and is cached on the pattern: the function must be pure.
@@ -142,4 +193,6 @@ def from_mask_mod(mask_mod, B: int | None = None, H: int | None = None, name: st
             raise ValueError(f"from_mask_mod: per-head masks are not supported (H={H}); use H=None (shared by all "
                              "heads) or a per-head bool attn_mask [B, H, L, S]")
     nm = name or getattr(mask_mod, "__name__", None) or type(mask_mod).__name__
-    return _MaskMod(mask_mod, B, nm)
+    p = _MaskMod(mask_mod, B, nm)
+    p.keep(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), 1, 1)  # refuse h, None, meta now
+    return p

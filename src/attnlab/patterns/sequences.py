@@ -5,43 +5,43 @@ and materialise to bool [B, 1, L, S]; document patterns are shared and materiali
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .base import Pattern, _check_align
+from .base import Pattern, _check_align, _check_bool, _check_int, _check_lengths
 
 
-@dataclass(frozen=True, eq=False)
-class _KeyKeep(Pattern):
-    """Per-batch key mask: keep[b, j] True = key j of batch element b takes part."""
+class _ByKey(Pattern):
+    """Per-batch patterns that keep (i, j) by key alone: ``key_mask(S)[b, j]`` True = key j of batch element b
+    takes part, for every query. Subclasses give ``key_mask``; keep, bounds and dead keys follow from it."""
 
-    keep_keys: torch.Tensor
     name: str = "key_padding"
-    extends: bool = False  # lengths-based: keys past the stored width are padding for any S
+    #: keep(i, j) depends on (b, j) only: an ``&`` with it finds its dead keys exactly (``Pattern.dead_keys``)
+    by_key = True
 
-    @property
-    def batch_size(self):  # type: ignore[override]
-        return self.keep_keys.shape[0]
+    def key_mask(self, S: int) -> torch.Tensor:
+        """Bool [B, S]: True = key j of batch element b takes part (raises ValueError when S does not fit)."""
+        raise NotImplementedError
 
-    def _keys(self, S):
-        """Bool [B, >= S]: the stored key mask, padded with False past its width when lengths-based."""
-        kk = self.keep_keys
-        if S > kk.shape[1]:
-            if not self.extends:
-                raise ValueError(f"{self.name} covers {kk.shape[1]} keys but attention has S={S}")
-            kk = torch.nn.functional.pad(kk, (0, S - kk.shape[1]), value=False)
-        return kk
+    def _keys(self, S, device):
+        """``key_mask(S)`` on ``device``, cached for the last (S, device): tiles ask for it once per block."""
+        key = (S, str(device))
+        hit = self._memo.get("keys")
+        if hit is None or hit[0] != key:
+            hit = (key, self.key_mask(S).to(device))
+            self._memo["keys"] = hit
+        return hit[1]
 
     def keep(self, i, j, L, S):
-        kk = self._keys(S).to(j.device)[:, j]  # (B, *j.shape)
+        kk = self._keys(S, j.device)[:, j]  # (B, *j.shape)
         return kk & torch.ones_like(i, dtype=torch.bool)  # broadcast over i
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
         # Some element keeps a pair of the block iff the batch's union keeps a key in [klo, khi]; every
         # element keeps all of it iff the intersection keeps every key there. Prefix counts over those
         # two [S] rows answer any key ranges exactly in O(B·S + blocks).
-        kk = self._keys(S)[:, :S].to(klo.device)
+        kk = self._keys(S, klo.device)
         rows = torch.stack([kk.any(0), kk.all(0)])  # (2, S): union, intersection over the batch
         c = torch.nn.functional.pad(rows.to(torch.int32).cumsum(1), (1, 0))  # (2, S + 1)
         n = c[:, khi + 1] - c[:, klo]  # (2, *klo.shape)
@@ -49,25 +49,88 @@ class _KeyKeep(Pattern):
         all_ = (n[1] == khi - klo + 1) & torch.ones_like(qlo, dtype=torch.bool)
         return any_, all_
 
+    def dead_keys(self, L: int, S: int) -> torch.Tensor:
+        """Bool [B, S]: the keys each batch element pads (no query sees them; none at all when L = 0)."""
+        return ~self._keys(S, "cpu") if L > 0 else torch.ones(self.batch_size, S, dtype=torch.bool)
+
+
+@dataclass(frozen=True, eq=False)
+class _KeyKeep(_ByKey):
+    """Per-batch key mask: keep[b, j] True = key j of batch element b takes part (the mask's S keys)."""
+
+    keep_keys: torch.Tensor
+    name: str = "key_padding"
+    extends: bool = False  # a mask covers its own S keys only
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return self.keep_keys.shape[0]
+
+    def key_mask(self, S: int) -> torch.Tensor:
+        """The stored mask's first S keys, bool [B, S]; ValueError when it covers fewer than S."""
+        kk = self.keep_keys
+        if S > kk.shape[1]:
+            raise ValueError(f"{self.name} covers {kk.shape[1]} keys but attention has S={S}")
+        return kk[:, :S]
+
     def __repr__(self):
         return f"{self.name}(batch={self.keep_keys.shape[0]}, S={self.keep_keys.shape[1]})"
+
+
+@dataclass(frozen=True, eq=False)
+class _KeyLengths(_ByKey):
+    """Right padding by lengths: key j takes part for batch element b when j < lengths[b]. Stored as the
+    lengths, so a length costs nothing until a call builds the [B, S] mask it needs."""
+
+    lengths: torch.Tensor  # int64 [B], each in [0, 2**62]
+    max_len: int | None = None
+    name: str = "key_padding"
+    extends: bool = True  # keys past the lengths are padding for any S
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return self.lengths.shape[0]
+
+    @property
+    def keep_keys(self) -> torch.Tensor:
+        """Bool [B, max_len] (default width max(lengths)): the lengths as a key mask."""
+        return self.key_mask(self._width(), check=False)
+
+    def _width(self) -> int:
+        return self.max_len if self.max_len is not None else int(self.lengths.max()) if self.lengths.numel() else 0
+
+    def key_mask(self, S: int, check: bool = True) -> torch.Tensor:
+        """Bool [B, S] with key j < lengths[b] kept. ValueError when a length exceeds S: it would describe
+        keys that are not there (a lengths tensor for another, longer batch)."""
+        if check and self.lengths.numel() and int(self.lengths.max()) > S:
+            b = int(self.lengths.argmax())
+            raise ValueError(f"key_padding lengths[{b}] = {int(self.lengths[b])} is longer than the attention's "
+                             f"key length S={S}: each length must be in [0, S] (lengths "
+                             f"{self.lengths.tolist()[:8]}{'...' if len(self.lengths) > 8 else ''})")
+        return torch.arange(S).unsqueeze(0) < self.lengths.unsqueeze(1)
+
+    def __repr__(self):
+        return f"key_padding(batch={self.lengths.shape[0]}, S={self._width()})"
 
 
 def key_padding(lengths: torch.Tensor | list[int], max_len: int | None = None) -> Pattern:
     """Keys j < lengths[b] take part for batch element b (right padding).
 
-    ``lengths``: int [B] (tensor or list), each >= 0. ``max_len`` (default max(lengths)) is only the
-    stored width: keys past it are padding for any S, so one pattern serves any key length.
+    ``lengths``: int [B] (tensor or list), each in [0, 2**62]; at a call each must be <= S (ValueError
+    naming the length and S otherwise). ``max_len`` (default max(lengths); at least every length) is only
+    the width ``keep_keys`` shows: keys past the lengths are padding for any S, so one pattern serves any
+    key length. Stored as the lengths: no [B, S] mask exists until a call needs one.
     Materialises to bool [B, 1, L, S]; block bounds are exact (union / intersection over the batch).
     """
-    lengths = torch.as_tensor(lengths)
-    if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-        raise ValueError(f"lengths must be a 1-D integer tensor [batch], got {lengths!r:.60}")
-    if (lengths < 0).any():
-        raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
-    n = int(lengths.max()) if max_len is None and lengths.numel() else (max_len or 0)
-    keep = torch.arange(n).unsqueeze(0) < lengths.unsqueeze(1)
-    return _KeyKeep(keep, name="key_padding", extends=True)
+    t = _check_lengths("lengths", lengths)
+    if max_len is not None:
+        _check_int("max_len", max_len, 0)
+        if t.numel() and max_len < int(t.max()):
+            raise ValueError(f"max_len={max_len} is shorter than the longest of lengths ({int(t.max())}); "
+                             "leave max_len=None, or give max_len >= max(lengths)")
+    return _KeyLengths(t, max_len)
 
 
 def from_key_padding_mask(mask: torch.Tensor) -> Pattern:
@@ -89,15 +152,6 @@ def from_hf_attention_mask(mask: torch.Tensor) -> Pattern:
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"attention_mask must be a 2-D tensor [batch, S], got {getattr(mask, 'shape', mask)}")
     return _KeyKeep(mask != 0, name="hf_attention_mask")
-
-
-def _lengths(name: str, lengths) -> torch.Tensor:
-    t = torch.as_tensor(lengths)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D list of integer lengths, got {lengths!r:.80}")
-    if (t < 0).any():
-        raise ValueError(f"{name} must be >= 0, got {t.tolist()}")
-    return t.to(torch.long)
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,9 +249,10 @@ def document(lengths, causal: bool = False, kv_lengths=None, align: str = "top_l
     (block-diagonal); any other (L, S) raises ValueError naming both totals. Block bounds are exact in
     O(blocks) and ``nnz`` is O(L), so the kernels skip every off-diagonal block without building the mask.
     """
-    ql = _lengths("lengths", lengths)
-    kl = ql if kv_lengths is None else _lengths("kv_lengths", kv_lengths)
+    ql = _check_lengths("lengths", lengths, allow_empty=False)
+    kl = ql if kv_lengths is None else _check_lengths("kv_lengths", kv_lengths, allow_empty=False)
+    _check_bool("causal", causal)
     if kl.numel() != ql.numel():
         raise ValueError(f"kv_lengths has {kl.numel()} documents but lengths has {ql.numel()}")
     _check_align(align)
-    return _Document(tuple(ql.tolist()), tuple(kl.tolist()), bool(causal), align)
+    return _Document(tuple(ql.tolist()), tuple(kl.tolist()), causal, align)

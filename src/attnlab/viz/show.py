@@ -145,6 +145,9 @@ def show(attentions, tokens, *, batch_index: int = 0, title: str = "attnlab viz"
     H = layers[0].shape[0]
     for li, w in enumerate(layers):
         Hl, L, S = w.shape
+        if Hl == 0:
+            raise ValueError(f"layer {li} has no heads (weights of shape [H, L, S] = {list(w.shape)}): show() "
+                             "needs at least one head per layer")
         if L != S:
             raise ValueError(f"layer {li} attends {L} queries to {S} keys; show() draws self-attention (L = S) only")
         if L != T:
