@@ -84,10 +84,12 @@ def test_layouts_the_products_cannot_take_are_copied(dtype, gemm, monkeypatch):
         d64 = [t.detach().double().requires_grad_() for t in ins]
         ref = _sdpa(*d64, mask, **kw)
         refg = torch.autograd.grad(ref, d64, do.double())
-        low = [t.detach().requires_grad_() for t in ins]
-        naive = F.scaled_dot_product_attention(*[t.float() if dtype != torch.float64 else t for t in low],
-                                               attn_mask=mask, **kw).to(dtype)
+        low = [t.detach().requires_grad_() for t in ins]  # the naive same-dtype computation
+        L, S = q.shape[2], k.shape[2]
+        full = torch.ones(L, S, dtype=torch.bool).tril() if kw.get("is_causal") else mask
+        naive = compiled_check.attn_ref(*low, full, q.shape[-1] ** -0.5)
         naiveg = torch.autograd.grad(naive, low, do)
+        out, naive, ref = out.detach(), naive.detach(), ref.detach()
         assert max_err(out, ref) <= _bound(out, ref, naive, dtype), f"{name} {dtype} {gemm}: out {max_err(out, ref):.3g}"
         for w, g_, r, n in zip("qkv", got, refg, naiveg):
             assert g_.shape == r.shape
@@ -215,9 +217,10 @@ def test_gradcheck_batched_grad():
                                              block_size=4), (q, k, v, bias), check_batched_grad=True)
 
 
-def test_vmap_over_forward_and_vjp_matches_a_loop():
-    """torch.func.vmap over the compiled forward and over its vector-Jacobian product: one call per slice
-    (csrc sees plain tensors), the same as looping by hand."""
+def test_vmap_over_forward_and_backward_matches_a_loop():
+    """torch.func.vmap over the compiled forward and over its backward (torch.autograd.grad of a vmapped
+    gradient: the dispatcher op's vmap rule): one call per slice, the same as looping by hand. grad / vjp
+    transforms are refused with a clear error (they would wrap the layout's tensors)."""
     torch.manual_seed(1)
     qs = torch.randn(3, 1, 2, 10, 4)
     k, v = torch.randn(1, 2, 12, 4), torch.randn(1, 2, 12, 4)
@@ -227,11 +230,19 @@ def test_vmap_over_forward_and_vjp_matches_a_loop():
     got = torch.func.vmap(f)(qs)
     want = torch.stack([f(q) for q in qs])
     assert torch.equal(got, want)
+    got_f0 = want[0]
+    q = qs[0].clone().requires_grad_()
+    out = f(q)
     dos = torch.randn(3, 1, 2, 10, 4)
-    _, vjp = torch.func.vjp(f, qs[0])
-    got = torch.func.vmap(vjp)(dos)[0]
-    want = torch.stack([torch.autograd.grad(f(qs[0].requires_grad_()), qs[0], do)[0] for do in dos])
-    assert_close(got, want, atol=1e-6, rtol=1e-6, what="vmap(vjp)")
+    got = torch.func.vmap(lambda do: torch.autograd.grad(out, q, do, retain_graph=True)[0])(dos)
+    want = torch.stack([torch.autograd.grad(out, q, do, retain_graph=True)[0] for do in dos])
+    assert_close(got, want, atol=1e-6, rtol=1e-6, what="vmap over the backward")
+    with pytest.raises(RuntimeError, match="torch.func.grad"):
+        torch.func.vjp(f, qs[0])
+    compiled._CACHE.clear()  # the layout built inside the transform next is not cached (its tensors are wrapped)
+    with pytest.raises(RuntimeError, match="torch.func.grad"):
+        torch.func.grad(lambda x: torch.func.vmap(f)(x).sum())(qs)
+    assert torch.equal(f(qs[0]), got_f0)
 
 
 def test_double_backward_is_refused():

@@ -241,6 +241,8 @@ def build_layout(mask: MaskSpec, block_q: int, block_k: int) -> KernelLayout:
     hit = _CACHE.get(key)
     if hit is None:
         hit = _pattern_layout(mask.pattern, L, S, block_q, block_k)
+        if _wrapped(*hit):  # built under torch.func.grad: its wrappers die with the transform
+            return _compress(*hit, block_q, block_k)
         _CACHE[key] = hit
         while len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -407,6 +409,13 @@ def _wrapped(*tensors) -> bool:
     return any(t is not None and (f.is_functorch_wrapped_tensor(t) or f.is_legacy_batchedtensor(t)) for t in tensors)
 
 
+#: torch.func.grad / vjp / jacrev wrap every tensor made inside them, the layout's (built and cached per
+#: call) included, and the extension cannot read a wrapper: refused with this message. vmap is supported.
+_GRAD_TRANSFORM = ("method='compiled' does not run under torch.func.grad / vjp / jacrev (its block layout is built "
+                   "and cached inside the call): differentiate with torch.autograd (torch.func.vmap over it works), "
+                   "or use method='tiled'")
+
+
 def _vmap_by_slices(fn, info, in_dims, args):
     """A vmap rule: ``fn`` on each slice of the mapped dim, outputs stacked at 0 (a None output stays None).
     One call per slice: vmap here serves transforms such as batched gradients, not speed."""
@@ -460,6 +469,8 @@ class _CompiledFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, keep_acc):
+        if _wrapped(*lay.tensors):
+            raise RuntimeError(_GRAD_TRANSFORM)
         # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
         out, lse, out_acc = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias, alibi,
                                             scale, softcap, alibi_causal, alibi_offset, lay.block_q, lay.block_k,
@@ -519,6 +530,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if why is not None:
         raise RuntimeError(f"compiled attention kernel unavailable: {why}")
     gemm_setting()  # an unknown ATTNLAB_EXT_GEMM is an error before any work
+    if any(torch._C._functorch.is_gradtrackingtensor(t) for t in (q, k, v)):
+        raise RuntimeError(_GRAD_TRANSFORM)
     N, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
