@@ -109,6 +109,7 @@ def check(dtype: torch.dtype, full: bool = False) -> list[str]:
             return (o,) + torch.autograd.grad(o, t + ([mm] if fm else []), do.to(dt))
         r64, naive = ref(torch.float64), ref(dtype)
         for what, g, r, n in zip(("out", "dq", "dk", "dv", "dmask"), (out,) + got, r64, naive):
+            g, r, n = g.detach(), r.detach(), n.detach()
             err = float((g.double() - r.double()).abs().max())
             bound = FUSED_ERROR_FACTOR * float((n.double() - r.double()).abs().max()) + FLOOR[dtype] * (
                 1 if what == "out" else 10)
