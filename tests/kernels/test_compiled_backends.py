@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 import attnlab
 from attnlab import patterns as P
-from attnlab import reference
 from attnlab.kernels import compiled
 from attnlab.kernels.masks import MaskSpec
 from helpers import FUSED_ERROR_FACTOR, TOL, assert_close, max_err

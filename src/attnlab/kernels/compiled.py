@@ -270,11 +270,6 @@ def gemm_setting() -> str:
     return value
 
 
-def _allow_brgemm() -> bool:
-    """Tiles may go through oneDNN's brgemm micro-kernel where it applies (ATTNLAB_EXT_GEMM auto or brgemm)."""
-    return gemm_setting() in ("auto", "brgemm")
-
-
 #: the fp32 backward takes brgemm only for tiles up to this many scores: it needs P and dS transposed
 #: (brgemm has no transposed operands), which costs more than MKL's per-call overhead on large tiles
 #: (measured fwd+bwd, dense n=4096, 2 threads: 256x512 tiles 0.58x SDPA with brgemm, 1.39x with MKL;
