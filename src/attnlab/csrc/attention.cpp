@@ -1,6 +1,6 @@
 // attnlab's compiled CPU attention: one flash-attention-2 style kernel driven by a block layout.
 //
-// Shapes (the Python wrapper brings every input to this form; last dims are contiguous):
+// Shapes (the Python wrapper brings every input to this form; strides: Note [Operand strides]):
 //   q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev]; H % Hkv == 0 (query head h reads kv head
 //   h / (H / Hkv): GQA without copying K/V).
 //   Layout, for each of Nl (1 or N) batch elements and each query block of bq rows:
@@ -78,36 +78,80 @@ void gemm_loop(bool ta, bool tb, int64_t M, int64_t N, int64_t K, A alpha, const
     }
 }
 
+// Note [Gemm arguments]: every product's arguments are checked before it runs, by the wrappers below,
+// so that nothing MKL or oneDNN would refuse reaches them: MKL prints "Intel oneMKL ERROR: Parameter N
+// was incorrect" on stdout and returns with C untouched (the kernel then read stale scratch), oneDNN
+// throws or computes from the wrong rows. A refused product is a TORCH_CHECK of ours (a RuntimeError in
+// Python). Operands reach the products with their row stride as leading dim (q, k, v: stride(2)); the
+// wrapper's operand preparation (kernels/compiled.py, Note [Operand strides]) and check_operand below
+// make sure every such stride is one the products take.
+//
+// Row-major X [rows, cols] with leading dim ld, as every back end reads it: ld >= max(1, cols), and all
+// of M, N, K, ld within MKL's 32-bit int (LP64 interface).
+inline void check_ld(const char* what, int64_t rows, int64_t cols, int64_t ld) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  TORCH_CHECK(rows >= 0 && cols >= 0 && rows <= kIntMax && cols <= kIntMax && ld >= std::max<int64_t>(1, cols) &&
+                  ld <= kIntMax,
+              "attnlab._C: a tile product's ", what, " operand [", rows, ", ", cols, "] has leading dim ", ld,
+              ", which the gemm back ends refuse (need max(1, ", cols, ") <= ld <= 2^31 - 1)");
+}
+// Row-major C[M, N] = op(A)[M, K] @ op(B)[K, N]: A stored [M, K] (or [K, M] when ta), B [K, N] ([N, K]).
+inline void check_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc) {
+  check_ld("A", ta ? K : M, ta ? M : K, lda);
+  check_ld("B", tb ? N : K, tb ? K : N, ldb);
+  check_ld("C", M, N, ldc);
+}
+
+// Which back end runs the products that are not on brgemm: MKL's gemm from torch's own build, or
+// (kLoop, or where torch has no MKL) gemm_loop. ATTNLAB_EXT_GEMM picks it (kernels/compiled.py).
+enum GemmMode : int64_t { kGemmLoop = 0, kGemmBlas = 1, kGemmBrgemm = 2 };
+
 // Row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C, C in the accumulation type.
 // Column-major BLAS computes the transpose: C^T = op(B)^T op(A)^T.
-inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* a, int64_t lda,
-                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (!sgemm_) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+inline void blas_gemm(bool blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* a,
+                      int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  check_gemm(ta, tb, M, N, K, lda, ldb, ldc);
+  if (!blas || !sgemm_) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
   const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
   const int m = M, n = N, k = K, la = lda, lb = ldb, lc = ldc;
   sgemm_(&tB, &tA, &n, &m, &k, &alpha, b, &lb, a, &la, &beta, c, &lc);
 }
-inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const double* a, int64_t lda,
-                 const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  if (!dgemm_) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+inline void blas_gemm(bool blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha, const double* a,
+                      int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  check_gemm(ta, tb, M, N, K, lda, ldb, ldc);
+  if (!blas || !dgemm_) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
   const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
   const int m = M, n = N, k = K, la = lda, lb = ldb, lc = ldc;
   dgemm_(&tB, &tA, &n, &m, &k, &alpha, b, &lb, a, &la, &beta, c, &lc);
 }
-inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const at::BFloat16* a,
-                 int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (!cblas_gemm_bf16bf16f32) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+inline void blas_gemm(bool blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                      const at::BFloat16* a, int64_t lda, const at::BFloat16* b, int64_t ldb, float beta, float* c,
+                      int64_t ldc) {
+  check_gemm(ta, tb, M, N, K, lda, ldb, ldc);
+  if (!blas || !cblas_gemm_bf16bf16f32) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
   cblas_gemm_bf16bf16f32(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, M, N, K, alpha,
                          reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), ldb,
                          beta, c, ldc);
 }
-inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const at::Half* a,
-                 int64_t lda, const at::Half* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (!cblas_gemm_f16f16f32) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+inline void blas_gemm(bool blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const at::Half* a,
+                      int64_t lda, const at::Half* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  check_gemm(ta, tb, M, N, K, lda, ldb, ldc);
+  if (!blas || !cblas_gemm_f16f16f32) return gemm_loop(ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
   cblas_gemm_f16f16f32(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, M, N, K, alpha,
                        reinterpret_cast<const uint16_t*>(a), lda, reinterpret_cast<const uint16_t*>(b), ldb,
                        beta, c, ldc);
 }
+
+// The kernels' `gemm(ta, tb, M, N, K, ...)`: a local object of this type named `gemm` carries the call's
+// back end (MKL or the loop) into every product of forward_impl / backward_impl (and their threads).
+struct TileGemm {
+  bool blas;
+  template <typename T, typename A>
+  void operator()(bool ta, bool tb, int64_t M, int64_t N, int64_t K, A alpha, const T* a, int64_t lda, const T* b,
+                  int64_t ldb, A beta, A* c, int64_t ldc) const {
+    blas_gemm(blas, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+};
 
 
 // Everything besides q @ k^T that shapes one block of scores.
@@ -423,9 +467,13 @@ constexpr bool kHaveBrgemm = true;
 constexpr bool kHaveBrgemm = false;
 #endif
 
+// Note [Gemm arguments]: checked like MKL's, and no empty dim (oneDNN refuses to create such a kernel).
 template <typename T>
 inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* a,
                 const T* b, float* c) {
+  TORCH_CHECK(M > 0 && N > 0 && K > 0, "attnlab._C: a brgemm tile product has an empty dim (M ", M, ", N ", N,
+              ", K ", K, ")");
+  check_gemm(false, false, M, N, K, lda, ldb, ldc);
   if constexpr (std::is_same_v<T, float>) {
     at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
   } else if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
@@ -667,12 +715,38 @@ ScoreMods<A> make_mods(const std::optional<at::Tensor>& keep, const std::optiona
   return m;
 }
 
+// Note [Operand strides]: q, k, v are read in place through their strides. Batch and head strides may be
+// anything (a broadcast head has stride 0); each row [.., i, :] is one operand row of the tile products,
+// whose leading dim is the row stride, so: the last stride 1 (unless the row holds one value), and the row
+// stride at least the row's length and at least 1 (Note [Gemm arguments]) -- even for a single row, whose
+// stride PyTorch leaves arbitrary (a [1, E] tensor from .mT is "contiguous" with row stride 1; an expand()
+// along L or S has row stride 0). kernels/compiled.py copies any other tensor to canonical strides first.
+void check_operand(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "attnlab._C: ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 4, "attnlab._C: ", name, " must be 4-D, got ", t.sizes());
+  const int64_t cols = t.size(3);
+  TORCH_CHECK(cols > 0, "attnlab._C: ", name, " ", t.sizes(), " has an empty last dim (the wrapper pads it)");
+  TORCH_CHECK((t.stride(3) == 1 || cols == 1) && t.stride(2) >= cols &&
+                  t.stride(2) <= std::numeric_limits<int>::max(),
+              "attnlab._C: ", name, " ", t.sizes(), " has strides ", t.strides(), ", which the tile products cannot "
+              "read: the last stride must be 1 and the row stride between ", cols, " and 2^31 - 1 (copy it with "
+              ".clone(memory_format=torch.contiguous_format); attnlab.kernels.compiled does)");
+}
+
+// A tensor the kernel indexes as if it had canonical strides (dout, out, lse): PyTorch's contiguity, under
+// which a size-1 dim's stride is never used.
+void check_dense(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "attnlab._C: ", name, " ", t.sizes(), " with strides ",
+              t.strides(), " must be a contiguous CPU tensor");
+}
+
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->device().is_cpu(), "attnlab._C: CPU tensors only");
-    TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1, "attnlab._C: q, k, v must be 4-D with a contiguous last dim");
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "attnlab._C: q, k, v must share one dtype");
-  }
+  check_operand(q, "q");
+  check_operand(k, "k");
+  check_operand(v, "v");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attnlab._C: q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && v.size(1) == k.size(1) && k.size(2) == v.size(2) &&
               k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "attnlab._C: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not agree");
@@ -683,9 +757,10 @@ constexpr int64_t kMergeCols = 512;
 
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Layout& lay,
-                  const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, at::Tensor& out,
-                  at::Tensor& lse, at::Tensor& out_acc) {
+                  const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, bool blas,
+                  at::Tensor& out, at::Tensor& lse, at::Tensor& out_acc) {
   using A = typename Acc<T>::type;
+  const TileGemm gemm{blas};  // the products off brgemm: MKL's or the loop (Note [Gemm arguments])
   constexpr bool kSame = std::is_same_v<T, A>;
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Ev = v.size(3), groups = H / Hkv;
@@ -863,9 +938,10 @@ inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int6
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& out, const at::Tensor& lse, const Layout& lay,
-                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, int64_t splits,
-                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
+                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, bool blas,
+                   int64_t splits, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
   using A = typename Acc<T>::type;
+  const TileGemm gemm{blas};  // the products off brgemm: MKL's or the loop (Note [Gemm arguments])
   using Vec = Vectorized<A>;
   constexpr bool kSame = std::is_same_v<T, A>;
   constexpr bool kHalf = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
@@ -1111,16 +1187,22 @@ bool brgemm_applies(at::ScalarType dt, int64_t E, int64_t Ev, int64_t bk, bool a
   return false;
 }
 
+void check_gemm_mode(int64_t gemm) {
+  TORCH_CHECK(gemm == kGemmLoop || gemm == kGemmBlas || gemm == kGemmBrgemm,
+              "attnlab._C: gemm must be 0 (loop), 1 (MKL) or 2 (brgemm where it applies, else MKL), got ", gemm);
+}
+
 std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& kv_num, const at::Tensor& kv_idx,
                                           const at::Tensor& tile_id, const at::Tensor& tiles,
                                           const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
                                           const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                           bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                          bool allow_brgemm, bool keep_out_acc) {
+                                          int64_t gemm, bool keep_out_acc) {
   check_qkv(q, k, v);
+  check_gemm_mode(gemm);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Ev = v.size(3);
-  const bool use_brg = brgemm_applies(q.scalar_type(), q.size(3), Ev, bk, allow_brgemm);
+  const bool use_brg = brgemm_applies(q.scalar_type(), q.size(3), Ev, bk, gemm == kGemmBrgemm);
   const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor out = at::empty({N, H, L, Ev}, q.options());
@@ -1132,7 +1214,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_forward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, out, lse, out_acc);
+    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, gemm != kGemmLoop, out, lse, out_acc);
   });
   return {out, lse, out_acc};
 }
@@ -1145,16 +1227,18 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
                                            const std::optional<at::Tensor>& bias,
                                            const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                            bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                           bool allow_brgemm, bool bias_grad, int64_t splits) {
+                                           int64_t gemm, bool bias_grad, int64_t splits) {
   check_qkv(q, k, v);
+  check_gemm_mode(gemm);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   TORCH_CHECK(!bias_grad || (bias && bias->defined()), "attnlab._C: bias_grad needs a bias");
   // fp32 and (Note [Half-type backward on brgemm]) bf16 / fp16 where oneDNN packs them for this CPU
   const bool use_brg = q.scalar_type() != at::kDouble && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
-                                                                       allow_brgemm);
+                                                                       gemm == kGemmBrgemm);
   const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
+  at::Tensor dout = dout_in.to(q.scalar_type());
+  check_dense(dout, "dout");  // read with canonical offsets (the wrapper brings it to them)
   // out: the forward's output in q's dtype, or (half types) its fp32 copy (Note [fp32 O for delta])
   at::Tensor out = out_in.scalar_type() == acc ? out_in.contiguous() : out_in.to(q.scalar_type()).contiguous();
   at::Tensor lse = lse_in.to(acc).contiguous();
@@ -1172,7 +1256,8 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_backward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, splits, dq, dk, dv, dbias);
+    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, gemm != kGemmLoop, splits, dq, dk,
+                            dv, dbias);
   });
   return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type()), dbias};
 }
@@ -1210,5 +1295,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 6;
+  m.attr("abi_version") = 7;
 }

@@ -180,7 +180,7 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
                 continue
             return r[0].reshape(p.out_shape), r[1].to(acc).reshape(lead)
         if m == "compiled":
-            bq, bk = (block_size, block_size) if block_size else planner.compiled_block(p)
+            bq, bk = planner.compiled_blocks(p, block_size)
             out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
         else:
             bq, bk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK

@@ -21,6 +21,7 @@ from .. import cpu
 from .. import patterns as P
 from .. import kernels
 from ..kernels import KERNELS, Request, Tiling
+from ..kernels import compiled as compiled_kernel
 from ..kernels import fused as fused_kernel
 from ..kernels import tiled as tiled_kernel
 from ..report import format_bytes
@@ -141,7 +142,7 @@ class _Costs:
         if name == "tiled":
             bq, bk = (bs, bs) if bs else DEFAULT_TILED_BLOCK
         elif name == "compiled":
-            bq, bk = (bs, bs) if bs else compiled_block(p)
+            bq, bk = compiled_blocks(p, bs)
             if _no_mask_tiles(p):  # ALiBi alone costs the compiled kernel no tile and skips nothing
                 return Tiling(bq, bk, -(-L // bq) * -(-S // bk))
         else:
@@ -247,8 +248,15 @@ def choose_lse_kernel(p: Prepared) -> tuple[list[str], dict[str, str]]:
 
 # -- block shapes and block counts -----------------------------------------------------------------
 def _clip(b, L, S):
-    """A block shape clipped to the sequence (rounded up to 16)."""
-    return (min(b[0], max(16, -(-L // 16) * 16)), min(b[1], max(16, -(-S // 16) * 16)))
+    """A block shape clipped to the sequence (rounded up to 16): the compiled kernel's own rule."""
+    return compiled_kernel.clip_blocks(b[0], b[1], L, S)
+
+
+def compiled_blocks(p: Prepared, block_size: int | None = None) -> tuple[int, int]:
+    """The compiled kernel's (block_q, block_k) for a call: ``block_size`` square when given, else
+    ``compiled_block``'s choice; either clipped to the sequence (a block of 10**5 on a 16-token input
+    would allocate its scratch for 10**5 rows)."""
+    return _clip((block_size, block_size), p.info.L, p.info.S) if block_size else compiled_block(p)
 
 
 def compiled_block(p: Prepared) -> tuple[int, int]:

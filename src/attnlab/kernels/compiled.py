@@ -14,6 +14,25 @@ CPU's AMX / AVX512-BF16 units where oneDNN packs for them (``uses_brgemm``), and
 exp and conversion run in one pass (csrc Note [Half-type exp]); elsewhere MKL's gemm. Consecutive full
 key blocks run as one tile up to 512 keys wide (Note [Merged runs]).
 
+Inputs may have any batch and head strides (broadcast heads included); a tensor whose rows the tile
+products cannot read in place (an ``expand`` along L or S, a single row from ``.mT``, a last stride
+other than 1) is copied to canonical strides first (Note [Operand strides], ``takes_in_place``). An empty
+head dim (E = 0 or Ev = 0) runs as one zero column. Block sizes are clipped to the sequence lengths
+(``clip_blocks``), so the scratch follows the problem's size.
+
+Environment (read at each call):
+
+- ``ATTNLAB_EXT_GEMM`` picks the back end of the tile products: ``auto`` (default: brgemm where it applies
+  and pays, else MKL's gemm), ``brgemm`` (brgemm wherever it applies, forward and backward: fp32 on AVX-512
+  builds, bf16/fp16 where oneDNN packs them; other tiles as ``auto``), ``mkl`` (MKL's
+  sgemm/dgemm/cblas_gemm_bf16bf16f32/cblas_gemm_f16f16f32), ``loop`` (the plain loop that runs where torch has
+  no MKL). ``gemm_backend()`` says which runs for a dtype; an unknown value raises ValueError.
+- ``ATTNLAB_EXT_BWD_SPLITS=k`` forces k key-block ranges per kv head in the backward (``backward_splits``).
+- ``ATTNLAB_EXT_NO_AVX512BF16=1`` (read at load) converts bf16 with at::vec's sequence instead of the CPU's
+  instruction (``converts_bf16_natively``); ``ATTNLAB_NO_EXT=1`` disables the extension.
+- Outside attnlab: ``ATEN_CPU_CAPABILITY=avx2|default`` makes torch, hence attnlab, load ``_C_avx2`` / ``_C``;
+  ``ONEDNN_MAX_CPU_ISA`` (e.g. ``AVX2``, ``AVX512_CORE_BF16``) caps the instructions oneDNN's brgemm uses.
+
 ``available()`` says whether the extension can run (False with ``ATTNLAB_NO_EXT=1``, when it was not
 built, or for non-CPU tensors) and ``unavailable_reason()`` why not. Nothing is compiled at call
 time: the extension is built by the package's install (setup.py).
@@ -26,6 +45,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .. import patterns as P
 from ..caches import ByteLRU
@@ -33,10 +53,11 @@ from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
+           "has_fast_gemm", "uses_brgemm", "gemm_backend", "gemm_setting", "GEMM_SETTINGS", "takes_in_place",
+           "clip_blocks", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 6
+ABI_VERSION = 7
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -220,16 +241,33 @@ def build_layout(mask: MaskSpec, block_q: int, block_k: int) -> KernelLayout:
     are read inside the tiles by the kernel)."""
     L, S = mask.L, mask.S
     key = (_pattern_key(mask.pattern), L, S, block_q, block_k)
-    visit, tid, tiles = _CACHE.get_or_compute(key, lambda: _pattern_layout(mask.pattern, L, S, block_q, block_k))
+    sentinel = object()
+    hit = _CACHE.get(key, sentinel)
+    if hit is sentinel:
+        hit = _pattern_layout(mask.pattern, L, S, block_q, block_k)
+        if _wrapped(*hit):  # built under torch.func.grad: its wrappers die with the transform
+            return _compress(*hit, block_q, block_k)
+        _CACHE.put(key, hit)
+    visit, tid, tiles = hit
     if mask.keep is not None:
         visit = visit & (mask.layout(block_q, block_k, device="cpu") != P.EMPTY)
     return _compress(visit, tid, tiles, block_q, block_k)
 
 
-def _allow_brgemm() -> bool:
-    """Tiles go through oneDNN's brgemm micro-kernel where it applies (AVX-512 builds), else MKL's gemm;
-    ``ATTNLAB_EXT_GEMM=mkl`` forces MKL (for comparisons)."""
-    return os.environ.get("ATTNLAB_EXT_GEMM", "auto") != "mkl"
+#: the values ATTNLAB_EXT_GEMM takes (module docstring)
+GEMM_SETTINGS = ("auto", "brgemm", "mkl", "loop")
+#: the extension's GemmMode (csrc Note [Gemm arguments]): products off brgemm on the loop or MKL; 2 = brgemm
+#: where it applies
+_LOOP, _BLAS, _BRGEMM = 0, 1, 2
+
+
+def gemm_setting() -> str:
+    """``ATTNLAB_EXT_GEMM`` ('auto' when unset or empty), one of GEMM_SETTINGS; anything else raises ValueError."""
+    value = os.environ.get("ATTNLAB_EXT_GEMM", "").strip().lower() or "auto"
+    if value not in GEMM_SETTINGS:
+        raise ValueError(f"ATTNLAB_EXT_GEMM must be one of {', '.join(GEMM_SETTINGS)} (or unset), "
+                         f"got {os.environ['ATTNLAB_EXT_GEMM']!r}")
+    return value
 
 
 #: the fp32 backward takes brgemm only for tiles up to this many scores: it needs P and dS transposed
@@ -272,51 +310,196 @@ BACKWARD_HALF_BRGEMM_MIN_BLOCKS = 8
 
 def _backward_brgemm(dtype: torch.dtype, lay: KernelLayout) -> bool:
     """Whether the backward takes brgemm: half types when their query blocks visit enough key blocks
-    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE."""
-    if not _allow_brgemm():
-        return False
+    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE; always under
+    ATTNLAB_EXT_GEMM=brgemm."""
+    setting = gemm_setting()
+    if setting != "auto":
+        return setting == "brgemm"
     if dtype in (torch.bfloat16, torch.float16):
         return float(lay.kv_num.float().mean()) >= BACKWARD_HALF_BRGEMM_MIN_BLOCKS if lay.kv_num.numel() else False
     return lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE
 
 
-def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
-    """Whether tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX or
-    AVX512-BF16 instructions) rather than MKL's gemm."""
+def _gemm_mode(dtype: torch.dtype, lay: KernelLayout | None = None, backward: bool = False) -> int:
+    """The extension's gemm argument for one pass (ATTNLAB_EXT_GEMM, and for the backward under auto its
+    measured rules)."""
+    setting = gemm_setting()
+    if setting == "loop":
+        return _LOOP
+    if setting == "mkl" or (backward and not _backward_brgemm(dtype, lay)):
+        return _BLAS
+    return _BRGEMM
+
+
+def gemm_backend(dtype: torch.dtype, E: int = 64, Ev: int | None = None, block_k: int = 64, *,
+                 backward: bool = False, layout: KernelLayout | None = None) -> str | None:
+    """Which back end multiplies this dtype's tiles (head dims E, Ev; key blocks of ``block_k``) under the
+    current ``ATTNLAB_EXT_GEMM``: "brgemm" (oneDNN's micro-kernel), "mkl" (MKL's gemm from torch's build) or
+    "loop" (the plain loop); None without the extension. Every product of one pass runs on one back end.
+    ``backward=True`` answers for the backward, whose choice under auto follows the ``layout`` (required then:
+    BACKWARD_BRGEMM_MAX_TILE, BACKWARD_HALF_BRGEMM_MIN_BLOCKS)."""
     ext = _load()
-    return bool(ext is not None and _allow_brgemm() and ext.brgemm_for(str(dtype).replace("torch.", ""), E, Ev, block_k))
+    if ext is None:
+        return None
+    if backward and layout is None and gemm_setting() == "auto":
+        raise ValueError("gemm_backend(backward=True) under ATTNLAB_EXT_GEMM=auto needs the layout "
+                         "(its choice depends on the tile shape and the visited blocks)")
+    mode = _gemm_mode(dtype, layout, backward)
+    Ev = E if Ev is None else Ev
+    name = str(dtype).replace("torch.", "")
+    # an empty head dim runs as one zero column (compiled_attention)
+    if mode == _BRGEMM and dtype != torch.float64 and ext.brgemm_for(name, max(E, 1), max(Ev, 1), block_k):
+        return "brgemm"
+    return "mkl" if mode != _LOOP and has_fast_gemm(dtype) else "loop"
+
+
+def uses_brgemm(dtype: torch.dtype, E: int, Ev: int, block_k: int) -> bool:
+    """Whether the forward's tiles of this dtype and head dims run on oneDNN's brgemm (bf16/fp16: the CPU's AMX
+    or AVX512-BF16 instructions) rather than MKL's gemm (``gemm_backend``)."""
+    return gemm_backend(dtype, E, Ev, block_k) == "brgemm"
+
+
+# -- operands ---------------------------------------------------------------------------------------
+_INT_MAX = 2 ** 31 - 1
+
+
+def takes_in_place(t: torch.Tensor) -> bool:
+    """Whether the kernel reads q, k or v ([N, H, T, D]) through its own strides (else it gets a copy).
+
+    # Note [Operand strides]: the tile products (MKL's gemm, oneDNN's brgemm, the loop) take each [T, D]
+    # slab as a matrix with leading dim stride(-2), which they accept only between max(1, D) and 2^31 - 1,
+    # with a last stride of 1 (or D = 1). Batch and head strides are free (0 for broadcast heads). PyTorch
+    # calls a tensor contiguous whatever the stride of a size-1 dim, so ``.contiguous()`` is no fix: a
+    # single row from ``.mT`` keeps row stride 1, an ``expand`` along T has row stride 0 (MKL refused both:
+    # "Parameter N was incorrect", printed, with the tile left stale). csrc's check_operand refuses what
+    # this lets through and the gemm wrappers check every product (csrc Note [Gemm arguments]).
+    """
+    D = t.shape[-1]
+    return (t.stride(-1) == 1 or D == 1) and max(1, D) <= t.stride(-2) <= _INT_MAX
+
+
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy with canonical strides when the kernel cannot read it in place (Note [Operand strides]);
+    ``clone(memory_format=contiguous_format)`` writes canonical strides even for size-1 dims."""
+    return t if takes_in_place(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy, such that canonical offsets address it (dout: the kernel indexes it so): PyTorch's
+    contiguity is exactly that condition, a size-1 dim's stride being never used."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def clip_blocks(block_q: int, block_k: int, L: int, S: int) -> tuple[int, int]:
+    """(block_q, block_k) no larger than L and S rounded up to 16 (and at least 16): the kernel's scratch
+    (``scratch_bytes``) and tile table then follow the problem's size, whatever block size was asked for."""
+    return min(block_q, max(16, -(-L // 16) * 16)), min(block_k, max(16, -(-S // 16) * 16))
 
 
 # -- autograd --------------------------------------------------------------------------------------
+def _wrapped(*tensors) -> bool:
+    """Whether any tensor is a vmap or grad transform's wrapper (torch.func's, or the legacy vmap of
+    gradcheck's batched gradients): those reach the extension only through the dispatcher (_backward_op)."""
+    f = torch._C._functorch
+    return any(t is not None and (f.is_functorch_wrapped_tensor(t) or f.is_legacy_batchedtensor(t)) for t in tensors)
+
+
+#: torch.func.grad / vjp / jacrev wrap every tensor made inside them, the layout's (built and cached per
+#: call) included, and the extension cannot read a wrapper: refused with this message. vmap is supported.
+_GRAD_TRANSFORM = ("method='compiled' does not run under torch.func.grad / vjp / jacrev (its block layout is built "
+                   "and cached inside the call): differentiate with torch.autograd (torch.func.vmap over it works), "
+                   "or use method='tiled'")
+
+
+def _vmap_by_slices(fn, info, in_dims, args):
+    """A vmap rule: ``fn`` on each slice of the mapped dim, outputs stacked at 0 (a None output stays None).
+    One call per slice: vmap here serves transforms such as batched gradients, not speed."""
+    outs = [fn(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims)))
+            for b in range(info.batch_size)]
+    stacked = tuple(None if o is None else torch.stack([r[i] for r in outs]) for i, o in enumerate(outs[0]))
+    return stacked, tuple(None if o is None else 0 for o in stacked)
+
+
+def _run_backward(dout, q, k, v, out, lse, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
+                  alibi_causal, alibi_offset, block_q, block_k, gemm, bias_grad, splits):
+    """The extension's backward on plain tensors: (dq, dk, dv, dbias or None)."""
+    dq, dk, dv, dbias = _load().backward(_dense(dout.to(q.dtype)), _operand(q), _operand(k), _operand(v), out, lse,
+                                         kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
+                                         alibi_causal, alibi_offset, block_q, block_k, gemm, bias_grad, splits)
+    return dq, dk, dv, dbias
+
+
+@torch.library.custom_op("attnlab::compiled_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor, tile_id: torch.Tensor,
+                 tiles: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None,
+                 alibi: torch.Tensor | None, scale: float, softcap: float, alibi_causal: bool, alibi_offset: int,
+                 block_q: int, block_k: int, gemm: int, bias_grad: bool,
+                 splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compiled backward as a dispatcher op, for transforms only: vmap (torch.func's rule below; the
+    legacy vmap of gradcheck's batched gradients loops over the batch itself) and create_graph=True (its
+    autograd rule refuses double backward). dbias is empty when not asked."""
+    dq, dk, dv, dbias = _run_backward(dout, q, k, v, out, lse, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi,
+                                      scale, softcap, alibi_causal, alibi_offset, block_q, block_k, gemm, bias_grad,
+                                      splits)
+    return dq, dk, dv, (dbias if dbias is not None else lse.new_empty(0))
+
+
+@_backward_op.register_vmap
+def _backward_op_vmap(info, in_dims, *args):
+    return _vmap_by_slices(_backward_op, info, in_dims, args)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("the compiled attention kernel's backward is not differentiable (no double backward): "
+                       "use method='tiled' or 'dense' for higher-order gradients")
+
+
+_backward_op.register_autograd(_no_double_backward)
+
+
 class _CompiledFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset):
-        ext = _load()
-        # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
-        keep_acc = q.dtype in (torch.bfloat16, torch.float16) and any(ctx.needs_input_grad[:3])
-        out, lse, out_acc = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
-                                        alibi_offset, lay.block_q, lay.block_k, _allow_brgemm(), keep_acc)
-        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, bias)
-        ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    """(out, lse, out_acc or None) of the kernel, differentiable in q, k, v and the float mask ``bias``;
+    torch.func-compatible (setup_context, a vmap rule)."""
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def forward(q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, keep_acc):
+        if _wrapped(*lay.tensors):
+            raise RuntimeError(_GRAD_TRANSFORM)
+        # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
+        out, lse, out_acc = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias, alibi,
+                                            scale, softcap, alibi_causal, alibi_offset, lay.block_q, lay.block_k,
+                                            _gemm_mode(q.dtype), keep_acc)
+        return out, lse, out_acc
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _ = inputs
+        out, lse, out_acc = output
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, bias)
+        ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
+        ctx.mark_non_differentiable(*(t for t in (lse, out_acc) if t is not None))
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dacc):
         q, k, v, out, lse, bias = ctx.saved_tensors
         lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
         # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
         # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
         bias_grad = bias is not None and ctx.needs_input_grad[5]
-        dq, dk, dv, dbias = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
-                                             alibi_causal, alibi_offset, lay.block_q, lay.block_k,
-                                             _backward_brgemm(q.dtype, lay),
-                                             bias_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
-        return dq, dk, dv, None, None, dbias, None, None, None, None, None
+        args = (dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset,
+                lay.block_q, lay.block_k, _gemm_mode(q.dtype, lay, backward=True), bias_grad,
+                backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
+        if torch.is_grad_enabled() or _wrapped(dout, q, k, v, out, lse, bias, keep):
+            dq, dk, dv, dbias = _backward_op(*args)  # a transform, or create_graph=True
+            dbias = dbias if bias_grad else None
+        else:
+            dq, dk, dv, dbias = _run_backward(*args)
+        return dq, dk, dv, None, None, dbias, None, None, None, None, None, None
 
-
-def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_by_slices(_CompiledFunction.apply, info, in_dims, args)
 
 
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, scale: float,
@@ -333,12 +516,18 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn); ``alibi_slopes`` [H] adds
     −slope·|j − i'| to the scores, or slope·(j − i') with ``alibi_causal`` (equal on the keys a
     bottom-right causal mask keeps), where i' = i + S − L (flash-attn's alignment).
-    Raises RuntimeError when the extension is unavailable (check ``available()`` first).
+    Any strides (Note [Operand strides]); E = 0 (every score q·k is 0) and Ev = 0 (out [N, H, L, 0], lse
+    still that of the scores) included. block_q, block_k are clipped to the sequence (``clip_blocks``)
+    unless ``layout`` fixes them. Raises RuntimeError when the extension is unavailable (check
+    ``available()`` first), ValueError for an unknown ``ATTNLAB_EXT_GEMM``.
     """
     why = unavailable_reason(q, k, v)
     if why is not None:
         raise RuntimeError(f"compiled attention kernel unavailable: {why}")
-    N, H, L, _ = q.shape
+    gemm_setting()  # an unknown ATTNLAB_EXT_GEMM is an error before any work
+    if any(torch._C._functorch.is_gradtrackingtensor(t) for t in (q, k, v)):
+        raise RuntimeError(_GRAD_TRANSFORM)
+    N, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if min(N, H, L, S) == 0 or k.shape[1] == 0:  # nothing to compute; rows with no key are 0 / -inf
@@ -346,7 +535,7 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         out = q.new_zeros(N, H, L, Ev) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
         return out, torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
     if layout is None:
-        layout = build_layout(mask, block_q, block_k)
+        layout = build_layout(mask, *clip_blocks(block_q, block_k, L, S))
     keep = bias = None
     if mask.keep is not None:
         keep = mask.keep.expand(N, H, L, S)
@@ -363,8 +552,15 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
             alibi_slopes, alibi_causal = mask.alibi[0], False
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
-    return _CompiledFunction.apply(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), layout, keep, bias,
-                                   alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L))
+    if E == 0:  # every score q·k is 0: one zero column gives exactly that (and the scale no 0 · inf)
+        q, k, scale = F.pad(q, (0, 1)), F.pad(k, (0, 1)), 1.0
+    if Ev == 0:  # lse is still the scores'; the output is the empty slice of one zero column's
+        v = F.pad(v, (0, 1))
+    keep_acc = q.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad)
+    out, lse, _ = _CompiledFunction.apply(q, k, v, layout, keep, bias, alibi_slopes, float(scale), float(softcap),
+                                          bool(alibi_causal), int(S - L), keep_acc)
+    return (out[..., :0] if Ev == 0 else out), lse
 
 
 # -- declaration ------------------------------------------------------------------------------------
