@@ -68,32 +68,53 @@ def _parse_name(name: str, n_modules: int) -> tuple[int, str]:
 
 
 def attention_modules(module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) for every attnlab.nn.MultiHeadAttention inside ``module`` (itself included)."""
+    """(name, module) for every attnlab.nn.MultiHeadAttention inside ``module`` (itself included); for a
+    model without one, a transformers model's attention modules as ``attnlab.integrations.hf.HookedAttention``
+    (each with ``.module``, ``.hooks``, ``.num_heads``)."""
     from .nn import MultiHeadAttention
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"capture() needs a torch.nn.Module, got {type(module).__name__}")
-    return [(n or "(root)", m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+    mods = [(n or "(root)", m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+    if mods:
+        return mods
+    try:
+        from .integrations.hf import hook_modules
+    except ImportError:  # transformers missing or too old: nothing of it to hook
+        return []
+    return hook_modules(module)
 
 
 def _modules(model) -> list[tuple[str, torch.nn.Module]]:
     mods = attention_modules(model)
     if not mods:
-        raise ValueError(f"{type(model).__name__} contains no attnlab.nn.MultiHeadAttention to capture")
+        raise ValueError(f"{type(model).__name__} contains no attention module to capture: neither an "
+                         "attnlab.nn.MultiHeadAttention nor a transformers attention module that calls "
+                         "AttentionInterface (transformers >= 4.48)")
     return mods
 
 
 @contextlib.contextmanager
-def _registered(pairs: Iterable[tuple[torch.nn.Module, str, Callable]]) -> Iterator[None]:
-    """Add each (module, point, fn) hook; remove them all on exit, whatever happened."""
+def _registered(pairs: Iterable[tuple[torch.nn.Module, str, Callable]], model=None) -> Iterator[None]:
+    """Add each (module, point, fn) hook; remove them all on exit, whatever happened. A transformers
+    ``model`` runs on attnlab's hooked attention meanwhile (Note [HF hooked attention] in integrations/hf.py)."""
+    from .nn import MultiHeadAttention
+
+    pairs = list(pairs)
     handles = []
-    try:
-        for m, point, fn in pairs:
-            handles.append(m.hooks.add(point, fn))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    engaged = contextlib.nullcontext()
+    if model is not None and any(not isinstance(m, MultiHeadAttention) for m, _, _ in pairs):
+        from .integrations.hf import hooked
+
+        engaged = hooked(model)
+    with engaged:
+        try:
+            for m, point, fn in pairs:
+                handles.append(m.hooks.add(point, fn))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 # -- the activation cache -----------------------------------------------------------------------------
@@ -229,7 +250,7 @@ def cache_activations(model, names: Iterable[str] | None = None) -> Iterator[Act
         if "scores" in kinds:
             points |= {"q", "k", "z"}
         pairs += [(m, p, hook) for p in _HOOKED if p in points]
-    with _registered(pairs):
+    with _registered(pairs, model):
         yield cache
 
 
@@ -255,7 +276,7 @@ def hooks(model, fwd_hooks: Iterable[tuple[str, Callable]]) -> Iterator[None]:
             raise ValueError(f"{name!r} is derived from q and k, not a hook point; hook "
                              f"{activation_name(i, 'q')!r} or {activation_name(i, 'k')!r} instead")
         pairs.append((mods[i][1], kind, fn))
-    with _registered(pairs):
+    with _registered(pairs, model):
         yield
 
 
@@ -347,7 +368,7 @@ def ablate_heads(model, layer: int, heads, how: str = "zero") -> Iterator[None]:
         z[:, hs] = mean.unsqueeze(0).expand_as(sel)
         return z
 
-    with _registered([(m, "z", hook)]):
+    with _registered([(m, "z", hook)], model):
         yield
 
 
@@ -377,7 +398,7 @@ def patch_heads(model, layer: int, heads, source) -> Iterator[None]:
         z[:, hs] = src[:, hs].to(z.dtype)
         return z
 
-    with _registered([(m, "z", hook)]):
+    with _registered([(m, "z", hook)], model):
         yield
 
 
@@ -491,7 +512,7 @@ def capture(module, mode: str = "weights", *, topk: int = 5) -> Iterator[Capture
                 calls[_idx] += 1
 
             pairs += [(m, "q", on_q), (m, "k", on_k)]
-    with _registered(pairs):
+    with _registered(pairs, module):
         yield cap
 
 
