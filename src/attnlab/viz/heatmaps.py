@@ -23,25 +23,31 @@ def _np(x) -> np.ndarray:
     return x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
 
 
-def _tick_labels(ax, tokens, n_rows, n_cols, max_ticks=40):
+def _tick_labels(ax, tokens, n_rows, n_cols, max_ticks=40, key_tokens=None):
     if tokens is None:
         return
+    keys = tokens if key_tokens is None else key_tokens
     if n_cols <= max_ticks:
         ax.set_xticks(range(n_cols))
-        ax.set_xticklabels(tokens[:n_cols], rotation=90, fontsize=7)
+        ax.set_xticklabels(keys[:n_cols], rotation=90, fontsize=7)
     if n_rows <= max_ticks:
         ax.set_yticks(range(n_rows))
         ax.set_yticklabels(tokens[:n_rows], fontsize=7)
 
 
-def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", heads=None, cols: int = 4):
-    """One heatmap per head. weights: [H, L, S] (or [L, S]); rows = queries, columns = keys."""
+def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", heads=None, cols: int = 4,
+               key_tokens=None):
+    """One heatmap per head. weights: [H, L, S] (or [L, S]); rows = queries (``tokens``), columns = keys
+    (``key_tokens``, default ``tokens``). PNG, or SVG when ``path`` ends in .svg."""
     w = _np(weights)
     if w.ndim == 2:
         w = w[None]
     if w.ndim != 3:
         raise ValueError(f"weights must be [H, L, S] or [L, S], got shape {list(w.shape)}")
-    heads = list(range(w.shape[0])) if heads is None else list(heads)
+    heads = list(range(w.shape[0])) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
+    bad = [h for h in heads if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < w.shape[0]]
+    if bad or not heads:
+        raise ValueError(f"heads must name heads in 0..{w.shape[0] - 1}, got {heads!r}")
     n = len(heads)
     cols = min(cols, n)
     rows = math.ceil(n / cols)
@@ -53,7 +59,9 @@ def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", 
         im = ax.imshow(w[h], cmap="viridis", vmin=0.0, vmax=max(1e-12, float(w[h].max())), aspect="auto",
                        interpolation="nearest")
         ax.set_title(f"head {h}", fontsize=9)
-        _tick_labels(ax, tokens, w.shape[1], w.shape[2])
+        _tick_labels(ax, tokens, w.shape[1], w.shape[2], key_tokens=key_tokens)
+        ax.set_ylabel("query", fontsize=8)
+        ax.set_xlabel("key", fontsize=8)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.suptitle(title)
     return save_figure(fig, path)
