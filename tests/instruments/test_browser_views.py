@@ -100,7 +100,7 @@ def test_every_view_exports_svg_and_png(tmp_path):
     errors: list[str] = []
     with _browser() as b:
         page = _open(b, path, errors)
-        page.hover("#qcol .tok[data-i='2']")  # the head view as drawn now: one query's links
+        page.click("#qcol .tok[data-i='2']")  # the head view as drawn now: one (pinned) query's links
         for view in ("head", "matrix", "model", "pattern"):
             root = _check_svg(_export(page, view, "svg"))
             if view == "head":

@@ -391,6 +391,7 @@ function viewSvg(view){
     NH,76,92,D.title+": rows = layers, columns = heads");
   else wh=canvasGridSvg(root,Array.from(pv.querySelectorAll(".pat")).map(function(c){return [c.querySelector("canvas"),c.lastChild.textContent];}),
     3,240,262,D.title+": patterns");
+  const t0=root.querySelector("text");if(t0)wh[0]=Math.max(wh[0],12+7*t0.textContent.length);  // the title line fits
   root.setAttribute("width",String(Math.ceil(wh[0])));root.setAttribute("height",String(Math.ceil(wh[1])));
   root.setAttribute("viewBox","0 0 "+Math.ceil(wh[0])+" "+Math.ceil(wh[1]));
   return new XMLSerializer().serializeToString(root);
