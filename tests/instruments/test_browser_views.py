@@ -131,7 +131,8 @@ def test_cross_attention_page_labels_queries_and_keys(tmp_path):
         best = int(w[0, :, 1].max(0).values.argmax())
         assert f"strongest key {best} \u201ckey{best}\u201d" in page.inner_text("#readout")
         page.click("nav button[data-view=matrix]")
-        box = page.eval_on_selector("#mat", "e => { const b = e.getBoundingClientRect(); return [b.x, b.y, b.width, b.height]; }")
+        box = page.eval_on_selector("#mat", "e => { const b = e.getBoundingClientRect(); "
+                                            "return [b.x, b.y, b.width, b.height]; }")
         page.mouse.move(box[0] + box[2] * (S - 0.5) / S, box[1] + box[3] * 0.5 / L)  # the last key of query 0
         assert "query 0 \u201cq0\u201d \u2192 key 8 \u201ckey8\u201d" in page.inner_text("#mreadout")
         assert page.eval_on_selector_all("#mcols .mlab", "es => es.map(e => e.textContent)") == k

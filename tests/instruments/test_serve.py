@@ -486,7 +486,8 @@ def test_trace_panel_shows_numbers_beside_labelled_rows(live_url, model):
                     assert 0 <= first[0] - lab[2] <= 6, (step, i, lab, first)  # right beside its row
                     mid_l, mid_c = (lab[1] + lab[3]) / 2, (first[1] + first[3]) / 2
                     assert abs(mid_l - mid_c) <= 3, (step, i, lab, first)  # at its row's height
-                texts = page.eval_on_selector_all("#step-matrix .cell", "cs => cs.map(c => [c.textContent, c.dataset.w])")
+                texts = page.eval_on_selector_all("#step-matrix .cell",
+                                                  "cs => cs.map(c => [c.textContent, c.dataset.w])")
                 for shown, exact in texts:  # the value, to 3 significant digits (or -inf)
                     if exact == "-inf":
                         assert shown == "\u2212\u221e"

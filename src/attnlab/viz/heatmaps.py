@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 from ..report import save_figure  # noqa: E402
 
-__all__ = ["plot_patch_sweep", "plot_heads", "plot_pattern", "plot_patterns", "plot_diagnostics", "plot_head_stats", "pattern_cost"]
+__all__ = ["plot_patch_sweep", "plot_heads", "plot_pattern", "plot_patterns", "plot_diagnostics", "plot_head_stats",
+           "pattern_cost"]
 
 
 def _np(x) -> np.ndarray:

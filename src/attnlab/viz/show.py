@@ -61,7 +61,8 @@ class AttentionPage:
 
     def _repr_html_(self) -> str:
         doc = html.escape(self.html, quote=True)
-        return (f'<iframe srcdoc="{doc}" sandbox="allow-scripts allow-downloads" style="width:100%;height:{self.height}px;'
+        return (f'<iframe srcdoc="{doc}" sandbox="allow-scripts allow-downloads" '
+                f'style="width:100%;height:{self.height}px;'
                 f'border:1px solid #ddd" title="attnlab viz"></iframe>')  # allow-downloads: the export buttons
 
     def __repr__(self) -> str:
