@@ -88,7 +88,7 @@ def _parse_layer_point(name: str, n_blocks: int) -> tuple[int, str]:
     parts = name.split(".")
     if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in LAYER_POINTS:
         raise ValueError(f"layer point {name!r} must look like 'layers.{{i}}.{{kind}}' with kind in "
-                         f"{', '.join(LAYER_POINTS)}")
+                         f"{', '.join(LAYER_POINTS)} (attention activations are 'blocks.{{i}}.attn.{{kind}}')")
     i = int(parts[1])
     if i >= n_blocks:
         raise ValueError(f"{name!r}: this model has {n_blocks} attnlab blocks"
@@ -224,8 +224,10 @@ class ActivationCache:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.store:
-            if not (isinstance(name, str) and name.startswith("layers.")):
-                _parse_name(name, len(self.modules))  # a malformed name gets the naming rule
+            if isinstance(name, str) and name.startswith("layers."):
+                _parse_layer_point(name, 1 << 30)  # a malformed name gets the naming rule
+            else:
+                _parse_name(name, len(self.modules))
             raise KeyError(f"{name!r} was not cached (cached: {len(self.store)} activations, e.g. "
                            f"{', '.join(list(self.store)[:4])})")
         return self.store[name]
