@@ -17,6 +17,18 @@ all-MiniLM-L6-v2: i in 0..5, H = 12, D = Dv = 32, E = 384, L = S = T tokens):
     blocks.{i}.attn.z        [B, H, L, Dv]    per-head output weights · V, before the heads are merged
     blocks.{i}.attn.out      [B, L, E]        the attention layer's output (after W_O)
 
+Beyond attention, every attnlab block (``attnlab.nn.EncoderLayer`` / ``DecoderLayer``, index ``i`` among the
+blocks; MiniLM's ``layers.{i}``) has residual-stream and MLP points, read and replaced the same way:
+
+    layers.{i}.resid_pre     [B, L, E]        the block's input (the residual stream before block i)
+    layers.{i}.mlp_out       [B, L, E]        the feed-forward sublayer's output (before its residual add)
+    layers.{i}.resid_post    [B, L, E]        the block's output (the residual stream after block i)
+
+(they fire when the block is called as a module, as ``model(...)`` does; MiniLM's ``output_attentions=True``
+path calls ``forward_intermediates`` and bypasses them). :func:`patch_sweep` patches every head (and
+position) in turn and returns the metric as a [layers, heads(, L)] tensor; ``attnlab.viz.plot_patch_sweep``
+draws it.
+
     >>> from attnlab import capture as C
     >>> out, cache = C.run_with_cache(model, **batch)          # model(**batch), every activation cached
     >>> cache["blocks.3.attn.weights"].shape                     # [B, 12, T, T]
@@ -40,8 +52,11 @@ import torch
 __all__ = [
     "capture", "Capture", "Record", "attention_modules", "ActivationCache", "ACTIVATIONS", "activation_name",
     "cache_activations", "run_with_cache", "hooks", "run_with_hooks", "ablate_heads", "patch_heads", "head_effect",
-    "sentence_embeddings",
+    "sentence_embeddings", "LAYER_POINTS", "layer_point_name", "block_modules", "patch_sweep",
 ]
+
+#: residual-stream and MLP points of every attnlab block (``layers.{i}.{kind}``)
+LAYER_POINTS = ("resid_pre", "mlp_out", "resid_post")
 
 #: activation kinds cached per attention module, in the order a call computes them
 ACTIVATIONS = ("q", "k", "v", "scores", "weights", "z", "out")
@@ -53,6 +68,84 @@ def activation_name(layer: int, kind: str) -> str:
     if kind not in ACTIVATIONS:
         raise ValueError(f"unknown activation {kind!r}; choose from {', '.join(ACTIVATIONS)}")
     return f"blocks.{layer}.attn.{kind}"
+
+
+def layer_point_name(layer: int, kind: str) -> str:
+    """``layers.{layer}.{kind}``, checked against :data:`LAYER_POINTS`."""
+    if kind not in LAYER_POINTS:
+        raise ValueError(f"unknown layer point {kind!r}; choose from {', '.join(LAYER_POINTS)}")
+    return f"layers.{layer}.{kind}"
+
+
+def block_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, block) for every attnlab ``EncoderLayer`` / ``DecoderLayer`` inside ``model``, in module order."""
+    from .nn import DecoderLayer, EncoderLayer
+
+    return [(n or "(root)", m) for n, m in model.named_modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
+
+
+def _parse_layer_point(name: str, n_blocks: int) -> tuple[int, str]:
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in LAYER_POINTS:
+        raise ValueError(f"layer point {name!r} must look like 'layers.{{i}}.{{kind}}' with kind in "
+                         f"{', '.join(LAYER_POINTS)} (attention activations are 'blocks.{{i}}.attn.{{kind}}')")
+    i = int(parts[1])
+    if i >= n_blocks:
+        raise ValueError(f"{name!r}: this model has {n_blocks} attnlab blocks"
+                         + (f" (layers.0 .. layers.{n_blocks - 1})" if n_blocks else
+                            " (layer points exist on attnlab.nn.EncoderLayer / DecoderLayer only)"))
+    return i, parts[2]
+
+
+def _split_names(names) -> tuple[list[str], list[str]]:
+    """Activation names -> (attention names ``blocks.*``, layer points ``layers.*``)."""
+    if isinstance(names, str):
+        names = [names]
+    names = list(names)
+    return ([n for n in names if not (isinstance(n, str) and n.startswith("layers."))],
+            [n for n in names if isinstance(n, str) and n.startswith("layers.")])
+
+
+@contextlib.contextmanager
+def _layer_hooks(model, wanted: list[tuple[int, str, Callable]]) -> Iterator[None]:
+    """torch hooks for layer points: fn(tensor [B, L, E], ctx) -> tensor | None (ctx.module, ctx.point)."""
+    import types
+
+    blocks = block_modules(model)
+    handles = []
+
+    def checked(r, x, point):
+        if r is None:
+            return None
+        if not isinstance(r, torch.Tensor) or r.shape != x.shape:
+            raise ValueError(f"a hook at {point!r} returned {getattr(r, 'shape', type(r).__name__)}; it must "
+                             f"return None or a tensor of the same shape {list(x.shape)}")
+        return r
+
+    try:
+        for i, kind, fn in wanted:
+            blk = blocks[i][1]
+            ctx = types.SimpleNamespace(module=blk, point=layer_point_name(i, kind))
+            if kind == "resid_pre":
+                def pre(mod, args, kwargs, _fn=fn, _ctx=ctx):
+                    x = args[0] if args else kwargs["x"]
+                    r = checked(_fn(x, _ctx), x, _ctx.point)
+                    if r is None:
+                        return None
+                    return ((r,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "x": r})
+
+                handles.append(blk.register_forward_pre_hook(pre, with_kwargs=True))
+            else:
+                target = blk.ffn if kind == "mlp_out" else blk
+
+                def post(mod, args, out, _fn=fn, _ctx=ctx):
+                    return checked(_fn(out, _ctx), out, _ctx.point)
+
+                handles.append(target.register_forward_hook(post))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _parse_name(name: str, n_modules: int) -> tuple[int, str]:
@@ -68,32 +161,53 @@ def _parse_name(name: str, n_modules: int) -> tuple[int, str]:
 
 
 def attention_modules(module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) for every attnlab.nn.MultiHeadAttention inside ``module`` (itself included)."""
+    """(name, module) for every attnlab.nn.MultiHeadAttention inside ``module`` (itself included); for a
+    model without one, a transformers model's attention modules as ``attnlab.integrations.hf.HookedAttention``
+    (each with ``.module``, ``.hooks``, ``.num_heads``)."""
     from .nn import MultiHeadAttention
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"capture() needs a torch.nn.Module, got {type(module).__name__}")
-    return [(n or "(root)", m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+    mods = [(n or "(root)", m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+    if mods:
+        return mods
+    try:
+        from .integrations.hf import hook_modules
+    except ImportError:  # transformers missing or too old: nothing of it to hook
+        return []
+    return hook_modules(module)
 
 
 def _modules(model) -> list[tuple[str, torch.nn.Module]]:
     mods = attention_modules(model)
     if not mods:
-        raise ValueError(f"{type(model).__name__} contains no attnlab.nn.MultiHeadAttention to capture")
+        raise ValueError(f"{type(model).__name__} contains no attention module to capture: neither an "
+                         "attnlab.nn.MultiHeadAttention nor a transformers attention module that calls "
+                         "AttentionInterface (transformers >= 4.48)")
     return mods
 
 
 @contextlib.contextmanager
-def _registered(pairs: Iterable[tuple[torch.nn.Module, str, Callable]]) -> Iterator[None]:
-    """Add each (module, point, fn) hook; remove them all on exit, whatever happened."""
+def _registered(pairs: Iterable[tuple[torch.nn.Module, str, Callable]], model=None) -> Iterator[None]:
+    """Add each (module, point, fn) hook; remove them all on exit, whatever happened. A transformers
+    ``model`` runs on attnlab's hooked attention meanwhile (Note [HF hooked attention] in integrations/hf.py)."""
+    from .nn import MultiHeadAttention
+
+    pairs = list(pairs)
     handles = []
-    try:
-        for m, point, fn in pairs:
-            handles.append(m.hooks.add(point, fn))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    engaged = contextlib.nullcontext()
+    if model is not None and any(not isinstance(m, MultiHeadAttention) for m, _, _ in pairs):
+        from .integrations.hf import hooked
+
+        engaged = hooked(model)
+    with engaged:
+        try:
+            for m, point, fn in pairs:
+                handles.append(m.hooks.add(point, fn))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 # -- the activation cache -----------------------------------------------------------------------------
@@ -110,7 +224,10 @@ class ActivationCache:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.store:
-            _parse_name(name, len(self.modules))  # a malformed name gets the naming rule
+            if isinstance(name, str) and name.startswith("layers."):
+                _parse_layer_point(name, 1 << 30)  # a malformed name gets the naming rule
+            else:
+                _parse_name(name, len(self.modules))
             raise KeyError(f"{name!r} was not cached (cached: {len(self.store)} activations, e.g. "
                            f"{', '.join(list(self.store)[:4])})")
         return self.store[name]
@@ -198,15 +315,18 @@ def cache_activations(model, names: Iterable[str] | None = None) -> Iterator[Act
     names: which activations (``blocks.{i}.attn.{kind}``); None caches all of them. Caching ``weights``
     makes those layers compute weights (their mechanism must be able to).
     """
-    mods = _modules(model)
+    if names is None:
+        attn_names, layer_names = None, [layer_point_name(i, k) for i in range(len(block_modules(model)))
+                                         for k in LAYER_POINTS]
+    else:
+        attn_names, layer_names = _split_names(names)
+    mods = _modules(model) if attn_names is None or attn_names or not layer_names else attention_modules(model)
     cache = ActivationCache([n for n, _ in mods])
     wanted: dict[int, set[str]] = {}
-    if names is None:
+    if attn_names is None:
         wanted = {i: set(ACTIVATIONS) for i in range(len(mods))}
     else:
-        if isinstance(names, str):
-            names = [names]
-        for name in names:
+        for name in attn_names:
             i, kind = _parse_name(name, len(mods))
             wanted.setdefault(i, set()).add(kind)
     pairs = []
@@ -229,7 +349,17 @@ def cache_activations(model, names: Iterable[str] | None = None) -> Iterator[Act
         if "scores" in kinds:
             points |= {"q", "k", "z"}
         pairs += [(m, p, hook) for p in _HOOKED if p in points]
-    with _registered(pairs):
+    n_blocks = len(block_modules(model))
+    layer_wanted = []
+    for name in layer_names:
+        i, kind = _parse_layer_point(name, n_blocks)
+
+        def keep(x, ctx, _name=name):
+            cache.store[_name] = x.detach().clone()  # the block may add to its sublayer outputs in place
+            return None
+
+        layer_wanted.append((i, kind, keep))
+    with _registered(pairs, model), _layer_hooks(model, layer_wanted):
         yield cache
 
 
@@ -244,18 +374,24 @@ def run_with_cache(model, *args, names: Iterable[str] | None = None, **kwargs):
 def hooks(model, fwd_hooks: Iterable[tuple[str, Callable]]) -> Iterator[None]:
     """Run the block with ``fwd_hooks``: pairs (activation name, fn(tensor, ctx) -> tensor | None).
 
-    A returned tensor replaces the activation (``q, k, v, z, out``; ``weights`` is read only). ``scores`` is
+    A returned tensor replaces the activation (``q, k, v, z, out`` and the layer points ``layers.{i}.resid_pre,
+    mlp_out, resid_post``; ``weights`` is read only). ``scores`` is
     not a hook point (it is derived from q and k): hook q or k instead.
     """
-    mods = _modules(model)
+    fwd_hooks = list(fwd_hooks)
+    attn = [(n, f) for n, f in fwd_hooks if not (isinstance(n, str) and n.startswith("layers."))]
+    n_blocks = len(block_modules(model))
+    layer_wanted = [(*_parse_layer_point(n, n_blocks), f) for n, f in fwd_hooks
+                    if isinstance(n, str) and n.startswith("layers.")]
+    mods = _modules(model) if attn or not layer_wanted else []
     pairs = []
-    for name, fn in fwd_hooks:
+    for name, fn in attn:
         i, kind = _parse_name(name, len(mods))
         if kind == "scores":
             raise ValueError(f"{name!r} is derived from q and k, not a hook point; hook "
                              f"{activation_name(i, 'q')!r} or {activation_name(i, 'k')!r} instead")
         pairs.append((mods[i][1], kind, fn))
-    with _registered(pairs):
+    with _registered(pairs, model), _layer_hooks(model, layer_wanted):
         yield
 
 
@@ -347,7 +483,7 @@ def ablate_heads(model, layer: int, heads, how: str = "zero") -> Iterator[None]:
         z[:, hs] = mean.unsqueeze(0).expand_as(sel)
         return z
 
-    with _registered([(m, "z", hook)]):
+    with _registered([(m, "z", hook)], model):
         yield
 
 
@@ -377,8 +513,65 @@ def patch_heads(model, layer: int, heads, source) -> Iterator[None]:
         z[:, hs] = src[:, hs].to(z.dtype)
         return z
 
-    with _registered([(m, "z", hook)]):
+    with _registered([(m, "z", hook)], model):
         yield
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+
+
+@torch.no_grad()
+def patch_sweep(model, inputs, source: ActivationCache, metric: Callable, *, layers=None, heads=None,
+                positions: bool = False) -> torch.Tensor:
+    """Activation patching over layers × heads (× positions): the metric of ``model(inputs)`` with one head's z
+    (at one query position) replaced by ``source``'s, for every head in turn.
+
+    inputs: a dict (``model(**inputs)``), a tuple (``model(*inputs)``) or one tensor. source: an
+    ActivationCache of a run on another input of the same shape (``run_with_cache``), holding
+    ``blocks.{i}.attn.z`` for the swept layers. metric: output -> a number (e.g. a logit difference).
+    layers, heads: which (default all). positions: also sweep the query position t (patch z[:, h, t] only).
+    Returns float64 [len(layers), len(heads)] or [len(layers), len(heads), L]; cost: one forward pass per
+    cell. Equivalent to ``with patch_heads(model, layer, [h], source): metric(model(**inputs))`` per cell.
+    """
+    mods = _modules(model)
+    layers = list(range(len(mods))) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+    for li in layers:
+        _layer_module(model, li)
+    H = mods[layers[0]][1].num_heads if layers else 0
+    heads = list(range(H)) if heads is None else _head_list(heads, H)
+    srcs = {li: source[activation_name(li, "z")] if isinstance(source, ActivationCache) else None for li in layers}
+    if any(v is None for v in srcs.values()):
+        raise TypeError(f"source must be an ActivationCache holding blocks.{{i}}.attn.z, got {type(source).__name__}")
+    L = next(iter(srcs.values())).shape[2] if srcs else 0
+    out = torch.zeros((len(layers), len(heads)) + ((L,) if positions else ()), dtype=torch.float64)
+
+    def value(o) -> float:
+        v = metric(o)
+        return float(v.item() if isinstance(v, torch.Tensor) else v)
+
+    for a, li in enumerate(layers):
+        src = srcs[li]
+        for b, h in enumerate(heads):
+            for t in (range(L) if positions else [None]):
+                def hook(z, ctx, _h=h, _t=t, _src=src, _li=li):  # z: (B, H, L, Dv)
+                    if z.shape != _src.shape:
+                        raise ValueError(f"cannot patch layer {_li}: this run's z is {list(z.shape)} but the "
+                                         f"source's is {list(_src.shape)} (same batch and token count needed)")
+                    z = z.clone()
+                    if _t is None:
+                        z[:, _h] = _src[:, _h].to(z.dtype)
+                    else:
+                        z[:, _h, _t] = _src[:, _h, _t].to(z.dtype)
+                    return z
+
+                with hooks(model, [(activation_name(li, "z"), hook)]):
+                    v = value(_call(model, inputs))
+                if t is None:
+                    out[a, b] = v
+                else:
+                    out[a, b, t] = v
+    return out
 
 
 def sentence_embeddings(model, batch: dict) -> torch.Tensor:
@@ -491,7 +684,7 @@ def capture(module, mode: str = "weights", *, topk: int = 5) -> Iterator[Capture
                 calls[_idx] += 1
 
             pairs += [(m, "q", on_q), (m, "k", on_k)]
-    with _registered(pairs):
+    with _registered(pairs, module):
         yield cap
 
 

@@ -70,13 +70,17 @@ def _json_default(o):
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
-    """Save a matplotlib figure atomically as PNG and close it."""
+    """Save a matplotlib figure atomically and close it: SVG when ``path`` ends in .svg, else PNG."""
     import io
 
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    fmt = "svg" if str(path).lower().endswith(".svg") else "png"
+    import matplotlib
+
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable, editable)
+        fig.savefig(buf, format=fmt, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     return atomic_write_bytes(path, buf.getvalue())
 

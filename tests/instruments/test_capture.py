@@ -35,7 +35,8 @@ def cached(minilm_model, batch):
 def test_names_and_shapes_are_as_documented(minilm_model, batch, cached):
     out, cache = cached
     B, T = batch["input_ids"].shape
-    assert len(cache) == 6 * len(C.ACTIVATIONS) and cache.modules[3] == "layers.3.self_attn"
+    # names=None: every attention activation and every layer point of MiniLM's 6 blocks
+    assert len(cache) == 6 * (len(C.ACTIVATIONS) + len(C.LAYER_POINTS)) and cache.modules[3] == "layers.3.self_attn"
     shapes = {"q": (B, 12, T, 32), "k": (B, 12, T, 32), "v": (B, 12, T, 32), "scores": (B, 12, T, T),
               "weights": (B, 12, T, T), "z": (B, 12, T, 32), "out": (B, T, 384)}
     for i in range(6):

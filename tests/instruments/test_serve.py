@@ -362,9 +362,9 @@ def test_explorer_in_chromium(live_url, model):
             assert labels == model.tokenize(text)["tokens"][0]
 
             page.focus("#temperature")
-            for _ in range(10):  # step 0.1: 1.0 -> 2.0
+            for _ in range(30):  # log scale: 20^(30/130) = 2.00 (3 significant digits)
                 page.keyboard.press("ArrowRight")
-            assert page.locator("#temperature-value").text_content() == "2.0"
+            assert page.locator("#temperature-value").text_content() == "2.00"
             w2 = _shown(page, text=text, temperature=2)
             ref2, budget2 = reference(model, text, 0, 0, temperature=2.0)
             assert np.abs(w2 - ref2).max() <= budget2 and np.abs(w2 - w).max() > 100 * budget2
@@ -414,3 +414,107 @@ def test_explorer_in_chromium(live_url, model):
     errors = [e for e in errors if "status of 413" not in e]  # the refused over-long text, answered on purpose
     assert not errors, errors
     assert not foreign, foreign
+
+
+def _box(page, sel):
+    return page.eval_on_selector_all(sel, "es => es.map(e => { const b = e.getBoundingClientRect(); "
+                                          "return [b.left, b.top, b.right, b.bottom]; })")
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_trace_panel_shows_numbers_beside_labelled_rows(live_url, model):
+    """The trace panel: each row label sits just left of its row, at the row's height; each cell holds its
+    value (toggle: colour only); every step shows its formula; X is numbered and named. The hover readout
+    follows a head switch; the head chips have a legend; the temperature slider spans the API's 0.05..20 on
+    a log scale; after a refused request the old heatmap is marked stale."""
+    from playwright.sync_api import sync_playwright
+
+    from attnlab.serve.engine import TEMPERATURE_RANGE
+
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(live_url)
+            page.wait_for_selector("body[data-ready='1']")
+            text = "Time flies like an arrow."
+            page.fill("#text", text)
+            _shown(page, text=text)
+            tokens = model.tokenize(text)["tokens"][0]
+            T = len(tokens)
+
+            # the slider: log scale over the API's range, 1 in the middle
+            assert TEMPERATURE_RANGE == (0.05, 20.0)
+            page.focus("#temperature")
+            page.keyboard.press("Home")
+            assert page.locator("#temperature-value").text_content() == "0.0500"
+            _shown(page, text=text, temperature=0.05)
+            page.keyboard.press("End")
+            assert page.locator("#temperature-value").text_content() == "20.0"
+            _shown(page, text=text, temperature=20)
+            page.click("#reset")
+            _shown(page, text=text, temperature=1)
+
+            # the readout follows a head switch (it reads the same cell of the new head's weights)
+            page.hover("#matrix .cell[data-i='1'][data-j='2']")
+            assert page.locator("#readout").text_content().startswith("layer 0, head 0: query 1")
+            page.select_option("#head", "3")
+            w3 = _shown(page, text=text, head=3)
+            readout = page.locator("#readout").text_content()
+            assert readout.startswith("layer 0, head 3: query 1") and f"{w3[1, 2]:.4f}" in readout
+            assert "diffuse" in page.locator("#chip-legend").text_content()
+
+            # the trace: X named and numbered, formulas beside every step, labels beside rows, values in cells
+            page.click("#trace-box summary")
+            page.wait_for_selector("#steps button[data-step='X']")
+            assert page.locator("#step-title").count() == 1
+            for b in page.query_selector_all("#steps button"):
+                assert b.query_selector("small").text_content().strip()  # the step's formula
+            page.click("#steps button[data-step='X']")
+            assert page.locator("#step-title").text_content().startswith("0) input X")
+            for step in ("X", "scaled", "weights"):
+                page.click(f"#steps button[data-step='{step}']")
+                labels = _box(page, "#step-matrix .rl")
+                assert len(labels) == T
+                cells = _box(page, "#step-matrix .cell")
+                ncols = len(cells) // T
+                for i, lab in enumerate(labels):
+                    first = cells[i * ncols]
+                    assert 0 <= first[0] - lab[2] <= 6, (step, i, lab, first)  # right beside its row
+                    mid_l, mid_c = (lab[1] + lab[3]) / 2, (first[1] + first[3]) / 2
+                    assert abs(mid_l - mid_c) <= 3, (step, i, lab, first)  # at its row's height
+                texts = page.eval_on_selector_all("#step-matrix .cell",
+                                                  "cs => cs.map(c => [c.textContent, c.dataset.w])")
+                for shown, exact in texts:  # the value, to 3 significant digits (or -inf)
+                    if exact == "-inf":
+                        assert shown == "\u2212\u221e"
+                    else:
+                        assert float(shown) == pytest.approx(float(exact), rel=6e-3, abs=1e-3), (step, shown, exact)
+            weights = page.eval_on_selector_all("#step-matrix .cell", "cs => cs.map(c => parseFloat(c.textContent))")
+            assert np.allclose(np.array(weights).reshape(T, T).sum(-1), 1, atol=T * 5e-3)  # softmax rows sum to 1
+            page.uncheck("#numbers")  # colour only: no text, the labels still beside the rows
+            assert page.eval_on_selector_all("#step-matrix .cell", "cs => cs.every(c => c.textContent === '')")
+            labels, cells = _box(page, "#step-matrix .rl"), _box(page, "#step-matrix .cell")
+            assert all(0 <= cells[i * T][0] - lab[2] <= 6 for i, lab in enumerate(labels))
+
+            # a refused request: the old heatmap stays, marked stale; the next good one clears the mark
+            assert page.locator("body").get_attribute("data-stale") in (None, "")
+            page.fill("#params", "{not json")
+            page.wait_for_function("() => document.body.dataset.stale === '1'", timeout=60000)
+            assert page.locator("#stale-mark").is_visible() and "STALE" in page.locator("#stale-mark").text_content()
+            assert "stale" in page.get_attribute("#matrix", "class")
+            page.fill("#params", "")
+            page.fill("#text", "word " * 200)  # over-long: the server refuses it
+            page.wait_for_function("() => document.body.dataset.error === '1' && document.body.dataset.stale === '1'",
+                                   timeout=60000)
+            page.fill("#text", text)
+            page.wait_for_function("() => document.body.dataset.stale === '' && document.body.dataset.error === ''",
+                                   timeout=60000)
+            _shown(page, text=text, head=3)
+            assert not page.locator("#stale-mark").is_visible()
+        finally:
+            browser.close()
+    assert not errors, errors

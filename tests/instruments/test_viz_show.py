@@ -148,3 +148,79 @@ def test_cli_viz_out_defaults_to_reports(tmp_path, monkeypatch):
     assert main(["viz", "The <cat> sat, on the mat!", "--model", "random"]) == 0
     page = tmp_path / "reports" / "viz" / "random-the-cat-sat-on-the-mat" / "index.html"
     assert page.is_file() and "&lt;cat&gt;" in page.read_text()
+
+
+def _sdpa_bert():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg).eval()  # transformers' default implementation (sdpa)
+
+
+def test_sdpa_output_says_what_to_pass_and_the_model_is_captured():
+    """transformers >= 5 runs sdpa: out.attentions is () even with output_attentions=True. show() names both
+    ways out, and show(model, tokens, inputs=...) catches the weights itself (equal to an eager run's)."""
+    model = _sdpa_bert()
+    enc = {"input_ids": torch.randint(0, 120, (1, 7), generator=torch.Generator().manual_seed(1))}
+    tokens = [f"t{i}" for i in range(7)]
+    with torch.no_grad():
+        out = model(**enc, output_attentions=True)
+    if out.attentions:
+        pytest.skip("this transformers returns sdpa weights")
+    for given in (out, out.attentions, [None]):
+        with pytest.raises(ValueError) as e:
+            viz.show(given, tokens)
+        msg = str(e.value)
+        assert "viz.show(model, tokens, inputs=enc)" in msg and 'attn_implementation="eager"' in msg
+        assert "output_attentions=True" in msg
+    page = viz.show(model, tokens, inputs=enc)
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = model(**enc, output_attentions=True).attentions
+    for li, a in enumerate(ref):
+        assert np.abs(_dense(page.data, li) - a[0].numpy()).max() <= Q8, li
+    with pytest.raises(TypeError, match="pass inputs="):
+        viz.show(model, tokens)
+    with pytest.raises(TypeError, match="not a model"):
+        viz.show(ref, tokens, inputs=enc)
+
+
+def _dense_ls(data, layer):
+    L, S, H = data["T"], data["S"], data["heads"]
+    return np.frombuffer(base64.b64decode(data["dense"]["b64"][layer]), dtype=np.uint8).reshape(H, L, S) / 255.0
+
+
+def test_cross_attention_and_sentence_pairs():
+    g = torch.Generator().manual_seed(7)
+    w = torch.softmax(torch.randn(2, 3, 5, 8, generator=g), -1)  # (layers, H, L=5, S=8)
+    q, k = list("abcde"), [f"k{j}" for j in range(8)]
+    page = viz.show(w, q, key_tokens=k)
+    data = _embedded(page.html)
+    assert (data["T"], data["S"], data["tokens"], data["key_tokens"]) == (5, 8, q, k)
+    assert np.abs(_dense_ls(data, 1) - w[1].numpy()).max() <= Q8
+    assert data["patterns"] == [] and "5 queries × 8 keys" in page.html
+    with pytest.raises(ValueError, match="cross-attention needs key_tokens"):
+        viz.show(w, q)
+    with pytest.raises(ValueError, match="key_tokens 7"):
+        viz.show(w, q, key_tokens=k[:7])
+    # summaries of a long cross-attention: the top key per query is the argmax of its row
+    wl = torch.softmax(torch.randn(1, 2, 3, 200, generator=g) * 4, -1)
+    d = viz.show(wl, list("xyz"), key_tokens=[str(j) for j in range(200)], dense_max_tokens=50, topk=2).data
+    top = np.frombuffer(base64.b64decode(d["summary"]["idx"][0]), dtype="<u2").reshape(2, 3, 2)[..., 0]
+    assert (top == wl[0].argmax(-1).numpy()).all()
+    # a sentence pair in one sequence: "AB" is sentence A's queries over sentence B's keys
+    ws = torch.softmax(torch.randn(1, 2, 7, 7, generator=g), -1)
+    toks = ["[CLS]", "a1", "a2", "[SEP]", "b1", "b2", "[SEP]"]
+    ab = viz.show(ws, toks, sentence_b_start=4, pair="AB").data
+    assert (ab["tokens"], ab["key_tokens"]) == (toks[:4], toks[4:])
+    assert np.abs(_dense_ls(ab, 0) - ws[0, :, :4, 4:].numpy()).max() <= Q8
+    whole = viz.show(ws, toks, sentence_b_start=4).data
+    assert whole["sentence_b_start"] == 4 and whole["T"] == whole["S"] == 7
+    with pytest.raises(ValueError, match="sentence_b_start must be an index in 1..6"):
+        viz.show(ws, toks, sentence_b_start=7, pair="AB")
+    with pytest.raises(ValueError, match="needs sentence_b_start"):
+        viz.show(ws, toks, pair="BA")
+    with pytest.raises(ValueError, match="pair must be one of"):
+        viz.show(ws, toks, sentence_b_start=4, pair="AC")

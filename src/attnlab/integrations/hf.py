@@ -9,15 +9,28 @@ Needs the optional extra ``attnlab[hf]`` (transformers >= 4.48 with AttentionInt
 AttentionMaskInterface). Each registered name gets an attention function (query [B, H, L, D],
 key/value [B, Hkv, S, D] -> output [B, L, H, Dv], weights | None) and the sdpa-style mask function
 (bool [B, 1, L, S], True = attend, or None when nothing is masked).
+
+``hook_modules(model)`` and ``hooked(model)`` let ``attnlab.capture`` cache, ablate and patch a transformers
+model (BERT, GPT-2, Llama, ... anything whose attention calls AttentionInterface): each attention module gets
+a :class:`HookedAttention` with attnlab's hook points (q, k, v, weights, z, out), and while ``hooked`` is
+active the model runs on an attnlab implementation that calls them (Note [HF hooked attention]).
 """
 from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import weakref
+from typing import Iterator
 
 import torch
 
 from .. import patterns as P
 from ..functional import METHODS, attention
+from ..nn.hooks import AttentionHooks, HookContext
 
-__all__ = ["register", "register_all", "attention_function", "registered"]
+__all__ = ["register", "register_all", "attention_function", "registered", "HookedAttention", "hook_modules",
+           "hooked"]
 
 _REGISTERED: dict[str, tuple] = {}
 
@@ -42,6 +55,43 @@ def _key_only(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _resolve(mechanism):
+    if isinstance(mechanism, str) and mechanism in METHODS:
+        return mechanism
+    from .. import mechanisms
+
+    return mechanisms.resolve(mechanism)
+
+
+def _is_causal(module, query, attention_mask, kwargs) -> bool:
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = bool(getattr(module, "is_causal", False)) and attention_mask is None and query.shape[2] > 1
+    return bool(is_causal)
+
+
+def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is_causal, need_weights):
+    """query [B, H, L, D], key/value [B, Hkv, S, D|Dv] -> (output [B, H, L, Dv], weights [B, H, L, S] or None)."""
+    L = query.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    dropout_p = dropout if module.training else 0.0
+    pat = pattern  # HF's own sliding windows already arrive inside attention_mask
+    if isinstance(mech, str):
+        method = "auto" if need_weights and mech in ("sdpa", "sparse") else mech
+        r = attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scaling,
+                      enable_gqa=gqa, pattern=pat, method=method, need_weights=need_weights)
+    else:
+        if pat is not None:
+            keep = pat.materialize(L, key.shape[2], device=query.device).view(1, 1, L, key.shape[2])
+            mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool
+                                              else mask.masked_fill(~keep, float("-inf")))
+        if mask is not None and mask.dtype == torch.bool:
+            mask = _key_only(mask)
+        r = mech(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, dropout_p=dropout_p,
+                 enable_gqa=gqa, need_weights=need_weights)
+    return r if need_weights else (r, None)
+
+
 def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
     """An AttentionInterface function running ``mechanism`` (a core method name, a registered
     mechanism name or instance), restricted to ``pattern``.
@@ -54,37 +104,13 @@ def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
     """
     if pattern is not None and not isinstance(pattern, P.Pattern):
         raise TypeError(f"pattern must be an attnlab Pattern or None, got {type(pattern).__name__}")
-    if isinstance(mechanism, str) and mechanism in METHODS:
-        mech = mechanism
-    else:
-        from .. import mechanisms
-
-        mech = mechanisms.resolve(mechanism)
+    mech = _resolve(mechanism)
 
     def attnlab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        L = query.shape[2]
-        is_causal = kwargs.get("is_causal")
-        if is_causal is None:
-            is_causal = bool(getattr(module, "is_causal", False)) and attention_mask is None and L > 1
         need_weights = bool(kwargs.get("output_attentions", False))
-        gqa = query.shape[1] != key.shape[1]
-        dropout_p = dropout if module.training else 0.0
-        mask = attention_mask
-        pat = pattern  # HF's own sliding windows already arrive inside attention_mask
-        if isinstance(mech, str):
-            method = "auto" if need_weights and mech in ("sdpa", "sparse") else mech
-            r = attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scaling,
-                          enable_gqa=gqa, pattern=pat, method=method, need_weights=need_weights)
-        else:
-            if pat is not None:
-                keep = pat.materialize(L, key.shape[2], device=query.device).view(1, 1, L, key.shape[2])
-                mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool
-                                                  else mask.masked_fill(~keep, float("-inf")))
-            if mask is not None and mask.dtype == torch.bool:
-                mask = _key_only(mask)
-            r = mech(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, dropout_p=dropout_p,
-                     enable_gqa=gqa, need_weights=need_weights)
-        out, weights = r if need_weights else (r, None)
+        is_causal = _is_causal(module, query, attention_mask, kwargs)
+        out, weights = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout,
+                               is_causal, need_weights)
         return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Dv)
 
     attnlab_attention.mechanism, attnlab_attention.pattern = mechanism, pattern
@@ -127,3 +153,175 @@ def register_all() -> list[str]:
 def registered() -> dict[str, tuple]:
     """name -> (mechanism, pattern) for everything this process registered."""
     return dict(_REGISTERED)
+
+
+# -- hook points on transformers models (attnlab.capture) ---------------------------------------------
+# Note [HF hooked attention]: transformers' attention modules compute q, k, v, call the AttentionInterface
+# function named by config._attn_implementation, then apply their output projection. While ``hooked(model)``
+# is active the model's implementation is "<base>_hooked": the same attnlab mechanism as <base> (attnlab's
+# "auto" for eager/sdpa/flash, which agree to float rounding) with each module's HookedAttention points run
+# on q, k, v, weights, z inside the function, and "out" run by a forward hook on the output projection
+# (o_proj, out_proj, c_proj, or BERT's sibling output.dense). The previous implementation comes back on exit.
+_HOOKED: "weakref.WeakKeyDictionary[torch.nn.Module, HookedAttention]" = weakref.WeakKeyDictionary()
+_ENGAGED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_CALLS_INTERFACE: dict[type, bool] = {}
+
+
+class HookedAttention:
+    """One transformers attention module as attnlab hook points.
+
+    module: the transformers module (e.g. ``BertSelfAttention``, ``GPT2Attention``, ``LlamaAttention``).
+    hooks: an ``attnlab.nn.hooks.AttentionHooks`` (points q, k, v, weights, z, out, shapes as attnlab's).
+    num_heads: query heads H. out_proj: the module applying W_O (None when not found: no "out" point).
+    """
+
+    def __init__(self, module: torch.nn.Module, out_proj: torch.nn.Module | None):
+        self.module = module
+        self.hooks = AttentionHooks()
+        cfg = getattr(module, "config", None)
+        self.num_heads = int(getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None)
+                             or getattr(cfg, "num_attention_heads"))
+        self.scale = getattr(module, "scaling", None)
+        self.out_proj = out_proj
+        self.last_ctx: HookContext | None = None
+
+    def __repr__(self) -> str:
+        return f"HookedAttention({type(self.module).__name__}, {self.num_heads} heads, {self.hooks!r})"
+
+
+def _calls_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` dispatches through transformers' AttentionInterface (read once per class)."""
+    if cls not in _CALLS_INTERFACE:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            src = ""
+        _CALLS_INTERFACE[cls] = "ALL_ATTENTION_FUNCTIONS" in src
+    return _CALLS_INTERFACE[cls]
+
+
+def _out_proj(model: torch.nn.Module, name: str, module: torch.nn.Module) -> torch.nn.Module | None:
+    for attr in ("o_proj", "out_proj", "c_proj", "dense", "out_lin"):
+        m = getattr(module, attr, None)
+        if isinstance(m, torch.nn.Module) and hasattr(m, "weight"):
+            return m
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    dense = getattr(getattr(parent, "output", None), "dense", None)  # BERT: attention.self + attention.output.dense
+    return dense if isinstance(dense, torch.nn.Module) else None
+
+
+def _pretrained(model) -> list[torch.nn.Module]:
+    """The outermost transformers PreTrainedModels inside ``model`` (itself, when it is one)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    if isinstance(model, PreTrainedModel):
+        return [model]
+    found, prefixes = [], []
+    for n, m in model.named_modules():
+        if isinstance(m, PreTrainedModel) and not any(n.startswith(p + ".") for p in prefixes):
+            found.append(m)
+            prefixes.append(n)
+    return found
+
+
+def hook_modules(model) -> list[tuple[str, HookedAttention]]:
+    """(name, HookedAttention) for every transformers attention module in ``model`` that calls the
+    AttentionInterface, in ``named_modules`` order; [] for a model with none (or without transformers)."""
+    if not isinstance(model, torch.nn.Module) or not _pretrained(model):
+        return []
+    out = []
+    for name, m in model.named_modules():
+        if name and _calls_interface(type(m)):
+            if m not in _HOOKED:
+                _HOOKED[m] = HookedAttention(m, _out_proj(model, name, m))
+            out.append((name, _HOOKED[m]))
+    return out
+
+
+def _hooked_name(base: str) -> str:
+    """The registered "<base>_hooked" implementation for the model's current implementation ``base``."""
+    if base in _REGISTERED and base.endswith("_hooked"):
+        return base
+    mechanism, pattern = _REGISTERED.get(base, ("auto", None))
+    name = f"{base if base in _REGISTERED else 'attnlab'}_hooked"
+    if name not in _REGISTERED:
+        AttentionInterface, AttentionMaskInterface, sdpa_mask = _interfaces()
+        AttentionInterface.register(name, _hooked_function(mechanism, pattern))
+        AttentionMaskInterface.register(name, sdpa_mask)
+        _REGISTERED[name] = (mechanism, pattern)
+    return name
+
+
+def _hooked_function(mechanism, pattern):
+    mech = _resolve(mechanism)
+
+    def attnlab_hooked(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        ad = _HOOKED.get(module)
+        need_weights = bool(kwargs.get("output_attentions", False))
+        is_causal = _is_causal(module, query, attention_mask, kwargs)
+        if ad is None or not ad.hooks:
+            out, w = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout, is_causal,
+                             need_weights)
+            return out.transpose(1, 2).contiguous(), w
+        L, S = query.shape[2], key.shape[2]
+        causal = is_causal or (bool(getattr(module, "is_causal", False)) and L > 0)
+        # the mask already holds causality and padding; the flag and offset describe them for capture's
+        # recomputed scores and its causal mean ablation (queries are the last L of S positions)
+        ctx = HookContext(module=ad, point="", key_padding_mask=None, attn_mask=attention_mask, pattern=pattern,
+                          is_causal=causal, offset=max(0, S - L) if causal else 0,
+                          scale=float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1]))
+        ad.last_ctx = ctx
+        q = ad.hooks.run("q", query, ctx)  # (B, H, L, D)
+        k = ad.hooks.run("k", key, ctx)  # (B, Hkv, S, D)
+        v = ad.hooks.run("v", value, ctx)  # (B, Hkv, S, Dv)
+        want = need_weights or ad.hooks.has("weights")
+        out, w = _attend(mech, pattern, module, q, k, v, attention_mask, scaling, dropout, is_causal, want)
+        if w is not None:
+            ad.hooks.run("weights", w, ctx)
+        z = ad.hooks.run("z", out, ctx)  # (B, H, L, Dv)
+        return z.transpose(1, 2).contiguous(), (w if need_weights else None)  # (B, L, H, Dv)
+
+    attnlab_hooked.mechanism, attnlab_hooked.pattern = mechanism, pattern
+    return attnlab_hooked
+
+
+@contextlib.contextmanager
+def hooked(model) -> Iterator[list[tuple[str, HookedAttention]]]:
+    """Run ``model``'s transformers attention through attnlab with its HookedAttention points live (Note [HF
+    hooked attention]); nested uses share one switch, the outermost exit restores the implementation."""
+    mods = hook_modules(model)
+    roots = _pretrained(model)
+    entered = []
+    try:
+        for r in roots:
+            state = _ENGAGED.get(r)
+            if state is None:
+                old = r.config._attn_implementation
+                r.set_attn_implementation(_hooked_name(old or "sdpa"))
+                state = _ENGAGED[r] = [old, 0, []]
+                for _, ad in hook_modules(r):
+                    if ad.out_proj is not None:
+                        state[2].append(ad.out_proj.register_forward_hook(_out_hook(ad)))
+            state[1] += 1
+            entered.append(r)
+        yield mods
+    finally:
+        for r in entered:
+            state = _ENGAGED[r]
+            state[1] -= 1
+            if state[1] == 0:
+                for h in state[2]:
+                    h.remove()
+                del _ENGAGED[r]
+                r.set_attn_implementation(state[0])
+
+
+def _out_hook(ad: HookedAttention):
+    def fn(_module, _inputs, output):  # output: (B, L, E)
+        if ad.hooks.has("out") and ad.last_ctx is not None:
+            return ad.hooks.run("out", output, ad.last_ctx)
+        return None
+
+    return fn

@@ -518,7 +518,10 @@ class Explorer:
         for name in d["order"]:
             st = d["steps"][name]
             value, cut = _preview(st["value"])
-            steps.append({"name": name, "title": st["title"], "formula": st["formula"], "shape": st["shape"],
+            title = st["title"]
+            if name == "X" and not title[:1].isdigit():  # the first step gets a number and says what X is
+                title = f"0) input X: the hidden states entering layer {s.layer} (one row per token)"
+            steps.append({"name": name, "title": title, "formula": st["formula"], "shape": st["shape"],
                           "note": st["note"], "stats": st["stats"], "value": value, "cut": cut,
                           "rows": (t.step(name).rows or [])[:PREVIEW_ROWS],
                           "cols": (t.step(name).cols or [])[:PREVIEW_COLS]})

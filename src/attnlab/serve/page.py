@@ -38,11 +38,18 @@ table.stats td,table.stats th{padding:3px 10px;border-bottom:1px solid var(--lin
 font-variant-numeric:tabular-nums}table.stats th:first-child,table.stats td:first-child{text-align:left}
 .views{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start}
 .views h2{font-size:14px;margin:8px 0 4px;font-weight:600}
-.mat{display:grid;gap:1px;align-items:center;font-family:ui-monospace,monospace;font-size:11px}
+.mat{display:grid;gap:1px;align-items:center;justify-content:start;font-family:ui-monospace,monospace;font-size:11px}
 .mat .lab{white-space:pre;overflow:hidden;text-overflow:ellipsis;color:#333}
-.mat .rl{text-align:right;padding-right:4px;max-width:110px}
+.mat .rl{text-align:right;padding-right:4px;max-width:110px;justify-self:end}
 .mat .cl{writing-mode:vertical-rl;transform:rotate(180deg);max-height:90px;text-align:left;justify-self:center}
-.mat .cell{border-radius:1px}
+.mat .cell{border-radius:1px;font-size:9px;line-height:1;display:flex;align-items:center;justify-content:center;
+overflow:hidden;white-space:nowrap;font-variant-numeric:tabular-nums}
+.mat.stale{opacity:.35;filter:grayscale(1)}
+.stale-mark{display:none;color:var(--err);font-size:12px;font-weight:600;margin:2px 0}
+body[data-stale="1"] .stale-mark{display:block}
+.chip-legend{font-size:11px;color:var(--mut);display:inline-flex;align-items:center;gap:4px}
+.chip-legend i{display:inline-block;width:90px;height:10px;border:1px solid var(--line);
+background:linear-gradient(to right,rgb(253,231,37),rgb(94,201,98),rgb(33,145,140),rgb(59,82,139),rgb(68,1,84))}
 .mat .cell.hi{outline:2px solid #000;outline-offset:-1px}
 #readout{font-size:13px;min-height:20px;margin-top:6px;font-family:ui-monospace,monospace;white-space:pre}
 .legend{font-size:11px;color:var(--mut);margin-top:4px}
@@ -54,6 +61,9 @@ summary{cursor:pointer;font-weight:600}
 .steps{display:flex;flex-wrap:wrap;gap:4px;margin:6px 0}
 .steps button{border:1px solid var(--line);background:#fafafa;border-radius:12px;padding:2px 10px;cursor:pointer}
 .steps button.on{background:#1d1d1f;color:#fff}
+.steps button small{display:block;font-size:10px;font-family:ui-monospace,monospace;opacity:.8;max-width:220px;overflow:hidden;
+text-overflow:ellipsis;white-space:nowrap}
+#step-head{display:flex;flex-wrap:wrap;gap:4px 12px;align-items:baseline}
 #step-matrix{overflow:auto;max-height:70vh;max-width:100%}
 .heads{display:inline-flex;gap:3px;flex-wrap:wrap}
 .heads button{border:1px solid var(--line);border-radius:4px;padding:2px 6px;font-size:12px;cursor:pointer;min-width:34px}
@@ -70,8 +80,9 @@ summary{cursor:pointer;font-weight:600}
  <label>head <select id="head"></select></label>
  <label>scale <select id="scale"><option value="sqrt">÷√d_k (standard)</option><option value="none">÷1 (scaling off)</option>
   <option value="dk">÷d_k</option></select></label>
- <label>temperature τ <input id="temperature" type="range" min="0.1" max="5" step="0.1" value="1">
-  <output id="temperature-value">1.0</output></label>
+ <label title="log scale: each step multiplies τ by the same factor; the API takes 0.05 … 20">temperature τ
+  <input id="temperature" type="range" min="-130" max="130" step="1" value="0"
+  aria-label="temperature (log scale)"><output id="temperature-value">1.00</output></label>
  <label><input id="softmax" type="checkbox" checked> softmax</label>
  <label>similarity <select id="similarity"><option value="dot">dot product</option><option value="cosine">cosine</option></select></label>
 </div>
@@ -95,16 +106,20 @@ summary{cursor:pointer;font-weight:600}
 </tbody></table>
 <div id="notes"></div>
 <div class="row"><span title="every head of this layer under the experiment; darker = sharper (lower entropy or higher max weight)">heads of this layer:</span>
- <span id="heads" class="heads"></span></div>
+ <span id="heads" class="heads"></span>
+ <span class="chip-legend" id="chip-legend">chip colour: <span>diffuse</span><i></i><span>sharp</span>
+  (1 − entropy / log T; without softmax, the mean max weight) · outlined = the head shown · click one to show it</span></div>
+<div class="stale-mark" id="stale-mark" role="alert"></div>
 <div class="views">
  <div><h2 id="now-title">weights</h2><div id="matrix" class="mat"></div><div class="legend" id="legend"></div><div id="readout"></div></div>
  <div><h2>unmodified model</h2><div id="baseline" class="mat"></div></div>
 </div>
 <details id="trace-box"><summary>Trace: X → Q, K, V → scores → scaled → mask → softmax → output, step by step</summary>
  <div class="row"><button id="prev" type="button">◀ prev</button><button id="next" type="button">next ▶</button>
+  <label title="write each cell's value in it (off: colour only)"><input id="numbers" type="checkbox" checked> numbers in the cells</label>
   <span id="trace-status"></span></div>
  <div class="steps" id="steps"></div>
- <div id="step-title"></div><code id="step-formula"></code> <span id="step-shape"></span>
+ <div id="step-head"><div id="step-title"></div><code id="step-formula"></code> <span id="step-shape"></span></div>
  <div id="step-note"></div><div id="step-matrix" class="mat"></div>
 </details>
 </main>
@@ -112,7 +127,7 @@ summary{cursor:pointer;font-weight:600}
 "use strict";
 const $ = (id) => document.getElementById(id);
 const INFO = {};
-let seq = 0, traceSeq = 0, timer = null, trace = null, stepIndex = 0;
+let seq = 0, traceSeq = 0, timer = null, trace = null, stepIndex = 0, hover = null;
 
 function el(tag, cls, text) {
   const e = document.createElement(tag);
@@ -145,14 +160,29 @@ function colourer(rows) {
   return {f: (v) => v === null ? "#ccc" : seqColour(v / m), text: "dark 0 → yellow " + m.toPrecision(3)};
 }
 
-// a heat-coloured matrix with row/column labels; cells carry data-i, data-j, data-w
+// a cell's value as text: 3 significant digits, exponent form when very large or small, −∞ for masked
+function cellText(v) {
+  if (v === null) return "\u2212\u221e";
+  const a = Math.abs(v);
+  if (a !== 0 && (a >= 1000 || a < 0.001)) return v.toExponential(1);
+  return String(Number(v.toPrecision(3)));
+}
+// black or white text, whichever reads on an "rgb(r,g,b)" background
+function inkOn(rgb) {
+  const m = rgb.match(/\d+/g); if (!m) return "#000";
+  const l = m.slice(0, 3).map((x) => { x = x / 255; return x <= 0.03928 ? x / 12.92 : Math.pow((x + 0.055) / 1.055, 2.4); });
+  const L = 0.2126 * l[0] + 0.7152 * l[1] + 0.0722 * l[2];
+  return (L + 0.05) / 0.05 >= 1.05 / (L + 0.05) ? "#000" : "#fff";
+}
+// a heat-coloured matrix with row/column labels; cells carry data-i, data-j, data-w (opts.numbers: the value
+// written in each cell, which then is 44 × 18 px)
 function drawMatrix(box, rows, rowLabels, colLabels, opts) {
   opts = opts || {};
   box.replaceChildren();
   const R = rows.length, Cn = R ? rows[0].length : 0;
   const size = opts.size || Math.max(4, Math.min(26, Math.floor(520 / Math.max(R, Cn, 1))));
-  const labels = size >= 9;
-  box.style.gridTemplateColumns = (labels ? "auto " : "") + "repeat(" + Cn + ", " + size + "px)";
+  const labels = opts.numbers || size >= 9, cw = opts.numbers ? 44 : size, chh = opts.numbers ? 18 : size;
+  box.style.gridTemplateColumns = (labels ? "auto " : "") + "repeat(" + Cn + ", " + cw + "px)";
   const col = colourer(rows);
   if (labels && colLabels) {
     box.appendChild(el("div"));
@@ -162,8 +192,9 @@ function drawMatrix(box, rows, rowLabels, colLabels, opts) {
     if (labels) box.appendChild(el("div", "lab rl", rowLabels && rowLabels[i] !== undefined ? rowLabels[i] : ""));
     for (let j = 0; j < Cn; j++) {
       const v = rows[i][j], c = el("div", "cell");
-      c.style.width = c.style.height = size + "px";
+      c.style.width = cw + "px"; c.style.height = chh + "px";
       c.style.background = col.f(v);
+      if (opts.numbers) { c.textContent = cellText(v); c.style.color = inkOn(c.style.background); }
       c.dataset.i = i; c.dataset.j = j; c.dataset.w = v === null ? "-inf" : String(v);
       box.appendChild(c);
     }
@@ -171,13 +202,17 @@ function drawMatrix(box, rows, rowLabels, colLabels, opts) {
   return col.text;
 }
 
+// the temperature slider is log-scale over the API's range 0.05 … 20: position k in -130 … 130 is
+// τ = 20^(k/130) (0.05 = 1/20), kept to 3 significant digits; 1 in the middle
+function tau() { return Number(Math.pow(20, Number($("temperature").value) / 130).toPrecision(3)); }
+function showTau() { $("temperature-value").textContent = tau().toPrecision(3); }
 function settings() {
   let params = null;
   const p = $("params").value.trim();
   if (p) { try { params = JSON.parse(p); } catch (e) { throw new Error("params: not valid JSON (" + e.message + ")"); } }
   return {
     text: $("text").value, layer: Number($("layer").value), head: Number($("head").value),
-    scale: $("scale").value, temperature: Number($("temperature").value), softmax: $("softmax").checked,
+    scale: $("scale").value, temperature: tau(), softmax: $("softmax").checked,
     similarity: $("similarity").value, mechanism: $("mechanism").value || null, params: params,
     pattern: $("pattern").value.trim() || null, scope: $("scope").value, ablate: $("ablate").value || null,
   };
@@ -199,21 +234,33 @@ async function update() {
   const my = ++seq;
   document.body.dataset.busy = "1";
   let body;
-  try { body = settings(); } catch (e) { return finish(my, e.message, true); }
+  try { body = settings(); } catch (e) { markStale(e.message); return finish(my, e.message, true); }
   // an emptied box (the moment before typing) is not a request: the server would only refuse it
-  if (!body.text.trim()) return finish(my, "type a sentence to see its attention", false);
+  if (!body.text.trim()) { markStale("the box is empty: type a sentence to see its attention"); return finish(my, "type a sentence to see its attention", false); }
   setStatus("computing…");
   try {
     const r = await post("/api/attention", body);
     if (my !== seq) return;
     render(r);
+    markStale(null);
     window.shownSettings = r.settings;  // what the drawn weights were computed with
     finish(my, r.tokens.length + " tokens · layer " + r.layer + ", head " + r.head, false);
     if ($("trace-box").open) loadTrace();
   } catch (e) {
     if (my !== seq) return;
+    markStale("this request failed: " + e.message);
     finish(my, e.message, true);
   }
+}
+// after a failed (or empty) request the heatmaps still show the last settings that worked: grey them and say so
+function markStale(why) {
+  const drawn = $("matrix").childElementCount > 0;
+  const on = why !== null && drawn;
+  for (const id of ["matrix", "baseline"]) $(id).classList.toggle("stale", on);
+  document.body.dataset.stale = on ? "1" : "";
+  $("stale-mark").textContent = on ? "STALE \u2014 the heatmaps show the last settings that worked (" +
+    (window.shownSettings ? "layer " + window.shownSettings.layer + ", head " + window.shownSettings.head + ", τ = " +
+     window.shownSettings.temperature : "earlier") + "), not the current ones; " + why : "";
 }
 function finish(my, msg, error) {
   if (my !== seq) return;
@@ -248,12 +295,18 @@ function render(r) {
     hb.appendChild(b);
   });
   const cells = $("matrix").querySelectorAll(".cell");
-  cells.forEach((c) => c.addEventListener("mouseenter", () => {
+  const read = (c) => {
     cells.forEach((x) => x.classList.remove("hi")); c.classList.add("hi");
     const i = Number(c.dataset.i), j = Number(c.dataset.j);
-    $("readout").textContent = "query " + i + " “" + t[i] + "” → key " + j + " “" + t[j] + "”: " + Number(c.dataset.w).toFixed(4) +
-      "   (unmodified " + r.baseline_weights[i][j].toFixed(4) + ")";
-  }));
+    hover = {i: i, j: j};
+    $("readout").textContent = "layer " + r.layer + ", head " + r.head + ": query " + i + " “" + t[i] + "” → key " + j +
+      " “" + t[j] + "”: " + Number(c.dataset.w).toFixed(4) + "   (unmodified " + r.baseline_weights[i][j].toFixed(4) + ")";
+  };
+  cells.forEach((c) => c.addEventListener("mouseenter", () => read(c)));
+  // new weights (another head, layer, setting): the readout reads the same cell again, or clears
+  const again = hover && hover.i < t.length && hover.j < t.length ? cells[hover.i * t.length + hover.j] : null;
+  if (again) read(again);
+  else { hover = null; $("readout").textContent = "hover a cell to read its weight"; }
 }
 
 // -- the trace --------------------------------------------------------------------------------------
@@ -270,6 +323,7 @@ async function loadTrace() {
     if (stepIndex >= names.length) stepIndex = names.indexOf("weights");
     const box = $("steps"); box.replaceChildren();
     r.steps.forEach((s, k) => { const b = el("button", "", s.name); b.type = "button"; b.dataset.step = s.name;
+      b.title = s.title + ": " + s.formula; b.appendChild(el("small", "", s.formula));
       b.addEventListener("click", () => { stepIndex = k; showStep(); }); box.appendChild(b); });
     $("trace-status").textContent = "layer " + r.layer + ", head " + r.head + (r.notes.length ? " · " + r.notes.join(" · ") : "");
     showStep();
@@ -284,7 +338,9 @@ function showStep() {
   $("step-shape").textContent = "shape [" + s.shape.join(" × ") + "]" + (s.cut ? " · showing the top-left corner" : "");
   $("step-note").textContent = s.note || "";
   const rows = s.value ? (Array.isArray(s.value[0]) ? s.value : [s.value]) : [];
-  drawMatrix($("step-matrix"), rows, s.rows, s.cols, {size: rows.length && rows[0].length > 40 ? 8 : undefined});
+  const numbers = $("numbers").checked;
+  // colour only: cells of 12 px, tall enough for the row labels beside them
+  drawMatrix($("step-matrix"), rows, s.rows, s.cols, {size: numbers ? undefined : 12, numbers: numbers});
   document.body.dataset.step = s.name;
 }
 
@@ -309,9 +365,10 @@ async function init() {
   }
   for (const id of ["text", "params", "pattern"]) $(id).addEventListener("input", schedule);
   for (const id of ["layer", "head", "scale", "softmax", "similarity", "mechanism", "scope", "ablate"]) $(id).addEventListener("change", schedule);
-  $("temperature").addEventListener("input", () => { $("temperature-value").textContent = Number($("temperature").value).toFixed(1); schedule(); });
+  $("temperature").addEventListener("input", () => { showTau(); schedule(); });
+  $("numbers").addEventListener("change", showStep);
   $("reset").addEventListener("click", () => {
-    $("scale").value = "sqrt"; $("temperature").value = "1"; $("temperature-value").textContent = "1.0";
+    $("scale").value = "sqrt"; $("temperature").value = "0"; showTau();
     $("softmax").checked = true; $("similarity").value = "dot"; $("mechanism").value = ""; $("params").value = "";
     $("pattern").value = ""; $("scope").value = "all"; $("ablate").value = ""; schedule();
   });

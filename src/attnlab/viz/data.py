@@ -189,7 +189,7 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
         model_desc = f"random toy encoder (seed {seed}, {L_} layers × {H} heads, d=64)"
 
     data: dict = {"title": "attnlab viz", "text": text, "model": model_desc, "mechanism": mech_name,
-                  "tokens": tokens, "T": T, "layers": L_, "heads": H, "mode": "dense" if dense else "summary",
+                  "tokens": tokens, "T": T, "S": T, "layers": L_, "heads": H, "mode": "dense" if dense else "summary",
                   "notes": notes}
     if dense:
         _add_dense(data, layers_w)
@@ -222,40 +222,40 @@ def _qk_rows(q: torch.Tensor, k: torch.Tensor, pattern=None):
 
 
 def _add_summary(data: dict, layer_rows: list, topk: int) -> None:
-    """Top-k keys, head statistics and distance histogram per layer, from rows(i0, i1) -> [H, i1 - i0, T]
-    weights, a block of query rows at a time (about 4 M weights per block: no [T, T] tensor per head)."""
-    T, H = data["T"], data["heads"]
-    if T > 65535:
-        raise ValueError(f"the page indexes keys with 16 bits: at most 65535 tokens, got {T}")
-    k_ = max(1, min(topk, T))
-    step = max(1, (1 << 22) // max(1, H * T))
-    edges = torch.tensor(distance_edges(T))
+    """Top-k keys, head statistics and distance histogram per layer, from rows(i0, i1) -> [H, i1 - i0, S]
+    weights, a block of query rows at a time (about 4 M weights per block: no [L, S] tensor per head)."""
+    L, S, H = data["T"], data.get("S", data["T"]), data["heads"]
+    if S > 65535:
+        raise ValueError(f"the page indexes keys with 16 bits: at most 65535 keys, got {S}")
+    k_ = max(1, min(topk, S))
+    step = max(1, (1 << 22) // max(1, H * S))
+    edges = torch.tensor(distance_edges(max(L, S)))
     summ = {"k": k_, "idx": [], "w": []}
     head_stats, hists = [], []
     for rows in layer_rows:
-        idx = torch.empty(H, T, k_, dtype=torch.long)
-        val = torch.empty(H, T, k_, dtype=torch.float64)
+        idx = torch.empty(H, L, k_, dtype=torch.long)
+        val = torch.empty(H, L, k_, dtype=torch.float64)
         ent, mx, sink = (torch.zeros(H, dtype=torch.float64) for _ in range(3))
         hist = torch.zeros(H, len(edges), dtype=torch.float64)
-        for i0 in range(0, T, step):
-            i1 = min(T, i0 + step)
-            w = rows(i0, i1)  # (H, l, T)
+        for i0 in range(0, L, step):
+            i1 = min(L, i0 + step)
+            w = rows(i0, i1)  # (H, l, S)
             top = w.topk(k_, dim=-1)
             idx[:, i0:i1], val[:, i0:i1] = top.indices, top.values
             ent -= torch.special.xlogy(w, w).sum(-1).double().sum(-1)
             mx += w.amax(-1).double().sum(-1)
             sink += w[..., 0].double().sum(-1)
-            d = (torch.arange(T).unsqueeze(0) - torch.arange(i0, i1).unsqueeze(1)).abs()  # (l, T)
+            d = (torch.arange(S).unsqueeze(0) - torch.arange(i0, i1).unsqueeze(1)).abs()  # (l, S)
             b = (torch.bucketize(d, edges, right=True) - 1).flatten()
             hist.scatter_add_(1, b.expand(H, -1), w.reshape(H, -1).double())
         summ["idx"].append(_b64(idx.numpy().astype("<u2")))
         summ["w"].append(_b64(_q8(val)))
-        head_stats.append([{"entropy": float(ent[h] / T), "max_weight": float(mx[h] / T), "sink": float(sink[h] / T)}
+        head_stats.append([{"entropy": float(ent[h] / L), "max_weight": float(mx[h] / L), "sink": float(sink[h] / L)}
                            for h in range(H)])
-        hists.append((hist / T).tolist())
+        hists.append((hist / L).tolist())
     data["summary"] = summ
     data["head_stats"] = head_stats
-    data["distance"] = {"edges": distance_edges(T), "hist": hists}
+    data["distance"] = {"edges": distance_edges(max(L, S)), "hist": hists}
 
 
 def _summary_note(T: int, dense_max_tokens: int, topk: int) -> str:
@@ -284,7 +284,7 @@ def distance_histogram(weights: torch.Tensor) -> torch.Tensor:
 
 
 def _add_dense(data: dict, layers_w: list[torch.Tensor]) -> None:
-    """Dense weights [H, T, T] per layer -> the page's 8-bit weights, head statistics and distances."""
+    """Dense weights [H, L, S] per layer -> the page's 8-bit weights, head statistics and distances."""
     H = data["heads"]
     data["dense"] = {"b64": [_b64(_q8(w)) for w in layers_w]}
     head_stats, hist = [], []
@@ -296,29 +296,37 @@ def _add_dense(data: dict, layers_w: list[torch.Tensor]) -> None:
                            for h in range(H)])
         hist.append(distance_histogram(w).tolist())
     data["head_stats"] = head_stats
-    data["distance"] = {"edges": distance_edges(data["T"]), "hist": hist}
+    data["distance"] = {"edges": distance_edges(max(data["T"], data.get("S", data["T"]))), "hist": hist}
 
 
 def weights_page_data(layers_w: list[torch.Tensor], tokens: list[str], *, model: str = "given weights",
                       mechanism: str = "given", title: str = "attnlab viz", text: str | None = None,
-                      dense_max_tokens: int = 128, topk: int = 4, notes: list[str] | None = None) -> dict:
+                      dense_max_tokens: int = 128, topk: int = 4, notes: list[str] | None = None,
+                      key_tokens: list[str] | None = None) -> dict:
     """The viz page's data from attention weights someone else computed.
 
-    layers_w: one [H, T, T] tensor per layer (rows = queries, columns = keys, values in [0, 1]);
-    tokens: T strings. Up to ``dense_max_tokens`` tokens every weight is shipped (8 bits); longer
-    inputs ship the top-``topk`` keys per query, entropy, max weight, sink mass and distance histogram.
+    layers_w: one [H, L, S] tensor per layer (rows = queries, columns = keys, values in [0, 1]);
+    tokens: L query labels; key_tokens: S key labels (None: the keys are ``tokens``, self-attention).
+    Up to ``dense_max_tokens`` queries and keys every weight is shipped (8 bits); longer inputs ship the
+    top-``topk`` keys per query, entropy, max weight, sink mass and distance histogram.
     Shapes are the caller's to check (``attnlab.viz.show`` does).
     """
-    T, H = len(tokens), int(layers_w[0].shape[0])
+    keys = list(tokens) if key_tokens is None else list(key_tokens)
+    cross = key_tokens is not None and list(key_tokens) != list(tokens)
+    T, S, H = len(tokens), len(keys), int(layers_w[0].shape[0])
     notes = list(notes or [])
-    dense = T <= dense_max_tokens
+    dense = max(T, S) <= dense_max_tokens
     data: dict = {"title": title, "text": " ".join(tokens) if text is None else text, "model": model,
-                  "mechanism": mechanism, "tokens": list(tokens), "T": T, "layers": len(layers_w), "heads": H,
+                  "mechanism": mechanism, "tokens": list(tokens), "T": T, "S": S, "layers": len(layers_w), "heads": H,
                   "mode": "dense" if dense else "summary", "notes": notes}
+    if cross:
+        data["key_tokens"] = keys
+        if text is None:
+            data["text"] = " ".join(tokens) + "  →  " + " ".join(keys)
     if dense:
         _add_dense(data, layers_w)
     else:
-        notes.append(_summary_note(T, dense_max_tokens, topk))
+        notes.append(_summary_note(max(T, S), dense_max_tokens, topk))
         _add_summary(data, [(lambda i0, i1, w=w: w[:, i0:i1]) for w in layers_w], topk)
-    data["patterns"] = _pattern_entries(T, None, "given")
+    data["patterns"] = _pattern_entries(T, None, "given") if T == S else []
     return data

@@ -16,32 +16,39 @@ import torch  # noqa: E402
 
 from ..report import save_figure  # noqa: E402
 
-__all__ = ["plot_heads", "plot_pattern", "plot_patterns", "plot_diagnostics", "plot_head_stats", "pattern_cost"]
+__all__ = ["plot_patch_sweep", "plot_heads", "plot_pattern", "plot_patterns", "plot_diagnostics", "plot_head_stats",
+           "pattern_cost"]
 
 
 def _np(x) -> np.ndarray:
     return x.detach().double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
 
 
-def _tick_labels(ax, tokens, n_rows, n_cols, max_ticks=40):
+def _tick_labels(ax, tokens, n_rows, n_cols, max_ticks=40, key_tokens=None):
     if tokens is None:
         return
+    keys = tokens if key_tokens is None else key_tokens
     if n_cols <= max_ticks:
         ax.set_xticks(range(n_cols))
-        ax.set_xticklabels(tokens[:n_cols], rotation=90, fontsize=7)
+        ax.set_xticklabels(keys[:n_cols], rotation=90, fontsize=7)
     if n_rows <= max_ticks:
         ax.set_yticks(range(n_rows))
         ax.set_yticklabels(tokens[:n_rows], fontsize=7)
 
 
-def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", heads=None, cols: int = 4):
-    """One heatmap per head. weights: [H, L, S] (or [L, S]); rows = queries, columns = keys."""
+def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", heads=None, cols: int = 4,
+               key_tokens=None):
+    """One heatmap per head. weights: [H, L, S] (or [L, S]); rows = queries (``tokens``), columns = keys
+    (``key_tokens``, default ``tokens``). PNG, or SVG when ``path`` ends in .svg."""
     w = _np(weights)
     if w.ndim == 2:
         w = w[None]
     if w.ndim != 3:
         raise ValueError(f"weights must be [H, L, S] or [L, S], got shape {list(w.shape)}")
-    heads = list(range(w.shape[0])) if heads is None else list(heads)
+    heads = list(range(w.shape[0])) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
+    bad = [h for h in heads if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < w.shape[0]]
+    if bad or not heads:
+        raise ValueError(f"heads must name heads in 0..{w.shape[0] - 1}, got {heads!r}")
     n = len(heads)
     cols = min(cols, n)
     rows = math.ceil(n / cols)
@@ -53,8 +60,50 @@ def plot_heads(weights, path, *, tokens=None, title: str = "attention weights", 
         im = ax.imshow(w[h], cmap="viridis", vmin=0.0, vmax=max(1e-12, float(w[h].max())), aspect="auto",
                        interpolation="nearest")
         ax.set_title(f"head {h}", fontsize=9)
-        _tick_labels(ax, tokens, w.shape[1], w.shape[2])
+        _tick_labels(ax, tokens, w.shape[1], w.shape[2], key_tokens=key_tokens)
+        ax.set_ylabel("query", fontsize=8)
+        ax.set_xlabel("key", fontsize=8)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.suptitle(title)
+    return save_figure(fig, path)
+
+
+def plot_patch_sweep(result, path, *, title: str = "activation patching", metric: str = "metric",
+                     baseline: float | None = None, tokens=None, layers=None, heads=None):
+    """Heatmap of ``attnlab.capture.patch_sweep``'s result: [layers, heads] (one panel) or [layers, heads, L]
+    (one panel per layer: heads × positions, labelled by ``tokens``). ``baseline`` (the unpatched metric) is
+    subtracted when given, on a diverging colour scale centred on 0. PNG, or SVG when ``path`` ends in .svg."""
+    r = _np(result)
+    if r.ndim not in (2, 3):
+        raise ValueError(f"result must be [layers, heads] or [layers, heads, L], got shape {list(r.shape)}")
+    if baseline is not None:
+        r = r - float(baseline)
+    layers = list(range(r.shape[0])) if layers is None else list(layers)
+    heads = list(range(r.shape[1])) if heads is None else list(heads)
+    lim = max(1e-12, float(np.abs(r).max()))
+    label = metric if baseline is None else f"{metric} − unpatched"
+    cmap, vmin = ("RdBu_r", -lim) if baseline is not None or r.min() < 0 else ("viridis", float(r.min()))
+    vmax = lim if cmap == "RdBu_r" else float(r.max())
+    if r.ndim == 2:
+        fig, ax = plt.subplots(figsize=(1.2 + 0.45 * r.shape[1], 1.2 + 0.4 * r.shape[0]), layout="constrained")
+        im = ax.imshow(r, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
+        ax.set_xticks(range(len(heads)), [str(h) for h in heads], fontsize=7)
+        ax.set_yticks(range(len(layers)), [str(li) for li in layers], fontsize=7)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(im, ax=ax, label=label)
+    else:
+        n = r.shape[0]
+        fig, axes = plt.subplots(n, 1, figsize=(1.5 + 0.35 * r.shape[2], 0.6 + 0.3 * r.shape[1] * n), squeeze=False,
+                                 layout="constrained")
+        for a, ax in enumerate(axes[:, 0]):
+            im = ax.imshow(r[a], cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
+            ax.set_yticks(range(len(heads)), [str(h) for h in heads], fontsize=7)
+            ax.set_ylabel(f"layer {layers[a]}\nhead", fontsize=8)
+            if tokens is not None and len(tokens) == r.shape[2]:
+                ax.set_xticks(range(r.shape[2]), list(tokens), rotation=90, fontsize=7)
+        axes[-1, 0].set_xlabel("query position")
+        fig.colorbar(im, ax=axes[:, 0].tolist(), label=label)
     fig.suptitle(title)
     return save_figure(fig, path)
 

@@ -9,6 +9,9 @@ Views, all drawn at load:
   Beside it, the distance histogram (attention mass by |i - j|) per head.
 - model view: layers × heads thumbnails; click one to open it in the head view.
 - pattern view: the mask in use and common patterns, with density and FLOPs saved.
+Every view has "export SVG" / "export PNG" buttons that save it as drawn at that moment (the SVG is built in
+the page; the PNG is that SVG rasterised on a canvas at 2x). Cross-attention (L queries, S keys) has key
+labels of its own; a sentence pair marks sentence B's first token.
 Inputs longer than 512 tokens open on the matrix view; the page never grows past the window (the
 token columns scroll inside their box, the readout stays above them).
 
@@ -52,7 +55,7 @@ font-weight:600;border:2px solid transparent}
 .col{display:flex;flex-direction:column;min-width:60px}
 .tok{font-family:ui-monospace,monospace;font-size:12px;padding:0 6px;height:18px;line-height:18px;white-space:pre;
 cursor:default;border-radius:3px;max-width:220px;overflow:hidden;text-overflow:ellipsis}
-.q .tok{text-align:right;cursor:pointer}.q .tok.active{outline:2px solid #1d1d1f}
+.q .tok{text-align:right;cursor:pointer}.tok.sentb{border-top:2px solid #888}.q .tok.active{outline:2px solid #1d1d1f}
 #lines{flex:none}
 #mwrap{display:flex;gap:18px;align-items:flex-start}
 #mgrid{display:grid;grid-template-columns:auto auto;grid-template-rows:auto auto}
@@ -79,7 +82,9 @@ _JS = r"""
 (function(){
 "use strict";
 const D = JSON.parse(document.getElementById("attn-data").textContent);
-const T = D.T, NL = D.layers, NH = D.heads, PAL = D.palette;
+// T (= L) queries, S keys: S = T for self-attention; cross-attention has its own key labels
+const T = D.T, S = D.S===undefined?D.T:D.S, NL = D.layers, NH = D.heads, PAL = D.palette;
+const KT = D.key_tokens||D.tokens, N = Math.max(T,S);
 const NS = "http://www.w3.org/2000/svg";
 function b64u8(s){const b=atob(s);const a=new Uint8Array(b.length);for(let i=0;i<b.length;i++)a[i]=b.charCodeAt(i);return a;}
 function colour(h){return PAL[h%PAL.length];}
@@ -89,6 +94,7 @@ function luminance(hex){const v=[1,3,5].map(function(i){const x=parseInt(hex.sub
 // chip text: black or white, whichever contrasts more with the head's colour (WCAG contrast ratio)
 function ink(hex){const L=luminance(hex);return (L+0.05)/0.05>=1.05/(L+0.05)?"#000000":"#ffffff";}
 function tokName(i){return "\u201c"+D.tokens[i]+"\u201d";}
+function keyName(j){return "\u201c"+KT[j]+"\u201d";}
 // ---- weights: W[l] is the layer's data; each(l,h,i,j0,j1,f) calls f(j,w) for keys j0 <= j < j1 with w > 0
 const W = [];
 for (let l=0;l<NL;l++){
@@ -96,10 +102,10 @@ for (let l=0;l<NL;l++){
   else {const iu8=b64u8(D.summary.idx[l]);W.push({idx:new Uint16Array(iu8.buffer), w:b64u8(D.summary.w[l])});}
 }
 function each(l,h,i,j0,j1,f){
-  if (D.mode==="dense"){const a=W[l],o=(h*T+i)*T;for(let j=j0;j<j1;j++){const v=a[o+j];if(v)f(j,v/255);}}
+  if (D.mode==="dense"){const a=W[l],o=(h*T+i)*S;for(let j=j0;j<j1;j++){const v=a[o+j];if(v)f(j,v/255);}}
   else {const k=D.summary.k,o=(h*T+i)*k,L=W[l];for(let t=0;t<k;t++){const j=L.idx[o+t],v=L.w[o+t];if(v&&j>=j0&&j<j1)f(j,v/255);}}
 }
-function row(l,h,i){const r=new Float32Array(T);each(l,h,i,0,T,function(j,w){r[j]+=w;});return r;}
+function row(l,h,i){const r=new Float32Array(S);each(l,h,i,0,S,function(j,w){r[j]+=w;});return r;}
 // ---- tabs
 function show(view){
   document.querySelectorAll("nav button").forEach(function(x){x.classList.toggle("on",x.dataset.view===view);});
@@ -129,14 +135,18 @@ const qcol=document.getElementById("qcol"), kcol=document.getElementById("kcol")
 const qs=[], ks=[], fq=document.createDocumentFragment(), fk=document.createDocumentFragment();
 D.tokens.forEach(function(t,i){
   const a=document.createElement("div");a.className="tok";a.textContent=t;a.dataset.i=i;fq.appendChild(a);qs.push(a);
-  const b=document.createElement("div");b.className="tok";b.textContent=t;b.dataset.j=i;fk.appendChild(b);ks.push(b);
+  if(D.sentence_b_start===i)a.classList.add("sentb");
+});
+KT.forEach(function(t,j){
+  const b=document.createElement("div");b.className="tok";b.textContent=t;b.dataset.j=j;fk.appendChild(b);ks.push(b);
+  if(D.sentence_b_start===j)b.classList.add("sentb");
 });
 qcol.appendChild(fq);kcol.appendChild(fk);
 qcol.addEventListener("mouseover",function(e){const i=e.target.dataset.i;if(i!==undefined&&!state.pinned){state.sel=+i;render();}});
 qcol.addEventListener("mouseleave",function(){if(!state.pinned&&state.sel!==null){state.sel=null;render();}});
 qcol.addEventListener("click",function(e){const d=e.target.dataset.i;if(d===undefined)return;const i=+d;
   if(state.pinned&&state.sel===i){state.pinned=false;}else{state.pinned=true;state.sel=i;}render();});
-svg.setAttribute("width",String(SVGW));svg.setAttribute("height",String(Math.max(ROW,T*ROW)));
+svg.setAttribute("width",String(SVGW));svg.setAttribute("height",String(Math.max(ROW,N*ROW)));
 const readout=document.getElementById("readout");
 function render(){
   for(let h=0;h<NH;h++)paintChip(chips.children[h],h);
@@ -147,7 +157,7 @@ function render(){
   // candidate links (weight, query, key, head), strongest first, at most BUDGET drawn
   const cw=[],ci=[],cj=[],ch=[];
   heads.forEach(function(h){
-    const add=function(i){each(l,h,i,0,T,function(j,w){if(w>=MINW){cw.push(w);ci.push(i);cj.push(j);ch.push(h);}});};
+    const add=function(i){each(l,h,i,0,S,function(j,w){if(w>=MINW){cw.push(w);ci.push(i);cj.push(j);ch.push(h);}});};
     if(rows)add(rows[0]);else for(let i=0;i<T;i++)add(i);
   });
   let order=cw.map(function(_,t){return t;});
@@ -171,8 +181,8 @@ function render(){
       "). Hover or click a token on the left for one query.";
     return;
   }
-  const i=state.sel, best=new Float32Array(T), arg=new Int16Array(T).fill(-1);
-  heads.forEach(function(h){each(l,h,i,0,T,function(j,w){if(w>best[j]){best[j]=w;arg[j]=h;}});});
+  const i=state.sel, best=new Float32Array(S), arg=new Int16Array(S).fill(-1);
+  heads.forEach(function(h){each(l,h,i,0,S,function(j,w){if(w>best[j]){best[j]=w;arg[j]=h;}});});
   let top=-1;
   ks.forEach(function(k,j){
     k.dataset.w=best[j].toFixed(3);
@@ -180,7 +190,7 @@ function render(){
     if(top<0||best[j]>best[top])top=j;
   });
   readout.textContent=(state.pinned?"[pinned] ":"")+"layer "+l+", "+hs+", query "+i+" "+tokName(i)+": strongest key "+
-    (top>=0&&best[top]>0?top+" "+tokName(top)+" ("+best[top].toFixed(3)+(arg[top]>=0?", head "+arg[top]:"")+")":"none")+
+    (top>=0&&best[top]>0?top+" "+keyName(top)+" ("+best[top].toFixed(3)+(arg[top]>=0?", head "+arg[top]:"")+")":"none")+
     (D.mode==="summary"?" \u2014 top-"+D.summary.k+" keys per query only":"")+(state.pinned?"; click it again to unpin":"");
   if(kcol.parentNode&&top>=0){const box=document.getElementById("hvbox");const y=top*ROW;
     if(y<box.scrollTop||y>box.scrollTop+box.clientHeight-ROW){/* keep the strongest key in sight */}}
@@ -191,28 +201,28 @@ mat.width=MSZ;mat.height=MSZ;
 const mhead=document.getElementById("mhead"), mread=document.getElementById("mreadout"), tip=document.getElementById("tip");
 (function(){const o=document.createElement("option");o.value="-1";o.textContent="max over heads";mhead.appendChild(o);
   for(let h=0;h<NH;h++){const p=document.createElement("option");p.value=h;p.textContent="head "+h;mhead.appendChild(p);}})();
-const ms={layer:0, head:-1, i0:0, j0:0, n:T, pin:null, G:null, AI:null, AJ:null, AH:null, m:1};
-function clampView(){ms.n=Math.max(Math.min(T,8),Math.min(T,Math.round(ms.n)));
-  ms.i0=Math.max(0,Math.min(T-ms.n,Math.round(ms.i0)));ms.j0=Math.max(0,Math.min(T-ms.n,Math.round(ms.j0)));}
+const ms={layer:0, head:-1, i0:0, j0:0, nr:T, nc:S, pin:null, G:null, AI:null, AJ:null, AH:null, mr:1, mc:1};
+function clampView(){ms.nr=Math.max(Math.min(T,8),Math.min(T,Math.round(ms.nr)));ms.nc=Math.max(Math.min(S,8),Math.min(S,Math.round(ms.nc)));
+  ms.i0=Math.max(0,Math.min(T-ms.nr,Math.round(ms.i0)));ms.j0=Math.max(0,Math.min(S-ms.nc,Math.round(ms.j0)));}
 function mrender(){
   clampView();
-  const n=ms.n, m=Math.min(n,MSZ), l=ms.layer;
-  const G=new Float32Array(m*m), AI=new Int32Array(m*m).fill(-1), AJ=new Int32Array(m*m), AH=new Int16Array(m*m);
+  const nr=ms.nr, nc=ms.nc, mr=Math.min(nr,MSZ), mc=Math.min(nc,MSZ), l=ms.layer;
+  const G=new Float32Array(mr*mc), AI=new Int32Array(mr*mc).fill(-1), AJ=new Int32Array(mr*mc), AH=new Int16Array(mr*mc);
   const heads=ms.head<0?Array.from({length:NH},function(_,h){return h;}):[ms.head];
-  for(let i=ms.i0;i<ms.i0+n;i++){
-    const r=Math.floor((i-ms.i0)*m/n)*m;
-    for(const h of heads)each(l,h,i,ms.j0,ms.j0+n,function(j,w){const c=r+Math.floor((j-ms.j0)*m/n);
+  for(let i=ms.i0;i<ms.i0+nr;i++){
+    const r=Math.floor((i-ms.i0)*mr/nr)*mc;
+    for(const h of heads)each(l,h,i,ms.j0,ms.j0+nc,function(j,w){const c=r+Math.floor((j-ms.j0)*mc/nc);
       if(w>G[c]){G[c]=w;AI[c]=i;AJ[c]=j;AH[c]=h;}});
   }
-  const off=document.createElement("canvas");off.width=m;off.height=m;
-  const octx=off.getContext("2d"), img=octx.createImageData(m,m);
-  for(let c=0;c<m*m;c++){const v=Math.sqrt(G[c]),o=4*c;  // square-root scale: small weights stay visible
+  const off=document.createElement("canvas");off.width=mc;off.height=mr;
+  const octx=off.getContext("2d"), img=octx.createImageData(mc,mr);
+  for(let c=0;c<mr*mc;c++){const v=Math.sqrt(G[c]),o=4*c;  // square-root scale: small weights stay visible
     img.data[o]=255-Math.round(v*247);img.data[o+1]=255-Math.round(v*207);img.data[o+2]=255-Math.round(v*148);img.data[o+3]=255;}
   octx.putImageData(img,0,0);
   mctx.imageSmoothingEnabled=false;mctx.clearRect(0,0,MSZ,MSZ);mctx.drawImage(off,0,0,MSZ,MSZ);
-  Object.assign(ms,{G:G,AI:AI,AJ:AJ,AH:AH,m:m});
-  document.getElementById("mview").textContent="queries "+ms.i0+"\u2013"+(ms.i0+n-1)+" (down) \u00d7 keys "+ms.j0+"\u2013"+
-    (ms.j0+n-1)+" (across); "+(n>MSZ?"one pixel = "+(n/MSZ).toFixed(1)+" tokens (max shown)":"one cell = one token pair")+
+  Object.assign(ms,{G:G,AI:AI,AJ:AJ,AH:AH,mr:mr,mc:mc});
+  document.getElementById("mview").textContent="queries "+ms.i0+"\u2013"+(ms.i0+nr-1)+" (down) \u00d7 keys "+ms.j0+"\u2013"+
+    (ms.j0+nc-1)+" (across); "+(Math.max(nr,nc)>MSZ?"one pixel = up to "+(Math.max(nr,nc)/MSZ).toFixed(1)+" tokens (max shown)":"one cell = one token pair")+
     "; darker = more weight (square-root scale)";
   if(ms.pin)describe(ms.pin.x,ms.pin.y,true);
   drawLabels();
@@ -223,24 +233,26 @@ const mrows=document.getElementById("mrows"), mcols=document.getElementById("mco
 function drawLabels(){
   while(mrows.firstChild)mrows.removeChild(mrows.firstChild);
   while(mcols.firstChild)mcols.removeChild(mcols.firstChild);
-  const size=mat.clientWidth||MSZ, cell=size/ms.n, on=cell>=12;
+  const size=mat.clientWidth||MSZ, ch=size/ms.nr, cw=size/ms.nc, on=Math.min(ch,cw)>=12;
   mrows.classList.toggle("on",on);mcols.classList.toggle("on",on);
   if(!on)return;
-  for(let t=0;t<ms.n;t++){
+  for(let t=0;t<ms.nr;t++){
     const a=document.createElement("div");a.className="mlab";a.textContent=D.tokens[ms.i0+t];
-    a.style.top=((t+0.5)*cell-6.5)+"px";mrows.appendChild(a);
-    const b=document.createElement("div");b.className="mlab";b.textContent=D.tokens[ms.j0+t];
-    b.style.left=((t+0.5)*cell)+"px";mcols.appendChild(b);
+    a.style.top=((t+0.5)*ch-6.5)+"px";mrows.appendChild(a);
+  }
+  for(let t=0;t<ms.nc;t++){
+    const b=document.createElement("div");b.className="mlab";b.textContent=KT[ms.j0+t];
+    b.style.left=((t+0.5)*cw)+"px";mcols.appendChild(b);
   }
 }
-function cellAt(x,y){const m=ms.m,c=Math.min(m-1,Math.max(0,Math.floor(x*m))),r=Math.min(m-1,Math.max(0,Math.floor(y*m)));return r*m+c;}
+function cellAt(x,y){const c=Math.min(ms.mc-1,Math.max(0,Math.floor(x*ms.mc))),r=Math.min(ms.mr-1,Math.max(0,Math.floor(y*ms.mr)));return r*ms.mc+c;}
 function span(a,b){return a===b?String(a):a+"\u2013"+b;}
 function describe(x,y,pinned){
-  const m=ms.m,n=ms.n,c=cellAt(x,y),r=Math.floor(c/m),cc=c%m;
-  const qa=ms.i0+Math.ceil(r*n/m),qb=ms.i0+Math.ceil((r+1)*n/m)-1,ka=ms.j0+Math.ceil(cc*n/m),kb=ms.j0+Math.ceil((cc+1)*n/m)-1;
+  const mr=ms.mr,mc=ms.mc,nr=ms.nr,nc=ms.nc,c=cellAt(x,y),r=Math.floor(c/mc),cc=c%mc;
+  const qa=ms.i0+Math.ceil(r*nr/mr),qb=ms.i0+Math.ceil((r+1)*nr/mr)-1,ka=ms.j0+Math.ceil(cc*nc/mc),kb=ms.j0+Math.ceil((cc+1)*nc/mc)-1;
   let s;
   if(ms.AI[c]<0)s="queries "+span(qa,qb)+" \u00d7 keys "+span(ka,kb)+": no weight shown there";
-  else s="query "+ms.AI[c]+" "+tokName(ms.AI[c])+" \u2192 key "+ms.AJ[c]+" "+tokName(ms.AJ[c])+": weight "+ms.G[c].toFixed(3)+
+  else s="query "+ms.AI[c]+" "+tokName(ms.AI[c])+" \u2192 key "+ms.AJ[c]+" "+keyName(ms.AJ[c])+": weight "+ms.G[c].toFixed(3)+
     ", head "+ms.AH[c]+(qb>qa||kb>ka?" (strongest in queries "+span(qa,qb)+" \u00d7 keys "+span(ka,kb)+")":"");
   mread.textContent=(pinned?"[pinned] ":"")+"layer "+ms.layer+": "+s;
   return s;
@@ -248,7 +260,7 @@ function describe(x,y,pinned){
 function rel(e){const b=mat.getBoundingClientRect();return [(e.clientX-b.left)/b.width,(e.clientY-b.top)/b.height];}
 let drag=null;
 mat.addEventListener("mousemove",function(e){const p=rel(e);
-  if(drag){const b=mat.getBoundingClientRect();ms.j0=drag.j0-(e.clientX-drag.x)*ms.n/b.width;ms.i0=drag.i0-(e.clientY-drag.y)*ms.n/b.height;
+  if(drag){const b=mat.getBoundingClientRect();ms.j0=drag.j0-(e.clientX-drag.x)*ms.nc/b.width;ms.i0=drag.i0-(e.clientY-drag.y)*ms.nr/b.height;
     if(Math.abs(e.clientX-drag.x)+Math.abs(e.clientY-drag.y)>3){drag.moved=true;mrender();}return;}
   const s=describe(p[0],p[1],false);tip.textContent=s;tip.style.display="block";
   tip.style.left=Math.min(innerWidth-tip.offsetWidth-4,e.clientX+14)+"px";tip.style.top=(e.clientY+14)+"px";});
@@ -257,13 +269,14 @@ mat.addEventListener("mousedown",function(e){drag={x:e.clientX,y:e.clientY,i0:ms
 mat.addEventListener("mouseup",function(e){const d=drag;drag=null;if(d&&d.moved)return;const p=rel(e);
   ms.pin=(ms.pin&&Math.abs(ms.pin.x-p[0])<1e-3&&Math.abs(ms.pin.y-p[1])<1e-3)?null:{x:p[0],y:p[1]};
   if(ms.pin)describe(p[0],p[1],true);else describe(p[0],p[1],false);});
-function zoom(f,x,y){const ci=ms.i0+y*ms.n,cj=ms.j0+x*ms.n;ms.n=ms.n/f;clampView();ms.i0=ci-y*ms.n;ms.j0=cj-x*ms.n;ms.pin=null;mrender();}
+function zoom(f,x,y){const ci=ms.i0+y*ms.nr,cj=ms.j0+x*ms.nc;ms.nr=ms.nr/f;ms.nc=ms.nc/f;clampView();
+  ms.i0=ci-y*ms.nr;ms.j0=cj-x*ms.nc;ms.pin=null;mrender();}
 mat.addEventListener("wheel",function(e){e.preventDefault();const p=rel(e);zoom(e.deltaY<0?2:0.5,p[0],p[1]);
   const s=describe(p[0],p[1],false);tip.textContent=s;},{passive:false});
 document.getElementById("zin").addEventListener("click",function(){zoom(2,0.5,0.5);});
 document.getElementById("zout").addEventListener("click",function(){zoom(0.5,0.5,0.5);});
-document.getElementById("zreset").addEventListener("click",function(){ms.n=T;ms.i0=0;ms.j0=0;ms.pin=null;mrender();});
-document.getElementById("zdiag").addEventListener("click",function(){ms.n=Math.min(T,64);ms.j0=ms.i0;ms.pin=null;mrender();});
+document.getElementById("zreset").addEventListener("click",function(){ms.nr=T;ms.nc=S;ms.i0=0;ms.j0=0;ms.pin=null;mrender();});
+document.getElementById("zdiag").addEventListener("click",function(){ms.nr=Math.min(T,64);ms.nc=Math.min(S,64);ms.j0=ms.i0;ms.pin=null;mrender();});
 mlayerSel.addEventListener("change",function(){ms.layer=+mlayerSel.value;mrender();});
 mhead.addEventListener("change",function(){ms.head=+mhead.value;mrender();});
 // distance histogram: mean attention mass per query by |i - j| bin, one small chart per head
@@ -293,18 +306,18 @@ function drawHists(){
 // ---- model view
 const grid=document.getElementById("grid");
 grid.style.gridTemplateColumns="repeat("+NH+", 68px)";
-const px=Math.min(T,64);
+const pr=Math.min(T,64), pc=Math.min(S,64);
 for(let l=0;l<NL;l++)for(let h=0;h<NH;h++){
   const cell=document.createElement("div");cell.className="cell";cell.dataset.layer=l;cell.dataset.head=h;
-  const cv=document.createElement("canvas");cv.width=px;cv.height=px;cv.style.width="64px";cv.style.height="64px";
-  const ctx=cv.getContext("2d"), img=ctx.createImageData(px,px);
-  for(let y=0;y<px;y++){
-    const i=Math.floor(y*T/px), r=row(l,h,i);
-    let mx=0;for(let j=0;j<T;j++)if(r[j]>mx)mx=r[j];
-    for(let x=0;x<px;x++){
-      const j0=Math.floor(x*T/px), j1=Math.max(j0+1,Math.floor((x+1)*T/px));
+  const cv=document.createElement("canvas");cv.width=pc;cv.height=pr;cv.style.width="64px";cv.style.height="64px";
+  const ctx=cv.getContext("2d"), img=ctx.createImageData(pc,pr);
+  for(let y=0;y<pr;y++){
+    const i=Math.floor(y*T/pr), r=row(l,h,i);
+    let mx=0;for(let j=0;j<S;j++)if(r[j]>mx)mx=r[j];
+    for(let x=0;x<pc;x++){
+      const j0=Math.floor(x*S/pc), j1=Math.max(j0+1,Math.floor((x+1)*S/pc));
       let v=0;for(let j=j0;j<j1;j++)v=Math.max(v,r[j]);
-      const a=mx>0?v/mx:0, o=(y*px+x)*4;
+      const a=mx>0?v/mx:0, o=(y*pc+x)*4;
       img.data[o]=255-Math.round(a*247);img.data[o+1]=255-Math.round(a*207);img.data[o+2]=255-Math.round(a*148);img.data[o+3]=255;
     }
   }
@@ -323,6 +336,8 @@ for(let l=0;l<NL;l++)for(let h=0;h<NH;h++){
 }
 // ---- pattern view
 const pv=document.getElementById("patterns");
+if(!D.patterns.length){const m=document.createElement("div");m.className="meta";
+  m.textContent="cross-attention ("+T+" queries \u00d7 "+S+" keys): structured patterns are drawn for self-attention only";pv.appendChild(m);}
 D.patterns.forEach(function(p){
   const box=document.createElement("div");box.className="pat";
   const cv=document.createElement("canvas");cv.width=p.n;cv.height=p.n;
@@ -333,6 +348,68 @@ D.patterns.forEach(function(p){
   cap.textContent=p.name+": density "+(100*p.density).toFixed(1)+"%, saves "+(100*p.flops_saved).toFixed(0)+"% of the FLOPs";
   box.appendChild(cv);box.appendChild(cap);pv.appendChild(box);
 });
+// ---- export: the view as it is drawn now, as SVG (built here) or PNG (that SVG rasterised on a canvas)
+function el(name,attrs,text){const e=document.createElementNS(NS,name);
+  for(const k in attrs)e.setAttribute(k,String(attrs[k]));if(text!==undefined)e.textContent=text;return e;}
+function svgText(x,y,t,o){return el("text",Object.assign({x:x,y:y,"font-size":12,"font-family":"monospace",fill:"#1d1d1f"},o||{}),t);}
+function headSvg(root){
+  const qw=Math.max(60,qcol.offsetWidth), kw=Math.max(60,kcol.offsetWidth), top=24, w=qw+SVGW+kw, h=top+N*ROW+6;
+  root.appendChild(svgText(4,15,readout.textContent,{"font-family":"sans-serif"}));
+  qs.forEach(function(q,i){root.appendChild(svgText(qw-6,top+i*ROW+13,D.tokens[i],{"text-anchor":"end","font-weight":i===state.sel?"bold":"normal"}));});
+  ks.forEach(function(k,j){if(k.style.background)root.appendChild(el("rect",{x:qw+SVGW,y:top+j*ROW,width:kw,height:ROW,fill:k.style.background}));
+    root.appendChild(svgText(qw+SVGW+6,top+j*ROW+13,KT[j]));});
+  const g=el("g",{transform:"translate("+qw+","+top+")"});
+  Array.from(svg.childNodes).forEach(function(n){g.appendChild(n.cloneNode(true));});
+  root.appendChild(g);return [w,h];
+}
+function matrixSvg(root){
+  const size=512, lab=(mrows.classList.contains("on")?100:0), top=24+(mcols.classList.contains("on")?70:0);
+  root.appendChild(svgText(4,15,mread.textContent+" \u2014 "+document.getElementById("mview").textContent,{"font-family":"sans-serif"}));
+  root.appendChild(el("image",{x:lab,y:top,width:size,height:size,href:mat.toDataURL("image/png"),"image-rendering":"pixelated",
+    preserveAspectRatio:"none"}));
+  if(lab){const ch=size/ms.nr,cw=size/ms.nc;
+    for(let t=0;t<ms.nr;t++)root.appendChild(svgText(lab-4,top+(t+0.5)*ch+4,D.tokens[ms.i0+t],{"text-anchor":"end","font-size":11}));
+    for(let t=0;t<ms.nc;t++){const x=lab+(t+0.5)*cw,y=top-4;
+      root.appendChild(svgText(x,y,KT[ms.j0+t],{"font-size":11,transform:"rotate(-55 "+x+" "+y+")"}));}}
+  return [lab+size+8,top+size+8];
+}
+function canvasGridSvg(root,boxes,cols,cw,chh,title){
+  root.appendChild(svgText(4,15,title,{"font-family":"sans-serif"}));
+  boxes.forEach(function(b,t){const x=4+(t%cols)*cw,y=24+Math.floor(t/cols)*chh,s=cw-12;
+    root.appendChild(el("image",{x:x,y:y,width:s,height:s,href:b[0].toDataURL("image/png"),"image-rendering":"pixelated",preserveAspectRatio:"none"}));
+    root.appendChild(el("rect",{x:x,y:y,width:s,height:s,fill:"none",stroke:"#999"}));
+    root.appendChild(svgText(x,y+s+12,b[1],{"font-size":10,"font-family":"sans-serif"}));});
+  return [8+cols*cw,32+Math.ceil(boxes.length/cols)*chh];
+}
+function viewSvg(view){
+  const root=el("svg",{xmlns:NS,version:"1.1"});
+  root.appendChild(el("rect",{x:0,y:0,width:"100%",height:"100%",fill:"#ffffff"}));
+  let wh;
+  if(view==="head")wh=headSvg(root);
+  else if(view==="matrix")wh=matrixSvg(root);
+  else if(view==="model")wh=canvasGridSvg(root,Array.from(grid.children).map(function(c){return [c.querySelector("canvas"),c.lastChild.textContent];}),
+    NH,76,92,D.title+": rows = layers, columns = heads");
+  else wh=canvasGridSvg(root,Array.from(pv.querySelectorAll(".pat")).map(function(c){return [c.querySelector("canvas"),c.lastChild.textContent];}),
+    3,240,262,D.title+": patterns");
+  const t0=root.querySelector("text");if(t0)wh[0]=Math.max(wh[0],12+7*t0.textContent.length);  // the title line fits
+  root.setAttribute("width",String(Math.ceil(wh[0])));root.setAttribute("height",String(Math.ceil(wh[1])));
+  root.setAttribute("viewBox","0 0 "+Math.ceil(wh[0])+" "+Math.ceil(wh[1]));
+  return new XMLSerializer().serializeToString(root);
+}
+function download(name,url){const a=document.createElement("a");a.download=name;a.href=url;document.body.appendChild(a);a.click();a.remove();}
+function exportView(view,fmt){
+  const s=viewSvg(view), url="data:image/svg+xml;charset=utf-8,"+encodeURIComponent(s), name="attnlab-"+view+"-layer"+
+    (view==="matrix"?ms.layer:state.layer);
+  if(fmt==="svg"){download(name+".svg",url);return;}
+  const im=new Image();
+  im.onload=function(){const c=document.createElement("canvas"),k=2;c.width=im.width*k;c.height=im.height*k;
+    const x=c.getContext("2d");x.fillStyle="#fff";x.fillRect(0,0,c.width,c.height);x.scale(k,k);x.drawImage(im,0,0);
+    download(name+".png",c.toDataURL("image/png"));};
+  im.onerror=function(){alert("PNG export failed; the SVG export still works");};
+  im.src=url;
+}
+document.querySelectorAll("button.export").forEach(function(b){b.addEventListener("click",function(){
+  exportView(b.closest("section").id,b.dataset.fmt);});});
 // ---- fit the page to the window: the token box and the matrix take what is left, the readout stays above
 function fit(){
   const box=document.getElementById("hvbox");
@@ -341,7 +418,7 @@ function fit(){
     mat.style.width=s+"px";mat.style.height=s+"px";}
 }
 addEventListener("resize",function(){fit();drawLabels();});
-show(T>D.matrix_first?"matrix":"head");
+show(N>D.matrix_first?"matrix":"head");
 render();mrender();fit();drawLabels();
 document.body.dataset.ready="1";
 window.attnlabReadyMs=performance.now();
@@ -357,25 +434,25 @@ _HTML = """<!doctype html>
 <title>__TITLE__</title><style>__CSS__</style></head>
 <body>
 <header><h1>__TITLE__</h1>
-<div class="meta">model: __MODEL__ · mechanism: __MECH__ · __T__ tokens · __LAYERS__ layers × __HEADS__ heads · mode: __MODE__</div>
+<div class="meta">model: __MODEL__ · mechanism: __MECH__ · __SHAPE__ · __LAYERS__ layers × __HEADS__ heads · mode: __MODE__</div>
 <div class="meta" id="textline">text: <span id="text">__TEXT__</span></div>
 __NOTES__
 </header>
 <nav><button data-view="head">head view</button><button data-view="matrix">matrix view</button><button data-view="model">model view</button><button data-view="pattern">pattern view</button></nav>
 <section id="head">
-<div class="controls"><label>layer <select id="layer"></select></label><span id="chips"></span><button id="allheads">all heads</button></div>
+<div class="controls"><label>layer <select id="layer"></select></label><span id="chips"></span><button id="allheads">all heads</button><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this view as drawn now (PNG)">export PNG</button></div>
 <div id="readout" class="readout"></div>
 <div id="hvbox"><div id="hv"><div class="col q" id="qcol"></div><svg id="lines" width="170" height="18"></svg><div class="col k" id="kcol"></div></div></div>
 </section>
 <section id="matrix">
 <div class="controls"><label>layer <select id="mlayer"></select></label><label>show <select id="mhead"></select></label>
 <button id="zin" title="zoom in (or the mouse wheel)">zoom in</button><button id="zout">zoom out</button><button id="zreset">whole matrix</button>
-<button id="zdiag" title="64 tokens at the top-left of the view, on the diagonal">diagonal close-up</button></div>
+<button id="zdiag" title="64 tokens at the top-left of the view, on the diagonal">diagonal close-up</button><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this view as drawn now (PNG)">export PNG</button></div>
 <div id="mreadout" class="readout">move the pointer over the matrix (wheel: zoom, drag: pan, click: pin)</div>
 <div id="mwrap"><div id="mgrid"><div></div><div id="mcols"></div><div id="mrows"></div><canvas id="mat"></canvas></div><div id="mside"><div class="meta" id="mview"></div><div class="meta" id="histtitle" style="margin:8px 0 4px"></div><div id="hists"></div></div></div>
 </section>
-<section id="model"><div class="meta">rows: layers, columns: heads (darker = more weight, each row scaled to its max). Click one to open it in the head view.</div><div class="grid" id="grid"></div></section>
-<section id="pattern"><div class="meta">which (query, key) pairs take part; dark = computed</div><div id="patterns"></div></section>
+<section id="model"><div class="controls"><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this view as drawn now (PNG)">export PNG</button></div><div class="meta">rows: layers, columns: heads (darker = more weight, each row scaled to its max). Click one to open it in the head view.</div><div class="grid" id="grid"></div></section>
+<section id="pattern"><div class="controls"><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this view as drawn now (PNG)">export PNG</button></div><div class="meta">which (query, key) pairs take part; dark = computed</div><div id="patterns"></div></section>
 <div id="tip"></div>
 <script id="attn-data" type="application/json">__DATA__</script>
 <script>__JS__</script>
@@ -391,6 +468,11 @@ def _json_for_script(data: dict) -> str:
     return s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
+def _shape_text(data: dict) -> str:
+    T, S = int(data["T"]), int(data.get("S", data["T"]))
+    return f"{T} tokens" if S == T and "key_tokens" not in data else f"cross-attention: {T} queries × {S} keys"
+
+
 def render_page(data: dict) -> str:
     """The whole page as a string (see ``attnlab.viz.data.attention_data`` for ``data``)."""
     e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
@@ -399,7 +481,7 @@ def render_page(data: dict) -> str:
     if len(text) > 600:
         text = text[:600] + "…"
     rep = {"__TITLE__": e(data.get("title", "attnlab viz")), "__MODEL__": e(data["model"]),
-           "__MECH__": e(data["mechanism"]), "__T__": str(int(data["T"])), "__LAYERS__": str(int(data["layers"])),
+           "__MECH__": e(data["mechanism"]), "__SHAPE__": _shape_text(data), "__LAYERS__": str(int(data["layers"])),
            "__HEADS__": str(int(data["heads"])), "__MODE__": e(data["mode"]), "__TEXT__": e(text),
            "__NOTES__": notes, "__CSS__": _CSS, "__JS__": _JS}
     rep["__DATA__"] = _json_for_script({**data, "palette": list(HEAD_COLOURS), "matrix_first": MATRIX_FIRST})
