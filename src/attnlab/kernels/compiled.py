@@ -36,7 +36,7 @@ __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "bui
            "has_fast_gemm", "uses_brgemm", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 6
+ABI_VERSION = 7
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -299,23 +299,26 @@ class _CompiledFunction(torch.autograd.Function):
         ext = _load()
         # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
         keep_acc = q.dtype in (torch.bfloat16, torch.float16) and any(ctx.needs_input_grad[:3])
-        out, lse, out_acc = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
-                                        alibi_offset, lay.block_q, lay.block_k, _allow_brgemm(), keep_acc)
-        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, bias)
+        # lse_lo: lse's rounding error, lse + lse_lo = m + log(l) for the backward (csrc Note [Split log-sum-exp])
+        out, lse, out_acc, lse_lo = ext.forward(q, k, v, *lay.tensors, keep, bias, alibi, scale, softcap,
+                                                alibi_causal, alibi_offset, lay.block_q, lay.block_k, _allow_brgemm(),
+                                                keep_acc)
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, lse_lo, bias)
         ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, bias = ctx.saved_tensors
+        q, k, v, out, lse, lse_lo, bias = ctx.saved_tensors
         lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
         # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
         # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
         bias_grad = bias is not None and ctx.needs_input_grad[5]
-        dq, dk, dv, dbias = _load().backward(dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap,
-                                             alibi_causal, alibi_offset, lay.block_q, lay.block_k,
-                                             _backward_brgemm(q.dtype, lay),
+        # the scores on the forward's engine (csrc Note [Same scores]), the other products on _backward_brgemm's
+        dq, dk, dv, dbias = _load().backward(dout, q, k, v, out, lse, lse_lo, *lay.tensors, keep, bias, alibi, scale,
+                                             softcap, alibi_causal, alibi_offset, lay.block_q, lay.block_k,
+                                             _backward_brgemm(q.dtype, lay), _allow_brgemm(),
                                              bias_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
         return dq, dk, dv, None, None, dbias, None, None, None, None, None
 
@@ -381,11 +384,12 @@ def scratch_bytes(block_q: int, block_k: int, E: int, Ev: int) -> int:
 
 def saved_bytes(r: Request) -> int:
     """Bytes the forward keeps for the backward besides q, k, v and the output: the log-sum-exp
-    [N, H, L] and, for half types under autograd, the output again in float32 [N, H, L, Ev]
-    (csrc Note [fp32 O for delta])."""
+    [N, H, L] and, under autograd, its rounding error [N, H, L] (csrc Note [Split log-sum-exp]) and, for
+    half types, the output again in float32 [N, H, L, Ev] (csrc Note [fp32 O for delta])."""
     acc = 8 if r.dtype == torch.float64 else 4
     out_acc = r.N * r.H * r.L * r.Ev * 4 if r.needs_grad and r.dtype in (torch.bfloat16, torch.float16) else 0
-    return r.N * r.H * r.L * acc + out_acc
+    lse_lo = r.N * r.H * r.L * acc if r.needs_grad else 0
+    return r.N * r.H * r.L * acc + lse_lo + out_acc
 
 
 def bias_grad_bytes(r: Request) -> int:
