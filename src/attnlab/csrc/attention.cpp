@@ -440,6 +440,23 @@ inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64
   }
 }
 
+// Note [Chunked reductions]: brgemm sums each C element over K in one fma chain, then adds C (beta = 1);
+// MKL's gemm sums chunks of 128 (matched bit for bit on this CPU). At K = 256 one chain rounds 1.4x (rms),
+// 1.8x (max) MKL's error, and the fp32 forward at head dim 224 / 256 reached 2.3x the naive fp32
+// computation's output error (flash-attn's test allows 2x). The long reductions (the scores' K = E, the
+// forward's P @ V over a merged run of up to 512 keys, the backward's dP = dO V^T over Ev) therefore run
+// as chunks of kBrgChunk added into C: rms 0.73x MKL's at K = 256, for one more load and store of C per
+// chunk. Forward and backward chunk the scores alike (Note [Same scores]). K stays even per chunk (VNNI).
+constexpr int64_t kBrgChunk = 64;
+
+template <typename T>
+inline void brg_chunked(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* a,
+                        const T* b, float* c) {
+  // A [M, K] row-major: chunk k0 starts at column k0; B [K, N] (or VNNI [K / 2, N, 2]): at row k0, k0 * ldb values
+  for (int64_t k0 = 0; k0 < K; k0 += kBrgChunk)
+    brg<T>(M, N, std::min(kBrgChunk, K - k0), lda, ldb, ldc, add || k0 > 0, a + k0, b + k0 * ldb, c);
+}
+
 // dst[e * ldd + c] = src[c * ld + e] for c < cols, e < width, on 4-byte words (a float, or a pair of
 // bf16/fp16 values: the VNNI layout of a transpose is the word transpose). ld in words. AVX-512 gathers 16
 // rows' word e at once (the scalar loop's strided stores ran ~3 cycles a value: 10% of a bf16 call).
@@ -790,7 +807,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           if (use_brg) {
             for (int32_t j = 0; j < run; ++j) {
               const T* ktp = KT + ((n * Hkv + kvh) * nk + kb0 + j) * E * bk;
-              brg<T>(rows, std::min(bk, S - k0 - j * bk), E, q.stride(2), bk, ls, false, qp, ktp, s + j * bk);
+              brg_chunked<T>(rows, std::min(bk, S - k0 - j * bk), E, q.stride(2), bk, ls, false, qp, ktp,
+                             s + j * bk);
             }
             mul = scale;
           }
@@ -834,15 +852,15 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if constexpr (kSame) {
           if constexpr (std::is_same_v<T, float>) {
             if (use_brg) {
-              brg<T>(rows, Ev, cols, ls, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
+              brg_chunked<T>(rows, Ev, cols, ls, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
               continue;
             }
           }
           gemm(false, false, rows, Ev, cols, A(1), s, ls, vp + k0 * v.stride(2), v.stride(2), A(1), obuf.data(), Ev);
         } else {
           if (use_brg) {
-            brg<T>(rows, Ev, cols + (cols & 1), ls, Ev, Ev, true, pbuf.data(), VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev,
-                   obuf.data());
+            brg_chunked<T>(rows, Ev, cols + (cols & 1), ls, Ev, Ev, true, pbuf.data(),
+                           VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev, obuf.data());
           } else {
             gemm(false, false, rows, Ev, cols, A(1), pbuf.data(), ls, vp + k0 * v.stride(2), v.stride(2), A(1),
                  obuf.data(), Ev);
@@ -1055,7 +1073,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             A mul = A(1);
             if constexpr (!std::is_same_v<T, double>) {
               if (score_brg) {
-                brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + panel * E * bk, p);
+                brg_chunked<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + panel * E * bk, p);
                 mul = scale;
               }
             }
@@ -1079,7 +1097,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 const int64_t rp = rows + (rows & 1), cp = cols + (cols & 1);
                 pack_vnni(pT.data(), bk, rows, cols, pv.data());
                 brg<T>(Ev, cols, rp, bqp, cols, ldt, true, doT.data(), pv.data(), dvT.data() + panel * bk);
-                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
+                brg_chunked<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
                 for (int64_t r = 0; r < rows; ++r) {
                   A* dr = ds + r * bk;
                   score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], scale,
@@ -1098,7 +1116,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 // dV += P^T dO; dP = dO V^T; dS = P (dP - delta) scale; dQ += dS K; dK += dS^T Q
                 transpose(p, bk, rows, cols, ptile.data(), bq);
                 brg<T>(cols, Ev, rows, bq, Ev, Ev, true, ptile.data(), dop, dvp + k0 * Ev);
-                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
+                brg_chunked<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
                 for (int64_t r = 0; r < rows; ++r)
                   score_grad_row<A>(ds + r * bk, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r],
                                     scale, cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
