@@ -665,7 +665,8 @@ ScoreMods<A> make_mods(const std::optional<at::Tensor>& keep, const std::optiona
                        const std::optional<at::Tensor>& alibi, double softcap, bool alibi_causal,
                        int64_t alibi_offset, at::IntArrayRef shape4) {
   ScoreMods<A> m;
-  m.softcap = static_cast<A>(softcap);
+  // a cap past A's range is the identity (Python's Note [Soft-cap at infinity]); cast, it was inf and inf * 0 NaN
+  m.softcap = softcap > static_cast<double>(std::numeric_limits<A>::max()) ? A(0) : static_cast<A>(softcap);
   if (keep && keep->defined()) {
     TORCH_CHECK(keep->scalar_type() == at::kByte || keep->scalar_type() == at::kBool, "attnlab._C: keep must be bool");
     TORCH_CHECK(keep->sizes() == shape4, "attnlab._C: keep must be expanded to ", shape4, ", got ", keep->sizes());
@@ -683,6 +684,8 @@ ScoreMods<A> make_mods(const std::optional<at::Tensor>& keep, const std::optiona
     TORCH_CHECK(alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 1 &&
                 alibi->size(0) == shape4[1], "attnlab._C: alibi slopes must be float32 [H]");
     m.alibi = alibi->data_ptr<float>();
+    for (int64_t h = 0; h < shape4[1]; ++h)  // an inf slope gives inf * 0 = NaN on the aligned key
+      TORCH_CHECK(std::isfinite(m.alibi[h]), "attnlab._C: alibi slopes must be finite float32, got ", m.alibi[h]);
     m.alibi_causal = alibi_causal;
     m.alibi_offset = alibi_offset;
   }

@@ -363,14 +363,20 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask.softcap is not None or mask.alibi is not None:
         if softcap or alibi_slopes is not None:
             raise ValueError("compiled_attention: softcap/alibi_slopes given both in mask and as keywords")
-        softcap = mask.softcap or 0.0
+        softcap = mask.softcap_for(acc) or 0.0  # Note [Soft-cap at infinity] (kernels/masks.py)
         if mask.alibi is not None:
             if mask.alibi.shape[0] != 1:
                 raise ValueError(f"the compiled kernel takes ALiBi slopes [H] only, got one row per batch element "
                                  f"{list(mask.alibi.shape)}")
             alibi_slopes, alibi_causal = mask.alibi[0], False
+    if softcap and softcap > torch.finfo(acc).max:  # Note [Soft-cap at infinity]: the identity
+        softcap = 0.0
     if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
+        a = alibi_slopes.detach()
+        if not bool(torch.isfinite(a.to(torch.float32)).all()):
+            raise ValueError(f"alibi_slopes must be finite float32 values, |slope| <= {torch.finfo(torch.float32).max:.6g} "
+                             f"(the kernel computes ALiBi in float32), got {a.tolist() if a.numel() <= 16 else 'others'}")
+        alibi_slopes = a.to(torch.float32).contiguous()
     return _CompiledFunction.apply(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), layout, keep, bias,
                                    alibi_slopes, float(scale), float(softcap), bool(alibi_causal), int(S - L))
 
