@@ -617,7 +617,9 @@ def test_large_logits_keep_the_naive_accuracy(dtype, scale):
                          q, k, v, do)
     # at scale 1000 every row is one-hot: the exact dq, dk are 0, and the naive softmax backward's P (dP - P·dP)
     # cancels exactly; a flash backward's delta = rowsum(dO∘O) does not (SDPA's: dq 6e-2), so only out and dv there
-    names = ("out", "dv") if scale > 100 else ("out", "dq", "dk", "dv")
+    # half types' dq, dk round P and dS to the dtype for their products, a larger error than this float32-inside
+    # baseline's (test_differential budgets them: GRAD_ERROR_FACTOR and the delta floor)
+    names = ("out", "dv") if scale > 100 or dtype != torch.float32 else ("out", "dq", "dk", "dv")
     _flash_attn_rule(got, ref, naive, dtype, f"{dtype} scale {scale}", names)
 
 
