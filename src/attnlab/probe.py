@@ -161,6 +161,10 @@ class _HeadView:
         self.mask, self.heads = mask, heads
         self.softcap = mask.softcap  # None: probe takes no score modifications
 
+    def softcap_for(self, dtype):
+        """The mask's soft-cap in effect in ``dtype`` (MaskSpec.softcap_for)."""
+        return self.mask.softcap_for(dtype)
+
     def block(self, i, j, N):
         keep, bias = self.mask.block(i, j, N)
         if self.heads is not None:

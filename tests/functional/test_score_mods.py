@@ -268,6 +268,9 @@ BAD = [
     (dict(alibi_slopes=torch.ones(4, requires_grad=True)), AttentionInputError,
      r"alibi_slopes requires grad.*alibi_slopes.detach\(\)"),
     (dict(alibi_slopes=[0.5, 0.25, 0.1, 0.1]), TypeError, r"alibi_slopes must be a torch.Tensor, got list"),
+    # issue 21 (11): a float64 slope past float32's range was inf in the compiled kernel, inf·0 = NaN
+    (dict(alibi_slopes=torch.tensor([1e39, 0.5, 0.1, 0.1], dtype=torch.float64)), AttentionInputError,
+     r"alibi_slopes must be at most 3.40282e\+38 in magnitude.*float32.*got max \|slope\| 1e\+39"),
 ]
 
 
@@ -277,6 +280,34 @@ def test_bad_values_are_clear_errors_naming_the_argument(fn, kw, err, msg):
     q, k, v = _qkv()
     with pytest.raises(err, match=msg):
         getattr(attnlab, fn)(q, k, v, **kw)
+
+
+#: issue 21 (11): softcap=3.5e38 with float32 inputs is inf in float32, and inf·tanh(x / inf) = NaN in every
+#: method; c·tanh(x / c) -> x as c -> inf, so a cap past the compute dtype's range is the identity (Note [Soft-cap
+#: at infinity], kernels/masks.py). float64 inputs keep such a cap (finite there), which is the identity too.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("method", [m for m in METHODS if kernels.get(m).softcap])
+def test_softcap_past_the_dtype_range_is_the_identity(method, dtype):
+    _skip_unbuilt(method)
+    q, k, v = _qkv(dtype=dtype, L=13, S=19)
+    slopes = _slopes(4)
+    ro, _ = reference.attention(q, k, v, is_causal=True, alibi_slopes=slopes)  # no cap
+    tol = F64 if dtype == torch.float64 else TOL[dtype]
+    for cap in (3.5e38, 1e38, 1e300 if dtype == torch.float64 else 3.4028236e38):
+        out = attnlab.attention(q, k, v, is_causal=True, softcap=cap, alibi_slopes=slopes, method=method)
+        assert_close(out, ro, **tol, what=f"{method} {dtype} softcap={cap}")
+
+
+@pytest.mark.skipif(not HAS_EXT, reason="compiled extension not built")
+def test_compiled_direct_callers_get_the_same_softcap_and_slope_rules():
+    from attnlab.kernels.masks import MaskSpec
+    q, k, v = _qkv(dtype=torch.float32, B=1, H=2, L=9, S=9)
+    spec = MaskSpec(9, 9)
+    plain = compiled.compiled_attention(q, k, v, spec, 0.35)[0]
+    huge = compiled.compiled_attention(q, k, v, spec, 0.35, softcap=3.5e38)[0]
+    assert torch.equal(huge, plain)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be finite float32 values, \|slope\| <= 3.40282e\+38"):
+        compiled.compiled_attention(q, k, v, spec, 0.35, alibi_slopes=torch.tensor([1e39, 0.5], dtype=torch.float64))
 
 
 def test_explain_shows_the_choice_and_what_sdpa_pays_for_alibi():

@@ -344,7 +344,8 @@ def test_gradcheck_float64_float_mask_with_softcap_pattern_alibi():
 
 def test_peak_counts_saved_fp32_output_and_bias_gradient():
     """explain's compiled peak: + the bias's dense gradient [N, H, L, S] float32 when it requires grad,
-    + the fp32 O [N, H, L, Ev] a half-type forward keeps for the backward (csrc Note [fp32 O for delta])."""
+    + the fp32 O [N, H, L, Ev] a half-type forward keeps for the backward (csrc Note [fp32 O for delta]),
+    + the lse's rounding error [N, H, L] under autograd (csrc Note [Split log-sum-exp])."""
     q, k, v = _qkv((2, 4, 96, 16), (2, 4, 80, 16), Ev=8)
     pat = P.sliding_window(16)
 
@@ -355,13 +356,16 @@ def test_peak_counts_saved_fp32_output_and_bias_gradient():
     assert peak(q, bias.requires_grad_()) - peak(q, bias.detach()) == 2 * 4 * 96 * 80 * 4
     # explain's request says whether autograd will run (q, k or v requires grad under grad mode)
     qb = q.to(torch.bfloat16)
-    assert peak(qb.clone().requires_grad_(), None) - peak(qb, None) == 2 * 4 * 96 * 8 * 4
+    assert peak(qb.clone().requires_grad_(), None) - peak(qb, None) == 2 * 4 * 96 * 8 * 4 + 2 * 4 * 96 * 4
     with torch.no_grad():
         assert peak(qb.clone().requires_grad_(), None) == peak(qb, None)
     from attnlab.kernels.spec import Request
     r = Request(2, 4, 4, 96, 80, 16, 8, torch.bfloat16)
-    assert compiled.saved_bytes(dataclasses.replace(r, needs_grad=True)) - compiled.saved_bytes(r) == 2 * 4 * 96 * 8 * 4
-    assert compiled.saved_bytes(dataclasses.replace(r, dtype=torch.float32, needs_grad=True)) == 2 * 4 * 96 * 4
+    assert compiled.saved_bytes(dataclasses.replace(r, needs_grad=True)) - compiled.saved_bytes(r) == \
+        2 * 4 * 96 * 8 * 4 + 2 * 4 * 96 * 4
+    # fp32: the log-sum-exp and, under autograd, its rounding error (csrc Note [Split log-sum-exp])
+    assert compiled.saved_bytes(dataclasses.replace(r, dtype=torch.float32)) == 2 * 4 * 96 * 4
+    assert compiled.saved_bytes(dataclasses.replace(r, dtype=torch.float32, needs_grad=True)) == 2 * 2 * 4 * 96 * 4
 
 
 @pytest.mark.parametrize("kind", ["window", "float_mask"])
@@ -555,3 +559,122 @@ def test_no_ext_environment_falls_back():
     first, err = r.stdout.strip().splitlines()
     assert first.split(" | ")[0] != "compiled" and "ATTNLAB_NO_EXT" in first
     assert float(err) < 1e-5
+
+
+# -- large logits, soft-capping and ALiBi: flash-attn's error rule (issue 21) ------------------------------------------
+def _naive_mods(q, k, v, scale, softcap=None, slopes=None, causal=False):
+    """attnlab.reference's formula with every op in q's dtype (flash-attn's attention_ref(upcast=False)):
+    softmax(softcap·tanh(q kᵀ·scale / softcap) − slope·|i + S − L − j|, causal top-left) v."""
+    L, S = q.shape[-2], k.shape[-2]
+    s = (q @ k.transpose(-2, -1)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        d = (torch.arange(L).view(-1, 1) + S - L - torch.arange(S)).abs().to(s.dtype)
+        s = s - slopes.to(s.dtype).view(-1, 1, 1) * d
+    if causal:
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return (p / p.sum(-1, keepdim=True)) @ v
+
+
+def _out_and_grads(fn, q, k, v, g):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), g.to(out.dtype)))
+
+
+def _flash_attn_rule(got, ref, naive, dtype, what, names=("out", "dq", "dk", "dv")):
+    """flash-attn's test_flash_attn_output: |method - float64| <= 2x (output) / 3x (gradients) the
+    same-dtype computation's error, + twice the rounding of the float64 result to ``dtype`` (its atol)."""
+    for name, a, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        if name not in names:
+            continue
+        rd = r.to(dtype)
+        atol = 2 * float(((rd + 0.3 - 0.3) - rd).abs().max())
+        bound = (2 if name == "out" else 3) * max_err(n, r) + atol
+        assert max_err(a, r) <= bound, f"{what} {name}: {max_err(a, r):.3g} > {bound:.3g} (naive {max_err(n, r):.3g})"
+
+
+#: issue 21 (3): the fp32 backward recomputed P = exp(s - lse) from an lse rounded to fp32 (~|lse|·2^-24 in every
+#: probability) and, for tiles over 64x64, from scores of another gemm than the forward's: dv 1.4e-3 off float64 at
+#: scale 10 (naive fp32 5.4e-5), 0.14 at scale 1000 (naive 5e-7); fp16 dv at scale 1000 4e-2 (naive 2e-3), from the
+#: half exp's rounded shift. csrc Note [Split log-sum-exp], Note [Same scores], Note [Half-type exp].
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 10.0, 1000.0])
+def test_large_logits_keep_the_naive_accuracy(dtype, scale):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 99, 32, generator=g, dtype=torch.float64).mul(3).to(dtype) for _ in range(3))
+    do = torch.randn(1, 2, 99, 32, generator=g, dtype=torch.float64).to(dtype)
+    ref = _out_and_grads(lambda a, b, c: _naive_mods(a, b, c, scale, causal=True), q.double(), k.double(), v.double(),
+                         do.double())
+    # the same-dtype computation: half types as PyTorch's math path, float32 inside (in fp16 itself the scores
+    # overflow at scale 1000), the results rounded to the dtype
+    up = torch.float32 if dtype != torch.float64 else dtype
+    naive = [t.to(dtype) for t in _out_and_grads(lambda a, b, c: _naive_mods(a, b, c, scale, causal=True), q.to(up),
+                                                 k.to(up), v.to(up), do.to(up))]
+    got = _out_and_grads(lambda a, b, c: attnlab.attention(a, b, c, is_causal=True, scale=scale, method="compiled"),
+                         q, k, v, do)
+    # at scale 1000 every row is one-hot: the exact dq, dk are 0, and the naive softmax backward's P (dP - P·dP)
+    # cancels exactly; a flash backward's delta = rowsum(dO∘O) does not (SDPA's: dq 6e-2), so only out and dv there
+    # half types' dq, dk round P and dS to the dtype for their products, a larger error than this float32-inside
+    # baseline's (test_differential budgets them: GRAD_ERROR_FACTOR and the delta floor)
+    names = ("out", "dv") if scale > 100 or dtype != torch.float32 else ("out", "dq", "dk", "dv")
+    _flash_attn_rule(got, ref, naive, dtype, f"{dtype} scale {scale}", names)
+
+
+#: issue 21 (18): flash-attn's own test failed for compiled in float32 only (dense, tiled, sdpa passed): with
+#: softcap=50 and ALiBi dv 3.7-4.5x the naive fp32 error (q·50, as flash-attn scales q for softcap), and at head
+#: dim 256 with ALiBi dq 3.9x: the lse amplification above, and brgemm's one fma chain over K = 224 / 256 (csrc
+#: Note [Chunked reductions]). Non-causal and causal (top-left), L = S and L != S, a padded key batch.
+FLASH_CASES = [
+    dict(L=256, S=256, D=32, softcap=50.0),
+    dict(L=512, S=256, D=32, softcap=50.0, causal=True),
+    dict(L=113, S=203, D=32, softcap=50.0),
+    dict(L=130, S=130, D=32, softcap=50.0, padded=True),
+    dict(L=256, S=256, D=64),
+    dict(L=128, S=203, D=128, causal=True),
+    dict(L=256, S=256, D=224),
+    dict(L=256, S=256, D=256),
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: "-".join(f"{a}{b}" for a, b in c.items()))
+def test_flash_attn_rule_float32_softcap_alibi_head_dims(case):
+    L, S, D, cap = case["L"], case["S"], case["D"], case.get("softcap")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2 if case.get("padded") else 1, 4, n, D, generator=g) for n in (L, S, S))
+    if cap:
+        q = q * cap
+    do = torch.randn(*q.shape, generator=g)
+    slopes = torch.rand(4, generator=g) * 0.3
+    scale, causal = D ** -0.5, case.get("causal", False)
+    mask = None
+    if case.get("padded"):  # flash-attn's padded varlen: batch element 1 sees its first 77 keys only
+        mask = torch.ones(2, 1, L, S, dtype=torch.bool)
+        mask[1, :, :, 77:] = False
+
+    def naive(a, b, c):
+        out = _naive_mods(a, b, c, scale, cap, slopes, causal) if mask is None else None
+        if out is None:
+            m = torch.zeros(mask.shape, dtype=a.dtype).masked_fill(~mask, float("-inf"))
+            L_, S_ = a.shape[-2], b.shape[-2]
+            s = cap * torch.tanh((a @ b.transpose(-2, -1)) * scale / cap)
+            d = (torch.arange(L_).view(-1, 1) + S_ - L_ - torch.arange(S_)).abs().to(s.dtype)
+            s = s - slopes.to(s.dtype).view(-1, 1, 1) * d + m
+            p = torch.exp(s - s.amax(-1, keepdim=True))
+            out = (p / p.sum(-1, keepdim=True)) @ c
+        return out
+
+    ref = _out_and_grads(naive, q.double(), k.double(), v.double(), do.double())
+    ref_out = torch.from_numpy(reference.attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, softcap=cap,
+                                                   alibi_slopes=slopes)[0])
+    assert_close(ref[0], ref_out, **TOL[torch.float64], what="the test's formula is attnlab.reference's")
+    base = _out_and_grads(naive, q, k, v, do)
+    # dense: the rule holds for the plain formula (the budget is not vacuous, and not unreachable); tiled is left
+    # out: at L=128, S=203, D=128, causal + ALiBi it breaks the rule itself for some draws (dq 4.5x, its fused tiles)
+    for method in ("compiled", "dense"):
+        got = _out_and_grads(lambda a, b, c: attnlab.attention(a, b, c, attn_mask=mask, is_causal=causal, scale=scale,
+                                                               softcap=cap, alibi_slopes=slopes, method=method),
+                             q, k, v, do)
+        _flash_attn_rule(got, ref, base, torch.float32, f"{method} {case}")

@@ -127,10 +127,10 @@ def test_extension_refuses_strides_it_cannot_take():
                     None, None, None, 0.3, 0.0, False, 0, 16, 16, 1, False)
     with pytest.raises(RuntimeError, match="gemm must be"):
         ext.forward(q, q, q, *lay.tensors, None, None, None, 0.3, 0.0, False, 0, 16, 16, 7, False)
-    out, lse, _ = ext.forward(q, q, q, *lay.tensors, None, None, None, 0.3, 0.0, False, 0, 16, 16, 1, False)
+    out, lse, _, lse_lo = ext.forward(q, q, q, *lay.tensors, None, None, None, 0.3, 0.0, False, 0, 16, 16, 1, False)
     with pytest.raises(RuntimeError, match="dout .* must be a contiguous"):
-        ext.backward(torch.ones(()).expand(1, 1, 4, 8), q, q, q, out, lse, *lay.tensors, None, None, None, 0.3, 0.0,
-                     False, 0, 16, 16, 1, False, 1)
+        ext.backward(torch.ones(()).expand(1, 1, 4, 8), q, q, q, out, lse, lse_lo, *lay.tensors, None, None, None, 0.3,
+                     0.0, False, 0, 16, 16, 1, 1, False, 1)
 
 
 @pytest.mark.parametrize("kind", ["keep", "bias"])

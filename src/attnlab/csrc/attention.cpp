@@ -345,7 +345,11 @@ inline A exp_sum(const A* x, int64_t n, A shift, A mul, T* dst, bool /*masked*/ 
 // 2^floor(t) itself (no separate rounding, subtraction or clamp: 3 of the pass's ~12 micro-ops per vector;
 // measured 5-15 % of a dense bf16 forward's CPU time, 1 thread). exp(-inf) is 0 (vreduceps(-inf) is 0,
 // vscalefps(1, -inf) is 0); NaN is kept. The fp32 row sum is of these values, so the log-sum-exp is
-// accurate to ~3e-6 (tests/kernels/test_compiled.py checks it against float64).
+// accurate to ~3e-6 (tests/kernels/test_compiled.py checks it against float64). The exponent is
+// (x * mul - shift) by one fma, exact for the scores that matter (near the row's max), then times log2(e):
+// folding log2(e) into the fma's constants rounded -shift * log2(e) to fp32, an error of ~|shift| * 2^-24
+// in every exponent (scale 1000, |s| ~ 5e4: 0.3 % per probability; fp16 dv 11x the naive fp16 error; the
+// backward's fp32 exp then disagreed with the forward's normalisation). One multiply more per 16 scores.
 template <bool kMasked>
 inline __m512 exp2_half_target(__m512 t) {
   // f = t - floor(t): imm 0x09 = keep 0 fraction bits, round down, no exceptions (AVX512DQ)
@@ -397,12 +401,13 @@ struct StoreHalf {
 template <bool kMasked, typename Store, typename T>
 __attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t n, float shift, float mul, T* dst) {
   constexpr float kLog2e = 1.4426950408889634f;
-  const __m512 a = _mm512_set1_ps(mul * kLog2e), b = _mm512_set1_ps(-shift * kLog2e);
+  // Note [Half-type exp]: the difference first, then the base change (never fmadd(x, mul * log2e, -shift * log2e))
+  const __m512 a = _mm512_set1_ps(mul), b = _mm512_set1_ps(-shift), l2e = _mm512_set1_ps(kLog2e);
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {
-    const __m512 e0 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, b));
-    const __m512 e1 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, b));
+    const __m512 e0 = exp2_half_target<kMasked>(_mm512_mul_ps(_mm512_fmadd_ps(_mm512_loadu_ps(x + c), a, b), l2e));
+    const __m512 e1 = exp2_half_target<kMasked>(_mm512_mul_ps(_mm512_fmadd_ps(_mm512_loadu_ps(x + c + 16), a, b), l2e));
     s0 = _mm512_add_ps(s0, e0);
     s1 = _mm512_add_ps(s1, e1);
     Store::store(e0, e1, dst + c);
@@ -411,8 +416,8 @@ __attribute__((always_inline)) inline float exp_sum_half(const float* x, int64_t
     alignas(64) T tmp[32];
     const __mmask16 m0 = n - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - c)) - 1);
     const __mmask16 m1 = n - c > 16 ? __mmask16((1u << (n - c - 16)) - 1) : __mmask16(0);
-    const __m512 e0 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x + c), a, b));
-    const __m512 e1 = exp2_half_target<kMasked>(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x + c + 16), a, b));
+    const __m512 e0 = exp2_half_target<kMasked>(_mm512_mul_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, x + c), a, b), l2e));
+    const __m512 e1 = exp2_half_target<kMasked>(_mm512_mul_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, x + c + 16), a, b), l2e));
     s0 = _mm512_mask_add_ps(s0, m0, s0, e0);
     s1 = _mm512_mask_add_ps(s1, m1, s1, e1);
     Store::store(e0, e1, tmp);
@@ -481,6 +486,23 @@ inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64
   } else {
     TORCH_CHECK(false, "attnlab._C: no brgemm for this dtype");
   }
+}
+
+// Note [Chunked reductions]: brgemm sums each C element over K in one fma chain, then adds C (beta = 1);
+// MKL's gemm sums chunks of 128 (matched bit for bit on this CPU). At K = 256 one chain rounds 1.4x (rms),
+// 1.8x (max) MKL's error, and the fp32 forward at head dim 224 / 256 reached 2.3x the naive fp32
+// computation's output error (flash-attn's test allows 2x). The long reductions (the scores' K = E, the
+// forward's P @ V over a merged run of up to 512 keys, the backward's dP = dO V^T over Ev) therefore run
+// as chunks of kBrgChunk added into C: rms 0.73x MKL's at K = 256, for one more load and store of C per
+// chunk. Forward and backward chunk the scores alike (Note [Same scores]). K stays even per chunk (VNNI).
+constexpr int64_t kBrgChunk = 64;
+
+template <typename T>
+inline void brg_chunked(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* a,
+                        const T* b, float* c) {
+  // A [M, K] row-major: chunk k0 starts at column k0; B [K, N] (or VNNI [K / 2, N, 2]): at row k0, k0 * ldb values
+  for (int64_t k0 = 0; k0 < K; k0 += kBrgChunk)
+    brg<T>(M, N, std::min(kBrgChunk, K - k0), lda, ldb, ldc, add || k0 > 0, a + k0, b + k0 * ldb, c);
 }
 
 // dst[e * ldd + c] = src[c * ld + e] for c < cols, e < width, on 4-byte words (a float, or a pair of
@@ -691,7 +713,8 @@ ScoreMods<A> make_mods(const std::optional<at::Tensor>& keep, const std::optiona
                        const std::optional<at::Tensor>& alibi, double softcap, bool alibi_causal,
                        int64_t alibi_offset, at::IntArrayRef shape4) {
   ScoreMods<A> m;
-  m.softcap = static_cast<A>(softcap);
+  // a cap past A's range is the identity (Python's Note [Soft-cap at infinity]); cast, it was inf and inf * 0 NaN
+  m.softcap = softcap > static_cast<double>(std::numeric_limits<A>::max()) ? A(0) : static_cast<A>(softcap);
   if (keep && keep->defined()) {
     TORCH_CHECK(keep->scalar_type() == at::kByte || keep->scalar_type() == at::kBool, "attnlab._C: keep must be bool");
     TORCH_CHECK(keep->sizes() == shape4, "attnlab._C: keep must be expanded to ", shape4, ", got ", keep->sizes());
@@ -709,6 +732,8 @@ ScoreMods<A> make_mods(const std::optional<at::Tensor>& keep, const std::optiona
     TORCH_CHECK(alibi->scalar_type() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 1 &&
                 alibi->size(0) == shape4[1], "attnlab._C: alibi slopes must be float32 [H]");
     m.alibi = alibi->data_ptr<float>();
+    for (int64_t h = 0; h < shape4[1]; ++h)  // an inf slope gives inf * 0 = NaN on the aligned key
+      TORCH_CHECK(std::isfinite(m.alibi[h]), "attnlab._C: alibi slopes must be finite float32, got ", m.alibi[h]);
     m.alibi_causal = alibi_causal;
     m.alibi_offset = alibi_offset;
   }
@@ -755,10 +780,38 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 // The widest tile a run of full key blocks merges into (Note [Merged runs]): the dense tile's width.
 constexpr int64_t kMergeCols = 512;
 
+// Note [Split log-sum-exp]: the backward recomputes P = exp(s - lse) (FA2). With lse rounded to the
+// accumulation dtype, every probability carries its rounding, |lse| * eps / 2 relative (lse ~ 500: 3e-5),
+// where the naive softmax's largest weight is exact (exp(0) = 1, normalised); the gradients then lost up to
+// 25x the naive fp32 computation's accuracy (causal, L = S = 99, E = 32, inputs std 3, scale 10: dv 1.4e-4
+// vs 5.4e-5). The forward therefore returns lse = m + log(l) as an unevaluated sum hi + lo: hi is the
+// public lse (rounded as before) and lo its exact rounding error (TwoSum: no fast-math, no contraction of
+// additions), and the backward exponentiates (s - hi) - lo: s - hi is exact where it matters (s near hi,
+// Sterbenz), so P is as accurate as exp itself. A row with no key: hi = -inf, lo = 0. Recomputing P this
+// way also needs the backward's scores to be the forward's, bit for bit (Note [Same scores]).
+//
+// Note [Same scores]: P = exp(s - lse) is the forward's softmax only if the backward's s is the forward's,
+// bit for bit: a score off by d moves its probability by a factor exp(d), and any other summation order of
+// q . k, or the scale rounded into the score where the forward folded it into exp's fma, is off by
+// ~|s| * eps. The fp32 forward always multiplies on brgemm (AVX-512 builds) while the backward took MKL's
+// gemm for tiles over BACKWARD_BRGEMM_MAX_TILE (compiled.py): at scale 1000 (|s| ~ 5e4) dv was 0.14 off
+// float64, the naive fp32 computation 5e-7. So the backward computes its scores on the forward's engine
+// (score_brgemm: the forward's gemm mode) whatever engine its other four products take, and folds the
+// scale into the exp exactly where the forward did (a full tile with no score modification). Left: MKL's
+// gemm on both sides (AVX2 / DEFAULT builds, ATTNLAB_EXT_GEMM=mkl) may still round a score differently
+// for the forward's merged tile than for the backward's block (its kernels follow shape and alignment).
+template <typename A>
+inline void split_lse(A m, A log_l, A& hi, A& lo) {
+  hi = m + log_l;
+  const A b = hi - m;
+  lo = (m - (hi - b)) + (log_l - b);
+  if (!std::isfinite(lo)) lo = A(0);  // hi = +-inf or NaN: nothing to add
+}
+
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Layout& lay,
                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, bool blas,
-                  at::Tensor& out, at::Tensor& lse, at::Tensor& out_acc) {
+                  at::Tensor& out, at::Tensor& lse, at::Tensor& lse_lo, at::Tensor& out_acc) {
   using A = typename Acc<T>::type;
   const TileGemm gemm{blas};  // the products off brgemm: MKL's or the loop (Note [Gemm arguments])
   constexpr bool kSame = std::is_same_v<T, A>;
@@ -770,6 +823,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const T* Vp = v.data_ptr<T>();
   T* O = out.data_ptr<T>();
   A* LSE = lse.data_ptr<A>();
+  A* LO = lse_lo.data_ptr<A>();  // Note [Split log-sum-exp]
   A* OA = out_acc.defined() ? out_acc.data_ptr<A>() : nullptr;  // Note [fp32 O for delta]
   const A scale = static_cast<A>(scale_d);
   const A ninf = -std::numeric_limits<A>::infinity();
@@ -831,7 +885,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           if (use_brg) {
             for (int32_t j = 0; j < run; ++j) {
               const T* ktp = KT + ((n * Hkv + kvh) * nk + kb0 + j) * E * bk;
-              brg<T>(rows, std::min(bk, S - k0 - j * bk), E, q.stride(2), bk, ls, false, qp, ktp, s + j * bk);
+              brg_chunked<T>(rows, std::min(bk, S - k0 - j * bk), E, q.stride(2), bk, ls, false, qp, ktp,
+                             s + j * bk);
             }
             mul = scale;
           }
@@ -875,15 +930,15 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         if constexpr (kSame) {
           if constexpr (std::is_same_v<T, float>) {
             if (use_brg) {
-              brg<T>(rows, Ev, cols, ls, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
+              brg_chunked<T>(rows, Ev, cols, ls, v.stride(2), Ev, true, s, vp + k0 * v.stride(2), obuf.data());
               continue;
             }
           }
           gemm(false, false, rows, Ev, cols, A(1), s, ls, vp + k0 * v.stride(2), v.stride(2), A(1), obuf.data(), Ev);
         } else {
           if (use_brg) {
-            brg<T>(rows, Ev, cols + (cols & 1), ls, Ev, Ev, true, pbuf.data(), VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev,
-                   obuf.data());
+            brg_chunked<T>(rows, Ev, cols + (cols & 1), ls, Ev, Ev, true, pbuf.data(),
+                           VV + (n * Hkv + kvh) * Sp * Ev + k0 * Ev, obuf.data());
           } else {
             gemm(false, false, rows, Ev, cols, A(1), pbuf.data(), ls, vp + k0 * v.stride(2), v.stride(2), A(1),
                  obuf.data(), Ev);
@@ -892,6 +947,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       }
       T* op = O + ((n * H + h) * L + q0) * Ev;
       A* lp = LSE + (n * H + h) * L + q0;
+      A* lop = LO + (n * H + h) * L + q0;
       for (int64_t r = 0; r < rows; ++r) {
         // a fully masked row: output 0; a NaN score kept in the row: NaN (its sum is NaN), as in SDPA
         const bool any = !(lrow[r] == A(0));
@@ -902,7 +958,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           A* oa = OA + ((n * H + h) * L + q0 + r) * Ev;
           for (int64_t c = 0; c < Ev; ++c) oa[c] = o[c] * inv;
         }
-        lp[r] = any ? mrow[r] + std::log(lrow[r]) : ninf;
+        if (any) {
+          split_lse(mrow[r], std::log(lrow[r]), lp[r], lop[r]);
+        } else {
+          lp[r] = ninf;
+          lop[r] = A(0);
+        }
       }
     }
     if (use_brg) at::native::cpublas::brgemm_release(kHalf);
@@ -937,9 +998,9 @@ inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int6
 
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& out, const at::Tensor& lse, const Layout& lay,
-                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, bool blas,
-                   int64_t splits, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
+                   const at::Tensor& out, const at::Tensor& lse, const at::Tensor& lse_lo, const Layout& lay,
+                   const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, bool score_brg,
+                   bool blas, int64_t splits, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
   using A = typename Acc<T>::type;
   const TileGemm gemm{blas};  // the products off brgemm: MKL's or the loop (Note [Gemm arguments])
   using Vec = Vectorized<A>;
@@ -959,6 +1020,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const T* O = out_acc ? nullptr : out.data_ptr<T>();
   const A* OA = out_acc ? out.data_ptr<A>() : nullptr;
   const A* LSE = lse.data_ptr<A>();
+  const A* LO = lse_lo.data_ptr<A>();  // Note [Split log-sum-exp]
   T* DQ = dq.data_ptr<T>();
   A* DK = dk.data_ptr<A>();  // [N, Hkv, S, E] accumulation dtype, zeroed
   A* DV = dv.data_ptr<A>();
@@ -1000,10 +1062,11 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   parallel_pull(units, grain(units, 2 * N * H * L * S * (E + Ev)) > 1, [&](auto pull) {
     std::vector<A> pbuf(bq * bk), dpbuf(bq * bk), tbuf(mod.softcap > 0 ? bq * bk : 0), dqacc(bq * E), delta(bq),
-        lsafe(bq);
+        lsafe(bq), lsafe_lo(bq);
     std::vector<T> pT(kSame ? 0 : bq * bk), dsT(kSame ? 0 : bq * bk);
     // brgemm (fp32): K^T, V^T of this unit's key blocks, and transposed P, dS tiles (brgemm takes no transposes)
-    std::vector<T> kt(use_brg ? span * E * bk : 0), vt(use_brg ? span * Ev * bk : 0),
+    // (K^T also whenever the forward's scores came from brgemm: Note [Same scores])
+    std::vector<T> kt(score_brg ? span * E * bk : 0), vt(use_brg ? span * Ev * bk : 0),
         ptile(use_brg && kSame ? bk * bq : 0), dstile(use_brg && kSame ? bk * bq : 0);
     // Note [Half-type backward on brgemm]: all five products on oneDNN's brgemm (AMX / AVX512-BF16), whose B
     // operand is VNNI-packed [K/2, N, 2] and which takes no transposes. dK and dV are accumulated transposed,
@@ -1022,10 +1085,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       const T* kp = K + n * k.stride(0) + kvh * k.stride(1);
       const T* vp = Vp + n * v.stride(0) + kvh * v.stride(1);
       const int64_t s0 = kb_lo * bk, s1 = std::min(S, kb_hi * bk);
-      if (use_brg) {
-        pack_transposed_blocks(kp + s0 * k.stride(2), k.stride(2), s1 - s0, E, bk, kt.data());
-        pack_transposed_blocks(vp + s0 * v.stride(2), v.stride(2), s1 - s0, Ev, bk, vt.data());
-      }
+      if (score_brg) pack_transposed_blocks(kp + s0 * k.stride(2), k.stride(2), s1 - s0, E, bk, kt.data());
+      if (use_brg) pack_transposed_blocks(vp + s0 * v.stride(2), v.stride(2), s1 - s0, Ev, bk, vt.data());
       if constexpr (kHalf) {
         if (hb) {
           for (int64_t j = 0; s0 + j * bk < s1; ++j)
@@ -1050,6 +1111,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const T* dop = DO + ((n * H + h) * L + q0) * Ev;
           const int64_t o0 = ((n * H + h) * L + q0) * Ev;
           const A* lp = LSE + (n * H + h) * L + q0;
+          const A* lop = LO + (n * H + h) * L + q0;
           T* dqp = DQ + ((n * H + h) * L + q0) * E;
           if (t0 == t1) {
             if (!DQP) std::fill(dqp, dqp + rows * E, T(0));  // partial dq buffers start at 0
@@ -1064,6 +1126,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             }
             delta[r] = d;
             lsafe[r] = lp[r] == -inf ? inf : lp[r];  // a row with no key: P = exp(-inf) = 0
+            lsafe_lo[r] = lp[r] == -inf ? A(0) : lop[r];
           }
           std::fill(dqacc.begin(), dqacc.begin() + rows * E, A(0));
           if constexpr (kHalf) {
@@ -1083,22 +1146,28 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             const int64_t cols = std::min(bk, S - k0);
             A* p = pbuf.data();
             A* ds = dpbuf.data();
+            // Note [Same scores]: the scores exactly as the forward computed them (its product, its scale folded
+            // or applied the same way), so that P = exp((s - hi) - lo) is the forward's normalised softmax
             A mul = A(1);
             if constexpr (!std::is_same_v<T, double>) {
-              if (use_brg) {
-                brg<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + panel * E * bk, p);
+              if (score_brg) {
+                brg_chunked<T>(rows, cols, E, q.stride(2), bk, bk, false, qp, kt.data() + panel * E * bk, p);
                 mul = scale;
               }
             }
-            if (!use_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), p, bk);
-            modify_scores<A>(p, bk, rows, cols, n, h, q0, k0, lay.tile(lay.tile_id[base * lay.maxk + t]), mod,
-                             tbuf.empty() ? nullptr : tbuf.data(), mul);
+            if (!score_brg) gemm(false, true, rows, cols, E, scale, qp, q.stride(2), kp + k0 * k.stride(2), k.stride(2), A(0), p, bk);
+            const uint8_t* tile = lay.tile(lay.tile_id[base * lay.maxk + t]);
+            if (!(tile == nullptr && mod.plain() && mul > A(0))) {  // the forward's fold test
+              modify_scores<A>(p, bk, rows, cols, n, h, q0, k0, tile, mod, tbuf.empty() ? nullptr : tbuf.data(), mul);
+              mul = A(1);
+            }
             for (int64_t r = 0; r < rows; ++r) {
               A* row = p + r * bk;
-              const Vec sh(lsafe[r]);
+              const Vec vm(mul), sh(-lsafe[r]), lo(lsafe_lo[r]);
               int64_t c = 0;
-              for (; c + Vec::size() <= cols; c += Vec::size()) (Vec::loadu(row + c) - sh).exp_u20().store(row + c);
-              for (; c < cols; ++c) row[c] = std::exp(row[c] - lsafe[r]);
+              for (; c + Vec::size() <= cols; c += Vec::size())
+                (at::vec::fmadd(Vec::loadu(row + c), vm, sh) - lo).exp_u20().store(row + c);
+              for (; c < cols; ++c) row[c] = std::exp(std::fma(row[c], mul, -lsafe[r]) - lsafe_lo[r]);
               if constexpr (!kSame) to_gemm_type(row, pT.data() + r * bk, cols);
             }
             if constexpr (kHalf) {
@@ -1106,7 +1175,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 const int64_t rp = rows + (rows & 1), cp = cols + (cols & 1);
                 pack_vnni(pT.data(), bk, rows, cols, pv.data());
                 brg<T>(Ev, cols, rp, bqp, cols, ldt, true, doT.data(), pv.data(), dvT.data() + panel * bk);
-                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
+                brg_chunked<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
                 for (int64_t r = 0; r < rows; ++r) {
                   A* dr = ds + r * bk;
                   score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], scale,
@@ -1125,7 +1194,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 // dV += P^T dO; dP = dO V^T; dS = P (dP - delta) scale; dQ += dS K; dK += dS^T Q
                 transpose(p, bk, rows, cols, ptile.data(), bq);
                 brg<T>(cols, Ev, rows, bq, Ev, Ev, true, ptile.data(), dop, dvp + k0 * Ev);
-                brg<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
+                brg_chunked<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
                 for (int64_t r = 0; r < rows; ++r)
                   score_grad_row<A>(ds + r * bk, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r],
                                     scale, cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
@@ -1172,7 +1241,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         }
       }
     }
-    if (use_brg) at::native::cpublas::brgemm_release(kHalf);
+    if (use_brg || score_brg) at::native::cpublas::brgemm_release(kHalf);
   });
   if (DQP) dq.copy_(dq_part.sum(0));
 }
@@ -1207,6 +1276,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor out = at::empty({N, H, L, Ev}, q.options());
   at::Tensor lse = at::empty({N, H, L}, q.options().dtype(acc));
+  at::Tensor lse_lo = at::empty({N, H, L}, q.options().dtype(acc));  // Note [Split log-sum-exp]
   // Note [fp32 O for delta]: for half types the backward's delta reads O in the accumulation dtype
   at::Tensor out_acc;
   if (keep_out_acc && acc != q.scalar_type()) out_acc = at::empty({N, H, L, Ev}, q.options().dtype(acc));
@@ -1214,20 +1284,21 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_forward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, gemm != kGemmLoop, out, lse, out_acc);
+    forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, gemm != kGemmLoop, out, lse, lse_lo, out_acc);
   });
-  return {out, lse, out_acc};
+  return {out, lse, out_acc, lse_lo};
 }
 
 std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, const at::Tensor& out_in, const at::Tensor& lse_in,
+                                           const std::optional<at::Tensor>& lse_lo_in,
                                            const at::Tensor& kv_num, const at::Tensor& kv_idx,
                                            const at::Tensor& tile_id, const at::Tensor& tiles,
                                            const std::optional<at::Tensor>& keep,
                                            const std::optional<at::Tensor>& bias,
                                            const std::optional<at::Tensor>& alibi, double scale, double softcap,
                                            bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                           int64_t gemm, bool bias_grad, int64_t splits) {
+                                           int64_t gemm, int64_t score_gemm, bool bias_grad, int64_t splits) {
   check_qkv(q, k, v);
   check_gemm_mode(gemm);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
@@ -1235,6 +1306,11 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   // fp32 and (Note [Half-type backward on brgemm]) bf16 / fp16 where oneDNN packs them for this CPU
   const bool use_brg = q.scalar_type() != at::kDouble && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
                                                                        gemm == kGemmBrgemm);
+  // Note [Same scores]: the scores on brgemm wherever the forward took it (score_gemm: the forward's gemm
+  // mode), whatever engine the other four products take
+  check_gemm_mode(score_gemm);
+  const bool score_brg = use_brg || (q.scalar_type() != at::kDouble &&
+                                     brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk, score_gemm == kGemmBrgemm));
   const Layout lay = make_layout(kv_num, kv_idx, tile_id, tiles, N, L, S, bq, bk);
   const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor dout = dout_in.to(q.scalar_type());
@@ -1242,8 +1318,10 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   // out: the forward's output in q's dtype, or (half types) its fp32 copy (Note [fp32 O for delta])
   at::Tensor out = out_in.scalar_type() == acc ? out_in.contiguous() : out_in.to(q.scalar_type()).contiguous();
   at::Tensor lse = lse_in.to(acc).contiguous();
+  // Note [Split log-sum-exp]: lse's rounding error from the forward (absent: taken as 0)
+  at::Tensor lse_lo = lse_lo_in && lse_lo_in->defined() ? lse_lo_in->to(acc).contiguous() : at::zeros_like(lse);
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == N && out.size(1) == H && out.size(2) == L &&
-              out.size(3) == v.size(3) && lse.sizes() == at::IntArrayRef({N, H, L}),
+              out.size(3) == v.size(3) && lse.sizes() == at::IntArrayRef({N, H, L}) && lse_lo.sizes() == lse.sizes(),
               "attnlab._C: dout / out / lse shapes do not match q, v");
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(acc));
@@ -1256,8 +1334,8 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_backward", [&] {
     using A = typename Acc<scalar_t>::type;
     auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
-    backward_impl<scalar_t>(dout, q, k, v, out, lse, lay, mod, scale, use_brg, gemm != kGemmLoop, splits, dq, dk,
-                            dv, dbias);
+    backward_impl<scalar_t>(dout, q, k, v, out, lse, lse_lo, lay, mod, scale, use_brg, score_brg, gemm != kGemmLoop,
+                            splits, dq, dk, dv, dbias);
   });
   return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type()), dbias};
 }
@@ -1295,5 +1373,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 7;
+  m.attr("abi_version") = 8;
 }

@@ -57,7 +57,7 @@ __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "bui
            "clip_blocks", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 7
+ABI_VERSION = 8
 _MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
 _ext = None
 _reason: str | None = None
@@ -335,7 +335,8 @@ def gemm_backend(dtype: torch.dtype, E: int = 64, Ev: int | None = None, block_k
                  backward: bool = False, layout: KernelLayout | None = None) -> str | None:
     """Which back end multiplies this dtype's tiles (head dims E, Ev; key blocks of ``block_k``) under the
     current ``ATTNLAB_EXT_GEMM``: "brgemm" (oneDNN's micro-kernel), "mkl" (MKL's gemm from torch's build) or
-    "loop" (the plain loop); None without the extension. Every product of one pass runs on one back end.
+    "loop" (the plain loop); None without the extension. Every product of one pass runs on one back end, but for
+    the backward's scores, which run on the forward's (csrc Note [Same scores]).
     ``backward=True`` answers for the backward, whose choice under auto follows the ``layout`` (required then:
     BACKWARD_BRGEMM_MAX_TILE, BACKWARD_HALF_BRGEMM_MIN_BLOCKS)."""
     ext = _load()
@@ -420,28 +421,30 @@ def _vmap_by_slices(fn, info, in_dims, args):
     return stacked, tuple(None if o is None else 0 for o in stacked)
 
 
-def _run_backward(dout, q, k, v, out, lse, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
-                  alibi_causal, alibi_offset, block_q, block_k, gemm, bias_grad, splits):
+def _run_backward(dout, q, k, v, out, lse, lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
+                  alibi_causal, alibi_offset, block_q, block_k, gemm, score_gemm, bias_grad, splits):
     """The extension's backward on plain tensors: (dq, dk, dv, dbias or None)."""
     dq, dk, dv, dbias = _load().backward(_dense(dout.to(q.dtype)), _operand(q), _operand(k), _operand(v), out, lse,
-                                         kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
-                                         alibi_causal, alibi_offset, block_q, block_k, gemm, bias_grad, splits)
+                                         lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
+                                         alibi_causal, alibi_offset, block_q, block_k, gemm, score_gemm, bias_grad,
+                                         splits)
     return dq, dk, dv, dbias
 
 
 @torch.library.custom_op("attnlab::compiled_backward", mutates_args=())
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor, tile_id: torch.Tensor,
+                 lse: torch.Tensor, lse_lo: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor,
+                 tile_id: torch.Tensor,
                  tiles: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None,
                  alibi: torch.Tensor | None, scale: float, softcap: float, alibi_causal: bool, alibi_offset: int,
-                 block_q: int, block_k: int, gemm: int, bias_grad: bool,
+                 block_q: int, block_k: int, gemm: int, score_gemm: int, bias_grad: bool,
                  splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The compiled backward as a dispatcher op, for transforms only: vmap (torch.func's rule below; the
     legacy vmap of gradcheck's batched gradients loops over the batch itself) and create_graph=True (its
     autograd rule refuses double backward). dbias is empty when not asked."""
-    dq, dk, dv, dbias = _run_backward(dout, q, k, v, out, lse, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi,
-                                      scale, softcap, alibi_causal, alibi_offset, block_q, block_k, gemm, bias_grad,
-                                      splits)
+    dq, dk, dv, dbias = _run_backward(dout, q, k, v, out, lse, lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias,
+                                      alibi, scale, softcap, alibi_causal, alibi_offset, block_q, block_k, gemm,
+                                      score_gemm, bias_grad, splits)
     return dq, dk, dv, (dbias if dbias is not None else lse.new_empty(0))
 
 
@@ -459,38 +462,40 @@ _backward_op.register_autograd(_no_double_backward)
 
 
 class _CompiledFunction(torch.autograd.Function):
-    """(out, lse, out_acc or None) of the kernel, differentiable in q, k, v and the float mask ``bias``;
-    torch.func-compatible (setup_context, a vmap rule)."""
+    """(out, lse, out_acc or None, lse_lo) of the kernel, differentiable in q, k, v and the float mask ``bias``;
+    torch.func-compatible (setup_context, a vmap rule). lse_lo is lse's rounding error, lse + lse_lo = m + log(l),
+    for the backward (csrc Note [Split log-sum-exp])."""
 
     @staticmethod
     def forward(q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, keep_acc):
         if _wrapped(*lay.tensors):
             raise RuntimeError(_GRAD_TRANSFORM)
         # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
-        out, lse, out_acc = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias, alibi,
-                                            scale, softcap, alibi_causal, alibi_offset, lay.block_q, lay.block_k,
-                                            _gemm_mode(q.dtype), keep_acc)
-        return out, lse, out_acc
+        out, lse, out_acc, lse_lo = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias,
+                                                    alibi, scale, softcap, alibi_causal, alibi_offset, lay.block_q,
+                                                    lay.block_k, _gemm_mode(q.dtype), keep_acc)
+        return out, lse, out_acc, lse_lo
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _ = inputs
-        out, lse, out_acc = output
-        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, bias)
+        out, lse, out_acc, lse_lo = output
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, lse_lo, bias)
         ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
-        ctx.mark_non_differentiable(*(t for t in (lse, out_acc) if t is not None))
+        ctx.mark_non_differentiable(*(t for t in (lse, out_acc, lse_lo) if t is not None))
 
     @staticmethod
-    def backward(ctx, dout, _dlse, _dacc):
-        q, k, v, out, lse, bias = ctx.saved_tensors
+    def backward(ctx, dout, _dlse, _dacc, _dlo):
+        q, k, v, out, lse, lse_lo, bias = ctx.saved_tensors
         lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
         # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
         # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
         bias_grad = bias is not None and ctx.needs_input_grad[5]
-        args = (dout, q, k, v, out, lse, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset,
-                lay.block_q, lay.block_k, _gemm_mode(q.dtype, lay, backward=True), bias_grad,
-                backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
-        if torch.is_grad_enabled() or _wrapped(dout, q, k, v, out, lse, bias, keep):
+        # the scores on the forward's engine (csrc Note [Same scores]), the other products on the backward's
+        args = (dout, q, k, v, out, lse, lse_lo, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
+                alibi_offset, lay.block_q, lay.block_k, _gemm_mode(q.dtype, lay, backward=True), _gemm_mode(q.dtype),
+                bias_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
+        if torch.is_grad_enabled() or _wrapped(dout, q, k, v, out, lse, lse_lo, bias, keep):
             dq, dk, dv, dbias = _backward_op(*args)  # a transform, or create_graph=True
             dbias = dbias if bias_grad else None
         else:
@@ -544,22 +549,28 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask.softcap is not None or mask.alibi is not None:
         if softcap or alibi_slopes is not None:
             raise ValueError("compiled_attention: softcap/alibi_slopes given both in mask and as keywords")
-        softcap = mask.softcap or 0.0
+        softcap = mask.softcap_for(acc) or 0.0  # Note [Soft-cap at infinity] (kernels/masks.py)
         if mask.alibi is not None:
             if mask.alibi.shape[0] != 1:
                 raise ValueError(f"the compiled kernel takes ALiBi slopes [H] only, got one row per batch element "
                                  f"{list(mask.alibi.shape)}")
             alibi_slopes, alibi_causal = mask.alibi[0], False
+    if softcap and softcap > torch.finfo(acc).max:  # Note [Soft-cap at infinity]: the identity
+        softcap = 0.0
     if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.detach().to(torch.float32).contiguous()
+        a = alibi_slopes.detach()
+        if not bool(torch.isfinite(a.to(torch.float32)).all()):
+            raise ValueError(f"alibi_slopes must be finite float32 values, |slope| <= {torch.finfo(torch.float32).max:.6g} "
+                             f"(the kernel computes ALiBi in float32), got {a.tolist() if a.numel() <= 16 else 'others'}")
+        alibi_slopes = a.to(torch.float32).contiguous()
     if E == 0:  # every score q·k is 0: one zero column gives exactly that (and the scale no 0 · inf)
         q, k, scale = F.pad(q, (0, 1)), F.pad(k, (0, 1)), 1.0
     if Ev == 0:  # lse is still the scores'; the output is the empty slice of one zero column's
         v = F.pad(v, (0, 1))
     keep_acc = q.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad)
-    out, lse, _ = _CompiledFunction.apply(q, k, v, layout, keep, bias, alibi_slopes, float(scale), float(softcap),
-                                          bool(alibi_causal), int(S - L), keep_acc)
+    out, lse, _, _ = _CompiledFunction.apply(q, k, v, layout, keep, bias, alibi_slopes, float(scale), float(softcap),
+                                             bool(alibi_causal), int(S - L), keep_acc)
     return (out[..., :0] if Ev == 0 else out), lse
 
 
@@ -572,11 +583,12 @@ def scratch_bytes(block_q: int, block_k: int, E: int, Ev: int) -> int:
 
 def saved_bytes(r: Request) -> int:
     """Bytes the forward keeps for the backward besides q, k, v and the output: the log-sum-exp
-    [N, H, L] and, for half types under autograd, the output again in float32 [N, H, L, Ev]
-    (csrc Note [fp32 O for delta])."""
+    [N, H, L] and, under autograd, its rounding error [N, H, L] (csrc Note [Split log-sum-exp]) and, for
+    half types, the output again in float32 [N, H, L, Ev] (csrc Note [fp32 O for delta])."""
     acc = 8 if r.dtype == torch.float64 else 4
     out_acc = r.N * r.H * r.L * r.Ev * 4 if r.needs_grad and r.dtype in (torch.bfloat16, torch.float16) else 0
-    return r.N * r.H * r.L * acc + out_acc
+    lse_lo = r.N * r.H * r.L * acc if r.needs_grad else 0
+    return r.N * r.H * r.L * acc + lse_lo + out_acc
 
 
 def bias_grad_bytes(r: Request) -> int:

@@ -46,9 +46,25 @@ class MaskSpec:
         its (maybe soft-capped) product."""
         return self.pattern is None and self.keep is None and self.bias is None and self.alibi is None
 
+    def softcap_for(self, dtype: torch.dtype) -> float | None:
+        """The soft-cap in effect for scores computed in ``dtype``: None when off, and when ``softcap``
+        exceeds the dtype's largest finite value.
+
+        # Note [Soft-cap at infinity]: c·tanh(x / c) -> x as c -> inf, so a cap past the compute dtype's range
+        # is the identity; computed literally it became inf there and inf·tanh(x / inf) = inf·0 = NaN in every
+        # kernel (softcap=3.5e38 with float32 inputs, which compute in float32; half types too). Caps just
+        # inside the range lose nothing that matters: x / c is subnormal for |x| < c·2^-126, an absolute score
+        # error of at most c·2^-150 (7e-8 at c = 1e38). tests/functional/test_score_mods.py checks both.
+        """
+        if self.softcap is None or self.softcap > torch.finfo(dtype).max:
+            return None
+        return self.softcap
+
     def cap(self, s: torch.Tensor) -> torch.Tensor:
-        """Scaled products s (any shape) soft-capped when ``softcap`` is set (Note [Score modifications])."""
-        return s if self.softcap is None else torch.tanh(s / self.softcap) * self.softcap
+        """Scaled products s (any shape) soft-capped when ``softcap`` is set (Note [Score modifications]),
+        in s's dtype (Note [Soft-cap at infinity])."""
+        c = self.softcap_for(s.dtype)
+        return s if c is None else torch.tanh(s / c) * c
 
     def alibi_bias(self, i: torch.Tensor, j: torch.Tensor, g: int = 0) -> torch.Tensor:
         """-slope·|i + S − L − j| for query positions i [*G, bq, 1] and key positions j [*G, 1, bk]:

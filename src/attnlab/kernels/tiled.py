@@ -59,9 +59,10 @@ def block_scores(qc, kb, mask: MaskSpec, scale, q0, q1, k0, k1, kind, N, with_ta
     backward needs to differentiate the cap."""
     s = torch.matmul(qc, kb.transpose(-2, -1)) * scale  # (N, H, bl, bk)
     t = None
-    if mask.softcap is not None:
-        t = torch.tanh(s / mask.softcap)
-        s = t * mask.softcap
+    cap = mask.softcap_for(s.dtype)  # Note [Soft-cap at infinity] (kernels/masks.py)
+    if cap is not None:
+        t = torch.tanh(s / cap)
+        s = t * cap
     if kind == P.PARTIAL:
         i = torch.arange(q0, q1, device=qc.device).unsqueeze(-1)
         j = torch.arange(k0, k1, device=qc.device).unsqueeze(0)
