@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from typing import Any
 
@@ -44,24 +45,53 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _LazySubParsers(argparse._SubParsersAction):
+    """Subparsers whose options are added when their command is chosen (Note [Lazy subcommands])."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.loaders: dict[str, Any] = {}
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        load = self.loaders.pop(values[0], None) if values else None
+        if load is not None:
+            load()
+        super().__call__(parser, namespace, values, option_string)
+
+
+# Note [Lazy subcommands]: importing every subcommand's module to build the parser cost `attnlab list`
+# 1.4 s of its 5 (the bench and experiment suites import training, plotting and model code). The parser
+# ``invoke`` builds is lazy: each subcommand is registered by name and help line (all `attnlab --help`
+# shows), and its module is imported and its options added only when the command line chooses it, for
+# a run or for its --help. ``build_parser()`` without ``lazy`` loads every command, for code that walks
+# the parser's options.
 def add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, str]], dest: str, *,
                  run_key: str, required: bool = False) -> None:
     """One subparser per entry of ``table`` (name -> (module, one-line help)).
 
     Each module provides ``build_parser(parser)`` and ``run(args) -> result``; ``run`` is stored on the
     parsed namespace under ``run_key``. A module that does not exist yet (a subcommand still being
-    written) is simply not offered; an import error inside an existing module is raised."""
-    sub = parser.add_subparsers(dest=dest, metavar=dest.upper(), required=required)
+    written) is simply not offered; an import error inside an existing module is raised. When
+    ``parser`` was made lazy (``lazy_commands``), a module is imported only when its command is chosen
+    (Note [Lazy subcommands]); its subcommands are lazy in turn."""
+
+    lazy = getattr(parser, "lazy_commands", False)
+    sub = parser.add_subparsers(dest=dest, metavar=dest.upper(), required=required, action=_LazySubParsers)
     for name, (mod_name, help_text) in table.items():
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name != mod_name:
-                raise
+        if importlib.util.find_spec(mod_name) is None:
             continue
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod.build_parser(p)
-        p.set_defaults(**{run_key: mod.run})
+        p.lazy_commands = lazy
+
+        def load(p=p, mod_name=mod_name):
+            mod = importlib.import_module(mod_name)
+            mod.build_parser(p)
+            p.set_defaults(**{run_key: mod.run})
+
+        if lazy:
+            sub.loaders[name] = load
+        else:
+            load()
 
 
 def add_force(parser: argparse.ArgumentParser, what: str = "folder") -> None:

@@ -29,7 +29,8 @@ from .common import ArgumentParser, HelpFormatter, UsageError, add_commands
 __all__ = ["main", "invoke", "Outcome", "UsageError", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter",
            "build_parser", "interrupted_message"]
 
-# name -> (module, one-line help). Modules are imported when the parser is built.
+# name -> (module, one-line help). A module is imported when its command runs or shows its --help
+# (Note [Lazy subcommands] in cli/common.py).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tour": ("attnlab.cli.tour", "the guided tour: what attnlab can do, on this machine"),
     "explain": ("attnlab.cli.explain", "which attention method runs for given shapes, and why"),
@@ -54,12 +55,16 @@ class Outcome:
     result: Any = None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``attnlab`` parser with every subcommand of ``SUBCOMMANDS`` that can be imported."""
+def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
+    """The ``attnlab`` parser with every subcommand of ``SUBCOMMANDS`` that can be imported.
+
+    lazy: import a subcommand's module (and add its options) only when a parse chooses it, as ``invoke``
+    does (Note [Lazy subcommands] in cli/common.py); the default loads every one, for walking the options."""
     from attnlab import __version__
 
     parser = ArgumentParser(
         prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")
+    parser.lazy_commands = lazy
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
     add_commands(parser, SUBCOMMANDS, "command", run_key="_run")
     return parser
@@ -147,7 +152,7 @@ def invoke(argv: list[str] | None = None) -> Outcome:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = None
     try:
-        parser = build_parser()
+        parser = build_parser(lazy=True)
         try:
             args = parser.parse_args(argv)
         except SystemExit as e:  # argparse already printed its message (or --help / --version)
