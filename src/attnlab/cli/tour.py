@@ -79,7 +79,7 @@ class _ProgressLine:
 
 
 def _render(res) -> None:
-    from rich.console import Console
+    from .common import console as new_console
     from rich.markup import escape
     from rich.table import Table
 
@@ -91,4 +91,4 @@ def _render(res) -> None:
         style = {"ok": "green", "failed": "red"}.get(p.status, "yellow")
         # details are plain text ("pip install 'attnlab[minilm]'"): rich would read [...] as markup
         t.add_row(escape(p.name), f"[{style}]{escape(p.status)}[/{style}]", escape(p.detail))
-    Console().print(t)
+    new_console().print(t)
