@@ -147,3 +147,51 @@ def test_width_is_refused_below_the_floor(capsys):
     assert cli.main(["--width", "5", "list"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--width" in err[0] and "at least 20" in err[0]
+
+
+# -- progress on stderr when piped; the verdict column --------------------------------------------------
+def test_check_shows_progress_lines_when_piped_and_none_with_no_progress(capsys):
+    argv = ["check", "--shape", "1,2,9,4", "-m", "dense", "--case", "random", "--case", "causal"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err.splitlines()  # capsys is not a terminal: plain lines, one per step
+    assert err == ["[0/2] check · dense · random", "[1/2] check · dense · causal", "[2/2] check · done"]
+    assert cli.main([*argv, "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_retrieve_says_what_it_is_doing_when_piped(capsys, tmp_path):
+    assert cli.main(["retrieve", "--embedder", "hashing", "--steps", "2", "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "retrieve · loading the hashing embedder" and len(err) == 4, err
+    assert err[1].startswith("retrieve · embedding 288 sentences") and err[2].startswith("retrieve · fitting W_Q")
+
+
+def test_check_verdict_says_whether_an_approximation_is_inside_its_band(capsys, monkeypatch):
+    import dataclasses
+
+    import attnlab.mechanisms as M
+
+    argv = ["check", "--shape", "1,2,33,16", "-m", "linformer", "-m", "dense", "--case", "random", "--no-progress"]
+    outcome = cli.invoke(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    row = next(r for r in outcome.result["results"] if r["mechanism"] == "linformer")
+    band = M.describe("linformer")["error_band"]
+    assert row["band"] == band and row["within_band"] is (row["rel_fro_err"] <= band)
+    assert f"expected (band ≤ {band:g})" in out and "within tolerance" in out
+    # the same run against a band it misses: said, not failed
+    cls = type(M.get("linformer"))
+    monkeypatch.setattr(cls, "spec", dataclasses.replace(cls.spec, error_band=0.5))
+    outcome = cli.invoke(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert outcome.exit_code == 0 and outcome.result["outside_band"] == 1
+    assert f"OUTSIDE band ≤ 0.5: random {row['rel_fro_err']:.2g}" in out and "outside the declared error band" in out
+
+
+def test_every_approximation_declares_a_band_and_no_exact_one_does():
+    import attnlab.mechanisms as M
+
+    for name in M.available():
+        d = M.describe(name)
+        assert (d["error_band"] is not None) == (d["kind"] == "approximate"), name
+    with pytest.raises(ValueError, match="error_band is for approximations"):
+        M.Spec(exact=True, error_band=1.0)

@@ -10,10 +10,11 @@ import argparse
 import importlib
 import importlib.util
 import sys
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 __all__ = ["UsageError", "HelpFormatter", "ArgumentParser", "add_commands", "add_force", "add_width", "console", "fit", "set_width",
-           "plain_text", "show_or_write"]
+           "plain_text", "progress_display", "show_or_write"]
 
 
 class UsageError(Exception):
@@ -129,11 +130,14 @@ def add_force(parser: argparse.ArgumentParser, what: str = "folder") -> None:
 # Note [Tables that fit]: rich shares a too-narrow width out by shrinking every column evenly, below the
 # longest word in it, and then folds cells mid-word ("weigh/ts") or mid-number ("3.7e-" / "07"), or elides
 # them ("mech…"). ``fit`` decides the widths itself, once for every table the CLI prints. Each column is
-# at least as wide as the longest word (or number) in its header and cells, its floor; the widest
+# at least as wide as the longest word (or number) in its header and cells, or as a short cell line
+# whole (``KEEP_WHOLE``: "ok 4.3e-07" is not torn from its number), its floor; the widest
 # columns give up width down to their floors and the text wraps between words. When the floors do not
 # fit, in this order: the same without borders (one space between columns); the columns in groups, one
 # table each, every group led by the first column (the row's name); one record per row ("column  value"
 # per line), which fits any width that holds the longest word. Nothing is ever split or elided.
+#: a cell line up to this many columns is kept on one line (a value and its unit, "~ rel 5.9"); longer wrap
+KEEP_WHOLE = 14
 _WIDTH: list[int | None] = [None]  # the global --width, set by ``main.invoke`` for the command it runs
 
 
@@ -201,9 +205,12 @@ def _fitted(t, width: int):
         if any(x is None for x in col):
             return None
         texts.append(col)
-    words = [max([cell_len(w) for x in col for w in x.split()] or [1]) for col in texts]
+    def keep(line: str) -> int:  # a short line ("ok 4.3e-07", "~ rel 5.9") stays whole; a long one wraps
+        return cell_len(line) if cell_len(line) <= KEEP_WHOLE else max(map(cell_len, line.split()), default=1)
+
     lines = [max([cell_len(ln) for x in col for ln in x.splitlines()] or [1]) for col in texts]
-    floors = [ln if c.no_wrap else w for c, w, ln in zip(t.columns, words, lines)]
+    floors = [ln if c.no_wrap else max([keep(x) for y in col for x in y.splitlines()] or [1])
+              for c, col, ln in zip(t.columns, texts, lines)]
     n = len(t.columns)
     if sum(lines) <= width + _room(t):
         return None
@@ -264,6 +271,32 @@ def console(*, stderr: bool = False, file=None, width: int | None = None, **kw):
             super().print(*(fit(o, self.width) for o in objects), **kwargs)
 
     return _Fitting(stderr=stderr, file=file, width=width or _WIDTH[0], **kw)
+
+
+@contextmanager
+def progress_display(enabled: bool = True, title: str = "") -> Iterator[Callable[[int, int | None, str], None] | None]:
+    """A ``progress(done, total, label)`` callback for the with-block, on stderr so stdout keeps the result:
+    a rich bar on a terminal (removed when the block ends, so the summary printed after it stands alone),
+    one plain line per call when stderr is piped or a file ("[3/17] check · linear · causal"; without a
+    total, "retrieve · embedding the corpus"); ``None`` when not ``enabled``."""
+    if not enabled:
+        yield None
+        return
+    if not sys.stderr.isatty():
+        def line(done: int, total: int | None, label: str) -> None:
+            count = f"[{done}/{total}] " if total else ""
+            print(f"{count}{title}{' · ' if title and label else ''}{label}", file=sys.stderr, flush=True)
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console(stderr=True), transient=True) as bar:
+        task = bar.add_task(title, total=None)
+
+        def update(done: int, total: int | None, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"{title} {label}".strip())
+        yield update
 
 
 def plain_text(renderable: Any, width: int = 140) -> str:

@@ -7,7 +7,7 @@ import math
 
 from .. import retrieval as R
 from ..retrieval import DEFAULT_QUERY
-from .common import UsageError, add_force, console
+from .common import UsageError, add_force, console, progress_display
 from .options import nonneg_int, output_dir, positive_float, positive_int
 
 __all__ = ["build_parser", "run", "render"]
@@ -32,6 +32,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show", type=positive_int, default=10, help="entries shown in the weight table")
     p.add_argument("--out", default="reports/retrieve", help="folder for retrieve.json and retrieve.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, a line per stage when piped)")
     add_force(p)
 
 
@@ -44,8 +46,9 @@ def run(args: argparse.Namespace) -> R.RetrievalResult:
                            train_subjects=args.train, rank=args.rank, steps=args.steps, lr=args.lr, show=args.show,
                            out=out)
     try:
-        with con.status("retrieving") as status:
-            result = R.run_retrieve(cfg, progress=lambda msg: status.update(msg))
+        with progress_display(enabled=not args.no_progress, title="retrieve") as show:
+            note = (lambda msg: show(0, None, msg)) if show else None
+            result = R.run_retrieve(cfg, progress=note)
     except ImportError as e:  # MiniLM's weights package is optional
         raise UsageError(f"{e} (or run with --embedder hashing, which needs no weights)") from e
     if args.json:
