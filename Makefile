@@ -39,7 +39,7 @@ chromium:
 	fi
 
 demo: $(STAMP) chromium
-	$(BIN)/attnlab tour
+	$(BIN)/attnlab tour --force
 
 test: $(STAMP) chromium
 	$(PYTEST)

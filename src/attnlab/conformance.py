@@ -32,7 +32,8 @@ CASES = ("random", "causal", "key_padding", "full_mask", "float_mask", "L!=S", "
 @dataclass
 class ConformanceResult:
     """Rows (one dict per mechanism and case: status ok | FAIL | approx | skip, errors, tolerance, path,
-    reasons), and the failure counts. ``exit_code`` is 1 when anything failed."""
+    reasons; approximations also ``band`` and ``within_band``), and the failure counts. ``exit_code`` is
+    1 when anything failed."""
 
     rows: list[dict]
     shape: tuple[int, int, int, int]
@@ -50,18 +51,25 @@ class ConformanceResult:
         return [r for r in self.failures if r["exact"]]
 
     @property
+    def outside_band(self) -> list[dict]:
+        """Approximation rows whose relative error fell outside the mechanism's declared ``Spec.error_band``
+        (Note [Error bands] in attnlab.mechanisms): a verdict, not a failure (``exit_code`` ignores it)."""
+        return [r for r in self.rows if r["status"] == "approx" and r.get("within_band") is False]
+
+    @property
     def exit_code(self) -> int:
         """1 when anything failed, else 0 (``attnlab check``'s exit status)."""
         return 1 if self.failures else 0
 
 
 def run_conformance(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float32, seed=0,
-                    only=None) -> ConformanceResult:
+                    only=None, progress=None) -> ConformanceResult:
     """Check ``names`` (default: every registered mechanism) on the cases built from query ``shape``
     [B, H, L, E] and key length ``S`` (default L). Raises ValueError for an unknown mechanism and
-    ``attnlab.options.OptionError`` when the oracle's scores would not fit the memory budget."""
+    ``attnlab.options.OptionError`` when the oracle's scores would not fit the memory budget.
+    ``progress(done, total, label)``, when given, is called before each (mechanism, case) and at the end."""
     check_budget(shape, S, only)
-    rows = check(names, shape, S, dtype, seed, only)
+    rows = check(names, shape, S, dtype, seed, only, progress=progress)
     return ConformanceResult(rows, tuple(shape), S or shape[2], dtype)
 
 
@@ -205,8 +213,10 @@ def _layout(nb: int) -> torch.Tensor:
     return ((i.unsqueeze(1) - i.unsqueeze(0)).abs() <= 1) | (i.unsqueeze(0) == 0)
 
 
-def check(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float32, seed=0, only=None) -> list[dict]:
-    """Run the check; one dict per (mechanism, case) (see ``run_conformance`` for the summary)."""
+def check(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float32, seed=0, only=None,
+          progress=None) -> list[dict]:
+    """Run the check; one dict per (mechanism, case) (see ``run_conformance`` for the summary and
+    ``progress``)."""
     from . import mechanisms as M
 
     names = list(M.available()) if not names else names
@@ -216,8 +226,11 @@ def check(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float32, seed=0,
     cases = make_cases(shape, S, dtype, seed, only)
     refs: dict[tuple, tuple] = {}
     rows = []
+    total = len(names) * len(cases)
     for n in names:
         for c in cases:
+            if progress is not None:
+                progress(len(rows), total, f"{n} · {c.name}")
             mech = sized_instance(n, shape[2], max(c.k.shape[-2], S or shape[2]))
             row = dict(mechanism=n, params=repr(mech), case=c.name, exact=mech.spec.exact,
                        dtype=str(c.q.dtype).replace("torch.", ""))
@@ -253,7 +266,11 @@ def check(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float32, seed=0,
                 row["status"] = "ok" if (finite and err <= tol) else "FAIL"
             else:
                 row["status"] = "approx" if finite else "FAIL"
+                band = mech.spec.error_band  # Note [Error bands] in attnlab.mechanisms
+                row.update(band=band, within_band=None if band is None else bool(finite and rel <= band))
                 if not finite:
                     row["reasons"] = ["non-finite output"]
             rows.append(row)
+    if progress is not None:
+        progress(total, total, "done")
     return rows

@@ -455,6 +455,8 @@ def retrieve(query: str, *, embedder: str | Embedder = "minilm", num_subjects: i
     corpus = generate_corpus(num_subjects, seed)
     if not 1 <= k <= len(corpus):
         raise ValueError(f"k must be in [1, corpus size {len(corpus)}], got {k!r}")
+    if isinstance(embedder, str):
+        note(f"loading the {embedder} embedder")
     embed = get_embedder(embedder)
     note(f"embedding {len(corpus)} sentences with {getattr(embed, 'name', 'a custom embedder')}")
     keys = embed(corpus.texts)  # (n, d) — keys and values are the same embeddings
@@ -559,6 +561,8 @@ def run_retrieve(config: RetrieveConfig, progress: Callable[[str], None] | None 
     result = retrieve(c.query, embedder=c.embedder, num_subjects=c.num_subjects, seed=c.seed, tau=c.tau, k=c.k,
                       learn=c.learn, target=c.target, train_subjects=c.train_subjects, rank=c.rank, steps=c.steps,
                       lr=c.lr, show=c.show, progress=progress)
+    if progress is not None:
+        progress(f"writing {out / 'retrieve.png'} and retrieve.json")
     result.files["png"] = str(plot_retrieval(result, out / "retrieve.png"))
     result.files["json"] = str(out / "retrieve.json")
     atomic_write_json(out / "retrieve.json", result.to_dict())

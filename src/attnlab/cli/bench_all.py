@@ -74,7 +74,7 @@ def run(args) -> AllResult:
 
 def render(res: AllResult) -> None:
     """Print where the report is, the matrix-product peak, and each mechanism's fitted exponents."""
-    from rich.console import Console
+    from .common import console as new_console
     from rich.markup import escape
 
     d = res.data
@@ -90,4 +90,4 @@ def render(res: AllResult) -> None:
         stop = d["stopped"].get(m)
         lines.append(f"  {escape(m):<16} time ∝ n^{fmt(f.get('time'))}, memory ∝ n^{fmt(f.get('memory'))}"
                      + (f"  [{escape(stop)}]" if stop else ""))
-    Console().print("\n".join(lines))
+    new_console().print("\n".join(lines))

@@ -1,38 +1,13 @@
 """What every ``attnlab bench SUITE`` face shares: the progress display and the --out checks."""
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 from attnlab.options import output_dir
 
+from .common import progress_display
+
 __all__ = ["progress_display", "checked_out", "run_suite"]
-
-
-@contextmanager
-def progress_display(enabled: bool = True, title: str = "") -> Iterator[Callable[[int, int, str], None] | None]:
-    """A ``progress(done, total, label)`` callback that draws a bar on stderr for the with-block (a
-    progress line per call when stderr is not a terminal); ``None`` when not ``enabled``. The bar is
-    removed when the block ends, so the summary printed after it stands alone."""
-    if not enabled:
-        yield None
-        return
-    if not sys.stderr.isatty():
-        def line(done: int, total: int, label: str) -> None:
-            print(f"[{done}/{total}] {title}{' · ' if title else ''}{label}", file=sys.stderr, flush=True)
-        yield line
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(title, total=None)
-
-        def update(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"{title} {label}".strip())
-        yield update
 
 
 def checked_out(args, *, resumable: bool = False):

@@ -41,10 +41,10 @@ def run(args) -> Result:
 
 def render(res: Result) -> None:
     """Print a run's measurements as a table (ratios are SDPA's time over each one's, same run)."""
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
-    console = Console(width=max(120, Console().width))
+    console = new_console()
     for note in res.notes:
         console.print(note, markup=False)
     t = Table(title="attnlab bench core — ratios are SDPA time / impl time, same run")

@@ -41,7 +41,7 @@ def run(args) -> GenerateBench:
 
 def render(res: GenerateBench) -> None:
     """Print one row per context: tokens/s with and without the cache, their ratios, same tokens."""
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
     m = res.model
@@ -52,6 +52,6 @@ def render(res: GenerateBench) -> None:
     for r in res.rows:
         t.add_row(str(r["context"]), f"{r['cache']['tokens_per_s']:.1f}", f"{r['no_cache']['tokens_per_s']:.1f}",
                   f"{r['speedup']:.1f}x", f"{r['decode_speedup']:.1f}x", "yes" if r["same_tokens"] else "NO")
-    console = Console()
+    console = new_console()
     console.print(t)
     console.print(f"wrote {res.files[0] if res.files else res.out_dir}")

@@ -62,11 +62,11 @@ def run(args) -> LayersResult:
 
 def render(res: LayersResult) -> None:
     """Print forward time per layer and n at the largest d (ratio to GRU) and the crossover table."""
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
     cfg, rows = res.config, res.rows
-    console = Console(file=sys.stdout)
+    console = new_console(file=sys.stdout)
     table = Table(title="per-layer forward time (ratio to GRU at the same n, d)")
     for col in ("layer", *(f"n={n}" for n in cfg["ns"])):
         table.add_column(col, justify="right" if col != "layer" else "left")

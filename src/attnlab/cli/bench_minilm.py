@@ -39,7 +39,7 @@ def run(args) -> MiniLMBench:
 
 def render(res: MiniLMBench) -> None:
     """Print one row per implementation: median seconds, sentences/s, ratios, largest difference."""
-    from rich.console import Console
+    from .common import console as new_console
     from rich.markup import escape
     from rich.table import Table
 
@@ -54,7 +54,7 @@ def render(res: MiniLMBench) -> None:
     for r in res.rows:
         t.add_row(escape(r["impl"]), f"{r['seconds']:.4f}", f"{r['sentences_per_s']:.1f}", fmt(r["ratio_vs_sdpa"], ".2f"),
                   fmt(r["ratio_vs_eager"], ".2f"), fmt(r["max_abs_diff_vs_transformers_sdpa"], ".1e"))
-    console = Console()
+    console = new_console()
     console.print(t)
     for s in res.skipped:
         console.print(f"[yellow]skipped {escape(s['impl'])}: {escape(s['reason'])}")

@@ -44,7 +44,7 @@ def run(args) -> RingBenchResult:
 
 def render(result: RingBenchResult) -> None:
     """Print every rank's memory, time and traffic beside the single process, and the issue-7 target."""
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
     t = Table(title=f"attnlab bench ring (n={result.settings['n']}, {result.settings['procs']} processes)")
@@ -57,7 +57,7 @@ def render(result: RingBenchResult) -> None:
                   f"{r.attention_peak_mib:.1f}", f"{r.peak_mib / single.peak_mib:.3f}" if single.peak_mib else "-",
                   f"{r.seconds:.3f}", f"{r.seconds / single.seconds:.2f}" if single.seconds else "-",
                   f"{r.sent_mib:.1f}", f"{r.wait_seconds:.3f}")
-    console = Console()
+    console = new_console()
     console.print(t)
     tg = result.target
     console.print(f"worst rank peak / one process: {tg['worst_peak_ratio']:.3f} (target <= {tg['ratio']} at "

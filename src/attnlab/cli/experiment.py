@@ -194,7 +194,7 @@ def run(args):
     """Run ``attnlab experiment NAME`` from the parsed ``args``: build the config, run the experiment with
     a progress bar (unless --no-progress), write its report into --out, print a short summary; return
     the result (its ``exit_code`` is 130 when the experiment stopped early on Ctrl-C or SIGTERM)."""
-    from rich.console import Console
+    from .common import console as new_console
 
     from attnlab import harness
 
@@ -202,5 +202,5 @@ def run(args):
     with harness.progress(args.no_progress) as prog:
         result = mod.run(cfg, progress=prog)
     result.write(out)
-    Console().print("\n".join(result.summary_lines(out)))
+    new_console().print("\n".join(result.summary_lines(out)))
     return result

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     method, chosen or refused and why, its predicted peak memory and GFLOP. Runs no attention.
 
     Returns the plans, this CPU's capabilities and ``exit_code`` 0; bad shapes raise ``UsageError``."""
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
     opts = dict(is_causal=args.causal, need_weights=args.need_weights, dropout_p=args.dropout,
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
         o.update({k: v for k, v in extra.items() if k != "pattern"})
         results.append(explain_shape(_shape(text), kv_len=args.kv_len, kv_heads=args.kv_heads,
                                      dtype=DTYPES[args.dtype], pattern=extra.get("pattern"), **o))
-    console = Console()  # follows the terminal (or $COLUMNS)
+    console = new_console()  # follows the terminal (or $COLUMNS)
     if args.json:
         import json
 

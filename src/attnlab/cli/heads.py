@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..diagnostics.heads import HeadsConfig, HeadsResult, run_heads
 from .common import UsageError, add_force, console
-from .options import nonneg_int, output_dir
+from .options import MINILM_LAYERS, int_in, output_dir
 
 __all__ = ["build_parser", "run"]
 
@@ -16,8 +16,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sentence", action="append", default=[], help="a sentence to use (repeatable)")
     p.add_argument("--sentences", help="a text file with one sentence per line")
     p.add_argument("--out", default="reports/heads", help="folder for heads.png and heads.json (default reports/heads)")
-    p.add_argument("--layer", type=nonneg_int, action="append", default=None,
-                   help="only this layer in the table (repeatable; default every layer)")
+    p.add_argument("--layer", type=int_in(0, MINILM_LAYERS - 1, f"MiniLM has {MINILM_LAYERS} layers"), action="append",
+                   default=None, help=f"only this layer in the table, 0..{MINILM_LAYERS - 1} (repeatable; default every layer)")
     p.add_argument("--no-plot", action="store_true", help="skip heads.png")
     add_force(p)
 

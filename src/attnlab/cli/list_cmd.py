@@ -16,7 +16,8 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 
 #: a pattern without a closed-form pair count is counted pair by pair (Pattern.nnz: O(L·S) work, about a
-#: minute per pattern at 2^28 pairs on the 2-core reference machine); above this, its cost is not shown
+#: minute per pattern at 2^28 pairs on the 2-core reference machine); above this, its cost is not shown.
+#: Every registered pattern counts analytically (``Pattern.counts_analytically``); this guards the others.
 COUNT_LIMIT_PAIRS = 2**28
 
 
@@ -29,7 +30,7 @@ def _counted_pair_by_pair(m, L: int, S: int) -> bool:
         pat = pattern_for() if pattern_for is not None else None
     except NotImplementedError:
         pat = None
-    return isinstance(pat, Pattern) and type(pat).nnz is Pattern.nnz and L * S > COUNT_LIMIT_PAIRS
+    return isinstance(pat, Pattern) and not pat.counts_analytically() and L * S > COUNT_LIMIT_PAIRS
 
 
 def _sizes(text: str) -> tuple[int, int, int]:
@@ -94,13 +95,13 @@ def run(args: argparse.Namespace) -> dict:
     Returns the rows (``mechanisms`` or ``kernels``) and ``exit_code`` 0."""
     import json
 
-    from rich.console import Console
+    from .common import console as new_console
     from rich.table import Table
 
     import attnlab.mechanisms as M
 
     if getattr(args, "kernels", False):
-        return _run_kernels(args, Console())
+        return _run_kernels(args, new_console())
 
     L, S, D = _sizes(args.cost)
     rows, uncounted = [], []
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
         else:
             d["gflop"] = d["memory_mib"] = None
         rows.append(d)
-    console = Console()  # follows the terminal (or $COLUMNS)
+    console = new_console()  # follows the terminal (or $COLUMNS)
     if args.json:
         console.print_json(json.dumps(rows))
     else:

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .common import ArgumentParser, HelpFormatter, UsageError, add_commands
+from .common import ArgumentParser, HelpFormatter, UsageError, add_commands, add_width, set_width
 
 __all__ = ["main", "invoke", "Outcome", "UsageError", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter",
            "build_parser", "interrupted_message"]
 
-# name -> (module, one-line help). Modules are imported when the parser is built.
+# name -> (module, one-line help). A module is imported when its command runs or shows its --help
+# (Note [Lazy subcommands] in cli/common.py).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tour": ("attnlab.cli.tour", "the guided tour: what attnlab can do, on this machine"),
     "explain": ("attnlab.cli.explain", "which attention method runs for given shapes, and why"),
@@ -54,14 +55,29 @@ class Outcome:
     result: Any = None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``attnlab`` parser with every subcommand of ``SUBCOMMANDS`` that can be imported."""
+def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
+    """The ``attnlab`` parser with every subcommand of ``SUBCOMMANDS`` that can be imported.
+
+    lazy: import a subcommand's module (and add its options) only when a parse chooses it, as ``invoke``
+    does (Note [Lazy subcommands] in cli/common.py); the default loads every one, for walking the options."""
     from attnlab import __version__
 
     parser = ArgumentParser(
         prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")
+    parser.lazy_commands = lazy
     parser.add_argument("--version", action="version", version=f"attnlab {__version__}")
+    add_width(parser)
     add_commands(parser, SUBCOMMANDS, "command", run_key="_run")
+    return parser
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The innermost (sub)parser the parsed ``args`` went through (``attnlab experiment scaling``'s own)."""
+    for dest in ("command", "suite", "name"):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction) and a.dest == dest]
+        chosen = getattr(args, dest, None)
+        if subs and isinstance(chosen, str) and chosen in subs[0].choices:
+            parser = subs[0].choices[chosen]
     return parser
 
 
@@ -147,15 +163,21 @@ def invoke(argv: list[str] | None = None) -> Outcome:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = None
     try:
-        parser = build_parser()
+        parser = build_parser(lazy=True)
         try:
-            args = parser.parse_args(argv)
+            args, extra = parser.parse_known_args(argv)
+            if extra:  # named by the command they were given to, not by the top-level parser
+                _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         except SystemExit as e:  # argparse already printed its message (or --help / --version)
             return Outcome(e.code if isinstance(e.code, int) else (0 if e.code is None else 2))
         if not getattr(args, "_run", None):
             parser.print_help()
             return Outcome(2)
-        result = args._run(args)
+        previous_width = set_width(getattr(args, "width", None))
+        try:
+            result = args._run(args)
+        finally:
+            set_width(previous_width)
     except KeyboardInterrupt:
         print(interrupted_message(args, argv), file=sys.stderr)
         if from_command_line:

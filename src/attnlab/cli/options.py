@@ -12,8 +12,8 @@ import math
 
 from ..resources import RUN_MARKERS, OptionError, check_memory, memory_budget, output_dir, output_file
 
-__all__ = ["OptionError", "positive_int", "nonneg_int", "positive_float", "nonneg_float", "finite_float",
-           "positive_int_list", "memory_budget", "check_memory", "output_dir", "output_file", "RUN_MARKERS"]
+__all__ = ["OptionError", "positive_int", "nonneg_int", "int_in", "positive_float", "nonneg_float", "finite_float",
+           "positive_int_list", "MINILM_LAYERS", "MINILM_HEADS", "MINILM_POSITIONS", "memory_budget", "check_memory", "output_dir", "output_file", "RUN_MARKERS"]
 
 
 # -- argparse types -------------------------------------------------------------------------------------
@@ -38,6 +38,26 @@ def nonneg_int(text: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return v
+
+
+def int_in(lo: int, hi: int, why: str = ""):
+    """argparse type: an integer in [lo, hi]; the refusal shows the range and, in ``why``, where it comes
+    from ("argument --subjects: must be an integer in [1, 48] (the corpus has 48 names), got '100'")."""
+    why_text = f" ({why})" if why else ""
+
+    def parse(text: str) -> int:
+        v = _int(text, f"an integer in [{lo}, {hi}]{why_text}")
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}]{why_text}, got {text!r}")
+        return v
+
+    parse.__name__ = f"int in [{lo}, {hi}]"  # argparse names the type in some messages
+    return parse
+
+
+#: all-MiniLM-L6-v2's shape, for the options' ranges and --help (attnlab.models.minilm reads the same from the
+#: checkpoint's config; tests/cli/test_cli_polish.py checks they agree)
+MINILM_LAYERS, MINILM_HEADS, MINILM_POSITIONS = 6, 12, 512
 
 
 def finite_float(text: str) -> float:

@@ -7,8 +7,8 @@ import math
 
 from .. import retrieval as R
 from ..retrieval import DEFAULT_QUERY
-from .common import UsageError, add_force, console
-from .options import nonneg_int, output_dir, positive_float, positive_int
+from .common import UsageError, add_force, console, progress_display
+from .options import int_in, nonneg_int, output_dir, positive_float, positive_int
 
 __all__ = ["build_parser", "run", "render"]
 
@@ -19,33 +19,47 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedder", default="minilm", choices=sorted(R.EMBEDDERS),
                    help="minilm: all-MiniLM-L6-v2 via attnlab.models.minilm; hashing: bag of words, no weights")
     p.add_argument("--tau", type=positive_float, default=0.05, help="softmax temperature τ of the soft lookup")
-    p.add_argument("-k", "--k", type=positive_int, default=5, help="entries in the top-k lookup")
-    p.add_argument("--subjects", type=positive_int, default=48, help="people in the generated corpus (6 sentences each)")
+    p.add_argument("-k", "--k", type=positive_int, default=5,
+                   help="entries in the top-k lookup, 1..6 × --subjects (the corpus size)")
+    p.add_argument("--subjects", type=int_in(1, len(R.NAMES), f"the corpus generator knows {len(R.NAMES)} names"),
+                   default=len(R.NAMES),
+                   help=f"people in the generated corpus, 1..{len(R.NAMES)} (its list of names); 6 sentences each")
     p.add_argument("--seed", type=int, default=0, help="corpus and train/held-out split seed")
     p.add_argument("--no-learn", action="store_true", help="skip fitting the W_Q, W_K projection")
     p.add_argument("--target", default=R.DEFAULT_TARGET, choices=list(R.RELATIONS),
                    help="which sentence answers 'Tell me about X.' in the labelled pairs")
-    p.add_argument("--train", type=positive_int, default=8, help="labelled query–answer pairs to fit the projection on")
+    p.add_argument("--train", type=positive_int, default=8,
+                   help="labelled query–answer pairs to fit the projection on, 1..--subjects - 1 (the rest are held out)")
     p.add_argument("--rank", type=positive_int, default=1, help="rank of the learned update W = I + A·B")
     p.add_argument("--steps", type=nonneg_int, default=60, help="gradient steps (Adam)")
     p.add_argument("--lr", type=positive_float, default=0.01, help="learning rate")
     p.add_argument("--show", type=positive_int, default=10, help="entries shown in the weight table")
     p.add_argument("--out", default="reports/retrieve", help="folder for retrieve.json and retrieve.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, a line per stage when piped)")
     add_force(p)
 
 
 def run(args: argparse.Namespace) -> R.RetrievalResult:
     """Answer the query through ``attnlab.retrieval.run_retrieve`` with a status line; tables or JSON."""
     con = console(stderr=args.json)
+    size = len(R.RELATIONS) * args.subjects
+    if args.k > size:
+        raise UsageError(f"-k {args.k} is more than the corpus holds: {size} sentences "
+                         f"({len(R.RELATIONS)} per person × --subjects {args.subjects})")
+    if not args.no_learn and not args.train < args.subjects:
+        raise UsageError(f"--train {args.train} must be less than --subjects {args.subjects}: the projection is "
+                         f"fitted on --train people and checked on the others (or pass --no-learn)")
     out = output_dir(args.out, resume=False, force=args.force, resumable=False)  # Note [One rule for --out]
     cfg = R.RetrieveConfig(args.query, embedder=args.embedder, num_subjects=args.subjects, seed=args.seed,
                            tau=args.tau, k=args.k, learn=not args.no_learn, target=args.target,
                            train_subjects=args.train, rank=args.rank, steps=args.steps, lr=args.lr, show=args.show,
                            out=out)
     try:
-        with con.status("retrieving") as status:
-            result = R.run_retrieve(cfg, progress=lambda msg: status.update(msg))
+        with progress_display(enabled=not args.no_progress, title="retrieve") as show:
+            note = (lambda msg: show(0, None, msg)) if show else None
+            result = R.run_retrieve(cfg, progress=note)
     except ImportError as e:  # MiniLM's weights package is optional
         raise UsageError(f"{e} (or run with --embedder hashing, which needs no weights)") from e
     if args.json:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .common import UsageError, add_force
 from .options import check_memory, output_dir, positive_int_list
 
 __all__ = ["build_parser", "run"]
@@ -28,14 +29,22 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-n", type=positive_int_list, default=memory, dest="memory_n",
                    help=f"sequence lengths whose peak memory is measured, tiled vs naive (default {memory})")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_force(p)
 
 
 def run(args: argparse.Namespace):
     """Run the tour with a progress line on stderr; print the summary table; return tour.json's dict."""
     from ..tour import TourConfig, run_tour
 
+    from ..tour import PIECES
+
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
-    cfg = TourConfig(out=output_dir(args.out), sentence=args.sentence, skip=skip, speed_ns=tuple(args.speed_n),
+    unknown = sorted(set(skip) - set(PIECES))
+    if unknown:
+        raise UsageError(f"--skip {args.skip}: {', '.join(unknown)} is not a piece of the tour; "
+                         f"choose from {', '.join(PIECES)}")
+    out = output_dir(args.out, resume=False, force=args.force, resumable=False)  # Note [One rule for --out]
+    cfg = TourConfig(out=out, sentence=args.sentence, skip=skip, speed_ns=tuple(args.speed_n),
                      memory_ns=tuple(args.memory_n))
     # the memory piece runs naive attention ([H, n, n] scores and weights, float32) in a fresh process
     if "memory" not in skip:
@@ -79,7 +88,7 @@ class _ProgressLine:
 
 
 def _render(res) -> None:
-    from rich.console import Console
+    from .common import console as new_console
     from rich.markup import escape
     from rich.table import Table
 
@@ -91,4 +100,4 @@ def _render(res) -> None:
         style = {"ok": "green", "failed": "red"}.get(p.status, "yellow")
         # details are plain text ("pip install 'attnlab[minilm]'"): rich would read [...] as markup
         t.add_row(escape(p.name), f"[{style}]{escape(p.status)}[/{style}]", escape(p.detail))
-    Console().print(t)
+    new_console().print(t)

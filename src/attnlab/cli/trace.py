@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .common import UsageError, add_force, show_or_write
-from .options import nonneg_int, output_file, positive_int
+from .options import MINILM_HEADS, MINILM_LAYERS, int_in, nonneg_int, output_file, positive_int
 
 if TYPE_CHECKING:
     from ..trace import TraceConfig
@@ -29,8 +29,10 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     src.add_argument("--v", help="value matrix [S, d_v] (optional: adds the ·V step)")
     src.add_argument("--summary", action="store_true", help="shapes, FLOPs, bytes and statistics at a real size")
     p.add_argument("--d-k", type=int, dest="d_k", help="head dim used by the scale (default: the columns of Q)")
-    p.add_argument("--layer", type=int, default=0, help="MiniLM layer for --text (0..5)")
-    p.add_argument("--head", type=int, default=0, help="MiniLM head for --text (0..11)")
+    p.add_argument("--layer", type=int_in(0, MINILM_LAYERS - 1, f"MiniLM has {MINILM_LAYERS} layers"), default=0,
+                   help=f"MiniLM layer for --text, 0..{MINILM_LAYERS - 1}")
+    p.add_argument("--head", type=int_in(0, MINILM_HEADS - 1, f"MiniLM has {MINILM_HEADS} heads per layer"),
+                   default=0, help=f"MiniLM head for --text, 0..{MINILM_HEADS - 1}")
     p.add_argument("--heads", type=positive_int, default=None, help="heads (example: default 1; summary: default 12)")
     p.add_argument("--d-model", type=positive_int, default=768, dest="d_model", help="--summary: model width")
     p.add_argument("--seq-len", type=positive_int, default=512, dest="seq_len", help="--summary: sequence length")
@@ -119,6 +121,9 @@ def config_from_args(args: argparse.Namespace) -> TraceConfig:
     if args.d_k is not None and args.d_k < 1:
         raise UsageError(f"--d-k must be a positive int, got {args.d_k}")
     source = {"--q/--k": "qkv"}.get(sources[0], sources[0].lstrip("-")) if sources else "example"
+    if source == "summary" and args.d_model % (args.heads or 12):
+        raise UsageError(f"--d-model {args.d_model} is not divisible by --heads {args.heads or 12} "
+                         f"(each head gets d_k = --d-model / --heads columns)")
     if source == "example" and args.heads not in (None, 1, 2):
         raise UsageError(f"--heads for --example must be 1 or 2 (d_model=8 = heads × d_k=4), got {args.heads}")
     if source == "qkv" and (args.q is None or args.k is None):

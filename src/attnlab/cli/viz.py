@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .common import UsageError, add_force
-from .options import output_dir, positive_int
+from .options import MINILM_POSITIONS, int_in, output_dir, positive_int
 
 __all__ = ["build_parser", "run", "parse_params"]
 
@@ -19,10 +19,13 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mechanism", default=None, help="attention mechanism (see `attnlab list`), e.g. sliding_window")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                    help="mechanism hyperparameter, e.g. --param window=4 (repeatable)")
-    p.add_argument("--dense-max", type=int, default=96, dest="dense_max",
-                   help="longer inputs show streaming summaries instead of dense weights (default 96 tokens)")
-    p.add_argument("--topk", type=int, default=4, help="keys kept per query in summary mode")
-    p.add_argument("--max-length", type=positive_int, default=512, dest="max_length", help="MiniLM token limit (<= 512)")
+    p.add_argument("--dense-max", type=positive_int, default=96, dest="dense_max", metavar="TOKENS",
+                   help="longer inputs show streaming summaries instead of dense weights (>= 1; default 96 tokens)")
+    p.add_argument("--topk", type=positive_int, default=4, help="keys kept per query in summary mode (>= 1)")
+    p.add_argument("--max-length", type=int_in(2, MINILM_POSITIONS, f"MiniLM has {MINILM_POSITIONS} positions"),
+                   default=MINILM_POSITIONS, dest="max_length", metavar="TOKENS",
+                   help=f"MiniLM token limit, 2..{MINILM_POSITIONS} (its position embeddings); longer text is "
+                        "truncated, and the output says so")
     p.add_argument("--png", action="store_true", help="also write heads.png (layer 0 heatmaps, dense mode only)")
     add_force(p)
 
@@ -55,13 +58,22 @@ def run(args: argparse.Namespace):
     params = parse_params(args.param)
     if params and args.mechanism is None:
         raise UsageError("--param needs --mechanism")
-    if args.topk < 1:
-        raise UsageError(f"--topk must be >= 1, got {args.topk}")
+    if args.mechanism is not None:  # an unknown name or parameter: say which option, before any work
+        import attnlab.mechanisms as M
+
+        given = f"--mechanism {args.mechanism}" + "".join(f" --param {p}" for p in args.param)
+        try:
+            M.get(args.mechanism, **params)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"{given}: {e}") from None
     out = output_dir(args.out if args.out is not None else default_out(args.text, args.model), resume=False,
                      force=args.force, resumable=False)  # Note [One rule for --out]
     res = run_viz(VizConfig(args.text, out=out, model=args.model, mechanism=args.mechanism, params=params,
                             dense_max=args.dense_max, topk=args.topk, max_length=args.max_length, png=args.png))
     print(f"wrote {res.page} ({res.T} tokens, {res.mode} mode, {res.size_bytes / 1024:.0f} KiB); "
           f"open it in a browser (works offline)")
+    if args.model == "minilm" and res.T >= args.max_length:  # the tokenizer stopped at the limit
+        print(f"note: TEXT ({len(args.text.split())} words) was truncated to --max-length {args.max_length} tokens "
+              f"([CLS] and [SEP] included); the page shows only those")
     return {"out": str(res.page), "files": res.files, "mode": res.mode, "T": res.T, "tokens": res.tokens,
             "exit_code": 0}

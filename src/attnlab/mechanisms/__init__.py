@@ -54,6 +54,9 @@ class Spec:
     dropout: supports ``dropout_p > 0``.
     time / memory: the asymptotic cost in words; ``Mechanism.flops`` / ``.memory`` give numbers.
     paper: where it comes from.
+    error_band: approximations only: the relative Frobenius error of the output expected at most on
+    ``attnlab check``'s cases (N(0, 1) query/key/value, head dim up to 64, budgets sized to about L/4 by
+    ``attnlab.conformance.sized_instance``); ``check`` says whether each run fell inside it. None: none declared.
     """
 
     exact: bool
@@ -66,10 +69,23 @@ class Spec:
     paper: str = ""
     summary: str = ""
     kind: str = "approximate"  # "exact" | "pattern" | "approximate"
+    error_band: float | None = None
 
     def __post_init__(self):
         if self.masks not in MASK_KINDS:
             raise ValueError(f"Spec.masks must be one of {MASK_KINDS}, got {self.masks!r}")
+        if self.error_band is not None and (self.exact or not self.error_band > 0):
+            raise ValueError(f"Spec.error_band is for approximations, a number > 0; got {self.error_band!r} "
+                             f"(exact={self.exact})")
+
+
+# Note [Error bands]: an approximation's ``Spec.error_band`` is read from measurement, not theory: docs/
+# mechanisms.md's "Measured here" (random N(0, 1) inputs: most approximations near 0.8 relative
+# Frobenius error, Performer above 4 at scale·|q|² ≈ 8, untrained Gaussian Linformer 10.3 at k = 16), and
+# `attnlab check`'s own cases (random, causal, key padding, masks, L != S, L = 1, GQA, bf16) over six
+# shapes (L 17..200, E 4..64) and three seeds: the band is that maximum with a margin of about
+# 1.3-1.6x, so a run outside it is a regression or a regime the band does not cover (E > 64, a budget
+# far below L/4), and `check` says so.
 
 
 class UnsupportedInputs(ValueError):
@@ -366,7 +382,7 @@ def describe(name_or_mech: "str | Mechanism") -> dict[str, Any]:
     return {
         "name": cls.name, "class": cls.__name__, "kind": s.kind, "exact": s.exact, "causal": s.causal,
         "masks": s.masks, "weights": s.weights, "dropout": s.dropout, "time": s.time, "memory": s.memory,
-        "paper": s.paper, "summary": s.summary, "params": _param_help(cls),
+        "paper": s.paper, "summary": s.summary, "error_band": s.error_band, "params": _param_help(cls),
     }
 
 

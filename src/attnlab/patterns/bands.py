@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import _INF, MAX_INT, Pattern, _check_align, _check_bool, _check_int
+from .base import _INF, MAX_INT, Pattern, _check_align, _check_bool, _check_int, _diagonal_pairs
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,6 +36,9 @@ class _Band(Pattern):
     def nnz(self, L: int, S: int) -> int:
         """Kept pairs counted per row in O(L): keys [i + lo, i + hi] clipped to [0, S)."""
         return _band_nnz(*self.band(L, S), L, S)
+
+    def counts_analytically(self):
+        return True
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
         return _band_bounds(*self.band(L, S), qlo, qhi, klo, khi)
@@ -157,6 +160,21 @@ class _Dilated(Pattern):
         _, all_ = _band_bounds(lo, hi, qlo, qhi, klo, khi)
         return any_, all_ & (self.dilation == 1)
 
+    def nnz(self, L: int, S: int) -> int:
+        """Kept pairs in O(min(window, (L + S) / dilation)): the diagonals j - i = k·dilation for k in
+        [-window, window] ([-window, 0] when causal) that meet the grid, each weighed by its length."""
+        if L <= 0 or S <= 0:
+            return 0
+        dil = self.dilation
+        k_lo = max(-self.window, -((L - 1) // dil))  # diagonals below -(L - 1) or above S - 1 are empty
+        k_hi = min(0 if self.causal else self.window, (S - 1) // dil)
+        if k_lo > k_hi:
+            return 0
+        return int(_diagonal_pairs(torch.arange(k_lo, k_hi + 1) * dil, L, S).sum())
+
+    def counts_analytically(self):
+        return True
+
     def __repr__(self):
         return f"dilated({self.window}, {self.dilation}, causal={self.causal})"
 
@@ -231,6 +249,9 @@ class _PrefixLM(Pattern):
         # exact: the pair most likely kept is (qhi, klo), the least likely (qlo, khi)
         off = _diagonal_offset(self.align, L, S)
         return (klo < self.prefix_len) | (klo - qhi <= off), (khi < self.prefix_len) | (khi - qlo <= off)
+
+    def counts_analytically(self):
+        return True
 
     def nnz(self, L: int, S: int) -> int:
         """Kept pairs in O(L): query i sees keys up to max(i + offset, prefix_len - 1)."""

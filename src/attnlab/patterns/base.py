@@ -107,6 +107,19 @@ def _strips(L: int, S: int):
     return (torch.arange(r0, min(L, r0 + rows)) for r0 in range(0, L, rows))
 
 
+def _diagonal_pairs(d: torch.Tensor, L: int, S: int) -> torch.Tensor:
+    """How many pairs (i < L, j < S) of the grid lie on each diagonal j - i = d: int64, d's shape.
+
+    Row i holds offset d when 0 <= i < L and 0 <= i + d < S, i.e. i in [max(0, -d), min(L, S - d))."""
+    return (torch.clamp(S - d, max=L) - torch.clamp(-d, min=0)).clamp(min=0)
+
+
+def _count_pairs(pattern: "Pattern", i: torch.Tensor, j: torch.Tensor, L: int, S: int) -> int:
+    """Kept pairs of rows i [r] x columns j [c] (summed over the batch), in chunks of about 4M pairs."""
+    rows = max(1, (1 << 22) // max(len(j), 1))
+    return sum(pattern._count(i[r0:r0 + rows], j, L, S) for r0 in range(0, len(i), rows))
+
+
 def _block_sizes(block_q, block_k) -> tuple[int, int]:
     """(block_q, block_k) checked as positive ints; block_k defaults to block_q (square blocks)."""
     block_k = block_q if block_k is None else block_k
@@ -321,13 +334,20 @@ class Pattern:
         """Number of (query, key) pairs kept in the L x S grid (per batch element, averaged for per-batch
         patterns).
 
-        Bands, block tables, prefix LM and documents count analytically. Otherwise, when the pattern has
-        ``bounds``, FULL blocks of a block grid count their area and only PARTIAL blocks are evaluated
-        (Longformer at n = 16384: about 4% of the grid); without bounds every pair is evaluated, in
-        strips of about 4M pairs (O(L·S)).
+        Bands, block tables, prefix LM, documents, the fixed pattern and Longformer count analytically
+        (O(L) or O(blocks)); other translation-invariant patterns (dilated, strided) evaluate ``keep``
+        once per diagonal j - i and weigh it by the diagonal's length, O(L + S). Otherwise, when the
+        pattern has ``bounds``, FULL blocks of a block grid count their area and only PARTIAL blocks
+        are evaluated; without bounds every pair is evaluated, in strips of about 4M pairs (O(L·S)).
+        ``counts_analytically()`` says which of these a pattern gets.
         """
         if L <= 0 or S <= 0:
             return 0
+        if self.translation_invariant() and not self.batch_size:
+            d = torch.arange(-(L - 1), S)  # (L + S - 1,): every offset j - i of the grid
+            i = (-d).clamp(min=0)  # one (i, j) pair per offset, inside the grid
+            kept = torch.broadcast_to(self.keep(i, i + d, L, S), d.shape)
+            return int(_diagonal_pairs(d, L, S)[kept].sum())
         B = self.batch_size or 1
         bq, bk = self.block_shape() or (_NNZ_BLOCK, _NNZ_BLOCK)
         if -(-L // bq) * -(-S // bk) > _NNZ_MAX_BLOCKS:  # a very fine natural block: use a coarser grid
@@ -351,6 +371,12 @@ class Pattern:
         m = self.keep(i.unsqueeze(-1), j.unsqueeze(0), L, S)
         # a keep that ignores i (or j) may return a narrower shape: count the full grid it stands for
         return int(torch.broadcast_to(m, ((self.batch_size,) if self.batch_size else ()) + (len(i), len(j))).sum())
+
+    def counts_analytically(self) -> bool:
+        """True when ``nnz`` (and so ``density`` and ``flops``) never evaluates the L·S pairs one by one:
+        a closed form, O(L + S) or O(blocks). False means it may (a pattern with bounds evaluates its
+        PARTIAL blocks, one without every pair): correct, only slow on large grids."""
+        return self.translation_invariant() and not self.batch_size
 
     def density(self, L: int, S: int) -> float:
         """Fraction of the L x S pairs that take part, ``nnz(L, S) / (L·S)`` (0 for an empty grid)."""
@@ -415,6 +441,35 @@ class _Combine(Pattern):
         if getattr(self.a, "by_key", False) or getattr(self.b, "by_key", False):
             return self.a.dead_keys(L, S) | self.b.dead_keys(L, S)
         return super().dead_keys(L, S)
+
+    def _global_side(self):
+        """(other, global) when this is ``other | global rows and columns`` (Longformer), else None."""
+        from .blocks import _Global
+
+        if self.op != "or" or self.batch_size:
+            return None
+        if isinstance(self.b, _Global):
+            return self.a, self.b
+        return (self.b, self.a) if isinstance(self.a, _Global) else None
+
+    def nnz(self, L, S):
+        """As ``Pattern.nnz``; ``x | global`` (Longformer) by inclusion-exclusion: nnz(x) + nnz(global)
+        minus the pairs of x on the global rows and columns, O(g·(L + S)) for g global tokens."""
+        parts = self._global_side()
+        if parts is None or L <= 0 or S <= 0:
+            return super().nnz(L, S)
+        other, glob = parts
+        t = torch.tensor(glob.tokens, dtype=torch.long)
+        tq, tk = t[t < L], t[t < S]  # the global rows and columns inside this grid
+        shared = (_count_pairs(other, tq, torch.arange(S), L, S) + _count_pairs(other, torch.arange(L), tk, L, S)
+                  - _count_pairs(other, tq, tk, L, S))
+        return other.nnz(L, S) + glob.nnz(L, S) - shared
+
+    def counts_analytically(self):
+        parts = self._global_side()
+        if parts is not None:
+            return parts[0].counts_analytically()
+        return super().counts_analytically()
 
     def band(self, L, S):
         ba, bb = self.a.band(L, S), self.b.band(L, S)

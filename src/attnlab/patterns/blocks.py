@@ -49,6 +49,28 @@ class _Fixed(Pattern):
             all_ = all_ & (khi <= qlo)
         return own | summ, all_
 
+    def nnz(self, L: int, S: int) -> int:
+        """Kept pairs in O(L), row by row: the query's own block plus the summary columns outside it,
+        among the keys j < e it may see (e = S, or min(i + 1, S) when causal)."""
+        if L <= 0 or S <= 0:
+            return 0
+        b, c = self.block, self.summary
+        i = torch.arange(L)  # (L,)
+        e = torch.clamp(i + 1, max=S) if self.causal else torch.full_like(i, S)  # keys j < e are visible
+
+        def summaries(x):  # summary columns (j % b >= b - c) among keys [0, x): c per whole block + a tail
+            return torch.div(x, b, rounding_mode="floor") * c + (torch.remainder(x, b) - (b - c)).clamp(min=0)
+
+        start = torch.div(i, b, rounding_mode="floor") * b  # first key of the query's own block
+        end = torch.minimum(start + b, e)  # visible keys of the own block: [start, end)
+        own = (end - start).clamp(min=0)
+        before = summaries(torch.minimum(start, e))  # summary columns before the own block
+        after = summaries(e) - summaries(end)  # ... and after it (end >= min(start, e))
+        return int((own + before + after).sum())
+
+    def counts_analytically(self):
+        return True
+
     def block_shape(self):
         # a query block per fixed block; key blocks as wide as the summary's alignment, so own-block and
         # summary keys fall in separate key blocks and the rest are empty
@@ -98,6 +120,21 @@ class BlockTable(Pattern):
 
     def block_shape(self):
         return self.block_size, self.block_size
+
+    def nnz(self, L: int, S: int) -> int:
+        """Kept pairs in O(nq·nk): each kept table cell counts its block's area, the last row and column
+        of blocks clipped to L and S."""
+        if L <= 0 or S <= 0:
+            return 0
+        bs = self.block_size
+        nq, nk = -(-L // bs), -(-S // bs)
+        t = self.table(nq, nk, "cpu").to(torch.float64)  # (nq, nk)
+        rows = torch.clamp(L - torch.arange(nq, dtype=torch.float64) * bs, max=bs)  # (nq,) clipped heights
+        cols = torch.clamp(S - torch.arange(nk, dtype=torch.float64) * bs, max=bs)  # (nk,) clipped widths
+        return int(rows @ t @ cols)
+
+    def counts_analytically(self):
+        return True
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
         bs = self.block_size
@@ -164,6 +201,17 @@ class _Global(Pattern):
         q_all = n_q == (qhi - qlo + 1)
         k_all = n_k == (khi - klo + 1)
         return q_has | k_has, q_all | k_all
+
+    def nnz(self, L: int, S: int) -> int:
+        """Kept pairs in O(g): every column of the gq global rows, every row of the gk global columns,
+        their gq·gk crossings once."""
+        if L <= 0 or S <= 0:
+            return 0
+        gq, gk = sum(t < L for t in self.tokens), sum(t < S for t in self.tokens)
+        return gq * S + gk * L - gq * gk
+
+    def counts_analytically(self):
+        return True
 
     def __repr__(self):
         return f"global({list(self.tokens)[:4]}{'...' if len(self.tokens) > 4 else ''})"

@@ -219,6 +219,9 @@ class _Document(Pattern):
             all_ = all_ & (khi - qlo <= c[dq0.clamp(0, len(ql) - 1)])
         return any_, all_
 
+    def counts_analytically(self):
+        return True
+
     def nnz(self, L: int, S: int) -> int:
         """Kept pairs in O(L): each query counts the keys of its document it may see."""
         self._check(L, S)
