@@ -24,7 +24,8 @@ the same float64 reference, but at least PyTorch's default atol for the dtype, a
 
 Examples: a small default per test (the module runs in seconds); ``ATTNLAB_FUZZ_EXAMPLES=N`` runs N per
 test for a long sweep, ``ATTNLAB_FUZZ_METHODS=dense,tiled,...`` restricts the explicit methods compared
-(auto still runs whatever it picks).
+(auto still runs whatever it picks), ``ATTNLAB_FUZZ_LAYOUTS=0`` keeps every tensor row-major.
+``test_each_layout_of_each_tensor`` lays out one tensor at a time in each kind of layout, by name.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ if os.environ.get("ATTNLAB_FUZZ_METHODS"):
     EXPLICIT = tuple(m for m in os.environ["ATTNLAB_FUZZ_METHODS"].split(",") if m in EXPLICIT)
 EXACT = EXPLICIT + ("auto",)
 FUZZ_EXAMPLES = int(os.environ.get("ATTNLAB_FUZZ_EXAMPLES", "0"))
+#: ATTNLAB_FUZZ_LAYOUTS=0 draws row-major tensors only (to sweep the arguments apart from the layouts)
+FUZZ_LAYOUTS = os.environ.get("ATTNLAB_FUZZ_LAYOUTS", "1") not in ("0", "")
 #: a method's error vs float64 may be this factor times the naive same-dtype computation's error
 #: (PyTorch's rule for its fused attention kernels; the house FUSED_ERROR_FACTOR)
 ERROR_FACTOR = 3.0
@@ -109,10 +112,11 @@ def cases(draw, dropout: bool = False, weights: bool = True):
     mshape = {"[L, S]": (L, S), "[*batch, H, L, S]": (*lead, H, L, S), "[1, S]": (1, S)}[mask_shape]
     # dead keys hold poison in every head: their rows must not be stride-0 copies of a live key's
     keep_s = (-2,) if poison is not None and mask_kind != "none" else ()
-    lay = dict(q=draw(layouts((*lead, H, L, E))), k=draw(layouts((*lead, Hkv, S, E), no_expand=keep_s)),
-               v=draw(layouts((*lead, Hkv, S, Ev), no_expand=keep_s)),
-               mask=draw(layouts(mshape)) if mask_kind != "none" else None,
-               slopes=draw(layouts((H,) if alibi == "[H]" else (*lead, H))) if alibi else None)
+    lays = layouts if FUZZ_LAYOUTS else (lambda shape, **kw: st.just(Layout(tuple(shape))))
+    lay = dict(q=draw(lays((*lead, H, L, E))), k=draw(lays((*lead, Hkv, S, E), no_expand=keep_s)),
+               v=draw(lays((*lead, Hkv, S, Ev), no_expand=keep_s)),
+               mask=draw(lays(mshape)) if mask_kind != "none" else None,
+               slopes=draw(lays((H,) if alibi == "[H]" else (*lead, H))) if alibi else None)
     return dict(rank=rank, dtype=dtype, H=H, Hkv=Hkv, lead=lead, L=L, S=S, E=E, Ev=Ev, scale=scale,
                 is_causal=is_causal, mask_kind=mask_kind, mask_shape=mask_shape, mask_grad=mask_grad,
                 poison=poison, pattern=pattern, softcap=softcap, alibi=alibi, need_weights=need_weights,
@@ -391,6 +395,11 @@ FOUND_LSE_STRIDED_V = _case(H=2, Hkv=2, S=3, E=2, Ev=2, layouts=dict(v=Layout((2
 @given(cases())
 @example(FOUND_LSE_STRIDED_V)
 def test_every_exact_method_matches_the_float64_reference(c):
+    _outputs_match(c)
+
+
+def _outputs_match(c):
+    """Every method the planner accepts (and auto) against the float64 reference: output, weights, lse."""
     b = Built(c)
     auto, ok = _plans(b, c, need_weights=c["need_weights"])
     if auto is None:
@@ -482,6 +491,11 @@ FOUND_BF16_DELTA = _case(rank=4, dtype=torch.bfloat16, lead=[1], S=3, Ev=5, scal
 @example(FOUND_BF16_DELTA)
 @example(FOUND_AUTO_DENSE_ONLY)
 def test_every_exact_method_differentiates_like_the_float64_naive_computation(c):
+    _gradients_match(c)
+
+
+def _gradients_match(c):
+    """Every method the planner accepts (and auto): dq, dk, dv and a float mask's gradient."""
     # gradient oracle: autograd through _naive in float64 (plain torch ops, no attnlab kernel), on the
     # clean values; budget as for the output (GRAD_ERROR_FACTOR), against the naive computation's gradients
     # in the input dtype. Gradients are taken with respect to the row-major leaves the layouts were made from.
@@ -533,3 +547,36 @@ def test_auto_runs_whenever_an_explicit_method_runs_with_dropout(c):
                                       **b.run_kw))
     for a, e in zip(*(o if c["need_weights"] else (o,) for o in outs)):
         assert torch.equal(a, e) and bool(a.isfinite().all()), f"auto ({auto.method}) {_describe(c)}"
+
+
+# -- one layout at a time ---------------------------------------------------------------------------
+def _one_layout_cases():
+    """(id, case): each tensor in each kind of layout, the others row-major, so that a layout a kernel
+    gets wrong fails by name whatever hypothesis draws. Shapes: GQA with a float mask (E = 4, Ev = 3), and
+    head dims of 1 (where a size-1 last dim's stride is arbitrary)."""
+    out = []
+    for family, kw in (("gqa", dict(rank=4, lead=[2], H=2, Hkv=1, L=7, S=9, E=4, Ev=3, mask_kind="float",
+                                    mask_shape="[*batch, H, L, S]")),
+                       ("head dim 1", dict(rank=4, lead=[2], H=2, Hkv=2, L=5, S=6, E=1, Ev=1))):
+        shapes = {n: lay.shape for n, lay in _case(**kw)["layouts"].items() if lay is not None and n != "slopes"}
+        for name, shape in shapes.items():
+            n = len(shape)
+            kinds = {f"expand dim {d - n}": Layout(shape, expanded=(d,)) for d in range(n) if shape[d] >= 2}
+            kinds.update({"mT": Layout(shape, order=(*range(n - 2), n - 1, n - 2)),
+                          "last dim ::2": Layout(shape, steps=(1,) * (n - 1) + (2,)),
+                          "rows sliced from wider ones": Layout(shape, pads=(0,) * (n - 1) + (3,)),
+                          "heads outermost": Layout(shape, order=(1, 0, *range(2, n))),
+                          "offset": Layout(shape, offset=3)})
+            if shape[-1] == 1:
+                kinds["size-1 last dim, stride 7"] = Layout(shape, unit_strides=(None,) * (n - 1) + (7,))
+            for kind, lay in kinds.items():
+                for dtype in (torch.float64, torch.float32):
+                    out.append(pytest.param(_case(**kw, dtype=dtype, layouts={name: lay}),
+                                            id=f"{family}-{name}-{kind}-{str(dtype)[6:]}"))
+    return out
+
+
+@pytest.mark.parametrize("c", _one_layout_cases())
+def test_each_layout_of_each_tensor(c):
+    _outputs_match(c)
+    _gradients_match(c)
