@@ -1,4 +1,5 @@
-"""Shared test helpers: per-dtype tolerances in one place and a comparison that names the worst element."""
+"""Shared test helpers: per-dtype tolerances in one place, a comparison that names the worst element, and
+memory layouts (``Layout``, the hypothesis strategy ``layouts``) that give a tensor any strides with its values."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -13,7 +13,6 @@ import itertools
 import pytest
 import torch
 
-import attnlab
 from attnlab import kernels
 from attnlab import patterns as P
 from attnlab.functional import METHODS, planner, prepare
