@@ -1,8 +1,12 @@
-"""Shared test helpers: per-dtype tolerances in one place and a comparison that names the worst element."""
+"""Shared test helpers: per-dtype tolerances in one place, a comparison that names the worst element, and
+memory layouts (``Layout``, the hypothesis strategy ``layouts``) that give a tensor any strides with its values."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 # Absolute/relative tolerances against the float64 reference, per dtype.
 TOL = {
@@ -37,3 +41,106 @@ def max_err(a, b) -> float:
     a = torch.as_tensor(np.asarray(a)) if not isinstance(a, torch.Tensor) else a
     b = torch.as_tensor(np.asarray(b)) if not isinstance(b, torch.Tensor) else b
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+# -- memory layouts ---------------------------------------------------------------------------------
+# A kernel sees sizes, strides and a storage offset, nothing else: a tensor built by ``as_strided`` over
+# a scratch buffer is, to it, the view that has those strides (``expand`` gives stride 0, ``.mT`` swaps
+# two strides, ``x[..., ::2]`` of a wider tensor doubles one and leaves gaps, ``x[..., :n]`` leaves a gap
+# after each row, a size-1 dim may carry any stride). ``Layout.apply`` builds such a tensor from given
+# values, differentiably, so gradients are checked through it too; ``layouts`` draws one for a shape.
+@dataclass(frozen=True)
+class Layout:
+    """One memory layout for a tensor of ``shape``.
+
+    expanded: dims broadcast with stride 0 (``expand`` from size 1): they hold the values at index 0.
+    order: the dims from outermost to innermost in storage (identity: row-major; last two swapped: ``.mT``).
+    steps: per dim, storage holds one element of every ``step`` (``x[..., ::step]`` of a wider tensor).
+    pads: per dim, unused elements after each run of it (``x[..., :n]`` of a wider tensor).
+    offset: the storage offset. unit_strides: per dim, the stride a size-1 dim gets (None: its natural one).
+    """
+
+    shape: tuple[int, ...]
+    expanded: tuple[int, ...] = ()
+    order: tuple[int, ...] | None = None
+    steps: tuple[int, ...] | None = None
+    pads: tuple[int, ...] | None = None
+    offset: int = 0
+    unit_strides: tuple[int | None, ...] | None = None
+
+    def __post_init__(self):
+        assert all(self.shape[d] >= 2 for d in self.expanded), f"expand only dims of size >= 2: {self}"
+
+    def _reduced(self) -> tuple[int, ...]:
+        return tuple(1 if d in self.expanded else n for d, n in enumerate(self.shape))
+
+    def _base_strides(self) -> tuple[int, ...]:
+        """Strides of the stored (reduced) tensor, before ``expand``."""
+        n, r = len(self.shape), self._reduced()
+        order, steps, pads = self.order or tuple(range(n)), self.steps or (1,) * n, self.pads or (0,) * n
+        out, acc = [0] * n, 1
+        for d in reversed(order):
+            out[d] = acc * steps[d]
+            acc *= max(1, (r[d] - 1) * steps[d] + 1 + pads[d])
+        units = self.unit_strides or (None,) * n
+        return tuple(units[d] if r[d] == 1 and units[d] is not None else s for d, s in enumerate(out))
+
+    def strides(self) -> tuple[int, ...]:
+        """The strides of ``apply``'s result (0 on expanded dims)."""
+        return tuple(0 if d in self.expanded else s for d, s in enumerate(self._base_strides()))
+
+    def values(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with each expanded dim holding its values at index 0 (what ``apply`` holds), row-major."""
+        for d in self.expanded:
+            t = t.narrow(d, 0, 1)
+        return t.expand(self.shape).contiguous()
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor equal to ``values(t)``, in this layout; differentiable with respect to ``t``."""
+        assert tuple(t.shape) == self.shape, (tuple(t.shape), self.shape)
+        for d in self.expanded:
+            t = t.narrow(d, 0, 1)
+        r, strides = self._reduced(), self._base_strides()
+        numel = self.offset + (1 + sum((n - 1) * s for n, s in zip(r, strides)) if 0 not in r else 0)
+        buf = torch.as_strided_scatter(t.new_zeros(numel), t, r, strides, self.offset)
+        return buf.as_strided(r, strides, self.offset).expand(self.shape)
+
+    def is_default(self) -> bool:
+        """Row-major with no gap, offset or expanded dim: what ``.contiguous()`` gives."""
+        return self.strides() == tuple(torch.empty(self.shape).stride()) and not self.offset
+
+    def __repr__(self) -> str:  # only the fields that differ from row-major, so reproducers read short
+        n = len(self.shape)
+        plain = dict(expanded=((),), order=(None, tuple(range(n))), steps=(None, (1,) * n), pads=(None, (0,) * n),
+                     offset=(0,), unit_strides=(None, (None,) * n))
+        fields = [f"{f}={getattr(self, f)!r}" for f, d in plain.items() if getattr(self, f) not in d]
+        return f"Layout({', '.join([repr(self.shape)] + fields)})"
+
+    def _repr_pretty_(self, printer, cycle):  # hypothesis' reproducers print through this
+        printer.text(repr(self))
+
+    def __str__(self) -> str:
+        return f"shape {list(self.shape)} strides {list(self.strides())}" + (f" offset {self.offset}" if self.offset else "")
+
+
+@st.composite
+def layouts(draw, shape, *, no_expand: tuple[int, ...] = (), default_weight: int = 1) -> Layout:
+    """A random layout for ``shape``: row-major (often, so shrinking ends there), or any mix of stride-0
+    expands (never on ``no_expand`` dims; dims are given non-negative), a permuted storage order (``.mT``
+    most often), strided and sliced dims, an offset, and odd strides on size-1 dims."""
+    n = len(shape)
+    no_expand = {d % n for d in no_expand} if n else set()
+    if n == 0 or draw(st.sampled_from([True] * default_weight + [False] * 3)):
+        return Layout(tuple(shape))
+    can = [d for d in range(n) if shape[d] >= 2 and d not in no_expand]
+    expanded = tuple(d for d in can if draw(st.sampled_from([False, False, True])))
+    kind = draw(st.sampled_from(["row-major", "mT", "permuted"])) if n >= 2 else "row-major"
+    order = tuple(range(n))
+    if kind == "mT":
+        order = order[:-2] + (n - 1, n - 2)
+    elif kind == "permuted":
+        order = tuple(draw(st.permutations(range(n))))
+    steps = tuple(draw(st.sampled_from([1, 1, 1, 2, 3])) for _ in range(n))
+    pads = tuple(draw(st.sampled_from([0, 0, 0, 1, 5])) for _ in range(n))
+    units = tuple(draw(st.sampled_from([None, 0, 1, 7, 1000])) if shape[d] == 1 else None for d in range(n))
+    return Layout(tuple(shape), expanded, order, steps, pads, draw(st.sampled_from([0, 0, 3])), units)

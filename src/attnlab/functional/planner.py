@@ -27,7 +27,7 @@ from ..kernels import tiled as tiled_kernel
 from ..report import format_bytes
 from ..shapes import Prepared, check_block_size
 
-__all__ = ["Plan", "METHODS", "plan", "refusals", "choose_lse_kernel", "causal_blocks", "nonempty_blocks"]
+__all__ = ["Plan", "METHODS", "plan", "refusals", "candidates", "choose_lse_kernel", "causal_blocks", "nonempty_blocks"]
 
 #: "auto" and every kernel's name, in explain's order (one definition, from the declarations)
 METHODS: tuple[str, ...] = ("auto",) + tuple(s.name for s in KERNELS)
@@ -199,43 +199,64 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     return out
 
 
+#: auto's last resort, in order, when none of ``_choose``'s rules fits; dense (the universal kernel, which
+#: materialises L×S) comes last, and a declared kernel missing here goes just before it, so none is skipped
+FALLBACK_ORDER = ("sdpa", "compiled", "tiled", "sparse", "dense")
+_FALLBACK = (tuple(m for m in FALLBACK_ORDER[:-1] if m in METHODS)
+             + tuple(m for m in METHODS[1:] if m not in FALLBACK_ORDER) + ("dense",))
+
+
+def candidates(refused: dict[str, str]) -> tuple[str, ...]:
+    """The kernels auto may choose from: exactly those whose declarations accept the request (every
+    declared kernel not in ``refused``), in ``FALLBACK_ORDER``."""
+    return tuple(m for m in _FALLBACK if m not in refused)
+
+
 def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None) -> tuple[str, str]:
-    """Auto's rules, in order; costs are asked for only where two kernels are compared."""
+    """Auto's rules, in order, over ``candidates(refused)``; costs are asked for only where two kernels
+    are compared. A rule names a kernel only when it is a candidate, and when no rule fits the first
+    candidate of ``FALLBACK_ORDER`` runs: auto refuses only what every kernel refuses."""
+    ok = candidates(refused)
+    if not ok:
+        reasons = "; ".join(f"{m}: {why}" for m, why in refused.items())
+        raise ValueError(f"no attention method can run these inputs ({reasons})")
     plain = (r.trivial or r.causal_only) and not r.score_mods
     mods = " and ".join(n for n, on in (("soft-capping", r.softcap), ("ALiBi", r.alibi)) if on)
     if r.need_weights:
-        if "dense" not in refused and r.pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
+        if "dense" in ok and r.pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
             return "dense", "weights requested and the L×S scores are small"
-        if "tiled" not in refused:
+        if "tiled" in ok:
             return "tiled", ("weights requested: output by online softmax, weights by a second pass over the "
                              "saved log-sum-exp")
-        if "dense" not in refused:
-            return "dense", "weights requested with dropout: only the dense kernel does both"
-    elif "compiled" not in refused and not plain and not (
-            r.pattern and "sparse" not in refused and c.flops("sparse") * SPARSE_OVER_COMPILED < c.flops("compiled")):
+        if "dense" in ok:
+            return "dense", "weights requested and only the dense kernel returns them for these inputs"
+    elif "compiled" in ok and not plain and not (
+            r.pattern and "sparse" in ok and c.flops("sparse") * SPARSE_OVER_COMPILED < c.flops("compiled")):
         t = c.tiling("compiled")
         if not (r.pattern or r.keep_mask or r.float_mask or r.causal_only):
             return "compiled", f"attnlab's compiled kernel: {mods} computed inside its {t.block_q}×{t.block_k} tiles"
         return "compiled", (f"attnlab's compiled kernel visits {c.density('compiled'):.1%} of "
                             f"{t.block_q}×{t.block_k} blocks, masks read inside the tiles"
                             + (f", {mods} computed there from positions" if mods else ""))
-    elif "compiled" not in refused and r.dtype in COMPILED_DENSE_DTYPES:
+    elif "compiled" in ok and r.dtype in COMPILED_DENSE_DTYPES:
         return "compiled", f"attnlab's compiled kernel is faster than SDPA for {r.dtype} here"
-    elif r.pattern and "sparse" not in refused and (1 - c.density("sparse") >= SPARSE_MIN_EMPTY or "sdpa" in refused):
+    elif r.pattern and "sparse" in ok and (1 - c.density("sparse") >= SPARSE_MIN_EMPTY or "sdpa" not in ok):
         t = c.tiling("sparse")
         return "sparse", (f"the pattern leaves {c.density('sparse'):.1%} of {t.block_q}×{t.block_k} blocks; "
                           "the fused kernel runs on just those")
-    elif "sdpa" not in refused:
-        return "sdpa", f"delegated to PyTorch's fused attention ({backend or 'its own choice of'} backend)"
-    elif "compiled" not in refused:
-        return "compiled", "attnlab's compiled kernel: exact online softmax without materialising L×S"
-    elif "tiled" not in refused:
-        return "tiled", "exact online softmax without materialising L×S" + (
-            f" ({mods} computed per tile)" if mods else "")
-    elif "sparse" not in refused:
-        return "sparse", "gathered key blocks through the fused kernel"
-    reasons = "; ".join(f"{m}: {why}" for m, why in refused.items())
-    raise ValueError(f"no attention method can run these inputs ({reasons})")
+    first = ok[0]
+    return first, _FALLBACK_REASONS.get(first, "the first kernel that accepts these inputs").format(
+        backend=backend or "its own choice of", mods=f" ({mods} computed per tile)" if mods else "",
+        refused=", ".join(m for m in _FALLBACK if m in refused))
+
+
+_FALLBACK_REASONS = {
+    "sdpa": "delegated to PyTorch's fused attention ({backend} backend)",
+    "compiled": "attnlab's compiled kernel: exact online softmax without materialising L×S",
+    "tiled": "exact online softmax without materialising L×S{mods}",
+    "sparse": "gathered key blocks through the fused kernel",
+    "dense": "the dense kernel runs everything; the others are refused ({refused}: see refused)",
+}
 
 
 def choose_lse_kernel(p: Prepared) -> tuple[list[str], dict[str, str]]:

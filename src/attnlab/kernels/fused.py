@@ -30,6 +30,17 @@ def _empty(q, k) -> bool:
     return 0 in q.shape[:-1] or k.shape[-2] == 0
 
 
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dim dense (a copy only when its stride there is not 1).
+
+    # Note [Private flash op strides]: PyTorch's private CPU flash op reads q, k and v as if their last
+    # dim had stride 1 (torch 2.13): ``x[..., ::2]``, ``.mT`` or a stride-0 ``expand`` of the head dim
+    # gives silently wrong outputs (public SDPA checks this and copies or takes its math path). Other
+    # dims may have any stride, 0 included; masks are read correctly in any layout.
+    """
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     """PyTorch's scaled_dot_product_attention on 4-D tensors (4-D keeps its fused backends eligible)."""
     q, scale = _positive_scale(q, is_causal, scale)
@@ -46,6 +57,7 @@ def flash_cpu_with_lse(q, k, v, attn_mask=None, is_causal=False, scale=None):
     """
     if not HAS_CPU_FLASH or q.device.type != "cpu" or _empty(q, k):
         return None  # zero-size dims: the op divides by them (SIGFPE, torch 2.13)
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     q, scale = _positive_scale(q, is_causal, scale)
     try:
         out, lse = _flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
