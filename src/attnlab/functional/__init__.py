@@ -20,9 +20,10 @@ from ..kernels import tiled as tiled_kernel
 from ..kernels.masks import MaskSpec
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
 from . import planner
+from .kvcache import attention_with_kvcache
 from .planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 
-__all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "run", "Plan", "METHODS", "Prepared",
+__all__ = ["attention", "explain", "attention_with_lse", "attention_with_kvcache", "merge_partials", "run", "Plan", "METHODS", "Prepared",
            "prepare", "planner", "DEFAULT_TILED_BLOCK"]
 
 
