@@ -15,9 +15,10 @@ import math
 import torch
 
 from ..kernels import decode as decode_kernel
+from ..report import format_bytes
 from ..shapes import AttentionDtypeError, AttentionInputError, check_softcap, shape_str
 
-__all__ = ["attention_with_kvcache"]
+__all__ = ["attention_with_kvcache", "decode_applies", "decode_reason", "run_prepared"]
 
 
 def _int_lengths(x, B: int, name: str) -> torch.Tensor:
@@ -226,3 +227,86 @@ def _fallback(qh, k_cache, v_cache, block_table, seqlens, lo, hi, cap, slopes, s
     out, lse = attention_with_lse(qh.float(), kd.transpose(1, 2).float(), vd.transpose(1, 2).float(),
                                   attn_mask=mask.to(qh.device), scale=scale, enable_gqa=True, softcap=cap)
     return out.to(qh.dtype).transpose(1, 2).contiguous(), lse
+
+
+# -- attention() calls of decode shape: the planner routes them here (method "compiled") ---------------
+def decode_applies(r) -> bool:
+    """Whether a call (a ``kernels.Request``) takes the decode path of the compiled kernel: CPU, fp32/bf16/
+    fp16, 1 <= L <= decode_kernel.MAX_QUERIES, inference (no autograd, dropout or weights) and the decode
+    extension loads. Every mask, pattern, softcap and ALiBi is taken (csrc/decode.cpp)."""
+    return (r.device == "cpu" and r.dtype in decode_kernel.DTYPES and 1 <= r.L <= decode_kernel.MAX_QUERIES
+            and r.S >= 1 and not r.needs_grad and r.dropout_p == 0 and not r.need_weights
+            and not r.float_mask_grad and decode_kernel.available())
+
+
+def decode_reason(p, costs: bool = False) -> str:
+    """What the decode path does for prepared inputs ``p``: splits, K/V bytes read and, with ``costs``, the
+    time that takes at the read bandwidth measured in this process (``decode_kernel.read_bandwidth``)."""
+    i = p.info
+    ns = decode_kernel.num_splits(p.N, i.Hkv, i.S)
+    nbytes = decode_kernel.kv_bytes(p.N, i.Hkv, i.S, i.E, i.Ev, p.q.dtype)
+    why = (f"decode path: {p.N}×{i.Hkv} (sequence, kv head) units × {ns} key split{'s' * (ns > 1)}, "
+           f"the {i.groups} query head{'s' * (i.groups > 1)} of a group in one pass (K/V read once per group, "
+           f"no copy): {format_bytes(nbytes)} of K/V")
+    if costs:
+        bw = decode_kernel.read_bandwidth()
+        why += f", ≈ {nbytes / bw * 1e3:.3g} ms at the {bw / 1e9:.3g} GB/s read bandwidth measured now"
+    return why
+
+
+def run_prepared(p, return_lse: bool = False):
+    """``attention`` on prepared inputs through the decode kernel: out [B, H, L, Ev] (and lse [B, H, L]).
+    A band pattern (causal, sliding windows, any alignment) becomes the kernel's key range; key padding by
+    lengths its per-sequence lengths; other patterns and user masks a bool keep [B|1, H|1, L, S] (L×S is
+    small at decode sizes) read through strides; ALiBi keeps attnlab's alignment i + S - L."""
+    i, mask = p.info, p.mask
+    N, L, S = p.N, i.L, i.S
+    seqlens = torch.full((N,), S, dtype=torch.int64)
+    left = right = decode_kernel.UNBOUNDED
+    keep = mask.keep
+    pat = mask.pattern
+    rest = []  # patterns the key range cannot express
+    for part in _and_parts(pat):
+        band = part.band(L, S) if part.batch_size is None else None
+        kk = getattr(part, "keep_keys", None)
+        if band is not None:
+            lo, hi = band
+            left = min(left, decode_kernel.UNBOUNDED if lo == -math.inf else max(-(2**40), int(-lo)))
+            right = min(right, decode_kernel.UNBOUNDED if hi == math.inf else max(-(2**40), int(hi)))
+        elif kk is not None and _is_prefix(kk, S):
+            seqlens = torch.minimum(seqlens, kk[:, :S].sum(1).to(torch.int64))
+        else:
+            rest.append(part)
+    for part in rest:
+        qi, kj = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+        m = part.keep(qi, kj, L, S)  # (L, S) or (B, L, S)
+        m = m.view(-1, 1, L, S)
+        keep = m if keep is None else keep & m
+    bias = mask.bias
+    slopes = None
+    if mask.alibi is not None:
+        slopes = mask.alibi.expand(N, i.H)
+    out = torch.empty(N, i.H, L, i.Ev, dtype=p.q.dtype)
+    kp = None if keep is None else keep.expand(N, i.H, L, S)
+    bp = None if bias is None else bias.expand(N, i.H, L, S)
+    out, lse = decode_kernel.decode_attention(
+        p.q, p.kv_k.transpose(1, 2), p.kv_v.transpose(1, 2), scale=i.scale, seqlens=seqlens,
+        mask_offset=0, left=left, right=right, keep=kp, bias=bp, softcap=mask.softcap or 0.0,
+        alibi_slopes=slopes, alibi_offset=S - L, out=out)
+    return (out, lse) if return_lse else out
+
+
+def _and_parts(pat):
+    """The operands of a pattern's ANDs (a pattern that is no AND is its own single part)."""
+    if pat is None:
+        return []
+    if getattr(pat, "op", None) == "and":
+        return _and_parts(pat.a) + _and_parts(pat.b)
+    return [pat]
+
+
+def _is_prefix(kk: torch.Tensor, S: int) -> bool:
+    """A key-padding mask [B, >=S] that keeps exactly each row's first n keys (lengths, right padding)."""
+    k = kk[:, :S]
+    n = k.sum(1, keepdim=True)
+    return bool((k == (torch.arange(k.shape[1]).unsqueeze(0) < n)).all())

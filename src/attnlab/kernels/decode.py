@@ -18,11 +18,12 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import time
 
 import torch
 
 __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
-           "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "UNBOUNDED"]
+           "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
 ABI_VERSION = 2
@@ -194,6 +195,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if return_partials:
         return out, res[0], res[1], res[2]
     return out, res[0]
+
+
+_BANDWIDTH: list = []
+
+
+def read_bandwidth(nbytes: int = 256 * 2**20, rounds: int = 3) -> float:
+    """The CPU's read bandwidth (bytes/s), measured once per process: the best of ``rounds`` sums over a
+    float32 buffer of ``nbytes`` (well past the caches), all threads."""
+    if not _BANDWIDTH:
+        x = torch.ones(nbytes // 4)
+        best = math.inf
+        for _ in range(rounds):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        _BANDWIDTH.append(nbytes / best)
+    return _BANDWIDTH[0]
 
 
 def predicted_seconds(nbytes: int, bandwidth: float) -> float:
