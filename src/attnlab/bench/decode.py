@@ -134,7 +134,7 @@ def _case(name, S, dtype, B, layout, rounds, buf, gen):
         table = torch.randperm(B * -(-S // page), generator=gen).view(B, -1).to(torch.int32)  # shuffled pages
         kc, vc = _paged(k, table, page), _paged(v, table, page)
     qf = q.transpose(1, 2)  # (B, 1, H, D): flash-attn's layout, a view
-    mine = lambda: decode_kernel_call(qf, kc, vc, table)  # noqa: E731
+    mine = lambda: decode_kernel_call(qf, kc, vc, table, S)  # noqa: E731
     theirs = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
     out, ref_lo = mine(), theirs()
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
@@ -160,10 +160,11 @@ def _case(name, S, dtype, B, layout, rounds, buf, gen):
             "err_budget": budget, "correct": err <= budget}
 
 
-def decode_kernel_call(q, k_cache, v_cache, block_table):
-    """The call the bench times: ``attnlab.attention_with_kvcache`` of q [B, 1, H, D] over the whole cache."""
+def decode_kernel_call(q, k_cache, v_cache, block_table, S: int):
+    """The call the bench times: ``attnlab.attention_with_kvcache`` of q [B, 1, H, D] over S cached keys
+    (a paged cache's last page may hold fewer than its page size)."""
     from ..functional import attention_with_kvcache
-    return attention_with_kvcache(q, k_cache, v_cache, block_table=block_table, is_causal=False)
+    return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=S, block_table=block_table, is_causal=False)
 
 
 def _targets(rows: list[dict]) -> list[dict]:
