@@ -368,3 +368,51 @@ def test_fallback_without_extension_agrees(monkeypatch):
     if dk.available():
         out, lse = attnlab.attention_with_kvcache(q, kc, vc, return_lse=True, **kw)
         assert max_err(out, fb) < 1e-5 and max_err(lse, fl) < 1e-4
+
+
+# -- attention() routes decode shapes to the decode path --------------------------------------------
+def _route_cases(B, L, S, gen):
+    from attnlab import patterns as P
+    lengths = torch.tensor([S, S // 3])[:B]
+    holes = torch.rand(B, S, generator=gen) > 0.7  # True = ignore (not a prefix)
+    return {
+        "plain": {},
+        "causal_top_left": dict(is_causal=True),
+        "bottom_right": dict(pattern=P.causal("bottom_right")),
+        "window": dict(pattern=P.sliding_window(7, causal=True, align="bottom_right")),
+        "lengths": dict(pattern=P.key_padding(lengths)),
+        "holes_and_causal": dict(pattern=P.from_key_padding_mask(holes) & P.causal("bottom_right")),
+        "bool_mask": dict(attn_mask=torch.rand(B, 1, L, S, generator=gen) > 0.5),
+        "float_mask": dict(attn_mask=torch.randn(1, 1, L, S, generator=gen)),
+        "alibi_softcap": dict(alibi_slopes=torch.rand(4, generator=gen), softcap=3.0, is_causal=True),
+    }
+
+
+@needs_ext
+@pytest.mark.parametrize("case", list(_route_cases(2, 3, 50, torch.Generator().manual_seed(0))))
+def test_attention_routes_decode_shapes(case):
+    """attnlab.attention with L <= 16 under no_grad plans the compiled kernel's decode path and agrees with
+    the dense kernel (float64 on the same masks) for every mask, pattern, softcap and ALiBi."""
+    gen = torch.Generator().manual_seed(9)
+    B, H, Hkv, L, S, D = 2, 4, 2, 3, 50, 8
+    kw = _route_cases(B, L, S, torch.Generator().manual_seed(0))[case]
+    q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((H, L), (Hkv, S), (Hkv, S)))
+    with torch.no_grad():
+        plan = attnlab.explain(q, k, v, enable_gqa=True, **kw)
+        assert plan.method == "compiled" and plan.decode, plan
+        out = attnlab.attention(q, k, v, enable_gqa=True, **kw)
+        ref = attnlab.attention(q.double(), k.double(), v.double(), enable_gqa=True, method="dense",
+                                **{a: (b.double() if isinstance(b, torch.Tensor) and b.is_floating_point() else b)
+                                   for a, b in kw.items()})
+    assert max_err(out, ref) < 1e-5
+
+
+def test_grad_calls_do_not_take_the_decode_path():
+    q = torch.randn(1, 4, 1, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    assert not attnlab.explain(q, k, v, enable_gqa=True).decode
+    attnlab.attention(q, k, v, enable_gqa=True).sum().backward()
+    assert q.grad is not None
+    if dk.available():
+        with pytest.raises(RuntimeError, match="forward only"):
+            dk.decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=1.0)
