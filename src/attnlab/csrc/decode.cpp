@@ -104,19 +104,6 @@ inline void row_range(const Args& a, int64_t b, int64_t i, int64_t& lo, int64_t&
   if (hi < lo) hi = lo;
 }
 
-inline float dot(const float* x, const float* y, int64_t n) {
-  Vf acc0(0), acc1(0);
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    acc0 = at::vec::fmadd(Vf::loadu(x + d), Vf::loadu(y + d), acc0);
-    acc1 = at::vec::fmadd(Vf::loadu(x + d + W), Vf::loadu(y + d + W), acc1);
-  }
-  for (; d + W <= n; d += W) acc0 = at::vec::fmadd(Vf::loadu(x + d), Vf::loadu(y + d), acc0);
-  float s = at::vec::vec_reduce_all<float>([](Vf& p, Vf& r) { return p + r; }, acc0 + acc1);
-  for (; d < n; ++d) s += x[d] * y[d];
-  return s;
-}
-
 template <typename T>
 inline const T* row_ptr(const T* base, const int64_t* st, const Args& a, int64_t b, int64_t j, int64_t g) {
   const int64_t page = a.table[b * a.maxp + j / a.T];
@@ -140,6 +127,51 @@ inline void tile_rows(const T* base, const int64_t* st, const Args& a, int64_t b
     } else {
       at::vec::convert(p, buf + t * width, width);
       rows[t] = buf + t * width;
+    }
+  }
+}
+
+// s[rr * TK + t] = q[rr] . k[t] for RB rows sharing each K load (q rows D apart).
+template <int RB>
+inline void dot_block(const float* q, const float* const* krows, int64_t nt, int64_t D, float* s) {
+  for (int64_t t = 0; t < nt; ++t) {
+    const float* k = krows[t];
+    Vf acc[RB];
+    for (int rr = 0; rr < RB; ++rr) acc[rr] = Vf(0);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+      const Vf kv = Vf::loadu(k + d);
+      for (int rr = 0; rr < RB; ++rr) acc[rr] = at::vec::fmadd(Vf::loadu(q + rr * D + d), kv, acc[rr]);
+    }
+    for (int rr = 0; rr < RB; ++rr) {
+      float x = at::vec::vec_reduce_all<float>([](Vf& p, Vf& r) { return p + r; }, acc[rr]);
+      for (int64_t e = d; e < D; ++e) x += q[rr * D + e] * k[e];
+      s[rr * TK + t] = x;
+    }
+  }
+}
+
+// O[r0 + rr] += sum_t p[rr][t] * V[t] for RB rows sharing each V load (the tile's every key weighed by every
+// row: Note [Decode tiles]); columns [0, d_end) in steps of 2W, the rest by the caller.
+template <int RB>
+inline void pv_block(const float* p, const float* const* vrows, int64_t nt, float* o, int64_t Dv, int64_t d_end) {
+  for (int64_t d = 0; d < d_end; d += 2 * W) {
+    Vf acc0[RB], acc1[RB];
+    for (int rr = 0; rr < RB; ++rr) {
+      acc0[rr] = Vf::loadu(o + rr * Dv + d);
+      acc1[rr] = Vf::loadu(o + rr * Dv + d + W);
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      const Vf v0 = Vf::loadu(vrows[t] + d), v1 = Vf::loadu(vrows[t] + d + W);
+      for (int rr = 0; rr < RB; ++rr) {
+        const Vf pv(p[rr * TK + t]);
+        acc0[rr] = at::vec::fmadd(pv, v0, acc0[rr]);
+        acc1[rr] = at::vec::fmadd(pv, v1, acc1[rr]);
+      }
+    }
+    for (int rr = 0; rr < RB; ++rr) {
+      acc0[rr].store(o + rr * Dv + d);
+      acc1[rr].store(o + rr * Dv + d + W);
     }
   }
 }
@@ -192,6 +224,16 @@ void decode_impl(const Args& a) {
         const float* const qs_g = qs.data() + gl * R * D;
         // 2) scores of every row against the tile's keys
         tile_rows(K, a.ks, a, b, g, t0, nt, j1, D, kbuf.data(), krows);
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {  // every row's products; rows sharing each K load
+          const float* qb = qs_g + r0 * D;
+          float* sb = sc.data() + r0 * TK;
+          switch (std::min<int64_t>(4, R - r0)) {
+            case 4: dot_block<4>(qb, krows, nt, D, sb); break;
+            case 3: dot_block<3>(qb, krows, nt, D, sb); break;
+            case 2: dot_block<2>(qb, krows, nt, D, sb); break;
+            default: dot_block<1>(qb, krows, nt, D, sb); break;
+          }
+        }
         for (int64_t r = 0; r < R; ++r) {
           float* srow = sc.data() + r * TK;
           const int64_t lo = rlo[r], hi = rhi[r];
@@ -199,8 +241,6 @@ void decode_impl(const Args& a) {
             for (int64_t t = 0; t < nt; ++t) srow[t] = kNinf;
             continue;
           }
-          const float* qr = qs_g + r * D;
-          for (int64_t t = 0; t < nt; ++t) srow[t] = dot(qr, krows[t], D);
           const int64_t gi = r / a.L, i = r % a.L, h = g * G + gi;
           if (a.softcap > 0) {
             const float cap = a.softcap, inv = 1.f / cap;
@@ -235,7 +275,7 @@ void decode_impl(const Args& a) {
           }
         }
         // 3) online softmax per row; the keys each row weighs (p != 0, NaN included)
-        bool any = false;
+        bool any = false, every = true;
         for (int64_t r = 0; r < R; ++r) {
           float* srow = sc.data() + r * TK;
           float mt = m_g[r];
@@ -258,17 +298,33 @@ void decode_impl(const Args& a) {
           }
           l_g[r] += sum;
           any = any || nnz[r] > 0;
+          every = every && nnz[r] == nt;
         }
         if (!any) continue;
         // 4) O += P @ V over the weighed keys
         tile_rows(V, a.vs, a, b, g, t0, nt, j1, Dv, vbuf.data(), vrows);
+        int64_t d_first = 0;  // columns the blocked pass below has done
+        if (every && R > 1) {  // every row weighs every key: rows share each V load, 4 at a time
+          const int64_t d_end = Dv / (2 * W) * (2 * W);
+          for (int64_t r0 = 0; r0 < R; r0 += 4) {
+            const float* p = sc.data() + r0 * TK;
+            float* orow = o_g + r0 * Dv;
+            switch (std::min<int64_t>(4, R - r0)) {
+              case 4: pv_block<4>(p, vrows, nt, orow, Dv, d_end); break;
+              case 3: pv_block<3>(p, vrows, nt, orow, Dv, d_end); break;
+              case 2: pv_block<2>(p, vrows, nt, orow, Dv, d_end); break;
+              default: pv_block<1>(p, vrows, nt, orow, Dv, d_end); break;
+            }
+          }
+          d_first = d_end;
+        }
         for (int64_t r = 0; r < R; ++r) {
           const int32_t n = nnz[r];
           if (!n) continue;
           const float* p = sc.data() + r * TK;
           const int32_t* z = nz.data() + r * TK;
           float* orow = o_g + r * Dv;
-          int64_t d = 0;
+          int64_t d = d_first;
           for (; d + 2 * W <= Dv; d += 2 * W) {
             Vf acc0 = Vf::loadu(orow + d), acc1 = Vf::loadu(orow + d + W);
             for (int32_t e = 0; e < n; ++e) {

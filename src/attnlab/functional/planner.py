@@ -190,7 +190,9 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
             chosen = "compiled"  # decode shapes are memory-bound: the decode path reads K/V once per group
     decode = chosen == "compiled" and kvcache.decode_applies(r)
     if decode:
-        reason = ("requested; " if method != "auto" else "") + kvcache.decode_reason(p, costs)
+        # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
+        reason = ("requested; " if method != "auto" else "") + (kvcache.decode_reason(p, costs) if costs
+                                                                else "decode path")
     if chosen == "sparse" and r.dropout_p > 0:
         reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
                    "the same random stream for the same RNG state (matching it would draw all L×S)")
