@@ -1,7 +1,8 @@
 """Build of attnlab's optional compiled CPU attention kernel (attnlab._C*); metadata is in pyproject.toml.
 
 The kernel builds against the torch already installed (``pip install --no-build-isolation -e .``),
-once per CPU capability: ``attnlab._C`` (baseline x86-64 / any CPU), ``_C_avx2`` and ``_C_avx512``;
+once per CPU capability: ``attnlab._C`` (baseline x86-64 / any CPU), ``_C_avx2`` and ``_C_avx512``, and
+its decode kernel likewise (``attnlab._decode``, ``_decode_avx2``, ``_decode_avx512``);
 at run time attnlab imports the best one the CPU runs. Any failure (no torch at build time, no
 compiler, a compile error) prints one line and the package installs without it: the pure-PyTorch
 kernels then run instead. ``ATTNLAB_NO_BUILD_EXT=1`` skips the build.
@@ -70,9 +71,12 @@ def _extensions():
              ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
         ]
+    # the decode kernel (csrc/decode.cpp): its own module per variant, attnlab._decode, _decode_avx2, _decode_avx512
+    variants += [(name.replace("._C", "._decode"), src.replace("attention", "decode"), flags)
+                 for name, src, flags in variants]
     only = os.environ.get("ATTNLAB_EXT_ONLY")  # development: build one variant, e.g. "_C_avx512"
     if only:
-        variants = [v for v in variants if v[0].endswith(only)]
+        variants = [v for v in variants if v[0].endswith(only) or v[0].endswith(only.replace("_C", "_decode"))]
     exts = [CppExtension(name, [os.path.join(CSRC, src)], extra_compile_args=common + flags,
                          extra_link_args=["-fopenmp"]) for name, src, flags in variants]
     return exts, {"build_ext": OptionalBuildExt}

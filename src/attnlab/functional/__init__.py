@@ -20,9 +20,11 @@ from ..kernels import tiled as tiled_kernel
 from ..kernels.masks import MaskSpec
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
 from . import planner
+from . import kvcache
+from .kvcache import attention_with_kvcache
 from .planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 
-__all__ = ["attention", "explain", "attention_with_lse", "merge_partials", "run", "Plan", "METHODS", "Prepared",
+__all__ = ["attention", "explain", "attention_with_lse", "attention_with_kvcache", "merge_partials", "run", "Plan", "METHODS", "Prepared",
            "prepare", "planner", "DEFAULT_TILED_BLOCK"]
 
 
@@ -83,16 +85,21 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
     if p.empty:
         out, weights = p.empty_result()
     elif m == "sdpa":  # ALiBi arrives here written out as a float mask (the planner's notes say what it costs)
+        # GQA: SDPA reads the kv heads in place (enable_gqa), unless per-head dead keys needed copies
+        gqa = info.H != info.Hkv and not p.dead_per_head and fused_kernel.SDPA_GQA
+        k, v = (p.kv_k, p.kv_v) if gqa else (p.k, p.v)
         if mask.is_trivial or p.is_causal_only:
-            out = fused_kernel.sdpa(p.q, p.k, p.v, None, p.dropout_p, p.is_causal_only, info.scale)
+            out = fused_kernel.sdpa(p.q, k, v, None, p.dropout_p, p.is_causal_only, info.scale, gqa)
         elif mask.bias_finer_than(p.q.dtype):
             # SDPA takes a float mask in q's dtype only: compute in float32 (Note [Bias precision])
-            out = fused_kernel.sdpa(p.q.float(), p.k.float(), p.v.float(), _materialize(mask, p, torch.float32),
-                                    p.dropout_p, False, info.scale).to(p.q.dtype)
+            out = fused_kernel.sdpa(p.q.float(), k.float(), v.float(), _materialize(mask, p, torch.float32),
+                                    p.dropout_p, False, info.scale, gqa).to(p.q.dtype)
         else:
-            out = fused_kernel.sdpa(p.q, p.k, p.v, _materialize(mask, p), p.dropout_p, False, info.scale)
+            out = fused_kernel.sdpa(p.q, k, v, _materialize(mask, p), p.dropout_p, False, info.scale, gqa)
     elif m == "dense":
         out, weights = dense_kernel.dense_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p)
+    elif m == "compiled" and plan.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
+        out = kvcache.run_prepared(p)
     elif m == "compiled":
         out = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, *plan.block_size)[0]
     elif m == "sparse":

@@ -26,6 +26,7 @@ from ..kernels import fused as fused_kernel
 from ..kernels import tiled as tiled_kernel
 from ..report import format_bytes
 from ..shapes import Prepared, check_block_size
+from . import kvcache
 
 __all__ = ["Plan", "METHODS", "plan", "refusals", "candidates", "choose_lse_kernel", "causal_blocks", "nonempty_blocks"]
 
@@ -77,6 +78,8 @@ class Plan:
     density: float = 1.0  # fraction of (query, key) blocks that are computed
     #: {kernel: what it would pay beyond its usual work (e.g. ALiBi written out as a mask)}, for kernels not refused
     notes: dict[str, str] = field(default_factory=dict)
+    #: the compiled kernel runs its decode path (L <= 16, inference: functional/kvcache.py, csrc/decode.cpp)
+    decode: bool = False
 
     def __str__(self) -> str:
         lines = [f"method: {self.method} — {self.reason}"]
@@ -184,11 +187,18 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
         chosen, reason = method, "requested"
     else:
         chosen, reason = _choose(r, refused, c, backend)
+        if "compiled" not in refused and kvcache.decode_applies(r):
+            chosen = "compiled"  # decode shapes are memory-bound: the decode path reads K/V once per group
+    decode = chosen == "compiled" and kvcache.decode_applies(r)
+    if decode:
+        # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
+        reason = ("requested; " if method != "auto" else "") + (kvcache.decode_reason(p, costs) if costs
+                                                                else "decode path")
     if chosen == "sparse" and r.dropout_p > 0:
         reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
                    "the same random stream for the same RNG state (matching it would draw all L×S)")
     t = c.tiling(chosen) if chosen in _BLOCKED else None
-    out = Plan(chosen, reason, refused, sdpa_backend=backend or "unknown",
+    out = Plan(chosen, reason, refused, sdpa_backend=backend or "unknown", decode=decode,
                block_size=(t.block_q, t.block_k) if t is not None else None,
                notes={s.name: "; ".join(n) for s in KERNELS if s.name not in refused and (n := s.notes(r))})
     if costs:

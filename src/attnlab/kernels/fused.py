@@ -8,6 +8,8 @@ from .spec import KernelSpec, Request, Tiling, alibi_mask_bytes, io_bytes
 
 __all__ = ["sdpa", "flash_cpu_with_lse", "flash_cpu_backward", "HAS_CPU_FLASH", "sdpa_backend", "SPEC"]
 
+#: F.scaled_dot_product_attention takes enable_gqa (torch >= 2.5)
+SDPA_GQA = "enable_gqa" in (getattr(F.scaled_dot_product_attention, "__doc__", "") or "")
 _flash = getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu", None)
 HAS_CPU_FLASH = _flash is not None and getattr(getattr(torch.ops, "aten", None), "_scaled_dot_product_flash_attention_for_cpu_backward", None) is not None
 
@@ -41,9 +43,13 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """PyTorch's scaled_dot_product_attention on 4-D tensors (4-D keeps its fused backends eligible)."""
+def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """PyTorch's scaled_dot_product_attention on 4-D tensors (4-D keeps its fused backends eligible);
+    ``enable_gqa`` with k, v of Hkv < H heads: PyTorch reads the groups without attnlab copying them."""
     q, scale = _positive_scale(q, is_causal, scale)
+    if enable_gqa:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale)
 

@@ -1,0 +1,239 @@
+"""attnlab bench decode: decode attention against a KV cache, attnlab vs PyTorch SDPA, against the memory bandwidth.
+
+Per case (KV length S, dtype, heads, batch B, cache layout) one new query token (L = 1) attends to the whole
+cache. Timed side by side in interleaved rounds (medians): ``attnlab.attention_with_kvcache`` on the cache
+(contiguous, or paged with the given page size) and ``F.scaled_dot_product_attention(enable_gqa=True)`` on
+the same keys in [B, Hkv, S, D], plus each round's read bandwidth (a sum over a buffer well past the
+caches). Reported: milliseconds, GB/s of K/V read, the memory-bound time (K/V bytes / bandwidth) and
+attnlab's time over it, and attnlab's speed over SDPA's. Every case's output is checked against SDPA in
+float64 (the error budget: FUSED_ERROR_FACTOR times SDPA's own error in the case's dtype, plus a floor);
+a case out of budget sets ``exit_code`` 1.
+
+Head configurations (the issue-23 shapes): gqa H=32, Hkv=8, D=128; mha H=8, Hkv=8, D=64; mqa H=32, Hkv=1,
+D=128. Targets (issue 23, for a quiet machine): gqa, B=1, S=4096 and 32768: time <= 1.25x the memory-bound
+time and >= 2x SDPA's speed; mha S=8192 >= 1.0x SDPA. The figures of a shared machine are not the targets'.
+
+``run(DecodeConfig(...)) -> DecodeBench``: no printing, no argv (the CLI is ``attnlab bench decode``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..harness import threads
+from ..kernels import decode as decode_kernel
+from ..report import environment
+from ..resources import check_memory
+from .files import write_json_and_figure
+
+__all__ = ["DecodeConfig", "DecodeBench", "HEADS", "run"]
+
+#: name -> (H, Hkv, D)
+HEADS = {"gqa": (32, 8, 128), "mha": (8, 8, 64), "mqa": (32, 1, 128)}
+QUICK = dict(seq_lens=(256, 1024), dtypes=("float32", "bfloat16"), heads=("gqa", "mqa"), batches=(1,),
+             layouts=("contiguous", "paged16"), rounds=3, bandwidth_mib=64)
+FULL = dict(seq_lens=(1024, 4096, 8192, 32768, 65536), dtypes=("float32", "bfloat16"), heads=("gqa", "mha", "mqa"),
+            batches=(1, 8), layouts=("contiguous", "paged16", "paged64", "paged256"), rounds=9, bandwidth_mib=1024)
+#: a case whose caches would take more than this many bytes is skipped (recorded)
+CASE_BYTES_LIMIT = 8 * 2**30
+#: the error budget's factor over SDPA's own error in the case's dtype (tests/helpers.py FUSED_ERROR_FACTOR)
+ERROR_FACTOR = 3.0
+TARGETS = {"memory_bound_ratio": 1.25, "gqa_speedup": 2.0, "mha_speedup": 1.0}
+
+
+@dataclass
+class DecodeConfig:
+    """What ``bench decode`` measures. A field left None takes ``QUICK``'s value when ``quick`` and ``FULL``'s
+    otherwise. layouts: "contiguous" or "paged<page size>"; threads: torch's thread count (None: unchanged)."""
+    out: str = "reports/bench-decode"
+    quick: bool = False
+    seq_lens: tuple[int, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    heads: tuple[str, ...] | None = None
+    batches: tuple[int, ...] | None = None
+    layouts: tuple[str, ...] | None = None
+    rounds: int | None = None
+    bandwidth_mib: int | None = None
+    threads: int | None = None
+
+    def resolved(self) -> dict:
+        """Every setting with the defaults filled in, checked: ValueError naming the option otherwise."""
+        base = QUICK if self.quick else FULL
+        v = {k: base[k] if getattr(self, k) is None else getattr(self, k) for k in base}
+        for d in v["dtypes"]:
+            if d not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"--dtypes: {d!r} is not one of float32, bfloat16, float16")
+        for h in v["heads"]:
+            if h not in HEADS:
+                raise ValueError(f"--heads: {h!r} is not one of {', '.join(HEADS)}")
+        for lay in v["layouts"]:
+            if lay != "contiguous" and not (lay.startswith("paged") and lay[5:].isdigit() and int(lay[5:]) > 0):
+                raise ValueError(f"--layouts: {lay!r} is neither 'contiguous' nor 'paged<page size>' (e.g. paged16)")
+        if v["rounds"] < 1 or any(s < 1 for s in v["seq_lens"]) or any(b < 1 for b in v["batches"]):
+            raise ValueError("--rounds, --seq-lens and --batches must be >= 1")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"--threads must be > 0, got {self.threads}")
+        return v
+
+
+@dataclass
+class DecodeBench:
+    """Result of one ``bench decode`` run: one row per case (times, GB/s, bandwidth, ratios, error), the
+    issue-23 targets where this run has their cases, the environment, the files written, and
+    ``exit_code`` (1 if any case's output is out of its error budget)."""
+    out_dir: str
+    rows: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    targets: list[dict] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    threads: int = 0
+    files: list[str] = field(default_factory=list)
+    exit_code: int = 0
+
+    def write(self) -> list[str]:
+        """Write decode.json and decode.png into ``out_dir``; returns both paths."""
+        self.files = write_json_and_figure(self.out_dir, "decode", {
+            "suite": "decode", "threads": self.threads, "rows": self.rows, "skipped": self.skipped,
+            "targets": self.targets, "env": self.env,
+            "note": ("ms: medians of interleaved rounds; memory_bound_ms = K/V bytes / the read bandwidth measured "
+                     "in the same rounds; speedup = SDPA ms / attnlab ms")},
+            lambda ax: _draw(self, ax), figsize=(6, 3.5))
+        return self.files
+
+
+def _paged(x: torch.Tensor, table: torch.Tensor, page: int) -> torch.Tensor:
+    """x [B, Hkv, S, D] -> a pool [P, page, Hkv, D] holding its rows where ``table`` [B, pages] says."""
+    B, Hkv, S, D = x.shape
+    pool = torch.zeros(table.numel(), page, Hkv, D, dtype=x.dtype)
+    j = torch.arange(S)
+    pool[table.long()[:, j // page], j % page] = x.transpose(1, 2)
+    return pool
+
+
+def _bandwidth_once(buf: torch.Tensor) -> float:
+    t = time.perf_counter()
+    buf.sum()
+    return buf.numel() * buf.element_size() / (time.perf_counter() - t)
+
+
+def _case(name, S, dtype, B, layout, rounds, buf, gen):
+    H, Hkv, D = HEADS[name]
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, 1, D, generator=gen).to(dt)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
+    if layout == "contiguous":
+        kc, vc, table = k.transpose(1, 2), v.transpose(1, 2), None  # views: the same memory SDPA reads
+    else:
+        page = int(layout[5:])
+        table = torch.randperm(B * -(-S // page), generator=gen).view(B, -1).to(torch.int32)  # shuffled pages
+        kc, vc = _paged(k, table, page), _paged(v, table, page)
+    qf = q.transpose(1, 2)  # (B, 1, H, D): flash-attn's layout, a view
+    mine = lambda: decode_kernel_call(qf, kc, vc, table, S)  # noqa: E731
+    theirs = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    out, ref_lo = mine(), theirs()
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    err = float((out.transpose(1, 2).double() - exact).abs().max())
+    sdpa_err = float((ref_lo.double() - exact).abs().max())
+    budget = ERROR_FACTOR * sdpa_err + 4 * torch.finfo(dt).eps * max(1.0, float(exact.abs().max()))
+    tm, ts, bw = [], [], []
+    for r in range(rounds):  # interleaved; alternate who goes first
+        pair = [(tm, mine), (ts, theirs)]
+        for acc, f in (pair if r % 2 == 0 else pair[::-1]):
+            t = time.perf_counter()
+            f()
+            acc.append(time.perf_counter() - t)
+        bw.append(_bandwidth_once(buf))
+    nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, dt)
+    ms, ss, bwm = float(np.median(tm)) * 1e3, float(np.median(ts)) * 1e3, float(np.median(bw))
+    bound_ms = nbytes / bwm * 1e3
+    return {"heads": name, "H": H, "Hkv": Hkv, "D": D, "S": S, "dtype": dtype, "B": B, "layout": layout,
+            "kv_bytes": nbytes, "attnlab_ms": ms, "sdpa_ms": ss, "bandwidth_gbs": bwm / 1e9,
+            "attnlab_gbs": nbytes / ms / 1e6, "sdpa_gbs": nbytes / ss / 1e6, "memory_bound_ms": bound_ms,
+            "attnlab_over_bound": ms / bound_ms, "speedup": ss / ms,
+            "splits": decode_kernel.num_splits_for(kc, B, S), "max_err": err, "sdpa_err": sdpa_err,
+            "err_budget": budget, "correct": err <= budget}
+
+
+def decode_kernel_call(q, k_cache, v_cache, block_table, S: int):
+    """The call the bench times: ``attnlab.attention_with_kvcache`` of q [B, 1, H, D] over S cached keys
+    (a paged cache's last page may hold fewer than its page size)."""
+    from ..functional import attention_with_kvcache
+    return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=S, block_table=block_table, is_causal=False)
+
+
+def _targets(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        if r["layout"] != "contiguous" or r["B"] != 1:
+            continue
+        if r["heads"] == "gqa" and r["S"] in (4096, 32768):
+            out.append({"case": f"gqa S={r['S']} {r['dtype']}", "attnlab_over_bound": r["attnlab_over_bound"],
+                        "speedup": r["speedup"], "met": r["attnlab_over_bound"] <= TARGETS["memory_bound_ratio"]
+                        and r["speedup"] >= TARGETS["gqa_speedup"]})
+        if r["heads"] == "mha" and r["S"] == 8192:
+            out.append({"case": f"mha S=8192 {r['dtype']}", "speedup": r["speedup"],
+                        "met": r["speedup"] >= TARGETS["mha_speedup"]})
+    return out
+
+
+def run(config: DecodeConfig, *, progress: Callable[[int, int, str], None] | None = None) -> DecodeBench:
+    """Measure every case of ``config``; writes decode.json and decode.png to ``out``. Cases whose caches
+    exceed CASE_BYTES_LIMIT are skipped (listed in ``skipped``). Raises ValueError for bad settings or
+    when the decode extension is not built (nothing of attnlab's would be measured). Torch's thread count
+    is restored afterwards."""
+    v = config.resolved()
+    if not decode_kernel.available():
+        raise ValueError(f"bench decode measures attnlab's decode kernel, which is unavailable: "
+                         f"{decode_kernel.unavailable_reason()}")
+    check_memory("--bandwidth-mib", v["bandwidth_mib"] * 2**20, "the bandwidth probe's buffer")
+    with threads(config.threads):
+        return _run(config, v, progress)
+
+
+def _run(config: DecodeConfig, v: dict, progress) -> DecodeBench:
+    res = DecodeBench(str(config.out), env=environment(), threads=torch.get_num_threads())
+    cases = [(h, S, d, B, lay) for h in v["heads"] for d in v["dtypes"] for B in v["batches"] for S in v["seq_lens"]
+             for lay in v["layouts"]]
+    buf = torch.ones(v["bandwidth_mib"] * 2**20 // 4)
+    gen = torch.Generator().manual_seed(0)
+    for n, (h, S, d, B, lay) in enumerate(cases):
+        H, Hkv, D = HEADS[h]
+        nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d)) * (2 if lay != "contiguous" else 1)
+        label = f"{h} S={S} {d} B={B} {lay}"
+        if nbytes > CASE_BYTES_LIMIT:
+            res.skipped.append({"case": label, "why": f"caches {nbytes / 2**30:.1f} GiB > {CASE_BYTES_LIMIT / 2**30:.0f}"})
+            continue
+        if progress:
+            progress(n, len(cases), label)
+        with torch.inference_mode():
+            res.rows.append(_case(h, S, d, B, lay, v["rounds"], buf, gen))
+    res.targets = _targets(res.rows)
+    if not all(r["correct"] for r in res.rows):
+        res.exit_code = 1
+    res.write()
+    if progress:
+        progress(len(cases), len(cases), "done")
+    return res
+
+
+def _draw(res: DecodeBench, ax) -> None:
+    sel = [r for r in res.rows if r["layout"] == "contiguous" and r["B"] == 1]
+    for key in sorted({(r["heads"], r["dtype"]) for r in sel}):
+        rs = sorted((r for r in sel if (r["heads"], r["dtype"]) == key), key=lambda r: r["S"])
+        ax.plot([r["S"] for r in rs], [r["attnlab_gbs"] for r in rs], "o-", label=f"attnlab {key[0]} {key[1]}")
+        ax.plot([r["S"] for r in rs], [r["sdpa_gbs"] for r in rs], "x--", label=f"sdpa {key[0]} {key[1]}")
+    if res.rows:
+        ax.axhline(float(np.median([r["bandwidth_gbs"] for r in res.rows])), color="gray", lw=0.8,
+                   label="read bandwidth")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV length S (B=1, contiguous)")
+    ax.set_ylabel("K/V GB/s")
+    ax.legend(fontsize=5)
+    if not sel:
+        ax.text(0.5, 0.5, "no contiguous B=1 case", ha="center", transform=ax.transAxes)

@@ -1,0 +1,514 @@
+// attnlab's decode kernel: attention of a few queries (L = 1..16: decode, speculative verification, chunked
+// prefill tails) against a long KV cache, bound by memory rather than by tiles (flash-decoding).
+//
+// Shapes (the Python wrapper, kernels/decode.py, brings every input to this form; last dims contiguous):
+//   q    [B, H, L, D]           any strides (a view of flash-attn's [B, L, H, D] or attnlab's [B, H, L, D])
+//   out  [B, H, L, Dv]          written in place, any strides, q's dtype
+//   k, v [P, T, Hkv, D|Dv]      a pool of P pages of T tokens, any strides: a paged cache as it is, a
+//                               contiguous cache [B, S, Hkv, D] as P = B pages of T = S tokens, attnlab's
+//                               [B, Hkv, S, D] as its permuted view; fp32, bf16 or fp16 (q's dtype)
+//   block_table [B, maxp] int32 page of each sequence's tokens t*T .. t*T+T-1 (contiguous: [[0], [1], ...])
+//   seqlens [B] int64           keys j < seqlens[b] exist for sequence b (per-sequence lengths)
+//   mask_off [B] int64          query i sits at position i + mask_off[b] (bottom-right: seqlens[b] - L)
+//   left, right                 key j is visible to query i when pos - left <= j <= pos + right
+//                               (causal: right = 0; unbounded sides are huge)
+//   keep [B, H, L, S] uint8, bias [B, H, L, S] float32: optional, read through their strides (a
+//                               broadcast dim has stride 0), S indexing logical key positions
+//   alibi [B, H] float32 (strides), alibi_off [B]: adds -slope * |i + alibi_off[b] - j|
+// Returns lse [B, H, L] float32 (-inf for a row with no key; its output is 0), and with keep_partials the
+// per-split outputs [ns, B, H, L, Dv] and lse [ns, B, H, L] (tests check the merge against kernels/lse.py).
+//
+// Note [Decode schedule]: a unit is (sequence b, kv head g, key split s). All G = H / Hkv query heads of
+// the group and all L queries (R = G * L rows) are computed together, so every K/V row is read from memory
+// once per group (GQA / MQA without copies). Keys are split into ns contiguous ranges (multiples of the
+// tile) so that B * Hkv * ns units keep every thread busy when B * Hkv alone would not; each split keeps its
+// own normalised output and log-sum-exp, merged afterwards by Note [Merging by log-sum-exp]
+// (kernels/lse.py), written here in its n-ary form: m = max_s lse_s, w_s = exp(lse_s - m),
+// out = sum_s w_s out_s / sum_s w_s, lse = m + log(sum_s w_s); every lse_s = -inf gives out 0, lse -inf.
+// Threads pull units from one atomic counter; every unit is computed whole by one thread with the same
+// code, so for a fixed ns the result does not depend on the thread count or the schedule.
+//
+// Note [Decode head span]: a cache laid out [.., S, Hkv, D] (flash-attn's, and every paged pool) holds a
+// token's kv heads side by side, so one head's rows are Hkv·D apart: read head by head, each row starts a new
+// 4 KiB page at Hkv·D = 1024 floats, which the hardware prefetcher does not follow (measured, 1 thread, GQA
+// 32/8, D=128, S=8192, CPU time: fp32 20.3 ms vs 10.3 ms for the [.., Hkv, S, D] layout; bf16 13.5 vs 9.2).
+// Such a unit then spans all hs = Hkv heads, tile by tile (every head of the tile's tokens, then the next
+// tile), so memory is read in order; the key splits then provide the parallelism B·Hkv no longer does.
+//
+// Note [Decode tiles]: keys go TK at a time. A half-type tile of K (then V) is widened to fp32 once into
+// a per-thread buffer (TK x D floats, L1-resident) and every row reads it from there; fp32 rows are read in
+// place. Scores s = (scale * q) . k, then soft-capping, ALiBi, the key range, keep and bias (masked
+// scores are overwritten with -inf, never added), the online softmax per row, and P @ V over the keys
+// whose probability is not 0: a key masked for a row is skipped, so a NaN or Inf held in a cache slot
+// that row may not see never reaches its output (0 * NaN), and slots past seqlens are never read.
+//
+// Compiled once per CPU capability with attention.cpp's flags (setup.py); at::vec picks the vector width.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+using Vf = Vectorized<float>;
+constexpr int64_t W = Vf::size();
+constexpr int64_t TK = 32;  // keys per tile (Note [Decode tiles])
+constexpr float kNinf = -std::numeric_limits<float>::infinity();
+// Note [Decode prefetch]: a tile's K and V rows are read in two short bursts with arithmetic between them,
+// too short for the hardware prefetcher to keep enough lines in flight: each row of the next tile is
+// prefetched while its counterpart in this one is read (measured, 1 thread, GQA 32/8, D=128, S=4096, CPU time
+// per call, medians of 6 interleaved processes on a loaded machine: bf16 3.40 -> 3.14 ms, fp32 3.96 vs 3.98).
+// ATTNLAB_DECODE_NO_PREFETCH=1 turns it off (for comparisons).
+constexpr int64_t kPrefetch = TK;
+const bool kDoPrefetch = [] {
+  const char* off = std::getenv("ATTNLAB_DECODE_NO_PREFETCH");
+  return !(off && *off && std::string(off) != "0");
+}();
+
+struct Args {
+  int64_t B, H, Hkv, L, D, Dv, T, maxp, ns, hs;
+  const void* q; int64_t qs[4];
+  const void* k; int64_t ks[3];  // page, token, head strides of the pool
+  const void* v; int64_t vs[3];
+  void* out; int64_t os[4];
+  const int32_t* table;
+  const int64_t* seqlens;
+  const int64_t* mask_off;
+  int64_t left, right;
+  const uint8_t* keep = nullptr; int64_t kps[4] = {0, 0, 0, 0};
+  const float* bias = nullptr; int64_t bs[4] = {0, 0, 0, 0};
+  const float* alibi = nullptr; int64_t as[2] = {0, 0};
+  const int64_t* alibi_off = nullptr;
+  float scale, softcap;
+  float* part_out = nullptr;  // [ns, B, H, L, Dv] when ns > 1
+  float* part_lse = nullptr;  // [ns, B, H, L]
+  float* lse = nullptr;       // [B, H, L]
+};
+
+// The keys [lo, hi) query i of sequence b may see (key range only; keep/bias are applied per score).
+inline void row_range(const Args& a, int64_t b, int64_t i, int64_t& lo, int64_t& hi) {
+  const int64_t pos = i + a.mask_off[b];
+  lo = std::max<int64_t>(0, pos - a.left);
+  hi = std::min<int64_t>(a.seqlens[b], pos + a.right + 1);
+  if (hi < lo) hi = lo;
+}
+
+template <typename T>
+inline const T* row_ptr(const T* base, const int64_t* st, const Args& a, int64_t b, int64_t j, int64_t g) {
+  const int64_t page = a.table[b * a.maxp + j / a.T];
+  return base + page * st[0] + (j % a.T) * st[1] + g * st[2];
+}
+
+// A tile's rows as fp32 pointers: in place for fp32, else widened into buf [TK, width]. The rows of the
+// tile after it (up to `end`) are prefetched meanwhile (Note [Decode prefetch]).
+template <typename T>
+inline void tile_rows(const T* base, const int64_t* st, const Args& a, int64_t b, int64_t g, int64_t j0, int64_t nt,
+                      int64_t end, int64_t width, float* buf, const float** rows) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < nt; ++t) {
+    if (kDoPrefetch && j0 + t + kPrefetch < end) {
+      const char* f = reinterpret_cast<const char*>(row_ptr(base, st, a, b, j0 + t + kPrefetch, g));
+      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(f + c);
+    }
+    const T* p = row_ptr(base, st, a, b, j0 + t, g);
+    if constexpr (std::is_same_v<T, float>) {
+      rows[t] = p;
+    } else {
+      at::vec::convert(p, buf + t * width, width);
+      rows[t] = buf + t * width;
+    }
+  }
+}
+
+// s[rr * TK + t] = q[rr] . k[t] for RB rows sharing each K load (q rows D apart).
+template <int RB>
+inline void dot_block(const float* q, const float* const* krows, int64_t nt, int64_t D, float* s) {
+  for (int64_t t = 0; t < nt; ++t) {
+    const float* k = krows[t];
+    Vf acc[RB];
+    for (int rr = 0; rr < RB; ++rr) acc[rr] = Vf(0);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+      const Vf kv = Vf::loadu(k + d);
+      for (int rr = 0; rr < RB; ++rr) acc[rr] = at::vec::fmadd(Vf::loadu(q + rr * D + d), kv, acc[rr]);
+    }
+    for (int rr = 0; rr < RB; ++rr) {
+      float x = at::vec::vec_reduce_all<float>([](Vf& p, Vf& r) { return p + r; }, acc[rr]);
+      for (int64_t e = d; e < D; ++e) x += q[rr * D + e] * k[e];
+      s[rr * TK + t] = x;
+    }
+  }
+}
+
+// O[r0 + rr] += sum_t p[rr][t] * V[t] for RB rows sharing each V load (the tile's every key weighed by every
+// row: Note [Decode tiles]); columns [0, d_end) in steps of 2W, the rest by the caller.
+template <int RB>
+inline void pv_block(const float* p, const float* const* vrows, int64_t nt, float* o, int64_t Dv, int64_t d_end) {
+  for (int64_t d = 0; d < d_end; d += 2 * W) {
+    Vf acc0[RB], acc1[RB];
+    for (int rr = 0; rr < RB; ++rr) {
+      acc0[rr] = Vf::loadu(o + rr * Dv + d);
+      acc1[rr] = Vf::loadu(o + rr * Dv + d + W);
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      const Vf v0 = Vf::loadu(vrows[t] + d), v1 = Vf::loadu(vrows[t] + d + W);
+      for (int rr = 0; rr < RB; ++rr) {
+        const Vf pv(p[rr * TK + t]);
+        acc0[rr] = at::vec::fmadd(pv, v0, acc0[rr]);
+        acc1[rr] = at::vec::fmadd(pv, v1, acc1[rr]);
+      }
+    }
+    for (int rr = 0; rr < RB; ++rr) {
+      acc0[rr].store(o + rr * Dv + d);
+      acc1[rr].store(o + rr * Dv + d + W);
+    }
+  }
+}
+
+template <typename T>
+void decode_impl(const Args& a) {
+  // hs kv heads per unit (Note [Decode head span]); RR = hs * G * L rows
+  const int64_t G = a.H / a.Hkv, R = G * a.L, D = a.D, Dv = a.Dv, ns = a.ns, hs = a.hs, RR = hs * R;
+  const T* Q = static_cast<const T*>(a.q);
+  const T* K = static_cast<const T*>(a.k);
+  const T* V = static_cast<const T*>(a.v);
+  const int64_t spans = a.Hkv / hs, units = a.B * spans * ns;
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    std::vector<float> qs(RR * D), o(RR * Dv), sc(R * TK), m(RR), l(RR), kbuf(TK * D), vbuf(TK * Dv);
+    std::vector<int64_t> rlo(R), rhi(R);
+    std::vector<int32_t> nz(R * TK), nnz(R);
+    const float* krows[TK];
+    const float* vrows[TK];
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      const int64_t s = u % ns, g0 = ((u / ns) % spans) * hs, b = u / (ns * spans);
+      // 1) the groups' query rows, scaled, in fp32; each row's key range; the unit's key range
+      int64_t ulo = std::numeric_limits<int64_t>::max(), uhi = 0;
+      for (int64_t rr = 0; rr < RR; ++rr) {
+        const int64_t i = rr % a.L, h = g0 * G + rr / a.L;
+        const T* qp = Q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+        for (int64_t d = 0; d < D; ++d) qs[rr * D + d] = static_cast<float>(qp[d]) * a.scale;
+      }
+      for (int64_t r = 0; r < R; ++r) {  // ranges depend on the query only
+        row_range(a, b, r % a.L, rlo[r], rhi[r]);
+        if (rhi[r] > rlo[r]) { ulo = std::min(ulo, rlo[r]); uhi = std::max(uhi, rhi[r]); }
+      }
+      std::fill(m.begin(), m.end(), kNinf);
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(o.begin(), o.end(), 0.f);
+      // this split's share of the keys, in whole tiles (Note [Decode schedule])
+      int64_t j0 = 0, j1 = 0;
+      if (uhi > ulo) {
+        const int64_t tiles = (uhi - ulo + TK - 1) / TK, per = (tiles + ns - 1) / ns;
+        j0 = std::min(uhi, ulo + s * per * TK);
+        j1 = std::min(uhi, ulo + (s + 1) * per * TK);
+      }
+      for (int64_t t0 = j0; t0 < j1; t0 += TK)
+      for (int64_t gl = 0; gl < hs; ++gl) {
+        const int64_t nt = std::min(TK, j1 - t0), g = g0 + gl;
+        float* const m_g = m.data() + gl * R;
+        float* const l_g = l.data() + gl * R;
+        float* const o_g = o.data() + gl * R * Dv;
+        const float* const qs_g = qs.data() + gl * R * D;
+        // 2) scores of every row against the tile's keys
+        tile_rows(K, a.ks, a, b, g, t0, nt, j1, D, kbuf.data(), krows);
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {  // every row's products; rows sharing each K load
+          const float* qb = qs_g + r0 * D;
+          float* sb = sc.data() + r0 * TK;
+          switch (std::min<int64_t>(4, R - r0)) {
+            case 4: dot_block<4>(qb, krows, nt, D, sb); break;
+            case 3: dot_block<3>(qb, krows, nt, D, sb); break;
+            case 2: dot_block<2>(qb, krows, nt, D, sb); break;
+            default: dot_block<1>(qb, krows, nt, D, sb); break;
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          float* srow = sc.data() + r * TK;
+          const int64_t lo = rlo[r], hi = rhi[r];
+          if (hi <= t0 || lo >= t0 + nt) {  // this row sees none of the tile
+            for (int64_t t = 0; t < nt; ++t) srow[t] = kNinf;
+            continue;
+          }
+          const int64_t gi = r / a.L, i = r % a.L, h = g * G + gi;
+          if (a.softcap > 0) {
+            const float cap = a.softcap, inv = 1.f / cap;
+            at::vec::map([cap, inv](Vf x) { return (x * Vf(inv)).tanh() * Vf(cap); }, srow, srow, nt);
+          }
+          if (a.alibi) {
+            const float slope = a.alibi[b * a.as[0] + h * a.as[1]];
+            const int64_t pos = i + a.alibi_off[b];
+            for (int64_t t = 0; t < nt; ++t) {
+              const int64_t dd = pos - (t0 + t);
+              srow[t] -= slope * static_cast<float>(dd < 0 ? -dd : dd);
+            }
+          }
+          if (a.bias) {
+            const float* bp = a.bias + b * a.bs[0] + h * a.bs[1] + i * a.bs[2];
+            for (int64_t t = 0; t < nt; ++t) srow[t] += bp[(t0 + t) * a.bs[3]];
+          }
+          // Note [Decode head span]: a cache laid out [.., S, Hkv, D] (flash-attn's, and every paged pool) holds a
+// token's kv heads side by side, so one head's rows are Hkv·D apart: read head by head, each row starts a new
+// 4 KiB page at Hkv·D = 1024 floats, which the hardware prefetcher does not follow (measured, 1 thread, GQA
+// 32/8, D=128, S=8192, CPU time: fp32 20.3 ms vs 10.3 ms for the [.., Hkv, S, D] layout; bf16 13.5 vs 9.2).
+// Such a unit then spans all hs = Hkv heads, tile by tile (every head of the tile's tokens, then the next
+// tile), so memory is read in order; the key splits then provide the parallelism B·Hkv no longer does.
+//
+// Note [Decode tiles]: masking overwrites with -inf
+          for (int64_t t = 0; t < nt; ++t)
+            if (t0 + t < lo || t0 + t >= hi) srow[t] = kNinf;
+          if (a.keep) {
+            const uint8_t* kp = a.keep + b * a.kps[0] + h * a.kps[1] + i * a.kps[2];
+            for (int64_t t = 0; t < nt; ++t)
+              if (!kp[(t0 + t) * a.kps[3]]) srow[t] = kNinf;
+          }
+        }
+        // 3) online softmax per row; the keys each row weighs (p != 0, NaN included)
+        bool any = false, every = true;
+        for (int64_t r = 0; r < R; ++r) {
+          float* srow = sc.data() + r * TK;
+          float mt = m_g[r];
+          for (int64_t t = 0; t < nt; ++t) mt = std::max(mt, srow[t]);
+          nnz[r] = 0;
+          if (mt == kNinf) continue;  // no key seen yet
+          if (mt != m_g[r]) {
+            const float alpha = m_g[r] == kNinf ? 0.f : std::exp(m_g[r] - mt);
+            l_g[r] *= alpha;
+            float* orow = o_g + r * Dv;
+            at::vec::map([alpha](Vf x) { return x * Vf(alpha); }, orow, orow, Dv);
+            m_g[r] = mt;
+          }
+          at::vec::map([mt](Vf x) { return (x - Vf(mt)).exp_u20(); }, srow, srow, nt);
+          float sum = 0.f;
+          int32_t* z = nz.data() + r * TK;
+          for (int64_t t = 0; t < nt; ++t) {
+            sum += srow[t];
+            if (srow[t] != 0.f) z[nnz[r]++] = static_cast<int32_t>(t);
+          }
+          l_g[r] += sum;
+          any = any || nnz[r] > 0;
+          every = every && nnz[r] == nt;
+        }
+        if (!any) continue;
+        // 4) O += P @ V over the weighed keys
+        tile_rows(V, a.vs, a, b, g, t0, nt, j1, Dv, vbuf.data(), vrows);
+        int64_t d_first = 0;  // columns the blocked pass below has done
+        if (every && R > 1) {  // every row weighs every key: rows share each V load, 4 at a time
+          const int64_t d_end = Dv / (2 * W) * (2 * W);
+          for (int64_t r0 = 0; r0 < R; r0 += 4) {
+            const float* p = sc.data() + r0 * TK;
+            float* orow = o_g + r0 * Dv;
+            switch (std::min<int64_t>(4, R - r0)) {
+              case 4: pv_block<4>(p, vrows, nt, orow, Dv, d_end); break;
+              case 3: pv_block<3>(p, vrows, nt, orow, Dv, d_end); break;
+              case 2: pv_block<2>(p, vrows, nt, orow, Dv, d_end); break;
+              default: pv_block<1>(p, vrows, nt, orow, Dv, d_end); break;
+            }
+          }
+          d_first = d_end;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const int32_t n = nnz[r];
+          if (!n) continue;
+          const float* p = sc.data() + r * TK;
+          const int32_t* z = nz.data() + r * TK;
+          float* orow = o_g + r * Dv;
+          int64_t d = d_first;
+          for (; d + 2 * W <= Dv; d += 2 * W) {
+            Vf acc0 = Vf::loadu(orow + d), acc1 = Vf::loadu(orow + d + W);
+            for (int32_t e = 0; e < n; ++e) {
+              const Vf pv(p[z[e]]);
+              const float* vr = vrows[z[e]] + d;
+              acc0 = at::vec::fmadd(pv, Vf::loadu(vr), acc0);
+              acc1 = at::vec::fmadd(pv, Vf::loadu(vr + W), acc1);
+            }
+            acc0.store(orow + d);
+            acc1.store(orow + d + W);
+          }
+          for (; d + W <= Dv; d += W) {
+            Vf acc = Vf::loadu(orow + d);
+            for (int32_t e = 0; e < n; ++e) acc = at::vec::fmadd(Vf(p[z[e]]), Vf::loadu(vrows[z[e]] + d), acc);
+            acc.store(orow + d);
+          }
+          for (; d < Dv; ++d) {
+            float acc = orow[d];
+            for (int32_t e = 0; e < n; ++e) acc += p[z[e]] * vrows[z[e]][d];
+            orow[d] = acc;
+          }
+        }
+      }
+      // 5) normalise; write the output (one split) or this split's partial
+      for (int64_t rr = 0; rr < RR; ++rr) {
+        const int64_t i = rr % a.L, h = g0 * G + rr / a.L;
+        const bool seen = l[rr] > 0.f || std::isnan(l[rr]);
+        const float inv = seen ? 1.f / l[rr] : 0.f;
+        const float lse_r = seen ? m[rr] + std::log(l[rr]) : kNinf;
+        const float* orow = o.data() + rr * Dv;
+        const int64_t row = (b * a.H + h) * a.L + i;
+        if (ns == 1) {
+          T* op = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
+          for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<T>(orow[d] * inv);
+          a.lse[row] = lse_r;
+        } else {
+          const int64_t rows = a.B * a.H * a.L;
+          float* pp = a.part_out + (s * rows + row) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) pp[d] = orow[d] * inv;
+          a.part_lse[s * rows + row] = lse_r;
+        }
+      }
+    }
+  });
+  if (ns == 1) return;
+  // Note [Decode schedule]: the n-ary form of Note [Merging by log-sum-exp]
+  const int64_t rows = a.B * a.H * a.L;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> acc(Dv), w(ns);
+    for (int64_t row = r0; row < r1; ++row) {
+      float mx = kNinf;
+      for (int64_t s = 0; s < ns; ++s) mx = std::max(mx, a.part_lse[s * rows + row]);
+      const int64_t i = row % a.L, h = (row / a.L) % a.H, b = row / (a.L * a.H);
+      T* op = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
+      if (mx == kNinf) {
+        for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<T>(0.f);
+        a.lse[row] = kNinf;
+        continue;
+      }
+      float tot = 0.f;
+      for (int64_t s = 0; s < ns; ++s) tot += (w[s] = std::exp(a.part_lse[s * rows + row] - mx));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s < ns; ++s) {
+        if (w[s] == 0.f) continue;  // a split that saw no key (its lse -inf) weighs exactly 0
+        const float ws = w[s] / tot;
+        const float* pp = a.part_out + (s * rows + row) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) acc[d] += ws * pp[d];
+      }
+      for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<T>(acc[d]);
+      a.lse[row] = mx + std::log(tot);
+    }
+  });
+}
+
+std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                                       const at::Tensor& block_table, const at::Tensor& seqlens,
+                                       const at::Tensor& mask_off, int64_t left, int64_t right,
+                                       const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
+                                       const std::optional<at::Tensor>& alibi,
+                                       const std::optional<at::Tensor>& alibi_off, double scale, double softcap,
+                                       int64_t num_splits, int64_t head_span, bool keep_partials) {
+  for (const at::Tensor* t : {&q, &k, &v, const_cast<const at::Tensor*>(&out)}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
+                "attnlab._decode: q, k, v, out must be 4-D CPU tensors with a contiguous last dim");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "attnlab._decode: q, k, v, out must share one dtype");
+  }
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "attnlab._decode: float32, bfloat16 or float16 only, got ", dt);
+  Args a;
+  a.B = q.size(0); a.H = q.size(1); a.L = q.size(2); a.D = q.size(3);
+  a.T = k.size(1); a.Hkv = k.size(2); a.Dv = v.size(3);
+  TORCH_CHECK(k.size(3) == a.D && v.size(0) == k.size(0) && v.size(1) == a.T && v.size(2) == a.Hkv && a.Hkv > 0 &&
+              a.H % a.Hkv == 0 && out.size(0) == a.B && out.size(1) == a.H && out.size(2) == a.L && out.size(3) == a.Dv,
+              "attnlab._decode: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ", out ", out.sizes(),
+              " do not agree");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2 &&
+              block_table.size(0) == a.B, "attnlab._decode: block_table must be contiguous int32 [B, pages]");
+  for (const auto* t : {&seqlens, &mask_off})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == a.B,
+                "attnlab._decode: seqlens / mask_off must be contiguous int64 [B]");
+  a.maxp = block_table.size(1);
+  a.table = block_table.data_ptr<int32_t>();
+  a.seqlens = seqlens.data_ptr<int64_t>();
+  a.mask_off = mask_off.data_ptr<int64_t>();
+  // every page a visible key can reach is checked here, so the kernel can trust the table
+  const int64_t P = k.size(0);
+  for (int64_t b = 0; b < a.B; ++b) {
+    TORCH_CHECK(a.seqlens[b] >= 0 && a.seqlens[b] <= a.maxp * a.T, "attnlab._decode: seqlens[", b, "] = ",
+                a.seqlens[b], " exceeds the sequence's capacity ", a.maxp * a.T);
+    for (int64_t p = 0; p * a.T < a.seqlens[b]; ++p) {
+      const int32_t page = a.table[b * a.maxp + p];
+      TORCH_CHECK(page >= 0 && page < P, "attnlab._decode: block_table[", b, ", ", p, "] = ", page,
+                  " is outside the pool of ", P, " pages");
+    }
+  }
+  a.left = left; a.right = right;
+  a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr(); a.out = out.data_ptr();
+  for (int d = 0; d < 4; ++d) { a.qs[d] = q.stride(d); a.os[d] = out.stride(d); }
+  for (int d = 0; d < 3; ++d) { a.ks[d] = k.stride(d); a.vs[d] = v.stride(d); }
+  if (keep && keep->defined()) {
+    TORCH_CHECK((keep->scalar_type() == at::kByte || keep->scalar_type() == at::kBool) && keep->dim() == 4 &&
+                keep->size(0) == a.B && keep->size(1) == a.H && keep->size(2) == a.L && keep->size(3) >= 1,
+                "attnlab._decode: keep must be bool [B, H, L, S'], got ", keep->sizes());
+    a.keep = static_cast<const uint8_t*>(keep->data_ptr());
+    for (int d = 0; d < 4; ++d) a.kps[d] = keep->stride(d);
+    for (int64_t b = 0; b < a.B; ++b)
+      TORCH_CHECK(a.seqlens[b] <= keep->size(3), "attnlab._decode: keep covers ", keep->size(3), " keys, seqlens[",
+                  b, "] = ", a.seqlens[b]);
+  }
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 4 && bias->size(0) == a.B &&
+                bias->size(1) == a.H && bias->size(2) == a.L, "attnlab._decode: bias must be float32 [B, H, L, S'], got ",
+                bias->sizes());
+    a.bias = bias->data_ptr<float>();
+    for (int d = 0; d < 4; ++d) a.bs[d] = bias->stride(d);
+    for (int64_t b = 0; b < a.B; ++b)
+      TORCH_CHECK(a.seqlens[b] <= bias->size(3), "attnlab._decode: bias covers ", bias->size(3), " keys, seqlens[",
+                  b, "] = ", a.seqlens[b]);
+  }
+  if (alibi && alibi->defined()) {
+    TORCH_CHECK(alibi->scalar_type() == at::kFloat && alibi->dim() == 2 && alibi->size(0) == a.B &&
+                alibi->size(1) == a.H, "attnlab._decode: alibi slopes must be float32 [B, H]");
+    TORCH_CHECK(alibi_off && alibi_off->defined() && alibi_off->scalar_type() == at::kLong &&
+                alibi_off->is_contiguous() && alibi_off->numel() == a.B, "attnlab._decode: alibi_off must be int64 [B]");
+    a.alibi = alibi->data_ptr<float>();
+    a.as[0] = alibi->stride(0); a.as[1] = alibi->stride(1);
+    a.alibi_off = alibi_off->data_ptr<int64_t>();
+  }
+  a.scale = static_cast<float>(scale);
+  a.softcap = static_cast<float>(softcap);
+  TORCH_CHECK(num_splits >= 1, "attnlab._decode: num_splits must be >= 1");
+  a.ns = num_splits;
+  TORCH_CHECK(head_span >= 1 && a.Hkv % head_span == 0, "attnlab._decode: head_span must divide Hkv = ", a.Hkv);
+  a.hs = head_span;
+  at::Tensor lse = at::empty({a.B, a.H, a.L}, q.options().dtype(at::kFloat));
+  a.lse = lse.data_ptr<float>();
+  at::Tensor part_out, part_lse;
+  if (a.ns > 1) {
+    part_out = at::empty({a.ns, a.B, a.H, a.L, a.Dv}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({a.ns, a.B, a.H, a.L}, q.options().dtype(at::kFloat));
+    a.part_out = part_out.data_ptr<float>();
+    a.part_lse = part_lse.data_ptr<float>();
+  }
+  if (a.B * a.H * a.L > 0) {
+    if (dt == at::kFloat) decode_impl<float>(a);
+    else if (dt == at::kBFloat16) decode_impl<at::BFloat16>(a);
+    else decode_impl<at::Half>(a);
+  }
+  if (!keep_partials) return {lse};
+  return {lse, part_out, part_lse};
+}
+
+}  // namespace
+
+#define ATTNLAB_STR2(x) #x
+#define ATTNLAB_STR(x) ATTNLAB_STR2(x)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "attnlab's decode kernel: a few queries against a (paged) KV cache, keys split across threads";
+  m.def("forward", &decode_forward,
+        "writes out in place; returns [lse] (float32 [B, H, L]), with keep_partials also the per-split "
+        "outputs [ns, B, H, L, Dv] and lse [ns, B, H, L] (None for one split)");
+  m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
+  // bumped whenever the Python-facing signature changes: a stale build is refused, not called
+  m.attr("abi_version") = 2;
+}

@@ -1,0 +1,312 @@
+"""attention_with_kvcache: decode against a KV cache with flash-attn's ``flash_attn_with_kvcache`` semantics.
+
+Legend: B batch, L new queries, Lnew new keys, H query heads, Hkv key/value heads, S cache capacity per
+sequence, D head dim, Dv value head dim, P pages of T tokens (paged cache).
+
+Layout is flash-attn's, so ported calls run unchanged: q [B, L, H, D], caches [B, S, Hkv, D] or a page pool
+[P, T, Hkv, D], out [B, L, H, Dv]. The kernel reads every tensor through its strides, so a cache kept in
+attnlab's [B, Hkv, S, D] layout is passed as ``k_cache.transpose(1, 2)`` (a view: no copy, and appends land
+in the original tensor); likewise a [B, H, L, D] query as ``q.transpose(1, 2)``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import decode as decode_kernel
+from ..report import format_bytes
+from ..shapes import AttentionDtypeError, AttentionInputError, check_softcap, shape_str
+
+__all__ = ["attention_with_kvcache", "decode_applies", "decode_reason", "run_prepared"]
+
+
+def _int_lengths(x, B: int, name: str) -> torch.Tensor:
+    if isinstance(x, bool):
+        raise TypeError(f"{name} must be an int or an integer tensor [B], got bool")
+    if isinstance(x, int):
+        return torch.full((B,), x, dtype=torch.int64)
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an int or an integer tensor [B], got {type(x).__name__}"
+                        + (f" {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if x.shape != (B,):
+        raise AttentionInputError(f"{name} {shape_str(x)} must be [B] = [{B}] (one length per sequence of q)")
+    x = x.to(device="cpu", dtype=torch.int64)
+    if bool((x < 0).any()):
+        raise AttentionInputError(f"{name} must be >= 0, got {x.tolist()}")
+    return x
+
+
+def _window(window_size, is_causal: bool) -> tuple[int, int]:
+    """(left, right) in decode_kernel's form; flash-attn's -1 (or None) is an unbounded side."""
+    left = right = -1
+    if window_size is not None:
+        if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+                or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+            raise TypeError(f"window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
+        left, right = window_size
+        if left < -1 or right < -1:
+            raise AttentionInputError(f"window_size sides must be >= 0 or -1 (unbounded), got {tuple(window_size)}")
+    lo = decode_kernel.UNBOUNDED if left == -1 else left
+    hi = decode_kernel.UNBOUNDED if right == -1 else right
+    if is_causal:
+        hi = 0
+    return lo, hi
+
+
+def _append(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor | None) -> None:
+    """cache[sequence b, positions pos[b, :]] = new[b] in place, through the page table when paged."""
+    B, Lnew = pos.shape
+    new = new.to(cache.dtype)
+    if block_table is None:
+        cache[torch.arange(B).unsqueeze(1), pos] = new  # [B, Lnew, Hkv, D] into [B, S, Hkv, D]
+    else:
+        T = cache.shape[1]
+        page = block_table.long().gather(1, pos // T)  # (B, Lnew)
+        cache[page, pos % T] = new
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+                           cache_seqlens: int | torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                           is_causal: bool = True, window_size: tuple[int, int] | None = None,
+                           softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                           scale: float | None = None, num_splits: int | None = None, return_lse: bool = False):
+    """Attention of new queries against a KV cache, appending new keys/values in place first
+    (flash-attn's ``flash_attn_with_kvcache``; ``scale`` is its ``softmax_scale``, ``is_causal`` its
+    ``causal``, True by default here).
+
+    Args:
+        q: [B, L, H, D], L small (decode: 1; speculative verification / chunked prefill: a few).
+        k_cache, v_cache: [B, S, Hkv, D|Dv] contiguous caches, or with ``block_table`` page pools
+            [P, T, Hkv, D|Dv] of any page size T. Any strides with a contiguous last dim.
+        k, v: optional [B, Lnew, Hkv, D|Dv]: written into the caches at positions
+            ``cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1`` of sequence b (in place, as flash-attn does;
+            ``cache_seqlens`` itself is not advanced: the caller adds Lnew).
+        cache_seqlens: int or int [B]: keys already in each sequence's cache (default: the whole
+            capacity, and then k, v cannot be given). Sequence b attends to its first
+            ``cache_seqlens[b] + Lnew`` keys.
+        block_table: int32 [B, pages]: sequence b's token t lives in page ``block_table[b, t // T]``.
+        is_causal: bottom-right causal (query i sees keys j <= i + seqlen_k - L: the last query sees all).
+        window_size: (left, right), -1 = unbounded: query i at position i' = i + seqlen_k - L sees keys
+            i' - left .. i' + right (right is 0 under is_causal).
+        softcap: tanh soft-capping of the scaled scores (0.0 or None: off). alibi_slopes: [H] or [B, H]
+            float32, adds ``-slope·|i' - j|``.
+        num_splits: key splits per (sequence, kv head); None: the kernel's heuristic. Results agree
+            across split counts within fp32 rounding.
+        return_lse: also return the log-sum-exp [B, H, L] (float32; -inf for a row that sees no key).
+
+    Returns: out [B, L, H, Dv] in q's dtype (a row that sees no key is 0), and lse with return_lse.
+
+    Equivalent to (per sequence b, with n = cache_seqlens[b] + Lnew, after the append):
+    ``attnlab.attention(q[b].transpose(0, 1), k_cache[b, :n].transpose(0, 1), v_cache[b, :n].transpose(0, 1),
+    enable_gqa=True, pattern=causal("bottom_right"))`` transposed back. Forward only (inference).
+    Cost: reads each sequence's K/V once per kv head group (``decode_kernel.kv_bytes``), split across
+    threads (flash-decoding); memory O(B·H·L·Dv·splits).
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None and name in ("k", "v"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise AttentionInputError(f"{name} must be 4-D (flash-attn's layout: q [B, L, H, D], caches "
+                                      f"[B, S, Hkv, D] or pages [P, T, Hkv, D]), got {shape_str(t)}")
+        if t.dtype not in decode_kernel.DTYPES:
+            raise AttentionDtypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise AttentionDtypeError(f"q and {name} must share one dtype, got {q.dtype} and {t.dtype}")
+        if t.device != q.device:
+            raise AttentionInputError(f"q is on {q.device} but {name} is on {t.device}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        raise AttentionInputError("attention_with_kvcache is inference only: q, the caches or k, v require grad; "
+                                  "call it under torch.no_grad() (attnlab.attention differentiates)")
+    if (k is None) != (v is None):
+        raise AttentionInputError("give both k and v (the new keys and values) or neither")
+    B, L, H, D = q.shape
+    P_, T, Hkv, Dk = k_cache.shape
+    Dv = v_cache.shape[-1]
+    if Dk != D or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise AttentionInputError(f"k_cache {shape_str(k_cache)} and v_cache {shape_str(v_cache)} must agree on "
+                                  f"[P|B, T|S, Hkv] and k_cache's head dim must be q's D={D} (q {shape_str(q)})")
+    if Hkv == 0 or H % Hkv:
+        raise AttentionInputError(f"q's heads ({H}, dim 2 of {shape_str(q)}) must be a multiple of the caches' "
+                                  f"kv heads ({Hkv}, dim 2 of {shape_str(k_cache)})")
+    if block_table is None:
+        if P_ != B:
+            raise AttentionInputError(f"k_cache {shape_str(k_cache)} holds {P_} sequences but q {shape_str(q)} has "
+                                      f"B={B} (a paged cache needs block_table)")
+        capacity = T
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype.is_floating_point or block_table.dim() != 2 \
+                or block_table.shape[0] != B:
+            raise AttentionInputError(f"block_table must be an integer tensor [B, pages] = [{B}, ...], got "
+                                      f"{shape_str(block_table) if isinstance(block_table, torch.Tensor) else block_table!r}")
+        block_table = block_table.to(device="cpu", dtype=torch.int32).contiguous()
+        capacity = block_table.shape[1] * T
+    if cache_seqlens is None:
+        if k is not None:
+            raise AttentionInputError("k, v are appended at cache_seqlens: give cache_seqlens (int or [B])")
+        cache = torch.full((B,), capacity, dtype=torch.int64)
+    else:
+        cache = _int_lengths(cache_seqlens, B, "cache_seqlens")
+    Lnew = 0
+    if k is not None:
+        if k.shape[:3] != (B, k.shape[1], Hkv) or k.shape[3] != D or v.shape[:3] != k.shape[:3] or v.shape[3] != Dv:
+            raise AttentionInputError(f"k {shape_str(k)} and v {shape_str(v)} must be [B, Lnew, Hkv, D|Dv] = "
+                                      f"[{B}, Lnew, {Hkv}, {D}|{Dv}] (q {shape_str(q)}, k_cache {shape_str(k_cache)})")
+        Lnew = k.shape[1]
+    seqlens = cache + Lnew
+    if B and int(seqlens.max()) > capacity:
+        b = int(seqlens.argmax())
+        raise AttentionInputError(
+            f"the cache overflows: sequence {b} holds cache_seqlens={int(cache[b])} keys and {Lnew} new ones, but "
+            f"its capacity is {capacity} ({'S' if block_table is None else 'pages x page size'} of k_cache "
+            f"{shape_str(k_cache)})")
+    if block_table is not None and B:
+        used = torch.arange(block_table.shape[1]).unsqueeze(0) * T < seqlens.unsqueeze(1)  # (B, pages)
+        bad = used & ((block_table < 0) | (block_table >= P_))
+        if bool(bad.any()):
+            b, p = (int(x) for x in bad.nonzero()[0])
+            raise AttentionInputError(f"block_table[{b}, {p}] = {int(block_table[b, p])} points outside the pool of "
+                                      f"{P_} pages (k_cache {shape_str(k_cache)})")
+    lo, hi = _window(window_size, is_causal)
+    cap = check_softcap(softcap)
+    slopes = _slopes(alibi_slopes, B, H)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D) if D else 1.0
+    if k is not None and Lnew:
+        pos = cache.unsqueeze(1) + torch.arange(Lnew)  # (B, Lnew)
+        _append(k_cache, k, pos, block_table)
+        _append(v_cache, v, pos, block_table)
+    qh = q.transpose(1, 2)  # (B, H, L, D) view
+    if q.device.type == "cpu" and decode_kernel.available() and L <= decode_kernel.MAX_QUERIES:
+        out = torch.empty(B, L, H, Dv, dtype=q.dtype)
+        _, lse = decode_kernel.decode_attention(
+            qh, k_cache, v_cache, scale=scale, block_table=block_table, seqlens=seqlens, left=lo, right=hi,
+            softcap=cap or 0.0, alibi_slopes=slopes, splits=num_splits, out=out.transpose(1, 2))
+    else:
+        out, lse = _fallback(qh, k_cache, v_cache, block_table, seqlens, lo, hi, cap, slopes, scale)
+    return (out, lse) if return_lse else out
+
+
+def _slopes(alibi_slopes, B: int, H: int):
+    if alibi_slopes is None:
+        return None
+    a = alibi_slopes
+    if not isinstance(a, torch.Tensor) or not a.dtype.is_floating_point:
+        raise AttentionDtypeError(f"alibi_slopes must be a floating tensor [H] or [B, H], got {a!r:.60}")
+    if tuple(a.shape) not in ((H,), (B, H)):
+        raise AttentionInputError(f"alibi_slopes {shape_str(a)} must be [H] = [{H}] or [B, H] = [{B}, {H}]")
+    if not bool(torch.isfinite(a).all()):
+        raise AttentionInputError("alibi_slopes must be finite")
+    return a.detach().to(device="cpu", dtype=torch.float32)
+
+
+def _fallback(qh, k_cache, v_cache, block_table, seqlens, lo, hi, cap, slopes, scale):
+    """The same attention through attnlab.attention_with_lse (no extension, another device, or L > MAX_QUERIES):
+    each sequence's keys gathered to [B, Hkv, S, D], the mask written as a pattern."""
+    from . import attention_with_lse
+    B, H, L, _ = qh.shape
+    S = int(seqlens.max()) if B else 0
+    T = k_cache.shape[1]
+    j = torch.arange(S)
+    if block_table is None:
+        kd, vd = k_cache[:, :S], v_cache[:, :S]
+    else:
+        page = block_table.long()[:, j // T] if S else torch.zeros(B, 0, dtype=torch.long)
+        kd, vd = k_cache[page, j % T], v_cache[page, j % T]  # (B, S, Hkv, D)
+    i = torch.arange(L).view(1, L, 1)
+    pos = i + (seqlens - L).view(B, 1, 1)  # (B, L, 1)
+    keep = (j.view(1, 1, S) < seqlens.view(B, 1, 1)) & (j >= pos - lo) & (j <= pos + hi)  # (B, L, S)
+    bias = None
+    if slopes is not None:
+        sl = slopes.view(-1, H, 1, 1)
+        bias = -sl * (pos.unsqueeze(1) - j.view(1, 1, 1, S)).abs().to(torch.float32)  # (B, H, L, S)
+    mask = keep.unsqueeze(1) if bias is None else bias.masked_fill(~keep.unsqueeze(1), float("-inf"))
+    out, lse = attention_with_lse(qh.float(), kd.transpose(1, 2).float(), vd.transpose(1, 2).float(),
+                                  attn_mask=mask.to(qh.device), scale=scale, enable_gqa=True, softcap=cap)
+    return out.to(qh.dtype).transpose(1, 2).contiguous(), lse
+
+
+# -- attention() calls of decode shape: the planner routes them here (method "compiled") ---------------
+def decode_applies(r) -> bool:
+    """Whether a call (a ``kernels.Request``) takes the decode path of the compiled kernel: CPU, fp32/bf16/
+    fp16, 1 <= L <= decode_kernel.MAX_QUERIES, inference (no autograd, dropout or weights) and the decode
+    extension loads. Every mask, pattern, softcap and ALiBi is taken (csrc/decode.cpp)."""
+    return (r.device == "cpu" and r.dtype in decode_kernel.DTYPES and 1 <= r.L <= decode_kernel.MAX_QUERIES
+            and r.S >= 1 and not r.needs_grad and r.dropout_p == 0 and not r.need_weights
+            and not r.float_mask_grad and decode_kernel.available())
+
+
+def decode_reason(p, costs: bool = False) -> str:
+    """What the decode path does for prepared inputs ``p``: splits, K/V bytes read and, with ``costs``, the
+    time that takes at the read bandwidth measured in this process (``decode_kernel.read_bandwidth``)."""
+    i = p.info
+    ns = decode_kernel.num_splits(p.N, i.Hkv, i.S)
+    nbytes = decode_kernel.kv_bytes(p.N, i.Hkv, i.S, i.E, i.Ev, p.q.dtype)
+    why = (f"decode path: {p.N}×{i.Hkv} (sequence, kv head) units × {ns} key split{'s' * (ns > 1)}, "
+           f"the {i.groups} query head{'s' * (i.groups > 1)} of a group in one pass (K/V read once per group, "
+           f"no copy): {format_bytes(nbytes)} of K/V")
+    if costs:
+        bw = decode_kernel.read_bandwidth()
+        why += f", ≈ {nbytes / bw * 1e3:.3g} ms at the {bw / 1e9:.3g} GB/s read bandwidth measured now"
+    return why
+
+
+def run_prepared(p, return_lse: bool = False):
+    """``attention`` on prepared inputs through the decode kernel: out [B, H, L, Ev] (and lse [B, H, L]).
+    A band pattern (causal, sliding windows, any alignment) becomes the kernel's key range; key padding by
+    lengths its per-sequence lengths; other patterns and user masks a bool keep [B|1, H|1, L, S] (L×S is
+    small at decode sizes) read through strides; ALiBi keeps attnlab's alignment i + S - L."""
+    i, mask = p.info, p.mask
+    N, L, S = p.N, i.L, i.S
+    seqlens = torch.full((N,), S, dtype=torch.int64)
+    left = right = decode_kernel.UNBOUNDED
+    keep = mask.keep
+    pat = mask.pattern
+    rest = []  # patterns the key range cannot express
+    for part in _and_parts(pat):
+        band = part.band(L, S) if part.batch_size is None else None
+        kk = getattr(part, "keep_keys", None)
+        if band is not None:
+            lo, hi = band
+            left = min(left, decode_kernel.UNBOUNDED if lo == -math.inf else max(-(2**40), int(-lo)))
+            right = min(right, decode_kernel.UNBOUNDED if hi == math.inf else max(-(2**40), int(hi)))
+        elif kk is not None and _is_prefix(kk, S):
+            seqlens = torch.minimum(seqlens, kk[:, :S].sum(1).to(torch.int64))
+        else:
+            rest.append(part)
+    for part in rest:
+        qi, kj = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+        m = part.keep(qi, kj, L, S)  # (L, S) or (B, L, S)
+        m = m.view(-1, 1, L, S)
+        keep = m if keep is None else keep & m
+    bias = mask.bias
+    slopes = None
+    if mask.alibi is not None:
+        slopes = mask.alibi.expand(N, i.H)
+    out = torch.empty(N, i.H, L, i.Ev, dtype=p.q.dtype)
+    kp = None if keep is None else keep.expand(N, i.H, L, S)
+    bp = None if bias is None else bias.expand(N, i.H, L, S)
+    out, lse = decode_kernel.decode_attention(
+        p.q, p.kv_k.transpose(1, 2), p.kv_v.transpose(1, 2), scale=i.scale, seqlens=seqlens,
+        mask_offset=0, left=left, right=right, keep=kp, bias=bp, softcap=mask.softcap or 0.0,
+        alibi_slopes=slopes, alibi_offset=S - L, out=out)
+    return (out, lse) if return_lse else out
+
+
+def _and_parts(pat):
+    """The operands of a pattern's ANDs (a pattern that is no AND is its own single part)."""
+    if pat is None:
+        return []
+    if getattr(pat, "op", None) == "and":
+        return _and_parts(pat.a) + _and_parts(pat.b)
+    return [pat]
+
+
+def _is_prefix(kk: torch.Tensor, S: int) -> bool:
+    """A key-padding mask [B, >=S] that keeps exactly each row's first n keys (lengths, right padding)."""
+    k = kk[:, :S]
+    n = k.sum(1, keepdim=True)
+    return bool((k == (torch.arange(k.shape[1]).unsqueeze(0) < n)).all())

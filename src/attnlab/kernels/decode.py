@@ -1,0 +1,219 @@
+"""attnlab's decode kernel (the C++ extension ``attnlab._decode*``): a few queries against a long, maybe paged,
+KV cache at the memory-bandwidth limit (flash-decoding).
+
+Legend: B batch, H query heads, Hkv key/value heads (G = H / Hkv per group), L queries (1..16), S keys,
+D head dim, Dv value head dim, P pages of T tokens.
+
+Each unit of work is (sequence, kv head, key split): the G query heads of a group and all L queries are
+computed together, so K and V are read once per group (GQA / MQA without copies), and the keys are split
+across threads when B·Hkv alone would leave threads idle; the splits' partial results are merged by
+Note [Merging by log-sum-exp] (``kernels/lse.py``; csrc/decode.cpp Note [Decode schedule]). fp32, bf16 and
+fp16 K/V are read as stored and widened to fp32 one tile at a time; everything accumulates in fp32.
+
+Forward only (inference): ``decode_attention`` refuses tensors that require grad under grad mode.
+``available()`` says whether the extension loads (False with ``ATTNLAB_NO_EXT=1`` or when it was not built).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import time
+
+import torch
+
+__all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
+           "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED"]
+
+#: must equal the extension's abi_version (csrc/decode.cpp)
+ABI_VERSION = 2
+_MODULES = {"AVX512": ("_decode_avx512", "_decode_avx2", "_decode"), "AVX2": ("_decode_avx2", "_decode")}
+#: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
+MAX_QUERIES = 16
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: a window side that is not bounded (keys i - left .. i + right; far beyond any cache, no int64 overflow)
+UNBOUNDED = 1 << 50
+#: a key split is at least this many keys: below it, the merge and the split's fixed costs outweigh the
+#: parallelism it buys
+MIN_SPLIT_KEYS = 512
+#: units (sequence, kv head, split) wanted per thread: more than one, so a thread that shares its core with
+#: another process hands its remaining units to the others (the units are pulled from one counter)
+UNITS_PER_THREAD = 4
+
+_ext = None
+_reason: str | None = None
+
+
+def _load():
+    """The decode extension built for the best capability this CPU runs, or None (reason in _reason)."""
+    global _ext, _reason
+    if _ext is not None or _reason is not None:
+        return _ext
+    if os.environ.get("ATTNLAB_NO_EXT", "") not in ("", "0"):
+        _reason = "ATTNLAB_NO_EXT is set"
+        return None
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # very old torch: the baseline build runs everywhere
+        cap = "DEFAULT"
+    errors = []
+    for name in _MODULES.get(cap, ("_decode",)):
+        try:
+            mod = importlib.import_module(f"attnlab.{name}")
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+            continue
+        except Exception as e:  # a broken build must not break attnlab
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if getattr(mod, "abi_version", None) != ABI_VERSION:
+            errors.append(f"{name}: built from older sources (abi {getattr(mod, 'abi_version', None)}, need "
+                          f"{ABI_VERSION}); rebuild: pip install --no-build-isolation -e .")
+            continue
+        _ext = mod
+        return _ext
+    missing = all("No module named" in e for e in errors)
+    _reason = ("the decode extension is not built (pip install --no-build-isolation -e . builds it)" if missing
+               else "the decode extension failed to load (" + "; ".join(errors) + ")")
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the decode kernel cannot run, or None when it can."""
+    return _reason if _load() is None else None
+
+
+def available() -> bool:
+    """True when the decode extension loads."""
+    return unavailable_reason() is None
+
+
+def capability() -> str | None:
+    """The CPU capability the loaded decode extension was compiled for, or None."""
+    ext = _load()
+    return None if ext is None else str(ext.capability)
+
+
+def num_splits(B: int, Hkv: int, S: int) -> int:
+    """Key splits per (sequence, kv head span): 1 when B·Hkv units already give every thread UNITS_PER_THREAD,
+    else enough for that, each split at least MIN_SPLIT_KEYS keys (Note [Decode schedule]).
+    ``ATTNLAB_DECODE_SPLITS=k`` forces k (for comparisons)."""
+    forced = os.environ.get("ATTNLAB_DECODE_SPLITS", "")
+    if forced:
+        return max(1, int(forced))
+    want = UNITS_PER_THREAD * torch.get_num_threads()
+    pairs = max(1, B * Hkv)
+    if pairs >= want:
+        return 1
+    return max(1, min(-(-want // pairs), S // MIN_SPLIT_KEYS))
+
+
+def head_span(k: torch.Tensor) -> int:
+    """KV heads one unit of work reads together: all of them when a token's heads sit side by side
+    (k [P, T, Hkv, D] with the head stride below the token stride: flash-attn's layout, paged pools), so the
+    cache is read in order (csrc Note [Decode head span]); else 1."""
+    Hkv = k.shape[2]
+    return Hkv if Hkv > 1 and k.shape[1] > 1 and abs(k.stride(2)) < abs(k.stride(1)) else 1
+
+
+def num_splits_for(k: torch.Tensor, B: int, S: int) -> int:
+    """``num_splits`` for a cache k [P, T, Hkv, D] of B sequences of up to S keys (its head span counted)."""
+    return num_splits(B, k.shape[2] // head_span(k), S)
+
+
+def kv_bytes(B: int, Hkv: int, S: int, D: int, Dv: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V a decode call reads: B·Hkv·S·(D + Dv) elements (each row once per kv group)."""
+    return B * Hkv * S * (D + Dv) * dtype.itemsize
+
+
+def _i64(x, B: int, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.int64)
+    if t.dim() == 0:
+        t = t.expand(B)
+    if t.shape != (B,):
+        raise ValueError(f"{name} must be an int or [B] = [{B}], got shape {list(t.shape)}")
+    return t.contiguous()
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                     block_table: torch.Tensor | None = None, seqlens=None, mask_offset=None,
+                     left: int = UNBOUNDED, right: int = UNBOUNDED, keep: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, softcap: float = 0.0,
+                     alibi_slopes: torch.Tensor | None = None, alibi_offset=None, splits: int | None = None,
+                     out: torch.Tensor | None = None, return_partials: bool = False):
+    """q [B, H, L, D] (any strides), k [P, T, Hkv, D], v [P, T, Hkv, Dv] (a page pool, any strides; a
+    contiguous cache [B, S, Hkv, D] is P = B pages of T = S tokens) -> (out [B, H, L, Dv], lse [B, H, L]).
+
+    Query i of sequence b sits at position ``i + mask_offset[b]`` (default ``seqlens[b] - L``: bottom-right,
+    the KV-cache convention) and sees keys j < seqlens[b] (default: every page) with
+    ``pos - left <= j <= pos + right`` (causal: right=0), where ``keep`` [B|1, H|1, L|1, >=S] bool is True
+    and with ``bias`` [.., >=S] float added. ``block_table`` [B, pages] int32 maps sequence b's token t to
+    page ``block_table[b, t // T]`` (default: sequence b is page b). softcap > 0 caps the scaled product;
+    ``alibi_slopes`` [H] or [B, H] adds ``-slope·|i + alibi_offset[b] - j|`` (default offset: mask_offset).
+    lse is float32, -inf for a row that sees no key (its output is 0). ``splits`` forces the key split
+    count (default ``num_splits``); ``return_partials`` also returns the splits' (out [ns, B, H, L, Dv],
+    lse [ns, B, H, L]) before their merge (None, None for one split).
+
+    Cost: reads each visible K/V row once per kv group: ``kv_bytes``; 2·B·H·L·S·(D + Dv) FLOPs.
+    """
+    ext = _load()
+    if ext is None:
+        raise RuntimeError(f"attnlab decode kernel unavailable: {_reason}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        raise RuntimeError("the decode kernel is forward only (inference): q, k, v or the bias require grad; "
+                           "call it under torch.no_grad() / torch.inference_mode(), or use attnlab.attention")
+    B, H, L, D = q.shape
+    P, T, Hkv, _ = k.shape
+    Dv = v.shape[-1]
+    if block_table is None:
+        if P != B:
+            raise ValueError(f"without block_table the cache holds one sequence per row: k has {P} rows, q {B}")
+        block_table = torch.arange(B, dtype=torch.int32).view(B, 1)
+    block_table = block_table.to(torch.int32).contiguous()
+    seqlens = _i64(block_table.shape[1] * T if seqlens is None else seqlens, B, "seqlens")
+    moff = seqlens - L if mask_offset is None else _i64(mask_offset, B, "mask_offset")
+    S = block_table.shape[1] * T
+    if out is None:
+        out = torch.empty(B, H, L, Dv, dtype=q.dtype)
+    slopes = aoff = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.detach().to(torch.float32)
+        slopes = slopes.view(1, H).expand(B, H) if slopes.dim() == 1 else slopes.expand(B, H)
+        aoff = moff if alibi_offset is None else _i64(alibi_offset, B, "alibi_offset")
+    if keep is not None:
+        keep = keep.expand(B, H, L, keep.shape[-1])
+    if bias is not None:
+        bias = bias.detach().to(torch.float32).expand(B, H, L, bias.shape[-1])
+    hs = head_span(k)
+    ns = splits if splits is not None else num_splits(B, Hkv // hs, int(seqlens.max()) if B else S)
+
+    def last(t):
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    res = ext.forward(last(q), last(k), last(v), out, block_table, seqlens, moff, int(left), int(right), keep,
+                      bias, slopes, aoff, float(scale), float(softcap or 0.0), int(ns), hs, bool(return_partials))
+    if return_partials:
+        return out, res[0], res[1], res[2]
+    return out, res[0]
+
+
+_BANDWIDTH: list = []
+
+
+def read_bandwidth(nbytes: int = 256 * 2**20, rounds: int = 3) -> float:
+    """The CPU's read bandwidth (bytes/s), measured once per process: the best of ``rounds`` sums over a
+    float32 buffer of ``nbytes`` (well past the caches), all threads."""
+    if not _BANDWIDTH:
+        x = torch.ones(nbytes // 4)
+        best = math.inf
+        for _ in range(rounds):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        _BANDWIDTH.append(nbytes / best)
+    return _BANDWIDTH[0]
+
+
+def predicted_seconds(nbytes: int, bandwidth: float) -> float:
+    """The memory-bound time of a decode call: K/V bytes over a read bandwidth (bytes/s)."""
+    return nbytes / bandwidth if bandwidth > 0 else math.inf
