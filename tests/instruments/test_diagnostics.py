@@ -135,7 +135,7 @@ def test_capture_summary_mode_with_key_padding():
 
 
 def test_capture_refuses_bad_targets():
-    with pytest.raises(ValueError, match="no attnlab.nn.MultiHeadAttention"):
+    with pytest.raises(ValueError, match="contains no attention module to capture: neither an attnlab.nn.MultiHeadAttention"):
         with capture(torch.nn.Linear(2, 2)):
             pass
     with pytest.raises(TypeError):

@@ -79,4 +79,4 @@ def test_heads_bad_input(tmp_path, capsys):
     assert main(["heads", "--sentences", str(tmp_path / "empty.txt"), "--out", str(tmp_path)]) == 2
     assert "empty" in capsys.readouterr().err
     assert main(["heads", "--sentence", "hi", "--layer", "6", "--out", str(tmp_path)]) == 2
-    assert "layer 6 out of range" in capsys.readouterr().err
+    assert "--layer: must be an integer in [0, 5] (MiniLM has 6 layers)" in capsys.readouterr().err

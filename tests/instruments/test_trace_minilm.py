@@ -52,8 +52,8 @@ def test_text_trace_matches_transformers(hf):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--text", TEXT, "--layer", "6"], "layer 6 out of range"),
-    (["--text", TEXT, "--head", "12"], "head 12 out of range"),
+    (["--text", TEXT, "--layer", "6"], "--layer: must be an integer in [0, 5] (MiniLM has 6 layers), got '6'"),
+    (["--text", TEXT, "--head", "12"], "--head: must be an integer in [0, 11] (MiniLM has 12 heads per layer), got '12'"),
     (["--text", "   "], "empty"),
 ])
 def test_text_bad_input(argv, needle, capsys):
