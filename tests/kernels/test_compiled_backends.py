@@ -221,8 +221,8 @@ def test_vmap_over_forward_and_backward_matches_a_loop():
     gradient: the dispatcher op's vmap rule): one call per slice, the same as looping by hand. grad / vjp
     transforms are refused with a clear error (they would wrap the layout's tensors)."""
     torch.manual_seed(1)
-    qs = torch.randn(3, 1, 2, 10, 4)
-    k, v = torch.randn(1, 2, 12, 4), torch.randn(1, 2, 12, 4)
+    qs = torch.randn(3, 1, 2, 20, 4)  # over the decode path's 16 queries: the tile kernel both ways
+    k, v = torch.randn(1, 2, 22, 4), torch.randn(1, 2, 22, 4)
 
     def f(q):
         return attnlab.attention(q, k, v, pattern=P.sliding_window(3), method="compiled", block_size=8)
@@ -232,7 +232,7 @@ def test_vmap_over_forward_and_backward_matches_a_loop():
     got_f0 = want[0]
     q = qs[0].clone().requires_grad_()
     out = f(q)
-    dos = torch.randn(3, 1, 2, 10, 4)
+    dos = torch.randn(3, 1, 2, 20, 4)
     got = torch.func.vmap(lambda do: torch.autograd.grad(out, q, do, retain_graph=True)[0])(dos)
     want = torch.stack([torch.autograd.grad(out, q, do, retain_graph=True)[0] for do in dos])
     assert_close(got, want, atol=1e-6, rtol=1e-6, what="vmap over the backward")
@@ -280,7 +280,7 @@ def test_gemm_setting_and_backend_report(monkeypatch):
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", "openblas")
     with pytest.raises(ValueError, match="ATTNLAB_EXT_GEMM must be one of auto, brgemm, mkl, loop.*'openblas'"):
         compiled.gemm_setting()
-    x = torch.randn(1, 1, 4, 8)
+    x = torch.randn(1, 1, 32, 8)  # over the decode path's 16 queries: the tile kernel, which reads the setting
     with pytest.raises(ValueError, match="ATTNLAB_EXT_GEMM"):
         attnlab.attention(x, x, x, pattern=P.causal(), method="compiled")
 

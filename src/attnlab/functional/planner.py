@@ -187,9 +187,11 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
         chosen, reason = method, "requested"
     else:
         chosen, reason = _choose(r, refused, c, backend)
-        if "compiled" not in refused and kvcache.decode_applies(r):
-            chosen = "compiled"  # decode shapes are memory-bound: the decode path reads K/V once per group
-    decode = chosen == "compiled" and kvcache.decode_applies(r)
+    # a transform's wrappers (vmap, grad) cannot reach the decode extension: the tile path takes them
+    decodes = kvcache.decode_applies(r) and not kernels.transformed(p.q, p.key, p.value)
+    if method == "auto" and "compiled" not in refused and decodes:
+        chosen = "compiled"  # decode shapes are memory-bound: the decode path reads K/V once per group
+    decode = chosen == "compiled" and decodes
     if decode:
         # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
         reason = ("requested; " if method != "auto" else "") + (kvcache.decode_reason(p, costs) if costs

@@ -3,10 +3,11 @@ by ``attnlab.shapes.prepare``. Each kernel module declares its capabilities and 
 :class:`KernelSpec` (``SPEC``); ``KERNELS`` lists them in the order ``explain`` shows them.
 """
 from . import compiled, dense, fused, sparse, tiled
+from .extension import transformed
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling
 
-__all__ = ["MaskSpec", "KernelSpec", "Request", "Tiling", "KERNELS", "get"]
+__all__ = ["MaskSpec", "KernelSpec", "Request", "Tiling", "KERNELS", "get", "transformed"]
 
 #: every kernel's declaration, in explain's order (auto's preferences are the planner's rules)
 KERNELS: tuple[KernelSpec, ...] = (dense.SPEC, fused.SPEC, tiled.SPEC, sparse.SPEC, compiled.SPEC)

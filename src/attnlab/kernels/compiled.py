@@ -40,7 +40,6 @@ time: the extension is built by the package's install (setup.py).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from dataclasses import dataclass
 
@@ -49,6 +48,7 @@ import torch.nn.functional as F
 
 from .. import patterns as P
 from ..caches import ByteLRU
+from .extension import Extension, transformed
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
@@ -58,41 +58,12 @@ __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "bui
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
 ABI_VERSION = 8
-_MODULES = {"AVX512": ("_C_avx512", "_C_avx2", "_C"), "AVX2": ("_C_avx2", "_C")}
-_ext = None
-_reason: str | None = None
+_EXT = Extension("_C", ABI_VERSION, "compiled extension")
 
 
 def _load():
-    """The extension module built for the best capability this CPU runs, or None (reason in _reason)."""
-    global _ext, _reason
-    if _ext is not None or _reason is not None:
-        return _ext
-    if os.environ.get("ATTNLAB_NO_EXT", "") not in ("", "0"):
-        _reason = "ATTNLAB_NO_EXT is set"
-        return None
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # very old torch: the baseline build runs everywhere
-        cap = "DEFAULT"
-    errors = []
-    for name in _MODULES.get(cap, ("_C",)):
-        try:
-            mod = importlib.import_module(f"attnlab.{name}")
-            if getattr(mod, "abi_version", None) != ABI_VERSION:
-                errors.append(f"{name}: built from older sources (abi {getattr(mod, 'abi_version', None)}, "
-                              f"need {ABI_VERSION}); rebuild: pip install --no-build-isolation -e .")
-                continue
-            _ext = mod
-            return _ext
-        except ImportError as e:
-            errors.append(f"{name}: {e}")
-        except Exception as e:  # a broken build must not break attnlab
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-    missing = all("No module named" in e for e in errors)
-    _reason = ("the compiled extension is not built (pip install --no-build-isolation -e . builds it)" if missing
-               else "the compiled extension failed to load (" + "; ".join(errors) + ")")
-    return None
+    """The extension module built for the best capability this CPU runs, or None (the reason: ``_EXT.reason``)."""
+    return _EXT.load()
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -103,7 +74,7 @@ def available(*tensors: torch.Tensor) -> bool:
 def unavailable_reason(*tensors: torch.Tensor) -> str | None:
     """Why the compiled kernel cannot run (these tensors), or None when it can."""
     if _load() is None:
-        return _reason
+        return _EXT.reason
     for t in tensors:
         if t is not None and t.device.type != "cpu":
             return f"CPU tensors only (got {t.device.type})"
@@ -398,11 +369,7 @@ def clip_blocks(block_q: int, block_k: int, L: int, S: int) -> tuple[int, int]:
 
 
 # -- autograd --------------------------------------------------------------------------------------
-def _wrapped(*tensors) -> bool:
-    """Whether any tensor is a vmap or grad transform's wrapper (torch.func's, or the legacy vmap of
-    gradcheck's batched gradients): those reach the extension only through the dispatcher (_backward_op)."""
-    f = torch._C._functorch
-    return any(t is not None and (f.is_functorch_wrapped_tensor(t) or f.is_legacy_batchedtensor(t)) for t in tensors)
+_wrapped = transformed  # a transform's wrappers reach the extension only through the dispatcher (_backward_op)
 
 
 #: torch.func.grad / vjp / jacrev wrap every tensor made inside them, the layout's (built and cached per

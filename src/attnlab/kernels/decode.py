@@ -15,19 +15,19 @@ Forward only (inference): ``decode_attention`` refuses tensors that require grad
 """
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import time
 
 import torch
 
+from .extension import Extension
+
 __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
            "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
 ABI_VERSION = 2
-_MODULES = {"AVX512": ("_decode_avx512", "_decode_avx2", "_decode"), "AVX2": ("_decode_avx2", "_decode")}
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -40,47 +40,17 @@ MIN_SPLIT_KEYS = 512
 #: another process hands its remaining units to the others (the units are pulled from one counter)
 UNITS_PER_THREAD = 4
 
-_ext = None
-_reason: str | None = None
+_EXT = Extension("_decode", ABI_VERSION, "decode extension")
 
 
 def _load():
-    """The decode extension built for the best capability this CPU runs, or None (reason in _reason)."""
-    global _ext, _reason
-    if _ext is not None or _reason is not None:
-        return _ext
-    if os.environ.get("ATTNLAB_NO_EXT", "") not in ("", "0"):
-        _reason = "ATTNLAB_NO_EXT is set"
-        return None
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # very old torch: the baseline build runs everywhere
-        cap = "DEFAULT"
-    errors = []
-    for name in _MODULES.get(cap, ("_decode",)):
-        try:
-            mod = importlib.import_module(f"attnlab.{name}")
-        except ImportError as e:
-            errors.append(f"{name}: {e}")
-            continue
-        except Exception as e:  # a broken build must not break attnlab
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-            continue
-        if getattr(mod, "abi_version", None) != ABI_VERSION:
-            errors.append(f"{name}: built from older sources (abi {getattr(mod, 'abi_version', None)}, need "
-                          f"{ABI_VERSION}); rebuild: pip install --no-build-isolation -e .")
-            continue
-        _ext = mod
-        return _ext
-    missing = all("No module named" in e for e in errors)
-    _reason = ("the decode extension is not built (pip install --no-build-isolation -e . builds it)" if missing
-               else "the decode extension failed to load (" + "; ".join(errors) + ")")
-    return None
+    """The extension module built for the best capability this CPU runs, or None (the reason: ``_EXT.reason``)."""
+    return _EXT.load()
 
 
 def unavailable_reason() -> str | None:
     """Why the decode kernel cannot run, or None when it can."""
-    return _reason if _load() is None else None
+    return _EXT.reason if _load() is None else None
 
 
 def available() -> bool:
@@ -158,7 +128,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     """
     ext = _load()
     if ext is None:
-        raise RuntimeError(f"attnlab decode kernel unavailable: {_reason}")
+        raise RuntimeError(f"attnlab decode kernel unavailable: {_EXT.reason}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
         raise RuntimeError("the decode kernel is forward only (inference): q, k, v or the bias require grad; "
                            "call it under torch.no_grad() / torch.inference_mode(), or use attnlab.attention")

@@ -1,0 +1,71 @@
+"""Loading attnlab's compiled extensions: the variant built for the best CPU capability this machine runs.
+
+Each extension (the tile kernel ``attnlab._C*``, the decode kernel ``attnlab._decode*``) is built by the
+package's install once per capability (baseline, AVX2, AVX-512; setup.py); at run time the best variant
+that imports and carries the wrapper's ABI version is used. A missing or broken build is never an error:
+``Extension.load()`` returns None and ``reason`` says why (``ATTNLAB_NO_EXT=1`` turns every extension off).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+__all__ = ["Extension", "transformed"]
+
+
+class Extension:
+    """One compiled extension: ``Extension("_C", abi=8, what="compiled extension")`` loads ``attnlab._C_avx512``,
+    ``_C_avx2`` or ``_C``, whichever is the best this CPU runs (``torch.backends.cpu.get_cpu_capability()``,
+    which ``ATEN_CPU_CAPABILITY`` overrides), once per process."""
+
+    def __init__(self, base: str, abi: int, what: str):
+        self.base, self.abi, self.what = base, abi, what
+        self.module = None
+        self.reason: str | None = None
+
+    def variants(self) -> tuple[str, ...]:
+        """The module names to try, best first, for this CPU's capability."""
+        try:
+            cap = torch.backends.cpu.get_cpu_capability()
+        except Exception:  # very old torch: the baseline build runs everywhere
+            cap = "DEFAULT"
+        b = self.base
+        return {"AVX512": (f"{b}_avx512", f"{b}_avx2", b), "AVX2": (f"{b}_avx2", b)}.get(cap, (b,))
+
+    def load(self):
+        """The loaded module, or None (``reason`` says why); tried once per process."""
+        if self.module is not None or self.reason is not None:
+            return self.module
+        if os.environ.get("ATTNLAB_NO_EXT", "") not in ("", "0"):
+            self.reason = "ATTNLAB_NO_EXT is set"
+            return None
+        errors = []
+        for name in self.variants():
+            try:
+                mod = importlib.import_module(f"attnlab.{name}")
+            except ImportError as e:
+                errors.append(f"{name}: {e}")
+                continue
+            except Exception as e:  # a broken build must not break attnlab
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+                continue
+            if getattr(mod, "abi_version", None) != self.abi:
+                errors.append(f"{name}: built from older sources (abi {getattr(mod, 'abi_version', None)}, "
+                              f"need {self.abi}); rebuild: pip install --no-build-isolation -e .")
+                continue
+            self.module = mod
+            return mod
+        missing = all("No module named" in e for e in errors)
+        self.reason = (f"the {self.what} is not built (pip install --no-build-isolation -e . builds it)" if missing
+                       else f"the {self.what} failed to load (" + "; ".join(errors) + ")")
+        return None
+
+
+def transformed(*tensors) -> bool:
+    """Whether any tensor is a vmap or grad transform's wrapper (torch.func's, or the legacy vmap of
+    gradcheck's batched gradients): an extension cannot read a wrapper's data, so such calls go through the
+    dispatcher or a pure-PyTorch path."""
+    f = torch._C._functorch
+    return any(t is not None and (f.is_functorch_wrapped_tensor(t) or f.is_legacy_batchedtensor(t)) for t in tensors)
