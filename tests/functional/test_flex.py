@@ -339,3 +339,25 @@ def test_plan_names_path_and_costs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # probing must not warn
         attnlab.flex_plan(q, k, v, _mod("softcap")[0])
+
+
+@pytest.mark.parametrize("name, make, kind", [
+    ("zero table", lambda: torch.zeros(80, dtype=torch.float64, requires_grad=True), "affine"),
+    ("learned factor", lambda: torch.ones((), dtype=torch.float64, requires_grad=True), "general"),
+    ("learned cap", lambda: torch.full((), 4.0, dtype=torch.float64, requires_grad=True), "general"),
+])
+def test_learned_tensors_keep_their_gradient(name, make, kind):
+    """A tensor requiring grad must reach the kernel as a tensor: a zero-initialised bias table is still a
+    bias (not the identity), and a learned factor or cap cannot be folded into scale / softcap as a number."""
+    w = make()
+    mods = {"zero table": lambda s, b, h, qi, ki: s + w[qi - ki + 40],
+            "learned factor": lambda s, b, h, qi, ki: s * w,
+            "learned cap": lambda s, b, h, qi, ki: w * torch.tanh(s / w)}
+    sm = mods[name]
+    q, k, v = _qkv()
+    assert attnlab.flex_plan(q, k, v, sm).score_mod.kind == kind
+    out = attnlab.flex_attention(q, k, v, sm, _block_mask(MASK_MODS["causal"]))
+    ref = _oracle(q, k, v, sm, MASK_MODS["causal"])[0]
+    (got,), (want,) = _grads(out, (w,)), _grads(ref, (w,))
+    assert got is not None and float(want.abs().sum()) > 0
+    assert_close(got, want, **F64, what=f"{name} gradient")

@@ -323,9 +323,15 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
         raise ValueError(f"flex_attention: score_mod {name} returned shape {list(y.shape)} for scores "
                          f"{list(s.shape)}; it must act element-wise (b, h, q_idx, kv_idx broadcast)") from None
     reads_grad = y.requires_grad
+    if reads_grad and not _grad_only_in_bias(score_mod, y, s, (b, h, qi, ki), seed):
+        return ScoreModKind("general", "a tensor that requires grad enters through more than an additive bias "
+                            "(its gradient depends on the score)", reads_grad=True)
     y = y.detach().to(torch.float64)
     ys, yb, sb = y[:, :-1], y[:, -1], s[:, :-1]
     if bool((ys == sb).all()):
+        if reads_grad:  # a learned bias that is 0 now (a zero-initialised table): still a bias, for its gradient
+            return ScoreModKind("affine", "score_mod(score) == score + bias, the bias 0 on the probes but read from "
+                                "a tensor that requires grad", has_bias=True, reads_grad=True)
         return ScoreModKind("identity", f"score_mod(score) == score on {n} points x {sb.shape[1]} scores")
     # points whose every value is -inf are masked pairs: consistent with any kind that has a bias
     masked = torch.isneginf(y).all(1)
@@ -346,7 +352,7 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
     if bool(((ys - fit).abs() <= tol).all()):
         a = float(slope[0])
         if bool((slope - a).abs().le(_RTOL * abs(a)).all()) and a > 0:
-            has_bias = bool((c != 0).any()) or bool(masked.any())
+            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
             return ScoreModKind("affine", f"score_mod(score) == {a:.6g}·score + bias(b, h, q_idx, kv_idx) on "
                                 f"{n} points x {sb.shape[1]} scores", factor=a, has_bias=has_bias, reads_grad=reads_grad)
         return ScoreModKind("general", "affine in the score, but its factor varies with (b, h, q_idx, kv_idx) or "
@@ -357,13 +363,49 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
     if cap0 > 0 and math.isfinite(cap0) and bool(((cap - cap0).abs() <= _RTOL * cap0).all()):
         want = cap0 * torch.tanh(sb / cap0) + c.unsqueeze(1)
         if bool(((ys - want).abs() <= _RTOL * (cap0 + c.abs().unsqueeze(1) + 1)).all()):
-            has_bias = bool((c != 0).any()) or bool(masked.any())
+            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
             return ScoreModKind("softcap", f"score_mod(score) == {cap0:.6g}·tanh(score / {cap0:.6g})"
                                 + (" + bias(b, h, q_idx, kv_idx)" if has_bias else "")
                                 + f" on {n} points x {sb.shape[1]} scores", softcap=cap0, has_bias=has_bias,
                                 reads_grad=reads_grad)
     return ScoreModKind("general", f"neither affine in the score nor soft-capping on {n} probed points",
                         reads_grad=reads_grad)
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors requiring grad that ``t`` was computed from (its autograd graph's leaves)."""
+    seen, out, todo = set(), [], [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # AccumulateGrad
+            out.append(fn.variable)
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
+    """Whether the tensors requiring grad that score_mod reads enter only through an additive bias: the
+    gradient of sum(r · score_mod(score)) into them is the same at the probe scores as at score 0, for
+    random weights r. (The factor c of an affine score_mod is folded into ``scale`` as a number, so a
+    learned factor must not pass; nor may a learned cap.)"""
+    leaves = _leaves(y)
+    if not leaves:
+        return True
+    r = torch.rand(s.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    keep = torch.isfinite(y.detach())
+    r = torch.where(keep, r, torch.zeros_like(r))
+    y0 = torch.broadcast_to(score_mod(torch.zeros_like(s), *idx), s.shape)
+    g = torch.autograd.grad((torch.where(keep, y, 0) * r).sum(), leaves, allow_unused=True)
+    g0 = torch.autograd.grad((torch.where(keep, y0, 0) * r).sum(), leaves, allow_unused=True)
+    for a, e in zip(g, g0):
+        a = torch.zeros(()) if a is None else a.double()
+        e = torch.zeros(()) if e is None else e.double()
+        if not bool(((a - e).abs() <= _RTOL * (a.abs() + e.abs() + 1)).all()):
+            return False
+    return True
 
 
 def _bias(score_mod, B, H, L, S, dtype):
