@@ -1,0 +1,606 @@
+"""FlexAttention's API on the CPU without a compiler: ``flex_attention(query, key, value, score_mod, block_mask)``.
+
+Legend: B batch, H query heads, Hkv key/value heads (GQA: H = G·Hkv, query head h reads kv head h // G),
+L query length, S key length, E head dim, Ev value head dim; b, h, q_idx, kv_idx index them.
+
+``score_mod(score, b, h, q_idx, kv_idx)`` is told apart by probing it (never by reading its source) on a
+few random (b, h, q_idx, kv_idx) points, with several float64 scores each (Note [Probing score_mod]):
+
+- none / identity: ``attnlab.attention`` with the mask as a pattern (block skipping in the kernel);
+- soft-capping ``cap·tanh(score / cap)`` (plus an optional bias): ``attention(..., softcap=cap)``;
+- affine in the score ``c·score + bias(b, h, q_idx, kv_idx)``, c > 0 the same everywhere: the bias is
+  evaluated once per call on index tensors and passed as a float ``attn_mask`` (its gradient flows, through
+  autograd, into the tensors the function reads), the factor c folded into ``scale``;
+- anything else: ``general``, blockwise over the kept key blocks with an online softmax, the function
+  applied to each block's scores, differentiable through autograd (checkpointed per query block).
+
+``flex_plan`` says which path a call takes and why, without running attention.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import patterns as P
+from ..shapes import AttentionInputError, shape_str
+
+try:  # torch >= 2.5; attnlab patterns work without it
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask
+except ImportError:  # pragma: no cover - older torch
+    AuxOutput = AuxRequest = BlockMask = None
+
+__all__ = ["flex_attention", "flex_plan", "FlexPlan", "probe_score_mod", "ScoreModKind", "GENERAL_BLOCK"]
+
+#: block edge of the general path when the mask brings no block size of its own (an attnlab pattern, no mask)
+GENERAL_BLOCK = 128
+
+# Note [Probing score_mod]: scores per probe point. Both signs, zero, magnitudes from 1e-1 to 1e3, so a
+# function that is affine only near 0 (tanh gating, clamps), piecewise (where(score > 0, ...)) or
+# polynomial cannot pass as affine; float64 so that an affine function's residual is at rounding level
+# (relative 1e-9 is ~10^7 ulps of slack and still far below any curvature these scores expose).
+# _BIG probes soft-capping: cap·tanh(_BIG / cap) == cap exactly in float64 for any cap < 2e4.
+_SCORES = (-1000.0, -37.5, -2.3, -0.71, 0.0, 0.43, 1.9, 11.0, 250.0)
+_BIG = 1e6
+_POINTS = 24
+_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class ScoreModKind:
+    """What probing a score_mod found: ``kind`` is "none", "identity", "affine", "softcap" or "general";
+    ``factor`` the constant c of an affine ``c·score + bias``; ``softcap`` the cap; ``has_bias`` whether
+    the bias term is not identically 0 on the probes; ``reason`` in words; ``reads_grad`` whether its
+    value depends on a tensor that requires grad (a captured table)."""
+
+    kind: str
+    reason: str
+    factor: float = 1.0
+    softcap: float | None = None
+    has_bias: bool = False
+    reads_grad: bool = False
+
+
+@dataclass
+class FlexPlan:
+    """Which path ``flex_attention`` takes for a call: ``path`` "attention" (attnlab's kernels, with
+    ``attention_kwargs`` saying what was passed) or "general" (the blockwise fallback); ``score_mod``
+    the probe's finding; ``mask`` how block_mask was read; ``reason`` why this path; ``notes`` costs."""
+
+    path: str
+    reason: str
+    score_mod: ScoreModKind
+    mask: str
+    attention_kwargs: dict = field(default_factory=dict)
+    block_size: tuple[int, int] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self):
+        lines = [f"flex_attention path: {self.path} ({self.reason})",
+                 f"  score_mod: {self.score_mod.kind} ({self.score_mod.reason})", f"  block_mask: {self.mask}"]
+        if self.attention_kwargs:
+            lines.append("  attnlab.attention(" + ", ".join(f"{k}={v}" for k, v in self.attention_kwargs.items()) + ")")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+def _check_inputs(query, key, value, scale, enable_gqa):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flex_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise AttentionInputError(f"flex_attention: {name} {shape_str(t)} must be 4-D [B, H, L|S, E|Ev], as in "
+                                      "torch's flex_attention")
+        if t.device.type != "cpu":
+            raise AttentionInputError(f"flex_attention: {name} is on {t.device}; attnlab.flex_attention runs on CPU "
+                                      "tensors (use torch.compile(torch.nn.attention.flex_attention) elsewhere)")
+        if not t.is_floating_point():
+            raise AttentionInputError(f"flex_attention: {name} must be floating point, got {t.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise AttentionInputError(f"flex_attention: query, key and value must share a dtype, got {query.dtype}, "
+                                  f"{key.dtype}, {value.dtype}")
+    B, H, L, E = query.shape
+    if key.shape[0] != B or value.shape[0] != B:
+        raise AttentionInputError(f"flex_attention: query {shape_str(query)}, key {shape_str(key)} and value "
+                                  f"{shape_str(value)} must have one batch size")
+    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+        raise AttentionInputError(f"flex_attention: key {shape_str(key)} and value {shape_str(value)} must agree "
+                                  "in heads and length")
+    if key.shape[3] != E:
+        raise AttentionInputError(f"flex_attention: query {shape_str(query)} and key {shape_str(key)} must have one "
+                                  "head dim E")
+    Hkv = key.shape[1]
+    if not enable_gqa and H != Hkv:
+        raise AttentionInputError(f"flex_attention: query has {H} heads and key/value {Hkv}; "
+                                  "try setting enable_gqa=True for GQA")
+    if enable_gqa and (Hkv == 0 or H % Hkv):
+        raise AttentionInputError(f"flex_attention: enable_gqa needs query heads ({H}) a multiple of key/value "
+                                  f"heads ({Hkv})")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise AttentionInputError(f"flex_attention: scale must be a finite float or None, got {scale!r}")
+    return 1.0 / math.sqrt(E) if scale is None else float(scale)
+
+
+def _want(return_lse, return_aux, kernel_options):
+    """(lse wanted, max_scores wanted, aux form) from torch's two ways of asking."""
+    if kernel_options:
+        raise ValueError(f"flex_attention: kernel_options {sorted(kernel_options)} are Triton/Inductor settings; "
+                         "attnlab has none to honour: pass kernel_options=None")
+    if return_aux is not None:
+        if return_lse:
+            raise ValueError("flex_attention: give return_lse or return_aux, not both (return_lse is deprecated: "
+                             "use return_aux=AuxRequest(lse=True))")
+        lse, mx = getattr(return_aux, "lse", None), getattr(return_aux, "max_scores", None)
+        if not isinstance(lse, bool) or not isinstance(mx, bool):
+            raise TypeError(f"flex_attention: return_aux must be an AuxRequest(lse=..., max_scores=...), got {return_aux!r}")
+        return lse, mx, True
+    return bool(return_lse), False, False
+
+
+# -- block masks ------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class _BlockCodes(P.Pattern):
+    """A torch BlockMask shared by batch and heads as an attnlab pattern: (i, j) is kept when its block is
+    full, or partial and ``inner`` keeps it. ``codes`` int8 [nq, nk] (EMPTY / PARTIAL / FULL)."""
+
+    codes: torch.Tensor
+    block_q: int
+    block_k: int
+    inner: P.Pattern | None
+
+    @property
+    def batch_size(self):  # type: ignore[override]
+        return None if self.inner is None else self.inner.batch_size
+
+    def keep(self, i, j, L, S):
+        c = self.codes.to(i.device)[torch.div(i, self.block_q, rounding_mode="floor"),
+                                    torch.div(j, self.block_k, rounding_mode="floor")]
+        full = c == P.FULL
+        if self.inner is None:
+            return full | (c == P.PARTIAL)
+        return full | ((c == P.PARTIAL) & self.inner.keep(i, j, L, S))
+
+    def bounds(self, qlo, qhi, klo, khi, L, S):
+        # cells each caller block touches, counted by 2-D prefix sums (as BlockTable.bounds)
+        bq0, bq1 = (torch.div(x, self.block_q, rounding_mode="floor") for x in (qlo, qhi))
+        bk0, bk1 = (torch.div(x, self.block_k, rounding_mode="floor") for x in (klo, khi))
+        codes = self.codes.to(qlo.device)
+
+        def count(t):
+            c = torch.nn.functional.pad(t.to(torch.int64).cumsum(0).cumsum(1), (1, 0, 1, 0))
+            return c[bq1 + 1, bk1 + 1] - c[bq0, bk1 + 1] - c[bq1 + 1, bk0] + c[bq0, bk0]
+
+        cells = (bq1 - bq0 + 1) * (bk1 - bk0 + 1)
+        return count(codes != P.EMPTY) > 0, count(codes == P.FULL) == cells
+
+    def __repr__(self):
+        return f"BlockMask(blocks {self.block_q}x{self.block_k}, mask_mod={self.inner!r})"
+
+
+def _dense_codes(bm) -> torch.Tensor:
+    """int8 [Bm, Hm, nq, nk] EMPTY / PARTIAL / FULL from a BlockMask's kv_num_blocks / kv_indices (partial
+    blocks) and full_kv_num_blocks / full_kv_indices (full blocks, None when it has none)."""
+    t = bm.as_tuple()
+    kv_num, kv_idx, full_num, full_idx = t[2], t[3], t[4], t[5]
+    Bm, Hm, nq = kv_num.shape
+    nk = kv_idx.shape[-1]
+    codes = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.int8)  # column nk takes the unused index slots
+
+    def put(num, idx, code):
+        slot = torch.arange(idx.shape[-1]).view(1, 1, 1, -1)
+        cols = torch.where(slot < num.long().unsqueeze(-1), idx.long(), nk)
+        codes.scatter_(-1, cols, code)
+
+    put(kv_num, kv_idx, P.PARTIAL)
+    if full_num is not None:
+        put(full_num, full_idx, P.FULL)
+    return codes[..., :nk]
+
+
+def _is_noop(mask_mod) -> bool:
+    """Whether a BlockMask's mask_mod keeps everything (torch's noop_mask), found by name: that one is ours
+    to know, as torch builds it."""
+    return getattr(mask_mod, "__name__", "") == "noop_mask"
+
+
+@dataclass
+class _Mask:
+    """block_mask as both paths need it: ``pattern`` for attnlab.attention (None when there is none to
+    give, see ``refusal``), ``codes`` int8 [Bm|1, Hm|1, nq, nk] and the block for the general path, and
+    ``keep(b, h, i, j)`` the exact per-pair predicate there (None: every pair of a non-empty block)."""
+
+    describe: str
+    pattern: P.Pattern | None
+    refusal: str | None
+    codes: torch.Tensor
+    block: tuple[int, int]
+    keep: object
+
+
+def _read_block_mask(block_mask, B, H, L, S, block_size) -> _Mask:
+    bq = bk = block_size or GENERAL_BLOCK
+    nq, nk = -(-L // bq), -(-S // bk)
+    if block_mask is None:
+        return _Mask("none", None, None, torch.full((1, 1, nq, nk), P.FULL, dtype=torch.int8), (bq, bk), None)
+    if isinstance(block_mask, P.Pattern):
+        if block_mask.batch_size not in (None, B):
+            raise AttentionInputError(f"flex_attention: block_mask pattern {block_mask!r} is for batch size "
+                                      f"{block_mask.batch_size}, query has {B}")
+        codes = block_mask.block_layout(L, S, bq, bk).view(1, 1, nq, nk)
+        pat = block_mask
+
+        def keep(b, h, i, j):  # (B|1, 1, r, c)
+            m = pat.keep(i.view(-1, 1), j.view(1, -1), L, S)
+            return m.view(m.shape[0], 1, *m.shape[1:]) if pat.batch_size else m
+        return _Mask(f"attnlab pattern {block_mask!r}", block_mask, None, codes, (bq, bk), keep)
+    if BlockMask is None or not isinstance(block_mask, BlockMask):
+        raise TypeError(f"flex_attention: block_mask must be a torch BlockMask (create_block_mask) or an "
+                        f"attnlab.patterns Pattern, got {type(block_mask).__name__}")
+    return _read_torch_block_mask(block_mask, B, H, L, S)
+
+
+def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
+    bq, bk = (int(x) for x in bm.BLOCK_SIZE)
+    huge = bq >= 2**29 and bk >= 2**29  # torch's stand-in for "no mask"
+    if not huge and tuple(bm.seq_lengths) != (L, S):
+        raise AttentionInputError(f"flex_attention: block_mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)}, "
+                                  f"the inputs have ({L}, {S}); build it again for these lengths "
+                                  "(torch's _adjust crops to the top left, wrong for bottom-right masks)")
+    if bm.kv_num_blocks.device.type != "cpu":
+        raise AttentionInputError(f"flex_attention: block_mask is on {bm.kv_num_blocks.device}; build it with "
+                                  "device='cpu'")
+    codes = _dense_codes(bm)  # (Bm, Hm, nq, nk)
+    Bm, Hm = codes.shape[:2]
+    if Bm not in (1, B) or Hm not in (1, H):
+        raise AttentionInputError(f"flex_attention: block_mask has (B, H) = ({Bm}, {Hm}), the query ({B}, {H}); "
+                                  "each must be 1 or equal")
+    nq, nk = -(-L // bq), -(-S // bk)
+    codes = codes[..., :nq, :nk]
+    mm = bm.mask_mod
+    noop = _is_noop(mm)
+
+    def keep(b, h, i, j):  # exact torch semantics: full blocks, and partial blocks where mask_mod keeps
+        c = codes[:, :, torch.div(i, bq, rounding_mode="floor").view(-1, 1), torch.div(j, bk, rounding_mode="floor").view(1, -1)]
+        if noop:
+            return c != P.EMPTY
+        m = mm(b, h, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
+        return (c == P.FULL) | ((c == P.PARTIAL) & m)
+
+    desc = f"torch BlockMask (blocks {bq}x{bk}, (B, H) = ({Bm}, {Hm}), mask_mod {getattr(mm, '__name__', mm)!r})"
+    refusal, pattern = None, None
+    if Bm != 1 and not bool((codes == codes[:1]).all()) or Hm != 1 and not bool((codes == codes[:, :1]).all()):
+        refusal = "its blocks differ per batch element or head; attnlab patterns are shared by the heads"
+    else:
+        inner = None
+        if not noop:
+            try:
+                inner = P.from_mask_mod(mm, B=B if B > 1 and _reads_b(mm, B, L, S) else None)
+            except (ValueError, TypeError) as e:
+                refusal = f"its mask_mod is not an attnlab pattern ({e})"
+        if refusal is None:
+            pattern = _BlockCodes(codes[0, 0].clone(), bq, bk, inner)
+    return _Mask(desc, pattern, refusal, codes, (bq, bk), keep)
+
+
+def _reads_b(mm, B, L, S) -> bool:
+    """Whether mask_mod answers differently for some batch element than for b = 0, on random pairs."""
+    g = torch.Generator().manual_seed(0)
+    i = torch.randint(0, L, (256,), generator=g)
+    j = torch.randint(0, S, (256,), generator=g)
+    h = torch.zeros((), dtype=torch.long)
+    b = torch.arange(B).view(-1, 1)
+    m = torch.broadcast_to(mm(b, h, i, j), (B, 256))
+    return not bool((m == m[:1]).all())
+
+
+# -- probing score_mod ------------------------------------------------------------------------------
+def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) -> ScoreModKind:
+    """Tell a score_mod's kind apart by calling it on _POINTS random (b, h, q_idx, kv_idx) points (the corners
+    among them) with the float64 scores of Note [Probing score_mod]; see the module docstring for the kinds."""
+    if score_mod is None:
+        return ScoreModKind("none", "no score_mod")
+    if not callable(score_mod):
+        raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
+                        f"got {type(score_mod).__name__}")
+    g = torch.Generator().manual_seed(seed)
+    n = _POINTS
+    idx = [torch.randint(0, max(1, d), (n,), generator=g) for d in (B, H, L, S)]
+    for t, d in zip(idx, (B, H, L, S)):
+        t[0], t[1] = 0, max(0, d - 1)
+    b, h, qi, ki = (t.view(n, 1) for t in idx)  # (n, 1): broadcast against the scores
+    s = torch.tensor(_SCORES, dtype=torch.float64).expand(n, -1)
+    s = torch.cat([s, torch.rand(n, 3, generator=g, dtype=torch.float64) * 20 - 10, torch.full((n, 1), _BIG)], 1)
+    name = getattr(score_mod, "__name__", type(score_mod).__name__)
+    y = score_mod(s, b, h, qi, ki)
+    if not isinstance(y, torch.Tensor) or not y.is_floating_point():
+        raise TypeError(f"flex_attention: score_mod {name} must return a float tensor built from score with tensor "
+                        f"operations, got {type(y).__name__ if not isinstance(y, torch.Tensor) else y.dtype}")
+    try:
+        y = torch.broadcast_to(y, s.shape)
+    except RuntimeError:
+        raise ValueError(f"flex_attention: score_mod {name} returned shape {list(y.shape)} for scores "
+                         f"{list(s.shape)}; it must act element-wise (b, h, q_idx, kv_idx broadcast)") from None
+    reads_grad = y.requires_grad
+    if reads_grad and not _grad_only_in_bias(score_mod, y, s, (b, h, qi, ki), seed):
+        return ScoreModKind("general", "a tensor that requires grad enters through more than an additive bias "
+                            "(its gradient depends on the score)", reads_grad=True)
+    y = y.detach().to(torch.float64)
+    ys, yb, sb = y[:, :-1], y[:, -1], s[:, :-1]
+    if bool((ys == sb).all()):
+        if reads_grad:  # a learned bias that is 0 now (a zero-initialised table): still a bias, for its gradient
+            return ScoreModKind("affine", "score_mod(score) == score + bias, the bias 0 on the probes but read from "
+                                "a tensor that requires grad", has_bias=True, reads_grad=True)
+        return ScoreModKind("identity", f"score_mod(score) == score on {n} points x {sb.shape[1]} scores")
+    # points whose every value is -inf are masked pairs: consistent with any kind that has a bias
+    masked = torch.isneginf(y).all(1)
+    live = ~masked
+    if not bool(torch.isfinite(y[live]).all()):
+        return ScoreModKind("general", "non-finite values on some scores of a pair (not affine, not soft-capping)",
+                            reads_grad=reads_grad)
+    ys, yb, sb = ys[live], yb[live], sb[live]
+    if ys.shape[0] == 0:
+        return ScoreModKind("affine", "every probed pair is -inf: a mask written as a score_mod", has_bias=True,
+                            reads_grad=reads_grad)
+    zero = _SCORES.index(0.0)
+    c = ys[:, zero]  # the bias term: score_mod(0, ...)
+    # affine: slope from the widest pair of scores, residual on every other score
+    slope = (ys[:, 8] - ys[:, 0]) / (sb[:, 8] - sb[:, 0])  # scores 250 and -1000
+    fit = slope.unsqueeze(1) * sb + c.unsqueeze(1)
+    tol = _RTOL * (sb.abs() * slope.abs().unsqueeze(1) + c.abs().unsqueeze(1) + 1)
+    if bool(((ys - fit).abs() <= tol).all()):
+        a = float(slope[0])
+        if bool((slope - a).abs().le(_RTOL * abs(a)).all()) and a > 0:
+            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
+            return ScoreModKind("affine", f"score_mod(score) == {a:.6g}·score + bias(b, h, q_idx, kv_idx) on "
+                                f"{n} points x {sb.shape[1]} scores", factor=a, has_bias=has_bias, reads_grad=reads_grad)
+        return ScoreModKind("general", "affine in the score, but its factor varies with (b, h, q_idx, kv_idx) or "
+                            "is not > 0 (only a constant positive factor folds into scale)", reads_grad=reads_grad)
+    # soft-capping (plus a bias): y - y(0) == cap·tanh(score / cap), cap = y(_BIG) - y(0)
+    cap = yb - c
+    cap0 = float(cap[0])
+    if cap0 > 0 and math.isfinite(cap0) and bool(((cap - cap0).abs() <= _RTOL * cap0).all()):
+        want = cap0 * torch.tanh(sb / cap0) + c.unsqueeze(1)
+        if bool(((ys - want).abs() <= _RTOL * (cap0 + c.abs().unsqueeze(1) + 1)).all()):
+            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
+            return ScoreModKind("softcap", f"score_mod(score) == {cap0:.6g}·tanh(score / {cap0:.6g})"
+                                + (" + bias(b, h, q_idx, kv_idx)" if has_bias else "")
+                                + f" on {n} points x {sb.shape[1]} scores", softcap=cap0, has_bias=has_bias,
+                                reads_grad=reads_grad)
+    return ScoreModKind("general", f"neither affine in the score nor soft-capping on {n} probed points",
+                        reads_grad=reads_grad)
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors requiring grad that ``t`` was computed from (its autograd graph's leaves)."""
+    seen, out, todo = set(), [], [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # AccumulateGrad
+            out.append(fn.variable)
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
+    """Whether the tensors requiring grad that score_mod reads enter only through an additive bias: the
+    gradient of sum(r · score_mod(score)) into them is the same at the probe scores as at score 0, for
+    random weights r. (The factor c of an affine score_mod is folded into ``scale`` as a number, so a
+    learned factor must not pass; nor may a learned cap.)"""
+    leaves = _leaves(y)
+    if not leaves:
+        return True
+    r = torch.rand(s.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    keep = torch.isfinite(y.detach())
+    r = torch.where(keep, r, torch.zeros_like(r))
+    y0 = torch.broadcast_to(score_mod(torch.zeros_like(s), *idx), s.shape)
+    g = torch.autograd.grad((torch.where(keep, y, 0) * r).sum(), leaves, allow_unused=True)
+    g0 = torch.autograd.grad((torch.where(keep, y0, 0) * r).sum(), leaves, allow_unused=True)
+    for a, e in zip(g, g0):
+        a = torch.zeros(()) if a is None else a.double()
+        e = torch.zeros(()) if e is None else e.double()
+        if not bool(((a - e).abs() <= _RTOL * (a.abs() + e.abs() + 1)).all()):
+            return False
+    return True
+
+
+def _bias(score_mod, B, H, L, S, dtype):
+    """score_mod(0, b, h, q_idx, kv_idx) on the whole index grid: the float attn_mask [B|1, H|1, L, S]
+    (broadcast over what it does not read; differentiable into the tensors it reads)."""
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    i = torch.arange(L).view(1, 1, L, 1)
+    j = torch.arange(S).view(1, 1, 1, S)
+    y = score_mod(torch.zeros((), dtype=dtype), b, h, i, j)
+    y = y.view(*([1] * (4 - y.dim())), *y.shape) if y.dim() < 4 else y
+    return y.to(dtype).expand(*y.shape[:2], L, S)
+
+
+# -- plan -------------------------------------------------------------------------------------------
+def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size):
+    B, H, L, _ = query.shape
+    S = key.shape[2]
+    mask = _read_block_mask(block_mask, B, H, L, S, block_size)
+    kind = probe_score_mod(score_mod, B, H, L, S)
+    needs_grad = torch.is_grad_enabled() and (kind.reads_grad or any(t.requires_grad for t in (query, key, value)))
+    notes = []
+    why = None
+    if kind.kind == "general":
+        why = "score_mod is neither affine in the score nor soft-capping"
+    elif want_max:
+        why = "max_scores asked for: the attnlab kernels do not return it"
+    elif want_lse and needs_grad:
+        why = "lse asked for under autograd: the kernels' lse is not differentiable, the general path's is"
+    elif mask.refusal is not None:
+        why = f"block_mask: {mask.refusal}"
+    bq, bk = mask.block
+    if why is not None:
+        kept = int((mask.codes != P.EMPTY).any(0).any(0).sum())
+        notes.append(f"general path: {kept} of {mask.codes.shape[-2] * mask.codes.shape[-1]} blocks of {bq}x{bk} "
+                     f"kept; score_mod called once per kept block on [B, H, {bq}, {bk}] scores; "
+                     "checkpointed per query block under autograd (scores recomputed in backward)")
+        return FlexPlan("general", why, kind, mask.describe, block_size=(bq, bk), notes=notes), mask
+    kw = {"scale": f"{scale * kind.factor:.6g}", "enable_gqa": enable_gqa}
+    if mask.pattern is not None:
+        kw["pattern"] = repr(mask.pattern)
+    if kind.softcap is not None:
+        kw["softcap"] = f"{kind.softcap:.6g}"
+    if kind.has_bias:
+        kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) as a float mask"
+        notes.append(f"the bias is evaluated once per call as a float mask of up to B·H·L·S = {B * H * L * S} "
+                     "elements (L×S memory for now, not only the kept blocks'); its gradient is dense too")
+    reason = {"none": "no score_mod", "identity": "score_mod is the identity",
+              "affine": "score_mod is affine in the score: its bias goes in as a float attn_mask",
+              "softcap": "score_mod is soft-capping: attention's softcap"}[kind.kind]
+    return FlexPlan("attention", reason, kind, mask.describe, attention_kwargs=kw, notes=notes), mask
+
+
+def flex_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None, block_mask=None,
+              scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+              kernel_options: dict | None = None, *, return_aux=None, block_size: int | None = None) -> FlexPlan:
+    """Which path ``flex_attention`` takes for these arguments and why (``FlexPlan``; ``print`` it), from
+    probing score_mod and reading block_mask. Runs no attention."""
+    scale = _check_inputs(query, key, value, scale, enable_gqa)
+    want_lse, want_max, _ = _want(return_lse, return_aux, kernel_options)
+    return _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)[0]
+
+
+# -- the general path -------------------------------------------------------------------------------
+def _row_block(q, k, v, score_mod, mask: _Mask, scale, q0, blocks, B, H, want_max):
+    """Online softmax over the kept key blocks of one query block: q [B, H, r, E] (accumulation dtype),
+    k [B, H, S, E], v [B, H, S, Ev] -> out [B, H, r, Ev], lse [B, H, r], max [B, H, r]."""
+    r = q.shape[2]
+    acc = q.dtype
+    bidx = torch.arange(B).view(B, 1, 1, 1)
+    hidx = torch.arange(H).view(1, H, 1, 1)
+    i = torch.arange(q0, q0 + r)
+    m = q.new_full((B, H, r), float("-inf"))
+    l = q.new_zeros(B, H, r)
+    o = q.new_zeros(B, H, r, v.shape[-1])
+    mx = m.clone()
+    for k0, k1, partial in blocks:
+        j = torch.arange(k0, k1)
+        s = torch.matmul(q, k[:, :, k0:k1].transpose(-1, -2)) * scale  # (B, H, r, c)
+        if score_mod is not None:
+            s = torch.broadcast_to(score_mod(s, bidx, hidx, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)), s.shape).to(acc)
+        if partial and mask.keep is not None:
+            s = s.masked_fill(~mask.keep(bidx, hidx, i, j), float("-inf"))
+        if want_max:
+            mx = torch.maximum(mx, s.amax(-1))
+        # Note [Online softmax rescaling]: the running max is detached (the result does not depend on it);
+        # a row with nothing kept yet keeps max -inf, shifted by 0 instead
+        m_new = torch.maximum(m, s.detach().amax(-1))
+        shift = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(s - shift.unsqueeze(-1))  # (B, H, r, c)
+        alpha = torch.exp(m - shift)  # (B, H, r): 0 where m was -inf
+        l = l * alpha + p.sum(-1)
+        o = o * alpha.unsqueeze(-1) + torch.matmul(p, v[:, :, k0:k1])
+        m = m_new
+    live = l > 0
+    l_safe = torch.where(live, l, torch.ones_like(l))
+    out = torch.where(live.unsqueeze(-1), o / l_safe.unsqueeze(-1), torch.zeros_like(o))
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    lse = torch.where(live, shift + torch.log(l_safe), torch.full_like(l, float("-inf")))
+    return out, lse, mx
+
+
+def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
+    """out [B, H, L, Ev] (query's dtype), lse [B, H, L] and max [B, H, L] (accumulation dtype) by online
+    softmax over the blocks ``mask.codes`` keeps (union over batch and heads), per query block."""
+    B, H, L, _ = query.shape
+    S = key.shape[2]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    G = H // key.shape[1]
+    q, k, v = query.to(acc), key.to(acc), value.to(acc)
+    if G > 1:  # (B, Hkv, S, E) -> (B, H, S, E): query head h reads kv head h // G
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    bq, bk = mask.block
+    kept = mask.codes.amax(dim=(0, 1))  # (nq, nk): EMPTY only where every (b, h) is empty
+    full_all = (mask.codes == P.FULL).all(0).all(0)
+    grad = torch.is_grad_enabled()
+    outs, lses, maxes = [], [], []
+    for qb in range(-(-L // bq)):
+        q0, q1 = qb * bq, min(L, (qb + 1) * bq)
+        blocks = [(kb * bk, min(S, (kb + 1) * bk), not bool(full_all[qb, kb]))
+                  for kb in range(kept.shape[1]) if int(kept[qb, kb]) != P.EMPTY]
+
+        def run(qs, q0=q0, blocks=blocks):
+            return _row_block(qs, k, v, score_mod, mask, scale, q0, blocks, B, H, want_max)
+        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or score_mod is not None):
+            from torch.utils.checkpoint import checkpoint
+
+            o, lse, mx = checkpoint(run, q[:, :, q0:q1], use_reentrant=False)
+        else:
+            o, lse, mx = run(q[:, :, q0:q1])
+        outs.append(o), lses.append(lse), maxes.append(mx)
+    out = torch.cat(outs, 2).to(query.dtype) if outs else query.new_zeros(B, H, 0, value.shape[-1])
+    lse = torch.cat(lses, 2) if lses else q.new_zeros(B, H, 0)
+    mx = torch.cat(maxes, 2) if maxes else q.new_zeros(B, H, 0)
+    return out, lse, mx
+
+
+# -- the API ----------------------------------------------------------------------------------------
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None, block_mask=None,
+                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                   kernel_options: dict | None = None, *, return_aux=None, block_size: int | None = None):
+    """``torch.nn.attention.flex_attention`` on CPU tensors, forward and backward, with no compile step.
+
+    Args:
+        query: [B, H, L, E]; key: [B, Hkv, S, E]; value: [B, Hkv, S, Ev] (Hkv = H, or H = G·Hkv with enable_gqa).
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to each scaled score
+            ``q·k·scale`` before the softmax. It is called on broadcasting index tensors (int64), never
+            per element, so it must use tensor operations (indexing a captured table by ``q_idx - kv_idx``
+            works). Tensors it reads that require grad get their gradient.
+        block_mask: a torch ``BlockMask`` (``create_block_mask``, ``BlockMask.from_kv_blocks``: its full and
+            partial blocks and its ``mask_mod`` on the partial ones) or an ``attnlab.patterns`` Pattern
+            (e.g. ``from_mask_mod``); None keeps every pair.
+        scale: default 1/sqrt(E). enable_gqa: as in torch.
+        return_lse / return_aux: as in torch: ``return_aux=AuxRequest(lse=True, max_scores=True)`` returns
+            ``(out, AuxOutput(lse, max_scores))``; ``return_lse=True`` (deprecated in torch) ``(out, lse)``.
+            lse [B, H, L] is the natural log-sum-exp of the modified, masked scores; max_scores [B, H, L]
+            their maximum; both float32 (float64 for float64 inputs), -inf for a row with no key.
+        kernel_options: torch's Triton settings; attnlab has none, so anything but None/{} is an error.
+        block_size: (attnlab) block edge of the general path when block_mask brings none (default 128).
+
+    Returns: out [B, H, L, Ev] in query's dtype (0 for a row with no key), and lse / AuxOutput as asked.
+
+    Paths (``flex_plan`` says which one a call takes and why): score_mod is probed on a few random points
+    (Note [Probing score_mod]). None / identity / soft-capping run ``attnlab.attention`` with the mask as a
+    pattern; a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, evaluates its bias once
+    per call as a float ``attn_mask`` — O(B·H·L·S) memory for now (block-sparse bias tiles are issue 24's
+    later step) — and its gradient reaches the captured tensors by autograd. Any other score_mod, or
+    max_scores, or lse under autograd, or a per-head BlockMask, takes the general path: O(L·S·E) time over
+    the kept blocks, scores of one query block at a time in memory (recomputed in backward).
+
+    Equivalent to: ``s = q @ k.transpose(-2, -1) * scale; s = score_mod(s, b, h, i, j); s[~mask] = -inf;
+    out = softmax(s, -1) @ v``.
+    """
+    scale = _check_inputs(query, key, value, scale, enable_gqa)
+    want_lse, want_max, aux = _want(return_lse, return_aux, kernel_options)
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"flex_attention: block_size must be a positive int or None, got {block_size!r}")
+    plan, mask = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)
+    B, H, L, _ = query.shape
+    S = key.shape[2]
+    lse = mx = None
+    if plan.path == "general":
+        out, lse, mx = _general(query, key, value, score_mod, mask, scale, want_max)
+    else:
+        from . import attention, attention_with_lse
+
+        kind = plan.score_mod
+        kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)
+        if kind.has_bias:
+            acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+            kw["attn_mask"] = _bias(score_mod, B, H, L, S, acc)
+        if want_lse:
+            out, lse = attention_with_lse(query, key, value, **kw)
+        else:
+            out = attention(query, key, value, **kw)
+    if aux:
+        return out, AuxOutput(lse=lse if want_lse else None, max_scores=mx if want_max else None)
+    return (out, lse) if want_lse else out
