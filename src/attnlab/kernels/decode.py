@@ -157,8 +157,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     hs = head_span(k)
     ns = splits if splits is not None else num_splits(B, Hkv // hs, int(seqlens.max()) if B else S)
 
-    def last(t):
-        return t if t.stride(-1) == 1 else t.contiguous()
+    def last(t):  # rows are read through their strides (0 and paged pools included); the last dim must be dense,
+        # and ``.contiguous()`` is a no-op for a size-1 last dim of any stride (compiled's Note [Operand strides])
+        return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
     res = ext.forward(last(q), last(k), last(v), out, block_table, seqlens, moff, int(left), int(right), keep,
                       bias, slopes, aoff, float(scale), float(softcap or 0.0), int(ns), hs, bool(return_partials))
