@@ -29,6 +29,7 @@ FOLDER_COMMANDS = {
     "bench layers": ["bench", "layers", "--quick"],
     "bench minilm": ["bench", "minilm", "--quick"],
     "bench ring": ["bench", "ring", "--quick"],
+    "bench decode": ["bench", "decode", "--quick", "--seq-lens", "64", "--rounds", "1", "--bandwidth-mib", "1"],
 }
 #: commands with an --out that this rule does not reach yet (none since tour took --force; may only shrink)
 KNOWN: set[str] = set()

@@ -5,6 +5,7 @@ from attnlab.bench.decode import DecodeBench, DecodeConfig, run as run_decode
 from attnlab.options import positive_int, positive_int_list
 
 from .bench_common import run_suite
+from .common import add_force
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -12,10 +13,11 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def build_parser(p) -> None:
-    """Add ``bench decode``'s options (--quick, --out, --seq-lens, --dtypes, --heads, --batches, --layouts,
+    """Add ``bench decode``'s options (--quick, --out, --force, --seq-lens, --dtypes, --heads, --batches, --layouts,
     --rounds, --bandwidth-mib, --threads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="S 256 and 1024, gqa/mqa, B=1 (seconds)")
     p.add_argument("--out", default=DecodeConfig.out, help=f"output folder (default {DecodeConfig.out})")
+    add_force(p)
     p.add_argument("--seq-lens", type=positive_int_list, default=None,
                    help="comma-separated KV lengths (default 1024,4096,8192,32768,65536)")
     p.add_argument("--dtypes", type=_names, default=None, help="comma-separated (default float32,bfloat16)")

@@ -172,6 +172,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                       f"{P_} pages (k_cache {shape_str(k_cache)})")
     lo, hi = _window(window_size, is_causal)
     cap = check_softcap(softcap)
+    if cap and cap > torch.finfo(torch.float32).max:  # the decode path computes in float32: the identity there
+        cap = None  # (Note [Soft-cap at infinity])
     slopes = _slopes(alibi_slopes, B, H)
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D else 1.0
@@ -291,7 +293,7 @@ def run_prepared(p, return_lse: bool = False):
     bp = None if bias is None else bias.expand(N, i.H, L, S)
     out, lse = decode_kernel.decode_attention(
         p.q, p.kv_k.transpose(1, 2), p.kv_v.transpose(1, 2), scale=i.scale, seqlens=seqlens,
-        mask_offset=0, left=left, right=right, keep=kp, bias=bp, softcap=mask.softcap or 0.0,
+        mask_offset=0, left=left, right=right, keep=kp, bias=bp, softcap=mask.softcap_for(torch.float32) or 0.0,
         alibi_slopes=slopes, alibi_offset=S - L, out=out)
     return (out, lse) if return_lse else out
 
