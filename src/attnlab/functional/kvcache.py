@@ -234,10 +234,12 @@ def _fallback(qh, k_cache, v_cache, block_table, seqlens, lo, hi, cap, slopes, s
 # -- attention() calls of decode shape: the planner routes them here (method "compiled") ---------------
 def decode_applies(r) -> bool:
     """Whether a call (a ``kernels.Request``) takes the decode path of the compiled kernel: CPU, fp32/bf16/
-    fp16, 1 <= L <= decode_kernel.MAX_QUERIES, inference (no autograd, dropout or weights) and the decode
+    fp16, 1 <= L <= decode_kernel.MAX_QUERIES queries against more keys than queries (S > L: a KV cache; a short
+    self-attention, L = S, such as an encoder's on a short sentence, stays on the planner's prefill choice,
+    SDPA's own kernel for HF-equal results), inference (no autograd, dropout or weights) and the decode
     extension loads. Every mask, pattern, softcap and ALiBi is taken (csrc/decode.cpp)."""
     return (r.device == "cpu" and r.dtype in decode_kernel.DTYPES and 1 <= r.L <= decode_kernel.MAX_QUERIES
-            and r.S >= 1 and not r.needs_grad and r.dropout_p == 0 and not r.need_weights
+            and r.S > r.L and not r.needs_grad and r.dropout_p == 0 and not r.need_weights
             and not r.float_mask_grad and decode_kernel.available())
 
 
