@@ -511,10 +511,18 @@ FOUND_COMPILED_GQA_K_STRIDE0_S = _case(dtype=torch.float64, rank=4, lead=[1], H=
 FOUND_TILED_F32_DELTA = _case(rank=5, lead=[2, 2], L=2, S=17, E=9, Ev=9, scale=2.0, mask_kind="float",
                               mask_shape="[1, S]", layouts=dict(q=Layout((2, 2, 1, 2, 9), expanded=(4,))))
 
+#: found by hypothesis (the 3000-example sweep): dense and tiled dv 0.035 (9 bf16 ulps) off under bf16 GQA,
+#: 3 query heads per key head whose per-head dv (-4.8, 5.9, -0.3) cancel to 0.79: they were repeated before
+#: the kernel, so each per-head gradient was rounded to bf16 before the group's sum (Note [GQA gradients in
+#: the accumulation dtype]); the naive bf16 computation does the same and was exact here by luck
+FOUND_BF16_GQA_DV_SUM = _case(dtype=torch.bfloat16, H=3, Hkv=1, L=17, S=3, scale=0.7, mask_kind="float",
+                              softcap=1.5, seed=1)
+
 
 @settings(max_examples=_examples(100), **SETTINGS)
 @given(cases(weights=False))
 @example(FOUND_BF16_DELTA)
+@example(FOUND_BF16_GQA_DV_SUM)
 @example(FOUND_AUTO_DENSE_ONLY)
 @example(FOUND_COMPILED_GQA_K_STRIDE0_S)
 @example(FOUND_TILED_F32_DELTA)

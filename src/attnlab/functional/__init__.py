@@ -97,7 +97,9 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
         else:
             out = fused_kernel.sdpa(p.q, k, v, _materialize(mask, p), p.dropout_p, False, info.scale, gqa)
     elif m == "dense":
-        out, weights = dense_kernel.dense_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p)
+        # GQA: the kv heads as given, repeated in the compute dtype (Note [GQA gradients in the accumulation dtype])
+        out, weights = dense_kernel.dense_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, p.dropout_p,
+                                                    dead=_dead_per_head(p))
     elif m == "compiled" and plan.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
         out = kvcache.run_prepared(p)
     elif m == "compiled":
@@ -105,7 +107,8 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
     elif m == "sparse":
         out = sparse_kernel.gathered_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p, *plan.block_size)
     else:
-        out, lse = tiled_kernel.tiled_attention(p.q, p.k, p.v, mask, info.scale, *plan.block_size)
+        out, lse = tiled_kernel.tiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, *plan.block_size,
+                                                dead=_dead_per_head(p))
         weights = _weights_from_lse(p, lse, *plan.block_size) if need_weights else None
     out = out.reshape(p.out_shape)  # (..., L, Ev)
     if need_weights:
@@ -115,6 +118,12 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
             weights = torch.nn.functional.pad(weights, (start, S - stop))
         return out, weights
     return out
+
+
+def _dead_per_head(p: Prepared):
+    """The keys [B|1, H, S] dead for only some heads of a GQA group, which kernels repeating ``kv_k``/``kv_v``
+    zero per head (the copies ``Prepared.k``/``v`` zero), or None."""
+    return p.dead if p.dead_per_head else None
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -191,7 +200,8 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
             out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
         else:
             bq, bk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
-            out, lse = tiled_kernel.tiled_attention(p.q, p.k, p.v, p.mask, p.info.scale, bq, bk)
+            out, lse = tiled_kernel.tiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk,
+                                                    dead=_dead_per_head(p))
         return out.reshape(p.out_shape), lse.reshape(lead)
     reasons = "; ".join(f"{m}: {why}" for m, why in refused.items() if m in planner.LSE_ORDER)
     raise ValueError(f"no attention method can return the log-sum-exp for these inputs ({reasons})")

@@ -6,7 +6,7 @@ import torch
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["dense_attention", "masked_softmax", "SPEC"]
+__all__ = ["dense_attention", "masked_softmax", "repeat_heads", "SPEC"]
 
 
 def _peak(r: Request, t: Tiling | None) -> int:
@@ -38,15 +38,38 @@ def masked_softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Ten
     return p / torch.where(denom == 0, torch.ones_like(denom), denom)
 
 
-def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.0, training_dropout: bool = True):
-    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> (out [N, H, L, Ev], weights [N, H, L, S]).
+def repeat_heads(t: torch.Tensor, H: int, dead: torch.Tensor | None = None) -> torch.Tensor:
+    """t [N, Hkv, S, D] -> [N, H, S, D]: each key/value head repeated for its group of H / Hkv query heads
+    (t itself when Hkv = H), with the keys ``dead`` [N|1, H, S] (dead for only some heads of a group) zeroed
+    per head. Called on t in the accumulation dtype, so that autograd sums the group's gradients there
+    (Note [GQA gradients in the accumulation dtype])."""
+    if t.shape[1] == H:
+        return t
+    t = t.repeat_interleave(H // t.shape[1], dim=1)
+    return t if dead is None else t.masked_fill(dead.unsqueeze(-1), 0)
+
+
+# Note [GQA gradients in the accumulation dtype]: under GQA a key/value head's gradient is the sum of its
+# group's H / Hkv per-head gradients. With half-type inputs, repeating k and v before the kernel upcasts
+# them makes autograd round each per-head gradient to the input dtype and then sum the rounded ones: an
+# error of u·Σ_h |dv_h| instead of u·|Σ_h dv_h|, far larger when the heads' gradients cancel (hypothesis:
+# bf16, 3 heads per key head, per-head dv ~ -4.8, 5.9, -0.3 summing to 0.79; dense's dv 9 ulps off).
+# So dense and tiled take the key/value heads as given (``Prepared.kv_k``/``kv_v``) and repeat them in
+# float32 (dense: ``repeat_heads`` after the upcast; tiled: its backward sums the group in float32), and
+# the group's gradient is rounded to the input dtype once, as the compiled kernel does.
+def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.0, training_dropout: bool = True,
+                    dead: torch.Tensor | None = None):
+    """q [N, H, L, E], k [N, H|Hkv, S, E], v [N, H|Hkv, S, Ev] -> (out [N, H, L, Ev], weights [N, H, L, S]).
 
     Computes in float32 for half types (as PyTorch's math path does), returns the input dtype. Soft-capping
-    and ALiBi as ``mask`` says (Note [Score modifications]); autograd differentiates the cap.
+    and ALiBi as ``mask`` says (Note [Score modifications]); autograd differentiates the cap. Under GQA
+    (Hkv < H) k and v are repeated after the upcast, with ``dead`` [N|1, H, S] keys zeroed per head
+    (``repeat_heads``; Note [GQA gradients in the accumulation dtype]).
     """
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    L, S = q.shape[-2], k.shape[-2]
-    scores = mask.cap(torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale)  # (N, H, L, S)
+    L, S, H = q.shape[-2], k.shape[-2], q.shape[1]
+    k, v = repeat_heads(k.to(compute), H, dead), repeat_heads(v.to(compute), H, dead)  # (N, H, S, E|Ev)
+    scores = mask.cap(torch.matmul(q.to(compute), k.transpose(-2, -1)) * scale)  # (N, H, L, S)
     i = torch.arange(L, device=q.device).unsqueeze(-1)
     j = torch.arange(S, device=q.device).unsqueeze(0)
     keep, bias = mask.block(i, j, q.shape[0]) if not mask.is_trivial else (None, None)
@@ -56,5 +79,5 @@ def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.
     attn = weights
     if dropout_p > 0.0 and training_dropout:
         attn = torch.nn.functional.dropout(weights, p=dropout_p)
-    out = torch.matmul(attn, v.to(compute))  # (N, H, L, Ev)
+    out = torch.matmul(attn, v)  # (N, H, L, Ev)
     return out.to(q.dtype), weights.to(q.dtype)

@@ -18,6 +18,7 @@ from .. import patterns as P
 from . import fused as _fused
 from .lse import acc_dtype as _acc_dtype
 from .lse import merge as _merge
+from .dense import repeat_heads
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
@@ -178,6 +179,7 @@ def _finish(out, lse, q0, q1, m, l, o):
 
 
 def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk: int):
+    """(dq, dk, dv) per head (k, v [N, H, S, E|Ev]), in the accumulation dtype."""
     N, H, L, _ = q.shape
     S = k.shape[2]
     acc = _acc_dtype(q.dtype)
@@ -197,8 +199,7 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
             _add(dq, q0, gq.to(acc))
             _add(dk, k0, gk.to(acc))
             _add(dv, k0, gv.to(acc))
-        return (_assemble(dq, q, bq, acc).to(q.dtype), _assemble(dk, k, bk, acc).to(k.dtype),
-                _assemble(dv, v, bk, acc).to(v.dtype))
+        return _assemble(dq, q, bq, acc), _assemble(dk, k, bk, acc), _assemble(dv, v, bk, acc)
     qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     delta = (doa * out.to(acc)).sum(dim=-1)  # (N, H, L): rowsum(dO ∘ O)
     dq, dk, dv = {}, {}, {}  # block start -> summed gradient (Note [Out-of-place gradient sums])
@@ -213,8 +214,7 @@ def _backward(dout, q, k, v, out, lse, mask: MaskSpec, scale: float, bq: int, bk
             ds = ds * (1 - t * t)
         _add(dq, q0, torch.matmul(ds, kb) * scale)
         _add(dk, k0, torch.matmul(ds.transpose(-2, -1), qc) * scale)
-    return (_assemble(dq, q, bq, acc).to(q.dtype), _assemble(dk, k, bk, acc).to(k.dtype),
-            _assemble(dv, v, bk, acc).to(v.dtype))
+    return _assemble(dq, q, bq, acc), _assemble(dk, k, bk, acc), _assemble(dv, v, bk, acc)
 
 
 # Note [Out-of-place gradient sums]: the backward sums each block's gradient into a dict and assembles
@@ -235,18 +235,24 @@ def _assemble(parts: dict, like: torch.Tensor, b: int, dtype: torch.dtype) -> to
 
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, bq, bk):
+    def forward(ctx, q, k, v, mask, scale, bq, bk, dead):
+        H, Hkv = q.shape[1], k.shape[1]
+        k, v = repeat_heads(k, H, dead), repeat_heads(v, H, dead)  # GQA: exact copies in the input dtype
         out, lse = _forward(q, k, v, mask, scale, bq, bk)  # out in the accumulation dtype
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.scale, ctx.bq, ctx.bk = mask, scale, bq, bk
+        ctx.save_for_backward(q, k, v, out, lse, dead)
+        ctx.mask, ctx.scale, ctx.bq, ctx.bk, ctx.Hkv = mask, scale, bq, bk, Hkv
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, dead = ctx.saved_tensors
         dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale, ctx.bq, ctx.bk)
-        return dq, dk, dv, None, None, None, None
+        if ctx.Hkv != q.shape[1]:  # the group's sum in the accumulation dtype (Note [GQA gradients in the ...])
+            if dead is not None:  # zeroed per head in the forward
+                dk, dv = dk.masked_fill(dead.unsqueeze(-1), 0), dv.masked_fill(dead.unsqueeze(-1), 0)
+            dk, dv = (g.unflatten(1, (ctx.Hkv, -1)).sum(2) for g in (dk, dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def tiled_lse(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):
@@ -259,10 +265,13 @@ def tiled_lse(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k
         return out.to(q.dtype), lse
 
 
-def tiled_attention(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):
-    """q [N, H, L, E], k [N, H, S, E], v [N, H, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
+def tiled_attention(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512,
+                    dead: torch.Tensor | None = None):
+    """q [N, H, L, E], k [N, H|Hkv, S, E], v [N, H|Hkv, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
 
-    Differentiable in q, k, v (not in a float attn_mask; functional refuses that case).
+    Differentiable in q, k, v (not in a float attn_mask; functional refuses that case). Under GQA
+    (Hkv < H) the heads are repeated inside, ``dead`` [N|1, H, S] keys zeroed per head, and the backward
+    sums each group's gradient in the accumulation dtype (Note [GQA gradients in the accumulation dtype]).
     Time O(L·S·(E+Ev)) over non-empty blocks; memory O(L·(E+Ev) + block_q·block_k) per head.
     """
-    return _TiledFunction.apply(q, k, v, mask, scale, block_q, block_k)
+    return _TiledFunction.apply(q, k, v, mask, scale, block_q, block_k, dead)
