@@ -311,7 +311,7 @@ class Prepared:
     def _live(self) -> "Prepared":
         S = self.info.S
         start, stop = 0, S
-        if self.dead is not None and self.q.device.type != "meta":
+        if self.dead is not None and self.dead.device.type != "meta":  # a pattern's dead keys are known on meta too
             alive = ~self.dead.all(0).all(0)  # (S,): some batch element and head may see the key
             idx = alive.nonzero()
             start, stop = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)

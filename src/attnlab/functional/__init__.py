@@ -118,7 +118,10 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     value [..., S, Ev]), why the others were refused, and the predicted peak memory and FLOPs of each
     (with what a kernel pays extra, e.g. ALiBi written out as a mask, in ``Plan.notes``).
     Runs no attention. ``device`` ("cpu", "cuda") plans as if the tensors were there: meta tensors
-    (shapes only, no storage) can then describe a call of any size on that device."""
+    (shapes only, no storage) can then describe a call of any size on that device, and get the plan a
+    real call of those shapes, strides and dtypes makes on this machine (SDPA's backend as PyTorch picks
+    it there, the compiled kernel when it loads); where the plan would read values (a meta ``attn_mask``)
+    ``Plan.assumptions`` says what it assumed."""
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
                 alibi_slopes=alibi_slopes).live()  # what run() plans for
     return planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)

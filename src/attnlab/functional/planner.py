@@ -74,6 +74,8 @@ class Plan:
     flops: dict[str, int] = field(default_factory=dict)
     sdpa_backend: str = "unknown"
     block_size: tuple[int, int] | None = None
+    #: what the plan had to assume because the inputs hold no values (meta tensors): see ``meta_assumptions``
+    assumptions: list[str] = field(default_factory=list)
     density: float = 1.0  # fraction of (query, key) blocks that are computed
     #: {kernel: what it would pay beyond its usual work (e.g. ALiBi written out as a mask)}, for kernels not refused
     notes: dict[str, str] = field(default_factory=dict)
@@ -88,6 +90,7 @@ class Plan:
             lines.append(f"  {m:<8} {state:<50} {cost}")
             if m in self.notes:
                 lines.append(f"  {'':<8} note: {self.notes[m]}")
+        lines += [f"assumed: {a}" for a in self.assumptions]
         lines.append(f"cpu: {cpu.summary()}")
         return "\n".join(lines)
 
@@ -105,9 +108,10 @@ def refusals(r: Request) -> dict[str, str]:
     return dict(_refusals(r))
 
 
-def sdpa_backend_of(p: Prepared) -> str:
+def sdpa_backend_of(p: Prepared, device: str | None = None) -> str:
     """The backend PyTorch's SDPA would pick for these inputs (shapes and dtypes; GQA's repeated heads
-    would force one, so they are described by expanded views instead)."""
+    would force one, so they are described by expanded views instead); with ``device``, for such
+    tensors on that device (``fused.sdpa_backend``: meta inputs describing a CPU call)."""
     info, mask = p.info, p.mask
     N, H, S = p.N, info.H, info.S
     kb, vb = (p.kv_k, p.kv_v) if info.H == info.Hkv else (
@@ -115,7 +119,7 @@ def sdpa_backend_of(p: Prepared) -> str:
     m = None if mask.is_trivial or p.is_causal_only else (mask.keep if mask.keep is not None else mask.bias)
     if m is None and mask.alibi is not None:  # SDPA would get ALiBi as a float mask: described by a 0-stride view
         m = torch.zeros((), dtype=p.q.dtype, device=p.q.device).expand(N, H, info.L, S)
-    return fused_kernel.sdpa_backend(p.q, kb, vb, m, p.dropout_p, p.is_causal_only, info.scale)
+    return fused_kernel.sdpa_backend(p.q, kb, vb, m, p.dropout_p, p.is_causal_only, info.scale, device=device)
 
 
 class _Costs:
@@ -172,7 +176,7 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_block_size(block_size)
-    backend = sdpa_backend_of(p) if (strict or costs) else None
+    backend = sdpa_backend_of(p, device) if (strict or costs) else None
     r = p.request(need_weights, strict, backend)
     if device is not None:
         r = dataclasses.replace(r, device=device)
@@ -191,11 +195,26 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     out = Plan(chosen, reason, refused, sdpa_backend=backend or "unknown",
                block_size=(t.block_q, t.block_k) if t is not None else None,
                notes={s.name: "; ".join(n) for s in KERNELS if s.name not in refused and (n := s.notes(r))})
+    out.assumptions = meta_assumptions(p)
     if costs:
         out.peak_bytes = {s.name: c.peak(s.name) for s in KERNELS}
         out.flops = {s.name: c.flops(s.name) for s in KERNELS}
     if costs or "sparse" in c._tilings:
         out.density = c.density("sparse")
+    return out
+
+
+def meta_assumptions(p: Prepared) -> list[str]:
+    """What planning meta inputs (shapes and dtypes, no values) must assume where a real call would read
+    values: a meta ``attn_mask`` marks no key dead (Note [Dead keys]) and no block empty; meta per-batch
+    ALiBi slopes are taken as differing across the batch. Empty for inputs that hold values."""
+    m, out = p.mask, []
+    if any(t is not None and t.device.type == "meta" for t in (m.keep, m.bias)):
+        out.append("attn_mask holds no values (meta): no key is taken as dead and no block as empty; "
+                   "a real mask can only let the kernels skip more")
+    if m.alibi is not None and m.alibi.device.type == "meta" and m.alibi.shape[0] > 1:
+        out.append("per-batch alibi_slopes hold no values (meta): taken as differing across the batch "
+                   "(equal rows would run as [H])")
     return out
 
 
