@@ -107,7 +107,9 @@ def _extension() -> dict:
 
 
 def _calibration() -> dict:
-    return {"state": "none", "source": "the planner's built-in table"}
+    from .functional import rates
+
+    return rates.state()
 
 
 def collect(measure: bool = True, seconds: float = 0.25) -> SystemInfo:
