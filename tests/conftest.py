@@ -6,6 +6,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Note [Calibrated rates]: tests plan by the built-in table, whatever this machine's calibration says
+os.environ["ATTNLAB_CALIBRATION"] = "off"
 torch.set_num_threads(1) if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 

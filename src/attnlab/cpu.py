@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CPUInfo", "INFO", "FLAGS_THAT_MATTER", "detect", "summary", "matmul_peak", "matmul_peaks"]
+__all__ = ["CPUInfo", "INFO", "FLAGS_THAT_MATTER", "detect", "summary", "matmul_peak", "matmul_peaks", "numa_nodes",
+           "read_bandwidth"]
 
 #: instruction-set extensions an attention kernel can use, in the order reports print them
 FLAGS_THAT_MATTER = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -159,3 +160,46 @@ def matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: floa
 def matmul_peaks(dtypes=(torch.float32, torch.bfloat16), n: int = 1024, seconds: float = 0.3) -> dict[str, float]:
     """{'float32': GFLOP/s, 'bfloat16': ...} measured (or cached) for each dtype."""
     return {str(d).removeprefix("torch."): matmul_peak(d, n, seconds) for d in dtypes}
+
+
+def numa_nodes(root: str | os.PathLike = "/sys/devices/system/node") -> list[dict] | None:
+    """The NUMA nodes Linux reports: ``[{"node": 0, "cpus": "0-1"}, ...]``; None where unknown (not Linux)."""
+    base = Path(root)
+    try:
+        nodes = sorted((d for d in base.iterdir() if d.name.startswith("node") and d.name[4:].isdigit()),
+                       key=lambda d: int(d.name[4:]))
+    except OSError:
+        return None
+    out = []
+    for d in nodes:
+        try:
+            cpus = (d / "cpulist").read_text().strip()
+        except OSError:
+            cpus = "?"
+        out.append({"node": int(d.name[4:]), "cpus": cpus})
+    return out or None
+
+
+_BANDWIDTH: dict[tuple, float] = {}
+
+
+def read_bandwidth(nbytes: int = 128 << 20, seconds: float = 0.3, refresh: bool = False) -> float:
+    """Measured bytes/s this process reads from memory with torch's current thread count: the best of
+    repeated ``sum`` passes over an ``nbytes`` float32 buffer (larger than the caches) over about
+    ``seconds``, after one warm-up. Cached per (nbytes, threads); ``refresh=True`` measures again. The
+    ceiling of memory-bound kernels (decoding reads each key once)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4096:
+        raise ValueError(f"nbytes must be an int >= 4096, got {nbytes!r}")
+    key = (nbytes, torch.get_num_threads())
+    if key in _BANDWIDTH and not refresh:
+        return _BANDWIDTH[key]
+    x = torch.ones(nbytes // 4)
+    x.sum()  # warm-up: pages touched, threads woken
+    best, t_end, reps = float("inf"), time.perf_counter() + seconds, 0
+    while reps < 3 or (time.perf_counter() < t_end and reps < 100):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    _BANDWIDTH[key] = x.numel() * 4 / best
+    return _BANDWIDTH[key]

@@ -308,10 +308,27 @@ class Prepared:
             self._repeated["live"] = self._live()
         return self._repeated["live"]
 
+    def template(self) -> "Prepared":
+        """These prepared inputs without their tensors (q, key, value None): what the plan cache keeps
+        (Note [Plan cache] in ``attnlab.functional.plancache``), so no caller's tensor is held alive."""
+        return Prepared(self.info, None, None, None, self.mask, self.is_causal_only, self.out_shape, self.dropout_p,
+                        self.mask_requires_grad, self.dead, self.key_range)
+
+    def rebind(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> "Prepared":
+        """A ``template`` with new tensors of the same signature (shapes, strides, dtypes, devices): what
+        ``prepare(query, key, value, ...)`` (``.live()`` when the template is a live view) would build.
+        No check is repeated: the caller vouches for the signature (Note [Plan cache])."""
+        q, k, v = to4d(query), to4d(key), to4d(value)  # (B, H, L, E), (B, Hkv, S, E|Ev)
+        if self.key_range is not None and self.key_range[:2] != (0, self.key_range[2]):
+            start, stop = self.key_range[:2]
+            k, v = k[..., start:stop, :], v[..., start:stop, :]  # (B, Hkv, S', E|Ev): views
+        return Prepared(self.info, q, k, v, self.mask, self.is_causal_only, self.out_shape, self.dropout_p,
+                        self.mask_requires_grad, self.dead, self.key_range)
+
     def _live(self) -> "Prepared":
         S = self.info.S
         start, stop = 0, S
-        if self.dead is not None and self.q.device.type != "meta":
+        if self.dead is not None and self.dead.device.type != "meta":  # a pattern's dead keys are known on meta too
             alive = ~self.dead.all(0).all(0)  # (S,): some batch element and head may see the key
             idx = alive.nonzero()
             start, stop = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
@@ -332,7 +349,7 @@ class Prepared:
             dead = self.dead[..., start:stop]
         if dead is not None and not bool(dead.any()):
             dead = None
-        info = dataclasses.replace(self.info, S=stop - start)
+        info = self.info if stop - start == S else dataclasses.replace(self.info, S=stop - start)
         return Prepared(info, self.q, key, value, mask,
                         self.is_causal_only and start == 0, self.out_shape, self.dropout_p, self.mask_requires_grad,
                         dead, (start, stop, S))

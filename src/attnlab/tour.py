@@ -156,7 +156,7 @@ def _explain(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
             kw["pattern"] = P.sliding_window(128)
         try:
             q, k, v = (torch.empty(B, H, n, E, device="meta") for n in (L, S, S))
-            plan = attnlab.explain(q, k, v, **kw)
+            plan = attnlab.explain(q, k, v, device="cpu", **kw)  # the plan of a CPU call of these shapes
         except Exception:  # the meta device may not be accepted: small real tensors cost nothing for explain
             q, k, v = (torch.zeros(B, H, n, E) for n in (L, S, S))
             plan = attnlab.explain(q, k, v, **kw)

@@ -43,6 +43,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "experiment": ("attnlab.cli.experiment", "experiments that write reports with plots"),
     "retrieve": ("attnlab.cli.retrieve", "attention as retrieval over a MiniLM-embedded corpus"),
     "serve": ("attnlab.cli.serve", "live attention explorer in the browser (local web app)"),
+    "calibrate": ("attnlab.cli.calibrate", "measure the kernels on this CPU and cache the planner's rates"),
+    "info": ("attnlab.cli.info", "this machine and install, for a bug report (CPU, extension, versions)"),
 }
 
 

@@ -19,8 +19,7 @@ from ..kernels import sparse as sparse_kernel
 from ..kernels import tiled as tiled_kernel
 from ..kernels.masks import MaskSpec
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
-from . import planner
-from . import kvcache
+from . import kvcache, plancache, planner
 from .kvcache import attention_with_kvcache
 from .planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 
@@ -68,18 +67,27 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     ``softmax(softcap * tanh(x / softcap) - slopes[..., None, None] * (i + S - L - j).abs() + mask) @ v``
     (Note [Score modifications] in ``attnlab.kernels.masks``).
     """
+    sig = plancache.signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern,
+                              softcap, alibi_slopes, method, need_weights, strict, block_size)
+    hit = plancache.get(sig)  # Note [Plan cache]: a repeated signature skips the checks and the planning
+    if hit is not None:
+        return run(hit[0].rebind(query, key, value), need_weights=need_weights, plan=hit[1])
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
-                alibi_slopes=alibi_slopes)
-    return run(p, method=method, need_weights=need_weights, strict=strict, block_size=block_size)
+                alibi_slopes=alibi_slopes).live()
+    plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
+    plancache.put(sig, p.template(), plan)
+    return run(p, need_weights=need_weights, plan=plan)
 
 
 def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict: bool = False,
-        block_size: int | None = None):
-    """``attention`` on inputs already prepared by ``attnlab.shapes.prepare`` (validated once): plan,
-    run the chosen kernel on q [B, H, L, E], k/v [B, H|Hkv, S, E|Ev], restore the leading dims.
+        block_size: int | None = None, plan: Plan | None = None):
+    """``attention`` on inputs already prepared by ``attnlab.shapes.prepare`` (validated once): plan (unless
+    ``plan``, made by ``planner.plan`` for ``p.live()`` and these options, is given), run the chosen kernel
+    on q [B, H, L, E], k/v [B, H|Hkv, S, E|Ev], restore the leading dims.
     Returns out [..., L, Ev] (and weights [..., L, S] with need_weights)."""
     p = p.live()  # dead prefix/suffix keys cut off, dead keys inside made harmless (Note [Dead keys])
-    plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
+    if plan is None:
+        plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
     info, mask, m = p.info, p.mask, plan.method
     weights = None
     if p.empty:
@@ -110,7 +118,8 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
         out, lse = tiled_kernel.tiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, *plan.block_size,
                                                 dead=_dead_per_head(p))
         weights = _weights_from_lse(p, lse, *plan.block_size) if need_weights else None
-    out = out.reshape(p.out_shape)  # (..., L, Ev)
+    if len(p.out_shape) != 4:  # 4-D inputs ran as they are
+        out = out.reshape(p.out_shape)  # (..., L, Ev)
     if need_weights:
         weights = weights.reshape(p.out_shape[:-1] + (info.S,))  # (..., L, S'): the live keys
         if p.key_range is not None and p.key_range[:2] != (0, p.key_range[2]):
@@ -134,7 +143,10 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     value [..., S, Ev]), why the others were refused, and the predicted peak memory and FLOPs of each
     (with what a kernel pays extra, e.g. ALiBi written out as a mask, in ``Plan.notes``).
     Runs no attention. ``device`` ("cpu", "cuda") plans as if the tensors were there: meta tensors
-    (shapes only, no storage) can then describe a call of any size on that device."""
+    (shapes only, no storage) can then describe a call of any size on that device, and get the plan a
+    real call of those shapes, strides and dtypes makes on this machine (SDPA's backend as PyTorch picks
+    it there, the compiled kernel when it loads); where the plan would read values (a meta ``attn_mask``)
+    ``Plan.assumptions`` says what it assumed."""
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
                 alibi_slopes=alibi_slopes).live()  # what run() plans for
     return planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)

@@ -26,7 +26,7 @@ from ..kernels import fused as fused_kernel
 from ..kernels import tiled as tiled_kernel
 from ..report import format_bytes
 from ..shapes import Prepared, check_block_size
-from . import kvcache
+from . import kvcache, rates
 
 __all__ = ["Plan", "METHODS", "plan", "refusals", "candidates", "choose_lse_kernel", "causal_blocks", "nonempty_blocks"]
 
@@ -75,6 +75,10 @@ class Plan:
     flops: dict[str, int] = field(default_factory=dict)
     sdpa_backend: str = "unknown"
     block_size: tuple[int, int] | None = None
+    #: what the plan had to assume because the inputs hold no values (meta tensors): see ``meta_assumptions``
+    assumptions: list[str] = field(default_factory=list)
+    #: where the rates the kernels were compared by come from (Note [Calibrated rates] in ``functional.rates``)
+    rates_source: str = ""
     density: float = 1.0  # fraction of (query, key) blocks that are computed
     #: {kernel: what it would pay beyond its usual work (e.g. ALiBi written out as a mask)}, for kernels not refused
     notes: dict[str, str] = field(default_factory=dict)
@@ -91,6 +95,9 @@ class Plan:
             lines.append(f"  {m:<8} {state:<50} {cost}")
             if m in self.notes:
                 lines.append(f"  {'':<8} note: {self.notes[m]}")
+        lines += [f"assumed: {a}" for a in self.assumptions]
+        if self.rates_source:
+            lines.append(f"rates: {self.rates_source}")
         lines.append(f"cpu: {cpu.summary()}")
         return "\n".join(lines)
 
@@ -108,9 +115,10 @@ def refusals(r: Request) -> dict[str, str]:
     return dict(_refusals(r))
 
 
-def sdpa_backend_of(p: Prepared) -> str:
+def sdpa_backend_of(p: Prepared, device: str | None = None) -> str:
     """The backend PyTorch's SDPA would pick for these inputs (shapes and dtypes; GQA's repeated heads
-    would force one, so they are described by expanded views instead)."""
+    would force one, so they are described by expanded views instead); with ``device``, for such
+    tensors on that device (``fused.sdpa_backend``: meta inputs describing a CPU call)."""
     info, mask = p.info, p.mask
     N, H, S = p.N, info.H, info.S
     kb, vb = (p.kv_k, p.kv_v) if info.H == info.Hkv else (
@@ -118,7 +126,7 @@ def sdpa_backend_of(p: Prepared) -> str:
     m = None if mask.is_trivial or p.is_causal_only else (mask.keep if mask.keep is not None else mask.bias)
     if m is None and mask.alibi is not None:  # SDPA would get ALiBi as a float mask: described by a 0-stride view
         m = torch.zeros((), dtype=p.q.dtype, device=p.q.device).expand(N, H, info.L, S)
-    return fused_kernel.sdpa_backend(p.q, kb, vb, m, p.dropout_p, p.is_causal_only, info.scale)
+    return fused_kernel.sdpa_backend(p.q, kb, vb, m, p.dropout_p, p.is_causal_only, info.scale, device=device)
 
 
 class _Costs:
@@ -175,7 +183,7 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_block_size(block_size)
-    backend = sdpa_backend_of(p) if (strict or costs) else None
+    backend = sdpa_backend_of(p, device) if (strict or costs) else None
     r = p.request(need_weights, strict, backend)
     if device is not None:
         r = dataclasses.replace(r, device=device)
@@ -203,11 +211,28 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     out = Plan(chosen, reason, refused, sdpa_backend=backend or "unknown", decode=decode,
                block_size=(t.block_q, t.block_k) if t is not None else None,
                notes={s.name: "; ".join(n) for s in KERNELS if s.name not in refused and (n := s.notes(r))})
+    out.assumptions = meta_assumptions(p)
+    if costs:
+        out.rates_source = rates.current().source
     if costs:
         out.peak_bytes = {s.name: c.peak(s.name) for s in KERNELS}
         out.flops = {s.name: c.flops(s.name) for s in KERNELS}
     if costs or "sparse" in c._tilings:
         out.density = c.density("sparse")
+    return out
+
+
+def meta_assumptions(p: Prepared) -> list[str]:
+    """What planning meta inputs (shapes and dtypes, no values) must assume where a real call would read
+    values: a meta ``attn_mask`` marks no key dead (Note [Dead keys]) and no block empty; meta per-batch
+    ALiBi slopes are taken as differing across the batch. Empty for inputs that hold values."""
+    m, out = p.mask, []
+    if any(t is not None and t.device.type == "meta" for t in (m.keep, m.bias)):
+        out.append("attn_mask holds no values (meta): no key is taken as dead and no block as empty; "
+                   "a real mask can only let the kernels skip more")
+    if m.alibi is not None and m.alibi.device.type == "meta" and m.alibi.shape[0] > 1:
+        out.append("per-batch alibi_slopes hold no values (meta): taken as differing across the batch "
+                   "(equal rows would run as [H])")
     return out
 
 
@@ -243,14 +268,15 @@ def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None)
         if "dense" in ok:
             return "dense", "weights requested and only the dense kernel returns them for these inputs"
     elif "compiled" in ok and not plain and not (
-            r.pattern and "sparse" in ok and c.flops("sparse") * SPARSE_OVER_COMPILED < c.flops("compiled")):
+            r.pattern and "sparse" in ok and c.flops("sparse") * rates.current().sparse_over_compiled
+            < c.flops("compiled")):
         t = c.tiling("compiled")
         if not (r.pattern or r.keep_mask or r.float_mask or r.causal_only):
             return "compiled", f"attnlab's compiled kernel: {mods} computed inside its {t.block_q}×{t.block_k} tiles"
         return "compiled", (f"attnlab's compiled kernel visits {c.density('compiled'):.1%} of "
                             f"{t.block_q}×{t.block_k} blocks, masks read inside the tiles"
                             + (f", {mods} computed there from positions" if mods else ""))
-    elif "compiled" in ok and r.dtype in COMPILED_DENSE_DTYPES:
+    elif "compiled" in ok and r.dtype in rates.current().compiled_dense_dtypes:
         return "compiled", f"attnlab's compiled kernel is faster than SDPA for {r.dtype} here"
     elif r.pattern and "sparse" in ok and (1 - c.density("sparse") >= SPARSE_MIN_EMPTY or "sdpa" not in ok):
         t = c.tiling("sparse")
@@ -303,9 +329,11 @@ def compiled_block(p: Prepared) -> tuple[int, int]:
     if pat is None or mask.keep is not None or mask.bias is not None:
         return _clip(COMPILED_MASK_BLOCK, L, S)
     if pat.translation_invariant():
+        speed = rates.current().compiled_block_speed
+
         def cost(b):
-            return nonempty_blocks(p, *b) * b[0] * b[1] / COMPILED_BLOCK_SPEED[b]
-        return min((_clip(b, L, S) for b in COMPILED_BLOCK_SPEED if _clip(b, L, S) == b), key=cost,
+            return nonempty_blocks(p, *b) * b[0] * b[1] / speed[b]
+        return min((_clip(b, L, S) for b in speed if _clip(b, L, S) == b), key=cost,
                    default=_clip((64, 64), L, S))
     shape = pat.block_shape()
     if isinstance(pat, P.BlockTable) and shape is not None and 32 <= shape[0] <= 512:
@@ -328,12 +356,14 @@ def sparse_block(p: Prepared) -> tuple[int, int]:
     if pat is None or mask.keep is not None or mask.bias is not None or p.is_causal_only:
         return default
 
+    speeds = rates.current().sparse_block_speed
+
     def cost(bq, bk):
-        speed = SPARSE_BLOCK_SPEED[min(SPARSE_BLOCK_SPEED, key=lambda b: abs(b - bq))]
+        speed = speeds[min(speeds, key=lambda b: abs(b - bq))]
         return nonempty_blocks(p, bq, bk) * bq * bk / speed
 
     if pat.translation_invariant():
-        return min(((b, b) for b in SPARSE_BLOCK_SPEED), key=lambda s: cost(*s))
+        return min(((b, b) for b in speeds), key=lambda s: cost(*s))
     shape = pat.block_shape()
     if shape is None:
         return default

@@ -52,7 +52,7 @@ from .extension import Extension, transformed
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
+__all__ = ["available", "unavailable_reason", "capability", "variant", "KernelLayout", "build_layout", "compiled_attention",
            "has_fast_gemm", "uses_brgemm", "gemm_backend", "gemm_setting", "GEMM_SETTINGS", "takes_in_place",
            "clip_blocks", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
@@ -85,6 +85,12 @@ def capability() -> str | None:
     """The CPU capability the loaded extension was compiled for ('AVX512', 'AVX2', 'DEFAULT'), or None."""
     ext = _load()
     return None if ext is None else str(ext.capability)
+
+
+def variant() -> str | None:
+    """The extension module that loaded ('attnlab._C_avx512', 'attnlab._C_avx2', 'attnlab._C'), or None."""
+    ext = _load()
+    return None if ext is None else ext.__name__
 
 
 def has_fast_gemm(dtype: torch.dtype) -> bool:

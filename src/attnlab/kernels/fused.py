@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from .spec import KernelSpec, Request, Tiling, alibi_mask_bytes, io_bytes
 
-__all__ = ["sdpa", "flash_cpu_with_lse", "flash_cpu_backward", "HAS_CPU_FLASH", "sdpa_backend", "SPEC"]
+__all__ = ["sdpa", "flash_cpu_with_lse", "flash_cpu_backward", "HAS_CPU_FLASH", "sdpa_backend", "stand_in", "SPEC"]
 
 #: F.scaled_dot_product_attention takes enable_gqa (torch >= 2.5)
 SDPA_GQA = "enable_gqa" in (getattr(F.scaled_dot_product_attention, "__doc__", "") or "")
@@ -83,8 +83,26 @@ def flash_cpu_backward(grad_out, q, k, v, out, lse, attn_mask, scale):
                       lse.contiguous(), 0.0, False, attn_mask=attn_mask, scale=scale)
 
 
-def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None) -> str:
-    """Name of the backend PyTorch's SDPA would pick for these inputs ('flash', 'math', ...)."""
+def stand_in(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    """A tensor on ``device`` with ``t``'s shape, dtype and requires_grad, and a last-dim stride of 1 exactly
+    when ``t``'s is (every other stride 0), holding at most one row: what SDPA's backend choice reads
+    (shapes, dtypes, the last stride; never values) for a meta tensor describing a call on ``device``."""
+    if t is None or t.device.type == device:
+        return t
+    last = t.shape[-1] if t.dim() and (t.shape[-1] <= 1 or t.stride(-1) == 1) else 1
+    base = torch.zeros(last if t.dim() else (), dtype=t.dtype, device=device, requires_grad=t.requires_grad)
+    return base.expand(t.shape)
+
+
+def sdpa_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, device: str | None = None) -> str:
+    """Name of the backend PyTorch's SDPA would pick for these inputs ('flash', 'math', ...); with
+    ``device`` ("cpu"), for tensors of these shapes, strides and dtypes there (``stand_in``: meta inputs
+    describe a call on that device without its storage)."""
+    if device is not None:
+        try:
+            q, k, v, attn_mask = (stand_in(t, device) for t in (q, k, v, attn_mask))
+        except Exception:  # a device this build cannot place tensors on
+            return "unknown"
     try:
         choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
         from torch.nn.attention import SDPBackend

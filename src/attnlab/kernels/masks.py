@@ -139,7 +139,10 @@ class MaskSpec:
             lay = torch.full((nq, nk), P.FULL, dtype=torch.int8, device=device)
         if self.S % block_k and nk:
             lay[:, -1] = torch.where(lay[:, -1] == P.FULL, P.PARTIAL, lay[:, -1]).to(torch.int8)
-        if self.keep is not None:
+        if self.keep is not None and self.keep.device.type == "meta":
+            # no values to read (a meta mask describes a call): no block is known empty or full
+            lay = torch.where(lay == P.FULL, torch.ones_like(lay), lay)
+        elif self.keep is not None:
             k = self.keep.any(0).any(0) if self.keep.shape[0] * self.keep.shape[1] != 1 else self.keep[0, 0]
             k_all = self.keep.all(0).all(0) if self.keep.shape[0] * self.keep.shape[1] != 1 else self.keep[0, 0]
             any_, all_ = _block_reduce(torch.broadcast_to(k, (self.L, self.S)), block_q, block_k, "any"), \

@@ -1,0 +1,165 @@
+"""Calibration (Note [Calibrated rates] in attnlab.functional.rates): measured rates cached per machine,
+corrupt or foreign files ignored with one warning, and no calibration — however skewed — changes a result
+beyond the chosen kernel's rounding."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import patterns as P
+from attnlab import sysinfo
+from attnlab.bench.calibrate import CalibrationConfig, calibrate
+from attnlab.cli import main as cli
+from attnlab.functional import plancache, rates
+from attnlab.kernels import compiled
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def calibration_on(tmp_path, monkeypatch):
+    """Calibration on, with its cache in a fresh folder; the tests' setting (off) restored afterwards."""
+    monkeypatch.setenv("ATTNLAB_CALIBRATION", "on")
+    monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
+    rates.reload()
+    yield tmp_path
+    monkeypatch.undo()
+    rates.reload()
+
+
+def test_off_uses_the_built_in_table():
+    r = rates.current()
+    assert r.source == "built-in table (ATTNLAB_CALIBRATION=off)"
+    b = rates.builtin()
+    assert (r.sparse_block_speed, r.compiled_block_speed, r.compiled_dense_dtypes, r.sparse_over_compiled) == \
+        (b.sparse_block_speed, b.compiled_block_speed, b.compiled_dense_dtypes, b.sparse_over_compiled)
+    q = torch.randn(1, 2, 16, 8)
+    assert "rates: built-in table (ATTNLAB_CALIBRATION=off)" in str(attnlab.explain(q, q, q))
+
+
+def test_calibrate_writes_this_machine_s_file_and_the_planner_reads_it(calibration_on):
+    assert rates.current().source.startswith("built-in table")  # no file yet
+    ticks = []
+    cfg = CalibrationConfig(n=128, heads=2, dim=16, window=32, dtypes=(torch.float32,), rounds=1, min_sample_s=0.0)
+    fitted, measured, path = calibrate(cfg, lambda *a: ticks.append(a))
+    assert path == rates.cache_path() and path.parent == calibration_on and path.exists()
+    assert ticks[-1][0] == ticks[-1][1] and len(ticks) == ticks[-1][1]
+    doc = json.loads(path.read_text())
+    assert doc["key"] == rates.machine_key() and doc["format"] == rates.FORMAT
+    assert all(t > 0 for t in measured.values())
+    cur = rates.current()
+    assert cur.source.startswith("calibrated on this CPU") and str(path) in cur.source
+    assert set(cur.sparse_block_speed) == set(rates.builtin().sparse_block_speed)
+    assert all(s > 0 for s in (*cur.sparse_block_speed.values(), *cur.compiled_block_speed.values()))
+    q = torch.randn(1, 2, 16, 8)
+    assert f"rates: calibrated on this CPU" in str(attnlab.explain(q, q, q))
+    assert sysinfo.collect(measure=False).calibration["source"] == cur.source
+
+
+@pytest.mark.parametrize("content,why", [
+    ("{not json", "Expecting property name"),
+    (json.dumps({"format": 99}), "not a format-1 calibration file"),
+    ("FOREIGN", "calibrated for another machine"),
+    ("NEGATIVE", "speeds must be finite and > 0"),
+])
+def test_a_corrupt_or_foreign_file_is_ignored_with_one_warning_and_rewritten(calibration_on, content, why):
+    path = rates.cache_path()
+    good = rates.builtin()
+    if content in ("FOREIGN", "NEGATIVE"):
+        rates.save(good)
+        doc = json.loads(path.read_text())
+        if content == "FOREIGN":
+            doc["key"]["cpu"] = "Another CPU"
+        else:
+            doc["rates"]["SPARSE_BLOCK_SPEED"]["64"] = -1.0
+        content = json.dumps(doc)
+    path.write_text(content)
+    with pytest.warns(RuntimeWarning, match=why) as record:
+        r = rates.reload()
+        rates.current()
+        q = torch.randn(1, 2, 16, 8)
+        attnlab.explain(q, q, q, pattern=P.sliding_window(4))
+    assert len([w for w in record if "calibration file" in str(w.message)]) == 1
+    assert r.source.startswith("built-in table")
+    rates.save(good)  # what the next `attnlab calibrate` does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rates.reload().source.startswith("calibrated on this CPU")
+
+
+#: each skew makes one kernel (or block shape) the planner's fastest
+SKEWS = {
+    "compiled for dense": {"COMPILED_DENSE_DTYPES": ["float32", "bfloat16", "float16", "float64"]},
+    "sparse over compiled": {"SPARSE_OVER_COMPILED": 1e-6},
+    "compiled over sparse": {"SPARSE_OVER_COMPILED": 1e6},
+    "medium compiled blocks": {"COMPILED_BLOCK_SPEED": {"64x64": 1.0, "128x128": 1e6, "128x256": 1.0,
+                                                        "256x256": 1.0, "256x512": 1.0}},
+    "large compiled blocks": {"COMPILED_BLOCK_SPEED": {"64x64": 1e-6, "128x128": 1e-6, "128x256": 1e-6,
+                                                       "256x256": 1.0, "256x512": 1.0}},
+    "large sparse blocks": {"SPARSE_BLOCK_SPEED": {"32": 1e-6, "64": 1e-6, "128": 1e-6, "256": 1.0}},
+}
+
+CALLS = [
+    ((1, 2, 300, 16), torch.float32, {}),
+    ((1, 2, 300, 16), torch.float32, {"is_causal": True}),
+    ((1, 2, 300, 16), torch.bfloat16, {"is_causal": True}),
+    ((2, 2, 333, 16), torch.float32, {"pattern": P.sliding_window(40, causal=True)}),
+    ((1, 1, 2048, 8), torch.float32, {"pattern": P.fixed(64, 8)}),  # sparse by the built-in table
+    ((1, 2, 300, 16), torch.float32, {"pattern": P.sliding_window(left=17, right=5), "softcap": 4.0}),
+    ((1, 2, 300, 16), torch.float32, {"pattern": P.sliding_window(40, causal=True), "method": "sparse"}),
+]
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+def _run_all(grad: bool):
+    outs, methods = [], []
+    g = torch.Generator().manual_seed(1)
+    for shape, dtype, kw in CALLS:
+        q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad) for _ in range(3))
+        methods.append((attnlab.explain(q, k, v, **kw).method, attnlab.explain(q, k, v, **kw).block_size))
+        out = attnlab.attention(q, k, v, **kw)
+        ref = attnlab.reference.attention(q.detach().double(), k.detach().double(), v.detach().double(),
+                                          is_causal=kw.get("is_causal", False), softcap=kw.get("softcap"),
+                                          attn_mask=kw["pattern"].materialize(shape[2], shape[2])
+                                          if "pattern" in kw else None)[0]
+        torch.testing.assert_close(out.detach().double(), torch.as_tensor(ref), **TOL[dtype])
+        if grad:
+            out.float().sum().backward()
+            assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+        outs.append(out.detach())
+    return outs, methods
+
+
+@pytest.mark.parametrize("grad", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("skew", list(SKEWS))
+def test_a_skewed_calibration_changes_only_the_choice(calibration_on, skew, grad):
+    _, before = _run_all(grad)
+    rates.save(rates.builtin())
+    path = rates.cache_path()
+    doc = json.loads(path.read_text())
+    doc["rates"].update(SKEWS[skew])
+    path.write_text(json.dumps(doc))
+    assert rates.reload().source.startswith("calibrated")
+    _, after = _run_all(grad)  # each output against the float64 oracle at its dtype's tolerance
+    if compiled.available() or skew == "large sparse blocks":
+        assert after != before, f"{skew}: the skew changed no choice, so the test checks nothing"
+
+
+def test_plans_cached_under_old_rates_are_forgotten(calibration_on):
+    q = torch.randn(1, 2, 16, 8)
+    attnlab.attention(q, q, q)
+    assert plancache.stats()["entries"] >= 1
+    rates.save(rates.builtin())
+    assert plancache.stats()["entries"] == 0
+
+
+def test_cli_calibrate_quick(calibration_on, capsys):
+    outcome = cli.invoke(["calibrate", "--n", "128", "--heads", "1", "--no-progress", "--json"])
+    assert outcome.exit_code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["path"] == str(rates.cache_path()) and outcome.result["path"].exists()
