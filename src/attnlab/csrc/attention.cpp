@@ -1246,13 +1246,74 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   if (DQP) dq.copy_(dq_part.sum(0));
 }
 
-// fp32 tiles always run through brgemm on AVX-512 builds; half types when oneDNN packs them for this CPU
-// (AMX / AVX512-BF16) and the reduction dims are even (VNNI pairs).
+// Note [Half-type dot products]: whether this CPU multiplies bf16 / fp16 pairs in hardware (AMX tiles, or
+// the AVX-512 vector dot products VDPBF16PS / VDPPHPS), from its flags at run time, never from the build. Where
+// it does not (AVX2-only CPUs; fp16 without AVX512-FP16), a half-type product is a conversion followed by fp32
+// arithmetic, slower than fp32 tiles: the wrapper then converts q, k, v once and runs the fp32 kernel
+// (kernels/compiled.py, ``gemm_backend`` "fp32").
+bool native_half_dot(at::ScalarType dt) {
+  if (dt != at::kBFloat16 && dt != at::kHalf) return false;
+  if (at::native::cpublas::could_pack(dt)) return true;  // AMX-BF16 / AMX-FP16 (torch's cpuinfo)
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return dt == at::kBFloat16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512fp16");
+#else
+  return false;
+#endif
+}
+
+// Note [Half-type brgemm without AMX]: torch's cpublas::brgemm takes bf16 (VNNI-packed B) to oneDNN's ukernel
+// on any CPU whose oneDNN ISA has a bf16 dot product: AMX, and also AVX512-BF16 (Cooper Lake, Zen 4 / 5), where
+// oneDNN's avx512_core_bf16 brgemm runs on VDPBF16PS (measured on a Zen 5, one thread, 64x64x64: 215 GFLOP/s,
+// torch.matmul bf16 210, fp32 brgemm 113). cpublas::could_pack answers only "AMX" (it is about packing), so it
+// is not the test. Instead one tiny product is tried once per process: it fails where oneDNN has no bf16 kernel
+// for this CPU or its ISA cap (ONEDNN_MAX_CPU_ISA=AVX512_CORE: "could not generate a kernel"; AVX2: torch
+// refuses), and fp16 needs AMX-FP16 (torch refuses VNNI fp16 otherwise). A CPU without the dot product in
+// hardware never takes it (Note [Half-type dot products]): oneDNN would emulate.
+template <typename T>
+bool try_half_brgemm() {
+#if defined(CPU_CAPABILITY_AVX512)
+  try {
+    // A [2, 2] = [[1, 2], [3, 4]], B [2, 16] VNNI [1, 16, 2] with B[0][j] = 1, B[1][j] = j: C[i][j] = A[i][0] + A[i][1] j
+    T a[4] = {T(1.f), T(2.f), T(3.f), T(4.f)}, b[32];
+    for (int j = 0; j < 16; ++j) {
+      b[2 * j] = T(1.f);
+      b[2 * j + 1] = T(static_cast<float>(j));
+    }
+    float c[32];
+    at::native::cpublas::brgemm(2, 16, 2, 2, 16, 16, false, a, b, c, true);
+    at::native::cpublas::brgemm_release(true);
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 16; ++j)
+        if (c[i * 16 + j] != static_cast<float>(a[2 * i]) + static_cast<float>(a[2 * i + 1]) * j) return false;
+    return true;
+  } catch (...) {
+    return false;
+  }
+#else
+  return false;
+#endif
+}
+
+bool half_brgemm_runs(at::ScalarType dt) {
+  if (dt == at::kBFloat16) {
+    static const bool ok = at::native::cpublas::could_pack(dt) || (native_half_dot(dt) && try_half_brgemm<at::BFloat16>());
+    return ok;
+  }
+  if (dt == at::kHalf) {
+    static const bool ok = at::native::cpublas::could_pack(dt) || (native_half_dot(dt) && try_half_brgemm<at::Half>());
+    return ok;
+  }
+  return false;
+}
+
+// fp32 tiles always run through brgemm on AVX-512 builds; half types where oneDNN's brgemm has a kernel with the
+// CPU's dot product (AMX, AVX512-BF16: Note [Half-type brgemm without AMX]) and the reduction dims are even
+// (VNNI pairs).
 bool brgemm_applies(at::ScalarType dt, int64_t E, int64_t Ev, int64_t bk, bool allow) {
   if (!kHaveBrgemm || !allow) return false;
   if (dt == at::kFloat) return true;
-  if (dt == at::kBFloat16 || dt == at::kHalf)
-    return at::native::cpublas::could_pack(dt) && E % 2 == 0 && Ev % 2 == 0 && bk % 2 == 0;
+  if (dt == at::kBFloat16 || dt == at::kHalf) return half_brgemm_runs(dt) && E % 2 == 0 && Ev % 2 == 0 && bk % 2 == 0;
   return false;
 }
 
@@ -1354,6 +1415,9 @@ bool native_bf16_convert() {
 #endif
 }
 bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f16f16f32 != nullptr; }
+bool half_dot_for(const std::string& dtype) {
+  return native_half_dot(dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat);
+}
 
 }  // namespace
 
@@ -1371,7 +1435,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
   m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
+  m.def("half_dot", &half_dot_for,
+        "whether this CPU multiplies pairs of this half dtype (name) in hardware: AMX or AVX512-BF16 / AVX512-FP16");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 8;
+  m.attr("abi_version") = 9;
 }
