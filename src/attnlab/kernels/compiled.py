@@ -26,7 +26,7 @@ Environment (read at each call):
 
 - ``ATTNLAB_EXT_GEMM`` picks the back end of the tile products: ``auto`` (default: brgemm where it applies
   and pays, else MKL's gemm), ``brgemm`` (brgemm wherever it applies, forward and backward: fp32 on AVX-512
-  builds, bf16/fp16 where oneDNN has a kernel on the CPU's dot products; other tiles as ``auto``), ``mkl`` (MKL's
+  builds, bf16/fp16 where oneDNN has a kernel on the CPU's dot products; other tiles on MKL's gemm), ``mkl`` (MKL's
   sgemm/dgemm/cblas_gemm_bf16bf16f32/cblas_gemm_f16f16f32), ``loop`` (the plain loop that runs where torch has
   no MKL), ``fp32`` (bf16/fp16 converted once to fp32 and run on the fp32 tiles, which ``auto`` does on CPUs
   without the dtype's dot product; other dtypes as ``auto``). ``gemm_backend()`` says which runs for a dtype;
