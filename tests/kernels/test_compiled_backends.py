@@ -297,7 +297,9 @@ def test_half_tiles_take_the_cpus_dot_product(monkeypatch):
         pytest.skip("needs the AVX-512 build, readable CPU flags and oneDNN's ISA uncapped")
     bf16 = bool(cpu.INFO.has("avx512_bf16") or cpu.INFO.has("amx_bf16"))
     fp16 = bool(cpu.INFO.has("avx512_fp16") or cpu.INFO.has("amx_fp16"))
-    assert compiled.half_dot(torch.bfloat16) == bf16 and compiled.half_dot(torch.float16) == fp16
+    amx = {torch.bfloat16: bool(cpu.INFO.has("amx_bf16")), torch.float16: bool(cpu.INFO.has("amx_fp16"))}
+    for dt, has in ((torch.bfloat16, bf16), (torch.float16, fp16)):
+        assert compiled.half_dot(dt) == (("amx" if amx[dt] else "avx512") if has else None), dt
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", "auto")
     assert compiled.gemm_backend(torch.bfloat16, 64, 64, 512) == ("brgemm" if bf16 else "fp32")
     assert compiled.gemm_backend(torch.bfloat16, 63, 64, 512) == ("mkl" if bf16 else "fp32")  # odd E: no VNNI pairs
@@ -320,9 +322,9 @@ def test_half_types_without_a_dot_product_run_as_fp32_tiles(dtype, monkeypatch):
         out = attnlab.attention(*ins, pattern=pat, method="compiled", block_size=16)
         return (out,) + torch.autograd.grad(out, ins, do.to(out.dtype))
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", "auto")
-    monkeypatch.setattr(compiled, "half_dot", lambda dt: True)
+    monkeypatch.setattr(compiled, "half_dot", lambda dt: "avx512")
     plain = attnlab.explain(q, k, v, pattern=pat, method="compiled", block_size=16)
-    monkeypatch.setattr(compiled, "half_dot", lambda dt: False)
+    monkeypatch.setattr(compiled, "half_dot", lambda dt: None)
     assert compiled.gemm_backend(dtype, 8, 8, 16) == "fp32"
     plan = attnlab.explain(q, k, v, pattern=pat, method="compiled", block_size=16)
     name = str(dtype).replace("torch.", "")

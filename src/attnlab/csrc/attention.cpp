@@ -1415,8 +1415,11 @@ bool native_bf16_convert() {
 #endif
 }
 bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f16f16f32 != nullptr; }
-bool half_dot_for(const std::string& dtype) {
-  return native_half_dot(dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat);
+// "amx", "avx512" (the vector dot products) or "" (none): Note [Half-type dot products]
+std::string half_dot_for(const std::string& dtype) {
+  const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
+  if (!native_half_dot(dt)) return "";
+  return at::native::cpublas::could_pack(dt) ? "amx" : "avx512";
 }
 
 }  // namespace
@@ -1436,7 +1439,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.def("half_dot", &half_dot_for,
-        "whether this CPU multiplies pairs of this half dtype (name) in hardware: AMX or AVX512-BF16 / AVX512-FP16");
+        "how this CPU multiplies pairs of this half dtype (name) in hardware: 'amx', 'avx512' (AVX512-BF16 / "
+        "AVX512-FP16) or '' (it does not)");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
   m.attr("abi_version") = 9;

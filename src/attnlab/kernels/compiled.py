@@ -303,24 +303,28 @@ def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
     return 1 if pairs >= want else min(nk, -(-want // pairs))
 
 
-#: the bf16/fp16 backward takes brgemm when query blocks visit at least this many key blocks on average:
+#: on AMX, the bf16/fp16 backward takes brgemm when query blocks visit at least this many key blocks on average:
 #: it transposes Q and dO once per query block (csrc Note [Half-type backward on brgemm]), which pays over
 #: many key blocks only. Measured bf16 fwd+bwd vs MKL's gemm, H=8, D=64, 2 threads, loaded machine:
 #: dense n=4096 (32 blocks of 128 keys) backward 1.03-1.17x at every tile from 64x128 to 256x512, causal
 #: n=8192 (8 blocks of 512 on average) 1.17-1.26x, but window 256 n=8192 (5 blocks of 64) 0.89x and
 #: block-sparse 0.05 (4 blocks of 128) 0.95x; with the transposes vectorised, window 1.00x, block-sparse
-#: 0.94x (noisy).
+#: 0.94x (noisy). Without AMX (the vector dot products of AVX512-BF16) brgemm's backward pays at every density:
+#: bf16 fwd+bwd's backward, n=4096, H=8, D=64, 2 threads, Zen 5 (shared machine), brgemm vs MKL:
+#: dense 0.97x (both brgemm: noise), causal 1.81x, window 256 1.56x, block-sparse 0.1 1.58x.
 BACKWARD_HALF_BRGEMM_MIN_BLOCKS = 8
 
 
 def _backward_brgemm(dtype: torch.dtype, lay: KernelLayout) -> bool:
-    """Whether the backward takes brgemm: half types when their query blocks visit enough key blocks
-    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE; always under
-    ATTNLAB_EXT_GEMM=brgemm."""
+    """Whether the backward takes brgemm: half types on AMX when their query blocks visit enough key blocks
+    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), else always, fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE; always
+    under ATTNLAB_EXT_GEMM=brgemm. (Where brgemm does not apply to the tiles, the extension runs MKL's gemm.)"""
     setting = _engine_setting()
     if setting != "auto":
         return setting == "brgemm"
     if dtype in (torch.bfloat16, torch.float16):
+        if half_dot(dtype) != "amx":  # the vector dot products: brgemm wherever it applies
+            return True
         return float(lay.kv_num.float().mean()) >= BACKWARD_HALF_BRGEMM_MIN_BLOCKS if lay.kv_num.numel() else False
     return lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE
 
@@ -332,12 +336,14 @@ def _engine_setting() -> str:
     return "auto" if setting == "fp32" else setting
 
 
-def half_dot(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies pairs of this half dtype in hardware (AMX, AVX512-BF16 for bf16, AVX512-FP16
-    for fp16), read from its flags by the extension (csrc Note [Half-type dot products]); False without it."""
+def half_dot(dtype: torch.dtype) -> str | None:
+    """How this CPU multiplies pairs of this half dtype in hardware: "amx" (AMX tiles), "avx512" (the vector dot
+    products of AVX512-BF16 / AVX512-FP16) or None (it does not; also without the extension), read from its flags
+    by the extension (csrc Note [Half-type dot products])."""
     ext = _load()
-    return bool(ext is not None and dtype in (torch.bfloat16, torch.float16) and
-                ext.half_dot(str(dtype).replace("torch.", "")))
+    if ext is None or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return ext.half_dot(str(dtype).replace("torch.", "")) or None
 
 
 def runs_as_fp32(dtype: torch.dtype) -> bool:
