@@ -1269,12 +1269,13 @@ bool native_half_dot(at::ScalarType dt) {
 // is not the test. Instead one tiny product is tried once per process: it fails where oneDNN has no bf16 kernel
 // for this CPU or its ISA cap (ONEDNN_MAX_CPU_ISA=AVX512_CORE: "could not generate a kernel"; AVX2: torch
 // refuses), and fp16 needs AMX-FP16 (torch refuses VNNI fp16 otherwise). A CPU without the dot product in
-// hardware never takes it (Note [Half-type dot products]): oneDNN would emulate.
+// hardware is not tried (Note [Half-type dot products]).
 template <typename T>
 bool try_half_brgemm() {
 #if defined(CPU_CAPABILITY_AVX512)
   try {
-    // A [2, 2] = [[1, 2], [3, 4]], B [2, 16] VNNI [1, 16, 2] with B[0][j] = 1, B[1][j] = j: C[i][j] = A[i][0] + A[i][1] j
+    // A [2, 2] = [[1, 2], [3, 4]], B [2, 16] in VNNI [1, 16, 2] with B[0][j] = 1, B[1][j] = j:
+    // C[i][j] = A[i][0] + A[i][1] j, exact in fp32
     T a[4] = {T(1.f), T(2.f), T(3.f), T(4.f)}, b[32];
     for (int j = 0; j < 16; ++j) {
       b[2 * j] = T(1.f);
@@ -1295,15 +1296,15 @@ bool try_half_brgemm() {
 #endif
 }
 
+template <typename T>
+bool half_brgemm_runs_for(at::ScalarType dt) {
+  static const bool ok = at::native::cpublas::could_pack(dt) || (native_half_dot(dt) && try_half_brgemm<T>());
+  return ok;
+}
+
 bool half_brgemm_runs(at::ScalarType dt) {
-  if (dt == at::kBFloat16) {
-    static const bool ok = at::native::cpublas::could_pack(dt) || (native_half_dot(dt) && try_half_brgemm<at::BFloat16>());
-    return ok;
-  }
-  if (dt == at::kHalf) {
-    static const bool ok = at::native::cpublas::could_pack(dt) || (native_half_dot(dt) && try_half_brgemm<at::Half>());
-    return ok;
-  }
+  if (dt == at::kBFloat16) return half_brgemm_runs_for<at::BFloat16>(dt);
+  if (dt == at::kHalf) return half_brgemm_runs_for<at::Half>(dt);
   return false;
 }
 

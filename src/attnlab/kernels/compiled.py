@@ -13,8 +13,8 @@ in fp32). On AVX-512 builds the tiles multiply through oneDNN's brgemm micro-ker
 CPU's AMX or AVX512-BF16 dot products (``uses_brgemm``; csrc Note [Half-type brgemm without AMX]), and the
 bf16 forward's exp and conversion run in one pass (csrc Note [Half-type exp]); elsewhere MKL's gemm. A CPU
 without the half dtype's dot product in hardware (AVX2-only; fp16 without AVX512-FP16 or AMX-FP16) runs
-half types as fp32 tiles, converted once (``runs_as_fp32``, csrc Note [Half-type dot products]). Consecutive full
-key blocks run as one tile up to 512 keys wide (Note [Merged runs]).
+half types as fp32 tiles, converted once (``runs_as_fp32``, csrc Note [Half-type dot products]). Consecutive
+full key blocks run as one tile up to 512 keys wide (Note [Merged runs]).
 
 Inputs may have any batch and head strides (broadcast heads included); a tensor whose rows the tile
 products cannot read in place (an ``expand`` along L or S, a single row from ``.mT``, a last stride
@@ -26,8 +26,8 @@ Environment (read at each call):
 
 - ``ATTNLAB_EXT_GEMM`` picks the back end of the tile products: ``auto`` (default: brgemm where it applies
   and pays, else MKL's gemm), ``brgemm`` (brgemm wherever it applies, forward and backward: fp32 on AVX-512
-  builds, bf16/fp16 where oneDNN has a kernel on the CPU's dot products; other tiles on MKL's gemm), ``mkl`` (MKL's
-  sgemm/dgemm/cblas_gemm_bf16bf16f32/cblas_gemm_f16f16f32), ``loop`` (the plain loop that runs where torch has
+  builds, bf16/fp16 where oneDNN has a kernel on the CPU's dot products; other tiles on MKL's gemm), ``mkl``
+  (MKL's sgemm/dgemm/cblas_gemm_bf16bf16f32/cblas_gemm_f16f16f32), ``loop`` (the plain loop that runs where torch has
   no MKL), ``fp32`` (bf16/fp16 converted once to fp32 and run on the fp32 tiles, which ``auto`` does on CPUs
   without the dtype's dot product; other dtypes as ``auto``). ``gemm_backend()`` says which runs for a dtype;
   an unknown value raises ValueError.
@@ -59,7 +59,8 @@ from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "KernelLayout", "build_layout", "compiled_attention",
            "has_fast_gemm", "uses_brgemm", "gemm_backend", "half_dot", "runs_as_fp32", "gemm_setting", "GEMM_SETTINGS",
-           "takes_in_place", "clip_blocks", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
+           "takes_in_place", "clip_blocks", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes",
+           "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
 ABI_VERSION = 9
@@ -311,7 +312,8 @@ def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
 #: block-sparse 0.05 (4 blocks of 128) 0.95x; with the transposes vectorised, window 1.00x, block-sparse
 #: 0.94x (noisy). Without AMX (the vector dot products of AVX512-BF16) brgemm's backward pays at every density:
 #: bf16 fwd+bwd's backward, n=4096, H=8, D=64, 2 threads, Zen 5 (shared machine), brgemm vs MKL:
-#: dense 0.97x (both brgemm: noise), causal 1.81x, window 256 1.56x, block-sparse 0.1 1.58x.
+#: dense 0.97x (both brgemm: noise), causal 1.81x, window 256 1.56x, block-sparse 0.1 1.58x, window 32 (64x64
+#: tiles) 1.21x; n=1024 window 64 1.00x; n=256 causal 1.28x.
 BACKWARD_HALF_BRGEMM_MIN_BLOCKS = 8
 
 
@@ -373,8 +375,9 @@ def gemm_backend(dtype: torch.dtype, E: int = 64, Ev: int | None = None, block_k
     """Which back end multiplies this dtype's tiles (head dims E, Ev; key blocks of ``block_k``) under the
     current ``ATTNLAB_EXT_GEMM``: "brgemm" (oneDNN's micro-kernel; bf16 on AMX or AVX512-BF16), "mkl" (MKL's gemm
     from torch's build), "loop" (the plain loop) or, for half types, "fp32" (converted once and run on the fp32
-    tiles, whose back end is ``gemm_backend(torch.float32, ...)``: ``runs_as_fp32``); None without the extension. Every product of one pass runs on one back end, but for
-    the backward's scores, which run on the forward's (csrc Note [Same scores]).
+    tiles, whose back end is ``gemm_backend(torch.float32, ...)``: ``runs_as_fp32``); None without the extension.
+    Every product of one pass runs on one back end, but for the backward's scores, which run on the forward's
+    (csrc Note [Same scores]).
     ``backward=True`` answers for the backward, whose choice under auto follows the ``layout`` (required then:
     BACKWARD_BRGEMM_MAX_TILE, BACKWARD_HALF_BRGEMM_MIN_BLOCKS)."""
     ext = _load()
