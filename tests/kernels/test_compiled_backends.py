@@ -343,6 +343,24 @@ def test_half_types_without_a_dot_product_run_as_fp32_tiles(dtype, monkeypatch):
         assert torch.equal(a, b), w
 
 
+def test_serial_conversion_equals_torchs():
+    """csrc Note [Serial conversion]: the extension's one-thread conversion (for half types run as fp32 tiles)
+    gives exactly Tensor.to's values, contiguous, for every pair of fp32 / bf16 / fp16 and any strides."""
+    ext = compiled._load()
+    dts = (torch.float32, torch.bfloat16, torch.float16)
+    for src in dts:
+        x = (torch.randn(2, 3, 17, 9) * 300).to(src)
+        x[0, 0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+        for y in (x, x.transpose(1, 2), x[..., ::2], x.mT, x[:, :1].expand(2, 5, 17, 9), x[0, 0, 0, 0]):
+            for dst in dts:
+                got = ext.convert(y, str(dst).replace("torch.", ""))
+                assert got.is_contiguous() and got.dtype == dst
+                assert torch.equal(got.nan_to_num(7.0), y.to(dst).nan_to_num(7.0)), (src, dst, y.stride())
+                assert torch.equal(got.isnan(), y.to(dst).isnan())
+    with pytest.raises(RuntimeError, match="convert takes"):
+        ext.convert(torch.ones(3, dtype=torch.float64), "float32")
+
+
 def test_half_brgemm_probe_under_a_capped_onednn():
     """Where oneDNN has no bf16 brgemm kernel (its ISA capped at AVX512_CORE: "could not generate a kernel";
     at AVX2 torch refuses), the extension's one-time probe says so and bf16 runs off brgemm, with no error and

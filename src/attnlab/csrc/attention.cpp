@@ -1416,6 +1416,48 @@ bool native_bf16_convert() {
 #endif
 }
 bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f16f16f32 != nullptr; }
+
+// Note [Serial conversion]: half types that run as fp32 tiles (Note [Half-type dot products]) are converted
+// to fp32 and back on the calling thread. Each of PyTorch's own conversions is a parallel region, and on a
+// shared CPU a region waits for its slowest thread: measured on 2 busy cores, the four conversions of an
+// n = 1024 call (q, k, v, out) took 31 ms, the whole fp32 forward 40 ms; one thread converts 2M values in ~1 ms.
+// Returns a contiguous tensor of x's values in `dtype` (x: any strides; a row of the last dim is converted at
+// once when its stride is 1).
+at::Tensor convert_serial(const at::Tensor& x, const std::string& dtype) {
+  const auto dt = dtype == "float32" ? at::kFloat : dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf
+                                                                                                          : at::kDouble;
+  TORCH_CHECK(dt != at::kDouble && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+              "attnlab._C: convert takes CPU float32 / bfloat16 / float16 tensors to one of those, got ",
+              x.scalar_type(), " to ", dtype);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dt));
+  if (x.numel() == 0) return out;
+  const int64_t D = x.dim() ? x.size(-1) : 1, rows = x.numel() / D;
+  const bool unit = x.dim() == 0 || x.stride(-1) == 1 || D == 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "attnlab_convert_src", [&] {
+    using S = scalar_t;
+    const S* src = x.data_ptr<S>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "attnlab_convert_dst", [&] {
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      std::vector<int64_t> pos(std::max<int64_t>(x.dim() - 1, 0), 0);  // row r's index over the leading dims
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t off = 0;
+        for (size_t d = 0; d < pos.size(); ++d) off += pos[d] * x.stride(d);
+        if (unit) {
+          at::vec::convert(src + off, dst + r * D, D);
+        } else {
+          const int64_t st = x.stride(-1);
+          for (int64_t c = 0; c < D; ++c) dst[r * D + c] = static_cast<scalar_t>(static_cast<float>(src[off + c * st]));
+        }
+        for (int64_t d = static_cast<int64_t>(pos.size()) - 1; d >= 0; --d) {  // next row index
+          if (++pos[d] < x.size(d)) break;
+          pos[d] = 0;
+        }
+      }
+    });
+  });
+  return out;
+}
 // "amx", "avx512" (the vector dot products) or "" (none): Note [Half-type dot products]
 std::string half_dot_for(const std::string& dtype) {
   const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
@@ -1438,6 +1480,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_bf16_convert", &native_bf16_convert,
         "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
   m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
+  m.def("convert", &convert_serial, "x's values in dtype (name: float32 / bfloat16 / float16), contiguous, "
+        "converted on the calling thread (Note [Serial conversion])");
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
   m.def("half_dot", &half_dot_for,
         "how this CPU multiplies pairs of this half dtype (name) in hardware: 'amx', 'avx512' (AVX512-BF16 / "

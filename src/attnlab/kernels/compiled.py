@@ -504,6 +504,17 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward)
 
 
+def _convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in ``dtype`` (t itself when it is already), converted on the calling thread (csrc Note [Serial
+    conversion]: PyTorch's parallel conversions wait for the slowest thread of a busy CPU); a transform's
+    wrapper (vmap) takes PyTorch's own. Never differentiated (the kernel's backward has no double backward)."""
+    if t.dtype == dtype:
+        return t
+    if _wrapped(t):
+        return t.to(dtype)
+    return _load().convert(t, str(dtype).replace("torch.", ""))
+
+
 class _CompiledFunction(torch.autograd.Function):
     """(out, lse, out_acc or None, lse_lo) of the kernel, differentiable in q, k, v and the float mask ``bias``;
     torch.func-compatible (setup_context, a vmap rule). lse_lo is lse's rounding error, lse + lse_lo = m + log(l),
@@ -516,13 +527,13 @@ class _CompiledFunction(torch.autograd.Function):
             raise RuntimeError(_GRAD_TRANSFORM)
         dtype = q.dtype
         if as_fp32:  # runs_as_fp32: converted once, the fp32 kernel, its output rounded once
-            q, k, v = q.float(), k.float(), v.float()
+            q, k, v = (_convert(t, torch.float32) for t in (q, k, v))
         # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
         out, lse, out_acc, lse_lo = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias,
                                                     alibi, scale, softcap, alibi_causal, alibi_offset, lay.block_q,
                                                     lay.block_k, _gemm_mode(q.dtype), keep_acc and not as_fp32)
         if as_fp32:
-            out, out_acc = out.to(dtype), (out if keep_acc else None)
+            out, out_acc = _convert(out, dtype), (out if keep_acc else None)
         return out, lse, out_acc, lse_lo
 
     @staticmethod
@@ -543,7 +554,7 @@ class _CompiledFunction(torch.autograd.Function):
         bias_grad = bias is not None and ctx.needs_input_grad[5]
         dtype = q.dtype
         if ctx.as_fp32:  # as the forward ran: the fp32 kernel on converted inputs
-            dout, q, k, v = dout.float(), q.float(), k.float(), v.float()
+            dout, q, k, v, out = (_convert(t, torch.float32) for t in (dout, q, k, v, out))
         # the scores on the forward's engine (csrc Note [Same scores]), the other products on the backward's
         args = (dout, q, k, v, out, lse, lse_lo, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
                 alibi_offset, lay.block_q, lay.block_k, _gemm_mode(q.dtype, lay, backward=True), _gemm_mode(q.dtype),
@@ -554,7 +565,7 @@ class _CompiledFunction(torch.autograd.Function):
         else:
             dq, dk, dv, dbias = _run_backward(*args)
         if ctx.as_fp32:
-            dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
+            dq, dk, dv = (_convert(t, dtype) for t in (dq, dk, dv))
         return dq, dk, dv, None, None, dbias, None, None, None, None, None, None, None
 
     @staticmethod
