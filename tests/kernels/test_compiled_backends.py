@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import attnlab
+from attnlab import cpu
 from attnlab import patterns as P
 from attnlab.kernels import compiled
 from attnlab.kernels.masks import MaskSpec
@@ -260,14 +261,16 @@ def test_gemm_setting_and_backend_report(monkeypatch):
         assert compiled.gemm_setting() == setting
         for dt in DTYPES:
             b = compiled.gemm_backend(dt, 8, 8, 16)
-            assert b in ("brgemm", "mkl", "loop")
+            assert b in ("brgemm", "mkl", "loop", "fp32")
+            half = dt in (torch.bfloat16, torch.float16)
+            assert (b == "fp32") == (half and (setting == "fp32" or (setting == "auto" and not compiled.half_dot(dt))))
             if setting == "loop":
                 assert b == "loop"
             if setting == "mkl":
                 assert b == ("mkl" if compiled.has_fast_gemm(dt) else "loop")
             if dt == torch.float64 or setting in ("mkl", "loop"):
                 assert b != "brgemm"
-            if setting in ("auto", "brgemm") and compiled.capability() == "AVX512" and dt == torch.float32:
+            if setting in ("auto", "brgemm", "fp32") and compiled.capability() == "AVX512" and dt == torch.float32:
                 assert b == "brgemm"
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", "brgemm")
     lay = compiled.build_layout(MaskSpec(300, 300), 128, 128)  # fp32 tiles over 64x64: auto's backward is MKL
@@ -278,20 +281,118 @@ def test_gemm_setting_and_backend_report(monkeypatch):
     with pytest.raises(ValueError, match="layout"):
         compiled.gemm_backend(torch.float32, 8, 8, 128, backward=True)
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", "openblas")
-    with pytest.raises(ValueError, match="ATTNLAB_EXT_GEMM must be one of auto, brgemm, mkl, loop.*'openblas'"):
+    with pytest.raises(ValueError, match="ATTNLAB_EXT_GEMM must be one of auto, brgemm, mkl, loop, fp32.*'openblas'"):
         compiled.gemm_setting()
     x = torch.randn(1, 1, 32, 8)  # over the decode path's 16 queries: the tile kernel, which reads the setting
     with pytest.raises(ValueError, match="ATTNLAB_EXT_GEMM"):
         attnlab.attention(x, x, x, pattern=P.causal(), method="compiled")
 
 
-@pytest.mark.parametrize("gemm", ["brgemm", "mkl", "loop"])
+def test_half_tiles_take_the_cpus_dot_product(monkeypatch):
+    """issue 22 item 4: on a CPU with AVX512-BF16 but no AMX the bf16 tiles ran on MKL's cblas_gemm_bf16bf16f32
+    (brgemm waited for cpublas::could_pack, which is AMX only): half the kernel's own fp32 speed. oneDNN's
+    avx512_core_bf16 brgemm takes them now (csrc Note [Half-type brgemm without AMX]); a half dtype without its
+    dot product in hardware runs as fp32 tiles. The oracle: the CPU's flags as /proc/cpuinfo lists them."""
+    if compiled.capability() != "AVX512" or cpu.INFO.flags is None or os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        pytest.skip("needs the AVX-512 build, readable CPU flags and oneDNN's ISA uncapped")
+    bf16 = bool(cpu.INFO.has("avx512_bf16") or cpu.INFO.has("amx_bf16"))
+    fp16 = bool(cpu.INFO.has("avx512_fp16") or cpu.INFO.has("amx_fp16"))
+    amx = {torch.bfloat16: bool(cpu.INFO.has("amx_bf16")), torch.float16: bool(cpu.INFO.has("amx_fp16"))}
+    for dt, has in ((torch.bfloat16, bf16), (torch.float16, fp16)):
+        assert compiled.half_dot(dt) == (("amx" if amx[dt] else "avx512") if has else None), dt
+    monkeypatch.setenv("ATTNLAB_EXT_GEMM", "auto")
+    assert compiled.gemm_backend(torch.bfloat16, 64, 64, 512) == ("brgemm" if bf16 else "fp32")
+    assert compiled.gemm_backend(torch.bfloat16, 63, 64, 512) == ("mkl" if bf16 else "fp32")  # odd E: no VNNI pairs
+    if not fp16:
+        assert compiled.gemm_backend(torch.float16, 64, 64, 512) == "fp32"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_types_without_a_dot_product_run_as_fp32_tiles(dtype, monkeypatch):
+    """A CPU without the half dtype's dot product (AVX2-only; fp16 without AVX512-FP16 / AMX-FP16; here by
+    pretending): auto converts q, k, v once and runs the fp32 kernel (csrc Note [Half-type dot products]),
+    exactly the fp32 kernel on the converted inputs rounded once, forward and gradients, as
+    ATTNLAB_EXT_GEMM=fp32 forces; explain says so in one line and counts the copies in the peak."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 37, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    do = torch.randn(2, 3, 37, 8, generator=g).to(dtype)
+    pat = P.sliding_window(9)
+
+    def run(*ins):
+        out = attnlab.attention(*ins, pattern=pat, method="compiled", block_size=16)
+        return (out,) + torch.autograd.grad(out, ins, do.to(out.dtype))
+    monkeypatch.setenv("ATTNLAB_EXT_GEMM", "auto")
+    monkeypatch.setattr(compiled, "half_dot", lambda dt: "avx512")
+    plain = attnlab.explain(q, k, v, pattern=pat, method="compiled", block_size=16)
+    monkeypatch.setattr(compiled, "half_dot", lambda dt: None)
+    assert compiled.gemm_backend(dtype, 8, 8, 16) == "fp32"
+    plan = attnlab.explain(q, k, v, pattern=pat, method="compiled", block_size=16)
+    name = str(dtype).replace("torch.", "")
+    assert f"{name} runs as fp32 tiles, no {name} dot product on this CPU" in plan.notes["compiled"]
+    assert "runs as fp32 tiles" in str(plan) and "runs as fp32 tiles" not in plain.notes.get("compiled", "")
+    assert plan.peak_bytes["compiled"] - plain.peak_bytes["compiled"] == 4 * 2 * (2 * 3 * 37 * (8 + 8))  # q, out; k, v
+    got = run(q, k, v)
+    want = run(*(t.detach().float().requires_grad_() for t in (q, k, v)))
+    for w, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype and torch.equal(a, b.to(dtype)), w
+    monkeypatch.undo()
+    monkeypatch.setenv("ATTNLAB_EXT_GEMM", "fp32")
+    assert compiled.gemm_backend(dtype, 8, 8, 16) == "fp32"
+    assert "ATTNLAB_EXT_GEMM=fp32" in attnlab.explain(q, k, v, pattern=pat, method="compiled").notes["compiled"]
+    for w, a, b in zip(("out", "dq", "dk", "dv"), run(q, k, v), got):
+        assert torch.equal(a, b), w
+
+
+def test_serial_conversion_equals_torchs():
+    """csrc Note [Serial conversion]: the extension's one-thread conversion (for half types run as fp32 tiles)
+    gives exactly Tensor.to's values, contiguous, for every pair of fp32 / bf16 / fp16 and any strides."""
+    ext = compiled._load()
+    dts = (torch.float32, torch.bfloat16, torch.float16)
+    for src in dts:
+        x = (torch.randn(2, 3, 17, 9) * 300).to(src)
+        x[0, 0, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+        for y in (x, x.transpose(1, 2), x[..., ::2], x.mT, x[:, :1].expand(2, 5, 17, 9), x[0, 0, 0, 0]):
+            for dst in dts:
+                got = ext.convert(y, str(dst).replace("torch.", ""))
+                assert got.is_contiguous() and got.dtype == dst
+                assert torch.equal(got.nan_to_num(7.0), y.to(dst).nan_to_num(7.0)), (src, dst, y.stride())
+                assert torch.equal(got.isnan(), y.to(dst).isnan())
+    with pytest.raises(RuntimeError, match="convert takes"):
+        ext.convert(torch.ones(3, dtype=torch.float64), "float32")
+
+
+def test_half_brgemm_probe_under_a_capped_onednn():
+    """Where oneDNN has no bf16 brgemm kernel (its ISA capped at AVX512_CORE: "could not generate a kernel";
+    at AVX2 torch refuses), the extension's one-time probe says so and bf16 runs off brgemm, with no error and
+    nothing printed; at AVX512_CORE_BF16 it takes brgemm on a CPU with AVX512-BF16."""
+    if compiled.capability() != "AVX512":
+        pytest.skip("brgemm runs in the AVX-512 build only")
+    code = ("import torch, attnlab\n"
+            "from attnlab.kernels import compiled\n"
+            "q = torch.randn(1, 2, 40, 8).bfloat16().requires_grad_()\n"
+            "attnlab.attention(q, q, q, is_causal=True, method='compiled').sum().backward()\n"
+            "print(compiled.gemm_backend(torch.bfloat16, 8, 8, 16), bool(torch.isfinite(q.grad).all()))\n")
+    amx = bool(cpu.INFO.has("amx_bf16"))
+    for isa, want in (("AVX512_CORE", None if amx else "mkl"), ("AVX2", None if amx else "mkl"),
+                      ("AVX512_CORE_BF16", "brgemm" if cpu.INFO.has("avx512_bf16") else None)):
+        env = dict(os.environ, PYTHONPATH=str(SRC), ONEDNN_MAX_CPU_ISA=isa)
+        env.pop("ATTNLAB_EXT_GEMM", None)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0 and r.stderr == "", (isa, r.stderr[-2000:])
+        backend, finite = r.stdout.split()
+        assert finite == "True", isa
+        if want is not None and compiled.half_dot(torch.bfloat16):
+            assert backend == want, (isa, backend)
+
+
+@pytest.mark.parametrize("gemm", ["brgemm", "mkl", "loop", "fp32"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_conformance_on_each_backend(gemm, dtype, monkeypatch):
     """The compact conformance matrix (compiled_check: dense, causal, window + bool mask, learned float mask ×
     canonical, strided-row and head-major layouts, broadcast keys, a .mT row, Ev = 1) with every product on
     one back end, outputs and gradients against float64 autograd. Skipped where this machine cannot run that
-    back end for the dtype (brgemm for fp64; for half types without AMX)."""
+    back end for the dtype (brgemm for fp64; for half types without AMX or AVX512-BF16; fp32, the half types
+    converted to fp32 tiles, for fp32 and fp64)."""
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", gemm)
     if compiled.gemm_backend(dtype, 8, 6, 16) != gemm:
         pytest.skip(f"{dtype} tiles run on {compiled.gemm_backend(dtype, 8, 6, 16)} here, not {gemm}")
@@ -300,7 +401,7 @@ def test_conformance_on_each_backend(gemm, dtype, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gemm", ["auto", "brgemm", "mkl", "loop"])
+@pytest.mark.parametrize("gemm", ["auto", "brgemm", "mkl", "loop", "fp32"])
 def test_conformance_long_sweep(gemm, monkeypatch):
     """compiled_check --full (more shapes, block sizes 8 / 24 / 64) on each back end, every dtype."""
     monkeypatch.setenv("ATTNLAB_EXT_GEMM", gemm)

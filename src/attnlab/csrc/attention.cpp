@@ -1246,13 +1246,77 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   if (DQP) dq.copy_(dq_part.sum(0));
 }
 
-// fp32 tiles always run through brgemm on AVX-512 builds; half types when oneDNN packs them for this CPU
-// (AMX / AVX512-BF16) and the reduction dims are even (VNNI pairs).
+// Note [Half-type dot products]: whether this CPU multiplies bf16 / fp16 pairs in hardware (AMX tiles, or
+// the AVX-512 vector dot products VDPBF16PS / VDPPHPS), from its flags at run time, never from the build. Where
+// it does not (AVX2-only CPUs; fp16 without AVX512-FP16), a half-type product is a conversion followed by fp32
+// arithmetic, slower than fp32 tiles: the wrapper then converts q, k, v once and runs the fp32 kernel
+// (kernels/compiled.py, ``gemm_backend`` "fp32"). Measured fp16 on a Zen 5 (no AVX512-FP16), dense n = 4096,
+// H = 8, D = 64, 2 threads (attnlab.bench.half_tiles): MKL's cblas_gemm_f16f16f32 tiles 0.53x the kernel's
+// fp32 forward (0.44x forward + backward), fp32 tiles on converted inputs 0.96x (0.95x).
+bool native_half_dot(at::ScalarType dt) {
+  if (dt != at::kBFloat16 && dt != at::kHalf) return false;
+  if (at::native::cpublas::could_pack(dt)) return true;  // AMX-BF16 / AMX-FP16 (torch's cpuinfo)
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return dt == at::kBFloat16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512fp16");
+#else
+  return false;
+#endif
+}
+
+// Note [Half-type brgemm without AMX]: torch's cpublas::brgemm takes bf16 (VNNI-packed B) to oneDNN's ukernel
+// on any CPU whose oneDNN ISA has a bf16 dot product: AMX, and also AVX512-BF16 (Cooper Lake, Zen 4 / 5), where
+// oneDNN's avx512_core_bf16 brgemm runs on VDPBF16PS (measured on a Zen 5, one thread, 64x64x64: 215 GFLOP/s,
+// torch.matmul bf16 210, fp32 brgemm 113). cpublas::could_pack answers only "AMX" (it is about packing), so it
+// is not the test. Instead one tiny product is tried once per process: it fails where oneDNN has no bf16 kernel
+// for this CPU or its ISA cap (ONEDNN_MAX_CPU_ISA=AVX512_CORE: "could not generate a kernel"; AVX2: torch
+// refuses), and fp16 needs AMX-FP16 (torch refuses VNNI fp16 otherwise). A CPU without the dot product in
+// hardware is not tried (Note [Half-type dot products]).
+template <typename T>
+bool try_half_brgemm() {
+#if defined(CPU_CAPABILITY_AVX512)
+  try {
+    // A [2, 2] = [[1, 2], [3, 4]], B [2, 16] in VNNI [1, 16, 2] with B[0][j] = 1, B[1][j] = j:
+    // C[i][j] = A[i][0] + A[i][1] j, exact in fp32
+    T a[4] = {T(1.f), T(2.f), T(3.f), T(4.f)}, b[32];
+    for (int j = 0; j < 16; ++j) {
+      b[2 * j] = T(1.f);
+      b[2 * j + 1] = T(static_cast<float>(j));
+    }
+    float c[32];
+    at::native::cpublas::brgemm(2, 16, 2, 2, 16, 16, false, a, b, c, true);
+    at::native::cpublas::brgemm_release(true);
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 16; ++j)
+        if (c[i * 16 + j] != static_cast<float>(a[2 * i]) + static_cast<float>(a[2 * i + 1]) * j) return false;
+    return true;
+  } catch (...) {
+    return false;
+  }
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+bool half_brgemm_runs_for(at::ScalarType dt) {
+  static const bool ok = at::native::cpublas::could_pack(dt) || (native_half_dot(dt) && try_half_brgemm<T>());
+  return ok;
+}
+
+bool half_brgemm_runs(at::ScalarType dt) {
+  if (dt == at::kBFloat16) return half_brgemm_runs_for<at::BFloat16>(dt);
+  if (dt == at::kHalf) return half_brgemm_runs_for<at::Half>(dt);
+  return false;
+}
+
+// fp32 tiles always run through brgemm on AVX-512 builds; half types where oneDNN's brgemm has a kernel with the
+// CPU's dot product (AMX, AVX512-BF16: Note [Half-type brgemm without AMX]) and the reduction dims are even
+// (VNNI pairs).
 bool brgemm_applies(at::ScalarType dt, int64_t E, int64_t Ev, int64_t bk, bool allow) {
   if (!kHaveBrgemm || !allow) return false;
   if (dt == at::kFloat) return true;
-  if (dt == at::kBFloat16 || dt == at::kHalf)
-    return at::native::cpublas::could_pack(dt) && E % 2 == 0 && Ev % 2 == 0 && bk % 2 == 0;
+  if (dt == at::kBFloat16 || dt == at::kHalf) return half_brgemm_runs(dt) && E % 2 == 0 && Ev % 2 == 0 && bk % 2 == 0;
   return false;
 }
 
@@ -1355,6 +1419,54 @@ bool native_bf16_convert() {
 }
 bool has_half_blas() { return cblas_gemm_bf16bf16f32 != nullptr && cblas_gemm_f16f16f32 != nullptr; }
 
+// Note [Serial conversion]: half types that run as fp32 tiles (Note [Half-type dot products]) are converted
+// to fp32 and back on the calling thread. Each of PyTorch's own conversions is a parallel region, and on a
+// shared CPU a region waits for its slowest thread: measured on 2 busy cores, the four conversions of an
+// n = 1024 call (q, k, v, out) took 31 ms, the whole fp32 forward 40 ms; one thread converts 2M values in ~1 ms.
+// Returns a contiguous tensor of x's values in `dtype` (x: any strides; a row of the last dim is converted at
+// once when its stride is 1).
+at::Tensor convert_serial(const at::Tensor& x, const std::string& dtype) {
+  const auto dt = dtype == "float32" ? at::kFloat : dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf
+                                                                                                          : at::kDouble;
+  TORCH_CHECK(dt != at::kDouble && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
+              "attnlab._C: convert takes CPU float32 / bfloat16 / float16 tensors to one of those, got ",
+              x.scalar_type(), " to ", dtype);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(dt));
+  if (x.numel() == 0) return out;
+  const int64_t D = x.dim() ? x.size(-1) : 1, rows = x.numel() / D;
+  const bool unit = x.dim() == 0 || x.stride(-1) == 1 || D == 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "attnlab_convert_src", [&] {
+    using S = scalar_t;
+    const S* src = x.data_ptr<S>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "attnlab_convert_dst", [&] {
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      std::vector<int64_t> pos(std::max<int64_t>(x.dim() - 1, 0), 0);  // row r's index over the leading dims
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t off = 0;
+        for (size_t d = 0; d < pos.size(); ++d) off += pos[d] * x.stride(d);
+        if (unit) {
+          at::vec::convert(src + off, dst + r * D, D);
+        } else {
+          const int64_t st = x.stride(-1);
+          for (int64_t c = 0; c < D; ++c) dst[r * D + c] = static_cast<scalar_t>(static_cast<float>(src[off + c * st]));
+        }
+        for (int64_t d = static_cast<int64_t>(pos.size()) - 1; d >= 0; --d) {  // next row index
+          if (++pos[d] < x.size(d)) break;
+          pos[d] = 0;
+        }
+      }
+    });
+  });
+  return out;
+}
+// "amx", "avx512" (the vector dot products) or "" (none): Note [Half-type dot products]
+std::string half_dot_for(const std::string& dtype) {
+  const auto dt = dtype == "bfloat16" ? at::kBFloat16 : dtype == "float16" ? at::kHalf : at::kFloat;
+  if (!native_half_dot(dt)) return "";
+  return at::native::cpublas::could_pack(dt) ? "amx" : "avx512";
+}
+
 }  // namespace
 
 #define ATTNLAB_STR2(x) #x
@@ -1370,8 +1482,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_bf16_convert", &native_bf16_convert,
         "bf16 probabilities are converted by the CPU's AVX512-BF16 instruction (else at::vec's integer sequence)");
   m.def("has_half_blas", &has_half_blas, "bf16/fp16 tiles run through MKL's mixed-precision gemm");
+  m.def("convert", &convert_serial, "x's values in dtype (name: float32 / bfloat16 / float16), contiguous, "
+        "converted on the calling thread (Note [Serial conversion])");
   m.def("brgemm_for", &brgemm_for, "whether tiles of this dtype (name) and head dims run on oneDNN's brgemm");
+  m.def("half_dot", &half_dot_for,
+        "how this CPU multiplies pairs of this half dtype (name) in hardware: 'amx', 'avx512' (AVX512-BF16 / "
+        "AVX512-FP16) or '' (it does not)");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 8;
+  m.attr("abi_version") = 9;
 }

@@ -10,9 +10,11 @@ backward recomputes each block's probabilities from them (no L×S tensor is save
 Inputs are CPU tensors q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] (GQA: query head h reads
 key/value head h // (H / Hkv), without copying K/V); fp32, fp64, bf16 or fp16 (half types accumulate
 in fp32). On AVX-512 builds the tiles multiply through oneDNN's brgemm micro-kernel, for bf16 on the
-CPU's AMX / AVX512-BF16 units where oneDNN packs for them (``uses_brgemm``), and the bf16 forward's
-exp and conversion run in one pass (csrc Note [Half-type exp]); elsewhere MKL's gemm. Consecutive full
-key blocks run as one tile up to 512 keys wide (Note [Merged runs]).
+CPU's AMX or AVX512-BF16 dot products (``uses_brgemm``; csrc Note [Half-type brgemm without AMX]), and the
+bf16 forward's exp and conversion run in one pass (csrc Note [Half-type exp]); elsewhere MKL's gemm. A CPU
+without the half dtype's dot product in hardware (AVX2-only; fp16 without AVX512-FP16 or AMX-FP16) runs
+half types as fp32 tiles, converted once (``runs_as_fp32``, csrc Note [Half-type dot products]). Consecutive
+full key blocks run as one tile up to 512 keys wide (Note [Merged runs]).
 
 Inputs may have any batch and head strides (broadcast heads included); a tensor whose rows the tile
 products cannot read in place (an ``expand`` along L or S, a single row from ``.mT``, a last stride
@@ -24,9 +26,11 @@ Environment (read at each call):
 
 - ``ATTNLAB_EXT_GEMM`` picks the back end of the tile products: ``auto`` (default: brgemm where it applies
   and pays, else MKL's gemm), ``brgemm`` (brgemm wherever it applies, forward and backward: fp32 on AVX-512
-  builds, bf16/fp16 where oneDNN packs them; other tiles as ``auto``), ``mkl`` (MKL's
-  sgemm/dgemm/cblas_gemm_bf16bf16f32/cblas_gemm_f16f16f32), ``loop`` (the plain loop that runs where torch has
-  no MKL). ``gemm_backend()`` says which runs for a dtype; an unknown value raises ValueError.
+  builds, bf16/fp16 where oneDNN has a kernel on the CPU's dot products; other tiles on MKL's gemm), ``mkl``
+  (MKL's sgemm/dgemm/cblas_gemm_bf16bf16f32/cblas_gemm_f16f16f32), ``loop`` (the plain loop that runs where torch has
+  no MKL), ``fp32`` (bf16/fp16 converted once to fp32 and run on the fp32 tiles, which ``auto`` does on CPUs
+  without the dtype's dot product; other dtypes as ``auto``). ``gemm_backend()`` says which runs for a dtype;
+  an unknown value raises ValueError.
 - ``ATTNLAB_EXT_BWD_SPLITS=k`` forces k key-block ranges per kv head in the backward (``backward_splits``).
 - ``ATTNLAB_EXT_NO_AVX512BF16=1`` (read at load) converts bf16 with at::vec's sequence instead of the CPU's
   instruction (``converts_bf16_natively``); ``ATTNLAB_NO_EXT=1`` disables the extension.
@@ -48,16 +52,18 @@ import torch.nn.functional as F
 
 from .. import patterns as P
 from ..caches import ByteLRU
+from ..report import format_bytes
 from .extension import Extension, transformed
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["available", "unavailable_reason", "capability", "variant", "KernelLayout", "build_layout", "compiled_attention",
-           "has_fast_gemm", "uses_brgemm", "gemm_backend", "gemm_setting", "GEMM_SETTINGS", "takes_in_place",
-           "clip_blocks", "converts_bf16_natively", "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
+__all__ = ["available", "unavailable_reason", "capability", "variant", "KernelLayout", "build_layout",
+           "compiled_attention", "has_fast_gemm", "uses_brgemm", "gemm_backend", "half_dot", "runs_as_fp32",
+           "gemm_setting", "GEMM_SETTINGS", "takes_in_place", "clip_blocks", "converts_bf16_natively",
+           "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 8
+ABI_VERSION = 9
 _EXT = Extension("_C", ABI_VERSION, "compiled extension")
 
 
@@ -232,7 +238,7 @@ def build_layout(mask: MaskSpec, block_q: int, block_k: int) -> KernelLayout:
 
 
 #: the values ATTNLAB_EXT_GEMM takes (module docstring)
-GEMM_SETTINGS = ("auto", "brgemm", "mkl", "loop")
+GEMM_SETTINGS = ("auto", "brgemm", "mkl", "loop", "fp32")
 #: the extension's GemmMode (csrc Note [Gemm arguments]): products off brgemm on the loop or MKL; 2 = brgemm
 #: where it applies
 _LOOP, _BLAS, _BRGEMM = 0, 1, 2
@@ -275,32 +281,65 @@ def backward_splits(N: int, Hkv: int, S: int, block_k: int) -> int:
     return 1 if pairs >= want else min(nk, -(-want // pairs))
 
 
-#: the bf16/fp16 backward takes brgemm when query blocks visit at least this many key blocks on average:
+#: on AMX, the bf16/fp16 backward takes brgemm when query blocks visit at least this many key blocks on average:
 #: it transposes Q and dO once per query block (csrc Note [Half-type backward on brgemm]), which pays over
 #: many key blocks only. Measured bf16 fwd+bwd vs MKL's gemm, H=8, D=64, 2 threads, loaded machine:
 #: dense n=4096 (32 blocks of 128 keys) backward 1.03-1.17x at every tile from 64x128 to 256x512, causal
 #: n=8192 (8 blocks of 512 on average) 1.17-1.26x, but window 256 n=8192 (5 blocks of 64) 0.89x and
 #: block-sparse 0.05 (4 blocks of 128) 0.95x; with the transposes vectorised, window 1.00x, block-sparse
-#: 0.94x (noisy).
+#: 0.94x (noisy). Without AMX (the vector dot products of AVX512-BF16) brgemm's backward pays at every density:
+#: bf16 fwd+bwd's backward, n=4096, H=8, D=64, 2 threads, Zen 5 (shared machine), brgemm vs MKL:
+#: dense 0.97x (both brgemm: noise), causal 1.81x, window 256 1.56x, block-sparse 0.1 1.58x, window 32 (64x64
+#: tiles) 1.21x; n=1024 window 64 1.00x; n=256 causal 1.28x.
 BACKWARD_HALF_BRGEMM_MIN_BLOCKS = 8
 
 
 def _backward_brgemm(dtype: torch.dtype, lay: KernelLayout) -> bool:
-    """Whether the backward takes brgemm: half types when their query blocks visit enough key blocks
-    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE; always under
-    ATTNLAB_EXT_GEMM=brgemm."""
-    setting = gemm_setting()
+    """Whether the backward takes brgemm: half types on AMX when their query blocks visit enough key blocks
+    (BACKWARD_HALF_BRGEMM_MIN_BLOCKS), else always, fp32 for tiles up to BACKWARD_BRGEMM_MAX_TILE; always
+    under ATTNLAB_EXT_GEMM=brgemm. (Where brgemm does not apply to the tiles, the extension runs MKL's gemm.)"""
+    setting = _engine_setting()
     if setting != "auto":
         return setting == "brgemm"
     if dtype in (torch.bfloat16, torch.float16):
+        if half_dot(dtype) != "amx":  # the vector dot products: brgemm wherever it applies
+            return True
         return float(lay.kv_num.float().mean()) >= BACKWARD_HALF_BRGEMM_MIN_BLOCKS if lay.kv_num.numel() else False
     return lay.block_q * lay.block_k <= BACKWARD_BRGEMM_MAX_TILE
 
 
+def _engine_setting() -> str:
+    """gemm_setting() as it applies to the tiles the kernel runs: "fp32" converts half types and otherwise
+    chooses as "auto"."""
+    setting = gemm_setting()
+    return "auto" if setting == "fp32" else setting
+
+
+def half_dot(dtype: torch.dtype) -> str | None:
+    """How this CPU multiplies pairs of this half dtype in hardware: "amx" (AMX tiles), "avx512" (the vector dot
+    products of AVX512-BF16 / AVX512-FP16) or None (it does not; also without the extension), read from its flags
+    by the extension (csrc Note [Half-type dot products])."""
+    ext = _load()
+    if ext is None or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return ext.half_dot(str(dtype).replace("torch.", "")) or None
+
+
+def runs_as_fp32(dtype: torch.dtype) -> bool:
+    """Whether bf16 / fp16 inputs are converted once to fp32 and run on the fp32 tiles (then rounded back):
+    under ATTNLAB_EXT_GEMM=fp32, and under auto on a CPU without the dtype's dot product in hardware, where
+    a half-type product is a conversion followed by fp32 arithmetic (slower than fp32 tiles: csrc Note
+    [Half-type dot products]; measured in attnlab.bench.half_tiles)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    setting = gemm_setting()
+    return setting == "fp32" or (setting == "auto" and not half_dot(dtype))
+
+
 def _gemm_mode(dtype: torch.dtype, lay: KernelLayout | None = None, backward: bool = False) -> int:
     """The extension's gemm argument for one pass (ATTNLAB_EXT_GEMM, and for the backward under auto its
-    measured rules)."""
-    setting = gemm_setting()
+    measured rules); ``dtype`` is the dtype the kernel runs (float32 for half types that ``runs_as_fp32``)."""
+    setting = _engine_setting()
     if setting == "loop":
         return _LOOP
     if setting == "mkl" or (backward and not _backward_brgemm(dtype, lay)):
@@ -311,17 +350,21 @@ def _gemm_mode(dtype: torch.dtype, lay: KernelLayout | None = None, backward: bo
 def gemm_backend(dtype: torch.dtype, E: int = 64, Ev: int | None = None, block_k: int = 64, *,
                  backward: bool = False, layout: KernelLayout | None = None) -> str | None:
     """Which back end multiplies this dtype's tiles (head dims E, Ev; key blocks of ``block_k``) under the
-    current ``ATTNLAB_EXT_GEMM``: "brgemm" (oneDNN's micro-kernel), "mkl" (MKL's gemm from torch's build) or
-    "loop" (the plain loop); None without the extension. Every product of one pass runs on one back end, but for
-    the backward's scores, which run on the forward's (csrc Note [Same scores]).
+    current ``ATTNLAB_EXT_GEMM``: "brgemm" (oneDNN's micro-kernel; bf16 on AMX or AVX512-BF16), "mkl" (MKL's gemm
+    from torch's build), "loop" (the plain loop) or, for half types, "fp32" (converted once and run on the fp32
+    tiles, whose back end is ``gemm_backend(torch.float32, ...)``: ``runs_as_fp32``); None without the extension.
+    Every product of one pass runs on one back end, but for the backward's scores, which run on the forward's
+    (csrc Note [Same scores]).
     ``backward=True`` answers for the backward, whose choice under auto follows the ``layout`` (required then:
     BACKWARD_BRGEMM_MAX_TILE, BACKWARD_HALF_BRGEMM_MIN_BLOCKS)."""
     ext = _load()
     if ext is None:
         return None
-    if backward and layout is None and gemm_setting() == "auto":
+    if backward and layout is None and gemm_setting() in ("auto", "fp32"):
         raise ValueError("gemm_backend(backward=True) under ATTNLAB_EXT_GEMM=auto needs the layout "
                          "(its choice depends on the tile shape and the visited blocks)")
+    if runs_as_fp32(dtype):
+        return "fp32"
     mode = _gemm_mode(dtype, layout, backward)
     Ev = E if Ev is None else Ev
     name = str(dtype).replace("torch.", "")
@@ -434,27 +477,45 @@ def _no_double_backward(ctx, *grads):
 _backward_op.register_autograd(_no_double_backward)
 
 
+def _convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in ``dtype`` (t itself when it is already), converted on the calling thread (csrc Note [Serial
+    conversion]: PyTorch's parallel conversions wait for the slowest thread of a busy CPU); a transform's
+    wrapper (vmap) takes PyTorch's own. Never differentiated (the kernel's backward has no double backward)."""
+    if t.dtype == dtype:
+        return t
+    if _wrapped(t):
+        return t.to(dtype)
+    return _load().convert(t, str(dtype).replace("torch.", ""))
+
+
 class _CompiledFunction(torch.autograd.Function):
     """(out, lse, out_acc or None, lse_lo) of the kernel, differentiable in q, k, v and the float mask ``bias``;
     torch.func-compatible (setup_context, a vmap rule). lse_lo is lse's rounding error, lse + lse_lo = m + log(l),
     for the backward (csrc Note [Split log-sum-exp])."""
 
     @staticmethod
-    def forward(q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, keep_acc):
+    def forward(q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, keep_acc,
+                as_fp32):
         if _wrapped(*lay.tensors):
             raise RuntimeError(_GRAD_TRANSFORM)
+        dtype = q.dtype
+        if as_fp32:  # runs_as_fp32: converted once, the fp32 kernel, its output rounded once
+            q, k, v = (_convert(t, torch.float32) for t in (q, k, v))
         # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
         out, lse, out_acc, lse_lo = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias,
                                                     alibi, scale, softcap, alibi_causal, alibi_offset, lay.block_q,
-                                                    lay.block_k, _gemm_mode(q.dtype), keep_acc)
+                                                    lay.block_k, _gemm_mode(q.dtype), keep_acc and not as_fp32)
+        if as_fp32:
+            out, out_acc = _convert(out, dtype), (out if keep_acc else None)
         return out, lse, out_acc, lse_lo
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _ = inputs
+        q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _, as_fp32 = inputs
         out, lse, out_acc, lse_lo = output
         ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, lse_lo, bias)
         ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
+        ctx.as_fp32 = as_fp32
         ctx.mark_non_differentiable(*(t for t in (lse, out_acc, lse_lo) if t is not None))
 
     @staticmethod
@@ -464,6 +525,9 @@ class _CompiledFunction(torch.autograd.Function):
         # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
         # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
         bias_grad = bias is not None and ctx.needs_input_grad[5]
+        dtype = q.dtype
+        if ctx.as_fp32:  # as the forward ran: the fp32 kernel on converted inputs
+            dout, q, k, v, out = (_convert(t, torch.float32) for t in (dout, q, k, v, out))
         # the scores on the forward's engine (csrc Note [Same scores]), the other products on the backward's
         args = (dout, q, k, v, out, lse, lse_lo, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
                 alibi_offset, lay.block_q, lay.block_k, _gemm_mode(q.dtype, lay, backward=True), _gemm_mode(q.dtype),
@@ -473,7 +537,9 @@ class _CompiledFunction(torch.autograd.Function):
             dbias = dbias if bias_grad else None
         else:
             dq, dk, dv, dbias = _run_backward(*args)
-        return dq, dk, dv, None, None, dbias, None, None, None, None, None, None
+        if ctx.as_fp32:
+            dq, dk, dv = (_convert(t, dtype) for t in (dq, dk, dv))
+        return dq, dk, dv, None, None, dbias, None, None, None, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -543,7 +609,7 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     keep_acc = q.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse, _, _ = _CompiledFunction.apply(q, k, v, layout, keep, bias, alibi_slopes, float(scale), float(softcap),
-                                             bool(alibi_causal), int(S - L), keep_acc)
+                                             bool(alibi_causal), int(S - L), keep_acc, runs_as_fp32(q.dtype))
     return (out[..., :0] if Ev == 0 else out), lse
 
 
@@ -575,7 +641,8 @@ def _peak(r: Request, t: Tiling | None) -> int:
     bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
     splits = backward_splits(r.N, r.Hkv, r.S, bk) if r.needs_grad else 1
     dq_parts = splits * r.N * r.H * r.L * r.E * 4 if splits > 1 else 0  # csrc Note [Backward balance]
-    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + dq_parts + scratch_bytes(bq, bk, r.E, r.Ev)
+    wide = _fp32_copy_bytes(r) if _planned_as_fp32(r) else 0
+    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + dq_parts + wide + scratch_bytes(bq, bk, r.E, r.Ev)
 
 
 def _flops(r: Request, t: Tiling | None) -> int:
@@ -583,7 +650,31 @@ def _flops(r: Request, t: Tiling | None) -> int:
     return r.N * r.H * computed * 2 * (r.E + r.Ev)
 
 
+def _explain(r: Request) -> str | None:
+    """explain's line when half types run as fp32 tiles here (``runs_as_fp32``), else None."""
+    if not _planned_as_fp32(r):
+        return None
+    name = str(r.dtype).replace("torch.", "")
+    why = ("ATTNLAB_EXT_GEMM=fp32" if gemm_setting() == "fp32" else
+           f"no {name} dot product on this CPU (AMX or AVX512-{'BF16' if r.dtype == torch.bfloat16 else 'FP16'})")
+    return f"{name} runs as fp32 tiles, {why}: q, k, v converted once ({format_bytes(_fp32_copy_bytes(r))})"
+
+
+def _planned_as_fp32(r: Request) -> bool:
+    """``runs_as_fp32`` for a planned request; False without the extension or under an unknown
+    ATTNLAB_EXT_GEMM (the call itself raises on it: planning and explaining other kernels do not)."""
+    try:
+        return _load() is not None and runs_as_fp32(r.dtype)
+    except ValueError:
+        return False
+
+
+def _fp32_copy_bytes(r: Request) -> int:
+    """Bytes of the fp32 copies of q, k, v and of the output before rounding, when ``runs_as_fp32``."""
+    return 4 * (r.N * r.H * r.L * (r.E + r.Ev) + r.N * r.Hkv * r.S * (r.E + r.Ev))
+
+
 SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the layout's tiles, masks read "
                   "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True,
                   devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",),
-                  peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason())
+                  peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason(), explain=_explain)

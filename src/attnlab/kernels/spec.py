@@ -138,6 +138,8 @@ class KernelSpec:
     devices: device types it runs on (None: any).
     peak_bytes / flops: ``f(request, tiling)`` (tiling None for unblocked kernels).
     unavailable: a hook for dynamic facts (e.g. "extension not built"): ``f(request) -> reason | None``.
+    explain: a hook for what this CPU makes the kernel do beyond its usual work, for ``notes``:
+        ``f(request) -> line | None``.
     """
 
     name: str
@@ -162,6 +164,7 @@ class KernelSpec:
     peak_bytes: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
     flops: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
     unavailable: Callable[[Request], str | None] | None = field(default=None, compare=False)
+    explain: Callable[[Request], str | None] | None = field(default=None, compare=False)
 
     def not_supported_reasons(self, r: Request) -> list[str]:
         """Every reason this kernel cannot run ``r`` (empty: it can), derived from the fields above."""
@@ -226,4 +229,6 @@ class KernelSpec:
         if r.alibi is not None and self.alibi == "mask" and r.alibi in self.alibi_shapes:
             out.append(f"ALiBi written out as a [{'B' if r.alibi == '[B, H]' else '1'}, H, L, S] float mask: "
                        f"{format_bytes(alibi_mask_bytes(r))}")
+        if self.explain is not None and (line := self.explain(r)):
+            out.append(line)
         return out
