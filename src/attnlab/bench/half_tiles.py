@@ -9,7 +9,7 @@ report is in ratios. The GEMM rate is the best round's (what the CPU reaches: th
 conservative), its median beside it.
 
 ``run(HalfTilesConfig(...)) -> dict``: measures and returns the figures (no printing, no files);
-``python -m attnlab.bench.half_tiles [--quick]`` prints them as JSON.
+``python -m attnlab.cli.half_tiles [--quick] [--fp16]`` prints them as JSON.
 
 Legend: B batch, H heads, n sequence length (L = S = n), E head dim; inputs [B, H, n, E] = [1, 8, n, 64].
 Compiled back ends (``ATTNLAB_EXT_GEMM``, read at each call, so they compare side by side): ``auto`` and any
@@ -17,11 +17,9 @@ of ``kernels.compiled.GEMM_SETTINGS`` listed in ``backends``.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -160,18 +158,3 @@ def run(config: HalfTilesConfig = HalfTilesConfig()) -> dict:
     finally:
         torch.set_num_threads(old_threads)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m attnlab.bench.half_tiles [--quick] [--fp16]``: run and print the figures as JSON."""
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = HalfTilesConfig()
-    if "--quick" in argv:
-        cfg = HalfTilesConfig(ns=(1024,), rounds=3)
-    if "--fp16" in argv:
-        cfg = HalfTilesConfig(**{**asdict(cfg), "half": ("bfloat16", "float16")})
-    print(json.dumps(run(cfg), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
