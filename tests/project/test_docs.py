@@ -49,4 +49,20 @@ def test_block_runs(code, tmp_path):
         (tmp_path / "block.py").write_text(code)
         argv = [sys.executable, "block.py"]
     r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    for _ in range(2):
+        if not (launch and _teardown_abort(r, argv)):
+            break
+        # gloo can abort a rank while its process group is torn down, after the work is done and printed
+        # (every rank's line is on stdout): a flake of torch's teardown (seen once in CI, 1 in >100 runs
+        # here), not of the block, so the block runs again; any other failure fails at once
+        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"block failed (rc {r.returncode}):\n{code}\n--- stderr ---\n{r.stderr[-3000:]}"
+
+
+def _teardown_abort(r: subprocess.CompletedProcess, argv: list[str]) -> bool:
+    """A torchrun block that did its work (one stdout line per rank) but lost a rank to gloo's
+    "terminate called without an active exception" on the way out."""
+    nproc = int(argv[argv.index("--nproc-per-node") + 1]) if "--nproc-per-node" in argv else 1
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    return (r.returncode != 0 and "terminate called without an active exception" in r.stderr
+            and len(lines) >= nproc)
