@@ -6,7 +6,9 @@
 //   out  [B, H, L, Dv]          written in place, any strides, q's dtype
 //   k, v [P, T, Hkv, D|Dv]      a pool of P pages of T tokens, any strides: a paged cache as it is, a
 //                               contiguous cache [B, S, Hkv, D] as P = B pages of T = S tokens, attnlab's
-//                               [B, Hkv, S, D] as its permuted view; fp32, bf16 or fp16 (q's dtype)
+//                               [B, Hkv, S, D] as its permuted view; q's dtype (fp32, bf16 or fp16) or int8
+//   k_scale, v_scale [P, T, Hkv] float32, any strides: with an int8 cache, row (p, t, g) holds
+//                               k[p, t, g, :] * k_scale[p, t, g] (Note [Decode int8 cache])
 //   block_table [B, maxp] int32 page of each sequence's tokens t*T .. t*T+T-1 (contiguous: [[0], [1], ...])
 //   seqlens [B] int64           keys j < seqlens[b] exist for sequence b (per-sequence lengths)
 //   mask_off [B] int64          query i sits at position i + mask_off[b] (bottom-right: seqlens[b] - L)
@@ -42,6 +44,16 @@
 // whose probability is not 0: a key masked for a row is skipped, so a NaN or Inf held in a cache slot
 // that row may not see never reaches its output (0 * NaN), and slots past seqlens are never read.
 //
+// Note [Decode int8 cache]: an int8 cache holds each (token, kv head) row as int8 with one float32 scale
+// (symmetric, scale = max|x| / 127: quantised on append by functional/kvcache.py). The kernel dequantises a
+// tile's rows while widening them (int8 -> int32 -> fp32, times the row's scale, vectorised), so the rest of
+// the tile is the fp32 code: the cache is read at 1 byte an element plus 4 bytes a row.
+//
+// Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
+// row by row) instead of a division by the page size T per row: at T < S a division and a table load for
+// each K, V and prefetched row cost as much as reading a short row (paged bf16 GQA, measured in
+// bench decode). The contiguous cache is one page per sequence and walks the same way.
+//
 // Compiled once per CPU capability with attention.cpp's flags (setup.py); at::vec picks the vector width.
 
 #include <torch/extension.h>
@@ -56,7 +68,11 @@
 #include <cstdlib>
 #include <string>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -81,6 +97,8 @@ struct Args {
   const void* q; int64_t qs[4];
   const void* k; int64_t ks[3];  // page, token, head strides of the pool
   const void* v; int64_t vs[3];
+  const float* ksc = nullptr; int64_t kss[3] = {0, 0, 0};  // int8 cache: per-row scales [P, T, Hkv]
+  const float* vsc = nullptr; int64_t vss[3] = {0, 0, 0};
   void* out; int64_t os[4];
   const int32_t* table;
   const int64_t* seqlens;
@@ -104,30 +122,55 @@ inline void row_range(const Args& a, int64_t b, int64_t i, int64_t& lo, int64_t&
   if (hi < lo) hi = lo;
 }
 
-template <typename T>
-inline const T* row_ptr(const T* base, const int64_t* st, const Args& a, int64_t b, int64_t j, int64_t g) {
-  const int64_t page = a.table[b * a.maxp + j / a.T];
-  return base + page * st[0] + (j % a.T) * st[1] + g * st[2];
+// int8 row (one scale) -> fp32 row (Note [Decode int8 cache])
+inline void widen_scaled(const int8_t* p, float scale, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (; d + 16 <= n; d += 16) {
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + d)));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(x), sv));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (; d + 8 <= n; d += 8) {
+    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + d)));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(x), sv));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(p[d]) * scale;
 }
 
-// A tile's rows as fp32 pointers: in place for fp32, else widened into buf [TK, width]. The rows of the
-// tile after it (up to `end`) are prefetched meanwhile (Note [Decode prefetch]).
+// A tile's rows (keys j0 .. j0 + nt - 1 of sequence b, kv head g) as fp32 pointers: in place for fp32, else
+// widened (int8: dequantised with sc, the scales' strides ss) into buf [TK, width]. The rows of the tile
+// after it (up to `end`) are prefetched meanwhile (Note [Decode prefetch]); rows are found by walking the
+// page table (Note [Decode page walk]).
 template <typename T>
-inline void tile_rows(const T* base, const int64_t* st, const Args& a, int64_t b, int64_t g, int64_t j0, int64_t nt,
-                      int64_t end, int64_t width, float* buf, const float** rows) {
+inline void tile_rows(const T* base, const int64_t* st, const float* sc, const int64_t* ss, const Args& a, int64_t b,
+                      int64_t g, int64_t j0, int64_t nt, int64_t end, int64_t width, float* buf, const float** rows) {
   const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
+  const int32_t* tab = a.table + b * a.maxp;
+  int64_t pj = j0 / a.T, off = j0 % a.T;  // this row's page index and offset
+  const int64_t jf = j0 + kPrefetch;
+  int64_t fpj = jf / a.T, foff = jf % a.T;  // the prefetched row's
   for (int64_t t = 0; t < nt; ++t) {
-    if (kDoPrefetch && j0 + t + kPrefetch < end) {
-      const char* f = reinterpret_cast<const char*>(row_ptr(base, st, a, b, j0 + t + kPrefetch, g));
+    if (kDoPrefetch && jf + t < end) {
+      const char* f = reinterpret_cast<const char*>(base + tab[fpj] * st[0] + foff * st[1] + g * st[2]);
       for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(f + c);
     }
-    const T* p = row_ptr(base, st, a, b, j0 + t, g);
+    if (++foff == a.T) { foff = 0; ++fpj; }
+    const int64_t page = tab[pj];
+    const T* p = base + page * st[0] + off * st[1] + g * st[2];
     if constexpr (std::is_same_v<T, float>) {
       rows[t] = p;
+    } else if constexpr (std::is_same_v<T, int8_t>) {
+      widen_scaled(p, sc[page * ss[0] + off * ss[1] + g * ss[2]], buf + t * width, width);
+      rows[t] = buf + t * width;
     } else {
       at::vec::convert(p, buf + t * width, width);
       rows[t] = buf + t * width;
     }
+    if (++off == a.T) { off = 0; ++pj; }
   }
 }
 
@@ -176,11 +219,12 @@ inline void pv_block(const float* p, const float* const* vrows, int64_t nt, floa
   }
 }
 
-template <typename T>
+// TQ: q's and out's type; T: the cache's (TQ, or int8: Note [Decode int8 cache])
+template <typename TQ, typename T>
 void decode_impl(const Args& a) {
   // hs kv heads per unit (Note [Decode head span]); RR = hs * G * L rows
   const int64_t G = a.H / a.Hkv, R = G * a.L, D = a.D, Dv = a.Dv, ns = a.ns, hs = a.hs, RR = hs * R;
-  const T* Q = static_cast<const T*>(a.q);
+  const TQ* Q = static_cast<const TQ*>(a.q);
   const T* K = static_cast<const T*>(a.k);
   const T* V = static_cast<const T*>(a.v);
   const int64_t spans = a.Hkv / hs, units = a.B * spans * ns;
@@ -198,7 +242,7 @@ void decode_impl(const Args& a) {
       int64_t ulo = std::numeric_limits<int64_t>::max(), uhi = 0;
       for (int64_t rr = 0; rr < RR; ++rr) {
         const int64_t i = rr % a.L, h = g0 * G + rr / a.L;
-        const T* qp = Q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+        const TQ* qp = Q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
         for (int64_t d = 0; d < D; ++d) qs[rr * D + d] = static_cast<float>(qp[d]) * a.scale;
       }
       for (int64_t r = 0; r < R; ++r) {  // ranges depend on the query only
@@ -223,7 +267,7 @@ void decode_impl(const Args& a) {
         float* const o_g = o.data() + gl * R * Dv;
         const float* const qs_g = qs.data() + gl * R * D;
         // 2) scores of every row against the tile's keys
-        tile_rows(K, a.ks, a, b, g, t0, nt, j1, D, kbuf.data(), krows);
+        tile_rows(K, a.ks, a.ksc, a.kss, a, b, g, t0, nt, j1, D, kbuf.data(), krows);
         for (int64_t r0 = 0; r0 < R; r0 += 4) {  // every row's products; rows sharing each K load
           const float* qb = qs_g + r0 * D;
           float* sb = sc.data() + r0 * TK;
@@ -258,14 +302,7 @@ void decode_impl(const Args& a) {
             const float* bp = a.bias + b * a.bs[0] + h * a.bs[1] + i * a.bs[2];
             for (int64_t t = 0; t < nt; ++t) srow[t] += bp[(t0 + t) * a.bs[3]];
           }
-          // Note [Decode head span]: a cache laid out [.., S, Hkv, D] (flash-attn's, and every paged pool) holds a
-// token's kv heads side by side, so one head's rows are Hkv·D apart: read head by head, each row starts a new
-// 4 KiB page at Hkv·D = 1024 floats, which the hardware prefetcher does not follow (measured, 1 thread, GQA
-// 32/8, D=128, S=8192, CPU time: fp32 20.3 ms vs 10.3 ms for the [.., Hkv, S, D] layout; bf16 13.5 vs 9.2).
-// Such a unit then spans all hs = Hkv heads, tile by tile (every head of the tile's tokens, then the next
-// tile), so memory is read in order; the key splits then provide the parallelism B·Hkv no longer does.
-//
-// Note [Decode tiles]: masking overwrites with -inf
+          // Note [Decode tiles]: masking overwrites with -inf
           for (int64_t t = 0; t < nt; ++t)
             if (t0 + t < lo || t0 + t >= hi) srow[t] = kNinf;
           if (a.keep) {
@@ -302,7 +339,7 @@ void decode_impl(const Args& a) {
         }
         if (!any) continue;
         // 4) O += P @ V over the weighed keys
-        tile_rows(V, a.vs, a, b, g, t0, nt, j1, Dv, vbuf.data(), vrows);
+        tile_rows(V, a.vs, a.vsc, a.vss, a, b, g, t0, nt, j1, Dv, vbuf.data(), vrows);
         int64_t d_first = 0;  // columns the blocked pass below has done
         if (every && R > 1) {  // every row weighs every key: rows share each V load, 4 at a time
           const int64_t d_end = Dv / (2 * W) * (2 * W);
@@ -357,8 +394,8 @@ void decode_impl(const Args& a) {
         const float* orow = o.data() + rr * Dv;
         const int64_t row = (b * a.H + h) * a.L + i;
         if (ns == 1) {
-          T* op = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
-          for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<T>(orow[d] * inv);
+          TQ* op = static_cast<TQ*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
+          for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<TQ>(orow[d] * inv);
           a.lse[row] = lse_r;
         } else {
           const int64_t rows = a.B * a.H * a.L;
@@ -378,9 +415,9 @@ void decode_impl(const Args& a) {
       float mx = kNinf;
       for (int64_t s = 0; s < ns; ++s) mx = std::max(mx, a.part_lse[s * rows + row]);
       const int64_t i = row % a.L, h = (row / a.L) % a.H, b = row / (a.L * a.H);
-      T* op = static_cast<T*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
+      TQ* op = static_cast<TQ*>(a.out) + b * a.os[0] + h * a.os[1] + i * a.os[2];
       if (mx == kNinf) {
-        for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<T>(0.f);
+        for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<TQ>(0.f);
         a.lse[row] = kNinf;
         continue;
       }
@@ -393,7 +430,7 @@ void decode_impl(const Args& a) {
         const float* pp = a.part_out + (s * rows + row) * Dv;
         for (int64_t d = 0; d < Dv; ++d) acc[d] += ws * pp[d];
       }
-      for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<T>(acc[d]);
+      for (int64_t d = 0; d < Dv; ++d) op[d] = static_cast<TQ>(acc[d]);
       a.lse[row] = mx + std::log(tot);
     }
   });
@@ -405,15 +442,22 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
                                        const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
                                        const std::optional<at::Tensor>& alibi,
                                        const std::optional<at::Tensor>& alibi_off, double scale, double softcap,
-                                       int64_t num_splits, int64_t head_span, bool keep_partials) {
+                                       int64_t num_splits, int64_t head_span, bool keep_partials,
+                                       const std::optional<at::Tensor>& k_scale,
+                                       const std::optional<at::Tensor>& v_scale) {
   for (const at::Tensor* t : {&q, &k, &v, const_cast<const at::Tensor*>(&out)}) {
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
                 "attnlab._decode: q, k, v, out must be 4-D CPU tensors with a contiguous last dim");
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "attnlab._decode: q, k, v, out must share one dtype");
   }
   const auto dt = q.scalar_type();
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(out.scalar_type() == dt && k.scalar_type() == v.scalar_type() && (int8 || k.scalar_type() == dt),
+              "attnlab._decode: q and out must share one dtype, k and v q's or int8; got q ", dt, ", k ",
+              k.scalar_type(), ", v ", v.scalar_type(), ", out ", out.scalar_type());
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "attnlab._decode: float32, bfloat16 or float16 only, got ", dt);
+  TORCH_CHECK(int8 == (k_scale && k_scale->defined()) && int8 == (v_scale && v_scale->defined()),
+              "attnlab._decode: k_scale and v_scale go with an int8 cache, and only with one");
   Args a;
   a.B = q.size(0); a.H = q.size(1); a.L = q.size(2); a.D = q.size(3);
   a.T = k.size(1); a.Hkv = k.size(2); a.Dv = v.size(3);
@@ -440,6 +484,15 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
       TORCH_CHECK(page >= 0 && page < P, "attnlab._decode: block_table[", b, ", ", p, "] = ", page,
                   " is outside the pool of ", P, " pages");
     }
+  }
+  if (int8) {
+    for (const auto* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->dim() == 3 && sc->size(0) == k.size(0) &&
+                  sc->size(1) == a.T && sc->size(2) == a.Hkv, "attnlab._decode: k_scale / v_scale must be float32 "
+                  "[P, T, Hkv] = ", k.sizes().slice(0, 3), ", got ", sc->sizes());
+    a.ksc = k_scale->data_ptr<float>();
+    a.vsc = v_scale->data_ptr<float>();
+    for (int d = 0; d < 3; ++d) { a.kss[d] = k_scale->stride(d); a.vss[d] = v_scale->stride(d); }
   }
   a.left = left; a.right = right;
   a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr(); a.out = out.data_ptr();
@@ -490,9 +543,13 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
     a.part_lse = part_lse.data_ptr<float>();
   }
   if (a.B * a.H * a.L > 0) {
-    if (dt == at::kFloat) decode_impl<float>(a);
-    else if (dt == at::kBFloat16) decode_impl<at::BFloat16>(a);
-    else decode_impl<at::Half>(a);
+    if (int8) {
+      if (dt == at::kFloat) decode_impl<float, int8_t>(a);
+      else if (dt == at::kBFloat16) decode_impl<at::BFloat16, int8_t>(a);
+      else decode_impl<at::Half, int8_t>(a);
+    } else if (dt == at::kFloat) decode_impl<float, float>(a);
+    else if (dt == at::kBFloat16) decode_impl<at::BFloat16, at::BFloat16>(a);
+    else decode_impl<at::Half, at::Half>(a);
   }
   if (!keep_partials) return {lse};
   return {lse, part_out, part_lse};
@@ -510,5 +567,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "outputs [ns, B, H, L, Dv] and lse [ns, B, H, L] (None for one split)");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signature changes: a stale build is refused, not called
-  m.attr("abi_version") = 2;
+  m.attr("abi_version") = 3;
 }

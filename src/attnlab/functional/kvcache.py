@@ -7,10 +7,15 @@ Layout is flash-attn's, so ported calls run unchanged: q [B, L, H, D], caches [B
 [P, T, Hkv, D], out [B, L, H, Dv]. The kernel reads every tensor through its strides, so a cache kept in
 attnlab's [B, Hkv, S, D] layout is passed as ``k_cache.transpose(1, 2)`` (a view: no copy, and appends land
 in the original tensor); likewise a [B, H, L, D] query as ``q.transpose(1, 2)``.
+
+Two extras over flash-attn's arguments: an int8 cache (``QuantizedKV``: int8 rows with one float32 scale per
+token and kv head, quantised on append, dequantised inside the decode kernel) and ``rotary`` (``Rotary``:
+flash-attn's rotary_cos / rotary_sin, also accepted under those names).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +23,145 @@ from ..kernels import decode as decode_kernel
 from ..report import format_bytes
 from ..shapes import AttentionDtypeError, AttentionInputError, check_softcap, shape_str
 
-__all__ = ["attention_with_kvcache", "decode_applies", "decode_reason", "run_prepared"]
+__all__ = ["attention_with_kvcache", "QuantizedKV", "Rotary", "INT8_ERROR_BUDGET", "decode_applies", "decode_reason",
+           "run_prepared"]
+
+#: Note [int8 KV error budget]: an int8 row is x ≈ data · scale with scale = max|x| / 127 (symmetric, per token
+#: and kv head, round to nearest), so each element is off by at most scale / 2 = max|x| / 254. On Gaussian rows
+#: (D = 64..128, max|x| ≈ 2.5 σ) that is an RMS element error 3.9x bf16 rounding's (measured over 10^5 rows; a
+#: per-row clipped scale only makes it worse), and decode's output error is to first order a linear image of
+#: the K/V element errors, while a bf16 cache also rounds q and the output: so through an int8 cache (fp32 q and
+#: output) the output's RMS error against fp32 is at most INT8_ERROR_BUDGET times a bf16 cache's (bf16 q, K, V,
+#: output) against the same fp32 result. Measured (test_kvcache_int8.py, randn, D = 64 / 128, S = 128..4096,
+#: GQA 8/2): 2.2-2.9x in RMS, 1.8-3.2x in the max — the issue-23 target of <= 2x bf16's is NOT met by
+#: per-token scales (a per-channel key scale, KIVI-style, would be the next step).
+INT8_ERROR_BUDGET = 4.0
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """An int8 KV cache: ``data`` int8 [B, S, Hkv, D] (or a page pool [P, T, Hkv, D]) and ``scale`` float32
+    [B, S, Hkv] ([P, T, Hkv]); row (b, t, g) holds ``data[b, t, g] * scale[b, t, g]`` (symmetric, one scale
+    per token and kv head: Note [int8 KV error budget]). Pass it as ``k_cache`` / ``v_cache`` of
+    ``attention_with_kvcache`` (a plain ``(data, scale)`` pair works too): new keys/values are quantised on
+    append, in place, and the decode kernel dequantises as it reads (csrc Note [Decode int8 cache]).
+    Reads 1 byte an element plus 4 a row: about half a bf16 cache's bytes at D = 128."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self):
+        d, sc = self.data, self.scale
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.int8 or d.dim() != 4:
+            raise AttentionDtypeError(f"QuantizedKV.data must be an int8 tensor [B|P, S|T, Hkv, D], got "
+                                      f"{shape_str(d) if isinstance(d, torch.Tensor) else type(d).__name__}"
+                                      f"{' ' + str(d.dtype) if isinstance(d, torch.Tensor) else ''}")
+        if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 or tuple(sc.shape) != tuple(d.shape[:3]):
+            raise AttentionInputError(
+                f"QuantizedKV.scale must be float32 [B|P, S|T, Hkv] = {list(d.shape[:3])} (one scale per token and "
+                f"kv head of data {shape_str(d)}), got "
+                f"{(shape_str(sc) + ' ' + str(sc.dtype)) if isinstance(sc, torch.Tensor) else type(sc).__name__}")
+        if sc.device != d.device:
+            raise AttentionInputError(f"QuantizedKV.data is on {d.device} but its scale on {sc.device}")
+
+    @classmethod
+    def empty(cls, *shape: int) -> "QuantizedKV":
+        """A zero cache of shape [B|P, S|T, Hkv, D] (every row 0, scale 0)."""
+        return cls(torch.zeros(*shape, dtype=torch.int8), torch.zeros(*shape[:3], dtype=torch.float32))
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> "QuantizedKV":
+        """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / 127, round to nearest)."""
+        data, scale = _quantize(x)
+        return cls(data, scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The cache's shape, [B|P, S|T, Hkv, D]."""
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """data · scale as ``dtype``, same shape as data."""
+        return (self.data.to(torch.float32) * self.scale.unsqueeze(-1)).to(dtype)
+
+
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [.., D] -> (int8 [.., D], float32 scale [..]) with x ≈ data · scale (Note [int8 KV error budget])."""
+    xf = x.detach().to(torch.float32)
+    amax = xf.abs().amax(-1)  # (..)
+    if not bool(torch.isfinite(amax).all()):
+        raise AttentionInputError("an int8 cache takes finite keys and values only (k or v holds inf or NaN)")
+    scale = amax / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    data = (xf / safe).round_().clamp_(-127, 127).to(torch.int8)
+    return data, scale
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary embedding for ``attention_with_kvcache`` in flash-attn's form: ``cos``, ``sin`` [seqlen_ro,
+    rotary_dim / 2] (position p's angles), the first rotary_dim features rotated. ``interleaved`` pairs
+    features (0, 1), (2, 3), ... (GPT-J); else (i, i + rotary_dim / 2) (GPT-NeoX / LLaMA, attnlab's
+    ``RotaryEmbedding``). Su et al. 2021, "RoFormer"."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool = False
+
+
+def _rotary(rotary, rotary_cos, rotary_sin, rotary_interleaved, D: int) -> Rotary | None:
+    if rotary is None and rotary_cos is None and rotary_sin is None:
+        return None
+    if rotary is not None and (rotary_cos is not None or rotary_sin is not None):
+        raise AttentionInputError("give rotary= or rotary_cos= / rotary_sin=, not both")
+    if rotary is None:
+        if rotary_cos is None or rotary_sin is None:
+            raise AttentionInputError("rotary_cos and rotary_sin go together: give both")
+        rotary = Rotary(rotary_cos, rotary_sin, bool(rotary_interleaved))
+    elif isinstance(rotary, (tuple, list)) and len(rotary) == 2:
+        rotary = Rotary(rotary[0], rotary[1], bool(rotary_interleaved))
+    elif not isinstance(rotary, Rotary):
+        raise TypeError(f"rotary must be an attnlab Rotary(cos, sin, interleaved) or a (cos, sin) pair, got "
+                        f"{type(rotary).__name__}")
+    c, s_ = rotary.cos, rotary.sin
+    if not (isinstance(c, torch.Tensor) and isinstance(s_, torch.Tensor) and c.dim() == 2
+            and c.shape == s_.shape and c.dtype.is_floating_point and s_.dtype.is_floating_point):
+        raise AttentionInputError(f"rotary cos and sin must be floating tensors of one shape [seqlen_ro, "
+                                  f"rotary_dim / 2], got {shape_str(c) if isinstance(c, torch.Tensor) else c!r} and "
+                                  f"{shape_str(s_) if isinstance(s_, torch.Tensor) else s_!r}")
+    if not 0 < 2 * c.shape[1] <= D:
+        raise AttentionInputError(f"rotary cos {shape_str(c)}: rotary_dim = 2 x {c.shape[1]} must be in (0, D={D}]")
+    return rotary
+
+
+def _rotate(x: torch.Tensor, rot: Rotary, pos: torch.Tensor) -> torch.Tensor:
+    """x [B, n, h, D] at positions pos [B, n] -> rotated (a new tensor, x's dtype; computed in fp32 as flash-attn)."""
+    half = rot.cos.shape[1]
+    rd = 2 * half
+    c = rot.cos.to(device=x.device, dtype=torch.float32)[pos].unsqueeze(2)  # (B, n, 1, rd/2)
+    s = rot.sin.to(device=x.device, dtype=torch.float32)[pos].unsqueeze(2)
+    xr = x[..., :rd].to(torch.float32)
+    if rot.interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]  # (B, n, h, rd/2) each
+        yr = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), -1).flatten(-2)  # (B, n, h, rd)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        yr = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), -1)
+    return torch.cat((yr.to(x.dtype), x[..., rd:]), -1)
+
+
+def _as_quantized(c, name: str):
+    """A QuantizedKV for a QuantizedKV or a (data, scale) pair; a tensor as it is."""
+    if isinstance(c, QuantizedKV):
+        return c
+    if isinstance(c, (tuple, list)):
+        if len(c) != 2:
+            raise TypeError(f"{name} as a pair must be (int8 data, float32 scale), got {len(c)} items")
+        try:
+            return QuantizedKV(*c)
+        except (AttentionInputError, AttentionDtypeError) as e:
+            raise type(e)(f"{name}: {e}") from None
+    return c
 
 
 def _int_lengths(x, B: int, name: str) -> torch.Tensor:
@@ -54,23 +197,30 @@ def _window(window_size, is_causal: bool) -> tuple[int, int]:
     return lo, hi
 
 
-def _append(cache: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor | None) -> None:
-    """cache[sequence b, positions pos[b, :]] = new[b] in place, through the page table when paged."""
+def _append(cache, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor | None) -> None:
+    """cache[sequence b, positions pos[b, :]] = new[b] in place, through the page table when paged; an int8
+    cache gets the quantised rows and their scales."""
     B, Lnew = pos.shape
-    new = new.to(cache.dtype)
     if block_table is None:
-        cache[torch.arange(B).unsqueeze(1), pos] = new  # [B, Lnew, Hkv, D] into [B, S, Hkv, D]
+        idx = (torch.arange(B).unsqueeze(1), pos)  # [B, Lnew, Hkv, D] into [B, S, Hkv, D]
     else:
         T = cache.shape[1]
-        page = block_table.long().gather(1, pos // T)  # (B, Lnew)
-        cache[page, pos % T] = new
+        idx = (block_table.long().gather(1, pos // T), pos % T)  # (B, Lnew) pages and offsets
+    if isinstance(cache, QuantizedKV):
+        data, scale = _quantize(new)
+        cache.data[idx] = data
+        cache.scale[idx] = scale
+    else:
+        cache[idx] = new.to(cache.dtype)
 
 
-def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
                            cache_seqlens: int | torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                            is_causal: bool = True, window_size: tuple[int, int] | None = None,
                            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                           rotary: Rotary | tuple | None = None, rotary_cos: torch.Tensor | None = None,
+                           rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = False,
                            scale: float | None = None, num_splits: int | None = None, return_lse: bool = False):
     """Attention of new queries against a KV cache, appending new keys/values in place first
     (flash-attn's ``flash_attn_with_kvcache``; ``scale`` is its ``softmax_scale``, ``is_causal`` its
@@ -79,7 +229,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Args:
         q: [B, L, H, D], L small (decode: 1; speculative verification / chunked prefill: a few).
         k_cache, v_cache: [B, S, Hkv, D|Dv] contiguous caches, or with ``block_table`` page pools
-            [P, T, Hkv, D|Dv] of any page size T. Any strides with a contiguous last dim.
+            [P, T, Hkv, D|Dv] of any page size T. Any strides with a contiguous last dim. q's dtype, or
+            both int8: ``QuantizedKV`` (or a pair (int8 data, float32 scale [B|P, S|T, Hkv])), the new k, v
+            quantised on append (error budget: Note [int8 KV error budget], ``INT8_ERROR_BUDGET``).
         k, v: optional [B, Lnew, Hkv, D|Dv]: written into the caches at positions
             ``cache_seqlens[b] .. cache_seqlens[b] + Lnew - 1`` of sequence b (in place, as flash-attn does;
             ``cache_seqlens`` itself is not advanced: the caller adds Lnew).
@@ -92,6 +244,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             i' - left .. i' + right (right is 0 under is_causal).
         softcap: tanh soft-capping of the scaled scores (0.0 or None: off). alibi_slopes: [H] or [B, H]
             float32, adds ``-slope·|i' - j|``.
+        rotary: ``Rotary(cos, sin, interleaved)`` or a (cos, sin) pair, cos/sin [seqlen_ro, rotary_dim / 2]
+            (flash-attn's ``rotary_cos``, ``rotary_sin``, ``rotary_interleaved``, also accepted by those names):
+            the new k is rotated at positions ``cache_seqlens[b] + i`` before its append, and q at
+            ``cache_seqlens[b] + i`` under is_causal or a window, else every query at ``cache_seqlens[b]``
+            (flash-attn's rule). Needs k, v.
         num_splits: key splits per (sequence, kv head); None: the kernel's heuristic. Results agree
             across split counts within fp32 rounding.
         return_lse: also return the log-sum-exp [B, H, L] (float32; -inf for a row that sees no key).
@@ -104,37 +261,47 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Cost: reads each sequence's K/V once per kv head group (``decode_kernel.kv_bytes``), split across
     threads (flash-decoding); memory O(B·H·L·Dv·splits).
     """
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+    k_cache, v_cache = _as_quantized(k_cache, "k_cache"), _as_quantized(v_cache, "v_cache")
+    quant = isinstance(k_cache, QuantizedKV)
+    if quant != isinstance(v_cache, QuantizedKV):
+        raise AttentionDtypeError("k_cache and v_cache must both be int8 (QuantizedKV) or both floating, got "
+                                  f"{type(k_cache).__name__} and {type(v_cache).__name__}")
+    kc_t = k_cache.data if quant else k_cache
+    vc_t = v_cache.data if quant else v_cache
+    for name, t in (("q", q), ("k_cache", kc_t), ("v_cache", vc_t), ("k", k), ("v", v)):
         if t is None and name in ("k", "v"):
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor{' or an attnlab QuantizedKV' if 'cache' in name else ''}, "
+                            f"got {type(t).__name__}")
         if t.dim() != 4:
             raise AttentionInputError(f"{name} must be 4-D (flash-attn's layout: q [B, L, H, D], caches "
                                       f"[B, S, Hkv, D] or pages [P, T, Hkv, D]), got {shape_str(t)}")
-        if t.dtype not in decode_kernel.DTYPES:
+        if quant and "cache" in name:
+            pass  # int8, checked by QuantizedKV
+        elif t.dtype not in decode_kernel.DTYPES:
             raise AttentionDtypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-        if t.dtype != q.dtype:
+        elif t.dtype != q.dtype:
             raise AttentionDtypeError(f"q and {name} must share one dtype, got {q.dtype} and {t.dtype}")
         if t.device != q.device:
             raise AttentionInputError(f"q is on {q.device} but {name} is on {t.device}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, kc_t, vc_t, k, v)):
         raise AttentionInputError("attention_with_kvcache is inference only: q, the caches or k, v require grad; "
                                   "call it under torch.no_grad() (attnlab.attention differentiates)")
     if (k is None) != (v is None):
         raise AttentionInputError("give both k and v (the new keys and values) or neither")
     B, L, H, D = q.shape
-    P_, T, Hkv, Dk = k_cache.shape
-    Dv = v_cache.shape[-1]
+    P_, T, Hkv, Dk = kc_t.shape
+    Dv = vc_t.shape[-1]
     if Dk != D or v_cache.shape[:3] != k_cache.shape[:3]:
-        raise AttentionInputError(f"k_cache {shape_str(k_cache)} and v_cache {shape_str(v_cache)} must agree on "
+        raise AttentionInputError(f"k_cache {shape_str(kc_t)} and v_cache {shape_str(vc_t)} must agree on "
                                   f"[P|B, T|S, Hkv] and k_cache's head dim must be q's D={D} (q {shape_str(q)})")
     if Hkv == 0 or H % Hkv:
         raise AttentionInputError(f"q's heads ({H}, dim 2 of {shape_str(q)}) must be a multiple of the caches' "
-                                  f"kv heads ({Hkv}, dim 2 of {shape_str(k_cache)})")
+                                  f"kv heads ({Hkv}, dim 2 of {shape_str(kc_t)})")
     if block_table is None:
         if P_ != B:
-            raise AttentionInputError(f"k_cache {shape_str(k_cache)} holds {P_} sequences but q {shape_str(q)} has "
+            raise AttentionInputError(f"k_cache {shape_str(kc_t)} holds {P_} sequences but q {shape_str(q)} has "
                                       f"B={B} (a paged cache needs block_table)")
         capacity = T
     else:
@@ -154,7 +321,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if k is not None:
         if k.shape[:3] != (B, k.shape[1], Hkv) or k.shape[3] != D or v.shape[:3] != k.shape[:3] or v.shape[3] != Dv:
             raise AttentionInputError(f"k {shape_str(k)} and v {shape_str(v)} must be [B, Lnew, Hkv, D|Dv] = "
-                                      f"[{B}, Lnew, {Hkv}, {D}|{Dv}] (q {shape_str(q)}, k_cache {shape_str(k_cache)})")
+                                      f"[{B}, Lnew, {Hkv}, {D}|{Dv}] (q {shape_str(q)}, k_cache {shape_str(kc_t)})")
         Lnew = k.shape[1]
     seqlens = cache + Lnew
     if B and int(seqlens.max()) > capacity:
@@ -162,21 +329,34 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise AttentionInputError(
             f"the cache overflows: sequence {b} holds cache_seqlens={int(cache[b])} keys and {Lnew} new ones, but "
             f"its capacity is {capacity} ({'S' if block_table is None else 'pages x page size'} of k_cache "
-            f"{shape_str(k_cache)})")
+            f"{shape_str(kc_t)})")
     if block_table is not None and B:
         used = torch.arange(block_table.shape[1]).unsqueeze(0) * T < seqlens.unsqueeze(1)  # (B, pages)
         bad = used & ((block_table < 0) | (block_table >= P_))
         if bool(bad.any()):
             b, p = (int(x) for x in bad.nonzero()[0])
             raise AttentionInputError(f"block_table[{b}, {p}] = {int(block_table[b, p])} points outside the pool of "
-                                      f"{P_} pages (k_cache {shape_str(k_cache)})")
+                                      f"{P_} pages (k_cache {shape_str(kc_t)})")
     lo, hi = _window(window_size, is_causal)
     cap = check_softcap(softcap)
     if cap and cap > torch.finfo(torch.float32).max:  # the decode path computes in float32: the identity there
         cap = None  # (Note [Soft-cap at infinity])
     slopes = _slopes(alibi_slopes, B, H)
+    rot = _rotary(rotary, rotary_cos, rotary_sin, rotary_interleaved, D)
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D else 1.0
+    if rot is not None:
+        if k is None:
+            raise AttentionInputError("rotary rotates the new k (and q) at cache_seqlens: give k, v (flash-attn's rule)")
+        local = is_causal or window_size not in (None, (-1, -1))
+        qpos = cache.unsqueeze(1) + (torch.arange(L) if local else torch.zeros(L, dtype=torch.int64))  # (B, L)
+        kpos = cache.unsqueeze(1) + torch.arange(Lnew)  # (B, Lnew)
+        top = max(int(qpos.max()) if qpos.numel() else 0, int(kpos.max()) if kpos.numel() else 0)
+        if top >= rot.cos.shape[0]:
+            raise AttentionInputError(f"rotary cos {shape_str(rot.cos)} covers positions < {rot.cos.shape[0]}, but "
+                                      f"the queries / new keys reach position {top}")
+        q = _rotate(q, rot, qpos)
+        k = _rotate(k, rot, kpos)
     if k is not None and Lnew:
         pos = cache.unsqueeze(1) + torch.arange(Lnew)  # (B, Lnew)
         _append(k_cache, k, pos, block_table)
@@ -184,11 +364,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qh = q.transpose(1, 2)  # (B, H, L, D) view
     if q.device.type == "cpu" and decode_kernel.available() and L <= decode_kernel.MAX_QUERIES:
         out = torch.empty(B, L, H, Dv, dtype=q.dtype)
+        kw = dict(k_scale=k_cache.scale, v_scale=v_cache.scale) if quant else {}
         _, lse = decode_kernel.decode_attention(
-            qh, k_cache, v_cache, scale=scale, block_table=block_table, seqlens=seqlens, left=lo, right=hi,
-            softcap=cap or 0.0, alibi_slopes=slopes, splits=num_splits, out=out.transpose(1, 2))
+            qh, kc_t, vc_t, scale=scale, block_table=block_table, seqlens=seqlens, left=lo, right=hi,
+            softcap=cap or 0.0, alibi_slopes=slopes, splits=num_splits, out=out.transpose(1, 2), **kw)
     else:
-        out, lse = _fallback(qh, k_cache, v_cache, block_table, seqlens, lo, hi, cap, slopes, scale)
+        kf = k_cache.dequantize() if quant else k_cache
+        vf = v_cache.dequantize() if quant else v_cache
+        out, lse = _fallback(qh, kf, vf, block_table, seqlens, lo, hi, cap, slopes, scale)
     return (out, lse) if return_lse else out
 
 

@@ -8,7 +8,9 @@ Each unit of work is (sequence, kv head, key split): the G query heads of a grou
 computed together, so K and V are read once per group (GQA / MQA without copies), and the keys are split
 across threads when B·Hkv alone would leave threads idle; the splits' partial results are merged by
 Note [Merging by log-sum-exp] (``kernels/lse.py``; csrc/decode.cpp Note [Decode schedule]). fp32, bf16 and
-fp16 K/V are read as stored and widened to fp32 one tile at a time; everything accumulates in fp32.
+fp16 K/V are read as stored and widened to fp32 one tile at a time; an int8 cache (one float32 scale per
+token and kv head, ``k_scale`` / ``v_scale``) is dequantised as it is widened (csrc Note [Decode int8 cache]);
+everything accumulates in fp32.
 
 Forward only (inference): ``decode_attention`` refuses tensors that require grad under grad mode.
 ``available()`` says whether the extension loads (False with ``ATTNLAB_NO_EXT=1`` or when it was not built).
@@ -27,7 +29,7 @@ __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYP
            "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 2
+ABI_VERSION = 3
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -92,8 +94,10 @@ def num_splits_for(k: torch.Tensor, B: int, S: int) -> int:
 
 
 def kv_bytes(B: int, Hkv: int, S: int, D: int, Dv: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V a decode call reads: B·Hkv·S·(D + Dv) elements (each row once per kv group)."""
-    return B * Hkv * S * (D + Dv) * dtype.itemsize
+    """Bytes of K and V a decode call reads: B·Hkv·S·(D + Dv) elements (each row once per kv group); an
+    int8 cache also reads its two float32 scales per (token, kv head)."""
+    scales = B * Hkv * S * 2 * 4 if dtype == torch.int8 else 0
+    return B * Hkv * S * (D + Dv) * dtype.itemsize + scales
 
 
 def _i64(x, B: int, name: str) -> torch.Tensor:
@@ -110,7 +114,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
                      left: int = UNBOUNDED, right: int = UNBOUNDED, keep: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None, softcap: float = 0.0,
                      alibi_slopes: torch.Tensor | None = None, alibi_offset=None, splits: int | None = None,
-                     out: torch.Tensor | None = None, return_partials: bool = False):
+                     out: torch.Tensor | None = None, return_partials: bool = False,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """q [B, H, L, D] (any strides), k [P, T, Hkv, D], v [P, T, Hkv, Dv] (a page pool, any strides; a
     contiguous cache [B, S, Hkv, D] is P = B pages of T = S tokens) -> (out [B, H, L, Dv], lse [B, H, L]).
 
@@ -122,7 +127,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     ``alibi_slopes`` [H] or [B, H] adds ``-slope·|i + alibi_offset[b] - j|`` (default offset: mask_offset).
     lse is float32, -inf for a row that sees no key (its output is 0). ``splits`` forces the key split
     count (default ``num_splits``); ``return_partials`` also returns the splits' (out [ns, B, H, L, Dv],
-    lse [ns, B, H, L]) before their merge (None, None for one split).
+    lse [ns, B, H, L]) before their merge (None, None for one split). An int8 k, v comes with float32
+    ``k_scale``, ``v_scale`` [P, T, Hkv] (any strides): row (p, t, g) is ``k[p, t, g] * k_scale[p, t, g]``.
 
     Cost: reads each visible K/V row once per kv group: ``kv_bytes``; 2·B·H·L·S·(D + Dv) FLOPs.
     """
@@ -162,7 +168,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
     res = ext.forward(last(q), last(k), last(v), out, block_table, seqlens, moff, int(left), int(right), keep,
-                      bias, slopes, aoff, float(scale), float(softcap or 0.0), int(ns), hs, bool(return_partials))
+                      bias, slopes, aoff, float(scale), float(softcap or 0.0), int(ns), hs, bool(return_partials),
+                      k_scale, v_scale)
     if return_partials:
         return out, res[0], res[1], res[2]
     return out, res[0]
