@@ -3,8 +3,10 @@
 Legend: B batch, Hkv key/value heads, S cached length, D key head dim, Dv value head dim.
 
 A cache stores the keys *after* positional rotation (RoPE), so a new query at position ``offset + i``
-only needs its own rotation. Storage grows by doubling, so appending one token is O(1) amortised
-instead of a full copy of the cache.
+only needs its own rotation. Appends write in place into preallocated storage: ``reserve(n)`` (generate
+reserves prompt + new tokens up front) makes every later append a copy of the new rows only; past the
+reserve, storage grows by doubling (O(1) amortised). The cached keys are strided views of that storage,
+which the decode kernel (kernels/decode.py) reads in place.
 """
 from __future__ import annotations
 
@@ -27,6 +29,28 @@ class LayerCache:
         self._k: torch.Tensor | None = None  # (B, Hkv, capacity, D)
         self._v: torch.Tensor | None = None  # (B, Hkv, capacity, Dv)
         self.length = 0
+        self.reserved = 0  # positions to allocate at the first append
+
+    @property
+    def capacity(self) -> int:
+        """Positions the storage holds before it must grow (0 before the first write)."""
+        return 0 if self._k is None else self._k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` positions in all, so appends up to that length never reallocate: recorded until
+        the first append (which knows B, Hkv, D and the dtype), or the storage grown now."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"reserve takes an int >= 0, got {n!r}")
+        self.reserved = max(self.reserved, n)
+        if self._k is not None and not self.static and n > self.capacity:
+            self._grow(n)
+
+    def _grow(self, cap: int) -> None:
+        nk = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3])
+        nv = self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3])
+        nk[:, :, : self.length] = self._k[:, :, : self.length]
+        nv[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = nk, nv
 
     def __repr__(self) -> str:
         shape = None if self._k is None else [*self._k.shape[:2], self.length, self._k.shape[-1]]
@@ -56,7 +80,7 @@ class LayerCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k [B, Hkv, T, D], v [B, Hkv, T, Dv]; return all keys and values so far."""
         if self._k is None:
-            cap = max(16, 2 * k.shape[2])
+            cap = max(16, 2 * k.shape[2], self.reserved)
             self._k = k.new_empty(*k.shape[:2], cap, k.shape[3])
             self._v = v.new_empty(*v.shape[:2], cap, v.shape[3])
         else:
@@ -69,12 +93,7 @@ class LayerCache:
                 raise ValueError(f"cache holds {self._k.dtype} on {self._k.device}, got {k.dtype} on {k.device}")
         need = self.length + k.shape[2]
         if need > self._k.shape[2]:
-            cap = max(need, 2 * self._k.shape[2])
-            nk = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3])
-            nv = self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3])
-            nk[:, :, : self.length] = self._k[:, :, : self.length]
-            nv[:, :, : self.length] = self._v[:, :, : self.length]
-            self._k, self._v = nk, nv
+            self._grow(max(need, 2 * self._k.shape[2]))
         # in-place writes into detached storage: a cache is for inference (generation), not training
         self._k[:, :, self.length: need] = k.detach()
         self._v[:, :, self.length: need] = v.detach()
@@ -128,6 +147,12 @@ class KVCache:
         if len(self.self_attn) != num_layers:
             raise ValueError(f"cache has {len(self.self_attn)} layers but the model has {num_layers}; "
                              "create one with model.new_cache()")
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` positions in every self-attention layer's cache (``LayerCache.reserve``), so a
+        generation of known length appends in place without reallocating."""
+        for c in self.self_attn:
+            c.reserve(n)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (int64 [B']) in every layer's cache (beam search, dropping finished sequences)."""
