@@ -448,7 +448,7 @@ def run_prepared(p, return_lse: bool = False):
     small at decode sizes) read through strides; ALiBi keeps attnlab's alignment i + S - L."""
     i, mask = p.info, p.mask
     N, L, S = p.N, i.L, i.S
-    seqlens = torch.full((N,), S, dtype=torch.int64)
+    seqlens = S  # an int until key padding shortens a sequence (Note [Decode call overhead])
     left = right = decode_kernel.UNBOUNDED
     keep = mask.keep
     pat = mask.pattern
@@ -461,7 +461,8 @@ def run_prepared(p, return_lse: bool = False):
             left = min(left, decode_kernel.UNBOUNDED if lo == -math.inf else max(-(2**40), int(-lo)))
             right = min(right, decode_kernel.UNBOUNDED if hi == math.inf else max(-(2**40), int(hi)))
         elif kk is not None and _is_prefix(kk, S):
-            seqlens = torch.minimum(seqlens, kk[:, :S].sum(1).to(torch.int64))
+            lens = kk[:, :S].sum(1).to(torch.int64)
+            seqlens = lens.clamp(max=S).expand(N).contiguous() if isinstance(seqlens, int) else torch.minimum(seqlens, lens)
         else:
             rest.append(part)
     for part in rest:

@@ -100,7 +100,24 @@ def kv_bytes(B: int, Hkv: int, S: int, D: int, Dv: int, dtype: torch.dtype) -> i
     return B * Hkv * S * (D + Dv) * dtype.itemsize + scales
 
 
+#: the contiguous cache's block table [[0], [1], ...] per batch size (read only; Note [Decode call overhead])
+_TABLES: dict = {}
+
+
+def _table(B: int) -> torch.Tensor:
+    t = _TABLES.get(B)
+    if t is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        t = _TABLES[B] = torch.arange(B, dtype=torch.int32).view(B, 1)
+    return t
+
+
 def _i64(x, B: int, name: str) -> torch.Tensor:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return torch.full((B,), x, dtype=torch.int64)
+    if isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.shape == (B,) and x.is_contiguous():
+        return x
     t = torch.as_tensor(x, dtype=torch.int64)
     if t.dim() == 0:
         t = t.expand(B)
@@ -141,14 +158,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     B, H, L, D = q.shape
     P, T, Hkv, _ = k.shape
     Dv = v.shape[-1]
+    # Note [Decode call overhead]: at decode sizes (S ~ 512) the kernel runs in tens of microseconds, as long as
+    # a few small tensor ops each: the default table is cached, an int length is one torch.full, and the
+    # longest length is known without a reduction when it is an int
     if block_table is None:
         if P != B:
             raise ValueError(f"without block_table the cache holds one sequence per row: k has {P} rows, q {B}")
-        block_table = torch.arange(B, dtype=torch.int32).view(B, 1)
-    block_table = block_table.to(torch.int32).contiguous()
-    seqlens = _i64(block_table.shape[1] * T if seqlens is None else seqlens, B, "seqlens")
-    moff = seqlens - L if mask_offset is None else _i64(mask_offset, B, "mask_offset")
+        block_table = _table(B)
+    elif block_table.dtype != torch.int32 or not block_table.is_contiguous():
+        block_table = block_table.to(torch.int32).contiguous()
     S = block_table.shape[1] * T
+    if seqlens is None:
+        seqlens = S
+    smax = seqlens if isinstance(seqlens, int) else None
+    seqlens = _i64(seqlens, B, "seqlens")
+    if mask_offset is None:
+        moff = _i64(smax - L, B, "mask_offset") if smax is not None else seqlens - L
+    else:
+        moff = _i64(mask_offset, B, "mask_offset")
     if out is None:
         out = torch.empty(B, H, L, Dv, dtype=q.dtype)
     slopes = aoff = None
@@ -161,7 +188,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if bias is not None:
         bias = bias.detach().to(torch.float32).expand(B, H, L, bias.shape[-1])
     hs = head_span(k)
-    ns = splits if splits is not None else num_splits(B, Hkv // hs, int(seqlens.max()) if B else S)
+    if splits is not None:
+        ns = splits
+    else:
+        ns = num_splits(B, Hkv // hs, (smax if smax is not None else int(seqlens.max())) if B else S)
 
     def last(t):  # rows are read through their strides (0 and paged pools included); the last dim must be dense,
         # and ``.contiguous()`` is a no-op for a size-1 last dim of any stride (compiled's Note [Operand strides])
