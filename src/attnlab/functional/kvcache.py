@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import decode as decode_kernel
-from ..report import format_bytes
 from ..shapes import AttentionDtypeError, AttentionInputError, check_softcap, shape_str
 
 __all__ = ["attention_with_kvcache", "QuantizedKV", "Rotary", "INT8_ERROR_BUDGET", "decode_applies", "decode_reason",
@@ -428,17 +427,12 @@ def decode_applies(r) -> bool:
 
 def decode_reason(p, costs: bool = False) -> str:
     """What the decode path does for prepared inputs ``p``: splits, K/V bytes read and, with ``costs``, the
-    time that takes at the read bandwidth measured in this process (``decode_kernel.read_bandwidth``)."""
+    time that takes at the read bandwidth measured in this process (``decode_kernel.read_bandwidth``); the
+    schedule is ``decode_kernel.plan``'s for the cache as ``run_prepared`` passes it."""
     i = p.info
-    ns = decode_kernel.num_splits(p.N, i.Hkv, i.S)
-    nbytes = decode_kernel.kv_bytes(p.N, i.Hkv, i.S, i.E, i.Ev, p.q.dtype)
-    why = (f"decode path: {p.N}×{i.Hkv} (sequence, kv head) units × {ns} key split{'s' * (ns > 1)}, "
-           f"the {i.groups} query head{'s' * (i.groups > 1)} of a group in one pass (K/V read once per group, "
-           f"no copy): {format_bytes(nbytes)} of K/V")
-    if costs:
-        bw = decode_kernel.read_bandwidth()
-        why += f", ≈ {nbytes / bw * 1e3:.3g} ms at the {bw / 1e9:.3g} GB/s read bandwidth measured now"
-    return why
+    bw = decode_kernel.read_bandwidth() if costs else None
+    return decode_kernel.plan(p.N, i.H, i.Hkv, i.S, i.E, i.Ev, p.q.dtype, k=p.kv_k.transpose(1, 2),
+                              bandwidth=bw).describe()
 
 
 def run_prepared(p, return_lse: bool = False):

@@ -10,6 +10,16 @@ AttentionMaskInterface). Each registered name gets an attention function (query 
 key/value [B, Hkv, S, D] -> output [B, L, H, Dv], weights | None) and the sdpa-style mask function
 (bool [B, 1, L, S], True = attend, or None when nothing is masked).
 
+Generation: a one-token step (query [B, H, 1, D] against transformers' cache) runs attnlab's decode kernel
+through ``attention``'s decode path. transformers' ``DynamicCache`` concatenates each step (a copy of the
+whole cache per layer and step, which at long contexts costs more than the attention itself); ``in_place_cache``
+makes a ``DynamicCache`` whose full-attention layers append in place into storage reserved up front (doubling
+past it) and hand the attention views of it, read in place by the decode kernel:
+
+    >>> out = model.generate(ids, max_new_tokens=32, cache=hf.in_place_cache(model.config, 2048 + 32))
+
+(``past_key_values=`` before transformers 5.)
+
 ``hook_modules(model)`` and ``hooked(model)`` let ``attnlab.capture`` cache, ablate and patch a transformers
 model (BERT, GPT-2, Llama, ... anything whose attention calls AttentionInterface): each attention module gets
 a :class:`HookedAttention` with attnlab's hook points (q, k, v, weights, z, out), and while ``hooked`` is
@@ -30,7 +40,7 @@ from ..functional import METHODS, attention
 from ..nn.hooks import AttentionHooks, HookContext
 
 __all__ = ["register", "register_all", "attention_function", "registered", "HookedAttention", "hook_modules",
-           "hooked"]
+           "hooked", "in_place_cache"]
 
 _REGISTERED: dict[str, tuple] = {}
 
@@ -153,6 +163,83 @@ def register_all() -> list[str]:
 def registered() -> dict[str, tuple]:
     """name -> (mechanism, pattern) for everything this process registered."""
     return dict(_REGISTERED)
+
+
+# -- a transformers cache that appends in place -------------------------------------------------------
+_IN_PLACE: dict = {}
+
+
+def _in_place_classes():
+    """(InPlaceLayer, InPlaceCache), defined once transformers is importable."""
+    if _IN_PLACE:
+        return _IN_PLACE["classes"]
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class InPlaceLayer(DynamicLayer):
+        """A DynamicLayer whose keys/values [B, Hkv, S, D] are views of storage [B, Hkv, capacity, D]: an update
+        writes the new rows in place (storage doubles past its capacity). Whatever replaced the views (beam
+        reordering, batch selection, crop) is adopted into fresh storage at the next update."""
+
+        def __init__(self, capacity: int = 0, **kwargs):
+            super().__init__(**kwargs)
+            self.capacity = int(capacity)
+            self._kbuf = self._vbuf = None
+
+        def _views_of_storage(self) -> bool:
+            kb, k = self._kbuf, self.keys
+            return (kb is not None and k is not None and k.dim() == 4 and k.data_ptr() == kb.data_ptr()
+                    and k.stride() == kb.stride() and k.shape[:2] == kb.shape[:2] and k.shape[3] == kb.shape[3])
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
+            need = n + key_states.shape[-2]
+            if not self._views_of_storage() or need > self._kbuf.shape[2] \
+                    or self._kbuf.shape[0] != key_states.shape[0] or self._kbuf.dtype != key_states.dtype:
+                cap = max(need, self.capacity, 2 * (self._kbuf.shape[2] if self._kbuf is not None else 0), 16)
+                B, Hkv, _, D = key_states.shape
+                kb = key_states.new_empty(B, Hkv, cap, D)  # (B, Hkv, capacity, D)
+                vb = value_states.new_empty(B, value_states.shape[1], cap, value_states.shape[3])
+                if n:
+                    kb[:, :, :n] = self.keys
+                    vb[:, :, :n] = self.values
+                self._kbuf, self._vbuf = kb, vb
+            self._kbuf[:, :, n:need] = key_states
+            self._vbuf[:, :, n:need] = value_states
+            self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
+            return self.keys, self.values
+
+        def reset(self) -> None:
+            """Drop the cached rows (the storage is freed too)."""
+            self._kbuf = self._vbuf = None
+            super().reset()
+
+    class InPlaceCache(DynamicCache):
+        """transformers' DynamicCache with its full-attention layers as InPlaceLayer (sliding-window layers
+        stay transformers' own)."""
+
+        def __init__(self, config=None, capacity: int = 0):
+            super().__init__(config=config)
+            if self.layer_class_to_replicate is not None:
+                self.layer_class_to_replicate = lambda: InPlaceLayer(capacity)
+            self.layers = [InPlaceLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+    _IN_PLACE["classes"] = (InPlaceLayer, InPlaceCache)
+    return _IN_PLACE["classes"]
+
+
+def in_place_cache(config=None, capacity: int = 0):
+    """A transformers ``DynamicCache`` (pass it as ``past_key_values`` to ``generate`` or ``forward``) whose
+    full-attention layers append in place: storage for ``capacity`` positions (prompt + new tokens) is reserved
+    at the first update, so a step writes only its new rows and the attention reads views of the storage (the
+    decode kernel reads them in place), where DynamicCache copies the whole cache every step. ``config``: the
+    model's config (its layer types), or None for every layer a full-attention one. Same results as
+    DynamicCache."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"capacity must be an int >= 0 (positions to reserve), got {capacity!r}")
+    _interfaces()
+    return _in_place_classes()[1](config, capacity)
 
 
 # -- hook points on transformers models (attnlab.capture) ---------------------------------------------

@@ -20,13 +20,16 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
+from ..report import format_bytes
 from .extension import Extension
 
 __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
-           "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED"]
+           "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED",
+           "DecodePlan", "plan"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
 ABI_VERSION = 3
@@ -225,3 +228,54 @@ def read_bandwidth(nbytes: int = 256 * 2**20, rounds: int = 3) -> float:
 def predicted_seconds(nbytes: int, bandwidth: float) -> float:
     """The memory-bound time of a decode call: K/V bytes over a read bandwidth (bytes/s)."""
     return nbytes / bandwidth if bandwidth > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How the decode kernel runs one call (what ``explain`` prints for a decode call): B sequences x Hkv kv
+    heads x S keys, read ``head_span`` kv heads per unit of work (Note [Decode head span]) in ``splits`` key
+    splits (Note [Decode schedule]); ``kv_bytes`` of K/V read once per kv group, and with a measured
+    ``bandwidth`` (bytes/s) the memory-bound time."""
+
+    B: int
+    Hkv: int
+    S: int
+    groups: int
+    splits: int
+    head_span: int
+    kv_bytes: int
+    dtype: torch.dtype
+    bandwidth: float | None = None
+
+    @property
+    def units(self) -> int:
+        """Units of work the threads pull: sequences x kv head spans x key splits."""
+        return self.B * (self.Hkv // self.head_span) * self.splits
+
+    @property
+    def predicted_seconds(self) -> float | None:
+        """kv_bytes over the bandwidth (None without one)."""
+        return None if self.bandwidth is None else predicted_seconds(self.kv_bytes, self.bandwidth)
+
+    def describe(self) -> str:
+        """One line: the schedule, the bytes read and, with a bandwidth, the predicted time."""
+        span = (f"{self.head_span} kv heads per unit (the cache holds a token's heads side by side)"
+                if self.head_span > 1 else "one kv head per unit")
+        why = (f"decode path: {self.B}×{self.Hkv // self.head_span} (sequence, kv head span) units × {self.splits} "
+               f"key split{'s' * (self.splits > 1)} = {self.units} units, {span}; the {self.groups} query "
+               f"head{'s' * (self.groups > 1)} of a group in one pass (K/V read once per group, no copy): "
+               f"{format_bytes(self.kv_bytes)} of {'int8 ' if self.dtype == torch.int8 else ''}K/V")
+        if self.bandwidth is not None:
+            why += (f", ≈ {self.predicted_seconds * 1e3:.3g} ms at the {self.bandwidth / 1e9:.3g} GB/s read "
+                    "bandwidth measured now")
+        return why
+
+
+def plan(B: int, H: int, Hkv: int, S: int, D: int, Dv: int, dtype: torch.dtype, k: torch.Tensor | None = None,
+         splits: int | None = None, bandwidth: float | None = None) -> DecodePlan:
+    """The ``DecodePlan`` of a call with q [B, H, L, D] against B sequences of S keys of Hkv heads (dtype: the
+    cache's, int8 included), the cache k [P, T, Hkv, D] as the kernel gets it (its strides set the head span;
+    None: one head per unit), ``splits`` as ``decode_attention`` takes it."""
+    hs = 1 if k is None else head_span(k)
+    ns = splits if splits is not None else num_splits(B, Hkv // hs, S)
+    return DecodePlan(B, Hkv, S, H // max(Hkv, 1), ns, hs, kv_bytes(B, Hkv, S, D, Dv, dtype), dtype, bandwidth)
