@@ -9,9 +9,13 @@ attnlab's time over it, and attnlab's speed over SDPA's. Every case's output is 
 float64 (the error budget: FUSED_ERROR_FACTOR times SDPA's own error in the case's dtype, plus a floor);
 a case out of budget sets ``exit_code`` 1.
 
+dtype "int8": an int8 cache (``QuantizedKV``, per-token per-head scales) with float32 queries; SDPA runs on the
+dequantised float32 keys (the same values), and the int8 target compares its time with the bf16 case's.
+
 Head configurations (the issue-23 shapes): gqa H=32, Hkv=8, D=128; mha H=8, Hkv=8, D=64; mqa H=32, Hkv=1,
 D=128. Targets (issue 23, for a quiet machine): gqa, B=1, S=4096 and 32768: time <= 1.25x the memory-bound
-time and >= 2x SDPA's speed; mha S=8192 >= 1.0x SDPA. The figures of a shared machine are not the targets'.
+time and >= 2x SDPA's speed; mha S=8192 >= 1.0x SDPA; paged <= 1.10x the contiguous case's time; int8 <= 0.6x
+the bf16 case's time at S=32768. The figures of a shared machine are not the targets'.
 
 ``run(DecodeConfig(...)) -> DecodeBench``: no printing, no argv (the CLI is ``attnlab bench decode``).
 """
@@ -37,13 +41,14 @@ __all__ = ["DecodeConfig", "DecodeBench", "HEADS", "run"]
 HEADS = {"gqa": (32, 8, 128), "mha": (8, 8, 64), "mqa": (32, 1, 128)}
 QUICK = dict(seq_lens=(256, 1024), dtypes=("float32", "bfloat16"), heads=("gqa", "mqa"), batches=(1,),
              layouts=("contiguous", "paged16"), rounds=3, bandwidth_mib=64)
-FULL = dict(seq_lens=(1024, 4096, 8192, 32768, 65536), dtypes=("float32", "bfloat16"), heads=("gqa", "mha", "mqa"),
+FULL = dict(seq_lens=(1024, 4096, 8192, 32768, 65536), dtypes=("float32", "bfloat16", "int8"), heads=("gqa", "mha", "mqa"),
             batches=(1, 8), layouts=("contiguous", "paged16", "paged64", "paged256"), rounds=9, bandwidth_mib=1024)
 #: a case whose caches would take more than this many bytes is skipped (recorded)
 CASE_BYTES_LIMIT = 8 * 2**30
 #: the error budget's factor over SDPA's own error in the case's dtype (tests/helpers.py FUSED_ERROR_FACTOR)
 ERROR_FACTOR = 3.0
-TARGETS = {"memory_bound_ratio": 1.25, "gqa_speedup": 2.0, "mha_speedup": 1.0}
+TARGETS = {"memory_bound_ratio": 1.25, "gqa_speedup": 2.0, "mha_speedup": 1.0, "paged_over_contiguous": 1.10,
+           "int8_over_bf16": 0.6}
 
 
 @dataclass
@@ -66,8 +71,8 @@ class DecodeConfig:
         base = QUICK if self.quick else FULL
         v = {k: base[k] if getattr(self, k) is None else getattr(self, k) for k in base}
         for d in v["dtypes"]:
-            if d not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"--dtypes: {d!r} is not one of float32, bfloat16, float16")
+            if d not in ("float32", "bfloat16", "float16", "int8"):
+                raise ValueError(f"--dtypes: {d!r} is not one of float32, bfloat16, float16, int8")
         for h in v["heads"]:
             if h not in HEADS:
                 raise ValueError(f"--heads: {h!r} is not one of {', '.join(HEADS)}")
@@ -107,11 +112,11 @@ class DecodeBench:
 
 
 def _paged(x: torch.Tensor, table: torch.Tensor, page: int) -> torch.Tensor:
-    """x [B, Hkv, S, D] -> a pool [P, page, Hkv, D] holding its rows where ``table`` [B, pages] says."""
-    B, Hkv, S, D = x.shape
-    pool = torch.zeros(table.numel(), page, Hkv, D, dtype=x.dtype)
+    """x [B, S, Hkv, *] -> a pool [P, page, Hkv, *] holding its rows where ``table`` [B, pages] says."""
+    B, S = x.shape[:2]
+    pool = torch.zeros(table.numel(), page, *x.shape[2:], dtype=x.dtype)
     j = torch.arange(S)
-    pool[table.long()[:, j // page], j % page] = x.transpose(1, 2)
+    pool[table.long()[:, j // page], j % page] = x
     return pool
 
 
@@ -122,17 +127,29 @@ def _bandwidth_once(buf: torch.Tensor) -> float:
 
 
 def _case(name, S, dtype, B, layout, rounds, buf, gen):
+    from ..functional.kvcache import QuantizedKV
+
     H, Hkv, D = HEADS[name]
     dt = getattr(torch, dtype)
+    int8 = dt == torch.int8
+    if int8:  # float32 queries against an int8 cache; SDPA on the dequantised values
+        dt = torch.float32
     q = torch.randn(B, H, 1, D, generator=gen).to(dt)
     k = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
     v = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
-    if layout == "contiguous":
-        kc, vc, table = k.transpose(1, 2), v.transpose(1, 2), None  # views: the same memory SDPA reads
-    else:
+    kc, vc = k.transpose(1, 2), v.transpose(1, 2)  # views: the same memory SDPA reads
+    if int8:
+        kc, vc = QuantizedKV.quantize(kc), QuantizedKV.quantize(vc)
+        k, v = kc.dequantize().transpose(1, 2), vc.dequantize().transpose(1, 2)
+    table = None
+    if layout != "contiguous":
         page = int(layout[5:])
         table = torch.randperm(B * -(-S // page), generator=gen).view(B, -1).to(torch.int32)  # shuffled pages
-        kc, vc = _paged(k, table, page), _paged(v, table, page)
+        if int8:
+            kc = QuantizedKV(_paged(kc.data, table, page), _paged(kc.scale, table, page))
+            vc = QuantizedKV(_paged(vc.data, table, page), _paged(vc.scale, table, page))
+        else:
+            kc, vc = _paged(kc, table, page), _paged(vc, table, page)
     qf = q.transpose(1, 2)  # (B, 1, H, D): flash-attn's layout, a view
     mine = lambda: decode_kernel_call(qf, kc, vc, table, S)  # noqa: E731
     theirs = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
@@ -149,14 +166,14 @@ def _case(name, S, dtype, B, layout, rounds, buf, gen):
             f()
             acc.append(time.perf_counter() - t)
         bw.append(_bandwidth_once(buf))
-    nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, dt)
+    nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, torch.int8 if int8 else dt)
     ms, ss, bwm = float(np.median(tm)) * 1e3, float(np.median(ts)) * 1e3, float(np.median(bw))
     bound_ms = nbytes / bwm * 1e3
     return {"heads": name, "H": H, "Hkv": Hkv, "D": D, "S": S, "dtype": dtype, "B": B, "layout": layout,
             "kv_bytes": nbytes, "attnlab_ms": ms, "sdpa_ms": ss, "bandwidth_gbs": bwm / 1e9,
             "attnlab_gbs": nbytes / ms / 1e6, "sdpa_gbs": nbytes / ss / 1e6, "memory_bound_ms": bound_ms,
             "attnlab_over_bound": ms / bound_ms, "speedup": ss / ms,
-            "splits": decode_kernel.num_splits_for(kc, B, S), "max_err": err, "sdpa_err": sdpa_err,
+            "splits": decode_kernel.num_splits_for(kc.data if int8 else kc, B, S), "max_err": err, "sdpa_err": sdpa_err,
             "err_budget": budget, "correct": err <= budget}
 
 
@@ -169,6 +186,18 @@ def decode_kernel_call(q, k_cache, v_cache, block_table, S: int):
 
 def _targets(rows: list[dict]) -> list[dict]:
     out = []
+    by = {(r["heads"], r["S"], r["dtype"], r["B"], r["layout"]): r for r in rows}
+    for r in rows:
+        c = by.get((r["heads"], r["S"], r["dtype"], r["B"], "contiguous"))
+        if r["layout"] != "contiguous" and c is not None:
+            ratio = r["attnlab_ms"] / c["attnlab_ms"]
+            out.append({"case": f"{r['heads']} S={r['S']} {r['dtype']} B={r['B']} {r['layout']} vs contiguous",
+                        "paged_over_contiguous": ratio, "met": ratio <= TARGETS["paged_over_contiguous"]})
+        b16 = by.get((r["heads"], r["S"], "bfloat16", r["B"], r["layout"]))
+        if r["dtype"] == "int8" and r["S"] == 32768 and b16 is not None:
+            ratio = r["attnlab_ms"] / b16["attnlab_ms"]
+            out.append({"case": f"{r['heads']} S=32768 int8 vs bf16 B={r['B']} {r['layout']}", "int8_over_bf16": ratio,
+                        "met": ratio <= TARGETS["int8_over_bf16"]})
     for r in rows:
         if r["layout"] != "contiguous" or r["B"] != 1:
             continue
