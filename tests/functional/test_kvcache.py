@@ -425,7 +425,8 @@ def test_grad_calls_do_not_take_the_decode_path():
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_other_decode_builds_in_subprocesses(capability):
     """The decode kernel's AVX2 (_decode_avx2) and baseline (_decode) builds, which this CPU would not load by
-    itself, run the append-and-attend cases against float64 (ATEN_CPU_CAPABILITY picks the build)."""
+    itself, run the append-and-attend cases against float64 and the int8 cache's dequantisation
+    (ATEN_CPU_CAPABILITY picks the build)."""
     import os
     import subprocess
     import sys
@@ -435,7 +436,8 @@ def test_other_decode_builds_in_subprocesses(capability):
                            capture_output=True, text=True, env=env, timeout=120)
     if probe.stdout.strip() != capability:
         pytest.skip(f"this CPU / torch cannot load the {capability} decode build (got {probe.stdout.strip()!r})")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__,
-                          "-k", "appends_and_attends"], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    int8 = os.path.join(os.path.dirname(__file__), "test_kvcache_int8.py")  # its AVX2 / scalar dequantisation
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, int8,
+                          "-k", "appends_and_attends or dequantises_like"], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
