@@ -140,65 +140,6 @@ def _want(return_lse, return_aux, kernel_options):
 
 
 # -- block masks ------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class _BlockCodes(P.Pattern):
-    """A torch BlockMask shared by batch and heads as an attnlab pattern: (i, j) is kept when its block is
-    full, or partial and ``inner`` keeps it. ``codes`` int8 [nq, nk] (EMPTY / PARTIAL / FULL)."""
-
-    codes: torch.Tensor
-    block_q: int
-    block_k: int
-    inner: P.Pattern | None
-
-    @property
-    def batch_size(self):  # type: ignore[override]
-        return None if self.inner is None else self.inner.batch_size
-
-    def keep(self, i, j, L, S):
-        c = self.codes.to(i.device)[torch.div(i, self.block_q, rounding_mode="floor"),
-                                    torch.div(j, self.block_k, rounding_mode="floor")]
-        full = c == P.FULL
-        if self.inner is None:
-            return full | (c == P.PARTIAL)
-        return full | ((c == P.PARTIAL) & self.inner.keep(i, j, L, S))
-
-    def bounds(self, qlo, qhi, klo, khi, L, S):
-        # cells each caller block touches, counted by 2-D prefix sums (as BlockTable.bounds)
-        bq0, bq1 = (torch.div(x, self.block_q, rounding_mode="floor") for x in (qlo, qhi))
-        bk0, bk1 = (torch.div(x, self.block_k, rounding_mode="floor") for x in (klo, khi))
-        codes = self.codes.to(qlo.device)
-
-        def count(t):
-            c = torch.nn.functional.pad(t.to(torch.int64).cumsum(0).cumsum(1), (1, 0, 1, 0))
-            return c[bq1 + 1, bk1 + 1] - c[bq0, bk1 + 1] - c[bq1 + 1, bk0] + c[bq0, bk0]
-
-        cells = (bq1 - bq0 + 1) * (bk1 - bk0 + 1)
-        return count(codes != P.EMPTY) > 0, count(codes == P.FULL) == cells
-
-    def __repr__(self):
-        return f"BlockMask(blocks {self.block_q}x{self.block_k}, mask_mod={self.inner!r})"
-
-
-def _dense_codes(bm) -> torch.Tensor:
-    """int8 [Bm, Hm, nq, nk] EMPTY / PARTIAL / FULL from a BlockMask's kv_num_blocks / kv_indices (partial
-    blocks) and full_kv_num_blocks / full_kv_indices (full blocks, None when it has none)."""
-    t = bm.as_tuple()
-    kv_num, kv_idx, full_num, full_idx = t[2], t[3], t[4], t[5]
-    Bm, Hm, nq = kv_num.shape
-    nk = kv_idx.shape[-1]
-    codes = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.int8)  # column nk takes the unused index slots
-
-    def put(num, idx, code):
-        slot = torch.arange(idx.shape[-1]).view(1, 1, 1, -1)
-        cols = torch.where(slot < num.long().unsqueeze(-1), idx.long(), nk)
-        codes.scatter_(-1, cols, code)
-
-    put(kv_num, kv_idx, P.PARTIAL)
-    if full_num is not None:
-        put(full_num, full_idx, P.FULL)
-    return codes[..., :nk]
-
-
 def _is_noop(mask_mod) -> bool:
     """Whether a BlockMask's mask_mod keeps everything (torch's noop_mask), found by name: that one is ours
     to know, as torch builds it."""
@@ -246,12 +187,13 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
     huge = bq >= 2**29 and bk >= 2**29  # torch's stand-in for "no mask"
     if not huge and tuple(bm.seq_lengths) != (L, S):
         raise AttentionInputError(f"flex_attention: block_mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)}, "
-                                  f"the inputs have ({L}, {S}); build it again for these lengths "
+                                  f"the inputs have ({L}, {S}); build it again for these lengths, or attnlab.patterns.adjust(block_mask, "
+                                  f"{L}, {S}, align=...) it "
                                   "(torch's _adjust crops to the top left, wrong for bottom-right masks)")
     if bm.kv_num_blocks.device.type != "cpu":
         raise AttentionInputError(f"flex_attention: block_mask is on {bm.kv_num_blocks.device}; build it with "
                                   "device='cpu'")
-    codes = _dense_codes(bm)  # (Bm, Hm, nq, nk)
+    codes = P.block_codes(bm)  # (Bm, Hm, nq, nk)
     Bm, Hm = codes.shape[:2]
     if Bm not in (1, B) or Hm not in (1, H):
         raise AttentionInputError(f"flex_attention: block_mask has (B, H) = ({Bm}, {Hm}), the query ({B}, {H}); "
@@ -270,29 +212,11 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
 
     desc = f"torch BlockMask (blocks {bq}x{bk}, (B, H) = ({Bm}, {Hm}), mask_mod {getattr(mm, '__name__', mm)!r})"
     refusal, pattern = None, None
-    if Bm != 1 and not bool((codes == codes[:1]).all()) or Hm != 1 and not bool((codes == codes[:, :1]).all()):
-        refusal = "its blocks differ per batch element or head; attnlab patterns are shared by the heads"
-    else:
-        inner = None
-        if not noop:
-            try:
-                inner = P.from_mask_mod(mm, B=B if B > 1 and _reads_b(mm, B, L, S) else None)
-            except (ValueError, TypeError) as e:
-                refusal = f"its mask_mod is not an attnlab pattern ({e})"
-        if refusal is None:
-            pattern = _BlockCodes(codes[0, 0].clone(), bq, bk, inner)
+    try:
+        pattern = P.from_block_mask(bm, B=B)
+    except (ValueError, TypeError) as e:
+        refusal = f"not an attnlab pattern ({e})"
     return _Mask(desc, pattern, refusal, codes, (bq, bk), keep)
-
-
-def _reads_b(mm, B, L, S) -> bool:
-    """Whether mask_mod answers differently for some batch element than for b = 0, on random pairs."""
-    g = torch.Generator().manual_seed(0)
-    i = torch.randint(0, L, (256,), generator=g)
-    j = torch.randint(0, S, (256,), generator=g)
-    h = torch.zeros((), dtype=torch.long)
-    b = torch.arange(B).view(-1, 1)
-    m = torch.broadcast_to(mm(b, h, i, j), (B, 256))
-    return not bool((m == m[:1]).all())
 
 
 # -- probing score_mod ------------------------------------------------------------------------------

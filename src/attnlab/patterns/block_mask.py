@@ -26,13 +26,14 @@ import torch
 
 from . import intervals as _iv
 from .base import EMPTY, FULL, PARTIAL, Pattern, _check_int
+from .mask_mod import from_mask_mod
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover - older torch: attnlab patterns only
     BlockMask = None
 
-__all__ = ["create_block_mask", "BlockMaskPattern", "from_block_mask", "to_block_mask", "adjust",
+__all__ = ["create_block_mask", "BlockMaskPattern", "from_block_mask", "to_block_mask", "adjust", "block_codes",
            "block_mask_text", "block_mask_stats", "BuildStats"]
 
 #: pairs per slice when blocks are evaluated pair by pair (about 1M: in cache between the mask's ops)
@@ -212,6 +213,8 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class BlockMaskPattern(Pattern):
     """A block mask as an attnlab pattern, stored as its non-empty blocks only: (i, j) is kept when its
     block is FULL, or PARTIAL and ``mask_mod`` keeps it (None: every pair of a PARTIAL block).
+    ``batch``: the batch size mask_mod is evaluated at (None: b = 0 for all, the mask is shared), as
+    ``from_mask_mod``'s B; a mask_mod that reads h is refused when first evaluated (patterns are shared by heads).
 
     ``blocks``: per batch element (one entry when shared by the batch) a triple (qb, kb, code): int64 [n]
     block coordinates sorted by (qb, kb) and int8 [n] PARTIAL / FULL; ``lengths`` the (L, S) it was built for. Memory O(kept blocks); ``codes()`` gives the dense int8 [Bm, nq, nk] grid.
@@ -223,11 +226,17 @@ class BlockMaskPattern(Pattern):
     lengths: tuple[int, int]
     mask_mod: object = None
     name: str = "block_mask"
+    batch: int | None = None
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if len(self.blocks) > 1 and self.batch != len(self.blocks):
+            raise ValueError(f"BlockMaskPattern: {len(self.blocks)} per-batch block lists need batch={len(self.blocks)}, "
+                             f"got batch={self.batch}")
 
     @property
     def batch_size(self):  # type: ignore[override]
-        return len(self.blocks) if len(self.blocks) > 1 else None
+        return self.batch
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -250,19 +259,32 @@ class BlockMaskPattern(Pattern):
             self._memo["codes"] = hit
         return hit
 
+    def inner(self) -> Pattern | None:
+        """``mask_mod`` as a pattern (``from_mask_mod``: refuses one that reads h), per batch element when
+        ``batch`` is set; None for no mask_mod (every pair of a PARTIAL block kept)."""
+        if self.mask_mod is None:
+            return None
+        hit = self._memo.get("inner")
+        if hit is None:
+            hit = from_mask_mod(self.mask_mod, B=self.batch, name=self.name)
+            self._memo["inner"] = hit
+        return hit
+
     def keep(self, i, j, L, S):
         self._check(L, S)
         c = self.codes().to(i.device)
         cq = torch.div(i, self.block_q, rounding_mode="floor")
         ck = torch.div(j, self.block_k, rounding_mode="floor")
-        c = c[:, cq, ck] if self.batch_size else c[0][cq, ck]
-        if self.mask_mod is None:
-            return c != EMPTY
-        bidx = torch.arange(self.batch_size).view(-1, *([1] * cq.dim())) if self.batch_size else _pt(0)
-        shape = torch.broadcast_shapes(i.shape, j.shape)
-        m = self.mask_mod(bidx.to(i.device), _pt(0).to(i.device), i.long(), j.long())
-        m = torch.broadcast_to(m, ((self.batch_size,) if self.batch_size else ()) + tuple(shape))
-        return (c == FULL) | ((c == PARTIAL) & m)
+        c = c[:, cq, ck] if c.shape[0] > 1 else c[0][cq, ck]  # (Bm, *shape) or shape
+        inner = self.inner()
+        if inner is None:
+            m = c != EMPTY
+        else:
+            m = (c == FULL) | ((c == PARTIAL) & inner.keep(i, j, L, S))
+        if self.batch_size:
+            shape = torch.broadcast_shapes(i.shape, j.shape)
+            m = torch.broadcast_to(m, (self.batch_size,) + tuple(shape))
+        return m
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
         # cells each caller block touches, counted by 2-D prefix sums of the union / intersection over the batch
@@ -333,7 +355,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
             raise ValueError(f"create_block_mask: mask_mod {name} reads h; attnlab patterns are shared by the heads: "
                              "use output='torch' for a per-head BlockMask")
         blocks = tuple(per[(b, 0)] for b in range(Bm))
-        return BlockMaskPattern(blocks, bq, bk, (L, S), mask_mod=mask_mod, name=name)
+        return BlockMaskPattern(blocks, bq, bk, (L, S), mask_mod=mask_mod, name=name, batch=Bm if Bm > 1 else None)
     nq, nk = -(-L // bq), -(-S // bk)
     codes = torch.zeros(Bm, Hm, nq, nk, dtype=torch.int8)
     for (b, h), (qb, kb, code) in per.items():
@@ -371,19 +393,42 @@ def _torch_codes(bm) -> torch.Tensor:
     return codes[..., :nk]
 
 
+def block_codes(block_mask) -> torch.Tensor:
+    """int8 [Bm, Hm, nq, nk] EMPTY / PARTIAL / FULL of a torch BlockMask (the blocks it lists; nq, nk from its
+    seq_lengths) or of a BlockMaskPattern ([Bm, 1, nq, nk])."""
+    return _codes_of(block_mask)[0]
+
+
 def _is_noop(mask_mod) -> bool:
     return mask_mod is None or getattr(mask_mod, "__name__", "") == "noop_mask"
 
 
-def from_block_mask(block_mask) -> BlockMaskPattern:
+def _reads_b(mask_mod, L: int, S: int) -> bool:
+    """Whether mask_mod reads b, found by interpreting it once on the whole grid (``intervals``); a function
+    the interval table cannot read is taken to read b (a per-batch pattern: slower, never wrong)."""
+    try:
+        z = torch.zeros(1, dtype=torch.long)
+        reads = _iv.evaluate(mask_mod, 0, 0, z, z + L - 1, z, z + S - 1)[2]
+    except _iv.NotInterval:
+        return True
+    return "b" in reads
+
+
+def from_block_mask(block_mask, B: int | None = None) -> BlockMaskPattern:
     """A torch ``BlockMask`` as an attnlab pattern (``attention(..., pattern=from_block_mask(bm))``):
     its FULL blocks kept, its PARTIAL blocks through its ``mask_mod`` (all of them for torch's noop_mask),
-    other blocks empty, as torch's kernels read it. Blocks that differ per head are refused (patterns are
-    shared by the heads); per batch element they make a per-batch pattern."""
+    other blocks empty, as torch's kernels read it. Blocks that differ per head, or a mask_mod that reads h,
+    are refused (ValueError: patterns are shared by the heads); blocks per batch element make a per-batch
+    pattern. ``B``: the batch size of the inputs it will mask, for a mask_mod that reads b on a mask built
+    with B=None (torch's kernels call it with each element's b); default the mask's own batch extent."""
     if BlockMask is None or not isinstance(block_mask, BlockMask):
         raise TypeError(f"from_block_mask: block_mask must be a torch BlockMask, got {type(block_mask).__name__}")
     codes = _torch_codes(block_mask)  # (Bm, Hm, nq, nk)
     Bm, Hm = codes.shape[:2]
+    if B is not None:
+        _check_int("B", B, 1)
+        if Bm not in (1, B):
+            raise ValueError(f"from_block_mask: the mask has batch extent {Bm}, the inputs B={B}; each must be 1 or equal")
     if Hm > 1 and not bool((codes == codes[:, :1]).all()):
         raise ValueError(f"from_block_mask: its blocks differ between its {Hm} heads; attnlab patterns are shared by "
                          "the heads (flex_attention runs such a mask on its general path)")
@@ -398,8 +443,14 @@ def from_block_mask(block_mask) -> BlockMaskPattern:
         qb, kb = (c != EMPTY).nonzero(as_tuple=True)
         blocks.append((qb, kb, c[qb, kb]))
     mm = None if _is_noop(block_mask.mask_mod) else block_mask.mask_mod
-    return BlockMaskPattern(tuple(blocks), bq, bk, (L, S), mask_mod=mm,
-                            name=getattr(block_mask.mask_mod, "__name__", "mask_mod"))
+    batch = len(blocks) if len(blocks) > 1 else None
+    Bx = B if B is not None else Bm
+    if batch is None and mm is not None and Bx > 1 and _reads_b(mm, L, S):
+        batch = Bx
+    p = BlockMaskPattern(tuple(blocks), bq, bk, (L, S), mask_mod=mm,
+                         name=getattr(block_mask.mask_mod, "__name__", "mask_mod"), batch=batch)
+    p.inner()  # refuse a mask_mod that reads h, or returns something else than a bool tensor, now
+    return p
 
 
 def to_block_mask(pattern: Pattern, L: int | None = None, S: int | None = None, BLOCK_SIZE=128):
@@ -476,7 +527,8 @@ def adjust(block_mask, new_q_len: int, new_kv_len: int, align: str = "bottom_rig
         for x in c[:, 0]:
             qb, kb = (x != EMPTY).nonzero(as_tuple=True)
             blocks.append((qb, kb, x[qb, kb]))
-        return BlockMaskPattern(tuple(blocks), bq, bk, (new_q_len, new_kv_len), None, block_mask.name)
+        return BlockMaskPattern(tuple(blocks), bq, bk, (new_q_len, new_kv_len), None, block_mask.name,
+                                batch=len(blocks) if len(blocks) > 1 else None)
     if dq or dk:
         def shifted_mask(b, h, q_idx, kv_idx, mm=mm):
             return mm(b, h, q_idx + dq, kv_idx + dk)
