@@ -11,9 +11,9 @@ full_kv_num_blocks and full_kv_indices, without evaluating mask_mod on the L x S
    on *intervals* (``patterns.intervals``: q_idx in [qlo, qhi], kv_idx in [klo, khi]); a proof of FULL
    or EMPTY settles the whole tile, anything else splits it in four. A band, causal, a prefix or a
    document mask leaves O(L / block) undecided tiles per level.
-2) an undecided single block is evaluated at its four corners and its centre (exact pairs): a kept and a
-   dropped pair prove it PARTIAL;
-3) only a block whose five probes agree and whose intervals decide nothing is evaluated pair by pair.
+2) an undecided single block is evaluated at 8 pairs (its corners, its centre and three neighbouring
+   pairs, which tell periodic masks apart): a kept and a dropped pair prove it PARTIAL;
+3) only a block whose probes agree and whose intervals decide nothing is evaluated pair by pair.
 A mask_mod the interval table cannot read (Python control flow on a tensor, an unknown op) is evaluated on
 the grid in strips, as torch does but in O(strip) memory. Every answer is exact: FULL and EMPTY come from
 sound interval bounds or from every pair, PARTIAL from two witnesses (Note [Sound intervals]).
@@ -154,17 +154,18 @@ def _classify(mask_mod, b, h, L, S, bq, bk, name, stats, cache):
         inside = (tq * s < nq) & (tk * s < nk)
         tq, tk = tq[inside], tk[inside]
     if tq.numel():
-        # 3) undecided blocks: corners and centre as exact pairs; a kept and a dropped one prove PARTIAL
+        # 3) undecided blocks: corners, centre and three neighbours as exact pairs; a kept and a dropped one prove PARTIAL
         qlo, klo = tq * bq, tk * bk
         qhi, khi = torch.clamp(qlo + bq, max=L) - 1, torch.clamp(klo + bk, max=S) - 1
-        pq = torch.stack([qlo, qlo, qhi, qhi, (qlo + qhi) // 2], 1)  # (T, 5)
-        pk = torch.stack([klo, khi, klo, khi, (klo + khi) // 2], 1)
+        q1, k1 = torch.minimum(qlo + 1, qhi), torch.minimum(klo + 1, khi)  # neighbours: periodic masks differ there
+        pq = torch.stack([qlo, qlo, qhi, qhi, (qlo + qhi) // 2, qlo, q1, qhi], 1)  # (T, 8)
+        pk = torch.stack([klo, khi, klo, khi, (klo + khi) // 2, k1, klo, torch.maximum(khi - 1, klo)], 1)
         m = _exact(mask_mod, b, h, pq, pk, name)
         mixed = m.any(1) & ~m.all(1)
         stats.probed_blocks += int(mixed.sum())
         found.append((tq[mixed], tk[mixed], torch.full((int(mixed.sum()),), PARTIAL, dtype=torch.int8)))
         rest = ~mixed
-        if rest.any():  # 4) five agreeing probes prove nothing: every pair of the block
+        if rest.any():  # 4) agreeing probes prove nothing: every pair of the block
             rq, rk = tq[rest], tk[rest]
             a, f = _blocks_exact(mask_mod, b, h, rq, rk, L, S, bq, bk, name, stats)
             found.append((rq[a], rk[a], torch.where(f[a], FULL, PARTIAL).to(torch.int8)))
@@ -329,7 +330,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         stats: a ``BuildStats`` to fill with how the blocks were found.
 
     Cost: O(kept blocks · log(nq)) interval evaluations for bands, causal, prefix and document masks,
-    plus ~5 exact pairs per boundary block; pairs only for blocks the intervals and probes leave open.
+    plus 8 exact pairs per boundary block; pairs only for blocks the intervals and probes leave open.
     Equivalent to torch's ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)``.
     """
     if not callable(mask_mod):
@@ -473,7 +474,12 @@ def to_block_mask(pattern: Pattern, L: int | None = None, S: int | None = None, 
         if L is None or S is None:
             raise ValueError("to_block_mask: give L and S for a pattern that is not a BlockMaskPattern")
         bq, bk = _check_block(BLOCK_SIZE)
-        codes = pattern.block_layout(L, S, bq, bk).unsqueeze(0)
+        codes = pattern.block_layout(L, S, bq, bk).unsqueeze(0).clone()
+        # torch pads the grid with dropped pairs: a block that L or S clips is never FULL there
+        if L % bq:
+            codes[:, -1][codes[:, -1] == FULL] = PARTIAL
+        if S % bk:
+            codes[..., -1][codes[..., -1] == FULL] = PARTIAL
         if pattern.batch_size:
             codes = codes.expand(pattern.batch_size, -1, -1)
         mm = _pattern_mask_mod(pattern, L, S)
@@ -495,7 +501,8 @@ def _pattern_mask_mod(pattern: Pattern, L: int, S: int):
 
 def adjust(block_mask, new_q_len: int, new_kv_len: int, align: str = "bottom_right"):
     """``block_mask`` for new lengths. ``align="top_left"``: the new grid is the old one's top-left corner
-    (torch's ``BlockMask._adjust``: query i and key j keep their positions). ``"bottom_right"``: the new grid
+    (as torch's ``BlockMask._adjust``: query i and key j keep their positions; but a block the new lengths
+    clip becomes PARTIAL, as a fresh ``create_block_mask`` gives, where torch's crop keeps it FULL). ``"bottom_right"``: the new grid
     is the old one's bottom-right corner, query i is old query i + (Q_LEN - new_q_len) and key j old key
     j + (KV_LEN - new_kv_len), which is what a mask aligned to the last key (bottom-right causal, a KV cache's
     last rows) needs. The mask_mod is shifted to match and the blocks found again (``create_block_mask``),
