@@ -332,16 +332,72 @@ def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
     return True
 
 
-def _bias(score_mod, B, H, L, S, dtype):
-    """score_mod(0, b, h, q_idx, kv_idx) on the whole index grid: the float attn_mask [B|1, H|1, L, S]
-    (broadcast over what it does not read; differentiable into the tensors it reads)."""
+def _row_keys(mask: "_Mask", qb: int, S: int):
+    """Key positions of the blocks query block ``qb`` keeps (for any b, h) as a slice when they are one
+    range, else an int64 index; whether any of them is PARTIAL somewhere; how many blocks."""
+    bq, bk = mask.block
+    kept = (mask.codes[:, :, qb] != P.EMPTY).any(0).any(0)  # (nk,)
+    kbs = kept.nonzero().view(-1)
+    if kbs.numel() == 0:
+        return None, False, 0
+    partial = not bool((mask.codes[:, :, qb, kbs] == P.FULL).all())
+    lo, hi = int(kbs[0]), int(kbs[-1])
+    if hi - lo + 1 == kbs.numel():
+        return slice(lo * bk, min(S, (hi + 1) * bk)), partial, kbs.numel()
+    j = (kbs.view(-1, 1) * bk + torch.arange(bk)).view(-1)
+    return j[j < S], partial, kbs.numel()
+
+
+def _bias_blocks(score_mod, B, H, i, j, dtype):
+    """score_mod(0, b, h, q_idx, kv_idx) on rows i [r] x keys j [c] only: float [B|1, H|1, r, c] (broadcast
+    over what it does not read; differentiable into the tensors it reads)."""
     b = torch.arange(B).view(B, 1, 1, 1)
     h = torch.arange(H).view(1, H, 1, 1)
-    i = torch.arange(L).view(1, 1, L, 1)
-    j = torch.arange(S).view(1, 1, 1, S)
-    y = score_mod(torch.zeros((), dtype=dtype), b, h, i, j)
+    y = score_mod(torch.zeros((), dtype=dtype), b, h, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
     y = y.view(*([1] * (4 - y.dim())), *y.shape) if y.dim() < 4 else y
-    return y.to(dtype).expand(*y.shape[:2], L, S)
+    return y.to(dtype).expand(*y.shape[:2], i.numel(), j.numel())
+
+
+def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scale, enable_gqa, want_lse):
+    """Note [Kept-blocks bias]: an affine (or soft-capping) score_mod with a bias runs one query block at a
+    time on the key blocks the mask keeps: the bias is evaluated on those (rows x kept keys) only, the
+    partial blocks' mask folded in as -inf, and attnlab.attention runs the slab with it as a float
+    attn_mask (so its gradient reaches the captured tensors by autograd). Memory: the kept blocks' bias,
+    never L x S; keys of a row that form one range are a view, else gathered.
+    Returns out [B, H, L, Ev] and lse [B, H, L] (None unless want_lse)."""
+    from . import attention, attention_with_lse
+
+    B, H, L, _ = query.shape
+    S = key.shape[2]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    bq, _ = mask.block
+    bidx = torch.arange(B).view(B, 1, 1, 1)
+    hidx = torch.arange(H).view(1, H, 1, 1)
+    outs, lses = [], []
+    kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, softcap=kind.softcap)
+    for qb in range(-(-L // bq)):
+        q0, q1 = qb * bq, min(L, (qb + 1) * bq)
+        cols, partial, _ = _row_keys(mask, qb, S)
+        if cols is None:  # no key: output 0, lse -inf (as flex_attention)
+            outs.append(query.new_zeros(B, H, q1 - q0, value.shape[-1]))
+            lses.append(torch.full((B, H, q1 - q0), float("-inf"), dtype=acc))
+            continue
+        i = torch.arange(q0, q1)
+        j = torch.arange(S)[cols]
+        bias = _bias_blocks(score_mod, B, H, i, j, acc)  # (B|1, H|1, r, c)
+        if partial and mask.keep is not None:
+            keep = mask.keep(bidx, hidx, i, j)
+            bias = bias.masked_fill(~keep, float("-inf"))
+        k, v = key[:, :, cols], value[:, :, cols]
+        if want_lse:
+            o, lse = attention_with_lse(query[:, :, q0:q1], k, v, attn_mask=bias, **kw)
+            lses.append(lse)
+        else:
+            o = attention(query[:, :, q0:q1], k, v, attn_mask=bias, **kw)
+        outs.append(o)
+    out = torch.cat(outs, 2) if outs else query.new_zeros(B, H, 0, value.shape[-1])
+    lse = (torch.cat(lses, 2) if lses else query.new_zeros(B, H, 0, dtype=acc)) if want_lse else None
+    return out, lse
 
 
 # -- plan -------------------------------------------------------------------------------------------
@@ -359,7 +415,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
         why = "max_scores asked for: the attnlab kernels do not return it"
     elif want_lse and needs_grad:
         why = "lse asked for under autograd: the kernels' lse is not differentiable, the general path's is"
-    elif mask.refusal is not None:
+    elif mask.refusal is not None and not kind.has_bias:
         why = f"block_mask: {mask.refusal}"
     bq, bk = mask.block
     if why is not None:
@@ -369,14 +425,17 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
                      "checkpointed per query block under autograd (scores recomputed in backward)")
         return FlexPlan("general", why, kind, mask.describe, block_size=(bq, bk), notes=notes), mask
     kw = {"scale": f"{scale * kind.factor:.6g}", "enable_gqa": enable_gqa}
-    if mask.pattern is not None:
+    if mask.pattern is not None and not kind.has_bias:
         kw["pattern"] = repr(mask.pattern)
     if kind.softcap is not None:
         kw["softcap"] = f"{kind.softcap:.6g}"
     if kind.has_bias:
-        kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) as a float mask"
-        notes.append(f"the bias is evaluated once per call as a float mask of up to B·H·L·S = {B * H * L * S} "
-                     "elements (L×S memory for now, not only the kept blocks'); its gradient is dense too")
+        kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) on the kept blocks, per query block"
+        kept = int((mask.codes != P.EMPTY).any(0).any(0).sum())
+        nq, nk = mask.codes.shape[-2:]
+        notes.append(f"the bias is evaluated per query block of {bq} on the key blocks the mask keeps ({kept} of "
+                     f"{nq * nk} blocks of {bq}x{bk}), one attention call per query block (Note [Kept-blocks bias]); "
+                     "its memory and gradient are the kept blocks', not L×S")
     reason = {"none": "no score_mod", "identity": "score_mod is the identity",
               "affine": "score_mod is affine in the score: its bias goes in as a float attn_mask",
               "softcap": "score_mod is soft-capping: attention's softcap"}[kind.kind]
@@ -519,9 +578,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kind = plan.score_mod
         kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)
         if kind.has_bias:
-            acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-            kw["attn_mask"] = _bias(score_mod, B, H, L, S, acc)
-        if want_lse:
+            out, lse = _kept_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa, want_lse)
+        elif want_lse:
             out, lse = attention_with_lse(query, key, value, **kw)
         else:
             out = attention(query, key, value, **kw)
