@@ -237,6 +237,7 @@ class BlockMaskPattern(Pattern):
 
     @property
     def batch_size(self):  # type: ignore[override]
+        """``batch``: the leading batch size of ``materialize`` (None when shared by the batch)."""
         return self.batch
 
     @property
