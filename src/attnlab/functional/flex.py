@@ -334,18 +334,25 @@ def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
 
 def _row_keys(mask: "_Mask", qb: int, S: int):
     """Key positions of the blocks query block ``qb`` keeps (for any b, h) as a slice when they are one
-    range, else an int64 index; whether any of them is PARTIAL somewhere; how many blocks."""
+    range, else an int64 index; and the positions (within those keys) of the blocks that are PARTIAL for
+    some (b, h), None when every kept block is FULL everywhere."""
     bq, bk = mask.block
     kept = (mask.codes[:, :, qb] != P.EMPTY).any(0).any(0)  # (nk,)
     kbs = kept.nonzero().view(-1)
     if kbs.numel() == 0:
-        return None, False, 0
-    partial = not bool((mask.codes[:, :, qb, kbs] == P.FULL).all())
+        return None, None
+    part = ~(mask.codes[:, :, qb, kbs] == P.FULL).all(0).all(0)  # (kept,) PARTIAL somewhere
     lo, hi = int(kbs[0]), int(kbs[-1])
     if hi - lo + 1 == kbs.numel():
-        return slice(lo * bk, min(S, (hi + 1) * bk)), partial, kbs.numel()
-    j = (kbs.view(-1, 1) * bk + torch.arange(bk)).view(-1)
-    return j[j < S], partial, kbs.numel()
+        cols = slice(lo * bk, min(S, (hi + 1) * bk))
+        j = torch.arange(cols.start, cols.stop)
+    else:
+        j = (kbs.view(-1, 1) * bk + torch.arange(bk)).view(-1)
+        cols = j = j[j < S]
+    if not bool(part.any()):
+        return cols, None
+    pblocks = kbs[part]
+    return cols, torch.isin(torch.div(j, bk, rounding_mode="floor"), pblocks).nonzero().view(-1)
 
 
 def _bias_blocks(score_mod, B, H, i, j, dtype):
@@ -377,7 +384,7 @@ def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scal
     kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, softcap=kind.softcap)
     for qb in range(-(-L // bq)):
         q0, q1 = qb * bq, min(L, (qb + 1) * bq)
-        cols, partial, _ = _row_keys(mask, qb, S)
+        cols, pcols = _row_keys(mask, qb, S)
         if cols is None:  # no key: output 0, lse -inf (as flex_attention)
             outs.append(query.new_zeros(B, H, q1 - q0, value.shape[-1]))
             lses.append(torch.full((B, H, q1 - q0), float("-inf"), dtype=acc))
@@ -385,9 +392,12 @@ def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scal
         i = torch.arange(q0, q1)
         j = torch.arange(S)[cols]
         bias = _bias_blocks(score_mod, B, H, i, j, acc)  # (B|1, H|1, r, c)
-        if partial and mask.keep is not None:
-            keep = mask.keep(bidx, hidx, i, j)
-            bias = bias.masked_fill(~keep, float("-inf"))
+        if pcols is not None and mask.keep is not None:  # the mask, on the partial blocks' keys only
+            keep = mask.keep(bidx, hidx, i, j[pcols])
+            keep = keep.view(*([1] * (4 - keep.dim())), *keep.shape)  # (B|1, H|1, r, c_partial)
+            add = torch.zeros(*torch.broadcast_shapes(bias.shape[:2], keep.shape[:2]), i.numel(), j.numel(), dtype=acc)
+            add[..., pcols] = torch.where(keep, 0.0, float("-inf")).to(acc)
+            bias = bias + add
         k, v = key[:, :, cols], value[:, :, cols]
         if want_lse:
             o, lse = attention_with_lse(query[:, :, q0:q1], k, v, attn_mask=bias, **kw)
