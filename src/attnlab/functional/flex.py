@@ -216,7 +216,40 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
         pattern = P.from_block_mask(bm, B=B)
     except (ValueError, TypeError) as e:
         refusal = f"not an attnlab pattern ({e})"
+    if pattern is not None and not noop and pattern.batch_size is None:
+        band = _band_of(bm, mm, codes, L, S, bq, bk)
+        if band is not None:
+            pattern = band
+            desc += f", proved equal to {band!r}"
     return _Mask(desc, pattern, refusal, codes, (bq, bk), keep)
+
+
+# Note [Bands proved once per BlockMask]: a BlockMask whose mask_mod is a band (causal, sliding windows)
+# runs as attnlab's band pattern, whose kernels need no mask_mod call per tile (one mask tile per
+# diagonal); ``patterns.as_band`` proves the equality (every pair of the boundary blocks it cannot settle
+# by intervals), and the BlockMask's own blocks must be the band's. The answer is kept per BlockMask object
+# (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern.
+_BANDS: "weakref.WeakKeyDictionary" = None  # BlockMask -> {(L, S): band pattern | None}
+
+
+def _band_of(bm, mm, codes, L, S, bq, bk):
+    global _BANDS
+    import weakref
+
+    if _BANDS is None:
+        _BANDS = weakref.WeakKeyDictionary()
+    try:
+        memo = _BANDS.setdefault(bm, {})
+    except TypeError:  # not weak-referenceable
+        memo = {}
+    if (L, S) not in memo:
+        band = P.as_band(mm, L, S, (bq, bk))
+        if band is not None:
+            want = P.block_codes(P.to_block_mask(band, L, S, BLOCK_SIZE=(bq, bk)))
+            if not torch.equal(want[0, 0], codes[0, 0]) or not bool((codes == codes[:1, :1]).all()):
+                band = None
+        memo[(L, S)] = band
+    return memo[(L, S)]
 
 
 # -- probing score_mod ------------------------------------------------------------------------------
@@ -395,7 +428,7 @@ def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scal
         if pcols is not None and mask.keep is not None:  # the mask, on the partial blocks' keys only
             keep = mask.keep(bidx, hidx, i, j[pcols])
             keep = keep.view(*([1] * (4 - keep.dim())), *keep.shape)  # (B|1, H|1, r, c_partial)
-            add = torch.zeros(*torch.broadcast_shapes(bias.shape[:2], keep.shape[:2]), i.numel(), j.numel(), dtype=acc)
+            add = torch.zeros(*(max(x, y) for x, y in zip(bias.shape[:2], keep.shape[:2])), i.numel(), j.numel(), dtype=acc)
             add[..., pcols] = torch.where(keep, 0.0, float("-inf")).to(acc)
             bias = bias + add
         k, v = key[:, :, cols], value[:, :, cols]

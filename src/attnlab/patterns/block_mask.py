@@ -13,7 +13,8 @@ full_kv_num_blocks and full_kv_indices, without evaluating mask_mod on the L x S
    document mask leaves O(L / block) undecided tiles per level.
 2) an undecided single block is evaluated at 8 pairs (its corners, its centre and three neighbouring
    pairs, which tell periodic masks apart): a kept and a dropped pair prove it PARTIAL;
-3) only a block whose probes agree and whose intervals decide nothing is evaluated pair by pair.
+3) a block whose probes agree is split into 8 x 8 sub-tiles, classified by intervals again; only the
+   sub-tiles they leave open (those a boundary line crosses) are evaluated pair by pair.
 A mask_mod the interval table cannot read (Python control flow on a tensor, an unknown op) is evaluated on
 the grid in strips, as torch does but in O(strip) memory. Every answer is exact: FULL and EMPTY come from
 sound interval bounds or from every pair, PARTIAL from two witnesses (Note [Sound intervals]).
@@ -33,7 +34,7 @@ try:  # torch >= 2.5
 except ImportError:  # pragma: no cover - older torch: attnlab patterns only
     BlockMask = None
 
-__all__ = ["create_block_mask", "BlockMaskPattern", "from_block_mask", "to_block_mask", "adjust", "block_codes",
+__all__ = ["create_block_mask", "BlockMaskPattern", "from_block_mask", "to_block_mask", "adjust", "block_codes", "as_band",
            "block_mask_text", "block_mask_stats", "BuildStats"]
 
 #: pairs per slice when blocks are evaluated pair by pair (about 1M: in cache between the mask's ops)
@@ -57,6 +58,18 @@ class BuildStats:
                 f"{self.evaluated_blocks} blocks pair by pair ({self.pairs} pairs evaluated)")
 
 
+def _bshape(*shapes) -> tuple[int, ...]:
+    """The broadcast of shapes, as torch.broadcast_shapes (whose first call imports torch._refs: 1.4 s here)."""
+    n = max(len(x) for x in shapes)
+    out = []
+    for dims in zip(*[(1,) * (n - len(x)) + tuple(x) for x in shapes]):
+        big = {d for d in dims if d != 1}
+        if len(big) > 1:
+            raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+        out.append(big.pop() if big else 1)
+    return tuple(out)
+
+
 def _pt(v: int) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.long)
 
@@ -67,7 +80,7 @@ def _exact(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor, name: st
     if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
         raise TypeError(f"create_block_mask: mask_mod {name} must return a bool tensor (True = keep), got "
                         f"{getattr(m, 'dtype', type(m).__name__)}")
-    return torch.broadcast_to(m, torch.broadcast_shapes(q.shape, kv.shape))
+    return torch.broadcast_to(m, _bshape(q.shape, kv.shape))
 
 
 def _blocks_exact(mask_mod, b, h, tq, tk, L, S, bq, bk, name, stats):
@@ -86,6 +99,46 @@ def _blocks_exact(mask_mod, b, h, tq, tk, L, S, bq, bk, name, stats):
         any_[t0:t0 + step] = m.flatten(1).any(1)
         all_[t0:t0 + step] = m.flatten(1).all(1)
         stats.pairs += m.numel()
+    stats.evaluated_blocks += T
+    return any_, all_
+
+
+def _blocks_refined(mask_mod, b, h, tq, tk, L, S, bq, bk, name, stats, cache, sub=8):
+    """(any, all) of blocks (tq, tk) [T] as ``_blocks_exact`` gives them, evaluating pairs only where
+    intervals on (sub x sub) sub-tiles of each block decide nothing (a band's or a document's boundary line
+    crosses ~bq / sub of a block's (bq / sub)² sub-tiles). Raises NotInterval as ``intervals.evaluate``."""
+    sq, sk = min(sub, bq), min(sub, bk)
+    nsq, nsk = -(-bq // sq), -(-bk // sk)
+    T = tq.shape[0]
+    qe = torch.clamp((tq + 1) * bq, max=L)  # (T,) end of each block, clipped to the grid
+    ke = torch.clamp((tk + 1) * bk, max=S)
+    q0 = (tq * bq).view(T, 1, 1) + (torch.arange(nsq) * sq).view(1, nsq, 1)  # (T, nsq, 1)
+    k0 = (tk * bk).view(T, 1, 1) + (torch.arange(nsk) * sk).view(1, 1, nsk)  # (T, 1, nsk)
+    q0, k0 = q0.expand(T, nsq, nsk), k0.expand(T, nsq, nsk)
+    blk = torch.arange(T).view(T, 1, 1).expand(T, nsq, nsk)
+    ok = (q0 < qe.view(T, 1, 1)) & (k0 < ke.view(T, 1, 1))
+    q0, k0, blk = q0[ok], k0[ok], blk[ok]  # (U,) sub-tiles inside the grid
+    q1 = torch.minimum(q0 + sq, qe[blk]) - 1
+    k1 = torch.minimum(k0 + sk, ke[blk]) - 1
+    all_s, any_s, reads = _iv.evaluate(mask_mod, b, h, q0, q1, k0, k1, cache)
+    stats.reads |= reads
+    stats.interval_tiles += q0.numel()
+    und = (any_s & ~all_s).nonzero().view(-1)
+    step = max(1, _PAIRS // (sq * sk))
+    for u0 in range(0, und.numel(), step):  # undecided sub-tiles: their pairs
+        u = und[u0:u0 + step]
+        q = q0[u, None] + torch.arange(sq)  # (u, sq)
+        k = k0[u, None] + torch.arange(sk)
+        valid = (q <= q1[u, None])[:, :, None] & (k <= k1[u, None])[:, None, :]
+        m = _exact(mask_mod, b, h, torch.minimum(q, q1[u, None])[:, :, None],
+                   torch.minimum(k, k1[u, None])[:, None, :], name)
+        any_s[u] = (m & valid).flatten(1).any(1)
+        all_s[u] = (m | ~valid).flatten(1).all(1)
+        stats.pairs += int(valid.sum())
+    any_ = torch.zeros(T, dtype=torch.long).index_add_(0, blk, any_s.long()) > 0
+    all_ = torch.zeros(T, dtype=torch.long).index_add_(0, blk, all_s.long()) == nsq * nsk
+    # torch pads the grid with dropped pairs: a block that L or S clips is never FULL
+    all_ &= (qe - tq * bq == bq) & (ke - tk * bk == bk)
     stats.evaluated_blocks += T
     return any_, all_
 
@@ -165,9 +218,12 @@ def _classify(mask_mod, b, h, L, S, bq, bk, name, stats, cache):
         stats.probed_blocks += int(mixed.sum())
         found.append((tq[mixed], tk[mixed], torch.full((int(mixed.sum()),), PARTIAL, dtype=torch.int8)))
         rest = ~mixed
-        if rest.any():  # 4) agreeing probes prove nothing: every pair of the block
+        if rest.any():  # 4) agreeing probes prove nothing: intervals on sub-tiles, pairs where they cannot tell
             rq, rk = tq[rest], tk[rest]
-            a, f = _blocks_exact(mask_mod, b, h, rq, rk, L, S, bq, bk, name, stats)
+            try:
+                a, f = _blocks_refined(mask_mod, b, h, rq, rk, L, S, bq, bk, name, stats, cache)
+            except _iv.NotInterval:
+                a, f = _blocks_exact(mask_mod, b, h, rq, rk, L, S, bq, bk, name, stats)
             found.append((rq[a], rk[a], torch.where(f[a], FULL, PARTIAL).to(torch.int8)))
     if not found:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int8)
@@ -284,7 +340,7 @@ class BlockMaskPattern(Pattern):
         else:
             m = (c == FULL) | ((c == PARTIAL) & inner.keep(i, j, L, S))
         if self.batch_size:
-            shape = torch.broadcast_shapes(i.shape, j.shape)
+            shape = _bshape(i.shape, j.shape)
             m = torch.broadcast_to(m, (self.batch_size,) + tuple(shape))
         return m
 
@@ -610,3 +666,52 @@ def block_mask_text(block_mask, max_blocks: int = 64, E: int = 64) -> str:
                 row.append("#" if bool((cell == FULL).all()) else "." if bool((cell == EMPTY).all()) else "+")
             lines.append("  " + "".join(row))
     return "\n".join(lines)
+
+
+# -- bands, proved --------------------------------------------------------------------------------
+def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128) -> Pattern | None:
+    """``sliding_window(left=, right=)`` (a band: causal, windows, their &) equal to ``mask_mod`` at every
+    pair of the L x S grid, or None when it is not one (or reads b or h).
+
+    The band is read off the first and last query rows (O(S) pairs), then *proved*: the mask
+    ``mask_mod != band`` is built with ``create_block_mask``'s machinery (intervals, probes, pairs only on
+    undecided blocks) and must have no non-empty block. So a mask_mod that differs from the band at a single
+    pair is refused, and the cost is that of evaluating the band's boundary blocks once. The band pattern then
+    runs on the kernels' band paths (one mask tile per diagonal, counts in O(L)) instead of calling mask_mod."""
+    from .bands import sliding_window
+
+    bq, bk = _check_block(BLOCK_SIZE)
+    j = torch.arange(S)
+    try:
+        rows = [_exact(mask_mod, 0, 0, torch.tensor([[r]]), j.view(1, -1), "mask_mod")[0] for r in (0, L - 1)]
+    except Exception:  # not evaluable on plain pairs here: not provably a band
+        return None
+    ranges = []
+    for r in rows:
+        kept = r.nonzero().view(-1)
+        if kept.numel() == 0 or int(kept[-1]) - int(kept[0]) + 1 != kept.numel():
+            return None  # an empty or broken row: a band's first and last rows are one range each
+        ranges.append((int(kept[0]), int(kept[-1])))
+    (a0, b0), (a1, b1) = ranges
+    hi = b0 if b0 < S - 1 else (b1 - (L - 1) if b1 < S - 1 else None)
+    lo = a1 - (L - 1) if a1 > 0 else (a0 if a0 > 0 else None)
+    if lo is not None and hi is not None and hi < lo:
+        return None
+
+    def differs(b, h, q_idx, kv_idx):
+        d = kv_idx - q_idx
+        band = (d >= lo) if lo is not None else None
+        if hi is not None:
+            band = (d <= hi) if band is None else band & (d <= hi)
+        if band is None:
+            return ~mask_mod(b, h, q_idx, kv_idx)
+        return mask_mod(b, h, q_idx, kv_idx) != band
+
+    stats = BuildStats()
+    try:
+        per, Bm, Hm = _build(differs, 1, 1, L, S, bq, bk, stats)
+    except Exception:
+        return None
+    if "b" in stats.reads or "h" in stats.reads or any(x[0].numel() for x in per.values()):
+        return None
+    return sliding_window(left=None if lo is None else -lo, right=hi)
