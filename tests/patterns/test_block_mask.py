@@ -7,6 +7,7 @@ all agree (pairs evaluated), non-monotone captured ids (range table), per-batch 
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -310,3 +311,35 @@ def test_flex_attention_with_our_block_mask():
         i, j = torch.arange(1200)[:, None], torch.arange(1200)[None, :]
         want = reference.attention(q, k, v, attn_mask=causal_window_document(torch.tensor(0), torch.tensor(0), i, j))[0]
         assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), want, **F64, what="flex with our BlockMask")
+
+
+@pytest.mark.parametrize("fn, want", [
+    (causal, (None, 0)), (sliding_causal, (150, 0)), (sliding_window, (150, 150)),
+    (lambda b, h, q, kv: (kv - q >= -7) & (kv - q <= 300), (7, 300)),
+])
+def test_as_band_proves_bands(fn, want):
+    L, S = 1000, 1100
+    p = P.as_band(fn, L, S, BLOCK_SIZE=64)
+    assert p is not None and p.band(L, S) == (-math.inf if want[0] is None else -want[0], want[1])
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    assert torch.equal(p.materialize(L, S), torch.broadcast_to(fn(torch.tensor(0), torch.tensor(0), i, j), (L, S)))
+
+
+@pytest.mark.parametrize("fn", [one_hole, prefix_lm, document, per_head_window,
+                                lambda b, h, q, kv: (q >= kv) & ((q - kv != 500) | (q < 900))])
+def test_as_band_refuses_what_is_not_one(fn):
+    # a band everywhere but one pair (or one diagonal segment) must be refused: the proof sees every pair
+    assert P.as_band(fn, 1000, 1000, BLOCK_SIZE=64) is None
+
+
+def test_flex_runs_a_band_block_mask_as_the_band_pattern():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    bm = torch_cbm(sliding_causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=32)
+    plan = attnlab.flex_plan(q, k, v, block_mask=bm)
+    assert "proved equal to sliding_window(left=150, right=0)" in plan.mask, plan.mask
+    i, j = torch.arange(300)[:, None], torch.arange(300)[None, :]
+    want = reference.attention(q, k, v, attn_mask=sliding_causal(0, 0, i, j))[0]
+    assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), want, **F64, what="band BlockMask")
+    hole = torch_cbm(one_hole, None, None, 300, 300, device="cpu", BLOCK_SIZE=32)
+    assert "proved" not in attnlab.flex_plan(q, k, v, block_mask=hole).mask
