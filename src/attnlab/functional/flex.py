@@ -9,8 +9,9 @@ few random (b, h, q_idx, kv_idx) points, with several float64 scores each (Note 
 - none / identity: ``attnlab.attention`` with the mask as a pattern (block skipping in the kernel);
 - soft-capping ``cap·tanh(score / cap)`` (plus an optional bias): ``attention(..., softcap=cap)``;
 - affine in the score ``c·score + bias(b, h, q_idx, kv_idx)``, c > 0 the same everywhere: the bias is
-  evaluated once per call on index tensors and passed as a float ``attn_mask`` (its gradient flows, through
-  autograd, into the tensors the function reads), the factor c folded into ``scale``;
+  evaluated per query block on the key blocks the mask keeps only and passed with them as a float
+  ``attn_mask`` (Note [Kept-blocks bias]; its gradient flows, through autograd, into the tensors the
+  function reads), the factor c folded into ``scale``;
 - anything else: ``general``, blockwise over the kept key blocks with an online softmax, the function
   applied to each block's scores, differentiable through autograd (checkpointed per query block).
 
@@ -596,9 +597,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Paths (``flex_plan`` says which one a call takes and why): score_mod is probed on a few random points
     (Note [Probing score_mod]). None / identity / soft-capping run ``attnlab.attention`` with the mask as a
-    pattern; a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, evaluates its bias once
-    per call as a float ``attn_mask`` — O(B·H·L·S) memory for now (block-sparse bias tiles are issue 24's
-    later step) — and its gradient reaches the captured tensors by autograd. Any other score_mod, or
+    pattern (a BlockMask proved to be a band runs as attnlab's band pattern, Note [Bands proved once per
+    BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, evaluates its bias
+    on the kept blocks only, one query block at a time (memory: the kept blocks', never L×S), and its
+    gradient reaches the captured tensors by autograd. Any other score_mod, or
     max_scores, or lse under autograd, or a per-head BlockMask, takes the general path: O(L·S·E) time over
     the kept blocks, scores of one query block at a time in memory (recomputed in backward).
 
