@@ -104,6 +104,9 @@ def _assert_same(ours, theirs, what):
     a, t = ours.as_tuple(), theirs.as_tuple()
     assert tuple(a[:2]) == tuple(t[:2]), f"{what}: seq_lengths / BLOCK_SIZE {a[:2]} != {t[:2]}"
     for name, x, y in zip(("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"), a[2:6], t[2:6]):
+        if x is None or y is None:
+            assert x is None and y is None, f"{what}: {name} {x} != {y}"
+            continue
         assert x.shape == y.shape and x.dtype == y.dtype, f"{what}: {name} {x.shape} {x.dtype} != {y.shape} {y.dtype}"
         if not torch.equal(x, y):
             bad = (x != y).nonzero()[0].tolist()
@@ -125,6 +128,17 @@ def test_equals_torch_create_block_mask(name, L, S, block):
         assert st.evaluated_blocks >= 1, st  # the block whose probes all agree is evaluated pair by pair
     elif name not in ("dilated", "shuffled_document"):  # periodic / unsorted ids: intervals prove less
         assert st.how == "intervals" and st.evaluated_blocks == 0, st  # no pair beyond the probes
+
+
+def test_torch_keywords():
+    # attention-gym passes _compile=True; separate_full_blocks=False lists every block as partial
+    for fn in (sliding_causal, causal_window_document):
+        ours = P.create_block_mask(fn, None, 2, 1200, 1200, "cpu", 64, _compile=True, separate_full_blocks=False)
+        theirs = torch_cbm(fn, None, 2, 1200, 1200, device="cpu", BLOCK_SIZE=64, separate_full_blocks=False)
+        assert ours.full_kv_num_blocks is None and theirs.full_kv_num_blocks is None
+        _assert_same(ours, theirs, f"{fn} separate_full_blocks=False")
+    with pytest.raises(ValueError, match="compute_dq_write_order"):
+        P.create_block_mask(causal, None, None, 8, 8, compute_dq_write_order=True)
 
 
 def test_block_size_one_and_tiny_lengths():

@@ -371,7 +371,9 @@ class BlockMaskPattern(Pattern):
 
 
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cpu",
-                      BLOCK_SIZE: int | tuple[int, int] = 128, *, output: str | None = None, stats: BuildStats | None = None):
+                      BLOCK_SIZE: int | tuple[int, int] = 128, _compile: bool = False, separate_full_blocks: bool = True,
+                      compute_dq_write_order: bool = False, dq_kv_order: bool = True, *, output: str | None = None,
+                      stats: BuildStats | None = None):
     """torch's ``create_block_mask`` without the Q_LEN x KV_LEN grid (the module docstring says how).
 
     Args:
@@ -384,6 +386,10 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
             index tables are [B, H, nq, nk] int32 by torch's format: 4 such tables with the transposed ones,
             O(nq·nk) memory); "pattern": a ``BlockMaskPattern`` holding only the non-empty blocks, O(kept
             blocks) memory (the form for very long sequences; ``to_block_mask`` converts it).
+        _compile: accepted for torch's signature and ignored (nothing is compiled here).
+        separate_full_blocks: as torch's: False lists every non-empty block as partial (no full tables).
+        compute_dq_write_order, dq_kv_order: torch's deterministic-backward metadata for its GPU kernels;
+            True is refused (ValueError), as attnlab's kernels have no use for it.
         stats: a ``BuildStats`` to fill with how the blocks were found.
 
     Cost: O(kept blocks · log(nq)) interval evaluations for bands, causal, prefix and document masks,
@@ -405,8 +411,15 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         raise ValueError(f"create_block_mask: output must be 'torch' or 'pattern', got {output!r}")
     if output == "torch" and BlockMask is None:
         raise ValueError("create_block_mask: output='torch' needs torch >= 2.5 (torch.nn.attention.flex_attention)")
+    if compute_dq_write_order:
+        raise ValueError("create_block_mask: compute_dq_write_order=True builds metadata for torch's deterministic GPU "
+                         "backward; attnlab's kernels do not read it: pass compute_dq_write_order=False")
+    if not isinstance(separate_full_blocks, bool):
+        raise TypeError(f"create_block_mask: separate_full_blocks must be a bool, got {separate_full_blocks!r}")
     stats = BuildStats() if stats is None else stats
     per, Bm, Hm = _build(mask_mod, Bn, Hn, L, S, bq, bk, stats)
+    if not separate_full_blocks:
+        per = {key: (qb, kb, torch.full_like(code, PARTIAL)) for key, (qb, kb, code) in per.items()}
     name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
     if output == "pattern":
         if Hm > 1:
@@ -418,13 +431,14 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     codes = torch.zeros(Bm, Hm, nq, nk, dtype=torch.int8)
     for (b, h), (qb, kb, code) in per.items():
         codes[b, h, qb, kb] = code
-    return _torch_from_codes(codes.expand(Bn, Hn, nq, nk), bq, bk, (L, S), mask_mod)
+    return _torch_from_codes(codes.expand(Bn, Hn, nq, nk), bq, bk, (L, S), mask_mod, full=separate_full_blocks)
 
 
-def _torch_from_codes(codes: torch.Tensor, bq: int, bk: int, lengths, mask_mod):
-    """torch BlockMask from int8 codes [B, H, nq, nk], ordered as torch's create_block_mask orders them."""
+def _torch_from_codes(codes: torch.Tensor, bq: int, bk: int, lengths, mask_mod, full: bool = True):
+    """torch BlockMask from int8 codes [B, H, nq, nk], ordered as torch's create_block_mask orders them
+    (``full=False``: no full-block tables, as torch's separate_full_blocks=False)."""
     kv_num, kv_idx = _ordered(codes == PARTIAL)
-    full_num, full_idx = _ordered(codes == FULL)
+    full_num, full_idx = _ordered(codes == FULL) if full else (None, None)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bq, bk), mask_mod=mask_mod,
                                     seq_lengths=tuple(lengths))
 
