@@ -246,8 +246,8 @@ def _band_of(bm, mm, codes, L, S, bq, bk):
     if (L, S) not in memo:
         band = P.as_band(mm, L, S, (bq, bk))
         if band is not None:
-            want = P.block_codes(P.to_block_mask(band, L, S, BLOCK_SIZE=(bq, bk)))
-            if not torch.equal(want[0, 0], codes[0, 0]) or not bool((codes == codes[:1, :1]).all()):
+            want = P.torch_layout(band, L, S, (bq, bk))
+            if not torch.equal(want, codes[0, 0]) or not bool((codes == codes[:1, :1]).all()):
                 band = None
         memo[(L, S)] = band
     return memo[(L, S)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from .bands import causal, dilated, full, prefix_lm, sliding_window, strided
 from .base import EMPTY, FULL, MAX_INT, PARTIAL, Pattern, shifted, sliced_keys, translation_invariant
 from .block_mask import (BlockMaskPattern, BuildStats, adjust, as_band, block_codes, block_mask_stats, block_mask_text, create_block_mask,
-                         from_block_mask, to_block_mask)
+                         from_block_mask, to_block_mask, torch_layout)
 from .blocks import BlockTable, bigbird, block_sparse, fixed, longformer
 from .mask_mod import from_mask_mod
 from .sequences import document, from_hf_attention_mask, from_key_padding_mask, key_padding
@@ -29,5 +29,5 @@ __all__ = [
     "causal", "sliding_window", "dilated", "strided", "fixed", "block_sparse", "longformer", "bigbird",
     "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full", "parse",
     "document", "prefix_lm", "from_mask_mod", "create_block_mask", "BlockMaskPattern", "BuildStats", "from_block_mask",
-    "to_block_mask", "adjust", "as_band", "block_codes", "block_mask_text", "block_mask_stats",
+    "to_block_mask", "torch_layout", "adjust", "as_band", "block_codes", "block_mask_text", "block_mask_stats",
 ]

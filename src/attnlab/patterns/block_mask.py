@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - older torch: attnlab patterns only
     BlockMask = None
 
 __all__ = ["create_block_mask", "BlockMaskPattern", "from_block_mask", "to_block_mask", "adjust", "block_codes", "as_band",
+           "torch_layout",
            "block_mask_text", "block_mask_stats", "BuildStats"]
 
 #: pairs per slice when blocks are evaluated pair by pair (about 1M: in cache between the mask's ops)
@@ -545,18 +546,25 @@ def to_block_mask(pattern: Pattern, L: int | None = None, S: int | None = None, 
         if L is None or S is None:
             raise ValueError("to_block_mask: give L and S for a pattern that is not a BlockMaskPattern")
         bq, bk = _check_block(BLOCK_SIZE)
-        codes = pattern.block_layout(L, S, bq, bk).unsqueeze(0).clone()
-        # torch pads the grid with dropped pairs: a block that L or S clips is never FULL there
-        if L % bq:
-            codes[:, -1][codes[:, -1] == FULL] = PARTIAL
-        if S % bk:
-            codes[..., -1][codes[..., -1] == FULL] = PARTIAL
+        codes = torch_layout(pattern, L, S, (bq, bk)).unsqueeze(0)
         if pattern.batch_size:
             codes = codes.expand(pattern.batch_size, -1, -1)
         mm = _pattern_mask_mod(pattern, L, S)
     if mm is None:
         from torch.nn.attention.flex_attention import noop_mask as mm
     return _torch_from_codes(codes.unsqueeze(1), bq, bk, (L, S), mm)
+
+
+def torch_layout(pattern: Pattern, L: int, S: int, BLOCK_SIZE=128) -> torch.Tensor:
+    """int8 [nq, nk] ``pattern.block_layout`` as torch's BlockMask would list it: torch pads the grid with
+    dropped pairs, so a block that L or S clips is PARTIAL, never FULL."""
+    bq, bk = _check_block(BLOCK_SIZE)
+    codes = pattern.block_layout(L, S, bq, bk).clone()
+    if L % bq:
+        codes[-1][codes[-1] == FULL] = PARTIAL
+    if S % bk:
+        codes[:, -1][codes[:, -1] == FULL] = PARTIAL
+    return codes
 
 
 def _pattern_mask_mod(pattern: Pattern, L: int, S: int):
