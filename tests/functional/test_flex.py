@@ -361,3 +361,97 @@ def test_learned_tensors_keep_their_gradient(name, make, kind):
     (got,), (want,) = _grads(out, (w,)), _grads(ref, (w,))
     assert got is not None and float(want.abs().sum()) > 0
     assert_close(got, want, **F64, what=f"{name} gradient")
+
+
+# -- the bias on the kept blocks only (Note [Kept-blocks bias]) ---------------------------------------
+def _counting(score_mod):
+    """score_mod that records each call's grid of (q_idx, kv_idx) pairs."""
+    calls = []
+
+    def counted(s, b, h, q, k):
+        calls.append(q.numel() * k.numel())
+        return score_mod(s, b, h, q, k)
+    return counted, calls
+
+
+def test_bias_is_evaluated_on_kept_blocks_only():
+    L = 300
+    sm, captured, _ = _mod("t5", L=L)
+    counted, calls = _counting(sm)
+    q, k, v = _qkv(L=L, S=L, grad=True)
+    window = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 20)  # noqa: E731
+    bm = _block_mask(window, L=L, S=L, block=32)
+    out = attnlab.flex_attention(q, k, v, score_mod=counted, block_mask=bm)
+    probe = flex._POINTS  # the probe's own calls are on points, not grids
+    grids = [c for c in calls if c > probe * 4]
+    kept = int((P.block_codes(bm) != P.EMPTY).sum())
+    assert max(grids) <= 32 * 3 * 32, grids  # one query block x its <= 2 kept key blocks (+ the edge)
+    assert sum(grids) <= kept * 32 * 32 < L * L // 4, (sum(grids), kept)
+    ref = _oracle(q, k, v, sm, window)[0]
+    assert_close(out, ref, **F64, what="out")
+    inputs = (q, k, v, *captured)
+    for i, (a, e) in enumerate(zip(_grads(out, inputs), _grads(ref, inputs))):
+        assert_close(a, e, **F64, what=f"grad {i}")
+
+
+def test_bias_with_per_head_block_mask_and_empty_rows():
+    # per-head BlockMask (not an attnlab pattern) with a learned bias: the kept-blocks path reads the
+    # mask per (b, h); query rows 0..4 keep no key in head 1 (output 0, lse -inf as torch's)
+    sm, captured, _ = _mod("alibi")
+    q, k, v = _qkv(grad=True)
+
+    def per_head(b, h, qi, ki):
+        return (qi >= ki) & (qi - ki <= 4 + 6 * h) & ((h != 1) | (qi >= 5))
+
+    bm = _block_mask(per_head, H=H)
+    plan = attnlab.flex_plan(q, k, v, sm, bm)
+    assert plan.path == "attention" and "kept" in " ".join(plan.notes), str(plan)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    with torch.no_grad():
+        ref, ref_aux = torch_flex(qd, kd, vd, score_mod=sm, block_mask=bm, return_aux=AuxRequest(lse=True))
+        out, aux = attnlab.flex_attention(qd, kd, vd, score_mod=sm, block_mask=bm, return_aux=AuxRequest(lse=True))
+    assert_close(out, ref, **F64, what="out")
+    assert torch.equal(torch.isinf(aux.lse), torch.isinf(ref_aux.lse)) and bool(torch.isinf(aux.lse[:, 1, :5]).all())
+    fin = torch.isfinite(ref_aux.lse)
+    assert_close(aux.lse[fin], ref_aux.lse[fin], **F64, what="lse")
+    out = attnlab.flex_attention(q, k, v, score_mod=sm, block_mask=bm)
+    ref = _oracle(q, k, v, sm, per_head)[0]
+    inputs = (q, k, v, *captured)
+    for i, (a, e) in enumerate(zip(_grads(out, inputs), _grads(ref, inputs))):
+        assert_close(a, e, **F64, what=f"grad {i}")
+
+
+_PEAK_SCRIPT = r"""
+import resource, sys, torch
+import attnlab
+from attnlab.patterns import create_block_mask  # torch's evaluates the L x S grid: its peak would hide ours
+torch.manual_seed(0)
+B, H, L, E = 1, 4, 4096, 32
+q, k, v = (torch.randn(B, H, L, E, requires_grad=True) for _ in range(3))
+table = torch.randn(H, 65, requires_grad=True)
+def t5(s, b, h, qi, ki):
+    return s + table[h, torch.clamp(qi - ki, -32, 32) + 32]
+def window(b, h, qi, ki):
+    return (qi >= ki) & (qi - ki <= 128)
+bm = create_block_mask(window, None, None, L, L, device="cpu", BLOCK_SIZE=128)
+small = create_block_mask(window, None, None, 256, 256, device="cpu", BLOCK_SIZE=128)
+attnlab.flex_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256], t5, small).sum().backward()  # warm up
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+attnlab.flex_attention(q, k, v, t5, bm).sum().backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base), B * H * L * L * 4)
+"""
+
+
+@pytest.mark.slow
+def test_bias_peak_memory_is_the_kept_blocks():
+    # fwd+bwd at L = 4096, 4 heads, window 128: a dense float32 bias alone is 4·4096² · 4 B = 268 MB; the
+    # kept blocks' bias (about 3 of 32 key blocks per row) and its gradient are a tenth of that
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grown, dense = (int(x) for x in r.stdout.split()[-2:])
+    assert grown < dense / 2, f"peak RSS grew {grown / 2**20:.0f} MB; a dense bias is {dense / 2**20:.0f} MB"

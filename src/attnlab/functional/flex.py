@@ -9,8 +9,9 @@ few random (b, h, q_idx, kv_idx) points, with several float64 scores each (Note 
 - none / identity: ``attnlab.attention`` with the mask as a pattern (block skipping in the kernel);
 - soft-capping ``cap·tanh(score / cap)`` (plus an optional bias): ``attention(..., softcap=cap)``;
 - affine in the score ``c·score + bias(b, h, q_idx, kv_idx)``, c > 0 the same everywhere: the bias is
-  evaluated once per call on index tensors and passed as a float ``attn_mask`` (its gradient flows, through
-  autograd, into the tensors the function reads), the factor c folded into ``scale``;
+  evaluated per query block on the key blocks the mask keeps only and passed with them as a float
+  ``attn_mask`` (Note [Kept-blocks bias]; its gradient flows, through autograd, into the tensors the
+  function reads), the factor c folded into ``scale``;
 - anything else: ``general``, blockwise over the kept key blocks with an online softmax, the function
   applied to each block's scores, differentiable through autograd (checkpointed per query block).
 
@@ -140,65 +141,6 @@ def _want(return_lse, return_aux, kernel_options):
 
 
 # -- block masks ------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class _BlockCodes(P.Pattern):
-    """A torch BlockMask shared by batch and heads as an attnlab pattern: (i, j) is kept when its block is
-    full, or partial and ``inner`` keeps it. ``codes`` int8 [nq, nk] (EMPTY / PARTIAL / FULL)."""
-
-    codes: torch.Tensor
-    block_q: int
-    block_k: int
-    inner: P.Pattern | None
-
-    @property
-    def batch_size(self):  # type: ignore[override]
-        return None if self.inner is None else self.inner.batch_size
-
-    def keep(self, i, j, L, S):
-        c = self.codes.to(i.device)[torch.div(i, self.block_q, rounding_mode="floor"),
-                                    torch.div(j, self.block_k, rounding_mode="floor")]
-        full = c == P.FULL
-        if self.inner is None:
-            return full | (c == P.PARTIAL)
-        return full | ((c == P.PARTIAL) & self.inner.keep(i, j, L, S))
-
-    def bounds(self, qlo, qhi, klo, khi, L, S):
-        # cells each caller block touches, counted by 2-D prefix sums (as BlockTable.bounds)
-        bq0, bq1 = (torch.div(x, self.block_q, rounding_mode="floor") for x in (qlo, qhi))
-        bk0, bk1 = (torch.div(x, self.block_k, rounding_mode="floor") for x in (klo, khi))
-        codes = self.codes.to(qlo.device)
-
-        def count(t):
-            c = torch.nn.functional.pad(t.to(torch.int64).cumsum(0).cumsum(1), (1, 0, 1, 0))
-            return c[bq1 + 1, bk1 + 1] - c[bq0, bk1 + 1] - c[bq1 + 1, bk0] + c[bq0, bk0]
-
-        cells = (bq1 - bq0 + 1) * (bk1 - bk0 + 1)
-        return count(codes != P.EMPTY) > 0, count(codes == P.FULL) == cells
-
-    def __repr__(self):
-        return f"BlockMask(blocks {self.block_q}x{self.block_k}, mask_mod={self.inner!r})"
-
-
-def _dense_codes(bm) -> torch.Tensor:
-    """int8 [Bm, Hm, nq, nk] EMPTY / PARTIAL / FULL from a BlockMask's kv_num_blocks / kv_indices (partial
-    blocks) and full_kv_num_blocks / full_kv_indices (full blocks, None when it has none)."""
-    t = bm.as_tuple()
-    kv_num, kv_idx, full_num, full_idx = t[2], t[3], t[4], t[5]
-    Bm, Hm, nq = kv_num.shape
-    nk = kv_idx.shape[-1]
-    codes = torch.zeros(Bm, Hm, nq, nk + 1, dtype=torch.int8)  # column nk takes the unused index slots
-
-    def put(num, idx, code):
-        slot = torch.arange(idx.shape[-1]).view(1, 1, 1, -1)
-        cols = torch.where(slot < num.long().unsqueeze(-1), idx.long(), nk)
-        codes.scatter_(-1, cols, code)
-
-    put(kv_num, kv_idx, P.PARTIAL)
-    if full_num is not None:
-        put(full_num, full_idx, P.FULL)
-    return codes[..., :nk]
-
-
 def _is_noop(mask_mod) -> bool:
     """Whether a BlockMask's mask_mod keeps everything (torch's noop_mask), found by name: that one is ours
     to know, as torch builds it."""
@@ -246,12 +188,13 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
     huge = bq >= 2**29 and bk >= 2**29  # torch's stand-in for "no mask"
     if not huge and tuple(bm.seq_lengths) != (L, S):
         raise AttentionInputError(f"flex_attention: block_mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)}, "
-                                  f"the inputs have ({L}, {S}); build it again for these lengths "
+                                  f"the inputs have ({L}, {S}); build it again for these lengths, or attnlab.patterns.adjust(block_mask, "
+                                  f"{L}, {S}, align=...) it "
                                   "(torch's _adjust crops to the top left, wrong for bottom-right masks)")
     if bm.kv_num_blocks.device.type != "cpu":
         raise AttentionInputError(f"flex_attention: block_mask is on {bm.kv_num_blocks.device}; build it with "
                                   "device='cpu'")
-    codes = _dense_codes(bm)  # (Bm, Hm, nq, nk)
+    codes = P.block_codes(bm)  # (Bm, Hm, nq, nk)
     Bm, Hm = codes.shape[:2]
     if Bm not in (1, B) or Hm not in (1, H):
         raise AttentionInputError(f"flex_attention: block_mask has (B, H) = ({Bm}, {Hm}), the query ({B}, {H}); "
@@ -270,29 +213,44 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
 
     desc = f"torch BlockMask (blocks {bq}x{bk}, (B, H) = ({Bm}, {Hm}), mask_mod {getattr(mm, '__name__', mm)!r})"
     refusal, pattern = None, None
-    if Bm != 1 and not bool((codes == codes[:1]).all()) or Hm != 1 and not bool((codes == codes[:, :1]).all()):
-        refusal = "its blocks differ per batch element or head; attnlab patterns are shared by the heads"
-    else:
-        inner = None
-        if not noop:
-            try:
-                inner = P.from_mask_mod(mm, B=B if B > 1 and _reads_b(mm, B, L, S) else None)
-            except (ValueError, TypeError) as e:
-                refusal = f"its mask_mod is not an attnlab pattern ({e})"
-        if refusal is None:
-            pattern = _BlockCodes(codes[0, 0].clone(), bq, bk, inner)
+    try:
+        pattern = P.from_block_mask(bm, B=B)
+    except (ValueError, TypeError) as e:
+        refusal = f"not an attnlab pattern ({e})"
+    if pattern is not None and not noop and pattern.batch_size is None:
+        band = _band_of(bm, mm, codes, L, S, bq, bk)
+        if band is not None:
+            pattern = band
+            desc += f", proved equal to {band!r}"
     return _Mask(desc, pattern, refusal, codes, (bq, bk), keep)
 
 
-def _reads_b(mm, B, L, S) -> bool:
-    """Whether mask_mod answers differently for some batch element than for b = 0, on random pairs."""
-    g = torch.Generator().manual_seed(0)
-    i = torch.randint(0, L, (256,), generator=g)
-    j = torch.randint(0, S, (256,), generator=g)
-    h = torch.zeros((), dtype=torch.long)
-    b = torch.arange(B).view(-1, 1)
-    m = torch.broadcast_to(mm(b, h, i, j), (B, 256))
-    return not bool((m == m[:1]).all())
+# Note [Bands proved once per BlockMask]: a BlockMask whose mask_mod is a band (causal, sliding windows)
+# runs as attnlab's band pattern, whose kernels need no mask_mod call per tile (one mask tile per
+# diagonal); ``patterns.as_band`` proves the equality (every pair of the boundary blocks it cannot settle
+# by intervals), and the BlockMask's own blocks must be the band's. The answer is kept per BlockMask object
+# (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern.
+_BANDS: "weakref.WeakKeyDictionary" = None  # BlockMask -> {(L, S): band pattern | None}
+
+
+def _band_of(bm, mm, codes, L, S, bq, bk):
+    global _BANDS
+    import weakref
+
+    if _BANDS is None:
+        _BANDS = weakref.WeakKeyDictionary()
+    try:
+        memo = _BANDS.setdefault(bm, {})
+    except TypeError:  # not weak-referenceable
+        memo = {}
+    if (L, S) not in memo:
+        band = P.as_band(mm, L, S, (bq, bk))
+        if band is not None:
+            want = P.torch_layout(band, L, S, (bq, bk))
+            if not torch.equal(want, codes[0, 0]) or not bool((codes == codes[:1, :1]).all()):
+                band = None
+        memo[(L, S)] = band
+    return memo[(L, S)]
 
 
 # -- probing score_mod ------------------------------------------------------------------------------
@@ -408,16 +366,82 @@ def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
     return True
 
 
-def _bias(score_mod, B, H, L, S, dtype):
-    """score_mod(0, b, h, q_idx, kv_idx) on the whole index grid: the float attn_mask [B|1, H|1, L, S]
-    (broadcast over what it does not read; differentiable into the tensors it reads)."""
+def _row_keys(mask: "_Mask", qb: int, S: int):
+    """Key positions of the blocks query block ``qb`` keeps (for any b, h) as a slice when they are one
+    range, else an int64 index; and the positions (within those keys) of the blocks that are PARTIAL for
+    some (b, h), None when every kept block is FULL everywhere."""
+    bq, bk = mask.block
+    kept = (mask.codes[:, :, qb] != P.EMPTY).any(0).any(0)  # (nk,)
+    kbs = kept.nonzero().view(-1)
+    if kbs.numel() == 0:
+        return None, None
+    part = ~(mask.codes[:, :, qb, kbs] == P.FULL).all(0).all(0)  # (kept,) PARTIAL somewhere
+    lo, hi = int(kbs[0]), int(kbs[-1])
+    if hi - lo + 1 == kbs.numel():
+        cols = slice(lo * bk, min(S, (hi + 1) * bk))
+        j = torch.arange(cols.start, cols.stop)
+    else:
+        j = (kbs.view(-1, 1) * bk + torch.arange(bk)).view(-1)
+        cols = j = j[j < S]
+    if not bool(part.any()):
+        return cols, None
+    pblocks = kbs[part]
+    return cols, torch.isin(torch.div(j, bk, rounding_mode="floor"), pblocks).nonzero().view(-1)
+
+
+def _bias_blocks(score_mod, B, H, i, j, dtype):
+    """score_mod(0, b, h, q_idx, kv_idx) on rows i [r] x keys j [c] only: float [B|1, H|1, r, c] (broadcast
+    over what it does not read; differentiable into the tensors it reads)."""
     b = torch.arange(B).view(B, 1, 1, 1)
     h = torch.arange(H).view(1, H, 1, 1)
-    i = torch.arange(L).view(1, 1, L, 1)
-    j = torch.arange(S).view(1, 1, 1, S)
-    y = score_mod(torch.zeros((), dtype=dtype), b, h, i, j)
+    y = score_mod(torch.zeros((), dtype=dtype), b, h, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
     y = y.view(*([1] * (4 - y.dim())), *y.shape) if y.dim() < 4 else y
-    return y.to(dtype).expand(*y.shape[:2], L, S)
+    return y.to(dtype).expand(*y.shape[:2], i.numel(), j.numel())
+
+
+def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scale, enable_gqa, want_lse):
+    """Note [Kept-blocks bias]: an affine (or soft-capping) score_mod with a bias runs one query block at a
+    time on the key blocks the mask keeps: the bias is evaluated on those (rows x kept keys) only, the
+    partial blocks' mask folded in as -inf, and attnlab.attention runs the slab with it as a float
+    attn_mask (so its gradient reaches the captured tensors by autograd). Memory: the kept blocks' bias,
+    never L x S; keys of a row that form one range are a view, else gathered.
+    Returns out [B, H, L, Ev] and lse [B, H, L] (None unless want_lse)."""
+    from . import attention, attention_with_lse
+
+    B, H, L, _ = query.shape
+    S = key.shape[2]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    bq, _ = mask.block
+    bidx = torch.arange(B).view(B, 1, 1, 1)
+    hidx = torch.arange(H).view(1, H, 1, 1)
+    outs, lses = [], []
+    kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, softcap=kind.softcap)
+    for qb in range(-(-L // bq)):
+        q0, q1 = qb * bq, min(L, (qb + 1) * bq)
+        cols, pcols = _row_keys(mask, qb, S)
+        if cols is None:  # no key: output 0, lse -inf (as flex_attention)
+            outs.append(query.new_zeros(B, H, q1 - q0, value.shape[-1]))
+            lses.append(torch.full((B, H, q1 - q0), float("-inf"), dtype=acc))
+            continue
+        i = torch.arange(q0, q1)
+        j = torch.arange(S)[cols]
+        bias = _bias_blocks(score_mod, B, H, i, j, acc)  # (B|1, H|1, r, c)
+        if pcols is not None and mask.keep is not None:  # the mask, on the partial blocks' keys only
+            keep = mask.keep(bidx, hidx, i, j[pcols])
+            keep = keep.view(*([1] * (4 - keep.dim())), *keep.shape)  # (B|1, H|1, r, c_partial)
+            add = torch.zeros(*(max(x, y) for x, y in zip(bias.shape[:2], keep.shape[:2])), i.numel(), j.numel(), dtype=acc)
+            add[..., pcols] = torch.where(keep, 0.0, float("-inf")).to(acc)
+            bias = bias + add
+        k, v = key[:, :, cols], value[:, :, cols]
+        if want_lse:
+            o, lse = attention_with_lse(query[:, :, q0:q1], k, v, attn_mask=bias, **kw)
+            lses.append(lse)
+        else:
+            o = attention(query[:, :, q0:q1], k, v, attn_mask=bias, **kw)
+        outs.append(o)
+    out = torch.cat(outs, 2) if outs else query.new_zeros(B, H, 0, value.shape[-1])
+    lse = (torch.cat(lses, 2) if lses else query.new_zeros(B, H, 0, dtype=acc)) if want_lse else None
+    return out, lse
 
 
 # -- plan -------------------------------------------------------------------------------------------
@@ -435,7 +459,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
         why = "max_scores asked for: the attnlab kernels do not return it"
     elif want_lse and needs_grad:
         why = "lse asked for under autograd: the kernels' lse is not differentiable, the general path's is"
-    elif mask.refusal is not None:
+    elif mask.refusal is not None and not kind.has_bias:
         why = f"block_mask: {mask.refusal}"
     bq, bk = mask.block
     if why is not None:
@@ -445,14 +469,17 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
                      "checkpointed per query block under autograd (scores recomputed in backward)")
         return FlexPlan("general", why, kind, mask.describe, block_size=(bq, bk), notes=notes), mask
     kw = {"scale": f"{scale * kind.factor:.6g}", "enable_gqa": enable_gqa}
-    if mask.pattern is not None:
+    if mask.pattern is not None and not kind.has_bias:
         kw["pattern"] = repr(mask.pattern)
     if kind.softcap is not None:
         kw["softcap"] = f"{kind.softcap:.6g}"
     if kind.has_bias:
-        kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) as a float mask"
-        notes.append(f"the bias is evaluated once per call as a float mask of up to B·H·L·S = {B * H * L * S} "
-                     "elements (L×S memory for now, not only the kept blocks'); its gradient is dense too")
+        kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) on the kept blocks, per query block"
+        kept = int((mask.codes != P.EMPTY).any(0).any(0).sum())
+        nq, nk = mask.codes.shape[-2:]
+        notes.append(f"the bias is evaluated per query block of {bq} on the key blocks the mask keeps ({kept} of "
+                     f"{nq * nk} blocks of {bq}x{bk}), one attention call per query block (Note [Kept-blocks bias]); "
+                     "its memory and gradient are the kept blocks', not L×S")
     reason = {"none": "no score_mod", "identity": "score_mod is the identity",
               "affine": "score_mod is affine in the score: its bias goes in as a float attn_mask",
               "softcap": "score_mod is soft-capping: attention's softcap"}[kind.kind]
@@ -570,9 +597,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Paths (``flex_plan`` says which one a call takes and why): score_mod is probed on a few random points
     (Note [Probing score_mod]). None / identity / soft-capping run ``attnlab.attention`` with the mask as a
-    pattern; a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, evaluates its bias once
-    per call as a float ``attn_mask`` — O(B·H·L·S) memory for now (block-sparse bias tiles are issue 24's
-    later step) — and its gradient reaches the captured tensors by autograd. Any other score_mod, or
+    pattern (a BlockMask proved to be a band runs as attnlab's band pattern, Note [Bands proved once per
+    BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, evaluates its bias
+    on the kept blocks only, one query block at a time (memory: the kept blocks', never L×S), and its
+    gradient reaches the captured tensors by autograd. Any other score_mod, or
     max_scores, or lse under autograd, or a per-head BlockMask, takes the general path: O(L·S·E) time over
     the kept blocks, scores of one query block at a time in memory (recomputed in backward).
 
@@ -595,9 +623,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kind = plan.score_mod
         kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)
         if kind.has_bias:
-            acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-            kw["attn_mask"] = _bias(score_mod, B, H, L, S, acc)
-        if want_lse:
+            out, lse = _kept_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa, want_lse)
+        elif want_lse:
             out, lse = attention_with_lse(query, key, value, **kw)
         else:
             out = attention(query, key, value, **kw)

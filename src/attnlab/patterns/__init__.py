@@ -10,12 +10,15 @@ analytic bounds cannot decide is PARTIAL (computed with its mask), which is alwa
 
 Modules: ``base`` (Pattern, ``&`` / ``|``, ``shifted``, ``sliced_keys``), ``bands`` (causal, windows, prefix LM),
 ``blocks`` (block tables, fixed, Longformer, BigBird), ``sequences`` (key padding, packed documents),
-``mask_mod`` (FlexAttention mask functions), ``spec`` (``parse``).
+``mask_mod`` (FlexAttention mask functions), ``block_mask`` (``create_block_mask`` without the L x S grid, torch
+``BlockMask`` <-> patterns, ``adjust``, text pictures), ``intervals`` (mask_mods on intervals), ``spec`` (``parse``).
 """
 from __future__ import annotations
 
 from .bands import causal, dilated, full, prefix_lm, sliding_window, strided
 from .base import EMPTY, FULL, MAX_INT, PARTIAL, Pattern, shifted, sliced_keys, translation_invariant
+from .block_mask import (BlockMaskPattern, BuildStats, adjust, as_band, block_codes, block_mask_stats, block_mask_text, create_block_mask,
+                         from_block_mask, to_block_mask, torch_layout)
 from .blocks import BlockTable, bigbird, block_sparse, fixed, longformer
 from .mask_mod import from_mask_mod
 from .sequences import document, from_hf_attention_mask, from_key_padding_mask, key_padding
@@ -25,5 +28,6 @@ __all__ = [
     "Pattern", "BlockTable", "EMPTY", "PARTIAL", "FULL", "shifted", "sliced_keys", "translation_invariant",
     "causal", "sliding_window", "dilated", "strided", "fixed", "block_sparse", "longformer", "bigbird",
     "key_padding", "from_key_padding_mask", "from_hf_attention_mask", "full", "parse",
-    "document", "prefix_lm", "from_mask_mod",
+    "document", "prefix_lm", "from_mask_mod", "create_block_mask", "BlockMaskPattern", "BuildStats", "from_block_mask",
+    "to_block_mask", "torch_layout", "adjust", "as_band", "block_codes", "block_mask_text", "block_mask_stats",
 ]

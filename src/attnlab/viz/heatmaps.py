@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from ..report import save_figure  # noqa: E402
 
-__all__ = ["plot_patch_sweep", "plot_heads", "plot_pattern", "plot_patterns", "plot_diagnostics", "plot_head_stats",
+__all__ = ["plot_patch_sweep", "plot_heads", "plot_pattern", "plot_patterns", "plot_block_mask", "plot_diagnostics", "plot_head_stats",
            "pattern_cost"]
 
 
@@ -219,3 +219,42 @@ def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.suptitle("what MiniLM's heads do: labels, and the mean attention of a token to prev/same/next/[CLS]/[SEP]")
     return save_figure(fig, Path(path))
+
+
+def plot_block_mask(block_mask, path, *, E: int = 64, max_heads: int = 8, title: str | None = None):
+    """A block mask per (b, h): each block FULL (black), PARTIAL (grey) or EMPTY (white), titled with its
+    counts and the FLOPs it skips at head dim E; (b, h) with the same blocks share one panel.
+
+    ``block_mask``: a torch ``BlockMask`` or an ``attnlab.patterns.BlockMaskPattern``. Rows are query blocks,
+    columns key blocks (``patterns.block_mask_text`` is the same picture as text)."""
+    from ..patterns import block_codes, block_mask_stats
+
+    codes = block_codes(block_mask)  # (Bm, Hm, nq, nk)
+    stats = block_mask_stats(block_mask, E=E)
+    panels, seen = [], {}
+    for st in stats:
+        c = codes[st["b"], st["h"]]
+        key = c.numpy().tobytes()
+        if key in seen:
+            seen[key]["also"].append((st["b"], st["h"]))
+            continue
+        seen[key] = dict(st, codes=c, also=[])
+        panels.append(seen[key])
+    shown = panels[:max_heads]
+    cols = min(4, len(shown))
+    rows = math.ceil(len(shown) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols, 3.7 * rows), squeeze=False, layout="constrained")
+    for ax in axes.flat:
+        ax.axis("off")
+    cmap = matplotlib.colors.ListedColormap(["white", "0.6", "black"])
+    for ax, p in zip(axes.flat, shown):
+        ax.axis("on")
+        ax.imshow(p["codes"].numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest", aspect="auto")
+        who = f"b={p['b']}, h={p['h']}" + (f" (+{len(p['also'])} alike)" if p["also"] else "")
+        ax.set_title(f"{who}\n{p['full']} full, {p['partial']} partial, {p['empty']} empty\n"
+                     f"skips {p['fraction_skipped']:.0%} of pairs ({p['flops_skipped']:.3g} FLOPs)", fontsize=8)
+        ax.set_xlabel("key block", fontsize=7)
+        ax.set_ylabel("query block", fontsize=7)
+    more = f" ({len(panels) - len(shown)} more layouts not shown)" if len(panels) > len(shown) else ""
+    fig.suptitle((title or "block mask") + f": black full, grey partial, white empty{more}", fontsize=9)
+    return save_figure(fig, path)
