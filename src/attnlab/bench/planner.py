@@ -293,7 +293,7 @@ def _run(cfg: PlannerConfig, progress) -> PlannerResult:
         if progress:
             progress(i, len(cases), case.label)
         store.add(_measure(case, cfg), job=job)
-    res.rows = [{k: v for k, v in r.items() if k != "settings_key"} for r in store.state["rows"]]
+    res.rows = store.state["rows"]  # each with its settings_key: a finished run's results.json resumes too
     if kept:
         res.notes.append(f"--resume: kept {kept} configuration(s) measured by an earlier run ({store.source})")
     loads = [x for r in res.rows for x in r["load_avg"]]

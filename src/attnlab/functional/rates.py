@@ -9,12 +9,24 @@ table. A file that does not parse, or whose key is another machine's, is ignored
 next ``attnlab calibrate`` rewrites it). ``ATTNLAB_CALIBRATION=off`` always uses the built-in table
 (the tests run so). Rates only choose among kernels that accept a call: every choice gives the same
 result up to the chosen kernel's rounding.
+
+Note [Background calibration]: without a calibration file, the first call predicted to take at least
+``LONG_CALL_S`` (``note_call``, given the call's predicted seconds) starts ``attnlab calibrate``'s grid in
+a daemon thread, once per process: never at import, never for a short call, never with
+``ATTNLAB_CALIBRATION=off`` or a file already there. The thread measures beside the call that started it
+(the grid's cases are timed against each other in interleaved rounds, so both feel the same contention),
+writes the file atomically and hands the fitted rates over; the next call that plans (a plan-cache miss)
+makes them current and clears the plan cache on its own thread (a cached plan made with the old rates
+runs the same result, up to its kernel's rounding, until then). A failure in the thread is one warning;
+the built-in table stays.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -26,7 +38,8 @@ from .. import cpu
 from ..report import atomic_write_text
 
 __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "machine_key", "cache_dir", "cache_path", "save",
-           "builtin", "calibration_enabled", "state"]
+           "builtin", "calibration_enabled", "state", "note_call", "seconds_for", "background", "LONG_CALL_S",
+           "ASSUMED_FLOPS"]
 
 FORMAT = 1
 #: the rates a calibration fits, by the planner's constant names
@@ -54,6 +67,14 @@ class Rates:
 
 _BUILTIN: Rates | None = None
 _CURRENT: Rates | None = None
+#: a call predicted to take at least this long starts the background calibration (Note [Background calibration])
+LONG_CALL_S = 1.0
+#: FLOP/s that turn a call's FLOPs into its predicted seconds where nothing is measured yet (``seconds_for``):
+#: about half of a 2-core AVX-512 machine's fp32 GEMM rate, so that only calls of ~10^11 FLOPs count as long
+ASSUMED_FLOPS = 1e11
+_BACKGROUND: threading.Thread | None = None
+_BACKGROUND_LOCK = threading.Lock()
+_PENDING: Rates | None = None  # fitted by the background thread, made current by the next note_call
 
 
 def builtin() -> Rates:
@@ -130,14 +151,16 @@ def _to_json(rates: Rates) -> dict:
             "SPARSE_OVER_COMPILED": rates.sparse_over_compiled}
 
 
-def save(rates: Rates, measured: dict | None = None, path: Path | None = None) -> Path:
-    """Write ``rates`` as this machine's calibration (atomically), make them current and return the path."""
+def save(rates: Rates, measured: dict | None = None, path: Path | None = None, *, reload_now: bool = True) -> Path:
+    """Write ``rates`` as this machine's calibration (atomically), make them current (unless not
+    ``reload_now``: the background thread leaves that to the calling thread) and return the path."""
     path = path or cache_path()
     doc = {"format": FORMAT, "key": machine_key(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
            "rates": _to_json(rates), "measured": measured or {}}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True))
-    reload()
+    if reload_now:
+        reload()
     return path
 
 
@@ -168,16 +191,79 @@ def current() -> Rates:
 def reload() -> Rates:
     """Read the rates again (after a calibration, or a change of ``ATTNLAB_CALIBRATION``/``ATTNLAB_CACHE_DIR``);
     forgets cached plans, which were made with the old ones."""
-    global _CURRENT
+    global _CURRENT, _PENDING
     from . import plancache
 
-    _CURRENT = None
+    _CURRENT, _PENDING = None, None
     plancache.clear()
     return current()
 
 
+def seconds_for(flops: float) -> float:
+    """A call's predicted seconds from its FLOPs at ``ASSUMED_FLOPS`` (for ``note_call`` before the cost model
+    predicts times itself)."""
+    return flops / ASSUMED_FLOPS
+
+
+def _calibrate_in_background() -> Rates:
+    """The thread's work: ``attnlab calibrate``'s grid, without saving (``note_call`` makes it current)."""
+    # the grid lives with the instruments (it times through the public API); imported only when it runs
+    from importlib import import_module
+
+    fitted, measured, _ = import_module("attnlab.bench.calibrate").calibrate(save=False)
+    save(fitted, measured, reload_now=False)
+    return fitted
+
+
+def _thread_body() -> None:
+    global _PENDING
+    try:
+        fitted = _calibrate_in_background()
+    except Exception as e:  # noqa: BLE001 - a background failure must not reach the user's call
+        warnings.warn(f"attnlab: the background calibration failed ({type(e).__name__}: {e}); the planner keeps "
+                      "its built-in table (run `attnlab calibrate` to measure this CPU)", RuntimeWarning)
+        return
+    _PENDING = dataclasses.replace(fitted, source=f"calibrated on this CPU in the background ({cache_path()})")
+
+
+def note_call(predicted_s: float) -> threading.Thread | None:
+    """Tell the calibration a call is about to run for about ``predicted_s`` seconds (Note [Background
+    calibration]): makes rates fitted in the background current, and starts the background calibration
+    when this is the first long call without a calibration file. Returns the thread when this call
+    started it, else None. Costs one comparison for a short call."""
+    global _BACKGROUND, _PENDING
+    if _PENDING is not None:
+        fitted, _PENDING = _PENDING, None
+        _make_current(fitted)
+    if predicted_s < LONG_CALL_S or _BACKGROUND is not None:
+        return None
+    with _BACKGROUND_LOCK:
+        if _BACKGROUND is not None or not calibration_enabled() or not current().source.startswith("built-in"):
+            return None
+        if cache_path().exists():  # a file that did not load (it warned): `attnlab calibrate` rewrites it
+            return None
+        _BACKGROUND = threading.Thread(target=_thread_body, name="attnlab-calibration", daemon=True)
+        _BACKGROUND.start()
+        return _BACKGROUND
+
+
+def background() -> threading.Thread | None:
+    """The background calibration's thread if this process started one (alive or finished), else None."""
+    return _BACKGROUND
+
+
+def _make_current(r: Rates) -> None:
+    global _CURRENT
+    from . import plancache
+
+    _CURRENT = r
+    plancache.clear()
+
+
 def state() -> dict:
-    """For ``attnlab info``: whether calibration is on, the file for this machine, and where the rates come from."""
+    """For ``attnlab info``: whether calibration is on, the file for this machine, where the rates come from,
+    and the background calibration's state ("not started", "running" or "finished")."""
     path = cache_path()
+    bg = "not started" if _BACKGROUND is None else "running" if _BACKGROUND.is_alive() else "finished"
     return {"enabled": calibration_enabled(), "file": str(path), "exists": path.exists(),
-            "source": current().source}
+            "source": current().source, "background": bg}
