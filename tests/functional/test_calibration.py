@@ -54,6 +54,8 @@ def test_calibrate_writes_this_machine_s_file_and_the_planner_reads_it(calibrati
     cur = rates.current()
     assert cur.source.startswith("calibrated on this CPU") and str(path) in cur.source
     assert set(cur.sparse_block_speed) == set(rates.builtin().sparse_block_speed)
+    if compiled.available():  # a size threshold for each dtype, dense and causal
+        assert set(cur.compiled_dense_min_pairs) == {(torch.float32, False), (torch.float32, True)}
     assert all(s > 0 for s in (*cur.sparse_block_speed.values(), *cur.compiled_block_speed.values()))
     q = torch.randn(1, 2, 16, 8)
     assert f"rates: calibrated on this CPU" in str(attnlab.explain(q, q, q))
@@ -163,3 +165,37 @@ def test_cli_calibrate_quick(calibration_on, capsys):
     assert outcome.exit_code == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["path"] == str(rates.cache_path()) and outcome.result["path"].exists()
+
+
+def test_least_pairs_is_where_the_compiled_kernel_wins_from_there_on():
+    from attnlab.bench.calibrate import _least_pairs
+
+    assert _least_pairs({512: False, 1024: True, 2048: True}, 4) == 4 * 512 * 1024
+    assert _least_pairs({512: True, 1024: False, 2048: True}, 4) == 4 * 1024 * 2048  # a win below a loss is noise
+    assert _least_pairs({512: True, 1024: True}, 4) == 0.0
+    assert _least_pairs({512: True, 1024: False}, 4) is None  # loses at the largest size: never
+
+
+def test_the_size_threshold_round_trips_and_decides_by_size(calibration_on):
+    b = rates.builtin()
+    least = {(torch.bfloat16, False): 1e6, (torch.bfloat16, True): None, (torch.float32, False): 0.0}
+    fitted = rates.Rates(b.sparse_block_speed, b.compiled_block_speed, (torch.float16,), b.sparse_over_compiled,
+                         "calibrated on this CPU", compiled_dense_min_pairs=least)
+    rates.save(fitted)
+    cur = rates.current()
+    assert cur.compiled_dense_min_pairs == least
+    assert not cur.compiled_dense_wins(torch.bfloat16, 10**6 - 1) and cur.compiled_dense_wins(torch.bfloat16, 10**6)
+    assert not cur.compiled_dense_wins(torch.bfloat16, 10**12, causal=True)  # None: never
+    assert cur.compiled_dense_wins(torch.float32, 1)
+    assert cur.compiled_dense_wins(torch.float16, 1) and not cur.compiled_dense_wins(torch.float64, 10**12)  # no
+    # threshold fitted: the dtype list decides, as in a file written before the threshold was fitted
+    doc = json.loads(rates.cache_path().read_text())
+    del doc["rates"]["COMPILED_DENSE_MIN_PAIRS"]
+    rates.cache_path().write_text(json.dumps(doc))
+    cur = rates.reload()
+    assert cur.source.startswith("calibrated") and cur.compiled_dense_min_pairs == {}
+    assert cur.compiled_dense_wins(torch.float16, 1) and not cur.compiled_dense_wins(torch.bfloat16, 10**12)
+    doc["rates"]["COMPILED_DENSE_MIN_PAIRS"] = {"bfloat16 sideways": 1.0}
+    rates.cache_path().write_text(json.dumps(doc))
+    with pytest.warns(RuntimeWarning, match="COMPILED_DENSE_MIN_PAIRS keys"):
+        assert rates.reload().source.startswith("built-in")

@@ -7,8 +7,12 @@ The grid (each case timed against the others it decides between, interleaved rou
    relative speed per pair (the fastest 1.0);
 2. the gathered sparse kernel on a causal sliding window at each block edge of ``SPARSE_BLOCK_SPEED``
    → GFLOP/s of the pairs it computes;
-3. per dtype, dense and causal, the compiled kernel against SDPA → ``COMPILED_DENSE_DTYPES``: the dtypes
-   where the compiled kernel is at least ``MARGIN`` faster on both;
+3. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, the compiled kernel against
+   SDPA → ``COMPILED_DENSE_MIN_PAIRS``: per dtype and dense/causal, the calls' pairs (H·n²) from which the
+   compiled kernel is at least ``MARGIN`` faster at that size and every larger one (the geometric mean of
+   the last losing size and the first winning one; None: it never wins), and ``COMPILED_DENSE_DTYPES``:
+   the dtypes where it wins both at the largest size (``bench planner`` showed the choice turns on the size: on a 2-core Zen 5 the
+   compiled kernel ran dense bf16 1.4-2.3x SDPA from n = 1024 but half SDPA's speed at 8 x 512²);
 4. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
    the compiled kernel's speed per computed pair over the sparse kernel's.
 
@@ -16,6 +20,7 @@ Never at import, never on a call: only ``calibrate()`` (``attnlab calibrate``) m
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +44,7 @@ class CalibrationConfig:
 
     n: int = 2048
     heads: int = 4
+    dense_ns: tuple = (512, 1024)  # smaller sizes of 3), below n
     dim: int = 64
     window: int = 256
     dtypes: tuple = (torch.float32, torch.bfloat16)
@@ -55,6 +61,21 @@ def _qkv(cfg: CalibrationConfig, dtype):
     return tuple(torch.randn(1, cfg.heads, cfg.n, cfg.dim, generator=g).to(dtype) for _ in range(3))
 
 
+def _least_pairs(wins: dict[int, bool], heads: int) -> float | None:
+    """The pairs (heads·n²) from which the compiled kernel wins: it wins at every measured size from there
+    on; between the last losing size and the first winning one, their geometric mean. None: it does not win
+    at the largest size."""
+    sizes = sorted(wins)
+    if not wins[sizes[-1]]:
+        return None
+    first = len(sizes) - 1
+    while first > 0 and wins[sizes[first - 1]]:
+        first -= 1
+    if first == 0:
+        return 0.0
+    return float(heads * sizes[first - 1] * sizes[first])  # sqrt(H·lo² · H·hi²)
+
+
 def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, save: bool = True):
     """Measure the grid, fit the rates, and (``save``) write them as this machine's calibration.
 
@@ -67,7 +88,8 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
     tick = tick or (lambda *a: None)
     base = rates.builtin()
     have_ext = compiled_kernel.available()
-    total = 3 + len(cfg.dtypes) if have_ext else 1
+    sizes = tuple(sorted({m for m in cfg.dense_ns if m < cfg.n} | {cfg.n}))
+    total = 3 + len(cfg.dtypes) * len(sizes) if have_ext else 1
     done, measured = 0, {}
     budget = cfg.budget_s / total
 
@@ -100,24 +122,30 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
         sparse_speed = {bs: flops[bs] / t[f"sparse {bs} window float32"] / 1e9 for bs in base.sparse_block_speed}
         done += 1
         tick(done, total, "sparse kernel block edges")
-        dense_dtypes, soc = base.compiled_dense_dtypes, base.sparse_over_compiled
+        dense_dtypes, soc, min_pairs = base.compiled_dense_dtypes, base.sparse_over_compiled, {}
         if have_ext:
-            # 3) the compiled kernel against SDPA on plain inputs, per dtype
-            dense_dtypes = []
+            # 3) the compiled kernel against SDPA on plain inputs, per dtype and size
+            dense_dtypes, min_pairs = [], {}
             for dt in cfg.dtypes:
-                qd, kd, vd = _qkv(cfg, dt)
                 name = str(dt).removeprefix("torch.")
-                calls = {}
-                for causal in (False, True):
-                    kind = "causal" if causal else "dense"
-                    for m in ("sdpa", "compiled"):
-                        calls[f"{m} {kind} {name}"] = (lambda m=m, c=causal: attnlab.attention(
-                            qd, kd, vd, is_causal=c, method=m))
-                t = timed(calls)
-                if all(t[f"sdpa {kind} {name}"] >= MARGIN * t[f"compiled {kind} {name}"] for kind in ("dense", "causal")):
+                wins = {"dense": {}, "causal": {}}
+                for size in sizes:
+                    qd, kd, vd = _qkv(dataclasses.replace(cfg, n=size), dt)
+                    calls = {}
+                    for causal in (False, True):
+                        kind = "causal" if causal else "dense"
+                        for m in ("sdpa", "compiled"):
+                            calls[f"{m} {kind} {name} n={size}"] = (lambda m=m, c=causal, qd=qd, kd=kd, vd=vd:
+                                                                     attnlab.attention(qd, kd, vd, is_causal=c, method=m))
+                    t = timed(calls)
+                    for kind in ("dense", "causal"):
+                        wins[kind][size] = t[f"sdpa {kind} {name} n={size}"] >= MARGIN * t[f"compiled {kind} {name} n={size}"]
+                    done += 1
+                    tick(done, total, f"compiled vs sdpa, {name}, n={size}")
+                if wins["dense"][cfg.n] and wins["causal"][cfg.n]:
                     dense_dtypes.append(dt)
-                done += 1
-                tick(done, total, f"compiled vs sdpa, {name}")
+                for kind in ("dense", "causal"):
+                    min_pairs[(dt, kind == "causal")] = _least_pairs(wins[kind], cfg.heads)
             # 4) compiled against sparse per computed pair, each at its chosen blocks
             plan = {m: attnlab.explain(q, k, v, pattern=band, method=m) for m in ("compiled", "sparse")}
             t = timed({f"{m} chosen window float32": (lambda m=m: attnlab.attention(q, k, v, pattern=band, method=m))
@@ -126,6 +154,7 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
             soc = speed["compiled"] / speed["sparse"]
             done += 1
             tick(done, total, "compiled vs sparse on a window")
-    fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU")
+    fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU",
+                         compiled_dense_min_pairs=min_pairs)
     path = rates.save(fitted, measured) if save else None
     return (rates.current() if save else fitted), measured, path

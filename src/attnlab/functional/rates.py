@@ -42,8 +42,10 @@ __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "machine_key", 
            "ASSUMED_FLOPS"]
 
 FORMAT = 1
-#: the rates a calibration fits, by the planner's constant names
-RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED")
+#: the rates a calibration fits, by the planner's constant names (COMPILED_DENSE_MIN_PAIRS has no constant:
+#: the built-in table has none, and a file without it, written before it was fitted, still loads)
+RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED",
+              "COMPILED_DENSE_MIN_PAIRS")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class Rates:
     compiled_dense_dtypes: dtypes whose plain dense/causal calls run faster on the compiled kernel than on SDPA;
     sparse_over_compiled: how many times less the gathered kernel must compute to beat the compiled one.
     source: "built-in table ...", "calibration off ...", or "calibrated on this CPU ... (path)".
+    compiled_dense_min_pairs: {(dtype, causal): the (query, key) pairs of a call, B·H·L·S, from which the
+    compiled kernel beats SDPA on plain dense (causal False) / causal inputs of that dtype, or None: never},
+    measured over a few sizes (the compiled kernel's per-call and per-tile overhead loses on small calls); empty in the
+    built-in table (``compiled_dense_wins`` then falls back on ``compiled_dense_dtypes``).
     """
 
     sparse_block_speed: dict
@@ -63,6 +69,17 @@ class Rates:
     sparse_over_compiled: float
     source: str
     measured: dict = field(default_factory=dict, compare=False)  # the calibration's own record (timings)
+    compiled_dense_min_pairs: dict = field(default_factory=dict)
+
+    def compiled_dense_wins(self, dtype: torch.dtype, pairs: int, causal: bool = False) -> bool:
+        """Whether the compiled kernel is faster than SDPA on a plain dense (or ``causal``) call of ``dtype``
+        with ``pairs`` = B·H·L·S (query, key) pairs: by the measured size threshold where the calibration
+        fitted one, else by ``compiled_dense_dtypes`` alone. (The planner's plain-input rule.)"""
+        key = (dtype, bool(causal))
+        if key in self.compiled_dense_min_pairs:
+            least = self.compiled_dense_min_pairs[key]
+            return least is not None and pairs >= least
+        return dtype in self.compiled_dense_dtypes
 
 
 _BUILTIN: Rates | None = None
@@ -140,15 +157,26 @@ def _from_json(doc: dict, path: Path) -> Rates:
     if not (soc > 0 and soc < float("inf")):
         raise ValueError("SPARSE_OVER_COMPILED must be finite and > 0")
     dtypes = tuple(_dtype(n) for n in r["COMPILED_DENSE_DTYPES"])
+    least = {}
+    for name, p in r.get("COMPILED_DENSE_MIN_PAIRS", {}).items():
+        dt, _, kind = name.partition(" ")
+        if kind not in ("dense", "causal"):
+            raise ValueError(f"COMPILED_DENSE_MIN_PAIRS keys are '<dtype> dense|causal', got {name!r}")
+        least[(_dtype(dt), kind == "causal")] = None if p is None else float(p)
+    if any(p is not None and not (p >= 0 and p < float("inf")) for p in least.values()):
+        raise ValueError("COMPILED_DENSE_MIN_PAIRS must be finite and >= 0, or null (never)")
     when = doc.get("created", "?")
-    return Rates(sbs, cbs, dtypes, soc, f"calibrated on this CPU {when} ({path})", doc.get("measured", {}))
+    return Rates(sbs, cbs, dtypes, soc, f"calibrated on this CPU {when} ({path})", doc.get("measured", {}),
+                 compiled_dense_min_pairs=least)
 
 
 def _to_json(rates: Rates) -> dict:
     return {"SPARSE_BLOCK_SPEED": {str(b): s for b, s in rates.sparse_block_speed.items()},
             "COMPILED_BLOCK_SPEED": {f"{b[0]}x{b[1]}": s for b, s in rates.compiled_block_speed.items()},
             "COMPILED_DENSE_DTYPES": [str(d).removeprefix("torch.") for d in rates.compiled_dense_dtypes],
-            "SPARSE_OVER_COMPILED": rates.sparse_over_compiled}
+            "SPARSE_OVER_COMPILED": rates.sparse_over_compiled,
+            "COMPILED_DENSE_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
+                                         for (d, c), p in rates.compiled_dense_min_pairs.items()}}
 
 
 def save(rates: Rates, measured: dict | None = None, path: Path | None = None, *, reload_now: bool = True) -> Path:
