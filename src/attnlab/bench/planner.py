@@ -4,7 +4,7 @@ For each configuration (a kind of mask × dtype × length × batch/heads/GQA) th
 timed, forward under ``torch.no_grad``, side by side in interleaved rounds (medians; Note [Median,
 interleaved] in ``attnlab.harness.timing``): ``attnlab.attention(method="auto")`` beside every kernel
 of ``METHODS`` that accepts the inputs (a kernel that refuses them stays in the table as "refused", with
-its reason). Per configuration the row holds each kernel's median, the fastest kernel, auto's pick (by
+its reason; one far too slow to time, as "skipped": Note [Kernels too slow to time]). Per configuration the row holds each kernel's median, the fastest kernel, auto's pick (by
 ``attnlab.explain``), ``ratio`` = auto's measured time / the fastest's, and ``pick_ratio`` = the
 pick's own measured time / the fastest's (the same comparison without auto's second, separately noisy
 measurement of the same kernel). The summary: the fraction of configurations with auto within
@@ -59,6 +59,14 @@ WORST_TARGET = 1.25
 WINDOW = 256
 SPARSE_BLOCK = 128
 SPARSE_DENSITY = 0.15
+#: Note [Kernels too slow to time]: a capable kernel is not timed (kept in the table as "skipped", with why)
+#: when the planner predicts it does at least SKIP_WORK times the FLOPs of the kernel doing least and at
+#: least SKIP_FLOPS in all (SDPA on a 32768-token window: the whole n x n mask, 128x the work, a minute a
+#: call in bf16 on 2 cores), or when its first call took SKIP_TIME times the quickest first call and at
+#: least SKIP_SECONDS (the tiled kernel's bf16 at 32768). Either way it cannot be the fastest by a wide
+#: margin, and timing it would take most of the sweep.
+SKIP_WORK, SKIP_FLOPS = 8.0, 2e11
+SKIP_TIME, SKIP_SECONDS = 10.0, 2.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +217,7 @@ def _measure(case: Case, cfg: PlannerConfig) -> dict:
     (q, k, v), kw = _inputs(case)
     B, H, Hkv, D = HEADS[case.heads]
     row = {"config": case.label, **asdict(case), "B": B, "H": H, "Hkv": Hkv, "D": D,
-           "L": q.shape[-2], "S": k.shape[-2], "refused": {}, "ms": {}, "samples_ms": {}}
+           "L": q.shape[-2], "S": k.shape[-2], "refused": {}, "skipped": {}, "ms": {}, "samples_ms": {}}
     calls: dict[str, Callable[[], object]] = {}
     with torch.no_grad():
         plan = attnlab.explain(q, k, v, **kw)
@@ -223,6 +231,7 @@ def _measure(case: Case, cfg: PlannerConfig) -> dict:
                 row["refused"][m] = str(e)
                 continue
             calls[m] = lambda m=m: attnlab.attention(q, k, v, method=m, **kw)
+        _skip_slow(calls, plan.flops, row["skipped"], keep=plan.method)
         calls["auto"] = lambda: attnlab.attention(q, k, v, **kw)
         load_before = os.getloadavg()[0]
         t = interleaved(calls, rounds=cfg.rounds, min_rounds=min(3, cfg.rounds), min_sample_s=cfg.min_sample_s,
@@ -240,6 +249,26 @@ def _measure(case: Case, cfg: PlannerConfig) -> dict:
     row["spread"] = {name: (max(s) - min(s)) / statistics.median(s) if len(s) > 1 else 0.0
                      for name, s in row["samples_ms"].items()}
     return row
+
+
+def _skip_slow(calls: dict, flops: dict, skipped: dict, keep: str) -> None:
+    """Drop from ``calls`` the kernels Note [Kernels too slow to time] leaves untimed, recording why in
+    ``skipped``; auto's pick ``keep`` is always timed (a slow pick is what the sweep is for)."""
+    least = min(flops[m] for m in calls)
+    for m in list(calls):
+        if m != keep and flops[m] >= SKIP_WORK * least and flops[m] >= SKIP_FLOPS:
+            skipped[m] = f"predicted {flops[m] / least:.0f}x the FLOPs of the least ({flops[m] / 1e9:.0f} GFLOP): not timed"
+            del calls[m]
+    first = {}
+    for m, f in calls.items():
+        t = time.perf_counter()
+        f()
+        first[m] = time.perf_counter() - t
+    quickest = min(first.values())
+    for m, t in first.items():
+        if m != keep and t >= SKIP_TIME * quickest and t >= SKIP_SECONDS:
+            skipped[m] = f"one call took {t:.1f} s, {t / quickest:.0f}x the quickest kernel's: not timed further"
+            del calls[m]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -318,6 +347,8 @@ def _run(cfg: PlannerConfig, progress) -> PlannerResult:
 def _fmt_ms(row: dict, m: str) -> str:
     if m in row["refused"]:
         return "refused"
+    if m in row.get("skipped", {}):
+        return "skipped"
     return f"{row['ms'][m]:.3g}"
 
 
@@ -341,7 +372,9 @@ def report_markdown(res: PlannerResult) -> str:
         flag = "" if r["ratio"] <= TOLERANCE else " ⚠"
         lines.append("| " + " | ".join([r["config"], *(_fmt_ms(r, m) for m in METHODS), f"{r['ms']['auto']:.3g}",
                                         r["fastest"], pick, f"{r['ratio']:.2f}{flag}", pr]) + " |")
-    lines += ["", "Times in ms (medians). refused: the kernel does not accept these inputs (reasons in results.json)."]
+    lines += ["", "Times in ms (medians). refused: the kernel does not accept these inputs; skipped: predicted or "
+              "measured far slower than the fastest, not timed (Note [Kernels too slow to time]; reasons for both "
+              "in results.json)."]
     return "\n".join(lines) + "\n"
 
 

@@ -58,7 +58,8 @@ def render(res: PlannerResult) -> None:
     for col in ("config", *METHODS, "auto", "fastest", "auto's pick", "auto/fastest"):
         t.add_column(col, justify="left" if col in ("config", "fastest", "auto's pick") else "right")
     for r in res.rows:
-        ms = [("refused" if m in r["refused"] else f"{r['ms'][m]:.3g}") for m in METHODS]
+        ms = [("refused" if m in r["refused"] else "skipped" if m in r.get("skipped", {}) else f"{r['ms'][m]:.3g}")
+              for m in METHODS]
         ratio = f"{r['ratio']:.2f}" if r["ratio"] <= TOLERANCE else f"[yellow]{r['ratio']:.2f}[/yellow]"
         t.add_row(r["config"], *ms, f"{r['ms']['auto']:.3g}", r["fastest"],
                   r["auto_pick"] + (" (decode)" if r["decode_path"] else ""), ratio)
