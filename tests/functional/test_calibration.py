@@ -170,8 +170,8 @@ def test_cli_calibrate_quick(calibration_on, capsys):
 def test_least_pairs_is_where_the_compiled_kernel_wins_from_there_on():
     from attnlab.bench.calibrate import _least_pairs
 
-    assert _least_pairs({512: False, 1024: True, 2048: True}, 4) == 4 * 512 * 1024
-    assert _least_pairs({512: True, 1024: False, 2048: True}, 4) == 4 * 1024 * 2048  # a win below a loss is noise
+    assert _least_pairs({512: False, 1024: True, 2048: True}, 4) == 4 * 1024 ** 2
+    assert _least_pairs({512: True, 1024: False, 2048: True}, 4) == 4 * 2048 ** 2  # a win below a loss is noise
     assert _least_pairs({512: True, 1024: True}, 4) == 0.0
     assert _least_pairs({512: True, 1024: False}, 4) is None  # loses at the largest size: never
 

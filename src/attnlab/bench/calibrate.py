@@ -9,8 +9,7 @@ The grid (each case timed against the others it decides between, interleaved rou
    → GFLOP/s of the pairs it computes;
 3. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, the compiled kernel against
    SDPA → ``COMPILED_DENSE_MIN_PAIRS``: per dtype and dense/causal, the calls' pairs (H·n²) from which the
-   compiled kernel is at least ``MARGIN`` faster at that size and every larger one (the geometric mean of
-   the last losing size and the first winning one; None: it never wins), and ``COMPILED_DENSE_DTYPES``:
+   compiled kernel is at least ``MARGIN`` faster at that size and every larger one (None: it never wins), and ``COMPILED_DENSE_DTYPES``:
    the dtypes where it wins both at the largest size (``bench planner`` showed the choice turns on the size: on a 2-core Zen 5 the
    compiled kernel ran dense bf16 1.4-2.3x SDPA from n = 1024 but half SDPA's speed at 8 x 512²);
 4. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
@@ -48,8 +47,10 @@ class CalibrationConfig:
     dim: int = 64
     window: int = 256
     dtypes: tuple = (torch.float32, torch.bfloat16)
-    rounds: int = 3
-    min_sample_s: float = 0.02
+    # each sample spans many 4 ms scheduler ticks: on a shared machine a 20 ms sample is quantised to them
+    # (bench planner's rounds under a load of 4-6 on 2 cores read 8.00, 16.02, 20.04 ms)
+    rounds: int = 5
+    min_sample_s: float = 0.05
     budget_s: float = 45.0
 
 
@@ -62,18 +63,17 @@ def _qkv(cfg: CalibrationConfig, dtype):
 
 
 def _least_pairs(wins: dict[int, bool], heads: int) -> float | None:
-    """The pairs (heads·n²) from which the compiled kernel wins: it wins at every measured size from there
-    on; between the last losing size and the first winning one, their geometric mean. None: it does not win
-    at the largest size."""
+    """The pairs (heads·n²) from which the compiled kernel wins: the smallest measured size from which it
+    wins at every larger one (SDPA keeps the sizes between, unmeasured: it is the default, the compiled
+    kernel is taken only where measured faster); 0 when it wins at every size; None when it does not win
+    at the largest."""
     sizes = sorted(wins)
     if not wins[sizes[-1]]:
         return None
     first = len(sizes) - 1
     while first > 0 and wins[sizes[first - 1]]:
         first -= 1
-    if first == 0:
-        return 0.0
-    return float(heads * sizes[first - 1] * sizes[first])  # sqrt(H·lo² · H·hi²)
+    return 0.0 if first == 0 else float(heads * sizes[first] ** 2)
 
 
 def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, save: bool = True):
