@@ -167,13 +167,16 @@ def test_cli_calibrate_quick(calibration_on, capsys):
     assert printed["path"] == str(rates.cache_path()) and outcome.result["path"].exists()
 
 
-def test_least_pairs_is_where_the_compiled_kernel_wins_from_there_on():
-    from attnlab.bench.calibrate import _least_pairs
+def test_least_pairs_is_where_the_fitted_speed_ratio_crosses_the_margin():
+    from attnlab.bench.calibrate import MARGIN, _least_pairs
 
-    assert _least_pairs({512: False, 1024: True, 2048: True}, 4) == 4 * 1024 ** 2
-    assert _least_pairs({512: True, 1024: False, 2048: True}, 4) == 4 * 2048 ** 2  # a win below a loss is noise
-    assert _least_pairs({512: True, 1024: True}, 4) == 0.0
-    assert _least_pairs({512: True, 1024: False}, 4) is None  # loses at the largest size: never
+    # ratio = MARGIN * (pairs / 4e6) ** 0.5: crosses the margin at exactly 4e6 pairs, dense and causal alike
+    pts = [(p, MARGIN * (p / 4e6) ** 0.5) for p in (1e6, 4e6, 16e6) for _ in range(2)]
+    assert _least_pairs(pts) == pytest.approx(4e6)
+    assert _least_pairs([(1e6, 1.5), (16e6, 1.6)]) == 1e6  # wins over the whole grid: from its smallest size
+    assert _least_pairs([(1e6, 2.0), (16e6, 0.9)]) is None  # loses at the largest size: never
+    assert _least_pairs([(1e6, 0.5), (4e6, 3.0), (16e6, 1.2)]) is not None  # one noisy size moves the line only
+    assert _least_pairs([(1e6, 0.5), (4e6, 0.5), (16e6, MARGIN)]) == pytest.approx(16e6)
 
 
 def test_the_size_threshold_round_trips_and_decides_by_size(calibration_on):

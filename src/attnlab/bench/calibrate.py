@@ -8,14 +8,16 @@ The grid (each case timed against the others it decides between, interleaved rou
 2. the gathered sparse kernel on a causal sliding window at each block edge of ``SPARSE_BLOCK_SPEED``
    → GFLOP/s of the pairs it computes;
 3. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, the compiled kernel against
-   SDPA → ``COMPILED_DENSE_MIN_PAIRS``: per dtype and dense/causal, the calls' pairs (H·n²) from which the
-   compiled kernel is at least ``MARGIN`` faster at that size and every larger one (None: it never wins), and ``COMPILED_DENSE_DTYPES``:
-   the dtypes where it wins both at the largest size (``bench planner`` showed the choice turns on the size: on a 2-core Zen 5 the
-   compiled kernel ran dense bf16 1.4-2.3x SDPA from n = 1024 but half SDPA's speed at 8 x 512²);
+   SDPA → ``COMPILED_DENSE_MIN_PAIRS``: per dtype, the calls' pairs (H·n²) from which the compiled kernel
+   is at least ``MARGIN`` faster, by a line fitted to log(speed ratio) over log(pairs) (``_least_pairs``;
+   None: it never wins), and ``COMPILED_DENSE_DTYPES``: the dtypes where it wins both at the largest size
+   (``bench planner`` showed the choice turns on the size: on a 2-core Zen 5 the compiled kernel ran dense
+   bf16 1.4-2.3x SDPA from n = 1024 but about half SDPA's speed at 8 x 512²);
 4. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
    the compiled kernel's speed per computed pair over the sparse kernel's.
 
-Never at import, never on a call: only ``calibrate()`` (``attnlab calibrate``) measures.
+Never at import: only ``calibrate()`` measures (``attnlab calibrate``, or the background thread of Note
+[Background calibration] in ``attnlab.functional.rates``).
 """
 from __future__ import annotations
 
@@ -62,18 +64,27 @@ def _qkv(cfg: CalibrationConfig, dtype):
     return tuple(torch.randn(1, cfg.heads, cfg.n, cfg.dim, generator=g).to(dtype) for _ in range(3))
 
 
-def _least_pairs(wins: dict[int, bool], heads: int) -> float | None:
-    """The pairs (heads·n²) from which the compiled kernel wins: the smallest measured size from which it
-    wins at every larger one (SDPA keeps the sizes between, unmeasured: it is the default, the compiled
-    kernel is taken only where measured faster); 0 when it wins at every size; None when it does not win
-    at the largest."""
-    sizes = sorted(wins)
-    if not wins[sizes[-1]]:
+def _least_pairs(points: list[tuple[float, float]]) -> float | None:
+    """The pairs from which the compiled kernel is ``MARGIN`` faster than SDPA, from ``points`` = [(pairs,
+    SDPA's time / the compiled kernel's)] over the grid's sizes, dense and causal together: a least-squares
+    line of log(ratio) against log(pairs) (one noisy size moves it less than it moves a per-size verdict),
+    where it crosses log(MARGIN). None when the line is under it at the largest size; never below the
+    smallest size measured (SDPA, the default, keeps the calls the grid did not measure)."""
+    import math
+
+    xs = [math.log(p) for p, _ in points]
+    ys = [math.log(r) for _, r in points]
+    lo, hi = min(xs), max(xs)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    at = lambda x: my + slope * (x - mx)  # noqa: E731
+    target = math.log(MARGIN)
+    if at(hi) < target:
         return None
-    first = len(sizes) - 1
-    while first > 0 and wins[sizes[first - 1]]:
-        first -= 1
-    return 0.0 if first == 0 else float(heads * sizes[first] ** 2)
+    if at(lo) >= target:
+        return float(min(p for p, _ in points))
+    return float(math.exp(mx + (target - my) / slope))  # slope > 0 here: it crosses between lo and hi
 
 
 def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, save: bool = True):
@@ -128,7 +139,7 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
             dense_dtypes, min_pairs = [], {}
             for dt in cfg.dtypes:
                 name = str(dt).removeprefix("torch.")
-                wins = {"dense": {}, "causal": {}}
+                points = []
                 for size in sizes:
                     qd, kd, vd = _qkv(dataclasses.replace(cfg, n=size), dt)
                     calls = {}
@@ -138,14 +149,15 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
                             calls[f"{m} {kind} {name} n={size}"] = (lambda m=m, c=causal, qd=qd, kd=kd, vd=vd:
                                                                      attnlab.attention(qd, kd, vd, is_causal=c, method=m))
                     t = timed(calls)
-                    for kind in ("dense", "causal"):
-                        wins[kind][size] = t[f"sdpa {kind} {name} n={size}"] >= MARGIN * t[f"compiled {kind} {name} n={size}"]
+                    ratios = [t[f"sdpa {kind} {name} n={size}"] / t[f"compiled {kind} {name} n={size}"]
+                              for kind in ("dense", "causal")]
+                    points += [(cfg.heads * size * size, r) for r in ratios]
+                    if size == cfg.n and min(ratios) >= MARGIN:
+                        dense_dtypes.append(dt)
                     done += 1
                     tick(done, total, f"compiled vs sdpa, {name}, n={size}")
-                if wins["dense"][cfg.n] and wins["causal"][cfg.n]:
-                    dense_dtypes.append(dt)
-                for kind in ("dense", "causal"):
-                    min_pairs[(dt, kind == "causal")] = _least_pairs(wins[kind], cfg.heads)
+                least = _least_pairs(points)  # one fit for dense and causal (the file keeps a slot for each)
+                min_pairs.update({(dt, False): least, (dt, True): least})
             # 4) compiled against sparse per computed pair, each at its chosen blocks
             plan = {m: attnlab.explain(q, k, v, pattern=band, method=m) for m in ("compiled", "sparse")}
             t = timed({f"{m} chosen window float32": (lambda m=m: attnlab.attention(q, k, v, pattern=band, method=m))
