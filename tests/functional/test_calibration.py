@@ -176,7 +176,7 @@ def test_least_pairs_is_where_the_fitted_speed_ratio_crosses_the_margin():
     assert _least_pairs([(1e6, 1.5), (16e6, 1.6)]) == 1e6  # wins over the whole grid: from its smallest size
     assert _least_pairs([(1e6, 2.0), (16e6, 0.9)]) is None  # loses at the largest size: never
     assert _least_pairs([(1e6, 0.5), (4e6, 3.0), (16e6, 1.2)]) is not None  # one noisy size moves the line only
-    assert _least_pairs([(1e6, 0.5), (4e6, 0.5), (16e6, MARGIN)]) == pytest.approx(16e6)
+    assert _least_pairs([(p, MARGIN * (p / 16e6)) for p in (1e6, 4e6, 16e6)]) == pytest.approx(16e6)  # just there
 
 
 def test_the_size_threshold_round_trips_and_decides_by_size(calibration_on):
