@@ -202,3 +202,14 @@ def test_the_size_threshold_round_trips_and_decides_by_size(calibration_on):
     rates.cache_path().write_text(json.dumps(doc))
     with pytest.warns(RuntimeWarning, match="COMPILED_DENSE_MIN_PAIRS keys"):
         assert rates.reload().source.startswith("built-in")
+
+
+def test_an_isa_cap_is_another_machine(calibration_on, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 runs other kernels: its calibration has its own file, and the default key is
+    unchanged by the variables being unset."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    plain = rates.machine_key()
+    assert "env" not in plain
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = rates.machine_key()
+    assert capped["env"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"} and rates.cache_path(capped) != rates.cache_path(plain)

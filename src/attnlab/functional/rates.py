@@ -108,14 +108,24 @@ def calibration_enabled() -> bool:
     return os.environ.get("ATTNLAB_CALIBRATION", "").strip().lower() not in ("off", "0", "false", "no")
 
 
+#: environment variables that change which instructions the kernels use, so how fast they run: a calibration
+#: measured under one of them set is another machine's (the key holds those set, so an unset one changes nothing)
+ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ATTNLAB_EXT_GEMM")
+
+
 def machine_key() -> dict:
-    """What a calibration is valid for: CPU model and flags, torch's thread count, torch and attnlab versions."""
+    """What a calibration is valid for: CPU model and flags, torch's thread count, torch and attnlab versions,
+    and any of ``ISA_ENV_VARS`` that is set (``ONEDNN_MAX_CPU_ISA=AVX2`` runs other kernels than AVX-512)."""
     from .. import __version__
 
     info = cpu.INFO
-    return {"cpu": info.model, "flags": sorted(f for f in cpu.FLAGS_THAT_MATTER if info.has(f)),
-            "torch_isa": info.torch_isa, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "attnlab": __version__}
+    key = {"cpu": info.model, "flags": sorted(f for f in cpu.FLAGS_THAT_MATTER if info.has(f)),
+           "torch_isa": info.torch_isa, "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "attnlab": __version__}
+    env = {k: os.environ[k] for k in ISA_ENV_VARS if os.environ.get(k)}
+    if env:
+        key["env"] = env
+    return key
 
 
 def cache_dir() -> Path:
