@@ -49,10 +49,12 @@ test-fast: $(STAMP)
 	$(PYTEST) -m "not slow and not browser"
 
 # attnlab's kernels against SDPA and compiled FlexAttention (reports/bench-kernels; about an hour on 2 cores);
-# `attnlab bench core --force` is the broader exact-method sweep; then decode against the KV cache (reports/bench-decode)
+# `attnlab bench core --force` is the broader exact-method sweep; then decode against the KV cache (reports/bench-decode),
+# then auto's choice against the fastest kernel over 62 configurations (reports/bench-planner; --resume after a kill)
 bench: $(STAMP)
 	$(BIN)/attnlab bench kernels
 	$(BIN)/attnlab bench decode
+	$(BIN)/attnlab bench planner
 
 # the docs site (guides, course notebooks with their outputs, measured results, API reference) into site/,
 # offline; open site/index.html. `python tests/project/test_notebooks.py --write` refreshes the notebooks' outputs.

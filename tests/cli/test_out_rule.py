@@ -30,6 +30,7 @@ FOLDER_COMMANDS = {
     "bench minilm": ["bench", "minilm", "--quick"],
     "bench ring": ["bench", "ring", "--quick"],
     "bench decode": ["bench", "decode", "--quick", "--seq-lens", "64", "--rounds", "1", "--bandwidth-mib", "1"],
+    "bench planner": ["bench", "planner", "--quick", "--rounds", "1"],
 }
 #: commands with an --out that this rule does not reach yet (none since tour took --force; may only shrink)
 KNOWN: set[str] = set()

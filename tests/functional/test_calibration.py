@@ -54,6 +54,8 @@ def test_calibrate_writes_this_machine_s_file_and_the_planner_reads_it(calibrati
     cur = rates.current()
     assert cur.source.startswith("calibrated on this CPU") and str(path) in cur.source
     assert set(cur.sparse_block_speed) == set(rates.builtin().sparse_block_speed)
+    if compiled.available():  # a size threshold for each dtype, dense and causal
+        assert set(cur.compiled_dense_min_pairs) == {(torch.float32, False), (torch.float32, True)}
     assert all(s > 0 for s in (*cur.sparse_block_speed.values(), *cur.compiled_block_speed.values()))
     q = torch.randn(1, 2, 16, 8)
     assert f"rates: calibrated on this CPU" in str(attnlab.explain(q, q, q))
@@ -163,3 +165,51 @@ def test_cli_calibrate_quick(calibration_on, capsys):
     assert outcome.exit_code == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["path"] == str(rates.cache_path()) and outcome.result["path"].exists()
+
+
+def test_least_pairs_is_where_the_fitted_speed_ratio_crosses_the_margin():
+    from attnlab.bench.calibrate import MARGIN, _least_pairs
+
+    # ratio = MARGIN * (pairs / 4e6) ** 0.5: crosses the margin at exactly 4e6 pairs, dense and causal alike
+    pts = [(p, MARGIN * (p / 4e6) ** 0.5) for p in (1e6, 4e6, 16e6) for _ in range(2)]
+    assert _least_pairs(pts) == pytest.approx(4e6)
+    assert _least_pairs([(1e6, 1.5), (16e6, 1.6)]) == 1e6  # wins over the whole grid: from its smallest size
+    assert _least_pairs([(1e6, 2.0), (16e6, 0.9)]) is None  # loses at the largest size: never
+    assert _least_pairs([(1e6, 0.5), (4e6, 3.0), (16e6, 1.2)]) is not None  # one noisy size moves the line only
+    assert _least_pairs([(p, MARGIN * (p / 16e6)) for p in (1e6, 4e6, 16e6)]) == pytest.approx(16e6)  # just there
+
+
+def test_the_size_threshold_round_trips_and_decides_by_size(calibration_on):
+    b = rates.builtin()
+    least = {(torch.bfloat16, False): 1e6, (torch.bfloat16, True): None, (torch.float32, False): 0.0}
+    fitted = rates.Rates(b.sparse_block_speed, b.compiled_block_speed, (torch.float16,), b.sparse_over_compiled,
+                         "calibrated on this CPU", compiled_dense_min_pairs=least)
+    rates.save(fitted)
+    cur = rates.current()
+    assert cur.compiled_dense_min_pairs == least
+    assert not cur.compiled_dense_wins(torch.bfloat16, 10**6 - 1) and cur.compiled_dense_wins(torch.bfloat16, 10**6)
+    assert not cur.compiled_dense_wins(torch.bfloat16, 10**12, causal=True)  # None: never
+    assert cur.compiled_dense_wins(torch.float32, 1)
+    assert cur.compiled_dense_wins(torch.float16, 1) and not cur.compiled_dense_wins(torch.float64, 10**12)  # no
+    # threshold fitted: the dtype list decides, as in a file written before the threshold was fitted
+    doc = json.loads(rates.cache_path().read_text())
+    del doc["rates"]["COMPILED_DENSE_MIN_PAIRS"]
+    rates.cache_path().write_text(json.dumps(doc))
+    cur = rates.reload()
+    assert cur.source.startswith("calibrated") and cur.compiled_dense_min_pairs == {}
+    assert cur.compiled_dense_wins(torch.float16, 1) and not cur.compiled_dense_wins(torch.bfloat16, 10**12)
+    doc["rates"]["COMPILED_DENSE_MIN_PAIRS"] = {"bfloat16 sideways": 1.0}
+    rates.cache_path().write_text(json.dumps(doc))
+    with pytest.warns(RuntimeWarning, match="COMPILED_DENSE_MIN_PAIRS keys"):
+        assert rates.reload().source.startswith("built-in")
+
+
+def test_an_isa_cap_is_another_machine(calibration_on, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 runs other kernels: its calibration has its own file, and the default key is
+    unchanged by the variables being unset."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    plain = rates.machine_key()
+    assert "env" not in plain
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    capped = rates.machine_key()
+    assert capped["env"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"} and rates.cache_path(capped) != rates.cache_path(plain)

@@ -37,7 +37,10 @@ def run(args: argparse.Namespace) -> dict:
               "SPARSE_BLOCK_SPEED": fitted.sparse_block_speed,
               "COMPILED_BLOCK_SPEED": {f"{b[0]}x{b[1]}": s for b, s in fitted.compiled_block_speed.items()},
               "COMPILED_DENSE_DTYPES": [str(d).removeprefix("torch.") for d in fitted.compiled_dense_dtypes],
-              "SPARSE_OVER_COMPILED": fitted.sparse_over_compiled, "measured_s": measured}
+              "SPARSE_OVER_COMPILED": fitted.sparse_over_compiled,
+              "COMPILED_DENSE_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
+                                           for (d, c), p in fitted.compiled_dense_min_pairs.items()},
+              "measured_s": measured}
     if args.json:
         import json
 

@@ -1,0 +1,98 @@
+"""Note [Background calibration]: the lazy calibration starts in a daemon thread for the first long call only,
+once per process, never at import, never with ATTNLAB_CALIBRATION=off or a calibration file already there; its
+rates become current at the next call that plans."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from attnlab.functional import plancache, rates
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """Calibration on, an empty cache folder, no background thread yet; the grid replaced by a fake that
+    records its calls and returns the built-in table (the real one takes ~45 s)."""
+    calls = []
+    done = threading.Event()
+
+    def fake():
+        calls.append(threading.current_thread().name)
+        fitted = rates.builtin()
+        rates.save(fitted, {"fake": 1.0}, reload_now=False)
+        done.set()
+        return fitted
+
+    monkeypatch.setenv("ATTNLAB_CALIBRATION", "on")
+    monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(rates, "_calibrate_in_background", fake)
+    monkeypatch.setattr(rates, "_BACKGROUND", None)
+    rates.reload()
+    yield calls, done
+    monkeypatch.undo()
+    rates.reload()
+
+
+def test_short_calls_never_start_it(fresh):
+    calls, _ = fresh
+    for s in (0.0, 1e-6, rates.LONG_CALL_S * 0.99):
+        assert rates.note_call(s) is None
+    assert rates.background() is None and calls == [] and not rates.cache_path().exists()
+    assert rates.state()["background"] == "not started"
+
+
+def test_the_first_long_call_starts_it_once_and_the_next_plan_takes_its_rates(fresh):
+    calls, done = fresh
+    t = rates.note_call(rates.LONG_CALL_S)
+    assert isinstance(t, threading.Thread) and t.daemon and rates.background() is t
+    assert rates.note_call(10 * rates.LONG_CALL_S) is None  # once per process
+    t.join(30)
+    assert done.is_set() and calls == ["attnlab-calibration"]
+    assert rates.cache_path().exists() and rates.state()["background"] == "finished"
+    assert rates.current().source.startswith("built-in")  # not yet: handed over at the next call that plans
+    plancache.put(("sig",), None, None)
+    assert rates.note_call(0.0) is None
+    assert rates.current().source.startswith("calibrated on this CPU in the background")
+    assert plancache.stats()["entries"] == 0  # plans made with the old rates are forgotten
+
+
+def test_off_or_an_existing_file_never_starts_it(fresh, monkeypatch):
+    calls, _ = fresh
+    rates.save(rates.builtin())  # a calibration file for this machine: nothing to do
+    assert rates.note_call(100.0) is None
+    rates.cache_path().unlink()
+    rates.reload()
+    monkeypatch.setenv("ATTNLAB_CALIBRATION", "off")
+    rates.reload()
+    assert rates.note_call(100.0) is None
+    assert rates.background() is None and calls == []
+
+
+def test_a_failing_calibration_is_one_warning_and_the_table_stays(fresh, monkeypatch):
+    def broken():
+        raise RuntimeError("no cores today")
+
+    monkeypatch.setattr(rates, "_calibrate_in_background", broken)
+    with pytest.warns(RuntimeWarning, match="background calibration failed .*no cores today"):
+        t = rates.note_call(rates.LONG_CALL_S)
+        t.join(30)
+    assert rates.note_call(0.0) is None and rates.current().source.startswith("built-in")
+
+
+def test_never_at_import(tmp_path):
+    """A fresh interpreter importing attnlab (and planning a short call) starts no thread and writes no file."""
+    code = ("import threading, torch, attnlab\n"
+            "q = torch.randn(1, 2, 16, 8)\n"
+            "attnlab.attention(q, q, q)\n"
+            "from attnlab.functional import rates\n"
+            "assert rates.background() is None, rates.background()\n"
+            "assert not any(t.name == 'attnlab-calibration' for t in threading.enumerate())\n"
+            "print('ok')\n")
+    env = {**os.environ, "ATTNLAB_CALIBRATION": "on", "ATTNLAB_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert list(tmp_path.iterdir()) == []
