@@ -681,9 +681,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Paths (``flex_plan`` says which one a call takes and why): score_mod is probed on a few random points
     (Note [Probing score_mod]). None / identity / soft-capping run ``attnlab.attention`` with the mask as a
     pattern (a BlockMask proved to be a band runs as attnlab's band pattern, Note [Bands proved once per
-    BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, evaluates its bias
-    on the kept blocks only, one query block at a time (memory: the kept blocks', never L×S), and its
-    gradient reaches the captured tensors by autograd. Any other score_mod, or
+    BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, whose bias probes
+    as a function of (h, q_idx - kv_idx) only evaluates it once per offset and runs one compiled-kernel call
+    (Note [Relative bias probe]: memory O(H·(L + S))); another bias is evaluated on the kept blocks only, one
+    query block at a time (memory: the kept blocks', never L×S). Either way its gradient reaches the
+    captured tensors by autograd. Any other score_mod, or
     max_scores, or lse under autograd, or a per-head BlockMask, takes the general path: O(L·S·E) time over
     the kept blocks, scores of one query block at a time in memory (recomputed in backward).
 
