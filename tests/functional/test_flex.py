@@ -20,6 +20,7 @@ from torch.nn.attention.flex_attention import flex_attention as torch_flex
 import attnlab
 from attnlab import patterns as P
 from attnlab.functional import flex
+from attnlab.kernels import compiled as compiled_kernel
 from attnlab.shapes import AttentionInputError
 from helpers import TOL, assert_close
 
@@ -27,6 +28,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 F64 = TOL[torch.float64]
+#: how a relative bias runs: one table per offset in the compiled kernel, or (without it) the kept blocks
+RELATIVE = "relative" if compiled_kernel.available() else "kept blocks"
 B, H, L, E = 2, 3, 37, 8  # 37: blocks of 16 leave a partial edge block
 
 
@@ -332,7 +335,10 @@ def test_errors_name_the_argument():
 def test_plan_names_path_and_costs():
     q, k, v = _qkv()
     plan = attnlab.flex_plan(q, k, v, _mod("t5")[0], _block_mask(MASK_MODS["causal"]))
-    assert plan.path == "attention" and plan.score_mod.kind == "affine" and "attn_mask" in plan.attention_kwargs
+    assert plan.path == "attention" and plan.score_mod.kind == "affine" and plan.bias == RELATIVE
+    assert RELATIVE != "relative" or ("rel_bias" in plan.attention_kwargs and any("per offset" in n for n in plan.notes))
+    plan = attnlab.flex_plan(q, k, v, _mod("sinks")[0], _block_mask(MASK_MODS["causal"]))
+    assert plan.path == "attention" and plan.bias == "kept blocks" and "attn_mask" in plan.attention_kwargs
     assert any("L×S" in n for n in plan.notes)
     plan = attnlab.flex_plan(q, k, v, _mod("tanh_gate")[0], return_aux=AuxRequest(max_scores=True))
     assert plan.path == "general" and "general path" in str(plan)
@@ -369,14 +375,14 @@ def _counting(score_mod):
     calls = []
 
     def counted(s, b, h, q, k):
-        calls.append(q.numel() * k.numel())
+        calls.append(torch.broadcast_tensors(q, k)[0].numel())
         return score_mod(s, b, h, q, k)
     return counted, calls
 
 
 def test_bias_is_evaluated_on_kept_blocks_only():
     L = 300
-    sm, captured, _ = _mod("t5", L=L)
+    sm, captured, _ = _mod("sinks", L=L)  # not relative (key 0 singled out): Note [Kept-blocks bias]
     counted, calls = _counting(sm)
     q, k, v = _qkv(L=L, S=L, grad=True)
     window = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 20)  # noqa: E731
@@ -392,6 +398,53 @@ def test_bias_is_evaluated_on_kept_blocks_only():
     inputs = (q, k, v, *captured)
     for i, (a, e) in enumerate(zip(_grads(out, inputs), _grads(ref, inputs))):
         assert_close(a, e, **F64, what=f"grad {i}")
+
+
+# -- a relative bias as one table per offset (Note [Relative bias probe]) ----------------------------------
+@pytest.mark.parametrize("name", ["t5", "rel_table", "softcap_bias", "alibi", "rel_causal"])
+@pytest.mark.parametrize("mask", ["sliding_window", "document", "none"])
+def test_relative_bias_is_one_table_per_offset(name, mask):
+    """A bias of (h, q_idx - kv_idx) only is evaluated once per offset ([H, L + S - 1] pairs, never a grid
+    of kept pairs) and added by the compiled kernel; output, lse and the gradients into q, k, v and the
+    captured tables equal torch's eager math in float64."""
+    sm, captured, _ = _mod(name, L=L)
+    calls = []
+
+    def counted(s, b, h, q, k):
+        calls.append(torch.broadcast_tensors(b, h, q, k)[0].numel())
+        return sm(s, b, h, q, k)
+    q, k, v = _qkv(L=L, S=L, grad=True)
+    bm = _block_mask(MASK_MODS[mask], L=L, S=L, block=16) if MASK_MODS[mask] else None
+    plan = attnlab.flex_plan(q, k, v, counted, bm)
+    assert plan.bias == RELATIVE, str(plan)
+    calls.clear()
+    out = attnlab.flex_attention(q, k, v, score_mod=counted, block_mask=bm)
+    if RELATIVE == "relative":
+        assert max(calls) <= H * (2 * L - 1), calls  # the table; the probes are smaller
+    ref, ref_lse = _oracle(q, k, v, sm, MASK_MODS[mask])[:2]
+    assert_close(out, ref, **F64, what="out")
+    with torch.no_grad():  # lse under autograd takes the general path (its lse is differentiable)
+        assert attnlab.flex_plan(q, k, v, sm, bm, return_lse=True).bias == RELATIVE
+        lse = attnlab.flex_attention(q, k, v, score_mod=sm, block_mask=bm, return_lse=True)[1]
+    assert_close(lse, ref_lse.detach(), **F64, what="lse")
+    inputs = (q, k, v, *captured)
+    for i, (a, e) in enumerate(zip(_grads(out, inputs), _grads(ref, inputs))):
+        assert_close(a, e, **F64, what=f"grad {i}")
+
+
+@pytest.mark.parametrize("score_mod", [
+    lambda s, b, h, q, k: s + 0.1 * q,  # absolute query position
+    lambda s, b, h, q, k: s + torch.where(k % 3 == 0, 1.0, 0.0),  # absolute key positions
+    lambda s, b, h, q, k: s + b * 0.5 + (q - k),  # relative, but per batch element
+])
+def test_relative_probe_refuses_absolute_biases(score_mod):
+    """Biases that are not a function of (h, q_idx - kv_idx) take the kept-blocks path, and stay exact."""
+    L = 53
+    q, k, v = _qkv(B=2, L=L, S=L)
+    plan = attnlab.flex_plan(q, k, v, score_mod)
+    out = attnlab.flex_attention(q, k, v, score_mod=score_mod)
+    assert_close(out, _oracle(q, k, v, score_mod, None)[0], **F64, what="out")
+    assert plan.bias == "kept blocks", str(plan)
 
 
 def test_bias_with_per_head_block_mask_and_empty_rows():

@@ -118,13 +118,51 @@ def check(dtype: torch.dtype, full: bool = False) -> list[str]:
     return bad
 
 
+def check_relative(dtype: torch.dtype) -> list[str]:
+    """A relative bias table rel [H, L + S - 1] (``compiled_attention(rel_bias=...)``, csrc Note [Relative
+    bias]) under no pattern, a bottom-right causal one and a window, GQA, blocks of 16: output and the
+    gradients of q, k, v and rel against float64 autograd through the table's gather; returns the failures."""
+    from attnlab.kernels.masks import MaskSpec
+
+    bad = []
+    N, H, Hkv, L, S, E, Ev = 2, 4, 2, 19, 23, 8, 6
+    g = torch.Generator().manual_seed(7)
+    base = [torch.randn(N, H, L, E, generator=g), torch.randn(N, Hkv, S, E, generator=g),
+            torch.randn(N, Hkv, S, Ev, generator=g), torch.randn(H, L + S - 1, generator=g)]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    offset = torch.arange(S).view(1, -1) - torch.arange(L).view(-1, 1) + L - 1  # (L, S): j - i + L - 1
+    scale = 1 / math.sqrt(E)
+    for pname, pattern in (("dense", None), ("causal", P.causal("bottom_right")), ("window", P.sliding_window(5))):
+        ins = [t.to(dtype).requires_grad_() for t in base[:3]] + [base[3].to(acc).requires_grad_()]
+        out, _ = compiled.compiled_attention(*ins[:3], MaskSpec(L, S, pattern=pattern), scale, 16, 16,
+                                             rel_bias=ins[3])
+        do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        got = torch.autograd.grad(out, ins, do)
+        keep = pattern.materialize(L, S) if pattern is not None else torch.ones(L, S, dtype=torch.bool)
+
+        def ref(dt):
+            t = [x.detach().to(dt).requires_grad_() for x in base[:3]]
+            rel = base[3].detach().to(torch.float64 if dt == torch.float64 else acc).requires_grad_()
+            o = attn_ref(*t, rel[:, offset].masked_fill(~keep, float("-inf")), scale)  # bias (H, L, S)
+            return (o,) + torch.autograd.grad(o, t + [rel], do.to(dt))
+        r64, naive = ref(torch.float64), ref(dtype)
+        for what, gg, r, n in zip(("out", "dq", "dk", "dv", "drel"), (out,) + got, r64, naive):
+            gg, r, n = gg.detach(), r.detach(), n.detach()
+            err = float((gg.detach().double() - r.double()).abs().max())
+            bound = FUSED_ERROR_FACTOR * float((n.double() - r.double()).abs().max()) + FLOOR[dtype] * (
+                1 if what == "out" else 10)
+            if not err <= bound:
+                bad.append(f"{dtype} relative bias {pname} {what}: {err:.3g} > {bound:.3g}")
+    return bad
+
+
 def main(argv: list[str]) -> int:
     full = "--full" in argv
     torch.manual_seed(0)
     report = {"capability": compiled.capability(),
               "backends": {str(d): compiled.gemm_backend(d, 8, 6, 16) for d in DTYPES}, "failures": []}
     for dtype in DTYPES:
-        report["failures"] += check(dtype, full)
+        report["failures"] += check(dtype, full) + check_relative(dtype)
     print(json.dumps(report))
     return 0
 

@@ -19,6 +19,14 @@
 // threads longest first (Note [Backward balance]); when the
 // float mask needs grad, also dbias [N, H, L, S] (the score gradient of the visited blocks, else 0).
 //
+// Note [Relative bias]: a bias that depends on (head, j - i) only (T5 buckets, a learned relative table, as
+// flex_attention's probe finds them) comes as rel [H, L + S - 1], bias(h, i, j) = rel[h, j - i + L - 1]:
+// the table is O(L + S), read contiguously along each score row (the row of query i starts at offset
+// k0 - i + L - 1), and the layout's block skipping is unchanged. Its gradient, when asked, is the score
+// gradient summed along each diagonal: every backward unit sums into its own [groups, L + S - 1] rows,
+// added up in unit order after the pass (so the result does not depend on the schedule); the caller
+// (autograd) takes it on into whatever the table was computed from.
+//
 // Note [Masked scores]: masking *overwrites* a score with -inf rather than adding, so a NaN or Inf
 // produced by a masked key cannot reach the softmax. Values of keys no query may attend are zeroed
 // by the caller (0 * NaN in P @ V would otherwise leak).
@@ -165,7 +173,9 @@ struct ScoreMods {
   int64_t ks[4] = {0, 0, 0, 0};
   const A* bias = nullptr;         // user float mask, 4-D strides bs
   int64_t bs[4] = {0, 0, 0, 0};
-  bool plain() const { return softcap <= 0 && !alibi && !keep && !bias; }
+  const A* rel = nullptr;          // relative bias [H, L + S - 1]: rel[h, j - i + L - 1] (Note [Relative bias])
+  int64_t rel_w = 0, rel_off = 0;  // its row length L + S - 1 and offset L - 1
+  bool plain() const { return softcap <= 0 && !alibi && !keep && !bias && !rel; }
 };
 
 // Soft-capping, ALiBi, the user bias and every mask, applied to a block of scaled scores
@@ -206,6 +216,15 @@ void modify_scores(A* s, int64_t ld, int64_t rows, int64_t cols, int64_t n, int6
         const int64_t d = (k0 + c) - i;
         row[c] += mod.alibi_causal ? slope * A(d) : -slope * A(d < 0 ? -d : d);
       }
+    }
+  }
+  if (mod.rel) {  // Note [Relative bias]: row i reads the table from offset k0 - i on, contiguous
+    for (int64_t r = 0; r < rows; ++r) {
+      const A* b = mod.rel + h * mod.rel_w + (k0 - (q0 + r) + mod.rel_off);
+      A* row = s + r * ld;
+      int64_t c = 0;
+      for (; c + V::size() <= cols; c += V::size()) (V::loadu(row + c) + V::loadu(b + c)).store(row + c);
+      for (; c < cols; ++c) row[c] += b[c];
     }
   }
   if (mod.bias) {
@@ -710,9 +729,19 @@ Layout make_layout(const at::Tensor& kv_num, const at::Tensor& kv_idx, const at:
 
 template <typename A>
 ScoreMods<A> make_mods(const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& alibi, double softcap, bool alibi_causal,
-                       int64_t alibi_offset, at::IntArrayRef shape4) {
+                       const std::optional<at::Tensor>& alibi, const std::optional<at::Tensor>& rel,
+                       double softcap, bool alibi_causal, int64_t alibi_offset, at::IntArrayRef shape4) {
   ScoreMods<A> m;
+  if (rel && rel->defined()) {  // Note [Relative bias]
+    const int64_t W = shape4[2] + shape4[3] - 1;
+    TORCH_CHECK(rel->scalar_type() == c10::CppTypeToScalarType<A>::value && rel->is_contiguous() && rel->dim() == 2 &&
+                rel->size(0) == shape4[1] && rel->size(1) == W,
+                "attnlab._C: rel must be contiguous [H, L + S - 1] = [", shape4[1], ", ", W,
+                "] in the accumulation dtype, got ", rel->sizes());
+    m.rel = rel->data_ptr<A>();
+    m.rel_w = W;
+    m.rel_off = shape4[2] - 1;
+  }
   // a cap past A's range is the identity (Python's Note [Soft-cap at infinity]); cast, it was inf and inf * 0 NaN
   m.softcap = softcap > static_cast<double>(std::numeric_limits<A>::max()) ? A(0) : static_cast<A>(softcap);
   if (keep && keep->defined()) {
@@ -975,13 +1004,14 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // when asked; the gradient of the scaled q k^T score is g (1 - tanh^2) under a soft-cap; `mul` is the
 // score scale when the next products cannot apply it (brgemm has no alpha).
 template <typename A>
-inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int64_t cols, A* db) {
+inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int64_t cols, A* db, A* dacc = nullptr) {
   using V = Vectorized<A>;
   const V dl(delta), vm(mul), one(A(1));
   int64_t c = 0;
   for (; c + V::size() <= cols; c += V::size()) {
     V g = V::loadu(pr + c) * (V::loadu(dr + c) - dl);
     if (db) g.store(db + c);
+    if (dacc) (V::loadu(dacc + c) + g).store(dacc + c);
     if (tr) {
       const V t = V::loadu(tr + c);
       g = g * (one - t * t);
@@ -991,6 +1021,7 @@ inline void score_grad_row(A* dr, const A* pr, const A* tr, A delta, A mul, int6
   for (; c < cols; ++c) {
     A g = pr[c] * (dr[c] - delta);
     if (db) db[c] = g;
+    if (dacc) dacc[c] += g;
     if (tr) g *= A(1) - tr[c] * tr[c];
     dr[c] = g * mul;
   }
@@ -1000,7 +1031,8 @@ template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& lse_lo, const Layout& lay,
                    const ScoreMods<typename Acc<T>::type>& mod, double scale_d, bool use_brg, bool score_brg,
-                   bool blas, int64_t splits, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias) {
+                   bool blas, int64_t splits, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dbias,
+                   at::Tensor& drel) {
   using A = typename Acc<T>::type;
   const TileGemm gemm{blas};  // the products off brgemm: MKL's or the loop (Note [Gemm arguments])
   using Vec = Vectorized<A>;
@@ -1041,6 +1073,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   at::Tensor dq_part;
   if (ranges > 1) dq_part = at::zeros({ranges, N, H, L, E}, q.options().dtype(dk.scalar_type()));
   A* DQP = ranges > 1 ? dq_part.data_ptr<A>() : nullptr;
+  // Note [Relative bias]: each unit sums its score gradients per (query head, offset j - i) into its own row
+  // of drel_part [units, groups, L + S - 1], added up in unit order at the end (independent of the schedule)
+  const int64_t W = L + S - 1;
+  at::Tensor drel_part;
+  if (drel.defined()) drel_part = at::zeros({units, groups, W}, drel.options());
+  A* DRP = drel.defined() ? drel_part.data_ptr<A>() : nullptr;
   std::vector<int64_t> cost(units, 0), order(units);
   for (int64_t u = 0; u < units; ++u) {
     const int64_t n = u / (Hkv * ranges), cr = u % ranges, lo = cr * span, hi = std::min(nk, lo + span);
@@ -1113,6 +1151,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           const A* lp = LSE + (n * H + h) * L + q0;
           const A* lop = LO + (n * H + h) * L + q0;
           T* dqp = DQ + ((n * H + h) * L + q0) * E;
+          // this unit's drel row for head h at offset -(q0) + L - 1: row r, key k0 + c adds at [k0 - r + c]
+          A* drp = DRP ? DRP + (u * groups + (h - kvh * groups)) * W + (L - 1 - q0) : nullptr;
           if (t0 == t1) {
             if (!DQP) std::fill(dqp, dqp + rows * E, T(0));  // partial dq buffers start at 0
             continue;
@@ -1179,7 +1219,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 for (int64_t r = 0; r < rows; ++r) {
                   A* dr = ds + r * bk;
                   score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], scale,
-                                    cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
+                                    cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr,
+                                    drp ? drp + k0 - r : nullptr);
                   to_gemm_type(dr, dsT.data() + r * bk, cols);
                   if (cols & 1) dsT[r * bk + cols] = T(0);  // pairs with K's zero pad row
                 }
@@ -1197,7 +1238,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                 brg_chunked<T>(rows, cols, Ev, Ev, bk, bk, false, dop, vt.data() + panel * Ev * bk, ds);
                 for (int64_t r = 0; r < rows; ++r)
                   score_grad_row<A>(ds + r * bk, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r],
-                                    scale, cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
+                                    scale, cols, DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr,
+                                    drp ? drp + k0 - r : nullptr);
                 transpose(ds, bk, rows, cols, dstile.data(), bq);
                 brg<T>(rows, E, cols, bk, k.stride(2), E, true, ds, kp + k0 * k.stride(2), dqacc.data());
                 brg<T>(cols, E, rows, bq, q.stride(2), E, true, dstile.data(), qp, dkp + k0 * E);
@@ -1215,7 +1257,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             for (int64_t r = 0; r < rows; ++r) {
               A* dr = ds + r * bk;
               score_grad_row<A>(dr, p + r * bk, tbuf.empty() ? nullptr : tbuf.data() + r * bk, delta[r], A(1), cols,
-                                DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr);
+                                DB ? DB + ((n * H + h) * L + q0 + r) * S + k0 : nullptr,
+                                drp ? drp + k0 - r : nullptr);
               if constexpr (!kSame) to_gemm_type(dr, dsT.data() + r * bk, cols);
             }
             const T* kb = kp + k0 * k.stride(2);
@@ -1244,6 +1287,17 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     if (use_brg || score_brg) at::native::cpublas::brgemm_release(kHalf);
   });
   if (DQP) dq.copy_(dq_part.sum(0));
+  if (DRP) {  // Note [Relative bias]: units (n, kv head, range) in order, query heads kv head's groups
+    A* DR = drel.data_ptr<A>();
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t kvh = (u / ranges) % Hkv;
+      for (int64_t g = 0; g < groups; ++g) {
+        const A* src = DRP + (u * groups + g) * W;
+        A* dst = DR + (kvh * groups + g) * W;
+        for (int64_t x = 0; x < W; ++x) dst[x] += src[x];
+      }
+    }
+  }
 }
 
 // Note [Half-type dot products]: whether this CPU multiplies bf16 / fp16 pairs in hardware (AMX tiles, or
@@ -1329,9 +1383,9 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
                                           const at::Tensor& kv_num, const at::Tensor& kv_idx,
                                           const at::Tensor& tile_id, const at::Tensor& tiles,
                                           const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
-                                          const std::optional<at::Tensor>& alibi, double scale, double softcap,
-                                          bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                          int64_t gemm, bool keep_out_acc) {
+                                          const std::optional<at::Tensor>& alibi, const std::optional<at::Tensor>& rel,
+                                          double scale, double softcap, bool alibi_causal, int64_t alibi_offset,
+                                          int64_t bq, int64_t bk, int64_t gemm, bool keep_out_acc) {
   check_qkv(q, k, v);
   check_gemm_mode(gemm);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Ev = v.size(3);
@@ -1347,7 +1401,7 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor&
   const std::vector<int64_t> shape4{N, H, L, S};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_forward", [&] {
     using A = typename Acc<scalar_t>::type;
-    auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
+    auto mod = make_mods<A>(keep, bias, alibi, rel, softcap, alibi_causal, alibi_offset, shape4);
     forward_impl<scalar_t>(q, k, v, lay, mod, scale, use_brg, gemm != kGemmLoop, out, lse, lse_lo, out_acc);
   });
   return {out, lse, out_acc, lse_lo};
@@ -1360,13 +1414,16 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
                                            const at::Tensor& tile_id, const at::Tensor& tiles,
                                            const std::optional<at::Tensor>& keep,
                                            const std::optional<at::Tensor>& bias,
-                                           const std::optional<at::Tensor>& alibi, double scale, double softcap,
+                                           const std::optional<at::Tensor>& alibi,
+                                           const std::optional<at::Tensor>& rel, double scale, double softcap,
                                            bool alibi_causal, int64_t alibi_offset, int64_t bq, int64_t bk,
-                                           int64_t gemm, int64_t score_gemm, bool bias_grad, int64_t splits) {
+                                           int64_t gemm, int64_t score_gemm, bool bias_grad, bool rel_grad,
+                                           int64_t splits) {
   check_qkv(q, k, v);
   check_gemm_mode(gemm);
   const int64_t N = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   TORCH_CHECK(!bias_grad || (bias && bias->defined()), "attnlab._C: bias_grad needs a bias");
+  TORCH_CHECK(!rel_grad || (rel && rel->defined()), "attnlab._C: rel_grad needs rel");
   // fp32 and (Note [Half-type backward on brgemm]) bf16 / fp16 where oneDNN packs them for this CPU
   const bool use_brg = q.scalar_type() != at::kDouble && brgemm_applies(q.scalar_type(), q.size(3), v.size(3), bk,
                                                                        gemm == kGemmBrgemm);
@@ -1394,14 +1451,16 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dout_in, const at::
   // blocks the layout skips stay 0 (their probabilities are 0)
   at::Tensor dbias;
   if (bias_grad) dbias = at::zeros({N, H, L, S}, q.options().dtype(acc));
+  at::Tensor drel;  // Note [Relative bias]: [H, L + S - 1], summed over the batch
+  if (rel_grad) drel = at::zeros({H, L + S - 1}, q.options().dtype(acc));
   const std::vector<int64_t> shape4{N, H, L, S};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attnlab_backward", [&] {
     using A = typename Acc<scalar_t>::type;
-    auto mod = make_mods<A>(keep, bias, alibi, softcap, alibi_causal, alibi_offset, shape4);
+    auto mod = make_mods<A>(keep, bias, alibi, rel, softcap, alibi_causal, alibi_offset, shape4);
     backward_impl<scalar_t>(dout, q, k, v, out, lse, lse_lo, lay, mod, scale, use_brg, score_brg, gemm != kGemmLoop,
-                            splits, dq, dk, dv, dbias);
+                            splits, dq, dk, dv, dbias, drel);
   });
-  return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type()), dbias};
+  return {dq, dk.to(q.scalar_type()), dv.to(q.scalar_type()), dbias, drel};
 }
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
@@ -1490,5 +1549,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AVX512-FP16) or '' (it does not)");
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 9;
+  m.attr("abi_version") = 10;
 }

@@ -8,10 +8,13 @@ few random (b, h, q_idx, kv_idx) points, with several float64 scores each (Note 
 
 - none / identity: ``attnlab.attention`` with the mask as a pattern (block skipping in the kernel);
 - soft-capping ``cap·tanh(score / cap)`` (plus an optional bias): ``attention(..., softcap=cap)``;
-- affine in the score ``c·score + bias(b, h, q_idx, kv_idx)``, c > 0 the same everywhere: the bias is
+- affine in the score ``c·score + bias(b, h, q_idx, kv_idx)``, c > 0 the same everywhere, the factor c
+  folded into ``scale``. A bias that probes as relative, ``bias(h, q_idx - kv_idx)`` (T5 buckets, a learned
+  relative table, ALiBi), is evaluated once per offset, [H, L + S - 1], and the compiled kernel adds it
+  inside its tiles with the mask as a pattern, in one call (Note [Relative bias probe]); any other bias is
   evaluated per query block on the key blocks the mask keeps only and passed with them as a float
-  ``attn_mask`` (Note [Kept-blocks bias]; its gradient flows, through autograd, into the tensors the
-  function reads), the factor c folded into ``scale``;
+  ``attn_mask`` (Note [Kept-blocks bias]). Either way its gradient flows, through autograd, into the
+  tensors the function reads;
 - anything else: ``general``, blockwise over the kept key blocks with an online softmax, the function
   applied to each block's scores, differentiable through autograd (checkpointed per query block).
 
@@ -76,6 +79,9 @@ class FlexPlan:
     attention_kwargs: dict = field(default_factory=dict)
     block_size: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
+    #: how a bias runs on the "attention" path: "relative" (one table per offset in the compiled kernel),
+    #: "kept blocks" (per query block, Note [Kept-blocks bias]) or None (no bias)
+    bias: str | None = None
 
     def __str__(self):
         lines = [f"flex_attention path: {self.path} ({self.reason})",
@@ -399,6 +405,71 @@ def _bias_blocks(score_mod, B, H, i, j, dtype):
     return y.to(dtype).expand(*y.shape[:2], i.numel(), j.numel())
 
 
+# Note [Relative bias probe]: a bias that depends on (h, q_idx - kv_idx) only is a table of L + S - 1 values
+# per head: evaluated once per offset (not once per kept pair: the per-pair gathers were most of the time
+# of a T5 or learned relative bias) and added by the compiled kernel inside its tiles (csrc Note [Relative
+# bias]), whose gradient, summed per diagonal, autograd takes on into the captured tensors. The probe:
+# _REL_POINTS random pairs (the extreme offsets and the diagonal among them) against a second pair of the
+# same offset, with other b and q_idx, must give equal biases (exactly, or within _RTOL; -inf matching
+# -inf). A bias equal along diagonals only on the probes (a rare absolute position singled out) would be
+# misread, as any probe can be fooled; flex_plan says the probe found it ("bias: relative").
+_REL_POINTS = 64
+
+
+def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
+    """Whether score_mod(0, b, h, q_idx, kv_idx) depends on (h, q_idx - kv_idx) only, on the probes of
+    Note [Relative bias probe]."""
+    if L == 0 or S == 0:
+        return False
+    g = torch.Generator().manual_seed(seed + 2)
+    n = _REL_POINTS
+    d = torch.randint(-(L - 1), S, (n,), generator=g)  # offsets kv_idx - q_idx
+    d[0], d[1], d[2] = -(L - 1), S - 1, 0
+    lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)  # the q_idx that offset d has, [lo, hi]
+
+    def pick():
+        return lo + (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo + 1)).long().clamp(max=hi - lo)
+    q1, q2 = pick(), pick()
+    q1[:3], q2[:3] = lo[:3], hi[:3]
+    b1, b2 = (torch.randint(0, max(1, B), (n,), generator=g) for _ in range(2))
+    h = torch.randint(0, max(1, H), (n,), generator=g)
+    z = torch.zeros(n, 1, dtype=torch.float64)
+    with torch.no_grad():  # (n, 1) index tensors, as probe_score_mod calls it
+        y1, y2 = (torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), (qi + d).view(n, 1)),
+                                     (n, 1)).double() for b, qi in ((b1, q1), (b2, q2)))
+    same = (y1 == y2) | ((y1 - y2).abs() <= _RTOL * (y1.abs() + y2.abs() + 1))
+    return bool(same.all())
+
+
+def _relative_table(score_mod, H, L, S, dtype):
+    """score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx = t - (L - 1): [H, L + S - 1] in
+    ``dtype`` (differentiable into the tensors it reads)."""
+    d = torch.arange(-(L - 1), S)  # (W,)
+    i = (-d).clamp(min=0)
+    h = torch.arange(H).view(H, 1)
+    y = score_mod(torch.zeros((), dtype=dtype), torch.zeros(1, 1, dtype=torch.long), h, i.view(1, -1),
+                  (i + d).view(1, -1))
+    return torch.broadcast_to(y.to(dtype), (H, d.numel()))
+
+
+def _relative_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scale, enable_gqa):
+    """Note [Relative bias probe]: one compiled-kernel call with the mask as a pattern and the bias as a
+    table per offset. Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
+    from ..kernels import compiled as compiled_kernel
+    from ..shapes import prepare
+    from . import planner
+
+    B, H, L, _ = query.shape
+    S = key.shape[2]
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    p = prepare(query, key, value, None, 0.0, False, scale * kind.factor, enable_gqa, mask.pattern,
+                softcap=kind.softcap)
+    rel = _relative_table(score_mod, H, L, S, acc)
+    out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale,
+                                                  *planner.compiled_blocks(p), rel_bias=rel)
+    return out.reshape(p.out_shape), lse.reshape(p.out_shape[:-1])
+
+
 def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scale, enable_gqa, want_lse):
     """Note [Kept-blocks bias]: an affine (or soft-capping) score_mod with a bias runs one query block at a
     time on the key blocks the mask keeps: the bias is evaluated on those (rows x kept keys) only, the
@@ -473,17 +544,29 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
         kw["pattern"] = repr(mask.pattern)
     if kind.softcap is not None:
         kw["softcap"] = f"{kind.softcap:.6g}"
+    bias = None
     if kind.has_bias:
-        kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) on the kept blocks, per query block"
-        kept = int((mask.codes != P.EMPTY).any(0).any(0).sum())
-        nq, nk = mask.codes.shape[-2:]
-        notes.append(f"the bias is evaluated per query block of {bq} on the key blocks the mask keeps ({kept} of "
-                     f"{nq * nk} blocks of {bq}x{bk}), one attention call per query block (Note [Kept-blocks bias]); "
-                     "its memory and gradient are the kept blocks', not L×S")
+        from ..kernels import compiled as compiled_kernel
+
+        if mask.refusal is None and compiled_kernel.available(query) and _relative_probe(score_mod, B, H, L, S):
+            bias = "relative"
+            kw["pattern"] = repr(mask.pattern)
+            kw["rel_bias"] = f"score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx: [{H}, {L + S - 1}]"
+            notes.append(f"the bias probed as a function of (h, q_idx - kv_idx) only ({_REL_POINTS} pairs against "
+                         "pairs of the same offset): one compiled-kernel call adds it from a table per offset, the "
+                         "mask as a pattern (Note [Relative bias probe]); memory and gradient O(H·(L + S))")
+        else:
+            bias = "kept blocks"
+            kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) on the kept blocks, per query block"
+            kept = int((mask.codes != P.EMPTY).any(0).any(0).sum())
+            nq, nk = mask.codes.shape[-2:]
+            notes.append(f"the bias is evaluated per query block of {bq} on the key blocks the mask keeps ({kept} of "
+                         f"{nq * nk} blocks of {bq}x{bk}), one attention call per query block (Note [Kept-blocks "
+                         "bias]); its memory and gradient are the kept blocks', not L×S")
     reason = {"none": "no score_mod", "identity": "score_mod is the identity",
               "affine": "score_mod is affine in the score: its bias goes in as a float attn_mask",
               "softcap": "score_mod is soft-capping: attention's softcap"}[kind.kind]
-    return FlexPlan("attention", reason, kind, mask.describe, attention_kwargs=kw, notes=notes), mask
+    return FlexPlan("attention", reason, kind, mask.describe, attention_kwargs=kw, notes=notes, bias=bias), mask
 
 
 def flex_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None, block_mask=None,
@@ -598,9 +681,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Paths (``flex_plan`` says which one a call takes and why): score_mod is probed on a few random points
     (Note [Probing score_mod]). None / identity / soft-capping run ``attnlab.attention`` with the mask as a
     pattern (a BlockMask proved to be a band runs as attnlab's band pattern, Note [Bands proved once per
-    BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, evaluates its bias
-    on the kept blocks only, one query block at a time (memory: the kept blocks', never L×S), and its
-    gradient reaches the captured tensors by autograd. Any other score_mod, or
+    BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, whose bias probes
+    as a function of (h, q_idx - kv_idx) only evaluates it once per offset and runs one compiled-kernel call
+    (Note [Relative bias probe]: memory O(H·(L + S))); another bias is evaluated on the kept blocks only, one
+    query block at a time (memory: the kept blocks', never L×S). Either way its gradient reaches the
+    captured tensors by autograd. Any other score_mod, or
     max_scores, or lse under autograd, or a per-head BlockMask, takes the general path: O(L·S·E) time over
     the kept blocks, scores of one query block at a time in memory (recomputed in backward).
 
@@ -622,7 +707,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
         kind = plan.score_mod
         kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)
-        if kind.has_bias:
+        if plan.bias == "relative":
+            out, lse = _relative_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa)
+            lse = lse if want_lse else None
+        elif kind.has_bias:
             out, lse = _kept_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa, want_lse)
         elif want_lse:
             out, lse = attention_with_lse(query, key, value, **kw)

@@ -63,7 +63,7 @@ __all__ = ["available", "unavailable_reason", "capability", "variant", "KernelLa
            "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
-ABI_VERSION = 9
+ABI_VERSION = 10
 _EXT = Extension("_C", ABI_VERSION, "compiled extension")
 
 
@@ -437,14 +437,14 @@ def _vmap_by_slices(fn, info, in_dims, args):
     return stacked, tuple(None if o is None else 0 for o in stacked)
 
 
-def _run_backward(dout, q, k, v, out, lse, lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
-                  alibi_causal, alibi_offset, block_q, block_k, gemm, score_gemm, bias_grad, splits):
-    """The extension's backward on plain tensors: (dq, dk, dv, dbias or None)."""
-    dq, dk, dv, dbias = _load().backward(_dense(dout.to(q.dtype)), _operand(q), _operand(k), _operand(v), out, lse,
-                                         lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, scale, softcap,
-                                         alibi_causal, alibi_offset, block_q, block_k, gemm, score_gemm, bias_grad,
-                                         splits)
-    return dq, dk, dv, dbias
+def _run_backward(dout, q, k, v, out, lse, lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, rel, scale,
+                  softcap, alibi_causal, alibi_offset, block_q, block_k, gemm, score_gemm, bias_grad, rel_grad, splits):
+    """The extension's backward on plain tensors: (dq, dk, dv, dbias or None, drel or None)."""
+    dq, dk, dv, dbias, drel = _load().backward(_dense(dout.to(q.dtype)), _operand(q), _operand(k), _operand(v), out,
+                                               lse, lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias, alibi, rel,
+                                               scale, softcap, alibi_causal, alibi_offset, block_q, block_k, gemm,
+                                               score_gemm, bias_grad, rel_grad, splits)
+    return dq, dk, dv, dbias, drel
 
 
 @torch.library.custom_op("attnlab::compiled_backward", mutates_args=())
@@ -452,16 +452,18 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  lse: torch.Tensor, lse_lo: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor,
                  tile_id: torch.Tensor,
                  tiles: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None,
-                 alibi: torch.Tensor | None, scale: float, softcap: float, alibi_causal: bool, alibi_offset: int,
-                 block_q: int, block_k: int, gemm: int, score_gemm: int, bias_grad: bool,
-                 splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 alibi: torch.Tensor | None, rel: torch.Tensor | None, scale: float, softcap: float,
+                 alibi_causal: bool, alibi_offset: int, block_q: int, block_k: int, gemm: int, score_gemm: int,
+                 bias_grad: bool, rel_grad: bool,
+                 splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The compiled backward as a dispatcher op, for transforms only: vmap (torch.func's rule below; the
     legacy vmap of gradcheck's batched gradients loops over the batch itself) and create_graph=True (its
-    autograd rule refuses double backward). dbias is empty when not asked."""
-    dq, dk, dv, dbias = _run_backward(dout, q, k, v, out, lse, lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias,
-                                      alibi, scale, softcap, alibi_causal, alibi_offset, block_q, block_k, gemm,
-                                      score_gemm, bias_grad, splits)
-    return dq, dk, dv, (dbias if dbias is not None else lse.new_empty(0))
+    autograd rule refuses double backward). dbias and drel are empty when not asked."""
+    dq, dk, dv, dbias, drel = _run_backward(dout, q, k, v, out, lse, lse_lo, kv_num, kv_idx, tile_id, tiles, keep, bias,
+                                            alibi, rel, scale, softcap, alibi_causal, alibi_offset, block_q, block_k,
+                                            gemm, score_gemm, bias_grad, rel_grad, splits)
+    return (dq, dk, dv, dbias if dbias is not None else lse.new_empty(0),
+            drel if drel is not None else lse.new_empty(0))
 
 
 @_backward_op.register_vmap
@@ -489,13 +491,14 @@ def _convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _CompiledFunction(torch.autograd.Function):
-    """(out, lse, out_acc or None, lse_lo) of the kernel, differentiable in q, k, v and the float mask ``bias``;
+    """(out, lse, out_acc or None, lse_lo) of the kernel, differentiable in q, k, v, the float mask ``bias`` and
+    the relative bias table ``rel`` [H, L + S - 1] (csrc Note [Relative bias]);
     torch.func-compatible (setup_context, a vmap rule). lse_lo is lse's rounding error, lse + lse_lo = m + log(l),
     for the backward (csrc Note [Split log-sum-exp])."""
 
     @staticmethod
     def forward(q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, keep_acc,
-                as_fp32):
+                as_fp32, rel=None):
         if _wrapped(*lay.tensors):
             raise RuntimeError(_GRAD_TRANSFORM)
         dtype = q.dtype
@@ -503,43 +506,46 @@ class _CompiledFunction(torch.autograd.Function):
             q, k, v = (_convert(t, torch.float32) for t in (q, k, v))
         # Note [fp32 O for delta] (csrc): half types keep O in float32 for the backward's rowsum(dO * O)
         out, lse, out_acc, lse_lo = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias,
-                                                    alibi, scale, softcap, alibi_causal, alibi_offset, lay.block_q,
-                                                    lay.block_k, _gemm_mode(q.dtype), keep_acc and not as_fp32)
+                                                    alibi, rel, scale, softcap, alibi_causal, alibi_offset,
+                                                    lay.block_q, lay.block_k, _gemm_mode(q.dtype),
+                                                    keep_acc and not as_fp32)
         if as_fp32:
             out, out_acc = _convert(out, dtype), (out if keep_acc else None)
         return out, lse, out_acc, lse_lo
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _, as_fp32 = inputs
+        q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _, as_fp32, rel = inputs
         out, lse, out_acc, lse_lo = output
-        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, lse_lo, bias)
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, lse_lo, bias, rel)
         ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
         ctx.as_fp32 = as_fp32
         ctx.mark_non_differentiable(*(t for t in (lse, out_acc, lse_lo) if t is not None))
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dacc, _dlo):
-        q, k, v, out, lse, lse_lo, bias = ctx.saved_tensors
+        q, k, v, out, lse, lse_lo, bias, rel = ctx.saved_tensors
         lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
         # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
         # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
         bias_grad = bias is not None and ctx.needs_input_grad[5]
+        rel_grad = rel is not None and ctx.needs_input_grad[13]
         dtype = q.dtype
         if ctx.as_fp32:  # as the forward ran: the fp32 kernel on converted inputs
             dout, q, k, v, out = (_convert(t, torch.float32) for t in (dout, q, k, v, out))
         # the scores on the forward's engine (csrc Note [Same scores]), the other products on the backward's
-        args = (dout, q, k, v, out, lse, lse_lo, *lay.tensors, keep, bias, alibi, scale, softcap, alibi_causal,
+        args = (dout, q, k, v, out, lse, lse_lo, *lay.tensors, keep, bias, alibi, rel, scale, softcap, alibi_causal,
                 alibi_offset, lay.block_q, lay.block_k, _gemm_mode(q.dtype, lay, backward=True), _gemm_mode(q.dtype),
-                bias_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
-        if torch.is_grad_enabled() or _wrapped(dout, q, k, v, out, lse, lse_lo, bias, keep):
-            dq, dk, dv, dbias = _backward_op(*args)  # a transform, or create_graph=True
+                bias_grad, rel_grad, backward_splits(q.shape[0], k.shape[1], k.shape[2], lay.block_k))
+        if torch.is_grad_enabled() or _wrapped(dout, q, k, v, out, lse, lse_lo, bias, keep, rel):
+            dq, dk, dv, dbias, drel = _backward_op(*args)  # a transform, or create_graph=True
             dbias = dbias if bias_grad else None
+            drel = drel if rel_grad else None
         else:
-            dq, dk, dv, dbias = _run_backward(*args)
+            dq, dk, dv, dbias, drel = _run_backward(*args)
         if ctx.as_fp32:
             dq, dk, dv = (_convert(t, dtype) for t in (dq, dk, dv))
-        return dq, dk, dv, None, None, dbias, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, dbias, None, None, None, None, None, None, None, drel
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -549,7 +555,7 @@ class _CompiledFunction(torch.autograd.Function):
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, scale: float,
                        block_q: int = 64, block_k: int = 64, *, softcap: float = 0.0,
                        alibi_slopes: torch.Tensor | None = None, alibi_causal: bool = False,
-                       layout: KernelLayout | None = None):
+                       layout: KernelLayout | None = None, rel_bias: torch.Tensor | None = None):
     """q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
 
     lse is float32 (float64 for float64 inputs), -inf for a row with no key (whose output is 0), and
@@ -560,6 +566,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     scaled score s by softcap·tanh(s / softcap) (Gemma 2, flash-attn); ``alibi_slopes`` [H] adds
     −slope·|j − i'| to the scores, or slope·(j − i') with ``alibi_causal`` (equal on the keys a
     bottom-right causal mask keeps), where i' = i + S − L (flash-attn's alignment).
+    ``rel_bias`` [H, L + S − 1] adds rel_bias[h, j − i + L − 1] to the scaled (soft-capped) score of query i,
+    key j, differentiable when it requires grad (csrc Note [Relative bias]: O(L + S) memory and gradient).
     Any strides (Note [Operand strides]); E = 0 (every score q·k is 0) and Ev = 0 (out [N, H, L, 0], lse
     still that of the scores) included. block_q, block_k are clipped to the sequence (``clip_blocks``)
     unless ``layout`` fixes them. Raises RuntimeError when the extension is unavailable (check
@@ -606,10 +614,15 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         q, k, scale = F.pad(q, (0, 1)), F.pad(k, (0, 1)), 1.0
     if Ev == 0:  # lse is still the scores'; the output is the empty slice of one zero column's
         v = F.pad(v, (0, 1))
+    if rel_bias is not None:
+        if rel_bias.shape != (H, L + S - 1):
+            raise ValueError(f"compiled_attention: rel_bias must be [H, L + S - 1] = [{H}, {L + S - 1}], "
+                             f"got {list(rel_bias.shape)}")
+        rel_bias = rel_bias.to(acc).contiguous()
     keep_acc = q.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad)
     out, lse, _, _ = _CompiledFunction.apply(q, k, v, layout, keep, bias, alibi_slopes, float(scale), float(softcap),
-                                             bool(alibi_causal), int(S - L), keep_acc, runs_as_fp32(q.dtype))
+                                             bool(alibi_causal), int(S - L), keep_acc, runs_as_fp32(q.dtype), rel_bias)
     return (out[..., :0] if Ev == 0 else out), lse
 
 
