@@ -80,6 +80,16 @@ class Kernel:
     def __repr__(self) -> str:
         return f"<kernel {self.spec.name}>"
 
+    # one object per kernel: copies (``dataclasses.asdict`` of a plan) and pickles are the kernel itself
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_kernel_named, (self.spec.name,))
+
     def not_supported_reasons(self, r: Request) -> list[str]:
         """Every reason this kernel cannot run ``r`` (empty: it can): ``KernelSpec.not_supported_reasons``."""
         return self.spec.not_supported_reasons(r)
@@ -114,6 +124,12 @@ class Kernel:
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out [N, H, L, Ev], weights [N, H, L, S] or None, lse [N, H, L] or None) for prepared inputs ``p``."""
         raise NotImplementedError
+
+
+def _kernel_named(name: str) -> "Kernel":
+    from . import get
+
+    return get(name)
 
 
 def dead_per_head(p):
