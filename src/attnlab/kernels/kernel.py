@@ -112,8 +112,11 @@ class Kernel:
         return self.gflops, BUILTIN_SOURCE
 
     def seconds(self, r: Request, t: Tiling | None, rates) -> float:
-        """Predicted seconds: the declared FLOPs over ``rate`` (what auto compares kernels by)."""
-        return self.spec.flops(r, t) / (self.rate(r, t, rates)[0] * 1e9)
+        """Predicted seconds: the declared FLOPs over ``rate`` (what auto compares kernels by), counting no
+        more pairs than L×S: tiles at the sequence's edges (and tiles larger than it) compute only the part
+        they cover, which ``Tiling.computed``'s whole-tile count overstates."""
+        flops = min(self.spec.flops(r, t), self.spec.flops(r, None)) if t is not None else self.spec.flops(r, t)
+        return flops / (self.rate(r, t, rates)[0] * 1e9)
 
     def cost(self, r: Request, t: Tiling | None, rates) -> Cost:
         """FLOPs and peak bytes from the declaration, ``seconds`` and the rate with where it came from."""
