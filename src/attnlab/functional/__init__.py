@@ -14,7 +14,7 @@ from .. import patterns as P
 from ..kernels import Declined
 from ..kernels import lse as lse_merge
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
-from . import kvcache, plancache, planner
+from . import plancache, planner
 from .kvcache import attention_with_kvcache
 from .planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 

@@ -132,7 +132,7 @@ def _format_seconds(s: float) -> str:
 
 @functools.lru_cache(maxsize=512)
 def _refusals(r: Request) -> tuple[tuple[str, str], ...]:
-    return tuple((k.name, "; ".join(why)) for k in KERNELS if (why := k.not_supported_reasons(r)))
+    return tuple((k.name, "; ".join(why)) for k in KERNELS if (why := k.spec.not_supported_reasons(r)))
 
 
 def refusals(r: Request) -> dict[str, str]:
@@ -264,14 +264,33 @@ def _block_skipping(c: _Call):
                     "the fused kernel runs on just those")
 
 
+#: {(request, block size, candidates, id(rates)): (rates, kernel)}: ``_fastest``'s choice for calls whose
+#: tilings follow from sizes alone (no pattern or mask: no layout is read), so a layer planning on every
+#: call compares the kernels once per shape
+_FASTEST: dict = {}
+
+
 def _fastest(c: _Call):
     if len(c.ok) == 1:  # nothing to compare: no layout is built for it
         k = c.ok[0]
-    else:  # ties keep FALLBACK_ORDER (min is stable)
-        k = min(c.ok, key=lambda k: c.seconds(k))
-    return k, k.why.format(backend=c.backend or "its own choice of",
-                           mods=f" ({c.mods} computed per tile)" if c.mods else "",
-                           refused=", ".join(m.name for m in _FALLBACK if m not in c.ok))
+    elif c.r.pattern or c.r.keep_mask or c.r.float_mask:
+        k = min(c.ok, key=lambda k: c.seconds(k))  # ties keep FALLBACK_ORDER (min is stable)
+    else:
+        key = (c.r_choice, c.bs, c.ok, id(c.rates))
+        hit = _FASTEST.get(key)
+        if hit is None or hit[0] is not c.rates:
+            if len(_FASTEST) >= 512:
+                _FASTEST.clear()
+            hit = _FASTEST[key] = (c.rates, min(c.ok, key=lambda k: c.seconds(k)))
+        k = hit[1]
+    fields = {}
+    if "{backend}" in k.why:
+        fields["backend"] = c.backend or "its own choice of"
+    if "{mods}" in k.why:
+        fields["mods"] = f" ({c.mods} computed per tile)" if c.mods else ""
+    if "{refused}" in k.why:
+        fields["refused"] = ", ".join(m.name for m in _FALLBACK if m not in c.ok)
+    return k, k.why.format(**fields)
 
 
 #: auto's rules, in order: the first that fits chooses (``Plan.rule`` names it)
@@ -330,14 +349,14 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     decode = t is not None and t.decode
     if decode and method != "auto":
         reason = "requested; " + (kvcache.decode_reason(p, costs) if costs else "decode path")
-    if kernel.dropout and kernel.blocked and r.dropout_p > 0:
+    if r.dropout_p > 0 and kernel.spec.dropout and kernel.spec.blocked:
         reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
                    "the same random stream for the same RNG state (matching it would draw all L×S)")
     if method == "auto":
         reason += f" [rule: {rule}]"
     out = Plan(kernel.name, reason, refused, sdpa_backend=backend or "unknown", decode=decode,
-               block_size=(t.block_q, t.block_k) if t is not None and kernel.blocked else None,
-               notes={k.name: "; ".join(n) for k in KERNELS if k.name not in refused and (n := k.notes(r))},
+               block_size=(t.block_q, t.block_k) if t is not None and kernel.spec.blocked else None,
+               notes={k.name: "; ".join(n) for k in KERNELS if k.name not in refused and (n := k.spec.notes(r))},
                kernel=kernel, tiling=t, rule=rule)
     out.assumptions = meta_assumptions(p)
     if costs:

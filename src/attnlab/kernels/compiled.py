@@ -722,6 +722,19 @@ def compiled_blocks(p, block_size: int | None, speed: dict) -> tuple[int, int]:
     return clip_blocks(block_size, block_size, p.info.L, p.info.S) if block_size else compiled_block(p, speed)
 
 
+_KVCACHE: list = []
+
+
+def _kvcache():
+    """``attnlab.functional.kvcache``, the decode path's Python side (it lives with the KV-cache API, above
+    kernels/: imported on first use, never at import)."""
+    if not _KVCACHE:
+        from ..functional import kvcache
+
+        _KVCACHE.append(kvcache)
+    return _KVCACHE[0]
+
+
 class CompiledKernel(Kernel):
     """The compiled kernel's door: its tiles over the mask's layout, or its decode path (few queries
     against a KV cache, inference: ``attnlab.functional.kvcache.run_prepared`` on csrc/decode.cpp).
@@ -731,9 +744,7 @@ class CompiledKernel(Kernel):
     def decodes(self, p, r: Request) -> bool:
         """Few queries against more keys, inference, the decode extension loaded (``kvcache.decode_applies``),
         no log-sum-exp asked for, and no vmap/grad transform (its wrappers cannot reach the decode extension)."""
-        from ..functional import kvcache  # the decode path's Python side lives with the KV-cache API
-
-        return not r.needs_lse and kvcache.decode_applies(r) and not transformed(p.q, p.key, p.value)
+        return not r.needs_lse and _kvcache().decode_applies(r) and not transformed(p.q, p.key, p.value)
 
     def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
         """Its (block_q, block_k) (``compiled_blocks``) and visited blocks; ``decode`` set where it decodes."""
@@ -777,9 +788,7 @@ class CompiledKernel(Kernel):
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, None, lse) from the tiles, or (out, None, None) from the decode path."""
         if t is not None and t.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
-            from ..functional import kvcache
-
-            return kvcache.run_prepared(p), None, None
+            return _kvcache().run_prepared(p), None, None
         bq, bk = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
         out, lse = compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
         return out, None, lse

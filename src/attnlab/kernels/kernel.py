@@ -64,18 +64,14 @@ class Kernel:
                  memory: str = "", paper: str = "Vaswani et al. 2017, Attention Is All You Need",
                  default_block: tuple[int, int] = (128, 128)):
         self.spec, self.gflops, self.title, self.why = spec, float(gflops), title, why
+        self.name = spec.name  # the kernel's method name (``attnlab.attention(method=...)``)
         self.time, self.memory, self.paper, self.default_block = time, memory, paper, default_block
 
     # -- capabilities: the declaration, read through the object --------------------------------------
     def __getattr__(self, name):
-        if name == "spec":  # not set yet (copy/pickle): no recursion
+        if name in ("spec", "name"):  # not set yet (copy/pickle): no recursion
             raise AttributeError(name)
         return getattr(self.spec, name)
-
-    @property
-    def name(self) -> str:
-        """The kernel's method name (``attnlab.attention(method=...)``)."""
-        return self.spec.name
 
     def __repr__(self) -> str:
         return f"<kernel {self.spec.name}>"
