@@ -1,7 +1,7 @@
 """attnlab.attention: PyTorch SDPA's arguments and semantics, plus patterns, weights and a tiled kernel.
 
 One path: ``shapes.prepare`` validates and flattens the inputs once, ``planner.plan`` picks the kernel
-from the kernels' declarations, ``run`` calls it.
+object and its tiling, ``run`` calls ``plan.kernel.run`` (no kernel is named here).
 
 Legend: B batch (leading dims flattened; the kernels call it N), H heads, Hkv key/value heads,
 L query length, S key length, E head dim, Ev value head dim.
@@ -11,15 +11,10 @@ from __future__ import annotations
 import torch
 
 from .. import patterns as P
-from ..kernels import compiled as compiled_kernel
-from ..kernels import dense as dense_kernel
-from ..kernels import fused as fused_kernel
+from ..kernels import Declined
 from ..kernels import lse as lse_merge
-from ..kernels import sparse as sparse_kernel
-from ..kernels import tiled as tiled_kernel
-from ..kernels.masks import MaskSpec
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
-from . import kvcache, plancache, planner
+from . import plancache, planner
 from .kvcache import attention_with_kvcache
 from .planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 
@@ -82,57 +77,25 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict: bool = False,
         block_size: int | None = None, plan: Plan | None = None):
     """``attention`` on inputs already prepared by ``attnlab.shapes.prepare`` (validated once): plan (unless
-    ``plan``, made by ``planner.plan`` for ``p.live()`` and these options, is given), run the chosen kernel
-    on q [B, H, L, E], k/v [B, H|Hkv, S, E|Ev], restore the leading dims.
+    ``plan``, made by ``planner.plan`` for ``p.live()`` and these options, is given), run the plan's kernel
+    on q [B, H, L, E], k/v [B, H|Hkv, S, E|Ev] (``plan.kernel.run``), restore the leading dims.
     Returns out [..., L, Ev] (and weights [..., L, S] with need_weights)."""
     p = p.live()  # dead prefix/suffix keys cut off, dead keys inside made harmless (Note [Dead keys])
     if plan is None:
         plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
-    info, mask, m = p.info, p.mask, plan.method
-    weights = None
     if p.empty:
         out, weights = p.empty_result()
-    elif m == "sdpa":  # ALiBi arrives here written out as a float mask (the planner's notes say what it costs)
-        # GQA: SDPA reads the kv heads in place (enable_gqa), unless per-head dead keys needed copies
-        gqa = info.H != info.Hkv and not p.dead_per_head and fused_kernel.SDPA_GQA
-        k, v = (p.kv_k, p.kv_v) if gqa else (p.k, p.v)
-        if mask.is_trivial or p.is_causal_only:
-            out = fused_kernel.sdpa(p.q, k, v, None, p.dropout_p, p.is_causal_only, info.scale, gqa)
-        elif mask.bias_finer_than(p.q.dtype):
-            # SDPA takes a float mask in q's dtype only: compute in float32 (Note [Bias precision])
-            out = fused_kernel.sdpa(p.q.float(), k.float(), v.float(), _materialize(mask, p, torch.float32),
-                                    p.dropout_p, False, info.scale, gqa).to(p.q.dtype)
-        else:
-            out = fused_kernel.sdpa(p.q, k, v, _materialize(mask, p), p.dropout_p, False, info.scale, gqa)
-    elif m == "dense":
-        # GQA: the kv heads as given, repeated in the compute dtype (Note [GQA gradients in the accumulation dtype])
-        out, weights = dense_kernel.dense_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, p.dropout_p,
-                                                    dead=_dead_per_head(p))
-    elif m == "compiled" and plan.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
-        out = kvcache.run_prepared(p)
-    elif m == "compiled":
-        out = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, *plan.block_size)[0]
-    elif m == "sparse":
-        out = sparse_kernel.gathered_attention(p.q, p.k, p.v, mask, info.scale, p.dropout_p, *plan.block_size)
     else:
-        out, lse = tiled_kernel.tiled_attention(p.q, p.kv_k, p.kv_v, mask, info.scale, *plan.block_size,
-                                                dead=_dead_per_head(p))
-        weights = _weights_from_lse(p, lse, *plan.block_size) if need_weights else None
+        out, weights, _ = plan.kernel.run(p, plan.tiling, need_weights)
     if len(p.out_shape) != 4:  # 4-D inputs ran as they are
         out = out.reshape(p.out_shape)  # (..., L, Ev)
     if need_weights:
-        weights = weights.reshape(p.out_shape[:-1] + (info.S,))  # (..., L, S'): the live keys
+        weights = weights.reshape(p.out_shape[:-1] + (p.info.S,))  # (..., L, S'): the live keys
         if p.key_range is not None and p.key_range[:2] != (0, p.key_range[2]):
             start, stop, S = p.key_range  # dead keys cut off have weight 0
             weights = torch.nn.functional.pad(weights, (start, S - stop))
         return out, weights
     return out
-
-
-def _dead_per_head(p: Prepared):
-    """The keys [B|1, H, S] dead for only some heads of a GQA group, which kernels repeating ``kv_k``/``kv_v``
-    zero per head (the copies ``Prepared.k``/``v`` zero), or None."""
-    return p.dead if p.dead_per_head else None
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -152,35 +115,6 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     return planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)
 
 
-def _materialize(mask: MaskSpec, p: Prepared, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One SDPA mask (bool, or float in ``dtype``, default q's, when there is a bias) for the whole
-    [B|1, H|1, L, S]."""
-    if getattr(mask.pattern, "by_key", False) and mask.keep is None and mask.bias is None and mask.alibi is None:
-        # key padding alone: SDPA broadcasts a [B, 1, 1, S] mask, so no L×S tensor is built
-        kk = mask.pattern.key_mask(mask.S)
-        return kk.to(p.q.device).view(kk.shape[0], 1, 1, mask.S)
-    i = torch.arange(mask.L, device=p.q.device).unsqueeze(-1)
-    j = torch.arange(mask.S, device=p.q.device).unsqueeze(0)
-    keep, bias = mask.block(i, j, p.N)
-    if bias is None:
-        return keep
-    b = bias.to(dtype or p.q.dtype)
-    return b.masked_fill(~keep, float("-inf")) if keep is not None else b
-
-
-def _weights_from_lse(p: Prepared, lse: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
-    """Second streaming pass: weights [B, H, L, S] = exp(scores - lse), block by block, no extra L×S scratch."""
-    info = p.info
-    w = torch.zeros(p.N, info.H, info.L, info.S, dtype=p.q.dtype, device=p.q.device)
-    acc = lse_merge.acc_dtype(p.q.dtype)
-    lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
-    qa, ka = p.q.detach().to(acc), p.k.detach().to(acc)
-    for q0, q1, k0, k1, kind in tiled_kernel.iter_blocks(p.mask.layout(bq, bk), info.L, info.S, bq, bk):
-        s = tiled_kernel.block_scores(qa[:, :, q0:q1], ka[:, :, k0:k1], p.mask, info.scale, q0, q1, k0, k1, kind, p.N)
-        w[:, :, q0:q1, k0:k1] = torch.exp(s - lse_b[:, :, q0:q1].unsqueeze(-1)).to(w.dtype)
-    return w
-
-
 def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
                        pattern=None, block_size=None, softcap: float | None = None,
                        alibi_slopes: torch.Tensor | None = None):
@@ -190,7 +124,7 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
 
     The pair is what partial attentions over disjoint key sets need to be merged exactly
     (``merge_partials``): ring attention and split-KV decoding build on it. The kernel is the first of
-    ``planner.LSE_ORDER`` the planner does not refuse.
+    ``kernels.LSE_ORDER`` the planner does not refuse (and whose run does not decline the inputs).
     """
     check_block_size(block_size)
     p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern, softcap=softcap,
@@ -200,21 +134,13 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     if p.empty:
         out = torch.zeros(p.out_shape, dtype=p.q.dtype, device=p.q.device)
         return out, torch.full(lead, float("-inf"), dtype=acc, device=p.q.device)
-    usable, refused = planner.choose_lse_kernel(p)
-    for m in usable:
-        if m == "sdpa":
-            r = fused_kernel.flash_cpu_with_lse(p.q, p.k, p.v, None, p.is_causal_only, p.info.scale)
-            if r is None:  # the private op is missing or refused these inputs: the next kernel
-                continue
-            return r[0].reshape(p.out_shape), r[1].to(acc).reshape(lead)
-        if m == "compiled":
-            bq, bk = planner.compiled_blocks(p, block_size)
-            out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
-        else:
-            bq, bk = (block_size, block_size) if block_size else DEFAULT_TILED_BLOCK
-            out, lse = tiled_kernel.tiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk,
-                                                    dead=_dead_per_head(p))
-        return out.reshape(p.out_shape), lse.reshape(lead)
+    usable, refused = planner.choose_lse_kernel(p, block_size)
+    for kernel, tiling in usable:
+        try:
+            out, _, lse = kernel.run(p, tiling, need_lse=True)
+        except Declined:  # e.g. PyTorch's private op is missing or refused these inputs: the next kernel
+            continue
+        return out.reshape(p.out_shape), lse.to(acc).reshape(lead)
     reasons = "; ".join(f"{m}: {why}" for m, why in refused.items() if m in planner.LSE_ORDER)
     raise ValueError(f"no attention method can return the log-sum-exp for these inputs ({reasons})")
 

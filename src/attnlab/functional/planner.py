@@ -1,10 +1,15 @@
 """The one planner: which kernel runs an attention call, why the others were refused, and the cost.
 
-It walks every kernel's declaration (``attnlab.kernels.KERNELS``), collects each refusal reason from
-``KernelSpec.not_supported_reasons``, then applies auto's choice rules below. Capability checks are
-cheap; costs (block layouts, FLOPs, peak bytes) are computed only when auto must compare kernels or
-``explain`` asks for them. ``attention``, ``attention_with_lse``, ``explain``, ``nn.MultiHeadAttention``
-and the exact mechanisms all plan here.
+It asks every kernel object (``attnlab.kernels.KERNELS``) why it cannot run the request
+(``Kernel.not_supported_reasons``, from its declaration), then walks auto's rules (``RULES``: a short,
+ordered table; the first that fits chooses, and its name is part of ``Plan.reason``), the last being
+"the fastest capable kernel by predicted time" (``Kernel.cost``: FLOPs over a rate measured by
+``attnlab calibrate`` or taken from the built-in table, Note [Calibrated rates] in ``functional.rates``).
+The chosen kernel's tiling (``Kernel.tiling``) goes into the plan, and ``attention`` runs
+``plan.kernel.run(prepared, plan.tiling, ...)``. Capability checks are cheap; costs (block layouts,
+FLOPs, peak bytes) are computed only when a rule compares kernels or ``explain`` asks for them.
+``attention``, ``attention_with_lse``, ``explain``, ``nn.MultiHeadAttention`` and the exact mechanisms
+all plan here. No rule switches on a kernel's name: they hold the kernel objects.
 
 Legend: B batch (leading dims flattened), H heads, Hkv key/value heads, L query length, S key length,
 E head dim, Ev value head dim.
@@ -14,30 +19,32 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .. import cpu
-from .. import patterns as P
-from .. import kernels
-from ..kernels import KERNELS, Request, Tiling
+from .. import kernels as K
+from ..kernels import KERNELS, Kernel, Request, Tiling
 from ..kernels import compiled as compiled_kernel
 from ..kernels import fused as fused_kernel
+from ..kernels import sparse as sparse_kernel
 from ..kernels import tiled as tiled_kernel
+from ..kernels.kernel import causal_blocks, nonempty_blocks
 from ..report import format_bytes
 from ..shapes import Prepared, check_block_size
 from . import kvcache, rates
 
-__all__ = ["Plan", "METHODS", "plan", "refusals", "candidates", "choose_lse_kernel", "causal_blocks", "nonempty_blocks"]
+__all__ = ["Plan", "Rule", "RULES", "METHODS", "plan", "refusals", "candidates", "choose_lse_kernel",
+           "layer_method", "takes_alibi_slopes", "causal_blocks", "nonempty_blocks"]
 
-#: "auto" and every kernel's name, in explain's order (one definition, from the declarations)
-METHODS: tuple[str, ...] = ("auto",) + tuple(s.name for s in KERNELS)
+#: "auto" and every kernel's name, in explain's order (one definition, from the kernel objects)
+METHODS: tuple[str, ...] = ("auto",) + tuple(k.name for k in KERNELS)
 #: auto returns weights from the dense kernel while its [B, H, L, S] scores stay under this budget
 DENSE_WEIGHTS_BUDGET = 256 * 2**20
 #: auto uses the gathered block-sparse kernel when at least this fraction of blocks is empty
 SPARSE_MIN_EMPTY = 0.25
-DEFAULT_SPARSE_BLOCK = 128
-SPARSE_QUERY_ROWS = 256  # query rows per block for patterns with narrow key blocks (see sparse_block)
+DEFAULT_SPARSE_BLOCK = sparse_kernel.DEFAULT_SPARSE_BLOCK
 #: fused-kernel speed (GFLOP/s) at query blocks of this many rows, measured on the 2-core reference
 #: machine (B·H batches of [block, ~block + 256] problems); relative values choose a band's block size
 SPARSE_BLOCK_SPEED = {32: 49.0, 64: 60.0, 128: 65.0, 256: 77.0}
@@ -47,25 +54,32 @@ DEFAULT_TILED_BLOCK = tiled_kernel.DEFAULT_BLOCK
 #: With brgemm tiles, one thread on the busy machine: 0.77 / 0.93 / 0.90 / 0.88 / 0.96 of SDPA per pair; the
 #: causal 256-window at n=4096 ran 81 ms at 64x64 and 104 ms at 128x128 (both threads), so 64x64 stays.
 COMPILED_BLOCK_SPEED = {(64, 64): 0.69, (128, 128): 0.78, (128, 256): 0.83, (256, 256): 0.9, (256, 512): 1.0}
-COMPILED_DENSE_BLOCK = (256, 512)
+COMPILED_DENSE_BLOCK = compiled_kernel.COMPILED_DENSE_BLOCK
 #: auto prefers the gathered kernel only when it computes this many times less than the compiled one
 #: (its narrow key blocks fit patterns like fixed; per pair it is slower, see issue 14's figures)
 SPARSE_OVER_COMPILED = 2.0
-COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skipped at this grain
+COMPILED_MASK_BLOCK = compiled_kernel.COMPILED_MASK_BLOCK
 #: dtypes for which auto runs plain dense / causal inputs (no other mask) on the compiled kernel rather
 #: than SDPA: measured no faster than SDPA for fp32 and bf16
 COMPILED_DENSE_DTYPES: tuple = ()
-_BLOCKED = frozenset(s.name for s in KERNELS if s.blocked)
-#: the kernels that return a log-sum-exp, in attention_with_lse's order of preference
-LSE_ORDER = ("sdpa", "compiled", "tiled")
+#: the kernels that return a log-sum-exp, in attention_with_lse's order of preference (``kernels.LSE_ORDER``)
+LSE_ORDER: tuple[str, ...] = tuple(k.name for k in K.LSE_ORDER)
+#: auto's order among kernels of equal predicted time (``kernels.FALLBACK_ORDER``); dense (the universal
+#: kernel, which materialises L×S) comes last, and a declared kernel missing there goes just before it
+FALLBACK_ORDER: tuple[str, ...] = tuple(k.name for k in K.FALLBACK_ORDER)
+_FALLBACK: tuple[Kernel, ...] = (tuple(k for k in K.FALLBACK_ORDER if k is not K.DENSE)
+                                 + tuple(k for k in KERNELS if k not in K.FALLBACK_ORDER) + (K.DENSE,))
 
 
 @dataclass
 class Plan:
-    """What ``attention`` will do for these inputs: the method, why, what was refused, and the cost.
+    """What ``attention`` will do for these inputs: the kernel and its tiling, why (the rule that chose it),
+    what was refused, and the cost.
 
-    ``peak_bytes`` / ``flops`` hold every kernel's predicted cost when built by ``explain``; a plan made
-    for running holds only what auto had to compare.
+    ``peak_bytes`` / ``flops`` / ``seconds`` hold every kernel's predicted cost when built by ``explain``
+    (``rate_sources``: where each kernel's rate came from); a plan made for running holds only what auto
+    had to compare. ``kernel`` and ``tiling`` are what runs (``plan.kernel.run(p, plan.tiling, ...)``);
+    the plan cache keeps them with the plan.
     """
 
     method: str
@@ -84,6 +98,14 @@ class Plan:
     notes: dict[str, str] = field(default_factory=dict)
     #: the compiled kernel runs its decode path (L <= 16, inference: functional/kvcache.py, csrc/decode.cpp)
     decode: bool = False
+    #: the kernel object that runs, and its tiling (None: unblocked)
+    kernel: Kernel | None = field(default=None, repr=False, compare=False)
+    tiling: Tiling | None = None
+    #: the name of auto's rule that chose the kernel ("requested" for an explicit method)
+    rule: str = ""
+    #: {kernel: predicted seconds} and {kernel: where its rate came from}, for kernels not refused
+    seconds: dict[str, float] = field(default_factory=dict)
+    rate_sources: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"method: {self.method} — {self.reason}"]
@@ -91,6 +113,8 @@ class Plan:
             cost = ""
             if m in self.peak_bytes:
                 cost = f"peak ≈ {format_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
+            if m in self.seconds:
+                cost += f", ≈ {_format_seconds(self.seconds[m])} ({self.rate_sources[m]})"
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<8} {state:<50} {cost}")
             if m in self.notes:
@@ -102,13 +126,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def _format_seconds(s: float) -> str:
+    return f"{s * 1e6:.3g} µs" if s < 1e-3 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
 @functools.lru_cache(maxsize=512)
 def _refusals(r: Request) -> tuple[tuple[str, str], ...]:
-    return tuple((s.name, "; ".join(why)) for s in KERNELS if (why := s.not_supported_reasons(r)))
+    return tuple((k.name, "; ".join(why)) for k in KERNELS if (why := k.spec.not_supported_reasons(r)))
 
 
 def refusals(r: Request) -> dict[str, str]:
-    """{kernel: every reason it cannot run ``r``, joined by "; "} over all declared kernels.
+    """{kernel: every reason it cannot run ``r``, joined by "; "} over all kernels.
 
     Cached per request: the declarations are constant, and their dynamic facts (whether the extension
     loads) are settled once per process."""
@@ -129,57 +157,179 @@ def sdpa_backend_of(p: Prepared, device: str | None = None) -> str:
     return fused_kernel.sdpa_backend(p.q, kb, vb, m, p.dropout_p, p.is_causal_only, info.scale, device=device)
 
 
-class _Costs:
-    """Each kernel's tiling and cost for one call, computed on first use (layouts are the costly part)."""
+class _Call:
+    """One call as auto's rules see it: the request, the candidates and each kernel's tiling and cost,
+    computed on first use (layouts are the costly part)."""
 
-    def __init__(self, p: Prepared, r: Request, block_size: int | None):
-        self.p, self.r, self.bs = p, r, block_size
-        self._tilings: dict[str, Tiling | None] = {}
+    def __init__(self, p: Prepared, r: Request, block_size: int | None, ok: tuple[Kernel, ...],
+                 backend: str | None, explaining: bool):
+        self.p, self.r, self.bs, self.ok, self.backend, self.explaining = p, r, block_size, ok, backend, explaining
+        self._rates = None
+        self._tilings: dict[Kernel, Tiling | None] = {}
+        self._seconds: dict[Kernel, float] = {}
+        self.r_choice = dataclasses.replace(r, sdpa_backend=None) if r.sdpa_backend is not None else r
 
-    def tiling(self, name: str) -> Tiling | None:
-        if name not in self._tilings:
-            self._tilings[name] = self._tiling(name)
-        return self._tilings[name]
+    @property
+    def rates(self):
+        if self._rates is None:
+            self._rates = rates.current()
+        return self._rates
 
-    def _tiling(self, name: str) -> Tiling | None:
-        p, r, bs = self.p, self.r, self.bs
-        L, S = r.L, r.S
-        trivial, causal = p.mask.is_trivial, p.is_causal_only
-        if name == "sparse":
-            bq, bk = (bs, bs) if bs else sparse_block(p)
-            if not (trivial or causal) and -(-L // bq) * -(-S // bk):
-                return Tiling(bq, bk, nonempty_blocks(p, bq, bk))
-            return Tiling(bq, bk, causal_blocks(L, S, bq, bk) if causal else None)
-        if name == "tiled":
-            bq, bk = (bs, bs) if bs else DEFAULT_TILED_BLOCK
-        elif name == "compiled":
-            bq, bk = compiled_blocks(p, bs)
-            if _no_mask_tiles(p):  # ALiBi alone costs the compiled kernel no tile and skips nothing
-                return Tiling(bq, bk, -(-L // bq) * -(-S // bk))
-        else:
-            return None
-        if causal:
-            return Tiling(bq, bk, causal_blocks(L, S, bq, bk))
-        return Tiling(bq, bk, None if trivial else nonempty_blocks(p, bq, bk))
+    def tiling(self, k: Kernel) -> Tiling | None:
+        if k not in self._tilings:
+            self._tilings[k] = k.tiling(self.p, self.r, self.bs, self.rates)
+        return self._tilings[k]
 
-    def density(self, name: str) -> float:
-        t = self.tiling(name)
+    def flops(self, k: Kernel) -> int:
+        return k.spec.flops(self.r, self.tiling(k))
+
+    def seconds(self, k: Kernel) -> float:
+        """Predicted seconds, on the request without SDPA's backend (which a running plan does not ask for:
+        explain's times are the ones auto compared)."""
+        if k not in self._seconds:
+            self._seconds[k] = k.seconds(self.r_choice, self.tiling(k), self.rates)
+        return self._seconds[k]
+
+    def density(self, k: Kernel) -> float:
+        t = self.tiling(k)
         if t is None or t.blocks is None:
             return 1.0
         return t.blocks / max(1, -(-self.r.L // t.block_q) * -(-self.r.S // t.block_k))
 
-    def flops(self, name: str) -> int:
-        return kernels.get(name).flops(self.r, self.tiling(name))
+    @property
+    def plain(self) -> bool:
+        """No mask but causal, no score modification."""
+        return (self.r.trivial or self.r.causal_only) and not self.r.score_mods
 
-    def peak(self, name: str) -> int:
-        return kernels.get(name).peak_bytes(self.r, self.tiling(name))
+    @property
+    def mods(self) -> str:
+        return " and ".join(n for n, on in (("soft-capping", self.r.softcap), ("ALiBi", self.r.alibi)) if on)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One of auto's rules: ``pick(call)`` gives (kernel, why) when the rule fits, else None."""
+
+    name: str
+    pick: Callable[[_Call], tuple[Kernel, str] | None]
+
+
+def _decode(c: _Call):
+    k = next((k for k in c.ok if k.decodes(c.p, c.r)), None)
+    if k is None:
+        return None
+    # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
+    return k, kvcache.decode_reason(c.p, c.explaining) if c.explaining else "decode path"
+
+
+def _small_weights(c: _Call):
+    if c.r.need_weights and K.DENSE in c.ok and c.r.pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
+        return K.DENSE, "weights requested and the L×S scores are small"
+
+
+def _second_pass_weights(c: _Call):
+    if c.r.need_weights and K.TILED in c.ok:
+        return K.TILED, "weights requested: output by online softmax, weights by a second pass over the saved log-sum-exp"
+
+
+def _only_weights(c: _Call):
+    if c.r.need_weights and K.DENSE in c.ok:
+        return K.DENSE, "weights requested and only the dense kernel returns them for these inputs"
+
+
+def _mask_tiles(c: _Call):
+    r, cc, sp = c.r, K.COMPILED, K.SPARSE
+    if r.need_weights or cc not in c.ok or c.plain:
+        return None
+    if r.pattern and sp in c.ok and c.flops(sp) * c.rates.sparse_over_compiled < c.flops(cc):
+        return None  # the gathered kernel computes enough less: the block-skipping rule below
+    t = c.tiling(cc)
+    if not (r.pattern or r.keep_mask or r.float_mask or r.causal_only):
+        return cc, f"attnlab's compiled kernel: {c.mods} computed inside its {t.block_q}×{t.block_k} tiles"
+    return cc, (f"attnlab's compiled kernel visits {c.density(cc):.1%} of {t.block_q}×{t.block_k} blocks, masks "
+                "read inside the tiles" + (f", {c.mods} computed there from positions" if c.mods else ""))
+
+
+def _calibrated_dense(c: _Call):
+    if not c.r.need_weights and K.COMPILED in c.ok and c.r.dtype in c.rates.compiled_dense_dtypes:
+        return K.COMPILED, f"attnlab's compiled kernel is faster than SDPA for {c.r.dtype} here"
+
+
+def _block_skipping(c: _Call):
+    sp = K.SPARSE
+    if not c.r.need_weights and c.r.pattern and sp in c.ok and (
+            1 - c.density(sp) >= SPARSE_MIN_EMPTY or K.SDPA not in c.ok):
+        t = c.tiling(sp)
+        return sp, (f"the pattern leaves {c.density(sp):.1%} of {t.block_q}×{t.block_k} blocks; "
+                    "the fused kernel runs on just those")
+
+
+#: {(request, block size, candidates, id(rates)): (rates, kernel)}: ``_fastest``'s choice for calls whose
+#: tilings follow from sizes alone (no pattern or mask: no layout is read), so a layer planning on every
+#: call compares the kernels once per shape
+_FASTEST: dict = {}
+
+
+def _fastest(c: _Call):
+    if len(c.ok) == 1:  # nothing to compare: no layout is built for it
+        k = c.ok[0]
+    elif c.r.pattern or c.r.keep_mask or c.r.float_mask:
+        k = min(c.ok, key=lambda k: c.seconds(k))  # ties keep FALLBACK_ORDER (min is stable)
+    else:
+        key = (c.r_choice, c.bs, c.ok, id(c.rates))
+        hit = _FASTEST.get(key)
+        if hit is None or hit[0] is not c.rates:
+            if len(_FASTEST) >= 512:
+                _FASTEST.clear()
+            hit = _FASTEST[key] = (c.rates, min(c.ok, key=lambda k: c.seconds(k)))
+        k = hit[1]
+    fields = {}
+    if "{backend}" in k.why:
+        fields["backend"] = c.backend or "its own choice of"
+    if "{mods}" in k.why:
+        fields["mods"] = f" ({c.mods} computed per tile)" if c.mods else ""
+    if "{refused}" in k.why:
+        fields["refused"] = ", ".join(m.name for m in _FALLBACK if m not in c.ok)
+    return k, k.why.format(**fields)
+
+
+#: auto's rules, in order: the first that fits chooses (``Plan.rule`` names it)
+RULES: tuple[Rule, ...] = (
+    Rule("decode shape -> decode path", _decode),
+    Rule("weights, small scores -> dense", _small_weights),
+    Rule("weights -> second pass over the log-sum-exp", _second_pass_weights),
+    Rule("weights -> the kernel that returns them", _only_weights),
+    Rule("masks or score mods -> compiled tiles", _mask_tiles),
+    Rule("calibrated: compiled faster for this dtype", _calibrated_dense),
+    Rule("pattern with many empty blocks -> block skipping", _block_skipping),
+    Rule("fastest capable kernel by predicted time", _fastest),
+)
+
+
+def candidates(refused: dict[str, str]) -> tuple[str, ...]:
+    """The kernels auto may choose from: exactly those whose declarations accept the request (every
+    kernel not in ``refused``), in ``FALLBACK_ORDER``."""
+    return tuple(k.name for k in _FALLBACK if k.name not in refused)
+
+
+def _choose(c: _Call, refused: dict[str, str]) -> tuple[Kernel, str, str]:
+    """(kernel, why, rule name): the first of ``RULES`` that fits. Auto refuses only what every kernel refuses."""
+    if not c.ok:
+        reasons = "; ".join(f"{m}: {why}" for m, why in refused.items())
+        raise ValueError(f"no attention method can run these inputs ({reasons})")
+    for rule in RULES:
+        got = rule.pick(c)
+        if got is not None:
+            return got[0], got[1], rule.name
+    raise AssertionError("the last rule always chooses")  # pragma: no cover
 
 
 def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: bool = False,
          block_size: int | None = None, *, costs: bool = True, device: str | None = None) -> Plan:
     """The plan for prepared inputs: refusals of every kernel, then the requested method (raising when
-    it is refused) or auto's choice. ``costs=False`` skips the cost of kernels auto need not compare;
-    ``device`` plans as if the inputs were on that device type (meta tensors describing a CPU call)."""
+    it is refused) or auto's choice, with the chosen kernel's tiling. ``costs=False`` skips the cost of
+    kernels auto need not compare; ``device`` plans as if the inputs were on that device type (meta
+    tensors describing a CPU call)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_block_size(block_size)
@@ -188,37 +338,36 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     if device is not None:
         r = dataclasses.replace(r, device=device)
     refused = refusals(r)
-    c = _Costs(p, r, block_size)
+    c = _Call(p, r, block_size, tuple(k for k in _FALLBACK if k.name not in refused), backend, costs)
     if method != "auto":
         if method in refused:
             raise ValueError(f"method={method!r} cannot run these inputs: {refused[method]}")
-        chosen, reason = method, "requested"
+        kernel, reason, rule = K.get(method), "requested", "requested"
     else:
-        chosen, reason = _choose(r, refused, c, backend)
-    # a transform's wrappers (vmap, grad) cannot reach the decode extension: the tile path takes them
-    decodes = kvcache.decode_applies(r) and not kernels.transformed(p.q, p.key, p.value)
-    if method == "auto" and "compiled" not in refused and decodes:
-        chosen = "compiled"  # decode shapes are memory-bound: the decode path reads K/V once per group
-    decode = chosen == "compiled" and decodes
-    if decode:
-        # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
-        reason = ("requested; " if method != "auto" else "") + (kvcache.decode_reason(p, costs) if costs
-                                                                else "decode path")
-    if chosen == "sparse" and r.dropout_p > 0:
+        kernel, reason, rule = _choose(c, refused)
+    t = c.tiling(kernel)
+    decode = t is not None and t.decode
+    if decode and method != "auto":
+        reason = "requested; " + (kvcache.decode_reason(p, costs) if costs else "decode path")
+    if r.dropout_p > 0 and kernel.spec.dropout and kernel.spec.blocked:
         reason += ("; dropout is drawn per block run by SDPA: the same distribution as F.dropout, but not "
                    "the same random stream for the same RNG state (matching it would draw all L×S)")
-    t = c.tiling(chosen) if chosen in _BLOCKED else None
-    out = Plan(chosen, reason, refused, sdpa_backend=backend or "unknown", decode=decode,
-               block_size=(t.block_q, t.block_k) if t is not None else None,
-               notes={s.name: "; ".join(n) for s in KERNELS if s.name not in refused and (n := s.notes(r))})
+    if method == "auto":
+        reason += f" [rule: {rule}]"
+    out = Plan(kernel.name, reason, refused, sdpa_backend=backend or "unknown", decode=decode,
+               block_size=(t.block_q, t.block_k) if t is not None and kernel.spec.blocked else None,
+               notes={k.name: "; ".join(n) for k in KERNELS if k.name not in refused and (n := k.spec.notes(r))},
+               kernel=kernel, tiling=t, rule=rule)
     out.assumptions = meta_assumptions(p)
     if costs:
-        out.rates_source = rates.current().source
-    if costs:
-        out.peak_bytes = {s.name: c.peak(s.name) for s in KERNELS}
-        out.flops = {s.name: c.flops(s.name) for s in KERNELS}
-    if costs or "sparse" in c._tilings:
-        out.density = c.density("sparse")
+        out.rates_source = c.rates.source
+        every = {k: k.cost(c.r_choice, c.tiling(k), c.rates) for k in KERNELS}  # seconds: what auto compares
+        out.peak_bytes = {k.name: k.spec.peak_bytes(r, c.tiling(k)) for k in KERNELS}  # SDPA's backend known
+        out.flops = {k.name: k.spec.flops(r, c.tiling(k)) for k in KERNELS}
+        out.seconds = {k.name: v.seconds for k, v in every.items() if k.name not in refused}
+        out.rate_sources = {k.name: v.source for k, v in every.items() if k.name not in refused}
+    if costs or K.SPARSE in c._tilings:
+        out.density = c.density(K.SPARSE)
     return out
 
 
@@ -236,160 +385,44 @@ def meta_assumptions(p: Prepared) -> list[str]:
     return out
 
 
-#: auto's last resort, in order, when none of ``_choose``'s rules fits; dense (the universal kernel, which
-#: materialises L×S) comes last, and a declared kernel missing here goes just before it, so none is skipped
-FALLBACK_ORDER = ("sdpa", "compiled", "tiled", "sparse", "dense")
-_FALLBACK = (tuple(m for m in FALLBACK_ORDER[:-1] if m in METHODS)
-             + tuple(m for m in METHODS[1:] if m not in FALLBACK_ORDER) + ("dense",))
-
-
-def candidates(refused: dict[str, str]) -> tuple[str, ...]:
-    """The kernels auto may choose from: exactly those whose declarations accept the request (every
-    declared kernel not in ``refused``), in ``FALLBACK_ORDER``."""
-    return tuple(m for m in _FALLBACK if m not in refused)
-
-
-def _choose(r: Request, refused: dict[str, str], c: _Costs, backend: str | None) -> tuple[str, str]:
-    """Auto's rules, in order, over ``candidates(refused)``; costs are asked for only where two kernels
-    are compared. A rule names a kernel only when it is a candidate, and when no rule fits the first
-    candidate of ``FALLBACK_ORDER`` runs: auto refuses only what every kernel refuses."""
-    ok = candidates(refused)
-    if not ok:
-        reasons = "; ".join(f"{m}: {why}" for m, why in refused.items())
-        raise ValueError(f"no attention method can run these inputs ({reasons})")
-    plain = (r.trivial or r.causal_only) and not r.score_mods
-    mods = " and ".join(n for n, on in (("soft-capping", r.softcap), ("ALiBi", r.alibi)) if on)
-    if r.need_weights:
-        if "dense" in ok and r.pairs * 4 * 3 <= DENSE_WEIGHTS_BUDGET:
-            return "dense", "weights requested and the L×S scores are small"
-        if "tiled" in ok:
-            return "tiled", ("weights requested: output by online softmax, weights by a second pass over the "
-                             "saved log-sum-exp")
-        if "dense" in ok:
-            return "dense", "weights requested and only the dense kernel returns them for these inputs"
-    elif "compiled" in ok and not plain and not (
-            r.pattern and "sparse" in ok and c.flops("sparse") * rates.current().sparse_over_compiled
-            < c.flops("compiled")):
-        t = c.tiling("compiled")
-        if not (r.pattern or r.keep_mask or r.float_mask or r.causal_only):
-            return "compiled", f"attnlab's compiled kernel: {mods} computed inside its {t.block_q}×{t.block_k} tiles"
-        return "compiled", (f"attnlab's compiled kernel visits {c.density('compiled'):.1%} of "
-                            f"{t.block_q}×{t.block_k} blocks, masks read inside the tiles"
-                            + (f", {mods} computed there from positions" if mods else ""))
-    elif "compiled" in ok and r.dtype in rates.current().compiled_dense_dtypes:
-        return "compiled", f"attnlab's compiled kernel is faster than SDPA for {r.dtype} here"
-    elif r.pattern and "sparse" in ok and (1 - c.density("sparse") >= SPARSE_MIN_EMPTY or "sdpa" not in ok):
-        t = c.tiling("sparse")
-        return "sparse", (f"the pattern leaves {c.density('sparse'):.1%} of {t.block_q}×{t.block_k} blocks; "
-                          "the fused kernel runs on just those")
-    first = ok[0]
-    return first, _FALLBACK_REASONS.get(first, "the first kernel that accepts these inputs").format(
-        backend=backend or "its own choice of", mods=f" ({mods} computed per tile)" if mods else "",
-        refused=", ".join(m for m in _FALLBACK if m in refused))
-
-
-_FALLBACK_REASONS = {
-    "sdpa": "delegated to PyTorch's fused attention ({backend} backend)",
-    "compiled": "attnlab's compiled kernel: exact online softmax without materialising L×S",
-    "tiled": "exact online softmax without materialising L×S{mods}",
-    "sparse": "gathered key blocks through the fused kernel",
-    "dense": "the dense kernel runs everything; the others are refused ({refused}: see refused)",
-}
-
-
-def choose_lse_kernel(p: Prepared) -> tuple[list[str], dict[str, str]]:
-    """For ``attention_with_lse``: the kernels that can return (out, lse) for these inputs, in order of
-    preference, and why the others cannot."""
+def choose_lse_kernel(p: Prepared, block_size: int | None = None) -> tuple[list[tuple[Kernel, Tiling | None]],
+                                                                            dict[str, str]]:
+    """For ``attention_with_lse``: the kernels that can return (out, lse) for these inputs with their
+    tilings, in ``kernels.LSE_ORDER``, and why the others cannot."""
     r = dataclasses.replace(p.request(), needs_lse=True)
     refused = refusals(r)
-    return [m for m in LSE_ORDER if m not in refused], refused
+    usable = [k for k in K.LSE_ORDER if k.name not in refused]
+    c = _Call(p, r, block_size, tuple(usable), None, False)
+    return [(k, c.tiling(k)) for k in usable], refused
 
 
-# -- block shapes and block counts -----------------------------------------------------------------
-def _clip(b, L, S):
-    """A block shape clipped to the sequence (rounded up to 16): the compiled kernel's own rule."""
-    return compiled_kernel.clip_blocks(b[0], b[1], L, S)
+# -- what a layer (nn.MultiHeadAttention) runs --------------------------------------------------------
+def layer_method(p: Prepared, method: str, need_weights: bool) -> tuple[str, str | None]:
+    """(method to run, why the layer's own method gave way or None) for a layer configured with ``method``:
+    the method itself, or "auto" when the planner refuses it only for what the layer brings: weights asked
+    for (by the caller or a weights hook), no mask to skip work with (an unpadded batch under a kernel
+    that needs sparsity), or a learned float bias that requires grad (the reason is then returned, for the
+    layer's one warning). Every exact method gives the same output. Any other refusal (e.g. the compiled
+    extension not built) is left to ``plan``, which raises it."""
+    if method == "auto":
+        return method, None
+    r = p.request(need_weights)
+    if method not in refusals(r):
+        return method, None
+    layer_only = dataclasses.replace(r, need_weights=False, float_mask_grad=False, pattern=True)
+    if method in refusals(layer_only):
+        return method, None  # refused for the inputs themselves: the planner's error says why
+    if p.mask_requires_grad and not K.get(method).float_mask_grad and torch.is_grad_enabled():
+        # Note [Learned bias and the tiled kernel]: the tiled/sparse backward does not differentiate
+        # a float mask; a learned bias (T5) is trained through auto (sdpa/dense/compiled) instead
+        return "auto", "learned bias"
+    return "auto", None
 
 
-def compiled_blocks(p: Prepared, block_size: int | None = None) -> tuple[int, int]:
-    """The compiled kernel's (block_q, block_k) for a call: ``block_size`` square when given, else
-    ``compiled_block``'s choice; either clipped to the sequence (a block of 10**5 on a 16-token input
-    would allocate its scratch for 10**5 rows)."""
-    return _clip((block_size, block_size), p.info.L, p.info.S) if block_size else compiled_block(p)
-
-
-def compiled_block(p: Prepared) -> tuple[int, int]:
-    """The compiled kernel's (block_q, block_k): large tiles for dense inputs; for bands (masks that
-    depend on j - i only) the shape minimising visited area / speed; a block table's own block; user
-    masks and other patterns a middle shape. Clipped to the sequence (rounded up to 16)."""
-    pat, mask = p.mask.pattern, p.mask
-    L, S = p.info.L, p.info.S
-    if _no_mask_tiles(p) or p.is_causal_only:
-        return _clip(COMPILED_DENSE_BLOCK, L, S)
-    if pat is None or mask.keep is not None or mask.bias is not None:
-        return _clip(COMPILED_MASK_BLOCK, L, S)
-    if pat.translation_invariant():
-        speed = rates.current().compiled_block_speed
-
-        def cost(b):
-            return nonempty_blocks(p, *b) * b[0] * b[1] / speed[b]
-        return min((_clip(b, L, S) for b in speed if _clip(b, L, S) == b), key=cost,
-                   default=_clip((64, 64), L, S))
-    shape = pat.block_shape()
-    if isinstance(pat, P.BlockTable) and shape is not None and 32 <= shape[0] <= 512:
-        return _clip(shape, L, S)
-    return _clip((128, 128), L, S)
-
-
-def _no_mask_tiles(p: Prepared) -> bool:
-    """No pattern, user mask or bias: the compiled kernel reads no mask tile (it computes ALiBi itself)."""
-    m = p.mask
-    return m.pattern is None and m.keep is None and m.bias is None
-
-
-def sparse_block(p: Prepared) -> tuple[int, int]:
-    """The sparse kernel's (block_q, block_k): for bands (masks that depend on j - i only) the square edge
-    minimising computed area / fused speed; for a pattern with a natural block shape (block tables, the
-    fixed pattern) that shape when it computes less than the default; else DEFAULT_SPARSE_BLOCK square."""
-    pat, mask = p.mask.pattern, p.mask
-    default = (DEFAULT_SPARSE_BLOCK, DEFAULT_SPARSE_BLOCK)
-    if pat is None or mask.keep is not None or mask.bias is not None or p.is_causal_only:
-        return default
-
-    speeds = rates.current().sparse_block_speed
-
-    def cost(bq, bk):
-        speed = speeds[min(speeds, key=lambda b: abs(b - bq))]
-        return nonempty_blocks(p, bq, bk) * bq * bk / speed
-
-    if pat.translation_invariant():
-        return min(((b, b) for b in speeds), key=lambda s: cost(*s))
-    shape = pat.block_shape()
-    if shape is None:
-        return default
-    if isinstance(pat, P.BlockTable):
-        return shape if 32 <= shape[0] <= 512 else default
-    # Query blocks: whole multiples of the pattern's, about 256 rows, since each run is one fused call and
-    # small calls are slow (measured on fixed(64, 8), n = 16384, one thread: 0.39x / 0.31x / 0.29x SDPA's
-    # time at 64 / 128 / 256 rows). Key blocks at least 8 wide; the shape only when it computes less.
-    bq = shape[0] * -(-SPARSE_QUERY_ROWS // shape[0])
-    if bq > 512:
-        return default
-    return min(((bq, max(8, shape[1])), default), key=lambda s: cost(*s))
-
-
-def nonempty_blocks(p: Prepared, bq: int, bk: int) -> int:
-    """Non-empty (bq x bk) blocks of the combined mask. A band alone (causal, sliding windows) is counted
-    by the pattern in O(L / bq) (``Pattern.nonempty_blocks``); otherwise from the mask's layout, which
-    is cached for the kernel that runs next."""
-    pat, mask = p.mask.pattern, p.mask
-    L, S = p.info.L, p.info.S
-    if pat is not None and mask.keep is None and pat.band(L, S) is not None:
-        return pat.nonempty_blocks(L, S, bq, bk)
-    return int((mask.layout(bq, bk) != P.EMPTY).sum())
-
-
-def causal_blocks(L: int, S: int, bq: int, bk: int) -> int:
-    """Non-empty (bq x bk) blocks of a top-left causal mask, counted without building the layout."""
-    nk = -(-S // bk)
-    return sum(min(nk, min(L - 1, qi * bq + bq - 1) // bk + 1) for qi in range(-(-L // bq)))
+def takes_alibi_slopes(p: Prepared, method: str, need_weights: bool) -> bool:
+    """Whether the kernel ``plan`` picks for ``p`` (prepared with ALiBi slopes) computes ALiBi from
+    positions (else a layer writes the bias out into its mask, as before slopes existed)."""
+    try:
+        return plan(p, method, need_weights, costs=False).kernel.alibi in ("native", "positions")
+    except ValueError:
+        return False

@@ -1,21 +1,30 @@
 """Attention kernels on 4-D tensors [B, H, L, E] (B: leading dims flattened), inputs already validated
-by ``attnlab.shapes.prepare``. Each kernel module declares its capabilities and cost as a
-:class:`KernelSpec` (``SPEC``); ``KERNELS`` lists them in the order ``explain`` shows them.
+by ``attnlab.shapes.prepare``. Each kernel module declares its capabilities as a :class:`KernelSpec`
+(``SPEC``) and exposes one :class:`Kernel` object (``KERNEL``: capabilities, tiling, cost, run);
+``KERNELS`` lists them in the order ``explain`` shows them.
 """
 from . import compiled, dense, fused, sparse, tiled
 from .extension import transformed
+from .kernel import Cost, Declined, Kernel
 from .masks import MaskSpec
 from .spec import KernelSpec, Request, Tiling
 
-__all__ = ["MaskSpec", "KernelSpec", "Request", "Tiling", "KERNELS", "get", "transformed"]
+__all__ = ["MaskSpec", "KernelSpec", "Kernel", "Cost", "Declined", "Request", "Tiling", "KERNELS", "get",
+           "transformed", "DENSE", "SDPA", "TILED", "SPARSE", "COMPILED", "LSE_ORDER", "FALLBACK_ORDER"]
 
-#: every kernel's declaration, in explain's order (auto's preferences are the planner's rules)
-KERNELS: tuple[KernelSpec, ...] = (dense.SPEC, fused.SPEC, tiled.SPEC, sparse.SPEC, compiled.SPEC)
-_BY_NAME = {s.name: s for s in KERNELS}
+DENSE, SDPA, TILED, SPARSE, COMPILED = dense.KERNEL, fused.KERNEL, tiled.KERNEL, sparse.KERNEL, compiled.KERNEL
+#: every kernel, in explain's order (auto's preferences are the planner's rules)
+KERNELS: tuple[Kernel, ...] = (DENSE, SDPA, TILED, SPARSE, COMPILED)
+#: the kernels that return a log-sum-exp, in attention_with_lse's order of preference
+LSE_ORDER: tuple[Kernel, ...] = (SDPA, COMPILED, TILED)
+#: auto's order among kernels its predicted times cannot tell apart; dense (the universal kernel, which
+#: materialises L×S) last
+FALLBACK_ORDER: tuple[Kernel, ...] = (SDPA, COMPILED, TILED, SPARSE, DENSE)
+_BY_NAME = {k.name: k for k in KERNELS}
 
 
-def get(name: str) -> KernelSpec:
-    """The declaration of kernel ``name`` ("dense", "sdpa", "tiled", "sparse", "compiled")."""
+def get(name: str) -> Kernel:
+    """Kernel ``name`` ("dense", "sdpa", "tiled", "sparse", "compiled")."""
     if name not in _BY_NAME:
         raise ValueError(f"unknown kernel {name!r}; kernels: {', '.join(_BY_NAME)}")
     return _BY_NAME[name]

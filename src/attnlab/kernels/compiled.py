@@ -55,12 +55,14 @@ from ..caches import ByteLRU
 from ..report import format_bytes
 from .extension import Extension, transformed
 from .masks import MaskSpec
+from .kernel import Cost, Kernel, masked_tiling, nonempty_blocks
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "variant", "KernelLayout", "build_layout",
            "compiled_attention", "has_fast_gemm", "uses_brgemm", "gemm_backend", "half_dot", "runs_as_fp32",
            "gemm_setting", "GEMM_SETTINGS", "takes_in_place", "clip_blocks", "converts_bf16_natively",
-           "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC"]
+           "scratch_bytes", "saved_bytes", "bias_grad_bytes", "SPEC", "KERNEL", "CompiledKernel", "compiled_block",
+           "compiled_blocks", "COMPILED_DENSE_BLOCK", "COMPILED_MASK_BLOCK"]
 
 #: must equal the extension's abi_version (csrc/attention.cpp): signatures the wrapper calls
 ABI_VERSION = 10
@@ -691,3 +693,121 @@ SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the
                   "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True,
                   devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",),
                   peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason(), explain=_explain)
+
+
+# -- the kernel object ------------------------------------------------------------------------------
+#: dense inputs (and ALiBi or soft-capping alone): the largest tiles (the fastest per pair)
+COMPILED_DENSE_BLOCK = (256, 512)
+COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skipped at this grain
+
+
+def _no_mask_tiles(p) -> bool:
+    """No pattern, user mask or bias: the kernel reads no mask tile (it computes ALiBi itself)."""
+    m = p.mask
+    return m.pattern is None and m.keep is None and m.bias is None
+
+
+def compiled_block(p, speed: dict) -> tuple[int, int]:
+    """The compiled kernel's (block_q, block_k): large tiles for dense inputs; for bands (masks that
+    depend on j - i only) the shape minimising visited area / speed (``speed``: {(block_q, block_k):
+    relative speed per pair}); a block table's own block; user masks and other patterns a middle shape.
+    Clipped to the sequence (rounded up to 16)."""
+    pat, mask = p.mask.pattern, p.mask
+    L, S = p.info.L, p.info.S
+    if _no_mask_tiles(p) or p.is_causal_only:
+        return clip_blocks(*COMPILED_DENSE_BLOCK, L, S)
+    if pat is None or mask.keep is not None or mask.bias is not None:
+        return clip_blocks(*COMPILED_MASK_BLOCK, L, S)
+    if pat.translation_invariant():
+        def cost(b):
+            return nonempty_blocks(p, *b) * b[0] * b[1] / speed[b]
+        return min((clip_blocks(*b, L, S) for b in speed if clip_blocks(*b, L, S) == b), key=cost,
+                   default=clip_blocks(64, 64, L, S))
+    shape = pat.block_shape()
+    if isinstance(pat, P.BlockTable) and shape is not None and 32 <= shape[0] <= 512:
+        return clip_blocks(*shape, L, S)
+    return clip_blocks(128, 128, L, S)
+
+
+def compiled_blocks(p, block_size: int | None, speed: dict) -> tuple[int, int]:
+    """``block_size`` square when given, else ``compiled_block``'s choice; either clipped to the sequence
+    (a block of 10**5 on a 16-token input would allocate its scratch for 10**5 rows)."""
+    return clip_blocks(block_size, block_size, p.info.L, p.info.S) if block_size else compiled_block(p, speed)
+
+
+_KVCACHE: list = []
+
+
+def _kvcache():
+    """``attnlab.functional.kvcache``, the decode path's Python side (it lives with the KV-cache API, above
+    kernels/: imported on first use, never at import)."""
+    if not _KVCACHE:
+        from ..functional import kvcache
+
+        _KVCACHE.append(kvcache)
+    return _KVCACHE[0]
+
+
+class CompiledKernel(Kernel):
+    """The compiled kernel's door: its tiles over the mask's layout, or its decode path (few queries
+    against a KV cache, inference: ``attnlab.functional.kvcache.run_prepared`` on csrc/decode.cpp).
+    Its rate is ``gflops`` (its best tiles, dense fp32) times the calibrated or built-in relative speed
+    of the tile shape (``rates.compiled_block_speed``)."""
+
+    def decodes(self, p, r: Request) -> bool:
+        """Few queries against more keys, inference, the decode extension loaded (``kvcache.decode_applies``),
+        no log-sum-exp asked for, and no vmap/grad transform (its wrappers cannot reach the decode extension)."""
+        return not r.needs_lse and _kvcache().decode_applies(r) and not transformed(p.q, p.key, p.value)
+
+    def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
+        """Its (block_q, block_k) (``compiled_blocks``) and visited blocks; ``decode`` set where it decodes."""
+        L, S = p.info.L, p.info.S
+        bq, bk = compiled_blocks(p, block_size, rates.compiled_block_speed)
+        if _no_mask_tiles(p):  # ALiBi alone costs the kernel no tile and skips nothing
+            t = Tiling(bq, bk, -(-L // bq) * -(-S // bk))
+        else:
+            t = masked_tiling(p, bq, bk)
+        return dataclasses.replace(t, decode=True) if self.decodes(p, r) else t
+
+    def rate(self, r: Request, t: Tiling | None, rates) -> tuple[float, str]:
+        """``gflops`` × the tile shape's relative speed (the nearest shape by area when not in the table)."""
+        speed = rates.compiled_block_speed
+        b = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
+        s = speed.get(b)
+        if s is None:
+            s = speed[min(speed, key=lambda x: abs(x[0] * x[1] - b[0] * b[1]))]
+        return self.gflops * s / max(speed.values()), rates.source
+
+    def seconds(self, r: Request, t: Tiling | None, rates) -> float:
+        """The tiles' FLOPs over ``rate``; on the decode path its K/V bytes at the read bandwidth measured in
+        this process (``decode.read_bandwidth``: it is memory-bound)."""
+        if t is None or not t.decode:
+            return super().seconds(r, t, rates)
+        from . import decode as decode_kernel
+
+        nbytes = decode_kernel.kv_bytes(r.N, r.Hkv, r.S, r.E, r.Ev, r.dtype)
+        return decode_kernel.predicted_seconds(nbytes, decode_kernel.read_bandwidth())
+
+    def cost(self, r: Request, t: Tiling | None, rates) -> Cost:
+        """As ``Kernel.cost``; on the decode path the rate's source is the measured read bandwidth."""
+        c = super().cost(r, t, rates)
+        if t is None or not t.decode:
+            return c
+        from . import decode as decode_kernel
+
+        return dataclasses.replace(c, source=f"decode: K/V bytes at the {decode_kernel.read_bandwidth() / 1e9:.3g} "
+                                             "GB/s read bandwidth measured now")
+
+    def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
+        """(out, None, lse) from the tiles, or (out, None, None) from the decode path."""
+        if t is not None and t.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
+            return _kvcache().run_prepared(p), None, None
+        bq, bk = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
+        out, lse = compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
+        return out, None, lse
+
+
+#: GFLOP/s of its best tiles on the 2-core reference machine: 0.96 of SDPA's per pair (brgemm, dense fp32)
+KERNEL = CompiledKernel(SPEC, gflops=77.0, title="Compiled", memory="O(L·D + block²)",
+                        why="attnlab's compiled kernel: exact online softmax without materialising L×S",
+                        paper="Dao 2023, FlashAttention-2")

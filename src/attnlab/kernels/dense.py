@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from .masks import MaskSpec
+from .kernel import Kernel, dead_per_head
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["dense_attention", "masked_softmax", "repeat_heads", "SPEC"]
+__all__ = ["dense_attention", "masked_softmax", "repeat_heads", "SPEC", "KERNEL", "DenseKernel"]
 
 
 def _peak(r: Request, t: Tiling | None) -> int:
@@ -81,3 +82,19 @@ def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.
         attn = torch.nn.functional.dropout(weights, p=dropout_p)
     out = torch.matmul(attn, v)  # (N, H, L, Ev)
     return out.to(q.dtype), weights.to(q.dtype)
+
+
+# -- the kernel object ------------------------------------------------------------------------------
+class DenseKernel(Kernel):
+    """The dense kernel's door: no tiling; runs ``dense_attention`` on the key/value heads as given."""
+
+    def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
+        """(out, weights, None): GQA's kv heads repeated in the compute dtype (Note [GQA gradients in the
+        accumulation dtype])."""
+        out, weights = dense_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, p.dropout_p, dead=dead_per_head(p))
+        return out, weights, None
+
+
+#: GFLOP/s: an estimate (materialising [N, H, L, S] in float32 makes it memory-bound), below every fused kernel
+KERNEL = DenseKernel(SPEC, gflops=15.0, title="Dense", memory="O(L·S)",
+                     why="the dense kernel runs everything; the others are refused ({refused}: see refused)")

@@ -85,11 +85,13 @@ class Request:
 @dataclass(frozen=True)
 class Tiling:
     """A blocked kernel's tile shape and how many (block_q × block_k) tiles it visits (None: every pair
-    is computed, no layout was built)."""
+    is computed, no layout was built); ``decode``: the kernel runs its decode path instead of its tiles
+    (few queries against a KV cache: the compiled kernel's, csrc/decode.cpp)."""
 
     block_q: int
     block_k: int
     blocks: int | None = None
+    decode: bool = False
 
     def computed(self, L: int, S: int) -> int:
         """(query, key) pairs the visited tiles cover per batch element and head (at most 4·L·S)."""

@@ -20,9 +20,10 @@ from .lse import acc_dtype as _acc_dtype
 from .lse import merge as _merge
 from .dense import repeat_heads
 from .masks import MaskSpec
+from .kernel import Kernel, dead_per_head, masked_tiling
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["tiled_attention", "tiled_lse", "iter_blocks", "block_scores", "SPEC", "DEFAULT_BLOCK"]
+__all__ = ["tiled_attention", "tiled_lse", "iter_blocks", "block_scores", "SPEC", "DEFAULT_BLOCK", "KERNEL", "TiledKernel", "weights_from_lse"]
 
 #: (block_q, block_k) when the caller gives none
 DEFAULT_BLOCK = (512, 512)
@@ -275,3 +276,40 @@ def tiled_attention(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, b
     Time O(L·S·(E+Ev)) over non-empty blocks; memory O(L·(E+Ev) + block_q·block_k) per head.
     """
     return _TiledFunction.apply(q, k, v, mask, scale, block_q, block_k, dead)
+
+
+# -- the kernel object ------------------------------------------------------------------------------
+def weights_from_lse(p, lse: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
+    """Second streaming pass: weights [B, H, L, S] = exp(scores - lse), block by block, no extra L×S scratch."""
+    info = p.info
+    w = torch.zeros(p.N, info.H, info.L, info.S, dtype=p.q.dtype, device=p.q.device)
+    acc = _acc_dtype(p.q.dtype)
+    lse_b = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+    qa, ka = p.q.detach().to(acc), p.k.detach().to(acc)
+    for q0, q1, k0, k1, kind in iter_blocks(p.mask.layout(bq, bk), info.L, info.S, bq, bk):
+        s = block_scores(qa[:, :, q0:q1], ka[:, :, k0:k1], p.mask, info.scale, q0, q1, k0, k1, kind, p.N)
+        w[:, :, q0:q1, k0:k1] = torch.exp(s - lse_b[:, :, q0:q1].unsqueeze(-1)).to(w.dtype)
+    return w
+
+
+class TiledKernel(Kernel):
+    """The tiled kernel's door: ``block_size`` square tiles (default ``DEFAULT_BLOCK``), the mask's
+    non-empty blocks visited; weights by a second pass over the saved log-sum-exp."""
+
+    def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
+        """(block_size, block_size) or ``DEFAULT_BLOCK``, with the blocks the mask leaves non-empty."""
+        bq, bk = (block_size, block_size) if block_size else DEFAULT_BLOCK
+        return masked_tiling(p, bq, bk)
+
+    def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
+        """(out, weights or None, lse)."""
+        bq, bk = (t.block_q, t.block_k) if t is not None else DEFAULT_BLOCK
+        out, lse = tiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk, dead=dead_per_head(p))
+        return out, (weights_from_lse(p, lse, bq, bk) if need_weights else None), lse
+
+
+#: GFLOP/s: an estimate for plain PyTorch tiles (a few matmuls and elementwise passes per block), well
+#: below the fused kernels, so it runs where they cannot
+KERNEL = TiledKernel(SPEC, gflops=25.0, title="Tiled", memory="O(L·D + block²)",
+                     why="exact online softmax without materialising L×S{mods}",
+                     paper="Dao et al. 2022, FlashAttention", default_block=DEFAULT_BLOCK)

@@ -5,6 +5,7 @@ refused by the one planner (``attnlab.functional.planner``); nothing here re-cod
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from ..shapes import prepare
 from . import Inputs, Mechanism, Spec, UnsupportedInputs, register
 
 __all__ = [
-    "Exact", "Auto", "Dense", "SDPA", "Tiled", "Sparse",
+    "Exact", "Auto", "KERNEL_MECHANISMS", *(k.title for k in kernels.KERNELS),
     "PatternMechanism", "SlidingWindow", "Dilated", "Strided", "Fixed", "BlockSparse", "Longformer", "BigBird",
 ]
 
@@ -97,27 +98,20 @@ class Exact(Mechanism):
         t = None
         if spec.blocked:
             b = self._block()
-            bq, bk = (b, b) if b else (planner.DEFAULT_TILED_BLOCK if spec.name == "tiled" else (128, 128))
+            bq, bk = (b, b) if b else spec.default_block
             pat = self.pattern_for()
             t = Tiling(bq, bk, pat.nonempty_blocks(r.L, r.S, bq, bk) if pat is not None else None)
         return spec.peak_bytes(r, t) - io_bytes(r)
 
 
-def _caps(method: str) -> dict:
-    """A method's declared abilities, read from its kernel's declaration."""
-    k = kernels.get(method)
-    return dict(weights=k.weights != "no", dropout=k.dropout)
-
-
-_EXACT_SPEC = dict(exact=True, causal=True, masks="any", kind="exact",
-                   paper="Vaswani et al. 2017, Attention Is All You Need")
+_EXACT_SPEC = dict(exact=True, causal=True, masks="any", kind="exact")
 
 
 @register("auto", Spec(weights=any(k.weights != "no" for k in kernels.KERNELS),
                        dropout=any(k.dropout for k in kernels.KERNELS), time="O(L·S·D)",
                        memory="depends on the chosen method",
                        summary=f"attnlab.attention(method='auto'): picks {'/'.join(planner.METHODS[1:])}, see explain()",
-                       **_EXACT_SPEC))
+                       paper="Vaswani et al. 2017, Attention Is All You Need", **_EXACT_SPEC))
 @dataclass(frozen=True)
 class Auto(Exact):
     """attnlab.attention with method='auto' (the planner picks the kernel; see ``explain``)."""
@@ -127,50 +121,28 @@ class Auto(Exact):
     method = "auto"
 
 
-@register("dense", Spec(time="O(L·S·D)", memory="O(L·S)", summary=kernels.get("dense").summary, **_caps("dense"),
-                        **_EXACT_SPEC))
-@dataclass(frozen=True)
-class Dense(Exact):
-    """attnlab.attention with method='dense': the [B, H, L, S] scores materialised."""
-
-    method = "dense"
+def _check_block_size(self) -> None:
+    if self.block_size is not None:
+        _check_int("block_size", self.block_size, 1)
 
 
-@register("sdpa", Spec(time="O(L·S·D)", memory="O(L) (fused) or O(L·S) (math)", summary=kernels.get("sdpa").summary,
-                       **_caps("sdpa"), **_EXACT_SPEC))
-@dataclass(frozen=True)
-class SDPA(Exact):
-    """attnlab.attention with method='sdpa': PyTorch's scaled_dot_product_attention."""
-
-    method = "sdpa"
-
-
-@register("tiled", Spec(time="O(L·S·D)", memory="O(L·D + block²)", summary=kernels.get("tiled").summary,
-                        **_caps("tiled"), **{**_EXACT_SPEC, "paper": "Dao et al. 2022, FlashAttention"}))
-@dataclass(frozen=True)
-class Tiled(Exact):
-    """attnlab.attention with method='tiled': online-softmax tiles of ``block_size`` (default 512)."""
-
-    block_size: int | None = None
-    method = "tiled"
-
-    def __post_init__(self):
-        if self.block_size is not None:
-            _check_int("block_size", self.block_size, 1)
+def _kernel_mechanism(k: kernels.Kernel) -> type:
+    """The exact mechanism running ``attnlab.attention(method=k.name)``, registered under the kernel's name
+    with the capabilities its declaration gives (a blocked kernel takes ``block_size``)."""
+    fields = [("block_size", "int | None", dataclasses.field(default=None))] if k.blocked else []
+    ns = {"method": k.name, "__module__": __name__,
+          "__doc__": f"attnlab.attention with method={k.name!r}: {k.summary}."}
+    if k.blocked:
+        ns["__post_init__"] = _check_block_size
+    cls = dataclasses.make_dataclass(k.title, fields, bases=(Exact,), frozen=True, namespace=ns)
+    spec = Spec(time=k.time, memory=k.memory, summary=k.summary, weights=k.weights != "no", dropout=k.dropout,
+                paper=k.paper, **_EXACT_SPEC)
+    return register(k.name, spec)(cls)
 
 
-@register("sparse", Spec(time="O(nnz blocks·block²·D)", memory="O(nnz)", summary=kernels.get("sparse").summary,
-                         **_caps("sparse"), **_EXACT_SPEC))
-@dataclass(frozen=True)
-class Sparse(Exact):
-    """attnlab.attention with method='sparse': only the non-empty key blocks of the mask."""
-
-    block_size: int | None = None
-    method = "sparse"
-
-    def __post_init__(self):
-        if self.block_size is not None:
-            _check_int("block_size", self.block_size, 1)
+#: one exact mechanism per kernel, by its title: Dense, SDPA, Tiled, Sparse, Compiled
+KERNEL_MECHANISMS: dict[str, type] = {k.title: _kernel_mechanism(k) for k in kernels.KERNELS}
+globals().update(KERNEL_MECHANISMS)
 
 
 # -- patterns: exact attention restricted to a structured mask ---------------------------------------

@@ -8,7 +8,6 @@ Hkv key/value heads (GQA/MQA when Hkv < H), D query/key head dim, Dv value head 
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import kernels
 from .. import patterns as P
 from ..functional import METHODS, planner, run
 from ..shapes import prepare
@@ -483,7 +481,7 @@ class MultiHeadAttention(nn.Module):
         methods, and becomes a [B, 1, 1, S] bool mask for mechanisms (which can then treat it as key
         padding); it is never materialised to [B, L, S]. alibi: (slopes [H], f(mask) -> mask with the
         bias added) for the core methods: the slopes go to the kernel when it computes ALiBi from
-        positions, else the bias is written out (``_alibi_method``).
+        positions, else the bias is written out (``planner.takes_alibi_slopes``).
         """
         dropout_p = self.dropout if self.training else 0.0
         gqa = self.num_kv_heads != self.num_heads
@@ -498,8 +496,8 @@ class MultiHeadAttention(nn.Module):
                 slopes, written_out = alibi
                 p = prepare(q, k, v, mask, dropout_p, is_causal, self.scale, gqa, pattern, softcap=self.softcap,
                             alibi_slopes=slopes)
-                method = self._alibi_method(p, mech, need_weights)
-                if method is None:
+                method = self._method_for(p, mech, need_weights)
+                if not planner.takes_alibi_slopes(p, method, need_weights):
                     slopes, mask = None, written_out(mask)
             if slopes is None:
                 p = prepare(q, k, v, mask, dropout_p, is_causal, self.scale, gqa, pattern,
@@ -524,39 +522,16 @@ class MultiHeadAttention(nn.Module):
                  enable_gqa=gqa, need_weights=need_weights)
         return r if need_weights else (r, None)
 
-    def _alibi_method(self, p, method: str, need_weights: bool) -> str | None:
-        """The method to run with ALiBi given as slopes, or None when the kernel that would run does not
-        compute it from positions (it would write the bias out anyway, or refuses slopes): the caller then
-        adds the written-out bias to the mask, as before slopes existed."""
-        m = self._method_for(p, method, need_weights)
-        try:
-            chosen = planner.plan(p, m, need_weights, costs=False).method
-        except ValueError:
-            return None
-        return m if kernels.get(chosen).alibi in ("native", "positions") else None
-
     def _method_for(self, p, method: str, need_weights: bool) -> str:
-        """The layer's method, or "auto" when the planner refuses it only for what the layer itself brings:
-        weights asked for (by the caller or a weights hook), no mask to skip work with (an unpadded batch
-        under method="sparse"), or a learned float bias that requires grad. Every exact method gives the
-        same output. Any other refusal (e.g. the compiled extension not built) is raised by the planner."""
-        if method == "auto":
-            return method
-        r = p.request(need_weights)
-        if method not in planner.refusals(r):
-            return method
-        layer_only = dataclasses.replace(r, need_weights=False, float_mask_grad=False, pattern=True)
-        if method in planner.refusals(layer_only):
-            return method  # refused for the inputs themselves: the planner's error says why
-        if p.mask_requires_grad and not kernels.get(method).float_mask_grad and torch.is_grad_enabled():
-            # Note [Learned bias and the tiled kernel]: the tiled/sparse backward does not differentiate
-            # a float mask; a learned bias (T5) is trained through auto (sdpa/dense/compiled) instead
-            if not self._warned_bias:
-                warnings.warn(f"mechanism={method!r} cannot train a learned attention bias "
-                              f"({type(self.positional).__name__}); this layer uses method='auto' while "
-                              "gradients are on", stacklevel=5)
-                self._warned_bias = True
-        return "auto"
+        """What the planner says this layer runs (``planner.layer_method``), with the layer's one warning
+        when a learned bias makes it give up its own method while gradients are on."""
+        run_method, why = planner.layer_method(p, method, need_weights)
+        if why is not None and not self._warned_bias:
+            warnings.warn(f"mechanism={method!r} cannot train a learned attention bias "
+                          f"({type(self.positional).__name__}); this layer uses method='auto' while "
+                          "gradients are on", stacklevel=5)
+            self._warned_bias = True
+        return run_method
 
     def extra_repr(self) -> str:
         """The settings shown by ``repr(module)``."""
