@@ -14,7 +14,7 @@ from .. import patterns as P
 from ..kernels import Declined
 from ..kernels import lse as lse_merge
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
-from . import plancache, planner
+from . import plancache, planner, rates
 from .kvcache import attention_with_kvcache
 from .planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 
@@ -70,6 +70,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
                 alibi_slopes=alibi_slopes).live()
     plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
+    i = p.info  # Note [Background calibration]: the first long call of a process may start one
+    rates.note_call(rates.seconds_for(2 * p.N * i.H * i.L * i.S * (i.E + i.Ev)))
     plancache.put(sig, p.template(), plan)
     return run(p, need_weights=need_weights, plan=plan)
 

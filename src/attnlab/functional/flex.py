@@ -457,7 +457,7 @@ def _relative_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, 
     table per offset. Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
     from ..kernels import compiled as compiled_kernel
     from ..shapes import prepare
-    from . import planner
+    from . import rates
 
     B, H, L, _ = query.shape
     S = key.shape[2]
@@ -466,7 +466,9 @@ def _relative_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, 
                 softcap=kind.softcap)
     rel = _relative_table(score_mod, H, L, S, acc)
     out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale,
-                                                  *planner.compiled_blocks(p), rel_bias=rel)
+                                                  *compiled_kernel.compiled_blocks(
+                                                      p, None, rates.current().compiled_block_speed),
+                                                  rel_bias=rel)
     return out.reshape(p.out_shape), lse.reshape(p.out_shape[:-1])
 
 

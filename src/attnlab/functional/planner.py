@@ -251,8 +251,10 @@ def _mask_tiles(c: _Call):
 
 
 def _calibrated_dense(c: _Call):
-    if not c.r.need_weights and K.COMPILED in c.ok and c.r.dtype in c.rates.compiled_dense_dtypes:
-        return K.COMPILED, f"attnlab's compiled kernel is faster than SDPA for {c.r.dtype} here"
+    r = c.r
+    if not r.need_weights and K.COMPILED in c.ok and c.plain and c.rates.compiled_dense_wins(
+            r.dtype, r.N * r.H * r.L * r.S, r.causal_only):
+        return K.COMPILED, f"attnlab's compiled kernel is faster than SDPA for {r.dtype} calls of this size here"
 
 
 def _block_skipping(c: _Call):
