@@ -371,11 +371,13 @@ def test_learned_tensors_keep_their_gradient(name, make, kind):
 
 # -- the bias on the kept blocks only (Note [Kept-blocks bias]) ---------------------------------------
 def _counting(score_mod):
-    """score_mod that records each call's grid of (q_idx, kv_idx) pairs."""
+    """score_mod that records each call's grid of (q_idx, kv_idx) pairs, for the calls on [.., r, c] grids (4-D
+    index tensors; the probes' calls are on (n, 1) lists of points, Note [Structured probes])."""
     calls = []
 
     def counted(s, b, h, q, k):
-        calls.append(torch.broadcast_tensors(q, k)[0].numel())
+        if q.dim() == 4:
+            calls.append(torch.broadcast_tensors(q, k)[0].numel())
         return score_mod(s, b, h, q, k)
     return counted, calls
 
@@ -388,8 +390,7 @@ def test_bias_is_evaluated_on_kept_blocks_only():
     window = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 20)  # noqa: E731
     bm = _block_mask(window, L=L, S=L, block=32)
     out = attnlab.flex_attention(q, k, v, score_mod=counted, block_mask=bm)
-    probe = flex._POINTS  # the probe's own calls are on points, not grids
-    grids = [c for c in calls if c > probe * 4]
+    grids = calls
     kept = int((P.block_codes(bm) != P.EMPTY).sum())
     assert max(grids) <= 32 * 3 * 32, grids  # one query block x its <= 2 kept key blocks (+ the edge)
     assert sum(grids) <= kept * 32 * 32 < L * L // 4, (sum(grids), kept)
@@ -419,8 +420,9 @@ def test_relative_bias_is_one_table_per_offset(name, mask):
     assert plan.bias == RELATIVE, str(plan)
     calls.clear()
     out = attnlab.flex_attention(q, k, v, score_mod=counted, block_mask=bm)
-    if RELATIVE == "relative":
-        assert max(calls) <= H * (2 * L - 1), calls  # the table; the probes are smaller
+    if RELATIVE == "relative":  # the table, and the probes' O(L + S) points: never a grid of pairs
+        bound = max(H * (2 * L - 1), flex._probe_count(B, H, L, L), flex._relative_probe_count(L, L))
+        assert max(calls) <= bound < L * L // 2, calls
     ref, ref_lse = _oracle(q, k, v, sm, MASK_MODS[mask])[:2]
     assert_close(out, ref, **F64, what="out")
     with torch.no_grad():  # lse under autograd takes the general path (its lse is differentiable)

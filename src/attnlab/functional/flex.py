@@ -547,6 +547,11 @@ def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
     return bool(same.all())
 
 
+def _relative_probe_count(L, S) -> int:
+    """How many points _relative_probe compares against its table (Note [Relative bias probe])."""
+    return _REL_SETS * (L + S - 1) + _LINES * (L + S)
+
+
 def _relative_table(score_mod, H, L, S, dtype):
     """score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx = t - (L - 1): [H, L + S - 1] in
     ``dtype`` (differentiable into the tensors it reads)."""
