@@ -510,3 +510,31 @@ def test_bias_peak_memory_is_the_kept_blocks():
     assert r.returncode == 0, r.stderr[-2000:]
     grown, dense = (int(x) for x in r.stdout.split()[-2:])
     assert grown < dense / 2, f"peak RSS grew {grown / 2**20:.0f} MB; a dense bias is {dense / 2**20:.0f} MB"
+
+
+# -- structured probes (Note [Structured probes]): a score_mod that singles out one index value -------------
+@pytest.mark.parametrize("name, score_mod, kind, bias", [
+    ("one key", lambda s, b, h, q, k: s + torch.where(k == 7, 1.0, 0.0), "affine", "kept blocks"),
+    ("one query", lambda s, b, h, q, k: s + torch.where(q == 23, 2.0, 0.0), "affine", "kept blocks"),
+    ("one head", lambda s, b, h, q, k: s + torch.where(h == 2, 1.5, 0.0), "affine", RELATIVE),
+    ("one b", lambda s, b, h, q, k: s + torch.where(b == 1, 1.5, 0.0), "affine", "kept blocks"),
+    ("relative but one offset", lambda s, b, h, q, k: s + 0.25 * (q - k) + torch.where(k - q == 5, 3.0, 0.0),
+     "affine", RELATIVE),
+    ("relative but one b", lambda s, b, h, q, k: s + 0.25 * (q - k) + torch.where(b == 1, 0.75, 0.0), "affine",
+     "kept blocks"),
+    ("relative but one key", lambda s, b, h, q, k: s - 0.25 * (q - k).abs() + torch.where(k == 30, 2.0, 0.0),
+     "affine", "kept blocks"),
+    ("squared on one key", lambda s, b, h, q, k: torch.where(k == 11, s * s, s), "general", None),
+])
+def test_probe_sees_one_index_value(name, score_mod, kind, bias):
+    """Issue 24: s + where(k == 7, 1, 0) probed as the identity on 24 random points and ran without its bias.
+    Every value of each index is now on a probe line; the output equals torch's eager flex_attention.
+    (Biases exact in float32: a float32 bias added to the 0-dim float64 zero score stays float32, see the report.)"""
+    q, k, v = _qkv()
+    plan = attnlab.flex_plan(q, k, v, score_mod)
+    assert plan.score_mod.kind == kind, str(plan)
+    assert plan.bias == bias, str(plan)
+    with torch.no_grad():
+        ref = torch_flex(q, k, v, score_mod=score_mod)
+        out = attnlab.flex_attention(q, k, v, score_mod=score_mod)
+    assert_close(out, ref, **F64, what=name)
