@@ -371,11 +371,13 @@ def test_learned_tensors_keep_their_gradient(name, make, kind):
 
 # -- the bias on the kept blocks only (Note [Kept-blocks bias]) ---------------------------------------
 def _counting(score_mod):
-    """score_mod that records each call's grid of (q_idx, kv_idx) pairs."""
+    """score_mod that records each call's grid of (q_idx, kv_idx) pairs, for the calls on [.., r, c] grids (4-D
+    index tensors; the probes' calls are on (n, 1) lists of points, Note [Structured probes])."""
     calls = []
 
     def counted(s, b, h, q, k):
-        calls.append(torch.broadcast_tensors(q, k)[0].numel())
+        if q.dim() == 4:
+            calls.append(torch.broadcast_tensors(q, k)[0].numel())
         return score_mod(s, b, h, q, k)
     return counted, calls
 
@@ -388,8 +390,7 @@ def test_bias_is_evaluated_on_kept_blocks_only():
     window = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 20)  # noqa: E731
     bm = _block_mask(window, L=L, S=L, block=32)
     out = attnlab.flex_attention(q, k, v, score_mod=counted, block_mask=bm)
-    probe = flex._POINTS  # the probe's own calls are on points, not grids
-    grids = [c for c in calls if c > probe * 4]
+    grids = calls
     kept = int((P.block_codes(bm) != P.EMPTY).sum())
     assert max(grids) <= 32 * 3 * 32, grids  # one query block x its <= 2 kept key blocks (+ the edge)
     assert sum(grids) <= kept * 32 * 32 < L * L // 4, (sum(grids), kept)
@@ -419,8 +420,9 @@ def test_relative_bias_is_one_table_per_offset(name, mask):
     assert plan.bias == RELATIVE, str(plan)
     calls.clear()
     out = attnlab.flex_attention(q, k, v, score_mod=counted, block_mask=bm)
-    if RELATIVE == "relative":
-        assert max(calls) <= H * (2 * L - 1), calls  # the table; the probes are smaller
+    if RELATIVE == "relative":  # the table, and the probes' O(L + S) points: never a grid of pairs
+        bound = max(H * (2 * L - 1), flex._probe_count(B, H, L, L), flex._relative_probe_count(L, L))
+        assert max(calls) <= bound < L * L // 2, calls
     ref, ref_lse = _oracle(q, k, v, sm, MASK_MODS[mask])[:2]
     assert_close(out, ref, **F64, what="out")
     with torch.no_grad():  # lse under autograd takes the general path (its lse is differentiable)
@@ -508,3 +510,31 @@ def test_bias_peak_memory_is_the_kept_blocks():
     assert r.returncode == 0, r.stderr[-2000:]
     grown, dense = (int(x) for x in r.stdout.split()[-2:])
     assert grown < dense / 2, f"peak RSS grew {grown / 2**20:.0f} MB; a dense bias is {dense / 2**20:.0f} MB"
+
+
+# -- structured probes (Note [Structured probes]): a score_mod that singles out one index value -------------
+@pytest.mark.parametrize("name, score_mod, kind, bias", [
+    ("one key", lambda s, b, h, q, k: s + torch.where(k == 7, 1.0, 0.0), "affine", "kept blocks"),
+    ("one query", lambda s, b, h, q, k: s + torch.where(q == 23, 2.0, 0.0), "affine", "kept blocks"),
+    ("one head", lambda s, b, h, q, k: s + torch.where(h == 2, 1.5, 0.0), "affine", RELATIVE),
+    ("one b", lambda s, b, h, q, k: s + torch.where(b == 1, 1.5, 0.0), "affine", "kept blocks"),
+    ("relative but one offset", lambda s, b, h, q, k: s + 0.25 * (q - k) + torch.where(k - q == 5, 3.0, 0.0),
+     "affine", RELATIVE),
+    ("relative but one b", lambda s, b, h, q, k: s + 0.25 * (q - k) + torch.where(b == 1, 0.75, 0.0), "affine",
+     "kept blocks"),
+    ("relative but one key", lambda s, b, h, q, k: s - 0.25 * (q - k).abs() + torch.where(k == 30, 2.0, 0.0),
+     "affine", "kept blocks"),
+    ("squared on one key", lambda s, b, h, q, k: torch.where(k == 11, s * s, s), "general", None),
+])
+def test_probe_sees_one_index_value(name, score_mod, kind, bias):
+    """Issue 24: s + where(k == 7, 1, 0) probed as the identity on 24 random points and ran without its bias.
+    Every value of each index is now on a probe line; the output equals torch's eager flex_attention.
+    (Biases exact in float32: a float32 bias added to the 0-dim float64 zero score stays float32, see the report.)"""
+    q, k, v = _qkv()
+    plan = attnlab.flex_plan(q, k, v, score_mod)
+    assert plan.score_mod.kind == kind, str(plan)
+    assert plan.bias == bias, str(plan)
+    with torch.no_grad():
+        ref = torch_flex(q, k, v, score_mod=score_mod)
+        out = attnlab.flex_attention(q, k, v, score_mod=score_mod)
+    assert_close(out, ref, **F64, what=name)

@@ -3,8 +3,11 @@
 Legend: B batch, H query heads, Hkv key/value heads (GQA: H = G·Hkv, query head h reads kv head h // G),
 L query length, S key length, E head dim, Ev value head dim; b, h, q_idx, kv_idx index them.
 
-``score_mod(score, b, h, q_idx, kv_idx)`` is told apart by probing it (never by reading its source) on a
-few random (b, h, q_idx, kv_idx) points, with several float64 scores each (Note [Probing score_mod]):
+``score_mod(score, b, h, q_idx, kv_idx)`` is told apart by probing it (never by reading its source),
+vectorised, on whole lines of (b, h, q_idx, kv_idx) that cover every value of each index and every offset
+q_idx - kv_idx, plus random points: O(L + S) points, with several float64 scores each (Notes [Probing
+score_mod], [Structured probes]; a departure confined to isolated (q_idx, kv_idx) pairs off those lines is
+not seen):
 
 - none / identity: ``attnlab.attention`` with the mask as a pattern (block skipping in the kernel);
 - soft-capping ``cap·tanh(score / cap)`` (plus an optional bias): ``attention(..., softcap=cap)``;
@@ -47,6 +50,9 @@ GENERAL_BLOCK = 128
 # _BIG probes soft-capping: cap·tanh(_BIG / cap) == cap exactly in float64 for any cap < 2e4.
 _SCORES = (-1000.0, -37.5, -2.3, -0.71, 0.0, 0.43, 1.9, 11.0, 250.0)
 _BIG = 1e6
+#: the scores of the line points (Note [Structured probes]), plus one random score and _BIG: fewer, as
+#: there are O(L + S) of them; the random points carry all of _SCORES
+_LINE_SCORES = (-1000.0, 0.0, 250.0)
 _POINTS = 24
 _RTOL = 1e-9
 
@@ -260,23 +266,85 @@ def _band_of(bm, mm, codes, L, S, bq, bk):
 
 
 # -- probing score_mod ------------------------------------------------------------------------------
+# Note [Structured probes]: random points alone miss a score_mod that singles out one index value (a bias
+# on key 7 only, on one query, one head, one batch element): 24 points out of L·S almost never land on it,
+# and the call would be misread as the identity, silently wrong. So the probe points hold lines that cover
+# every value of each index on its own: _LINES query rows (every kv_idx at a fixed q_idx), _LINES key
+# columns (every q_idx at a fixed kv_idx), every offset kv_idx - q_idx once (the diagonal band), every h
+# and every b; b and h cycle along the long lines, so each row and column meets every head and batch
+# element too; plus the _POINTS random points (the corners among them). That is O(L + S + H + B) points
+# (about 5·L for L = S), each with the scores of Note [Probing score_mod], never O(L·S). What it proves:
+# a score_mod whose departure from the kind found depends on one index alone (b, h, q_idx, kv_idx or
+# q_idx - kv_idx, any value) is seen. What it does not: a departure confined to isolated (q_idx, kv_idx)
+# pairs, or to a conjunction such as (q_idx == 5) & (kv_idx == 7), off those lines, can still pass; and a
+# block_mask does not narrow the probe (a bias misread outside the kept blocks is harmless, inside not).
+_LINES = 2
+
+
+def _probe_points(B, H, L, S, g):
+    """The probe's (b, h, q_idx, kv_idx), each int64 [n], of Note [Structured probes]."""
+    n = _POINTS
+    idx = [torch.randint(0, max(1, d), (n,), generator=g) for d in (B, H, L, S)]
+    for t, d in zip(idx, (B, H, L, S)):
+        t[0], t[1] = 0, max(0, d - 1)
+    pts = [idx]
+
+    def rnd(d, m):
+        return torch.randint(0, max(1, d), (m,), generator=g)
+
+    def cyc(d, m, k=0):
+        return (torch.arange(m) + k) % max(1, d)
+    for k in range(_LINES):
+        q0, k0 = int(rnd(L, 1)), int(rnd(S, 1))
+        pts.append([cyc(B, S, k), cyc(H, S, k), torch.full((S,), q0), torch.arange(S)])  # row q_idx = q0
+        pts.append([cyc(B, L, k + 1), cyc(H, L, k + 1), torch.arange(L), torch.full((L,), k0)])  # column kv_idx = k0
+    if L > 0 and S > 0:
+        d = torch.arange(-(L - 1), S)  # every offset kv_idx - q_idx, at a random q_idx it has
+        lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)
+        qd = lo + (torch.rand(d.numel(), generator=g, dtype=torch.float64) * (hi - lo + 1)).long().clamp(max=hi - lo)
+        pts.append([rnd(B, d.numel()), rnd(H, d.numel()), qd, qd + d])
+    pts.append([rnd(B, H), torch.arange(H), rnd(L, H), rnd(S, H)])  # every head
+    pts.append([torch.arange(B), rnd(H, B), rnd(L, B), rnd(S, B)])  # every batch element
+    return [torch.cat([p[a] for p in pts]) for a in range(4)]
+
+
+def _probe_count(B, H, L, S) -> int:
+    """How many (b, h, q_idx, kv_idx) points probe_score_mod evaluates (Note [Structured probes])."""
+    return _POINTS + _LINES * (L + S) + (L + S - 1 if L and S else 0) + H + B
+
+
 def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) -> ScoreModKind:
-    """Tell a score_mod's kind apart by calling it on _POINTS random (b, h, q_idx, kv_idx) points (the corners
-    among them) with the float64 scores of Note [Probing score_mod]; see the module docstring for the kinds."""
+    """Tell a score_mod's kind apart by calling it, vectorised, on the (b, h, q_idx, kv_idx) points of Note
+    [Structured probes] (lines covering every value of each index, every offset q_idx - kv_idx, and random
+    points) with the float64 scores of Note [Probing score_mod]; see the module docstring for the kinds."""
     if score_mod is None:
         return ScoreModKind("none", "no score_mod")
     if not callable(score_mod):
         raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
                         f"got {type(score_mod).__name__}")
     g = torch.Generator().manual_seed(seed)
-    n = _POINTS
-    idx = [torch.randint(0, max(1, d), (n,), generator=g) for d in (B, H, L, S)]
-    for t, d in zip(idx, (B, H, L, S)):
-        t[0], t[1] = 0, max(0, d - 1)
-    b, h, qi, ki = (t.view(n, 1) for t in idx)  # (n, 1): broadcast against the scores
-    s = torch.tensor(_SCORES, dtype=torch.float64).expand(n, -1)
-    s = torch.cat([s, torch.rand(n, 3, generator=g, dtype=torch.float64) * 20 - 10, torch.full((n, 1), _BIG)], 1)
+    idx = _probe_points(B, H, L, S, g)
     name = getattr(score_mod, "__name__", type(score_mod).__name__)
+    groups = []
+    for part, scores in ((slice(0, _POINTS), _SCORES), (slice(_POINTS, None), _LINE_SCORES)):
+        b, h, qi, ki = (t[part] for t in idx)
+        n = b.numel()
+        if n == 0:
+            continue
+        b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
+        s = torch.tensor(scores, dtype=torch.float64).expand(n, -1)
+        s = torch.cat([s, torch.rand(n, len(scores) // 3, generator=g, dtype=torch.float64) * 20 - 10,
+                       torch.full((n, 1), _BIG)], 1)
+        where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
+        groups.append(_classify(score_mod, name, s, (b, h, qi, ki), scores, seed, where))
+    return _combine(*groups)
+
+
+def _classify(score_mod, name, s, idx, scores, seed, where):
+    """(ScoreModKind, factor free) from score_mod at the points idx ((n, 1) each) and scores s (n, k + 1),
+    the last column _BIG; ``free``: every pair was -inf, so any factor fits."""
+    b, h, qi, ki = idx
+    zero, lo, hi = scores.index(0.0), scores.index(-1000.0), scores.index(250.0)
     y = score_mod(s, b, h, qi, ki)
     if not isinstance(y, torch.Tensor) or not y.is_floating_point():
         raise TypeError(f"flex_attention: score_mod {name} must return a float tensor built from score with tensor "
@@ -287,30 +355,29 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
         raise ValueError(f"flex_attention: score_mod {name} returned shape {list(y.shape)} for scores "
                          f"{list(s.shape)}; it must act element-wise (b, h, q_idx, kv_idx broadcast)") from None
     reads_grad = y.requires_grad
-    if reads_grad and not _grad_only_in_bias(score_mod, y, s, (b, h, qi, ki), seed):
+    if reads_grad and not _grad_only_in_bias(score_mod, y, s, idx, seed):
         return ScoreModKind("general", "a tensor that requires grad enters through more than an additive bias "
-                            "(its gradient depends on the score)", reads_grad=True)
+                            "(its gradient depends on the score)", reads_grad=True), False
     y = y.detach().to(torch.float64)
     ys, yb, sb = y[:, :-1], y[:, -1], s[:, :-1]
     if bool((ys == sb).all()):
         if reads_grad:  # a learned bias that is 0 now (a zero-initialised table): still a bias, for its gradient
             return ScoreModKind("affine", "score_mod(score) == score + bias, the bias 0 on the probes but read from "
-                                "a tensor that requires grad", has_bias=True, reads_grad=True)
-        return ScoreModKind("identity", f"score_mod(score) == score on {n} points x {sb.shape[1]} scores")
+                                "a tensor that requires grad", has_bias=True, reads_grad=True), False
+        return ScoreModKind("identity", f"score_mod(score) == score on {where}"), False
     # points whose every value is -inf are masked pairs: consistent with any kind that has a bias
     masked = torch.isneginf(y).all(1)
     live = ~masked
     if not bool(torch.isfinite(y[live]).all()):
         return ScoreModKind("general", "non-finite values on some scores of a pair (not affine, not soft-capping)",
-                            reads_grad=reads_grad)
+                            reads_grad=reads_grad), False
     ys, yb, sb = ys[live], yb[live], sb[live]
     if ys.shape[0] == 0:
         return ScoreModKind("affine", "every probed pair is -inf: a mask written as a score_mod", has_bias=True,
-                            reads_grad=reads_grad)
-    zero = _SCORES.index(0.0)
+                            reads_grad=reads_grad), True
     c = ys[:, zero]  # the bias term: score_mod(0, ...)
     # affine: slope from the widest pair of scores, residual on every other score
-    slope = (ys[:, 8] - ys[:, 0]) / (sb[:, 8] - sb[:, 0])  # scores 250 and -1000
+    slope = (ys[:, hi] - ys[:, lo]) / (sb[:, hi] - sb[:, lo])  # scores 250 and -1000
     fit = slope.unsqueeze(1) * sb + c.unsqueeze(1)
     tol = _RTOL * (sb.abs() * slope.abs().unsqueeze(1) + c.abs().unsqueeze(1) + 1)
     if bool(((ys - fit).abs() <= tol).all()):
@@ -318,9 +385,9 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
         if bool((slope - a).abs().le(_RTOL * abs(a)).all()) and a > 0:
             has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
             return ScoreModKind("affine", f"score_mod(score) == {a:.6g}·score + bias(b, h, q_idx, kv_idx) on "
-                                f"{n} points x {sb.shape[1]} scores", factor=a, has_bias=has_bias, reads_grad=reads_grad)
+                                f"{where}", factor=a, has_bias=has_bias, reads_grad=reads_grad), False
         return ScoreModKind("general", "affine in the score, but its factor varies with (b, h, q_idx, kv_idx) or "
-                            "is not > 0 (only a constant positive factor folds into scale)", reads_grad=reads_grad)
+                            "is not > 0 (only a constant positive factor folds into scale)", reads_grad=reads_grad), False
     # soft-capping (plus a bias): y - y(0) == cap·tanh(score / cap), cap = y(_BIG) - y(0)
     cap = yb - c
     cap0 = float(cap[0])
@@ -330,9 +397,34 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
             has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
             return ScoreModKind("softcap", f"score_mod(score) == {cap0:.6g}·tanh(score / {cap0:.6g})"
                                 + (" + bias(b, h, q_idx, kv_idx)" if has_bias else "")
-                                + f" on {n} points x {sb.shape[1]} scores", softcap=cap0, has_bias=has_bias,
-                                reads_grad=reads_grad)
-    return ScoreModKind("general", f"neither affine in the score nor soft-capping on {n} probed points",
+                                + f" on {where}", softcap=cap0, has_bias=has_bias,
+                                reads_grad=reads_grad), False
+    return ScoreModKind("general", f"neither affine in the score nor soft-capping on {where}",
+                        reads_grad=reads_grad), False
+
+
+def _combine(*groups) -> ScoreModKind:
+    """One ScoreModKind from the (kind, factor free) of each group of probe points: they must agree on the
+    kind (the identity is an affine kind of factor 1 without bias), the factor and the cap."""
+    kinds = [k for k, _ in groups]
+    reads_grad = any(k.reads_grad for k in kinds)
+    for k in kinds:
+        if k.kind == "general":
+            return k
+    if all(k.kind == "identity" for k in kinds):
+        return ScoreModKind("identity", "; ".join(k.reason for k in kinds))
+    caps = {k.softcap for k in kinds if k.kind == "softcap"}
+    softcap = any(k.kind == "softcap" for k in kinds)
+    free_ok = all(free or (k.kind == "softcap") == softcap for k, free in groups)
+    factors = [k.factor for k, free in groups if not free and k.kind != "softcap"]
+    reason = "; ".join(k.reason for k in kinds)
+    if not free_ok or len(caps) > 1 or any(abs(f - factors[0]) > _RTOL * abs(factors[0]) for f in factors):
+        return ScoreModKind("general", "the probe points disagree on the kind, factor or cap: " + reason,
+                            reads_grad=reads_grad)
+    has_bias = any(k.has_bias for k in kinds)
+    if softcap:
+        return ScoreModKind("softcap", reason, softcap=caps.pop(), has_bias=has_bias, reads_grad=reads_grad)
+    return ScoreModKind("affine", reason, factor=factors[0] if factors else 1.0, has_bias=has_bias,
                         reads_grad=reads_grad)
 
 
@@ -408,12 +500,18 @@ def _bias_blocks(score_mod, B, H, i, j, dtype):
 # Note [Relative bias probe]: a bias that depends on (h, q_idx - kv_idx) only is a table of L + S - 1 values
 # per head: evaluated once per offset (not once per kept pair: the per-pair gathers were most of the time
 # of a T5 or learned relative bias) and added by the compiled kernel inside its tiles (csrc Note [Relative
-# bias]), whose gradient, summed per diagonal, autograd takes on into the captured tensors. The probe:
-# _REL_POINTS random pairs (the extreme offsets and the diagonal among them) against a second pair of the
-# same offset, with other b and q_idx, must give equal biases (exactly, or within _RTOL; -inf matching
-# -inf). A bias equal along diagonals only on the probes (a rare absolute position singled out) would be
-# misread, as any probe can be fooled; flex_plan says the probe found it ("bias: relative").
-_REL_POINTS = 64
+# bias]), whose gradient, summed per diagonal, autograd takes on into the captured tensors. The probe
+# evaluates the table itself, score_mod(0, 0, h, lo(d), lo(d) + d) for every h and every offset d (lo(d)
+# the first q_idx that has it, as _relative_table does), and checks, within _RTOL (-inf matching -inf),
+# that every offset has the same value at _REL_SETS other (b, q_idx) along the whole offset range (the
+# last q_idx of the offset, a middle one, a random one; b and h cycling, so every b and h meets many
+# offsets), and on _LINES whole query rows and key columns (every kv_idx at one q_idx, every q_idx at one
+# kv_idx) against the table. That is O(H·(L + S)) evaluations, the table's own size. What it proves: a
+# bias that departs from a table of (h, offset) at any single b, h, q_idx, kv_idx or offset value is
+# refused (a bias on key 7, on one batch element, on one offset's far end); what it does not: a departure
+# confined to isolated (q_idx, kv_idx) pairs off those lines and off the sampled q_idx of their offset
+# ((q_idx == 5) & (kv_idx == 7), say) can pass; flex_plan says the probe found it ("bias: relative").
+_REL_SETS = 3
 
 
 def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
@@ -422,23 +520,36 @@ def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
     if L == 0 or S == 0:
         return False
     g = torch.Generator().manual_seed(seed + 2)
-    n = _REL_POINTS
-    d = torch.randint(-(L - 1), S, (n,), generator=g)  # offsets kv_idx - q_idx
-    d[0], d[1], d[2] = -(L - 1), S - 1, 0
-    lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)  # the q_idx that offset d has, [lo, hi]
-
-    def pick():
-        return lo + (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo + 1)).long().clamp(max=hi - lo)
-    q1, q2 = pick(), pick()
-    q1[:3], q2[:3] = lo[:3], hi[:3]
-    b1, b2 = (torch.randint(0, max(1, B), (n,), generator=g) for _ in range(2))
-    h = torch.randint(0, max(1, H), (n,), generator=g)
-    z = torch.zeros(n, 1, dtype=torch.float64)
-    with torch.no_grad():  # (n, 1) index tensors, as probe_score_mod calls it
-        y1, y2 = (torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), (qi + d).view(n, 1)),
-                                     (n, 1)).double() for b, qi in ((b1, q1), (b2, q2)))
-    same = (y1 == y2) | ((y1 - y2).abs() <= _RTOL * (y1.abs() + y2.abs() + 1))
+    with torch.no_grad():
+        ref = _relative_table(score_mod, H, L, S, torch.float64).double()  # (H, W): offset d at column d + L - 1
+        d = torch.arange(-(L - 1), S)
+        W = d.numel()
+        lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)
+        rq = lo + (torch.rand(W, generator=g, dtype=torch.float64) * (hi - lo + 1)).long().clamp(max=hi - lo)
+        ar = torch.arange(W)
+        sets = [(ar % max(1, B), ar % max(1, H), hi), ((ar + 1) % max(1, B), (ar + 1) % max(1, H), (lo + hi) // 2),
+                (torch.randint(0, max(1, B), (W,), generator=g), torch.randint(0, max(1, H), (W,), generator=g), rq)]
+        bs, hs, qs, ks = ([s[0] for s in sets], [s[1] for s in sets], [s[2] for s in sets], [s[2] + d for s in sets])
+        for k in range(_LINES):  # whole rows and columns
+            q0, k0 = int(torch.randint(0, L, (1,), generator=g)), int(torch.randint(0, S, (1,), generator=g))
+            jr, ic = torch.arange(S), torch.arange(L)
+            bs += [(jr + k) % max(1, B), (ic + k + 1) % max(1, B)]
+            hs += [(jr + k) % max(1, H), (ic + k + 1) % max(1, H)]
+            qs += [torch.full((S,), q0), ic]
+            ks += [jr, torch.full((L,), k0)]
+        b, h, qi, ki = (torch.cat(t) for t in (bs, hs, qs, ks))
+        n = b.numel()
+        z = torch.zeros(n, 1, dtype=torch.float64)
+        y = torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), ki.view(n, 1)), (n, 1))
+        y = y.double().view(n)
+        want = ref[h % ref.shape[0], ki - qi + (L - 1)] if H else y
+    same = (y == want) | ((y - want).abs() <= _RTOL * (y.abs() + want.abs() + 1))
     return bool(same.all())
+
+
+def _relative_probe_count(L, S) -> int:
+    """How many points _relative_probe compares against its table (Note [Relative bias probe])."""
+    return _REL_SETS * (L + S - 1) + _LINES * (L + S)
 
 
 def _relative_table(score_mod, H, L, S, dtype):
@@ -554,8 +665,9 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
             bias = "relative"
             kw["pattern"] = repr(mask.pattern)
             kw["rel_bias"] = f"score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx: [{H}, {L + S - 1}]"
-            notes.append(f"the bias probed as a function of (h, q_idx - kv_idx) only ({_REL_POINTS} pairs against "
-                         "pairs of the same offset): one compiled-kernel call adds it from a table per offset, the "
+            notes.append(f"the bias probed as a function of (h, q_idx - kv_idx) only (every offset's table value "
+                         f"against {_REL_SETS} other (b, q_idx) each and {_LINES} whole rows and columns; a departure "
+                         "on isolated (q_idx, kv_idx) pairs off those can pass): one compiled-kernel call adds it from a table per offset, the "
                          "mask as a pattern (Note [Relative bias probe]); memory and gradient O(H·(L + S))")
         else:
             bias = "kept blocks"
@@ -680,8 +792,11 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Returns: out [B, H, L, Ev] in query's dtype (0 for a row with no key), and lse / AuxOutput as asked.
 
-    Paths (``flex_plan`` says which one a call takes and why): score_mod is probed on a few random points
-    (Note [Probing score_mod]). None / identity / soft-capping run ``attnlab.attention`` with the mask as a
+    Paths (``flex_plan`` says which one a call takes and why): score_mod is probed, vectorised, on lines of
+    points covering every value of each of b, h, q_idx, kv_idx and every offset, plus random points: O(L + S)
+    calls' worth, never L×S (Notes [Probing score_mod], [Structured probes]). It sees a score_mod that
+    singles out any one index value; a departure confined to isolated (q_idx, kv_idx) pairs off those lines
+    can pass unseen. None / identity / soft-capping run ``attnlab.attention`` with the mask as a
     pattern (a BlockMask proved to be a band runs as attnlab's band pattern, Note [Bands proved once per
     BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, whose bias probes
     as a function of (h, q_idx - kv_idx) only evaluates it once per offset and runs one compiled-kernel call
