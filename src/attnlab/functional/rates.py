@@ -44,6 +44,8 @@ __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "machine_key", 
 FORMAT = 1
 #: the rates a calibration fits, by the planner's constant names (COMPILED_DENSE_MIN_PAIRS has no constant:
 #: the built-in table has none, and a file without it, written before it was fitted, still loads)
+#: the mask kinds of a COMPILED_DENSE_MIN_PAIRS key ("<dtype> <kind>") and whether each is causal
+_MASK_KINDS = dict(dense=False, causal=True)
 RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED",
               "COMPILED_DENSE_MIN_PAIRS")
 
@@ -170,9 +172,9 @@ def _from_json(doc: dict, path: Path) -> Rates:
     least = {}
     for name, p in r.get("COMPILED_DENSE_MIN_PAIRS", {}).items():
         dt, _, kind = name.partition(" ")
-        if kind not in ("dense", "causal"):
+        if kind not in _MASK_KINDS:
             raise ValueError(f"COMPILED_DENSE_MIN_PAIRS keys are '<dtype> dense|causal', got {name!r}")
-        least[(_dtype(dt), kind == "causal")] = None if p is None else float(p)
+        least[(_dtype(dt), _MASK_KINDS[kind])] = None if p is None else float(p)
     if any(p is not None and not (p >= 0 and p < float("inf")) for p in least.values()):
         raise ValueError("COMPILED_DENSE_MIN_PAIRS must be finite and >= 0, or null (never)")
     when = doc.get("created", "?")
