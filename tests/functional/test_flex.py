@@ -538,3 +538,22 @@ def test_probe_sees_one_index_value(name, score_mod, kind, bias):
         ref = torch_flex(q, k, v, score_mod=score_mod)
         out = attnlab.flex_attention(q, k, v, score_mod=score_mod)
     assert_close(out, ref, **F64, what=name)
+
+
+def test_bias_computed_in_the_score_dtype():
+    """A float32 bias combined with the score after it, ``(s + x) * c``, computes in the inputs' float64 as
+    torch's [B, H, L, S] score makes it (a 0-dim zero score would leave it in float32)."""
+    import attnlab
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 24, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(24, 24, generator=g)  # float32 on purpose
+
+    def mod(s, b, h, qi, ki):
+        return (s + x[qi, ki] * 0.1) * 0.7
+
+    got = attnlab.flex_attention(q, k, v, score_mod=mod)
+    want = torch_flex(q, k, v, score_mod=mod)
+    # float64 agreement: far below float32's rounding of the bias (~1e-8 relative to its size)
+    assert (got - want).abs().max().item() < 1e-12

@@ -492,7 +492,9 @@ def _bias_blocks(score_mod, B, H, i, j, dtype):
     over what it does not read; differentiable into the tensors it reads)."""
     b = torch.arange(B).view(B, 1, 1, 1)
     h = torch.arange(H).view(1, H, 1, 1)
-    y = score_mod(torch.zeros((), dtype=dtype), b, h, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
+    # a zero score with dims, as torch's [B, H, L, S] score has: a float32 bias mixed with it then computes in
+    # ``dtype`` (a 0-dim zero would leave ``(s + x) * c`` in float32)
+    y = score_mod(torch.zeros(1, 1, 1, 1, dtype=dtype), b, h, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
     y = y.view(*([1] * (4 - y.dim())), *y.shape) if y.dim() < 4 else y
     return y.to(dtype).expand(*y.shape[:2], i.numel(), j.numel())
 
@@ -558,7 +560,7 @@ def _relative_table(score_mod, H, L, S, dtype):
     d = torch.arange(-(L - 1), S)  # (W,)
     i = (-d).clamp(min=0)
     h = torch.arange(H).view(H, 1)
-    y = score_mod(torch.zeros((), dtype=dtype), torch.zeros(1, 1, dtype=torch.long), h, i.view(1, -1),
+    y = score_mod(torch.zeros(1, 1, dtype=dtype), torch.zeros(1, 1, dtype=torch.long), h, i.view(1, -1),
                   (i + d).view(1, -1))
     return torch.broadcast_to(y.to(dtype), (H, d.numel()))
 
