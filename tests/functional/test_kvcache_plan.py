@@ -34,3 +34,27 @@ def test_explain_shows_the_decode_plan():
     text = plan.reason
     assert f"× {want.splits} key split" in text and f"= {want.units} units" in text, text
     assert "32 MiB of K/V" in text and "GB/s read bandwidth" in text and "no copy" in text
+
+
+@pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
+@pytest.mark.parametrize("hq,hkv,dtype,pattern,want", [
+    (8, 8, torch.float32, None, "sdpa"),                     # Note [Plain MHA decode]
+    (8, 8, torch.bfloat16, None, "compiled"),                # SDPA converts bf16: the decode path
+    (32, 8, torch.float32, None, "compiled"),                # GQA without copies
+    (8, 8, torch.float32, "window", "compiled"),             # a pattern SDPA would get as an L×S mask
+])
+def test_plain_mha_decode_goes_to_sdpa(hq, hkv, dtype, pattern, want):
+    from attnlab import patterns as P
+
+    q = torch.randn(1, hq, 1, 64, dtype=dtype)
+    k = v = torch.randn(1, hkv, 512, 64, dtype=dtype)
+    pat = P.sliding_window(64) if pattern else None
+    with torch.no_grad():
+        plan = attnlab.explain(q, k, v, enable_gqa=hq != hkv, pattern=pat)
+        out = attnlab.attention(q, k, v, enable_gqa=hq != hkv, pattern=pat)
+    assert plan.method == want, plan.reason
+    mask = None if pat is None else pat.materialize(1, 512)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                           enable_gqa=hq != hkv)
+    eps = torch.finfo(dtype).eps
+    assert (out.double() - ref).abs().max().item() < 64 * eps
