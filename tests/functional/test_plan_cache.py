@@ -198,3 +198,36 @@ def test_live_costs_nothing_without_a_mask():
     live = p.live()
     assert live.dead is None and live.info is p.info and live.key_range == (0, 2**31, 2**31)
     assert planner.plan(live, costs=False, device="cpu").method in attnlab.METHODS
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True), dict(enable_gqa=True), dict(scale=-0.3, is_causal=True)])
+def test_a_plain_sdpa_hit_runs_sdpa_directly(kw, monkeypatch):
+    """A repeated plain call whose plan is SDPA runs it straight on the caller's tensors (``Kernel.direct``):
+    no prepared inputs are rebuilt, and the result is SDPA's (scale <= 0 with causal included: Note
+    [Causal with scale <= 0])."""
+    from attnlab.shapes import Prepared
+
+    plancache.clear()
+    hq = 4
+    hkv = 2 if kw.get("enable_gqa") else 4
+    q = torch.randn(2, hq, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(2, hkv, 6, 8, dtype=torch.float64), torch.randn(2, hkv, 6, 8, dtype=torch.float64)
+    first = attnlab.attention(q, k, v, method="sdpa", **kw)
+    monkeypatch.setattr(Prepared, "rebind", lambda *a, **k_: pytest.fail("a direct hit rebuilt the inputs"))
+    q2, k2, v2 = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+    again = attnlab.attention(q2, k2, v2, method="sdpa", **kw)
+    want = attnlab.reference.attention(q2, k2, v2, **kw)[0]  # the float64 oracle (output, weights)
+    assert (again - want).abs().max().item() < 1e-12
+    assert first.shape == again.shape
+
+
+def test_no_direct_path_where_inputs_need_preparing():
+    """Dead keys (a pattern cutting keys), a mask and non-4-D inputs keep the prepared path."""
+    q = torch.randn(1, 2, 8, 4)
+    for kw, shape in ((dict(pattern=P.sliding_window(2)), (1, 2, 8, 4)), (dict(), (2, 8, 4))):
+        plancache.clear()
+        x = q.reshape(shape)
+        attnlab.attention(x, x, x, method="sdpa", **kw)
+        (hit,) = [plancache.get(plancache.signature(x, x, x, None, 0.0, False, None, False, kw.get("pattern"), None,
+                                                     None, "sdpa", False, False, None))]
+        assert hit is not None and hit[2] is None

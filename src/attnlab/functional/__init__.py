@@ -66,13 +66,15 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                               softcap, alibi_slopes, method, need_weights, strict, block_size)
     hit = plancache.get(sig)  # Note [Plan cache]: a repeated signature skips the checks and the planning
     if hit is not None:
+        if hit[2] is not None:  # the kernel straight on the caller's tensors (``Kernel.direct``)
+            return hit[2](query, key, value)
         return run(hit[0].rebind(query, key, value), need_weights=need_weights, plan=hit[1])
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
                 alibi_slopes=alibi_slopes).live()
     plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
     i = p.info  # Note [Background calibration]: the first long call of a process may start one
     rates.note_call(rates.seconds_for(2 * p.N * i.H * i.L * i.S * (i.E + i.Ev)))
-    plancache.put(sig, p.template(), plan)
+    plancache.put(sig, p.template(), plan, plan.kernel.direct(p, plan.tiling, need_weights) if sig else None)
     return run(p, need_weights=need_weights, plan=plan)
 
 

@@ -94,7 +94,7 @@ def signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
 
 
 def get(sig):
-    """(template, plan) cached under ``sig``, or None."""
+    """(template, plan, direct) cached under ``sig`` (``put``), or None."""
     if sig is None:
         return None
     hit = _ENTRIES.get(sig)
@@ -106,11 +106,13 @@ def get(sig):
     return hit
 
 
-def put(sig, template, plan) -> None:
-    """Keep ``(template, plan)`` under ``sig`` (a None signature keeps nothing)."""
+def put(sig, template, plan, direct=None) -> None:
+    """Keep ``(template, plan, direct)`` under ``sig`` (a None signature keeps nothing). ``direct``: the
+    plan's kernel as one callable on the caller's (query, key, value), when the kernel has one for these
+    inputs (``Kernel.direct``): a hit then skips rebuilding the prepared inputs too."""
     if sig is None:
         return
-    _ENTRIES[sig] = (template, plan)
+    _ENTRIES[sig] = (template, plan, direct)
     _ENTRIES.move_to_end(sig)
     while len(_ENTRIES) > MAX_ENTRIES:
         _ENTRIES.popitem(last=False)

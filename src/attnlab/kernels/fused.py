@@ -136,6 +136,18 @@ class SDPAKernel(Kernel):
     """PyTorch's fused attention as a kernel: no tiling; a pattern or mask is passed as one L×S mask
     (``materialize``), ALiBi written out into it."""
 
+    def direct(self, p, t: Tiling | None, need_weights: bool = False):
+        """SDPA on the caller's 4-D tensors for plain or causal inputs with no dead key: what ``run`` calls
+        for them, with the arguments fixed once (Note [Plan cache])."""
+        info, mask = p.info, p.mask
+        gqa = info.H != info.Hkv
+        cut = p.key_range is not None and p.key_range[:2] != (0, p.key_range[2])  # live keys are a slice
+        if (need_weights or p.empty or p.dead is not None or cut or len(p.out_shape) != 4
+                or not (mask.is_trivial or p.is_causal_only) or (gqa and not SDPA_GQA)):
+            return None
+        dropout_p, causal, scale = p.dropout_p, p.is_causal_only, info.scale
+        return lambda q, k, v: sdpa(q, k, v, None, dropout_p, causal, scale, gqa)
+
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, None, None), or with ``need_lse`` (out, None, lse) from the private CPU flash op (plain or
         causal inputs only, as declared; raises ``Declined`` when the op is missing or refuses them)."""

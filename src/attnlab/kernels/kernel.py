@@ -120,6 +120,12 @@ class Kernel:
         return Cost(self.spec.flops(r, t), self.spec.peak_bytes(r, t), self.seconds(r, t, rates), gflops, source)
 
     # -- running -------------------------------------------------------------------------------------
+    def direct(self, p, t: Tiling | None, need_weights: bool = False):
+        """``run`` for inputs of ``p``'s signature as one callable ``f(query, key, value) -> out`` on the
+        caller's own tensors (the plan cache keeps it: a repeated small call then does no Python work but
+        the signature), or None when running needs the prepared inputs (masks, dead keys, reshapes)."""
+        return None
+
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out [N, H, L, Ev], weights [N, H, L, S] or None, lse [N, H, L] or None) for prepared inputs ``p``."""
         raise NotImplementedError
