@@ -6,11 +6,18 @@ and decode-only tokens/s (the n - 1 steps after the prefill, timed step loop), w
 cache, and their ratios (cache / no cache).
 Both runs must produce the same tokens (checked and recorded).
 
+With ``hf=True`` (``attnlab bench generate --hf``) it measures a Hugging Face Llama-shaped model (random
+weights, GQA) instead: ``generate`` on ``attn_implementation="attnlab"`` (the decode kernel, the in-place cache
+of Note [HF in-place generation]) against transformers' own ``"sdpa"`` with its default cache, each called as
+a user would, in interleaved rounds: tokens/s of ``generate``, and per new token the decode time ``(generate of
+n tokens - generate of 1) / (n - 1)``, the prefill excluded; both must give the same greedy tokens.
+
 ``run(GenerateConfig(...)) -> GenerateBench``: no printing, no argv (the CLI is ``attnlab bench generate``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import math
 import time
 from typing import Callable
 
@@ -26,6 +33,9 @@ __all__ = ["GenerateConfig", "GenerateBench", "run"]
 
 QUICK = dict(contexts=(64, 128), new_tokens=4, repeats=1, d_model=64, layers=2, heads=4)
 FULL = dict(contexts=(512, 2048), new_tokens=16, repeats=2, d_model=256, layers=4, heads=8)
+#: ``--hf``: the model where attention dominates decode (issue 23): 2 layers, hidden 512, 8 / 2 heads of dim 64
+HF_QUICK = dict(contexts=(48, 96), new_tokens=4, repeats=1, d_model=64, layers=2, heads=4, kv_heads=2)
+HF_FULL = dict(contexts=(2048, 16384), new_tokens=32, repeats=3, d_model=512, layers=2, heads=8, kv_heads=2)
 
 
 @dataclass
@@ -43,15 +53,24 @@ class GenerateConfig:
     heads: int | None = None
     mechanism: str = "auto"
     threads: int | None = None
+    hf: bool = False
+    kv_heads: int | None = None
 
     def resolved(self) -> dict:
-        """Every size with the defaults filled in, checked: ValueError naming the option otherwise."""
-        base = QUICK if self.quick else FULL
+        """Every size with the defaults filled in, checked: ValueError naming the option otherwise.
+        ``hf``: the defaults are ``HF_QUICK`` / ``HF_FULL``, contexts are prompt lengths, and ``kv_heads``
+        (GQA) must divide ``heads``."""
+        base = (HF_QUICK if self.quick else HF_FULL) if self.hf else QUICK if self.quick else FULL
+        if self.kv_heads is not None and not self.hf:
+            raise ValueError("--kv-heads applies to --hf only (TransformerLM has one kv head per head)")
         v = {k: base[k] if getattr(self, k) is None else getattr(self, k) for k in base}
         v["contexts"] = [int(c) for c in v["contexts"]]
         if v["new_tokens"] < 2 or v["repeats"] < 1:
             raise ValueError(f"--new-tokens must be >= 2 and --repeats >= 1, got {v['new_tokens']} and {v['repeats']}")
-        if any(c <= v["new_tokens"] for c in v["contexts"]):
+        if self.hf:
+            if v["heads"] % v["kv_heads"]:
+                raise ValueError(f"--heads {v['heads']} must be a multiple of --kv-heads {v['kv_heads']}")
+        elif any(c <= v["new_tokens"] for c in v["contexts"]):
             raise ValueError(f"every context must exceed --new-tokens ({v['new_tokens']}), got {v['contexts']}")
         if v["d_model"] % v["heads"]:
             raise ValueError(f"--d-model {v['d_model']} must be divisible by --heads {v['heads']}")
@@ -78,7 +97,9 @@ class GenerateBench:
         """Write generate.json and generate.png into ``out_dir``, atomically; returns both paths."""
         self.files = write_json_and_figure(self.out_dir, "generate", {
             "suite": "generate", "model": self.model, "threads": self.threads, "rows": self.rows, "env": self.env,
-            "note": "speedup = tokens/s with cache / tokens/s without, same run; decode_* excludes the prefill"},
+            "note": ("speedup = attnlab / sdpa, interleaved rounds (medians); decode_* = (generate n - generate 1) / (n - 1)"
+                     if self.model.get("hf") else
+                     "speedup = tokens/s with cache / tokens/s without, same run; decode_* excludes the prefill")},
             lambda ax: _draw(self, ax), figsize=(5, 3))
         return self.files
 
@@ -126,6 +147,9 @@ def run(config: GenerateConfig, *, progress: Callable[[int, int, str], None] | N
     # the KV cache (2 per layer), the activations and the position tables of the longest context
     check_memory(f"--contexts {max(contexts)} --d-model {d}", 4 * (max(contexts) + n_new) * d * (2 * layers + 16),
                  "the KV cache and activations of the longest context")
+    if config.hf:
+        with threads(config.threads):
+            return _run_hf(config, v, progress)
     with threads(config.threads):
         return _run(config, v, progress)
 
@@ -169,8 +193,83 @@ def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
     return res
 
 
+def _llama(v: dict, max_len: int):
+    """A seeded random LlamaForCausalLM of ``v``'s sizes (head dim d_model / heads, MLP ~8/3 d_model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = v["d_model"]
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=d, intermediate_size=64 * max(1, round(8 * d / 3 / 64)),
+                      num_hidden_layers=v["layers"], num_attention_heads=v["heads"],
+                      num_key_value_heads=v["kv_heads"], max_position_embeddings=max_len)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.inference_mode()
+def _run_hf(config: GenerateConfig, v: dict, progress) -> GenerateBench:
+    from ..integrations import hf
+
+    prompts, n_new, repeats = v["contexts"], v["new_tokens"], v["repeats"]
+    d, layers, kvh = v["d_model"], v["layers"], v["kv_heads"]
+    check_memory(f"--contexts {max(prompts)} --d-model {d}",
+                 4 * (max(prompts) + n_new) * (2 * layers * kvh * d // v["heads"] * 2 + 16 * d),
+                 "the KV cache (copied once per step by DynamicCache) and the prefill's activations")
+    hf.register("attnlab")
+    model = _llama(v, max(prompts) + n_new + 1)
+    impls = ("sdpa", "attnlab")
+    res = GenerateBench(str(config.out), {"model": "LlamaForCausalLM (random weights)", "vocab": 1000, "d_model": d,
+                                          "layers": layers, "heads": v["heads"], "kv_heads": kvh,
+                                          "head_dim": d // v["heads"], "baseline": "transformers sdpa, default cache",
+                                          "hf": True}, env=environment(), threads=torch.get_num_threads())
+    total, done = len(prompts) * repeats * len(impls), 0
+    for n_prompt in prompts:
+        ids = torch.randint(0, 1000, (1, n_prompt), generator=torch.Generator().manual_seed(n_prompt))  # (1, P)
+        times = {i: {"one": [], "all": []} for i in impls}
+        tokens = {}
+        for r in range(repeats):  # interleaved rounds, the order alternating
+            for impl in (impls if r % 2 == 0 else impls[::-1]):
+                if progress:
+                    progress(done, total, f"prompt {n_prompt} {impl}: round {r + 1}")
+                model.set_attn_implementation(impl)
+                kw = dict(do_sample=False, pad_token_id=0)
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=1, **kw)
+                t1 = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=n_new, **kw)
+                t2 = time.perf_counter()
+                times[impl]["one"].append(t1 - t0)
+                times[impl]["all"].append(t2 - t1)
+                tokens[impl] = out[0, n_prompt:].tolist()
+                done += 1
+        row = {"context": n_prompt + n_new, "prompt": n_prompt, "new_tokens": n_new}
+        for impl in impls:
+            t_one, t_all = float(np.median(times[impl]["one"])), float(np.median(times[impl]["all"]))
+            per = max(t_all - t_one, 0.0) / (n_new - 1)
+            row[impl] = {"seconds": t_all, "tokens_per_s": n_new / t_all, "prefill_seconds": t_one,
+                         "decode_seconds_per_token": per, "decode_tokens_per_s": 1 / per if per > 0 else math.inf}
+        row["same_tokens"] = tokens["sdpa"] == tokens["attnlab"]
+        row["speedup"] = row["attnlab"]["tokens_per_s"] / row["sdpa"]["tokens_per_s"]
+        a, b = row["sdpa"]["decode_seconds_per_token"], row["attnlab"]["decode_seconds_per_token"]
+        row["decode_speedup"] = a / b if b > 0 else math.inf
+        res.rows.append(row)
+    if not all(r["same_tokens"] for r in res.rows):
+        res.exit_code = 1
+    res.write()
+    if progress:
+        progress(total, total, "done")
+    return res
+
+
 def _draw(res: GenerateBench, ax) -> None:
     cs = [r["context"] for r in res.rows]
+    if res.model.get("hf"):
+        ax.plot(cs, [r["attnlab"]["decode_tokens_per_s"] for r in res.rows], "o-", label='HF "attnlab"')
+        ax.plot(cs, [r["sdpa"]["decode_tokens_per_s"] for r in res.rows], "s-", label='HF "sdpa"')
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length")
+        ax.set_ylabel("decode tokens / s")
+        ax.legend()
+        return
     ax.plot(cs, [r["cache"]["decode_tokens_per_s"] for r in res.rows], "o-", label="KV cache")
     ax.plot(cs, [r["no_cache"]["decode_tokens_per_s"] for r in res.rows], "s-", label="no cache")
     ax.set_xscale("log", base=2)

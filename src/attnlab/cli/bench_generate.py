@@ -10,7 +10,7 @@ from .common import add_force
 
 def build_parser(p) -> None:
     """Add ``bench generate``'s options (--quick, --out, --contexts, --new-tokens, --repeats, model sizes,
-    --mechanism, --threads) to the argparse parser ``p``."""
+    --mechanism, --threads, --hf, --kv-heads) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="tiny model, contexts 64 and 128 (seconds)")
     p.add_argument("--out", default=GenerateConfig.out, help=f"output folder (default {GenerateConfig.out})")
     add_force(p)
@@ -23,13 +23,18 @@ def build_parser(p) -> None:
     p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 8; quick 4)")
     p.add_argument("--mechanism", default="auto", help="attention mechanism of the model (default auto)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
+    p.add_argument("--hf", action="store_true",
+                   help="a Hugging Face Llama-shaped model: generate on attn_implementation='attnlab' vs transformers' "
+                        "'sdpa' (needs transformers; contexts are prompt lengths, default 2048,16384; 2 layers, "
+                        "d-model 512, 8 heads, 2 kv heads, 32 new tokens, 3 repeats)")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads of the --hf model (default 2)")
 
 
 def config_from_args(args) -> GenerateConfig:
     """The :class:`GenerateConfig` of parsed options (checked; --out is not checked here)."""
     cfg = GenerateConfig(out=args.out, quick=args.quick, contexts=args.contexts, new_tokens=args.new_tokens,
                          repeats=args.repeats, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                         mechanism=args.mechanism, threads=args.threads)
+                         mechanism=args.mechanism, threads=args.threads, hf=args.hf, kv_heads=args.kv_heads)
     cfg.resolved()
     return cfg
 
@@ -40,12 +45,28 @@ def run(args) -> GenerateBench:
 
 
 def render(res: GenerateBench) -> None:
-    """Print one row per context: tokens/s with and without the cache, their ratios, same tokens."""
+    """Print one row per context: tokens/s with and without the cache, their ratios, same tokens (with --hf:
+    attnlab's and sdpa's tokens/s and decode ms per token, their ratios, same tokens)."""
     from .common import console as new_console
     from rich.table import Table
 
     m = res.model
     n_new = res.rows[0]["new_tokens"] if res.rows else 0
+    if m.get("hf"):
+        t = Table(title=f"HF Llama generate ({m['layers']} layers, d={m['d_model']}, {m['heads']}/{m['kv_heads']} heads), "
+                        f"greedy, {n_new} new tokens: attnlab vs transformers sdpa")
+        for col in ("prompt", "attnlab tok/s", "sdpa tok/s", "speedup", "attnlab ms/token", "sdpa ms/token",
+                    "decode speedup", "same tokens"):
+            t.add_column(col, justify="right")
+        for r in res.rows:
+            a, b = r["attnlab"], r["sdpa"]
+            t.add_row(str(r["prompt"]), f"{a['tokens_per_s']:.1f}", f"{b['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{a['decode_seconds_per_token'] * 1e3:.2f}", f"{b['decode_seconds_per_token'] * 1e3:.2f}",
+                      f"{r['decode_speedup']:.2f}x", "yes" if r["same_tokens"] else "NO")
+        console = new_console()
+        console.print(t)
+        console.print(f"wrote {res.files[0] if res.files else res.out_dir}")
+        return
     t = Table(title=f"TransformerLM generate (d={m['d_model']}, {m['layers']} layers), greedy, {n_new} new tokens")
     for col in ("context", "cache tok/s", "no-cache tok/s", "speedup", "decode speedup", "same tokens"):
         t.add_column(col, justify="right")

@@ -23,7 +23,7 @@ from ..kernels import decode as decode_kernel
 from ..shapes import AttentionDtypeError, AttentionInputError, check_softcap, shape_str
 
 __all__ = ["attention_with_kvcache", "QuantizedKV", "Rotary", "INT8_ERROR_BUDGET", "decode_applies", "decode_reason",
-           "run_prepared"]
+           "run_prepared", "direct"]
 
 #: Note [int8 KV error budget]: an int8 row is x ≈ data · scale with scale = max|x| / 127 (symmetric, per token
 #: and kv head, round to nearest), so each element is off by at most scale / 2 = max|x| / 254. On Gaussian rows
@@ -435,11 +435,11 @@ def decode_reason(p, costs: bool = False) -> str:
                               bandwidth=bw).describe()
 
 
-def run_prepared(p, return_lse: bool = False):
-    """``attention`` on prepared inputs through the decode kernel: out [B, H, L, Ev] (and lse [B, H, L]).
-    A band pattern (causal, sliding windows, any alignment) becomes the kernel's key range; key padding by
-    lengths its per-sequence lengths; other patterns and user masks a bool keep [B|1, H|1, L, S] (L×S is
-    small at decode sizes) read through strides; ALiBi keeps attnlab's alignment i + S - L."""
+def _decode_args(p) -> dict:
+    """The decode kernel's keywords for prepared inputs ``p`` (what ``run_prepared`` passes it but the tensors
+    and ``out``): a band pattern (causal, sliding windows, any alignment) becomes the kernel's key range; key
+    padding by lengths its per-sequence lengths; other patterns and user masks a bool keep [B|1, H|1, L, S]
+    (L×S is small at decode sizes) read through strides; ALiBi keeps attnlab's alignment i + S - L."""
     i, mask = p.info, p.mask
     N, L, S = p.N, i.L, i.S
     seqlens = S  # an int until key padding shortens a sequence (Note [Decode call overhead])
@@ -465,17 +465,48 @@ def run_prepared(p, return_lse: bool = False):
         m = m.view(-1, 1, L, S)
         keep = m if keep is None else keep & m
     bias = mask.bias
-    slopes = None
-    if mask.alibi is not None:
-        slopes = mask.alibi.expand(N, i.H)
-    out = torch.empty(N, i.H, L, i.Ev, dtype=p.q.dtype)
-    kp = None if keep is None else keep.expand(N, i.H, L, S)
-    bp = None if bias is None else bias.expand(N, i.H, L, S)
-    out, lse = decode_kernel.decode_attention(
-        p.q, p.kv_k.transpose(1, 2), p.kv_v.transpose(1, 2), scale=i.scale, seqlens=seqlens,
-        mask_offset=0, left=left, right=right, keep=kp, bias=bp, softcap=mask.softcap_for(torch.float32) or 0.0,
-        alibi_slopes=slopes, alibi_offset=S - L, out=out)
+    return dict(scale=i.scale, seqlens=seqlens, mask_offset=0, left=left, right=right,
+                keep=None if keep is None else keep.expand(N, i.H, L, S),
+                bias=None if bias is None else bias.expand(N, i.H, L, S),
+                softcap=mask.softcap_for(torch.float32) or 0.0,
+                alibi_slopes=None if mask.alibi is None else mask.alibi.expand(N, i.H), alibi_offset=S - L)
+
+
+def run_prepared(p, return_lse: bool = False):
+    """``attention`` on prepared inputs through the decode kernel: out [B, H, L, Ev] (and lse [B, H, L]);
+    the masks as ``_decode_args`` turns them into the kernel's arguments."""
+    out = torch.empty(p.N, p.info.H, p.info.L, p.info.Ev, dtype=p.q.dtype)
+    out, lse = decode_kernel.decode_attention(p.q, p.kv_k.transpose(1, 2), p.kv_v.transpose(1, 2), out=out,
+                                              **_decode_args(p))
     return (out, lse) if return_lse else out
+
+
+def direct(p):
+    """``run_prepared`` for inputs of ``p``'s signature as one callable ``f(query, key, value) -> out`` on the
+    caller's 4-D tensors, its arguments built once (Note [Decode direct call]), or None when running reads
+    more than the signature holds (a mask tensor, key padding lengths, dead keys, non-4-D inputs)."""
+    i = p.info
+    if (p.empty or len(p.out_shape) != 4 or p.dead is not None
+            or (p.key_range is not None and p.key_range[:2] != (0, p.key_range[2]))):
+        return None
+    kw = _decode_args(p)
+    if kw["keep"] is not None or kw["bias"] is not None or kw["alibi_slopes"] is not None \
+            or not isinstance(kw["seqlens"], int):
+        return None
+    # Note [Decode direct call]: a repeated decode call (the plan cache's hit) then does the signature, these
+    # few lines and decode_attention's own O(1) checks: the lengths and offsets are fixed int64 tensors the
+    # kernel only reads, the keywords fixed; only ``out`` is new each call (the caller keeps it)
+    N, H, L, Ev, dtype = p.N, i.H, i.L, i.Ev, p.q.dtype
+    kw["seqlens"] = torch.full((N,), kw["seqlens"], dtype=torch.int64)
+    kw["mask_offset"] = torch.zeros(N, dtype=torch.int64)
+    del kw["alibi_slopes"], kw["alibi_offset"], kw["keep"], kw["bias"]
+    run = decode_kernel.decode_attention
+
+    def decode_direct(query, key, value):  # (B, H, L, E), (B, Hkv, S, E|Ev) -> (B, H, L, Ev)
+        out = torch.empty(N, H, L, Ev, dtype=dtype)
+        return run(query, key.transpose(1, 2), value.transpose(1, 2), out=out, **kw)[0]
+
+    return decode_direct
 
 
 def _and_parts(pat):

@@ -28,6 +28,7 @@ active the model runs on an attnlab implementation that calls them (Note [HF hoo
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import weakref
@@ -36,7 +37,8 @@ from typing import Iterator
 import torch
 
 from .. import patterns as P
-from ..functional import METHODS, attention
+from ..functional import METHODS, attention, planner
+from ..kernels import decode as decode_kernel
 from ..nn.hooks import AttentionHooks, HookContext
 
 __all__ = ["register", "register_all", "attention_function", "registered", "HookedAttention", "hook_modules",
@@ -102,6 +104,43 @@ def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is
     return r if need_weights else (r, None)
 
 
+# Note [HF decode step]: a generation step (query [B, H, L <= 16, D] against the cache's S > L keys, no pattern,
+# inference) changes S every step, so attnlab.attention's plan cache never hits there and each step would be
+# prepared and planned anew. For "auto" and "compiled" the step goes straight to what auto would run: the decode
+# kernel (GQA, half types, HF's bool mask of a padded batch read as the kernel's keep), or SDPA for plain float32
+# multi-head attention (planner Note [Plain MHA decode]). The kernel writes the output in HF's [B, L, H, Dv]
+# layout, so no transpose copy follows. Anything else (weights, dropout, grad, a float mask, top-left causal
+# L > 1, another device) takes attnlab.attention.
+_STEP_MECHANISMS = ("auto", "compiled")
+
+
+def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need_weights):
+    """out [B, L, H, Dv] for a generation step on the route of Note [HF decode step], or None."""
+    B, H, L, D = query.shape
+    S = key.shape[2]
+    if (need_weights or module.training or not 1 <= L <= decode_kernel.MAX_QUERIES or S <= L or B == 0
+            or (is_causal and L > 1) or query.device.type != "cpu" or query.dtype not in decode_kernel.DTYPES
+            or key.dtype != query.dtype or value.dtype != query.dtype or key.shape[1] == 0 or H % key.shape[1]):
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-1] != S
+                             or mask.shape[1] not in (1, H) or mask.shape[0] not in (1, B)
+                             or mask.shape[2] not in (1, L)):
+        return None
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
+    if (mech == "auto" and mask is None and key.shape[1] == H
+            and query.dtype in planner.PLAIN_MHA_DECODE_ON_SDPA):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale)  # (B, H, L, Dv)
+        return out.transpose(1, 2).contiguous()
+    if not decode_kernel.available():
+        return None
+    out = query.new_empty(B, L, H, value.shape[3])  # (B, L, H, Dv): HF's layout, written by the kernel
+    decode_kernel.decode_attention(query, key.transpose(1, 2), value.transpose(1, 2), scale=scale, seqlens=S,
+                                   keep=mask, out=out.transpose(1, 2))
+    return out
+
+
 def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
     """An AttentionInterface function running ``mechanism`` (a core method name, a registered
     mechanism name or instance), restricted to ``pattern``.
@@ -115,10 +154,15 @@ def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
     if pattern is not None and not isinstance(pattern, P.Pattern):
         raise TypeError(f"pattern must be an attnlab Pattern or None, got {type(pattern).__name__}")
     mech = _resolve(mechanism)
+    steps = pattern is None and isinstance(mech, str) and mech in _STEP_MECHANISMS
 
     def attnlab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         need_weights = bool(kwargs.get("output_attentions", False))
         is_causal = _is_causal(module, query, attention_mask, kwargs)
+        if steps:  # Note [HF decode step]
+            out = _decode_step(mech, query, key, value, attention_mask, scaling, module, is_causal, need_weights)
+            if out is not None:
+                return out, None
         out, weights = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout,
                                is_causal, need_weights)
         return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Dv)
@@ -136,6 +180,7 @@ def register(name: str = "attnlab", mechanism="auto", pattern: P.Pattern | None 
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, sdpa_mask)
     _REGISTERED[name] = (mechanism, pattern)
+    _install_generation_hook()  # Note [HF in-place generation]
     return name
 
 
@@ -227,6 +272,60 @@ def _in_place_classes():
 
     _IN_PLACE["classes"] = (InPlaceLayer, InPlaceCache)
     return _IN_PLACE["classes"]
+
+
+# Note [HF in-place generation]: transformers' generate makes its DynamicCache in
+# GenerationMixin._prepare_cache_for_generation (it has no registry of cache kinds to add one to). register()
+# wraps that method once: for a model whose attention runs on an attnlab implementation (config._attn_implementation
+# registered here), no cache passed and no cache_implementation asked for, the DynamicCache it made gets
+# InPlaceLayers reserving max_cache_length positions (generate's max_length) for its full-attention layers, so
+# every step appends in place and the decode kernel reads views of one storage. Models on transformers' own
+# implementations, a user's cache and cache_implementation="dynamic" (the opt-out) keep transformers' behaviour;
+# if the method's signature is not the one read here (another transformers version) nothing is wrapped.
+_GENERATION_HOOK: dict = {}
+
+
+def _attnlab_model(model) -> bool:
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return isinstance(impl, str) and impl in _REGISTERED
+
+
+def _install_generation_hook() -> bool:
+    """Wrap GenerationMixin._prepare_cache_for_generation once (Note [HF in-place generation]); whether it is."""
+    if "installed" in _GENERATION_HOOK:
+        return _GENERATION_HOOK["installed"]
+    _GENERATION_HOOK["installed"] = False
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+        from transformers.generation.utils import GenerationMixin
+    except ImportError:
+        return False
+    original = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
+    try:
+        params = list(inspect.signature(original).parameters) if original is not None else []
+    except (TypeError, ValueError):
+        params = []
+    if params != ["self", "generation_config", "model_kwargs", "generation_mode", "batch_size", "max_cache_length"]:
+        return False
+    in_place_layer = _in_place_classes()[0]
+
+    @functools.wraps(original)
+    def prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        user_cache = model_kwargs.get("cache") is not None
+        out = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        cache = model_kwargs.get("cache")
+        if (not user_cache and type(cache) is DynamicCache and generation_config.cache_implementation is None
+                and _attnlab_model(self) and cache.get_seq_length() == 0):
+            cap = max(int(max_cache_length), 0)
+            cache.layers = [in_place_layer(cap) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+            if cache.layer_class_to_replicate is DynamicLayer:
+                cache.layer_class_to_replicate = lambda: in_place_layer(cap)
+        return out
+
+    prepare_cache.attnlab_wrapped = original
+    GenerationMixin._prepare_cache_for_generation = prepare_cache
+    _GENERATION_HOOK["installed"] = True
+    return True
 
 
 def in_place_cache(config=None, capacity: int = 0):

@@ -798,6 +798,13 @@ class CompiledKernel(Kernel):
         return dataclasses.replace(c, source=f"decode: K/V bytes at the {decode_kernel.read_bandwidth() / 1e9:.3g} "
                                              "GB/s read bandwidth measured now")
 
+    def direct(self, p, t: Tiling | None, need_weights: bool = False):
+        """On the decode path, the decode kernel on the caller's 4-D tensors with its arguments built once
+        (``kvcache.direct``: plain, causal or band-pattern inputs); None otherwise."""
+        if t is None or not t.decode or need_weights:
+            return None
+        return _kvcache().direct(p)
+
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, None, lse) from the tiles, or (out, None, None) from the decode path."""
         if t is not None and t.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
