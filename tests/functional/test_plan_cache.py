@@ -231,3 +231,45 @@ def test_no_direct_path_where_inputs_need_preparing():
         (hit,) = [plancache.get(plancache.signature(x, x, x, None, 0.0, False, None, False, kw.get("pattern"), None,
                                                      None, "sdpa", False, False, None))]
         assert hit is not None and hit[2] is None
+
+
+@pytest.mark.parametrize("kw", [dict(enable_gqa=True), dict(pattern=P.causal("bottom_right"), enable_gqa=True),
+                                dict(pattern=P.sliding_window(41, causal=True, align="bottom_right"), enable_gqa=True),  # no dead key
+                                dict(softcap=2.5, enable_gqa=True)])
+def test_a_decode_hit_runs_the_decode_kernel_directly(kw, monkeypatch):
+    """A repeated decode-shaped call (the compiled kernel's decode path) runs it straight on the caller's
+    tensors (Note [Decode direct call]): no prepared inputs are rebuilt, and the result is the float64
+    oracle's within fp32 rounding, for plain, bottom-right causal, sliding-window and soft-capped calls."""
+    from attnlab.kernels import decode as dk
+    from attnlab.shapes import Prepared
+
+    if not dk.available():
+        pytest.skip(f"decode extension: {dk.unavailable_reason()}")
+    plancache.clear()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 43, 16, generator=g), torch.randn(2, 2, 43, 16, generator=g)
+    with torch.no_grad():
+        attnlab.attention(q, k, v, **kw)
+        (entry,) = plancache._ENTRIES.values()
+        assert entry[1].decode and entry[2] is not None
+        monkeypatch.setattr(Prepared, "rebind", lambda *a, **k_: pytest.fail("a direct hit rebuilt the inputs"))
+        q2, k2, v2 = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+        again = attnlab.attention(q2, k2, v2, **kw)
+    ref_kw = dict(kw)
+    if "pattern" in ref_kw:
+        ref_kw["attn_mask"] = ref_kw.pop("pattern").materialize(3, 43)  # (L, S) bool
+    want = attnlab.reference.attention(q2.double(), k2.double(), v2.double(), **ref_kw)[0]
+    assert (again.double() - want).abs().max().item() < 1e-5
+
+
+def test_no_direct_decode_where_the_call_reads_a_mask():
+    """Key padding by lengths (read from a tensor), a user mask and non-4-D inputs keep the prepared path."""
+    from attnlab.functional import kvcache
+
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 29, 8)
+    assert kvcache.direct(prepare(q, k, k, enable_gqa=True).live()) is not None
+    pad = P.key_padding(torch.tensor([29, 17]))
+    mask = torch.rand(2, 1, 1, 29) > 0.3
+    for p in (prepare(q, k, k, enable_gqa=True, pattern=pad), prepare(q, k, k, mask, enable_gqa=True),
+              prepare(q[0], k[0], k[0], enable_gqa=True)):
+        assert kvcache.direct(p.live()) is None

@@ -1,6 +1,7 @@
 """Hugging Face generation on attn_implementation="attnlab": every one-token step with transformers' KV cache
-runs attnlab's decode kernel (kernels/decode.py) and the greedy tokens equal transformers' own sdpa, for one
-prompt and for a left-padded batch."""
+runs attnlab's decode kernel (kernels/decode.py; Note [HF decode step]) and the greedy tokens equal transformers'
+own sdpa, for one prompt and for a left-padded batch; generate appends in place by default (Note [HF in-place
+generation])."""
 from __future__ import annotations
 
 import pytest
@@ -77,3 +78,61 @@ def test_in_place_cache_gives_dynamic_cache_results():
                                beams), impl
     with pytest.raises(ValueError, match="capacity must be an int >= 0"):
         hf.in_place_cache(model.config, -1)
+
+
+def test_generate_appends_in_place_by_default():
+    """Note [HF in-place generation]: generate on an attnlab implementation, no cache passed, gets InPlaceLayers
+    reserving generate's max_length - 1 positions (the keys stay views of one storage); the tokens equal sdpa's
+    with transformers' own cache. sdpa models, cache_implementation="dynamic" and a user's cache are untouched."""
+    hf.register_all()
+    model = _llama()
+    ids = torch.randint(1, 64, (2, 19), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=7, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    InPlaceLayer = hf._in_place_classes()[0]
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    assert all(type(layer) is not InPlaceLayer for layer in ref.past_key_values.layers)
+    model.set_attn_implementation("attnlab")
+    with torch.no_grad():
+        out = model.generate(ids, **kw)
+        dyn = model.generate(ids, cache_implementation="dynamic", **kw)
+    assert torch.equal(out.sequences, ref.sequences) and torch.equal(dyn.sequences, ref.sequences)
+    for layer in out.past_key_values.layers:
+        assert type(layer) is InPlaceLayer
+        assert layer._kbuf.shape[2] == 19 + 7 - 1 and layer.keys.data_ptr() == layer._kbuf.data_ptr()
+    assert all(type(layer) is not InPlaceLayer for layer in dyn.past_key_values.layers)
+
+
+@pytest.mark.parametrize("heads,dtype,route", [(2, torch.float32, "kernel"), (8, torch.float32, "sdpa"),
+                                               (8, torch.bfloat16, "kernel")])
+def test_decode_step_route(heads, dtype, route, monkeypatch):
+    """Note [HF decode step]: a step goes to the decode kernel (GQA, bf16) or to SDPA (plain float32 MHA, as
+    auto's Note [Plain MHA decode]) without attnlab.attention; its output [B, L, H, Dv] matches SDPA's on the
+    same inputs, including a padded batch's bool mask."""
+    monkeypatch.setattr(hf, "attention", lambda *a, **k: pytest.fail("a decode step planned attention()"))
+    fn = hf.attention_function("auto")
+    mod = torch.nn.Module().eval()
+    g = torch.Generator().manual_seed(4)
+    B, H, S, D = 3, 8, 37, 16
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    k = torch.randn(B, heads, S, D, generator=g).to(dtype)
+    v = torch.randn(B, heads, S, D, generator=g).to(dtype)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[1, ..., :11] = False  # left padding of sequence 1
+    calls = []
+    real = dk.decode_attention
+    monkeypatch.setattr(dk, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        for m in (None, mask):
+            if m is not None and route == "sdpa":
+                route = "kernel"  # a mask keeps the decode path (the planner's rule)
+            calls.clear()
+            out, w = fn(mod, q, k, v, m, scaling=0.3)
+            assert w is None and out.shape == (B, 1, H, D) and out.is_contiguous()
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q.double(), k.double(), v.double(), attn_mask=m, scale=0.3, enable_gqa=heads != H)
+            # fp32: summation-order rounding; bf16: the output's rounding (2^-8 relative) at |out| <= max|v| ~ 4
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=tol, rtol=tol)
+            assert len(calls) == (1 if route == "kernel" else 0)

@@ -37,6 +37,24 @@ def test_bench_generate_quick(tmp_path):
     assert (tmp_path / "generate.png").stat().st_size > 0
 
 
+def test_bench_generate_hf_quick(tmp_path):
+    """--hf: transformers' generate on "attnlab" vs "sdpa", same tokens, the decode rate per new token."""
+    pytest.importorskip("transformers")
+    code = cli.main(["bench", "generate", "--hf", "--quick", "--threads", "1", "--contexts", "37", "--out",
+                     str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "generate.json").read_text())
+    assert data["model"]["hf"] is True and data["model"]["kv_heads"] == 2
+    (r,) = data["rows"]
+    assert r["prompt"] == 37 and r["context"] == 41 and r["same_tokens"] is True
+    for k in ("attnlab", "sdpa"):
+        assert r[k]["tokens_per_s"] > 0 and r[k]["prefill_seconds"] > 0 and r[k]["decode_seconds_per_token"] >= 0
+    assert r["speedup"] == pytest.approx(r["attnlab"]["tokens_per_s"] / r["sdpa"]["tokens_per_s"])
+    assert (tmp_path / "generate.png").stat().st_size > 0
+
+
 def test_bench_bad_arguments(tmp_path):
+    assert cli.main(["bench", "generate", "--hf", "--heads", "4", "--kv-heads", "3", "--out", str(tmp_path)]) == 2
+    assert cli.main(["bench", "generate", "--kv-heads", "2", "--out", str(tmp_path)]) == 2
     assert cli.main(["bench", "generate", "--contexts", "8", "--new-tokens", "16", "--out", str(tmp_path)]) == 2
     assert cli.main(["bench", "minilm", "--tokens", "600", "--out", str(tmp_path)]) == 2
