@@ -92,16 +92,16 @@ def test_generate_appends_in_place_by_default():
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         ref = model.generate(ids, **kw)
-    assert all(type(layer) is not InPlaceLayer for layer in ref.past_key_values.layers)
+    assert all(type(layer) is not InPlaceLayer for layer in ref.cache.layers)
     model.set_attn_implementation("attnlab")
     with torch.no_grad():
         out = model.generate(ids, **kw)
         dyn = model.generate(ids, cache_implementation="dynamic", **kw)
     assert torch.equal(out.sequences, ref.sequences) and torch.equal(dyn.sequences, ref.sequences)
-    for layer in out.past_key_values.layers:
+    for layer in out.cache.layers:
         assert type(layer) is InPlaceLayer
         assert layer._kbuf.shape[2] == 19 + 7 - 1 and layer.keys.data_ptr() == layer._kbuf.data_ptr()
-    assert all(type(layer) is not InPlaceLayer for layer in dyn.past_key_values.layers)
+    assert all(type(layer) is not InPlaceLayer for layer in dyn.cache.layers)
 
 
 @pytest.mark.parametrize("heads,dtype,route", [(2, torch.float32, "kernel"), (8, torch.float32, "sdpa"),

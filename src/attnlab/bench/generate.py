@@ -9,8 +9,9 @@ Both runs must produce the same tokens (checked and recorded).
 With ``hf=True`` (``attnlab bench generate --hf``) it measures a Hugging Face Llama-shaped model (random
 weights, GQA) instead: ``generate`` on ``attn_implementation="attnlab"`` (the decode kernel, the in-place cache
 of Note [HF in-place generation]) against transformers' own ``"sdpa"`` with its default cache, each called as
-a user would, in interleaved rounds: tokens/s of ``generate``, and per new token the decode time ``(generate of
-n tokens - generate of 1) / (n - 1)``, the prefill excluded; both must give the same greedy tokens.
+a user would, in interleaved rounds: tokens/s of ``generate``, and per new token the decode time (the time
+from the first token's logits to the last's over n - 1, stamped inside the same generate call: generate minus
+its prefill); both must give the same greedy tokens.
 
 ``run(GenerateConfig(...)) -> GenerateBench``: no printing, no argv (the CLI is ``attnlab bench generate``).
 """
@@ -97,7 +98,8 @@ class GenerateBench:
         """Write generate.json and generate.png into ``out_dir``, atomically; returns both paths."""
         self.files = write_json_and_figure(self.out_dir, "generate", {
             "suite": "generate", "model": self.model, "threads": self.threads, "rows": self.rows, "env": self.env,
-            "note": ("speedup = attnlab / sdpa, interleaved rounds (medians); decode_* = (generate n - generate 1) / (n - 1)"
+            "note": ("speedup = attnlab / sdpa, interleaved rounds (medians); decode_* = (last - first token's "
+                              "logits) / (n - 1) inside one generate call: generate minus its prefill"
                      if self.model.get("hf") else
                      "speedup = tokens/s with cache / tokens/s without, same run; decode_* excludes the prefill")},
             lambda ax: _draw(self, ax), figsize=(5, 3))
@@ -193,6 +195,19 @@ def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
     return res
 
 
+class _Stamps:
+    """A transformers logits processor that records the time each step's logits arrive (it changes nothing):
+    the first stamp ends the prefill, and the gaps between stamps are the decode steps, timed inside one
+    generate call so that the prefill's own spread (seconds at long prompts) does not enter the decode rate."""
+
+    def __init__(self):
+        self.t: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.t.append(time.perf_counter())
+        return scores
+
+
 def _llama(v: dict, max_len: int):
     """A seeded random LlamaForCausalLM of ``v``'s sizes (head dim d_model / heads, MLP ~8/3 d_model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -224,27 +239,27 @@ def _run_hf(config: GenerateConfig, v: dict, progress) -> GenerateBench:
     total, done = len(prompts) * repeats * len(impls), 0
     for n_prompt in prompts:
         ids = torch.randint(0, 1000, (1, n_prompt), generator=torch.Generator().manual_seed(n_prompt))  # (1, P)
-        times = {i: {"one": [], "all": []} for i in impls}
+        times = {i: {"one": [], "all": [], "step": []} for i in impls}
         tokens = {}
         for r in range(repeats):  # interleaved rounds, the order alternating
             for impl in (impls if r % 2 == 0 else impls[::-1]):
                 if progress:
                     progress(done, total, f"prompt {n_prompt} {impl}: round {r + 1}")
                 model.set_attn_implementation(impl)
-                kw = dict(do_sample=False, pad_token_id=0)
+                stamps = _Stamps()
                 t0 = time.perf_counter()
-                model.generate(ids, max_new_tokens=1, **kw)
-                t1 = time.perf_counter()
-                out = model.generate(ids, max_new_tokens=n_new, **kw)
+                out = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0,
+                                     logits_processor=[stamps])
                 t2 = time.perf_counter()
-                times[impl]["one"].append(t1 - t0)
-                times[impl]["all"].append(t2 - t1)
+                times[impl]["one"].append(stamps.t[0] - t0)  # the prefill: up to the first token's logits
+                times[impl]["all"].append(t2 - t0)
+                times[impl]["step"].append((stamps.t[-1] - stamps.t[0]) / (len(stamps.t) - 1))
                 tokens[impl] = out[0, n_prompt:].tolist()
                 done += 1
         row = {"context": n_prompt + n_new, "prompt": n_prompt, "new_tokens": n_new}
         for impl in impls:
             t_one, t_all = float(np.median(times[impl]["one"])), float(np.median(times[impl]["all"]))
-            per = max(t_all - t_one, 0.0) / (n_new - 1)
+            per = float(np.median(times[impl]["step"]))
             row[impl] = {"seconds": t_all, "tokens_per_s": n_new / t_all, "prefill_seconds": t_one,
                          "decode_seconds_per_token": per, "decode_tokens_per_s": 1 / per if per > 0 else math.inf}
         row["same_tokens"] = tokens["sdpa"] == tokens["attnlab"]
