@@ -238,6 +238,10 @@ def test_errors_name_the_argument():
         attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.tensor([1, 2, 3]))
     with pytest.raises(attnlab.AttentionInputError, match="cache_seqlens must be >= 0"):
         attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([1, -2]))
+    with pytest.raises(attnlab.AttentionInputError, match="overflows.*sequence 0.*cache_seqlens=9.*capacity is 10"):
+        attnlab.attention_with_kvcache(q, kc, vc, torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8), cache_seqlens=9)
+    with pytest.raises(attnlab.AttentionInputError, match="cache_seqlens must be >= 0, got -1"):
+        attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=-1)
     with pytest.raises(attnlab.AttentionInputError, match="give cache_seqlens"):
         attnlab.attention_with_kvcache(q, kc, vc, kn, vn)
     with pytest.raises(attnlab.AttentionInputError, match="k and v"):
@@ -441,3 +445,25 @@ def test_other_decode_builds_in_subprocesses(capability):
                           "-k", "appends_and_attends or dequantises_like"], capture_output=True, text=True, env=env,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_one_int_length_appends_as_per_sequence_lengths(quant):
+    """Note [One cache length]: an int cache_seqlens (slice append, int lengths) writes the same rows and gives
+    the same output as the same lengths as a tensor [B] (index_put, per-sequence lengths)."""
+    from attnlab.functional.kvcache import QuantizedKV
+
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 2, 4, 8, generator=g)
+    kn, vn = torch.randn(3, 2, 2, 8, generator=g), torch.randn(3, 2, 2, 8, generator=g)
+    base_k, base_v = torch.randn(3, 13, 2, 8, generator=g), torch.randn(3, 13, 2, 8, generator=g)
+    outs, caches = [], []
+    for lens in (7, torch.tensor([7, 7, 7])):
+        kc, vc = base_k.clone(), base_v.clone()
+        if quant:
+            kc, vc = QuantizedKV.quantize(kc), QuantizedKV.quantize(vc)
+        outs.append(attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens))
+        caches.append((kc.dequantize(), vc.dequantize()) if quant else (kc, vc))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert not torch.equal(caches[0][0][:, 7:9], base_k[:, 7:9])  # the rows were written

@@ -213,6 +213,18 @@ def _append(cache, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tens
         cache[idx] = new.to(cache.dtype)
 
 
+def _append_rows(cache, new: torch.Tensor, start: int) -> None:
+    """cache[:, start : start + Lnew] = new [B, Lnew, Hkv, D] in place (Note [One cache length]); an int8 cache
+    gets the quantised rows and their scales."""
+    stop = start + new.shape[1]
+    if isinstance(cache, QuantizedKV):
+        data, scale = _quantize(new)
+        cache.data[:, start:stop] = data
+        cache.scale[:, start:stop] = scale
+    else:
+        cache[:, start:stop] = new
+
+
 def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
                            cache_seqlens: int | torch.Tensor | None = None, block_table: torch.Tensor | None = None,
@@ -310,10 +322,19 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                                       f"{shape_str(block_table) if isinstance(block_table, torch.Tensor) else block_table!r}")
         block_table = block_table.to(device="cpu", dtype=torch.int32).contiguous()
         capacity = block_table.shape[1] * T
+    # Note [One cache length]: an int cache_seqlens (or none: the whole capacity) is one length for every
+    # sequence, kept a Python int: the overflow check needs no reduction, a contiguous cache's append is a
+    # slice copy rather than an index_put, and the kernel's wrapper builds its length tensors from the int.
+    # Per-sequence lengths [B] take the tensor path. Both write and read the same rows.
+    n0 = cache = None
     if cache_seqlens is None:
         if k is not None:
             raise AttentionInputError("k, v are appended at cache_seqlens: give cache_seqlens (int or [B])")
-        cache = torch.full((B,), capacity, dtype=torch.int64)
+        n0 = capacity
+    elif type(cache_seqlens) is int:
+        if cache_seqlens < 0:
+            raise AttentionInputError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        n0 = cache_seqlens
     else:
         cache = _int_lengths(cache_seqlens, B, "cache_seqlens")
     Lnew = 0
@@ -322,13 +343,17 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             raise AttentionInputError(f"k {shape_str(k)} and v {shape_str(v)} must be [B, Lnew, Hkv, D|Dv] = "
                                       f"[{B}, Lnew, {Hkv}, {D}|{Dv}] (q {shape_str(q)}, k_cache {shape_str(kc_t)})")
         Lnew = k.shape[1]
-    seqlens = cache + Lnew
-    if B and int(seqlens.max()) > capacity:
-        b = int(seqlens.argmax())
+    seqlens = n0 + Lnew if cache is None else cache + Lnew  # (int or [B])
+    if B and (seqlens if cache is None else int(seqlens.max())) > capacity:
+        b = 0 if cache is None else int(seqlens.argmax())
         raise AttentionInputError(
-            f"the cache overflows: sequence {b} holds cache_seqlens={int(cache[b])} keys and {Lnew} new ones, but "
+            f"the cache overflows: sequence {b} holds cache_seqlens={n0 if cache is None else int(cache[b])} keys "
+            f"and {Lnew} new ones, but "
             f"its capacity is {capacity} ({'S' if block_table is None else 'pages x page size'} of k_cache "
             f"{shape_str(kc_t)})")
+    if cache is None and (block_table is not None or rotary is not None or rotary_cos is not None):
+        cache = torch.full((B,), n0, dtype=torch.int64)  # the paged and rotary paths index per sequence
+        seqlens = cache + Lnew
     if block_table is not None and B:
         used = torch.arange(block_table.shape[1]).unsqueeze(0) * T < seqlens.unsqueeze(1)  # (B, pages)
         bad = used & ((block_table < 0) | (block_table >= P_))
@@ -357,9 +382,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         q = _rotate(q, rot, qpos)
         k = _rotate(k, rot, kpos)
     if k is not None and Lnew:
-        pos = cache.unsqueeze(1) + torch.arange(Lnew)  # (B, Lnew)
-        _append(k_cache, k, pos, block_table)
-        _append(v_cache, v, pos, block_table)
+        if cache is None:  # one length, a contiguous cache: rows n0 .. n0 + Lnew - 1 of every sequence
+            _append_rows(k_cache, k, n0)
+            _append_rows(v_cache, v, n0)
+        else:
+            pos = cache.unsqueeze(1) + torch.arange(Lnew)  # (B, Lnew)
+            _append(k_cache, k, pos, block_table)
+            _append(v_cache, v, pos, block_table)
     qh = q.transpose(1, 2)  # (B, H, L, D) view
     if q.device.type == "cpu" and decode_kernel.available() and L <= decode_kernel.MAX_QUERIES:
         out = torch.empty(B, L, H, Dv, dtype=q.dtype)
@@ -368,6 +397,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             qh, kc_t, vc_t, scale=scale, block_table=block_table, seqlens=seqlens, left=lo, right=hi,
             softcap=cap or 0.0, alibi_slopes=slopes, splits=num_splits, out=out.transpose(1, 2), **kw)
     else:
+        if cache is None:
+            seqlens = torch.full((B,), seqlens, dtype=torch.int64)
         kf = k_cache.dequantize() if quant else k_cache
         vf = v_cache.dequantize() if quant else v_cache
         out, lse = _fallback(qh, kf, vf, block_table, seqlens, lo, hi, cap, slopes, scale)
