@@ -136,3 +136,42 @@ def test_decode_step_route(heads, dtype, route, monkeypatch):
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=tol, rtol=tol)
             assert len(calls) == (1 if route == "kernel" else 0)
+
+
+def test_soft_capped_model_generates_eager_tokens():
+    """A model that soft-caps its scores (Gemma 2's attn_logit_softcapping, passed as ``softcap``; sdpa refuses
+    it) gives eager's logits and greedy tokens on "attnlab", prefill and decode steps alike; a registered
+    approximation that cannot soft-cap says so."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    hf.register_all()
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                       attn_logit_softcapping=0.5, sliding_window=8)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # scores of order 1 (random init gives ~1e-3, where the cap is the identity)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+            layer.self_attn.k_proj.weight.mul_(40)
+    ids = torch.randint(1, 64, (1, 13), generator=torch.Generator().manual_seed(7))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    outs = {}
+    for impl in ("eager", "attnlab"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(ids, **kw)
+    assert torch.equal(outs["attnlab"].sequences, outs["eager"].sequences)
+    model.set_attn_implementation("eager")
+    for layer in model.model.layers:  # the cap matters here: without it the logits move
+        layer.self_attn.attn_logit_softcapping = None
+    with torch.no_grad():
+        uncapped = model(ids).logits[:, -1]
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = 0.5
+    assert (uncapped - outs["eager"].logits[0]).abs().max() > 1e-2
+    for a, b in zip(outs["attnlab"].logits, outs["eager"].logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # fp32 summation order
+    model.set_attn_implementation("attnlab_performer")
+    with torch.no_grad(), pytest.raises(ValueError, match="soft-caps.*softcap=0.5"):
+        model(ids)

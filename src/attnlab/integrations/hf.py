@@ -82,8 +82,9 @@ def _is_causal(module, query, attention_mask, kwargs) -> bool:
     return bool(is_causal)
 
 
-def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is_causal, need_weights):
-    """query [B, H, L, D], key/value [B, Hkv, S, D|Dv] -> (output [B, H, L, Dv], weights [B, H, L, S] or None)."""
+def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is_causal, need_weights, softcap=None):
+    """query [B, H, L, D], key/value [B, Hkv, S, D|Dv] -> (output [B, H, L, Dv], weights [B, H, L, S] or None).
+    ``softcap``: the model's logit soft-capping (Gemma 2's ``attn_logit_softcapping``), or None."""
     L = query.shape[2]
     gqa = query.shape[1] != key.shape[1]
     dropout_p = dropout if module.training else 0.0
@@ -91,8 +92,11 @@ def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is
     if isinstance(mech, str):
         method = "auto" if need_weights and mech in ("sdpa", "sparse") else mech
         r = attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scaling,
-                      enable_gqa=gqa, pattern=pat, method=method, need_weights=need_weights)
+                      enable_gqa=gqa, pattern=pat, method=method, need_weights=need_weights, softcap=softcap)
     else:
+        if softcap is not None:
+            raise ValueError(f"this model soft-caps its attention scores (softcap={softcap}), which mechanism "
+                             f"{type(mech).__name__} does not do: use a core method (\"attnlab\", \"attnlab_tiled\", ...)")
         if pat is not None:
             keep = pat.materialize(L, key.shape[2], device=query.device).view(1, 1, L, key.shape[2])
             mask = keep if mask is None else (mask & keep if mask.dtype == torch.bool
@@ -107,14 +111,14 @@ def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is
 # Note [HF decode step]: a generation step (query [B, H, L <= 16, D] against the cache's S > L keys, no pattern,
 # inference) changes S every step, so attnlab.attention's plan cache never hits there and each step would be
 # prepared and planned anew. For "auto" and "compiled" the step goes straight to what auto would run: the decode
-# kernel (GQA, half types, HF's bool mask of a padded batch read as the kernel's keep), or SDPA for plain float32
+# kernel (GQA, half types, soft-capping, HF's bool mask of a padded batch read as the kernel's keep), or SDPA for plain float32
 # multi-head attention (planner Note [Plain MHA decode]). The kernel writes the output in HF's [B, L, H, Dv]
 # layout, so no transpose copy follows. Anything else (weights, dropout, grad, a float mask, top-left causal
 # L > 1, another device) takes attnlab.attention.
 _STEP_MECHANISMS = ("auto", "compiled")
 
 
-def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need_weights):
+def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need_weights, softcap=None):
     """out [B, L, H, Dv] for a generation step on the route of Note [HF decode step], or None."""
     B, H, L, D = query.shape
     S = key.shape[2]
@@ -129,7 +133,7 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
                              or mask.shape[2] not in (1, L)):
         return None
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
-    if (mech == "auto" and mask is None and key.shape[1] == H
+    if (mech == "auto" and mask is None and softcap is None and key.shape[1] == H
             and query.dtype in planner.PLAIN_MHA_DECODE_ON_SDPA):
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale)  # (B, H, L, Dv)
         return out.transpose(1, 2).contiguous()
@@ -137,7 +141,7 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
         return None
     out = query.new_empty(B, L, H, value.shape[3])  # (B, L, H, Dv): HF's layout, written by the kernel
     decode_kernel.decode_attention(query, key.transpose(1, 2), value.transpose(1, 2), scale=scale, seqlens=S,
-                                   keep=mask, out=out.transpose(1, 2))
+                                   keep=mask, softcap=float(softcap or 0.0), out=out.transpose(1, 2))
     return out
 
 
@@ -159,12 +163,14 @@ def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
     def attnlab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         need_weights = bool(kwargs.get("output_attentions", False))
         is_causal = _is_causal(module, query, attention_mask, kwargs)
+        softcap = kwargs.get("softcap")
         if steps:  # Note [HF decode step]
-            out = _decode_step(mech, query, key, value, attention_mask, scaling, module, is_causal, need_weights)
+            out = _decode_step(mech, query, key, value, attention_mask, scaling, module, is_causal, need_weights,
+                               softcap)
             if out is not None:
                 return out, None
         out, weights = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout,
-                               is_causal, need_weights)
+                               is_causal, need_weights, softcap)
         return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Dv)
 
     attnlab_attention.mechanism, attnlab_attention.pattern = mechanism, pattern
@@ -449,7 +455,7 @@ def _hooked_function(mechanism, pattern):
         is_causal = _is_causal(module, query, attention_mask, kwargs)
         if ad is None or not ad.hooks:
             out, w = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout, is_causal,
-                             need_weights)
+                             need_weights, kwargs.get("softcap"))
             return out.transpose(1, 2).contiguous(), w
         L, S = query.shape[2], key.shape[2]
         causal = is_causal or (bool(getattr(module, "is_causal", False)) and L > 0)
@@ -463,7 +469,8 @@ def _hooked_function(mechanism, pattern):
         k = ad.hooks.run("k", key, ctx)  # (B, Hkv, S, D)
         v = ad.hooks.run("v", value, ctx)  # (B, Hkv, S, Dv)
         want = need_weights or ad.hooks.has("weights")
-        out, w = _attend(mech, pattern, module, q, k, v, attention_mask, scaling, dropout, is_causal, want)
+        out, w = _attend(mech, pattern, module, q, k, v, attention_mask, scaling, dropout, is_causal, want,
+                         kwargs.get("softcap"))
         if w is not None:
             ad.hooks.run("weights", w, ctx)
         z = ad.hooks.run("z", out, ctx)  # (B, H, L, Dv)
