@@ -10,11 +10,12 @@ AttentionMaskInterface). Each registered name gets an attention function (query 
 key/value [B, Hkv, S, D] -> output [B, L, H, Dv], weights | None) and the sdpa-style mask function
 (bool [B, 1, L, S], True = attend, or None when nothing is masked).
 
-Generation: a one-token step (query [B, H, 1, D] against transformers' cache) runs attnlab's decode kernel
-through ``attention``'s decode path. transformers' ``DynamicCache`` concatenates each step (a copy of the
-whole cache per layer and step, which at long contexts costs more than the attention itself); ``in_place_cache``
-makes a ``DynamicCache`` whose full-attention layers append in place into storage reserved up front (doubling
-past it) and hand the attention views of it, read in place by the decode kernel:
+Generation: a step (query [B, H, L <= 16, D] against transformers' cache) runs attnlab's decode kernel
+directly (Note [HF decode step]). transformers' ``DynamicCache`` concatenates each step (a copy of the whole cache
+per layer and step, which at long contexts costs more than the attention itself); on a model running on an
+attnlab implementation ``generate`` therefore gets a cache whose full-attention layers append in place into
+storage reserved for ``max_length`` positions (Note [HF in-place generation]; ``cache_implementation="dynamic"``
+keeps transformers' own). ``in_place_cache`` makes that cache by hand (for a model on "sdpa", or for ``forward``):
 
     >>> out = model.generate(ids, max_new_tokens=32, cache=hf.in_place_cache(model.config, 2048 + 32))
 
