@@ -24,6 +24,20 @@ def _big(value: int) -> str:
     return str(value) if abs(value) < 10**20 else f"{value:.3g}"
 
 
+def _broadcast_shape(*shapes) -> tuple[int, ...]:
+    """The broadcast of shapes, as ``torch.broadcast_shapes``, whose first call imports torch._refs and sympy
+    (0.3-1.4 s in a fresh process, on the first flex_attention call: tests/functional/test_flex.py
+    test_first_call_imports_no_compiler_stack)."""
+    n = max(len(x) for x in shapes)
+    out = []
+    for dims in zip(*[(1,) * (n - len(x)) + tuple(x) for x in shapes]):
+        big = {d for d in dims if d != 1}
+        if len(big) > 1:
+            raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+        out.append(big.pop() if big else 1)
+    return tuple(out)
+
+
 def _check_int(name: str, value, minimum: int = 0, maximum: int = MAX_INT, why: str = "positions are int64") -> int:
     """``value`` checked as an int (not a bool) in [minimum, maximum]; the error names ``name``, the value
     and the allowed range."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import intervals as _iv
-from .base import EMPTY, FULL, PARTIAL, Pattern, _check_int
+from .base import EMPTY, FULL, PARTIAL, Pattern, _broadcast_shape, _check_int
 from .mask_mod import from_mask_mod
 
 try:  # torch >= 2.5
@@ -59,18 +59,6 @@ class BuildStats:
                 f"{self.evaluated_blocks} blocks pair by pair ({self.pairs} pairs evaluated)")
 
 
-def _bshape(*shapes) -> tuple[int, ...]:
-    """The broadcast of shapes, as torch.broadcast_shapes (whose first call imports torch._refs: 1.4 s here)."""
-    n = max(len(x) for x in shapes)
-    out = []
-    for dims in zip(*[(1,) * (n - len(x)) + tuple(x) for x in shapes]):
-        big = {d for d in dims if d != 1}
-        if len(big) > 1:
-            raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
-        out.append(big.pop() if big else 1)
-    return tuple(out)
-
-
 def _pt(v: int) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.long)
 
@@ -81,7 +69,7 @@ def _exact(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor, name: st
     if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
         raise TypeError(f"create_block_mask: mask_mod {name} must return a bool tensor (True = keep), got "
                         f"{getattr(m, 'dtype', type(m).__name__)}")
-    return torch.broadcast_to(m, _bshape(q.shape, kv.shape))
+    return torch.broadcast_to(m, _broadcast_shape(q.shape, kv.shape))
 
 
 def _blocks_exact(mask_mod, b, h, tq, tk, L, S, bq, bk, name, stats):
@@ -341,7 +329,7 @@ class BlockMaskPattern(Pattern):
         else:
             m = (c == FULL) | ((c == PARTIAL) & inner.keep(i, j, L, S))
         if self.batch_size:
-            shape = _bshape(i.shape, j.shape)
+            shape = _broadcast_shape(i.shape, j.shape)
             m = torch.broadcast_to(m, (self.batch_size,) + tuple(shape))
         return m
 
