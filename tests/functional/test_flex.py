@@ -369,6 +369,24 @@ def test_learned_tensors_keep_their_gradient(name, make, kind):
     assert_close(got, want, **F64, what=f"{name} gradient")
 
 
+@pytest.mark.parametrize("name, kind", [("learned factor", "general"), ("learned per-head factor", "general"),
+                                        ("learned cap", "general"), ("learned table", "affine")])
+def test_gradient_check_on_a_subset_of_long_lines(name, kind):
+    """Note [Structured probes]: with more line points than _GRAD_POINTS the gradient check runs on a random
+    subset of them (and every random point); a learned factor or cap whose value looks like the identity's
+    (w = 1) is still refused, a learned relative table still a bias."""
+    n = 211  # 5·n line points, well over _GRAD_POINTS
+    assert flex._probe_count(1, 2, n, n) > 2 * flex._GRAD_POINTS
+    w = {"learned factor": torch.ones((), dtype=torch.float64), "learned per-head factor": torch.ones(2, 1),
+         "learned cap": torch.full((), 1e4), "learned table": torch.zeros(2, 2 * n - 1)}[name].requires_grad_()
+    mods = {"learned factor": lambda s, b, h, qi, ki: s * w,
+            "learned per-head factor": lambda s, b, h, qi, ki: s * w[h, 0],
+            "learned cap": lambda s, b, h, qi, ki: w * torch.tanh(s / w),
+            "learned table": lambda s, b, h, qi, ki: s + w[h, qi - ki + n - 1]}
+    r = flex.probe_score_mod(mods[name], 1, 2, n, n)
+    assert r.kind == kind and r.reads_grad, r.reason
+
+
 # -- the bias on the kept blocks only (Note [Kept-blocks bias]) ---------------------------------------
 def _counting(score_mod):
     """score_mod that records each call's grid of (q_idx, kv_idx) pairs, for the calls on [.., r, c] grids (4-D

@@ -278,6 +278,12 @@ def _band_of(bm, mm, codes, L, S, bq, bk):
 # q_idx - kv_idx, any value) is seen. What it does not: a departure confined to isolated (q_idx, kv_idx)
 # pairs, or to a conjunction such as (q_idx == 5) & (kv_idx == 7), off those lines, can still pass; and a
 # block_mask does not narrow the probe (a bias misread outside the kept blocks is harmless, inside not).
+# The values are classified on every point; the gradient check of a score_mod that reads a tensor requiring
+# grad (_grad_only_in_bias: that tensor enters through the bias only) runs on the random points and on
+# _GRAD_POINTS random line points, not on all O(L + S): its two backward passes over every line point were
+# most of a first call's probe (260 ms at L = S = 4096). So a learned factor confined to one index value whose
+# value now equals the others' (s * w[k] with w = 1 everywhere, say at initialisation) can pass that check;
+# once its values differ, the value check on the lines sees it.
 _LINES = 2
 
 
@@ -322,22 +328,51 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
     if not callable(score_mod):
         raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
                         f"got {type(score_mod).__name__}")
-    g = torch.Generator().manual_seed(seed)
-    idx = _probe_points(B, H, L, S, g)
     name = getattr(score_mod, "__name__", type(score_mod).__name__)
-    groups = []
-    for part, scores in ((slice(0, _POINTS), _SCORES), (slice(_POINTS, None), _LINE_SCORES)):
-        b, h, qi, ki = (t[part] for t in idx)
-        n = b.numel()
-        if n == 0:
-            continue
-        b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
-        s = torch.tensor(scores, dtype=torch.float64).expand(n, -1)
-        s = torch.cat([s, torch.rand(n, len(scores) // 3, generator=g, dtype=torch.float64) * 20 - 10,
-                       torch.full((n, 1), _BIG)], 1)
-        where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
-        groups.append(_classify(score_mod, name, s, (b, h, qi, ki), scores, seed, where))
+    groups = [_classify(score_mod, name, s, idx, scores, seed, where)
+              for s, idx, scores, where in _probe_inputs(B, H, L, S, seed)]
     return _combine(*groups)
+
+
+# Note [Probe inputs per shape]: the probe's points and scores (Notes [Structured probes], [Relative bias
+# probe]) depend on (B, H, L, S, seed) only, not on the score_mod: they are drawn once per shape and kept for
+# the last _SHAPES shapes (a training loop calls one shape again and again; at L = S = 16384 they are about
+# 8 MB). Nothing writes to them: a score_mod that modified its score argument in place would corrupt them,
+# as it would corrupt the probe's own comparison.
+_SHAPES = 4
+_PROBE_INPUTS: dict = {}  # (what, B, H, L, S, seed) -> inputs
+
+
+def _memo(key, make):
+    hit = _PROBE_INPUTS.get(key)
+    if hit is None:
+        hit = make()
+        while len(_PROBE_INPUTS) >= 2 * _SHAPES:  # the oldest first (dicts keep insertion order)
+            _PROBE_INPUTS.pop(next(iter(_PROBE_INPUTS)), None)
+        _PROBE_INPUTS[key] = hit
+    return hit
+
+
+def _probe_inputs(B, H, L, S, seed):
+    """[(scores float64 (n, k + 1), (b, h, q_idx, kv_idx) int64 (n, 1) each, the fixed scores, words)] for the
+    random points and the line points (Note [Probe inputs per shape])."""
+    def make():
+        g = torch.Generator().manual_seed(seed)
+        idx = _probe_points(B, H, L, S, g)
+        out = []
+        for part, scores in ((slice(0, _POINTS), _SCORES), (slice(_POINTS, None), _LINE_SCORES)):
+            b, h, qi, ki = (t[part] for t in idx)
+            n = b.numel()
+            if n == 0:
+                continue
+            b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
+            s = torch.tensor(scores, dtype=torch.float64).expand(n, -1)
+            s = torch.cat([s, torch.rand(n, len(scores) // 3, generator=g, dtype=torch.float64) * 20 - 10,
+                           torch.full((n, 1), _BIG)], 1)
+            where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
+            out.append((s, (b, h, qi, ki), scores, where))
+        return out
+    return _memo(("points", B, H, L, S, seed), make)
 
 
 def _classify(score_mod, name, s, idx, scores, seed, where):
@@ -367,11 +402,13 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
         return ScoreModKind("identity", f"score_mod(score) == score on {where}"), False
     # points whose every value is -inf are masked pairs: consistent with any kind that has a bias
     masked = torch.isneginf(y).all(1)
+    any_masked = bool(masked.any())
     live = ~masked
-    if not bool(torch.isfinite(y[live]).all()):
+    if not bool(torch.isfinite(y[live] if any_masked else y).all()):
         return ScoreModKind("general", "non-finite values on some scores of a pair (not affine, not soft-capping)",
                             reads_grad=reads_grad), False
-    ys, yb, sb = ys[live], yb[live], sb[live]
+    if any_masked:  # (a boolean index copies: skipped when every pair is live, the common case)
+        ys, yb, sb = ys[live], yb[live], sb[live]
     if ys.shape[0] == 0:
         return ScoreModKind("affine", "every probed pair is -inf: a mask written as a score_mod", has_bias=True,
                             reads_grad=reads_grad), True
@@ -383,7 +420,7 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
     if bool(((ys - fit).abs() <= tol).all()):
         a = float(slope[0])
         if bool((slope - a).abs().le(_RTOL * abs(a)).all()) and a > 0:
-            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
+            has_bias = bool((c != 0).any()) or any_masked or reads_grad
             return ScoreModKind("affine", f"score_mod(score) == {a:.6g}·score + bias(b, h, q_idx, kv_idx) on "
                                 f"{where}", factor=a, has_bias=has_bias, reads_grad=reads_grad), False
         return ScoreModKind("general", "affine in the score, but its factor varies with (b, h, q_idx, kv_idx) or "
@@ -394,7 +431,7 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
     if cap0 > 0 and math.isfinite(cap0) and bool(((cap - cap0).abs() <= _RTOL * cap0).all()):
         want = cap0 * torch.tanh(sb / cap0) + c.unsqueeze(1)
         if bool(((ys - want).abs() <= _RTOL * (cap0 + c.abs().unsqueeze(1) + 1)).all()):
-            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
+            has_bias = bool((c != 0).any()) or any_masked or reads_grad
             return ScoreModKind("softcap", f"score_mod(score) == {cap0:.6g}·tanh(score / {cap0:.6g})"
                                 + (" + bias(b, h, q_idx, kv_idx)" if has_bias else "")
                                 + f" on {where}", softcap=cap0, has_bias=has_bias,
@@ -442,11 +479,22 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+#: probe points (rows) the gradient check of _grad_only_in_bias evaluates at most (Note [Structured probes])
+_GRAD_POINTS = 256
+
+
 def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
     """Whether the tensors requiring grad that score_mod reads enter only through an additive bias: the
     gradient of sum(r · score_mod(score)) into them is the same at the probe scores as at score 0, for
     random weights r. (The factor c of an affine score_mod is folded into ``scale`` as a number, so a
-    learned factor must not pass; nor may a learned cap.)"""
+    learned factor must not pass; nor may a learned cap.) On at most _GRAD_POINTS of the rows of s (random
+    ones, score_mod evaluated again there): the line points are O(L + S) and two backward passes through
+    score_mod on all of them were most of a first call's probe (Note [Structured probes])."""
+    n = s.shape[0]
+    if n > _GRAD_POINTS:
+        sel = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 3))[:_GRAD_POINTS]
+        s, idx = s[sel], tuple(t[sel] for t in idx)
+        y = torch.broadcast_to(score_mod(s, *idx), s.shape)
     leaves = _leaves(y)
     if not leaves:
         return True
@@ -513,17 +561,17 @@ def _bias_blocks(score_mod, B, H, i, j, dtype):
 # refused (a bias on key 7, on one batch element, on one offset's far end); what it does not: a departure
 # confined to isolated (q_idx, kv_idx) pairs off those lines and off the sampled q_idx of their offset
 # ((q_idx == 5) & (kv_idx == 7), say) can pass; flex_plan says the probe found it ("bias: relative").
+# The table the probe checked is the one the kernel gets: evaluated once, in float64 (under autograd when it
+# is on), rounded by the kernel to its accumulation dtype; a bias made of one operation on float32 tensors
+# rounds to the same float32 value as when evaluated in float32 (IEEE operations are correctly rounded).
 _REL_SETS = 3
 
 
-def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
-    """Whether score_mod(0, b, h, q_idx, kv_idx) depends on (h, q_idx - kv_idx) only, on the probes of
-    Note [Relative bias probe]."""
-    if L == 0 or S == 0:
-        return False
-    g = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
-        ref = _relative_table(score_mod, H, L, S, torch.float64).double()  # (H, W): offset d at column d + L - 1
+def _relative_points(B, H, L, S, seed):
+    """(b, h, q_idx, kv_idx) int64 [n] each of Note [Relative bias probe] (per shape: Note [Probe inputs per
+    shape])."""
+    def make():
+        g = torch.Generator().manual_seed(seed + 2)
         d = torch.arange(-(L - 1), S)
         W = d.numel()
         lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)
@@ -539,14 +587,27 @@ def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
             hs += [(jr + k) % max(1, H), (ic + k + 1) % max(1, H)]
             qs += [torch.full((S,), q0), ic]
             ks += [jr, torch.full((L,), k0)]
-        b, h, qi, ki = (torch.cat(t) for t in (bs, hs, qs, ks))
-        n = b.numel()
+        return tuple(torch.cat(t) for t in (bs, hs, qs, ks))
+    return _memo(("relative", B, H, L, S, seed), make)
+
+
+def _relative_probe(score_mod, B, H, L, S, seed=0) -> torch.Tensor | None:
+    """The table [H, L + S - 1] of _relative_table (float64, differentiable into the tensors score_mod reads
+    when autograd is on) when score_mod(0, b, h, q_idx, kv_idx) depends on (h, q_idx - kv_idx) only on the
+    probes of Note [Relative bias probe], else None. The kernel is given this same table (evaluated once)."""
+    if L == 0 or S == 0:
+        return None
+    table = _relative_table(score_mod, H, L, S, torch.float64)  # (H, W): offset d at column d + L - 1
+    ref = table.detach().double()
+    b, h, qi, ki = _relative_points(B, H, L, S, seed)
+    n = b.numel()
+    with torch.no_grad():
         z = torch.zeros(n, 1, dtype=torch.float64)
         y = torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), ki.view(n, 1)), (n, 1))
         y = y.double().view(n)
         want = ref[h % ref.shape[0], ki - qi + (L - 1)] if H else y
     same = (y == want) | ((y - want).abs() <= _RTOL * (y.abs() + want.abs() + 1))
-    return bool(same.all())
+    return table if bool(same.all()) else None
 
 
 def _relative_probe_count(L, S) -> int:
@@ -565,19 +626,16 @@ def _relative_table(score_mod, H, L, S, dtype):
     return torch.broadcast_to(y.to(dtype), (H, d.numel()))
 
 
-def _relative_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scale, enable_gqa):
-    """Note [Relative bias probe]: one compiled-kernel call with the mask as a pattern and the bias as a
-    table per offset. Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
+def _relative_bias_attention(query, key, value, rel, mask: "_Mask", kind, scale, enable_gqa):
+    """Note [Relative bias probe]: one compiled-kernel call with the mask as a pattern and the bias as the
+    table per offset ``rel`` [H, L + S - 1] the probe evaluated (float64: the kernel rounds it to the
+    accumulation dtype, differentiably). Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
     from ..kernels import compiled as compiled_kernel
     from ..shapes import prepare
     from . import rates
 
-    B, H, L, _ = query.shape
-    S = key.shape[2]
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     p = prepare(query, key, value, None, 0.0, False, scale * kind.factor, enable_gqa, mask.pattern,
                 softcap=kind.softcap)
-    rel = _relative_table(score_mod, H, L, S, acc)
     out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale,
                                                   *compiled_kernel.compiled_blocks(
                                                       p, None, rates.current().compiled_block_speed),
@@ -653,17 +711,19 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
         notes.append(f"general path: {kept} of {mask.codes.shape[-2] * mask.codes.shape[-1]} blocks of {bq}x{bk} "
                      f"kept; score_mod called once per kept block on [B, H, {bq}, {bk}] scores; "
                      "checkpointed per query block under autograd (scores recomputed in backward)")
-        return FlexPlan("general", why, kind, mask.describe, block_size=(bq, bk), notes=notes), mask
+        return FlexPlan("general", why, kind, mask.describe, block_size=(bq, bk), notes=notes), mask, None
     kw = {"scale": f"{scale * kind.factor:.6g}", "enable_gqa": enable_gqa}
     if mask.pattern is not None and not kind.has_bias:
         kw["pattern"] = repr(mask.pattern)
     if kind.softcap is not None:
         kw["softcap"] = f"{kind.softcap:.6g}"
-    bias = None
+    bias = rel = None
     if kind.has_bias:
         from ..kernels import compiled as compiled_kernel
 
-        if mask.refusal is None and compiled_kernel.available(query) and _relative_probe(score_mod, B, H, L, S):
+        if mask.refusal is None and compiled_kernel.available(query):
+            rel = _relative_probe(score_mod, B, H, L, S)
+        if rel is not None:
             bias = "relative"
             kw["pattern"] = repr(mask.pattern)
             kw["rel_bias"] = f"score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx: [{H}, {L + S - 1}]"
@@ -682,7 +742,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
     reason = {"none": "no score_mod", "identity": "score_mod is the identity",
               "affine": "score_mod is affine in the score: its bias goes in as a float attn_mask",
               "softcap": "score_mod is soft-capping: attention's softcap"}[kind.kind]
-    return FlexPlan("attention", reason, kind, mask.describe, attention_kwargs=kw, notes=notes, bias=bias), mask
+    return FlexPlan("attention", reason, kind, mask.describe, attention_kwargs=kw, notes=notes, bias=bias), mask, rel
 
 
 def flex_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None, block_mask=None,
@@ -815,7 +875,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     want_lse, want_max, aux = _want(return_lse, return_aux, kernel_options)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"flex_attention: block_size must be a positive int or None, got {block_size!r}")
-    plan, mask = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)
+    plan, mask, rel = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)
     B, H, L, _ = query.shape
     S = key.shape[2]
     lse = mx = None
@@ -827,7 +887,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kind = plan.score_mod
         kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)
         if plan.bias == "relative":
-            out, lse = _relative_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa)
+            out, lse = _relative_bias_attention(query, key, value, rel, mask, kind, scale, enable_gqa)
             lse = lse if want_lse else None
         elif kind.has_bias:
             out, lse = _kept_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa, want_lse)
