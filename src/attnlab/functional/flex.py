@@ -224,11 +224,13 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
         return (c == P.FULL) | ((c == P.PARTIAL) & m)
 
     desc = f"torch BlockMask (blocks {bq}x{bk}, (B, H) = ({Bm}, {Hm}), mask_mod {getattr(mm, '__name__', mm)!r})"
-    refusal, pattern = None, None
-    try:
-        pattern = P.from_block_mask(bm, B=B)
-    except (ValueError, TypeError) as e:
-        refusal = f"not an attnlab pattern ({e})"
+    memo = _memo_of(bm)
+    if ("pattern", B) not in memo:  # one pattern object per BlockMask: the kernels' layouts are cached per pattern
+        try:
+            memo[("pattern", B)] = P.from_block_mask(bm, B=B), None
+        except (ValueError, TypeError) as e:
+            memo[("pattern", B)] = None, f"not an attnlab pattern ({e})"
+    pattern, refusal = memo[("pattern", B)]
     if pattern is not None and not noop and pattern.batch_size is None:
         band = _band_of(bm, mm, codes, L, S, bq, bk)
         if band is not None:
@@ -241,21 +243,42 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
 # runs as attnlab's band pattern, whose kernels need no mask_mod call per tile (one mask tile per
 # diagonal); ``patterns.as_band`` proves the equality (every pair of the boundary blocks it cannot settle
 # by intervals), and the BlockMask's own blocks must be the band's. The answer is kept per BlockMask object
-# (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern.
-_BANDS: "weakref.WeakKeyDictionary" = None  # BlockMask -> {(L, S): band pattern | None}
+# (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern;
+# so is the pattern ``from_block_mask`` makes of it (the kernels cache their layouts per pattern object, so a
+# new pattern per call rebuilt the mask tiles of every partial block on every call). Before the proof, a
+# necessary condition on the BlockMask's own blocks (square ones): a band's block (I, J) depends on J - I
+# only, so blocks one step down the diagonal must be equal (the last row and column, which the lengths may
+# cut, aside); a mask that fails it (documents, prefix LM) is no band, without evaluating mask_mod
+# (as_band's proof cost a document mask 45 ms at L = S = 16384).
+_MEMO: "weakref.WeakKeyDictionary" = None  # BlockMask -> {(L, S): band pattern | None, ("pattern", B): ...}
+
+
+def _memo_of(bm) -> dict:
+    """The per-BlockMask memo of Note [Bands proved once per BlockMask] (a fresh dict when ``bm`` is not
+    weak-referenceable)."""
+    global _MEMO
+    import weakref
+
+    if _MEMO is None:
+        _MEMO = weakref.WeakKeyDictionary()
+    try:
+        return _MEMO.setdefault(bm, {})
+    except TypeError:  # not weak-referenceable
+        return {}
+
+
+def _diagonal_invariant(c: torch.Tensor) -> bool:
+    """Whether block codes c [nq, nk] depend on J - I only, off the last row and column (a band's, for
+    square blocks: Note [Bands proved once per BlockMask])."""
+    return c.shape[0] < 3 or c.shape[1] < 3 or torch.equal(c[1:-1, 1:-1], c[:-2, :-2])
 
 
 def _band_of(bm, mm, codes, L, S, bq, bk):
-    global _BANDS
-    import weakref
-
-    if _BANDS is None:
-        _BANDS = weakref.WeakKeyDictionary()
-    try:
-        memo = _BANDS.setdefault(bm, {})
-    except TypeError:  # not weak-referenceable
-        memo = {}
+    memo = _memo_of(bm)
     if (L, S) not in memo:
+        if bq == bk and not _diagonal_invariant(codes[0, 0]):
+            memo[(L, S)] = None
+            return None
         band = P.as_band(mm, L, S, (bq, bk))
         if band is not None:
             want = P.torch_layout(band, L, S, (bq, bk))
