@@ -678,3 +678,35 @@ def test_flash_attn_rule_float32_softcap_alibi_head_dims(case):
                                                                softcap=cap, alibi_slopes=slopes, method=method),
                              q, k, v, do)
         _flash_attn_rule(got, ref, base, torch.float32, f"{method} {case}")
+
+
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_relative_bias_gradient_bytes_are_the_kernels_allocations(monkeypatch, splits):
+    """The peak estimate counts the backward's per-unit drel rows (csrc Note [Relative bias]):
+    rel_bias_grad_bytes is the sum of the two buffers the kernel allocates for them, units x groups x
+    (L + S - 1) and H x (L + S - 1), as torch's profiler records them (tracemalloc cannot see C++ allocations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from attnlab.kernels.spec import Request, Tiling
+    from attnlab.shapes import prepare
+
+    monkeypatch.setenv("ATTNLAB_EXT_BWD_SPLITS", splits)  # units = N·Hkv·ranges
+    N, H, Hkv, L, S, E, bk = 1, 4, 2, 37, 143, 8, 32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(N, H, L, E, generator=g, requires_grad=True)
+    k, v = (torch.randn(N, Hkv, S, E, generator=g, requires_grad=True) for _ in range(2))
+    rel = torch.randn(H, L + S - 1, generator=g, requires_grad=True)
+    p = prepare(q, k, v, None, 0.0, False, 0.3, True, None)
+    out, _ = compiled.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, 16, bk, rel_bias=rel)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out.sum().backward()
+    allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    r = Request(N, H, Hkv, L, S, E, E, needs_grad=True, rel_bias_grad=True)
+    want = compiled.rel_bias_grad_bytes(r, bk)
+    result = H * (L + S - 1) * 4
+    ranges = min(int(splits), -(-S // bk))
+    assert want - result == N * Hkv * ranges * (H // Hkv) * (L + S - 1) * 4
+    assert result in allocated and (want - result) in allocated, (want, result, sorted(set(allocated)))
+    assert compiled.rel_bias_grad_bytes(dataclasses.replace(r, needs_grad=False), bk) == 0
+    base = compiled.SPEC.peak_bytes(dataclasses.replace(r, rel_bias_grad=False), Tiling(16, bk))
+    assert compiled.SPEC.peak_bytes(r, Tiling(16, bk)) == base + want

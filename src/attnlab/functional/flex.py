@@ -754,6 +754,15 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
                          f"against {_REL_SETS} other (b, q_idx) each and {_LINES} whole rows and columns; a departure "
                          "on isolated (q_idx, kv_idx) pairs off those can pass): one compiled-kernel call adds it from a table per offset, the "
                          "mask as a pattern (Note [Relative bias probe]); memory and gradient O(H·(L + S))")
+            if needs_grad and kind.reads_grad:
+                from ..kernels.spec import Request
+                from ..report import format_bytes
+
+                r = Request(B, H, key.shape[1], L, S, query.shape[-1], value.shape[-1], query.dtype, needs_grad=True,
+                            rel_bias_grad=True)
+                notes.append(f"backward: the table's gradient is summed in per-unit rows, at most "
+                             f"{format_bytes(compiled_kernel.rel_bias_grad_bytes(r, 16))} "
+                             "(units x groups x (L + S - 1), csrc Note [Relative bias])")
         else:
             bias = "kept blocks"
             kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) on the kept blocks, per query block"
@@ -817,6 +826,46 @@ def _row_block(q, k, v, score_mod, mask: _Mask, scale, q0, blocks, B, H, want_ma
     return out, lse, mx
 
 
+# Note [Recomputed query blocks]: under autograd the general path keeps no scores: each query block's
+# forward runs without a graph and its backward runs it again with one (activation checkpointing). Not with
+# torch.utils.checkpoint: its first call imports torch._dynamo, and with it torch.fx's symbolic shapes and
+# sympy (0.5-1.4 s of a first call in a fresh process; tests/functional/test_flex.py
+# test_first_call_imports_no_compiler_stack). _Recomputed takes the block's queries, k, v and the leaves
+# score_mod reads (found from one call of it on a single pair: a score_mod that reads a tensor requiring grad
+# at some pairs only, by Python control flow on values, would not be seen) as inputs, so autograd routes the
+# gradients the recomputation finds to them; the recomputation differentiates through the captured tensors'
+# own graph to those leaves (retained, as every query block walks it). One backward only (no double backward).
+class _Recomputed(torch.autograd.Function):
+    """(out, lse, max) of ``run(qs)`` for one query block, recomputed in the backward (Note [Recomputed
+    query blocks]). Inputs: run, qs [B, H, r, E], k, v (which run reads), then the leaves score_mod reads."""
+
+    @staticmethod
+    def forward(ctx, run, qs, k, v, *leaves):
+        # the very tensors (not saved copies): the recomputation's graph must reach these objects
+        ctx.run, ctx.inputs = run, (qs, k, v, *leaves)
+        return run(qs)  # autograd is off inside forward: no graph, no scores kept
+
+    @staticmethod
+    def backward(ctx, *grads):
+        qs, k, v, *leaves = ctx.inputs  # kept: a retained graph may run this backward again (gradcheck does)
+        wrt = [qs.detach().requires_grad_(ctx.needs_input_grad[1])] + [k, v] + list(leaves)
+        need = [ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3],
+                *ctx.needs_input_grad[4:]]
+        pick = [i for i, n in enumerate(need) if n]
+        with torch.enable_grad():
+            outs = ctx.run(wrt[0])
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            # a scalar sum(o · g), not grad_outputs=g: torch.autograd.grad imports torch.fx's symbolic shapes
+            # and sympy on its first call with grad_outputs (the vector-Jacobian product is the same, exactly)
+            total = sum((o * g).sum() for o, g in pairs) if pairs else None
+        got = torch.autograd.grad(total, [wrt[i] for i in pick], allow_unused=True,
+                                  retain_graph=True) if pairs and pick else []
+        res = [None] * len(wrt)
+        for i, gi in zip(pick, got):
+            res[i] = gi
+        return (None, *res)
+
+
 def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
     """out [B, H, L, Ev] (query's dtype), lse [B, H, L] and max [B, H, L] (accumulation dtype) by online
     softmax over the blocks ``mask.codes`` keeps (union over batch and heads), per query block."""
@@ -831,6 +880,11 @@ def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
     kept = mask.codes.amax(dim=(0, 1))  # (nq, nk): EMPTY only where every (b, h) is empty
     full_all = (mask.codes == P.FULL).all(0).all(0)
     grad = torch.is_grad_enabled()
+    leaves = []
+    if grad and score_mod is not None:  # the tensors requiring grad score_mod reads (Note [Recomputed query blocks])
+        z = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        y = score_mod(torch.zeros(1, 1, 1, 1, dtype=acc), z, z, z, z)
+        leaves = _leaves(y) if isinstance(y, torch.Tensor) and y.requires_grad else []
     outs, lses, maxes = [], [], []
     for qb in range(-(-L // bq)):
         q0, q1 = qb * bq, min(L, (qb + 1) * bq)
@@ -839,10 +893,8 @@ def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
 
         def run(qs, q0=q0, blocks=blocks):
             return _row_block(qs, k, v, score_mod, mask, scale, q0, blocks, B, H, want_max)
-        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or score_mod is not None):
-            from torch.utils.checkpoint import checkpoint
-
-            o, lse, mx = checkpoint(run, q[:, :, q0:q1], use_reentrant=False)
+        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or leaves):
+            o, lse, mx = _Recomputed.apply(run, q[:, :, q0:q1], k, v, *leaves)
         else:
             o, lse, mx = run(q[:, :, q0:q1])
         outs.append(o), lses.append(lse), maxes.append(mx)

@@ -668,12 +668,26 @@ def bias_grad_bytes(r: Request) -> int:
     return r.pairs * (8 if r.dtype == torch.float64 else 4) if r.float_mask_grad else 0
 
 
+def rel_bias_grad_bytes(r: Request, block_k: int) -> int:
+    """Bytes of the relative bias table's gradient in the backward, when it requires grad (``r.rel_bias_grad``
+    under ``r.needs_grad``): each backward unit (batch element, kv head, key range: ``backward_splits``) sums
+    its score gradients into its own rows [groups, L + S - 1], added up in unit order into the result
+    [H, L + S - 1] (csrc Note [Relative bias]): (units·groups + H)·(L + S - 1) in the accumulation dtype."""
+    if not (r.rel_bias_grad and r.needs_grad):
+        return 0
+    acc = 8 if r.dtype == torch.float64 else 4
+    nk = max(1, -(-r.S // block_k))
+    units = r.N * r.Hkv * max(1, min(backward_splits(r.N, r.Hkv, r.S, block_k), nk))
+    return (units * (r.H // max(1, r.Hkv)) + r.H) * (r.L + r.S - 1) * acc
+
+
 def _peak(r: Request, t: Tiling | None) -> int:
     bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
     splits = backward_splits(r.N, r.Hkv, r.S, bk) if r.needs_grad else 1
     dq_parts = splits * r.N * r.H * r.L * r.E * 4 if splits > 1 else 0  # csrc Note [Backward balance]
     wide = _fp32_copy_bytes(r) if _planned_as_fp32(r) else 0
-    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + dq_parts + wide + scratch_bytes(bq, bk, r.E, r.Ev)
+    return (io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + rel_bias_grad_bytes(r, bk) + dq_parts + wide
+            + scratch_bytes(bq, bk, r.E, r.Ev))
 
 
 def _flops(r: Request, t: Tiling | None) -> int:
