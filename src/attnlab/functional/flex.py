@@ -351,10 +351,22 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
     if not callable(score_mod):
         raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
                         f"got {type(score_mod).__name__}")
+    return _probe(score_mod, B, H, L, S, seed)[0]
+
+
+def _probe(score_mod, B, H, L, S, seed=0):
+    """(probe_score_mod's answer, [((b, h, q_idx, kv_idx) (n, 1) each, score_mod(0, ...) float64 (n,))] at
+    the probe points, for _relative_probe to reuse: Note [Relative bias probe])."""
+    if score_mod is None:
+        return ScoreModKind("none", "no score_mod"), []
+    if not callable(score_mod):
+        raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
+                        f"got {type(score_mod).__name__}")
     name = getattr(score_mod, "__name__", type(score_mod).__name__)
-    groups = [_classify(score_mod, name, s, idx, scores, seed, where)
+    biases = []
+    groups = [_classify(score_mod, name, s, idx, scores, seed, where, biases)
               for s, idx, scores, where in _probe_inputs(B, H, L, S, seed)]
-    return _combine(*groups)
+    return _combine(*groups), biases
 
 
 # Note [Probe inputs per shape]: the probe's points and scores (Notes [Structured probes], [Relative bias
@@ -398,9 +410,10 @@ def _probe_inputs(B, H, L, S, seed):
     return _memo(("points", B, H, L, S, seed), make)
 
 
-def _classify(score_mod, name, s, idx, scores, seed, where):
+def _classify(score_mod, name, s, idx, scores, seed, where, biases=None):
     """(ScoreModKind, factor free) from score_mod at the points idx ((n, 1) each) and scores s (n, k + 1),
-    the last column _BIG; ``free``: every pair was -inf, so any factor fits."""
+    the last column _BIG; ``free``: every pair was -inf, so any factor fits. Appends (idx, score_mod at score
+    0) to ``biases`` when it gets that far."""
     b, h, qi, ki = idx
     zero, lo, hi = scores.index(0.0), scores.index(-1000.0), scores.index(250.0)
     y = score_mod(s, b, h, qi, ki)
@@ -418,6 +431,8 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
                             "(its gradient depends on the score)", reads_grad=True), False
     y = y.detach().to(torch.float64)
     ys, yb, sb = y[:, :-1], y[:, -1], s[:, :-1]
+    if biases is not None:
+        biases.append((idx, ys[:, zero]))
     if bool((ys == sb).all()):
         if reads_grad:  # a learned bias that is 0 now (a zero-initialised table): still a bias, for its gradient
             return ScoreModKind("affine", "score_mod(score) == score + bias, the bias 0 on the probes but read from "
@@ -584,15 +599,19 @@ def _bias_blocks(score_mod, B, H, i, j, dtype):
 # refused (a bias on key 7, on one batch element, on one offset's far end); what it does not: a departure
 # confined to isolated (q_idx, kv_idx) pairs off those lines and off the sampled q_idx of their offset
 # ((q_idx == 5) & (kv_idx == 7), say) can pass; flex_plan says the probe found it ("bias: relative").
+# In flex_attention the structured probe's points (Note [Structured probes]: its rows, columns, one random
+# q_idx per offset, every head and batch element) already hold score_mod(0, ...): they are compared with the
+# table as they are, and only the last and middle q_idx of each offset are evaluated afresh (same coverage).
 # The table the probe checked is the one the kernel gets: evaluated once, in float64 (under autograd when it
 # is on), rounded by the kernel to its accumulation dtype; a bias made of one operation on float32 tensors
 # rounds to the same float32 value as when evaluated in float32 (IEEE operations are correctly rounded).
 _REL_SETS = 3
 
 
-def _relative_points(B, H, L, S, seed):
+def _relative_points(B, H, L, S, seed, own_lines=True):
     """(b, h, q_idx, kv_idx) int64 [n] each of Note [Relative bias probe] (per shape: Note [Probe inputs per
-    shape])."""
+    shape]); without ``own_lines`` only the last and middle q_idx of each offset (the structured probe's
+    points stand for the random q_idx, the rows and the columns)."""
     def make():
         g = torch.Generator().manual_seed(seed + 2)
         d = torch.arange(-(L - 1), S)
@@ -602,8 +621,9 @@ def _relative_points(B, H, L, S, seed):
         ar = torch.arange(W)
         sets = [(ar % max(1, B), ar % max(1, H), hi), ((ar + 1) % max(1, B), (ar + 1) % max(1, H), (lo + hi) // 2),
                 (torch.randint(0, max(1, B), (W,), generator=g), torch.randint(0, max(1, H), (W,), generator=g), rq)]
+        sets = sets if own_lines else sets[:2]
         bs, hs, qs, ks = ([s[0] for s in sets], [s[1] for s in sets], [s[2] for s in sets], [s[2] + d for s in sets])
-        for k in range(_LINES):  # whole rows and columns
+        for k in range(_LINES if own_lines else 0):  # whole rows and columns
             q0, k0 = int(torch.randint(0, L, (1,), generator=g)), int(torch.randint(0, S, (1,), generator=g))
             jr, ic = torch.arange(S), torch.arange(L)
             bs += [(jr + k) % max(1, B), (ic + k + 1) % max(1, B)]
@@ -611,23 +631,30 @@ def _relative_points(B, H, L, S, seed):
             qs += [torch.full((S,), q0), ic]
             ks += [jr, torch.full((L,), k0)]
         return tuple(torch.cat(t) for t in (bs, hs, qs, ks))
-    return _memo(("relative", B, H, L, S, seed), make)
+    return _memo(("relative", B, H, L, S, seed, own_lines), make)
 
 
-def _relative_probe(score_mod, B, H, L, S, seed=0) -> torch.Tensor | None:
+def _relative_probe(score_mod, B, H, L, S, seed=0, seen=None) -> torch.Tensor | None:
     """The table [H, L + S - 1] of _relative_table (float64, differentiable into the tensors score_mod reads
     when autograd is on) when score_mod(0, b, h, q_idx, kv_idx) depends on (h, q_idx - kv_idx) only on the
-    probes of Note [Relative bias probe], else None. The kernel is given this same table (evaluated once)."""
+    probes of Note [Relative bias probe], else None. The kernel is given this same table (evaluated once).
+    ``seen``: the structured probe's [(idx, score_mod(0, ...))] (``_probe``), compared instead of evaluating
+    the random q_idx per offset and the rows and columns again."""
     if L == 0 or S == 0:
         return None
     table = _relative_table(score_mod, H, L, S, torch.float64)  # (H, W): offset d at column d + L - 1
     ref = table.detach().double()
-    b, h, qi, ki = _relative_points(B, H, L, S, seed)
+    b, h, qi, ki = _relative_points(B, H, L, S, seed, own_lines=seen is None)
     n = b.numel()
     with torch.no_grad():
         z = torch.zeros(n, 1, dtype=torch.float64)
         y = torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), ki.view(n, 1)), (n, 1))
-        y = y.double().view(n)
+        ys, idx = [y.double().view(n)], [(h, qi, ki)]
+        for (_, hp, qp, kp), yp in seen or ():
+            ys.append(yp)
+            idx.append((hp.view(-1), qp.view(-1), kp.view(-1)))
+        y = torch.cat(ys)
+        h, qi, ki = (torch.cat(t) for t in zip(*idx))
         want = ref[h % ref.shape[0], ki - qi + (L - 1)] if H else y
     same = (y == want) | ((y - want).abs() <= _RTOL * (y.abs() + want.abs() + 1))
     return table if bool(same.all()) else None
@@ -716,7 +743,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
     B, H, L, _ = query.shape
     S = key.shape[2]
     mask = _read_block_mask(block_mask, B, H, L, S, block_size)
-    kind = probe_score_mod(score_mod, B, H, L, S)
+    kind, seen = _probe(score_mod, B, H, L, S)
     needs_grad = torch.is_grad_enabled() and (kind.reads_grad or any(t.requires_grad for t in (query, key, value)))
     notes = []
     why = None
@@ -745,7 +772,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
         from ..kernels import compiled as compiled_kernel
 
         if mask.refusal is None and compiled_kernel.available(query):
-            rel = _relative_probe(score_mod, B, H, L, S)
+            rel = _relative_probe(score_mod, B, H, L, S, seen=seen)
         if rel is not None:
             bias = "relative"
             kw["pattern"] = repr(mask.pattern)
