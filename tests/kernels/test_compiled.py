@@ -710,3 +710,20 @@ def test_relative_bias_gradient_bytes_are_the_kernels_allocations(monkeypatch, s
     assert compiled.rel_bias_grad_bytes(dataclasses.replace(r, needs_grad=False), bk) == 0
     base = compiled.SPEC.peak_bytes(dataclasses.replace(r, rel_bias_grad=False), Tiling(16, bk))
     assert compiled.SPEC.peak_bytes(r, Tiling(16, bk)) == base + want
+
+
+@pytest.mark.parametrize("pattern", [P.sliding_window(left=37, right=5), P.causal(), P.dilated(7, 3, causal=True), P.causal() | P.sliding_window(left=0, right=9)])
+@pytest.mark.parametrize("L, S, bq, bk", [(143, 200, 16, 32), (200, 143, 32, 16), (64, 64, 16, 16), (17, 3, 16, 16)])
+def test_band_layout_one_tile_per_offset_is_the_mask(pattern, L, S, bq, bk):
+    """_pattern_layout evaluates one block per offset qb·bq - kb·bk for translation-invariant patterns (and
+    the cut last row and column on their own): the layout, tile by tile, is still the materialised mask."""
+    visit, tid, tiles = compiled._pattern_layout(pattern, L, S, bq, bk)
+    nq, nk = -(-L // bq), -(-S // bk)
+    got = torch.zeros(nq * bq, nk * bk, dtype=torch.bool)
+    for qb in range(nq):
+        for kb in range(nk):
+            if bool(visit[0, qb, kb]):
+                t = int(tid[0, qb, kb])
+                got[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk] = True if t < 0 else tiles[t].bool()
+    want = pattern.materialize(L, S)
+    assert torch.equal(got[:L, :S], want), (got[:L, :S] != want).nonzero()[:5]

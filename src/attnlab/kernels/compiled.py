@@ -200,6 +200,17 @@ def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
     part = (lay == P.PARTIAL).nonzero()  # [Np, 2]
     if not len(part):
         return visit, tid, torch.zeros(0, bq, bk, dtype=torch.uint8)
+    all_part, rep = part, None
+    if pattern.translation_invariant() and not pattern.batch_size and len(part) > 1:
+        # keep depends on j - i only: blocks at one offset qb·bq - kb·bk hold one tile, so each offset is
+        # evaluated once (a band at L = S = 16384 evaluated 255 tiles of 128² pairs for 2 distinct ones); the
+        # last row and column of blocks (cut by L or S: clamped indices below) are evaluated on their own
+        edge = (part[:, 0] == nq - 1) | (part[:, 1] == nk - 1)
+        group = torch.where(edge, -1 - torch.arange(len(part)), part[:, 0] * bq - part[:, 1] * bk + nk * bk)  # >= bk > 0
+        _, rep = torch.unique(group, return_inverse=True)  # (Np,) each block's offset group
+        first = torch.full((int(rep.max()) + 1,), len(part), dtype=torch.long).scatter_reduce(
+            0, rep, torch.arange(len(part)), "amin")
+        part = part[first]  # one block per group
     ar_q, ar_k = torch.arange(bq), torch.arange(bk)
     uniq, chunk = [], max(1, _TILE_CHUNK_BYTES // (B * bq * bk))
     for c0 in range(0, len(part), chunk):
@@ -223,6 +234,10 @@ def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
     if len(uniq) > 1:  # the same tile found in several chunks: one copy
         tiles, inv = _unique_rows(tiles)
         tid = torch.where(tid >= 0, inv.to(torch.int32)[tid.clamp(min=0).long()], tid)
+    if rep is not None:  # every block as its group's evaluated one
+        src = part[rep]  # (Np, 2)
+        visit[:, all_part[:, 0], all_part[:, 1]] = visit[:, src[:, 0], src[:, 1]]
+        tid[:, all_part[:, 0], all_part[:, 1]] = tid[:, src[:, 0], src[:, 1]]
     return visit, tid, tiles.view(-1, bq, bk).contiguous()
 
 
