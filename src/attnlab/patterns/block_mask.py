@@ -322,16 +322,22 @@ class BlockMaskPattern(Pattern):
         c = self.codes().to(i.device)
         cq = torch.div(i, self.block_q, rounding_mode="floor")
         ck = torch.div(j, self.block_k, rounding_mode="floor")
-        c = c[:, cq, ck] if c.shape[0] > 1 else c[0][cq, ck]  # (Bm, *shape) or shape
+        shape = _broadcast_shape(i.shape, j.shape)
+        if (i.dim() >= 2 and j.dim() >= 2 and i.shape[-1] == 1 and j.shape[-2] == 1
+                and bool((cq == cq[..., :1, :]).all()) and bool((ck == ck[..., :1]).all())):
+            # tiles inside one block each (the kernels' mask tiles, dead keys): the codes once per tile, not per
+            # pair (the per-pair gather was 3x the mask_mod's own time on a document mask's partial blocks)
+            cq, ck = cq[..., :1, :], ck[..., :1]
+        c = c[:, cq, ck] if c.shape[0] > 1 else c[0][cq, ck]  # (Bm, *shape) or shape (or per tile)
         inner = self.inner()
         if inner is None:
             m = c != EMPTY
         else:
             m = (c == FULL) | ((c == PARTIAL) & inner.keep(i, j, L, S))
         if self.batch_size:
-            shape = _broadcast_shape(i.shape, j.shape)
-            m = torch.broadcast_to(m, (self.batch_size,) + tuple(shape))
-        return m
+            return torch.broadcast_to(m, (self.batch_size,) + tuple(shape))
+        return torch.broadcast_to(m, (m.shape[0],) + tuple(shape)) if c.dim() > len(shape) else \
+            torch.broadcast_to(m, shape)
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
         # cells each caller block touches, counted by 2-D prefix sums of the union / intersection over the batch
