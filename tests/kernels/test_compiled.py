@@ -727,3 +727,15 @@ def test_band_layout_one_tile_per_offset_is_the_mask(pattern, L, S, bq, bk):
                 got[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk] = True if t < 0 else tiles[t].bool()
     want = pattern.materialize(L, S)
     assert torch.equal(got[:L, :S], want), (got[:L, :S] != want).nonzero()[:5]
+
+
+@pytest.mark.parametrize("n, w", [(1, 8), (7, 9), (40, 256), (17, 143)])
+def test_unique_rows_as_torch_unique(n, w):
+    """compiled._unique_rows (tile dedup by a projection): u[inv] is x and u's rows are distinct, as
+    torch.unique(x, dim=0, return_inverse=True) (up to the order of u)."""
+    g = torch.Generator().manual_seed(n)
+    base = (torch.rand(max(1, n // 3), w, generator=g) > 0.5).to(torch.uint8)
+    x = base[torch.randint(0, base.shape[0], (n,), generator=g)].contiguous()
+    u, inv = compiled._unique_rows(x)
+    assert torch.equal(u[inv], x)
+    assert u.shape[0] == torch.unique(x, dim=0).shape[0]

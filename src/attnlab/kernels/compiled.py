@@ -179,10 +179,17 @@ def _unique_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[0]
     if n <= 1:
         return x, torch.zeros(n, dtype=torch.long)
-    w = torch.rand(x.shape[1], generator=torch.Generator().manual_seed(0))
-    key, inv = torch.unique(x.to(torch.float32) @ w, return_inverse=True)  # (g,), (n,)
+    g = torch.Generator().manual_seed(0)
+    if x.shape[1] % 4 == 0 and x.is_contiguous():  # 4 bytes a word, times random odd words (wrapping), summed
+        words = x.view(torch.int32)  # (n, w / 4)
+        proj = (words * (torch.randint(-2**30, 2**30, (words.shape[1],), generator=g, dtype=torch.int32) | 1)).sum(
+            1, dtype=torch.int64)
+    else:
+        proj = x.to(torch.float32) @ torch.rand(x.shape[1], generator=g)
+    key, inv = torch.unique(proj, return_inverse=True)  # (g,), (n,)
     first = torch.full((key.numel(),), n, dtype=torch.long).scatter_reduce(0, inv, torch.arange(n), "amin")
-    if not torch.equal(x, x[first[inv]]):  # two distinct rows with one projection
+    dup = (first[inv] != torch.arange(n)).nonzero().view(-1)  # rows after their group's first
+    if dup.numel() and not torch.equal(x[dup], x[first[inv[dup]]]):  # two distinct rows with one projection
         return torch.unique(x, dim=0, return_inverse=True)
     return x[first], inv
 
