@@ -180,12 +180,12 @@ def _unique_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n <= 1:
         return x, torch.zeros(n, dtype=torch.long)
     g = torch.Generator().manual_seed(0)
-    if x.shape[1] % 4 == 0 and x.is_contiguous():  # 4 bytes a word, times random odd words (wrapping), summed
-        words = x.view(torch.int32)  # (n, w / 4)
-        proj = (words * (torch.randint(-2**30, 2**30, (words.shape[1],), generator=g, dtype=torch.int32) | 1)).sum(
-            1, dtype=torch.int64)
-    else:
-        proj = x.to(torch.float32) @ torch.rand(x.shape[1], generator=g)
+    # 4 bytes a word (rows padded with zeros to whole words), times random odd words (wrapping), summed: exact
+    # integer arithmetic, so equal rows always meet
+    xp = x.contiguous() if x.shape[1] % 4 == 0 else F.pad(x, (0, -x.shape[1] % 4))
+    words = xp.view(torch.int32)  # (n, ceil(w / 4))
+    proj = (words * (torch.randint(-2**30, 2**30, (words.shape[1],), generator=g, dtype=torch.int32) | 1)).sum(
+        1, dtype=torch.int64)
     key, inv = torch.unique(proj, return_inverse=True)  # (g,), (n,)
     first = torch.full((key.numel(),), n, dtype=torch.long).scatter_reduce(0, inv, torch.arange(n), "amin")
     dup = (first[inv] != torch.arange(n)).nonzero().view(-1)  # rows after their group's first
