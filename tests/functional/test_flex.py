@@ -369,6 +369,24 @@ def test_learned_tensors_keep_their_gradient(name, make, kind):
     assert_close(got, want, **F64, what=f"{name} gradient")
 
 
+@pytest.mark.parametrize("name, kind", [("learned factor", "general"), ("learned per-head factor", "general"),
+                                        ("learned cap", "general"), ("learned table", "affine")])
+def test_gradient_check_on_a_subset_of_long_lines(name, kind):
+    """Note [Structured probes]: with more line points than _GRAD_POINTS the gradient check runs on a random
+    subset of them (and every random point); a learned factor or cap whose value looks like the identity's
+    (w = 1) is still refused, a learned relative table still a bias."""
+    n = 211  # 5·n line points, well over _GRAD_POINTS
+    assert flex._probe_count(1, 2, n, n) > 2 * flex._GRAD_POINTS
+    w = {"learned factor": torch.ones((), dtype=torch.float64), "learned per-head factor": torch.ones(2, 1),
+         "learned cap": torch.full((), 1e4), "learned table": torch.zeros(2, 2 * n - 1)}[name].requires_grad_()
+    mods = {"learned factor": lambda s, b, h, qi, ki: s * w,
+            "learned per-head factor": lambda s, b, h, qi, ki: s * w[h, 0],
+            "learned cap": lambda s, b, h, qi, ki: w * torch.tanh(s / w),
+            "learned table": lambda s, b, h, qi, ki: s + w[h, qi - ki + n - 1]}
+    r = flex.probe_score_mod(mods[name], 1, 2, n, n)
+    assert r.kind == kind and r.reads_grad, r.reason
+
+
 # -- the bias on the kept blocks only (Note [Kept-blocks bias]) ---------------------------------------
 def _counting(score_mod):
     """score_mod that records each call's grid of (q_idx, kv_idx) pairs, for the calls on [.., r, c] grids (4-D
@@ -557,3 +575,57 @@ def test_bias_computed_in_the_score_dtype():
     want = torch_flex(q, k, v, score_mod=mod)
     # float64 agreement: far below float32's rounding of the bias (~1e-8 relative to its size)
     assert (got - want).abs().max().item() < 1e-12
+
+
+_IMPORT_SCRIPT = r"""
+import sys
+import torch
+import attnlab
+from torch.nn.attention.flex_attention import and_masks
+from attnlab.patterns import create_block_mask
+
+heavy = ("torch._dynamo", "torch._inductor", "torch._refs", "torch._prims", "torch.fx.experimental.symbolic_shapes",
+         "sympy")
+before = {m for m in heavy if m in sys.modules}
+n, H = 80, 2
+doc = torch.arange(n) // 30
+
+
+def causal(b, h, q, k):
+    return q >= k
+
+
+def window(b, h, q, k):
+    return q - k <= 16
+
+
+def document(b, h, q, k):
+    return (doc[q] == doc[k]) & (q >= k)
+
+
+table = torch.zeros(H, 2 * n - 1, requires_grad=True)
+gate = torch.full((H,), 0.5, requires_grad=True)
+mods = [None, lambda s, b, h, q, k: s + table[h, q - k + n - 1], lambda s, b, h, q, k: 20 * torch.tanh(s / 20),
+        lambda s, b, h, q, k: s + 0.1 * q, lambda s, b, h, q, k: s + gate[h] * torch.tanh(s)]
+q, k, v = (torch.randn(1, H, n, 16, requires_grad=True) for _ in range(3))
+for mm in (causal, and_masks(window, causal), document):
+    bm = create_block_mask(mm, None, None, n, n, BLOCK_SIZE=16)
+    for sm in mods:
+        attnlab.flex_plan(q, k, v, sm, bm)
+        attnlab.flex_attention(q, k, v, score_mod=sm, block_mask=bm).sum().backward()
+print(sorted({m for m in heavy if m in sys.modules} - before))
+"""
+
+
+def test_first_call_imports_no_compiler_stack():
+    """A first flex_attention call (block masks, every score_mod path, forward and backward) imports none of
+    torch's compiler stack: torch.broadcast_shapes' first call imported torch.fx's symbolic shapes and sympy
+    (0.3-0.5 s of a first call in a fresh process); a structural check of sys.modules, not a timing."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", ATTNLAB_CALIBRATION="off"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-2] == "[]", r.stdout[-2000:]

@@ -678,3 +678,64 @@ def test_flash_attn_rule_float32_softcap_alibi_head_dims(case):
                                                                softcap=cap, alibi_slopes=slopes, method=method),
                              q, k, v, do)
         _flash_attn_rule(got, ref, base, torch.float32, f"{method} {case}")
+
+
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_relative_bias_gradient_bytes_are_the_kernels_allocations(monkeypatch, splits):
+    """The peak estimate counts the backward's per-unit drel rows (csrc Note [Relative bias]):
+    rel_bias_grad_bytes is the sum of the two buffers the kernel allocates for them, units x groups x
+    (L + S - 1) and H x (L + S - 1), as torch's profiler records them (tracemalloc cannot see C++ allocations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from attnlab.kernels.spec import Request, Tiling
+    from attnlab.shapes import prepare
+
+    monkeypatch.setenv("ATTNLAB_EXT_BWD_SPLITS", splits)  # units = N·Hkv·ranges
+    N, H, Hkv, L, S, E, bk = 1, 4, 2, 37, 143, 8, 32
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(N, H, L, E, generator=g, requires_grad=True)
+    k, v = (torch.randn(N, Hkv, S, E, generator=g, requires_grad=True) for _ in range(2))
+    rel = torch.randn(H, L + S - 1, generator=g, requires_grad=True)
+    p = prepare(q, k, v, None, 0.0, False, 0.3, True, None)
+    out, _ = compiled.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, 16, bk, rel_bias=rel)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out.sum().backward()
+    allocated = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    r = Request(N, H, Hkv, L, S, E, E, needs_grad=True, rel_bias_grad=True)
+    want = compiled.rel_bias_grad_bytes(r, bk)
+    result = H * (L + S - 1) * 4
+    ranges = min(int(splits), -(-S // bk))
+    assert want - result == N * Hkv * ranges * (H // Hkv) * (L + S - 1) * 4
+    assert result in allocated and (want - result) in allocated, (want, result, sorted(set(allocated)))
+    assert compiled.rel_bias_grad_bytes(dataclasses.replace(r, needs_grad=False), bk) == 0
+    base = compiled.SPEC.peak_bytes(dataclasses.replace(r, rel_bias_grad=False), Tiling(16, bk))
+    assert compiled.SPEC.peak_bytes(r, Tiling(16, bk)) == base + want
+
+
+@pytest.mark.parametrize("pattern", [P.sliding_window(left=37, right=5), P.causal(), P.dilated(7, 3, causal=True), P.causal() | P.sliding_window(left=0, right=9)])
+@pytest.mark.parametrize("L, S, bq, bk", [(143, 200, 16, 32), (200, 143, 32, 16), (64, 64, 16, 16), (17, 3, 16, 16)])
+def test_band_layout_one_tile_per_offset_is_the_mask(pattern, L, S, bq, bk):
+    """_pattern_layout evaluates one block per offset qb·bq - kb·bk for translation-invariant patterns (and
+    the cut last row and column on their own): the layout, tile by tile, is still the materialised mask."""
+    visit, tid, tiles = compiled._pattern_layout(pattern, L, S, bq, bk)
+    nq, nk = -(-L // bq), -(-S // bk)
+    got = torch.zeros(nq * bq, nk * bk, dtype=torch.bool)
+    for qb in range(nq):
+        for kb in range(nk):
+            if bool(visit[0, qb, kb]):
+                t = int(tid[0, qb, kb])
+                got[qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk] = True if t < 0 else tiles[t].bool()
+    want = pattern.materialize(L, S)
+    assert torch.equal(got[:L, :S], want), (got[:L, :S] != want).nonzero()[:5]
+
+
+@pytest.mark.parametrize("n, w", [(1, 8), (7, 9), (40, 256), (17, 143)])
+def test_unique_rows_as_torch_unique(n, w):
+    """compiled._unique_rows (tile dedup by a projection): u[inv] is x and u's rows are distinct, as
+    torch.unique(x, dim=0, return_inverse=True) (up to the order of u)."""
+    g = torch.Generator().manual_seed(n)
+    base = (torch.rand(max(1, n // 3), w, generator=g) > 0.5).to(torch.uint8)
+    x = base[torch.randint(0, base.shape[0], (n,), generator=g)].contiguous()
+    u, inv = compiled._unique_rows(x)
+    assert torch.equal(u[inv], x)
+    assert u.shape[0] == torch.unique(x, dim=0).shape[0]

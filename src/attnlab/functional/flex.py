@@ -224,11 +224,13 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
         return (c == P.FULL) | ((c == P.PARTIAL) & m)
 
     desc = f"torch BlockMask (blocks {bq}x{bk}, (B, H) = ({Bm}, {Hm}), mask_mod {getattr(mm, '__name__', mm)!r})"
-    refusal, pattern = None, None
-    try:
-        pattern = P.from_block_mask(bm, B=B)
-    except (ValueError, TypeError) as e:
-        refusal = f"not an attnlab pattern ({e})"
+    memo = _memo_of(bm)
+    if ("pattern", B) not in memo:  # one pattern object per BlockMask: the kernels' layouts are cached per pattern
+        try:
+            memo[("pattern", B)] = P.from_block_mask(bm, B=B), None
+        except (ValueError, TypeError) as e:
+            memo[("pattern", B)] = None, f"not an attnlab pattern ({e})"
+    pattern, refusal = memo[("pattern", B)]
     if pattern is not None and not noop and pattern.batch_size is None:
         band = _band_of(bm, mm, codes, L, S, bq, bk)
         if band is not None:
@@ -241,21 +243,42 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
 # runs as attnlab's band pattern, whose kernels need no mask_mod call per tile (one mask tile per
 # diagonal); ``patterns.as_band`` proves the equality (every pair of the boundary blocks it cannot settle
 # by intervals), and the BlockMask's own blocks must be the band's. The answer is kept per BlockMask object
-# (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern.
-_BANDS: "weakref.WeakKeyDictionary" = None  # BlockMask -> {(L, S): band pattern | None}
+# (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern;
+# so is the pattern ``from_block_mask`` makes of it (the kernels cache their layouts per pattern object, so a
+# new pattern per call rebuilt the mask tiles of every partial block on every call). Before the proof, a
+# necessary condition on the BlockMask's own blocks (square ones): a band's block (I, J) depends on J - I
+# only, so blocks one step down the diagonal must be equal (the last row and column, which the lengths may
+# cut, aside); a mask that fails it (documents, prefix LM) is no band, without evaluating mask_mod
+# (as_band's proof cost a document mask 45 ms at L = S = 16384).
+_MEMO: "weakref.WeakKeyDictionary" = None  # BlockMask -> {(L, S): band pattern | None, ("pattern", B): ...}
+
+
+def _memo_of(bm) -> dict:
+    """The per-BlockMask memo of Note [Bands proved once per BlockMask] (a fresh dict when ``bm`` is not
+    weak-referenceable)."""
+    global _MEMO
+    import weakref
+
+    if _MEMO is None:
+        _MEMO = weakref.WeakKeyDictionary()
+    try:
+        return _MEMO.setdefault(bm, {})
+    except TypeError:  # not weak-referenceable
+        return {}
+
+
+def _diagonal_invariant(c: torch.Tensor) -> bool:
+    """Whether block codes c [nq, nk] depend on J - I only, off the last row and column (a band's, for
+    square blocks: Note [Bands proved once per BlockMask])."""
+    return c.shape[0] < 3 or c.shape[1] < 3 or torch.equal(c[1:-1, 1:-1], c[:-2, :-2])
 
 
 def _band_of(bm, mm, codes, L, S, bq, bk):
-    global _BANDS
-    import weakref
-
-    if _BANDS is None:
-        _BANDS = weakref.WeakKeyDictionary()
-    try:
-        memo = _BANDS.setdefault(bm, {})
-    except TypeError:  # not weak-referenceable
-        memo = {}
+    memo = _memo_of(bm)
     if (L, S) not in memo:
+        if bq == bk and not _diagonal_invariant(codes[0, 0]):
+            memo[(L, S)] = None
+            return None
         band = P.as_band(mm, L, S, (bq, bk))
         if band is not None:
             want = P.torch_layout(band, L, S, (bq, bk))
@@ -278,6 +301,12 @@ def _band_of(bm, mm, codes, L, S, bq, bk):
 # q_idx - kv_idx, any value) is seen. What it does not: a departure confined to isolated (q_idx, kv_idx)
 # pairs, or to a conjunction such as (q_idx == 5) & (kv_idx == 7), off those lines, can still pass; and a
 # block_mask does not narrow the probe (a bias misread outside the kept blocks is harmless, inside not).
+# The values are classified on every point; the gradient check of a score_mod that reads a tensor requiring
+# grad (_grad_only_in_bias: that tensor enters through the bias only) runs on the random points and on
+# _GRAD_POINTS random line points, not on all O(L + S): its two backward passes over every line point were
+# most of a first call's probe (260 ms at L = S = 4096). So a learned factor confined to one index value whose
+# value now equals the others' (s * w[k] with w = 1 everywhere, say at initialisation) can pass that check;
+# once its values differ, the value check on the lines sees it.
 _LINES = 2
 
 
@@ -322,27 +351,69 @@ def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) ->
     if not callable(score_mod):
         raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
                         f"got {type(score_mod).__name__}")
-    g = torch.Generator().manual_seed(seed)
-    idx = _probe_points(B, H, L, S, g)
+    return _probe(score_mod, B, H, L, S, seed)[0]
+
+
+def _probe(score_mod, B, H, L, S, seed=0):
+    """(probe_score_mod's answer, [((b, h, q_idx, kv_idx) (n, 1) each, score_mod(0, ...) float64 (n,))] at
+    the probe points, for _relative_probe to reuse: Note [Relative bias probe])."""
+    if score_mod is None:
+        return ScoreModKind("none", "no score_mod"), []
+    if not callable(score_mod):
+        raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
+                        f"got {type(score_mod).__name__}")
     name = getattr(score_mod, "__name__", type(score_mod).__name__)
-    groups = []
-    for part, scores in ((slice(0, _POINTS), _SCORES), (slice(_POINTS, None), _LINE_SCORES)):
-        b, h, qi, ki = (t[part] for t in idx)
-        n = b.numel()
-        if n == 0:
-            continue
-        b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
-        s = torch.tensor(scores, dtype=torch.float64).expand(n, -1)
-        s = torch.cat([s, torch.rand(n, len(scores) // 3, generator=g, dtype=torch.float64) * 20 - 10,
-                       torch.full((n, 1), _BIG)], 1)
-        where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
-        groups.append(_classify(score_mod, name, s, (b, h, qi, ki), scores, seed, where))
-    return _combine(*groups)
+    biases = []
+    groups = [_classify(score_mod, name, s, idx, scores, seed, where, biases)
+              for s, idx, scores, where in _probe_inputs(B, H, L, S, seed)]
+    return _combine(*groups), biases
 
 
-def _classify(score_mod, name, s, idx, scores, seed, where):
+# Note [Probe inputs per shape]: the probe's points and scores (Notes [Structured probes], [Relative bias
+# probe]) depend on (B, H, L, S, seed) only, not on the score_mod: they are drawn once per shape and kept for
+# the last _SHAPES shapes (a training loop calls one shape again and again; at L = S = 16384 they are about
+# 8 MB). Nothing writes to them: a score_mod that modified its score argument in place would corrupt them,
+# as it would corrupt the probe's own comparison.
+_SHAPES = 4
+_PROBE_INPUTS: dict = {}  # (what, B, H, L, S, seed) -> inputs
+
+
+def _memo(key, make):
+    hit = _PROBE_INPUTS.get(key)
+    if hit is None:
+        hit = make()
+        while len(_PROBE_INPUTS) >= 2 * _SHAPES:  # the oldest first (dicts keep insertion order)
+            _PROBE_INPUTS.pop(next(iter(_PROBE_INPUTS)), None)
+        _PROBE_INPUTS[key] = hit
+    return hit
+
+
+def _probe_inputs(B, H, L, S, seed):
+    """[(scores float64 (n, k + 1), (b, h, q_idx, kv_idx) int64 (n, 1) each, the fixed scores, words)] for the
+    random points and the line points (Note [Probe inputs per shape])."""
+    def make():
+        g = torch.Generator().manual_seed(seed)
+        idx = _probe_points(B, H, L, S, g)
+        out = []
+        for part, scores in ((slice(0, _POINTS), _SCORES), (slice(_POINTS, None), _LINE_SCORES)):
+            b, h, qi, ki = (t[part] for t in idx)
+            n = b.numel()
+            if n == 0:
+                continue
+            b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
+            s = torch.tensor(scores, dtype=torch.float64).expand(n, -1)
+            s = torch.cat([s, torch.rand(n, len(scores) // 3, generator=g, dtype=torch.float64) * 20 - 10,
+                           torch.full((n, 1), _BIG)], 1)
+            where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
+            out.append((s, (b, h, qi, ki), scores, where))
+        return out
+    return _memo(("points", B, H, L, S, seed), make)
+
+
+def _classify(score_mod, name, s, idx, scores, seed, where, biases=None):
     """(ScoreModKind, factor free) from score_mod at the points idx ((n, 1) each) and scores s (n, k + 1),
-    the last column _BIG; ``free``: every pair was -inf, so any factor fits."""
+    the last column _BIG; ``free``: every pair was -inf, so any factor fits. Appends (idx, score_mod at score
+    0) to ``biases`` when it gets that far."""
     b, h, qi, ki = idx
     zero, lo, hi = scores.index(0.0), scores.index(-1000.0), scores.index(250.0)
     y = score_mod(s, b, h, qi, ki)
@@ -360,6 +431,8 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
                             "(its gradient depends on the score)", reads_grad=True), False
     y = y.detach().to(torch.float64)
     ys, yb, sb = y[:, :-1], y[:, -1], s[:, :-1]
+    if biases is not None:
+        biases.append((idx, ys[:, zero]))
     if bool((ys == sb).all()):
         if reads_grad:  # a learned bias that is 0 now (a zero-initialised table): still a bias, for its gradient
             return ScoreModKind("affine", "score_mod(score) == score + bias, the bias 0 on the probes but read from "
@@ -367,11 +440,13 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
         return ScoreModKind("identity", f"score_mod(score) == score on {where}"), False
     # points whose every value is -inf are masked pairs: consistent with any kind that has a bias
     masked = torch.isneginf(y).all(1)
+    any_masked = bool(masked.any())
     live = ~masked
-    if not bool(torch.isfinite(y[live]).all()):
+    if not bool(torch.isfinite(y[live] if any_masked else y).all()):
         return ScoreModKind("general", "non-finite values on some scores of a pair (not affine, not soft-capping)",
                             reads_grad=reads_grad), False
-    ys, yb, sb = ys[live], yb[live], sb[live]
+    if any_masked:  # (a boolean index copies: skipped when every pair is live, the common case)
+        ys, yb, sb = ys[live], yb[live], sb[live]
     if ys.shape[0] == 0:
         return ScoreModKind("affine", "every probed pair is -inf: a mask written as a score_mod", has_bias=True,
                             reads_grad=reads_grad), True
@@ -383,7 +458,7 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
     if bool(((ys - fit).abs() <= tol).all()):
         a = float(slope[0])
         if bool((slope - a).abs().le(_RTOL * abs(a)).all()) and a > 0:
-            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
+            has_bias = bool((c != 0).any()) or any_masked or reads_grad
             return ScoreModKind("affine", f"score_mod(score) == {a:.6g}·score + bias(b, h, q_idx, kv_idx) on "
                                 f"{where}", factor=a, has_bias=has_bias, reads_grad=reads_grad), False
         return ScoreModKind("general", "affine in the score, but its factor varies with (b, h, q_idx, kv_idx) or "
@@ -394,7 +469,7 @@ def _classify(score_mod, name, s, idx, scores, seed, where):
     if cap0 > 0 and math.isfinite(cap0) and bool(((cap - cap0).abs() <= _RTOL * cap0).all()):
         want = cap0 * torch.tanh(sb / cap0) + c.unsqueeze(1)
         if bool(((ys - want).abs() <= _RTOL * (cap0 + c.abs().unsqueeze(1) + 1)).all()):
-            has_bias = bool((c != 0).any()) or bool(masked.any()) or reads_grad
+            has_bias = bool((c != 0).any()) or any_masked or reads_grad
             return ScoreModKind("softcap", f"score_mod(score) == {cap0:.6g}·tanh(score / {cap0:.6g})"
                                 + (" + bias(b, h, q_idx, kv_idx)" if has_bias else "")
                                 + f" on {where}", softcap=cap0, has_bias=has_bias,
@@ -442,11 +517,22 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+#: probe points (rows) the gradient check of _grad_only_in_bias evaluates at most (Note [Structured probes])
+_GRAD_POINTS = 256
+
+
 def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
     """Whether the tensors requiring grad that score_mod reads enter only through an additive bias: the
     gradient of sum(r · score_mod(score)) into them is the same at the probe scores as at score 0, for
     random weights r. (The factor c of an affine score_mod is folded into ``scale`` as a number, so a
-    learned factor must not pass; nor may a learned cap.)"""
+    learned factor must not pass; nor may a learned cap.) On at most _GRAD_POINTS of the rows of s (random
+    ones, score_mod evaluated again there): the line points are O(L + S) and two backward passes through
+    score_mod on all of them were most of a first call's probe (Note [Structured probes])."""
+    n = s.shape[0]
+    if n > _GRAD_POINTS:
+        sel = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 3))[:_GRAD_POINTS]
+        s, idx = s[sel], tuple(t[sel] for t in idx)
+        y = torch.broadcast_to(score_mod(s, *idx), s.shape)
     leaves = _leaves(y)
     if not leaves:
         return True
@@ -457,10 +543,14 @@ def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
     g = torch.autograd.grad((torch.where(keep, y, 0) * r).sum(), leaves, allow_unused=True)
     g0 = torch.autograd.grad((torch.where(keep, y0, 0) * r).sum(), leaves, allow_unused=True)
     for a, e in zip(g, g0):
-        a = torch.zeros(()) if a is None else a.double()
-        e = torch.zeros(()) if e is None else e.double()
-        if not bool(((a - e).abs() <= _RTOL * (a.abs() + e.abs() + 1)).all()):
-            return False
+        a = torch.zeros((), dtype=e.dtype if e is not None else torch.float64) if a is None else a
+        e = torch.zeros((), dtype=a.dtype) if e is None else e
+        a, e = torch.broadcast_tensors(a, e)
+        differ = a != e  # (a bias's gradients are mostly bitwise equal: compare the others, not the whole table)
+        if bool(differ.any()):
+            a, e = a[differ].double(), e[differ].double()
+            if not bool(((a - e).abs() <= _RTOL * (a.abs() + e.abs() + 1)).all()):
+                return False
     return True
 
 
@@ -513,17 +603,21 @@ def _bias_blocks(score_mod, B, H, i, j, dtype):
 # refused (a bias on key 7, on one batch element, on one offset's far end); what it does not: a departure
 # confined to isolated (q_idx, kv_idx) pairs off those lines and off the sampled q_idx of their offset
 # ((q_idx == 5) & (kv_idx == 7), say) can pass; flex_plan says the probe found it ("bias: relative").
+# In flex_attention the structured probe's points (Note [Structured probes]: its rows, columns, one random
+# q_idx per offset, every head and batch element) already hold score_mod(0, ...): they are compared with the
+# table as they are, and only the last and middle q_idx of each offset are evaluated afresh (same coverage).
+# The table the probe checked is the one the kernel gets: evaluated once, in float64 (under autograd when it
+# is on), rounded by the kernel to its accumulation dtype; a bias made of one operation on float32 tensors
+# rounds to the same float32 value as when evaluated in float32 (IEEE operations are correctly rounded).
 _REL_SETS = 3
 
 
-def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
-    """Whether score_mod(0, b, h, q_idx, kv_idx) depends on (h, q_idx - kv_idx) only, on the probes of
-    Note [Relative bias probe]."""
-    if L == 0 or S == 0:
-        return False
-    g = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
-        ref = _relative_table(score_mod, H, L, S, torch.float64).double()  # (H, W): offset d at column d + L - 1
+def _relative_points(B, H, L, S, seed, own_lines=True):
+    """(b, h, q_idx, kv_idx) int64 [n] each of Note [Relative bias probe] (per shape: Note [Probe inputs per
+    shape]); without ``own_lines`` only the last and middle q_idx of each offset (the structured probe's
+    points stand for the random q_idx, the rows and the columns)."""
+    def make():
+        g = torch.Generator().manual_seed(seed + 2)
         d = torch.arange(-(L - 1), S)
         W = d.numel()
         lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)
@@ -531,22 +625,43 @@ def _relative_probe(score_mod, B, H, L, S, seed=0) -> bool:
         ar = torch.arange(W)
         sets = [(ar % max(1, B), ar % max(1, H), hi), ((ar + 1) % max(1, B), (ar + 1) % max(1, H), (lo + hi) // 2),
                 (torch.randint(0, max(1, B), (W,), generator=g), torch.randint(0, max(1, H), (W,), generator=g), rq)]
+        sets = sets if own_lines else sets[:2]
         bs, hs, qs, ks = ([s[0] for s in sets], [s[1] for s in sets], [s[2] for s in sets], [s[2] + d for s in sets])
-        for k in range(_LINES):  # whole rows and columns
+        for k in range(_LINES if own_lines else 0):  # whole rows and columns
             q0, k0 = int(torch.randint(0, L, (1,), generator=g)), int(torch.randint(0, S, (1,), generator=g))
             jr, ic = torch.arange(S), torch.arange(L)
             bs += [(jr + k) % max(1, B), (ic + k + 1) % max(1, B)]
             hs += [(jr + k) % max(1, H), (ic + k + 1) % max(1, H)]
             qs += [torch.full((S,), q0), ic]
             ks += [jr, torch.full((L,), k0)]
-        b, h, qi, ki = (torch.cat(t) for t in (bs, hs, qs, ks))
-        n = b.numel()
+        return tuple(torch.cat(t) for t in (bs, hs, qs, ks))
+    return _memo(("relative", B, H, L, S, seed, own_lines), make)
+
+
+def _relative_probe(score_mod, B, H, L, S, seed=0, seen=None) -> torch.Tensor | None:
+    """The table [H, L + S - 1] of _relative_table (float64, differentiable into the tensors score_mod reads
+    when autograd is on) when score_mod(0, b, h, q_idx, kv_idx) depends on (h, q_idx - kv_idx) only on the
+    probes of Note [Relative bias probe], else None. The kernel is given this same table (evaluated once).
+    ``seen``: the structured probe's [(idx, score_mod(0, ...))] (``_probe``), compared instead of evaluating
+    the random q_idx per offset and the rows and columns again."""
+    if L == 0 or S == 0:
+        return None
+    table = _relative_table(score_mod, H, L, S, torch.float64)  # (H, W): offset d at column d + L - 1
+    ref = table.detach().double()
+    b, h, qi, ki = _relative_points(B, H, L, S, seed, own_lines=seen is None)
+    n = b.numel()
+    with torch.no_grad():
         z = torch.zeros(n, 1, dtype=torch.float64)
         y = torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), ki.view(n, 1)), (n, 1))
-        y = y.double().view(n)
+        ys, idx = [y.double().view(n)], [(h, qi, ki)]
+        for (_, hp, qp, kp), yp in seen or ():
+            ys.append(yp)
+            idx.append((hp.view(-1), qp.view(-1), kp.view(-1)))
+        y = torch.cat(ys)
+        h, qi, ki = (torch.cat(t) for t in zip(*idx))
         want = ref[h % ref.shape[0], ki - qi + (L - 1)] if H else y
     same = (y == want) | ((y - want).abs() <= _RTOL * (y.abs() + want.abs() + 1))
-    return bool(same.all())
+    return table if bool(same.all()) else None
 
 
 def _relative_probe_count(L, S) -> int:
@@ -565,19 +680,16 @@ def _relative_table(score_mod, H, L, S, dtype):
     return torch.broadcast_to(y.to(dtype), (H, d.numel()))
 
 
-def _relative_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scale, enable_gqa):
-    """Note [Relative bias probe]: one compiled-kernel call with the mask as a pattern and the bias as a
-    table per offset. Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
+def _relative_bias_attention(query, key, value, rel, mask: "_Mask", kind, scale, enable_gqa):
+    """Note [Relative bias probe]: one compiled-kernel call with the mask as a pattern and the bias as the
+    table per offset ``rel`` [H, L + S - 1] the probe evaluated (float64: the kernel rounds it to the
+    accumulation dtype, differentiably). Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
     from ..kernels import compiled as compiled_kernel
     from ..shapes import prepare
     from . import rates
 
-    B, H, L, _ = query.shape
-    S = key.shape[2]
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
     p = prepare(query, key, value, None, 0.0, False, scale * kind.factor, enable_gqa, mask.pattern,
                 softcap=kind.softcap)
-    rel = _relative_table(score_mod, H, L, S, acc)
     out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale,
                                                   *compiled_kernel.compiled_blocks(
                                                       p, None, rates.current().compiled_block_speed),
@@ -635,7 +747,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
     B, H, L, _ = query.shape
     S = key.shape[2]
     mask = _read_block_mask(block_mask, B, H, L, S, block_size)
-    kind = probe_score_mod(score_mod, B, H, L, S)
+    kind, seen = _probe(score_mod, B, H, L, S)
     needs_grad = torch.is_grad_enabled() and (kind.reads_grad or any(t.requires_grad for t in (query, key, value)))
     notes = []
     why = None
@@ -653,17 +765,19 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
         notes.append(f"general path: {kept} of {mask.codes.shape[-2] * mask.codes.shape[-1]} blocks of {bq}x{bk} "
                      f"kept; score_mod called once per kept block on [B, H, {bq}, {bk}] scores; "
                      "checkpointed per query block under autograd (scores recomputed in backward)")
-        return FlexPlan("general", why, kind, mask.describe, block_size=(bq, bk), notes=notes), mask
+        return FlexPlan("general", why, kind, mask.describe, block_size=(bq, bk), notes=notes), mask, None
     kw = {"scale": f"{scale * kind.factor:.6g}", "enable_gqa": enable_gqa}
     if mask.pattern is not None and not kind.has_bias:
         kw["pattern"] = repr(mask.pattern)
     if kind.softcap is not None:
         kw["softcap"] = f"{kind.softcap:.6g}"
-    bias = None
+    bias = rel = None
     if kind.has_bias:
         from ..kernels import compiled as compiled_kernel
 
-        if mask.refusal is None and compiled_kernel.available(query) and _relative_probe(score_mod, B, H, L, S):
+        if mask.refusal is None and compiled_kernel.available(query):
+            rel = _relative_probe(score_mod, B, H, L, S, seen=seen)
+        if rel is not None:
             bias = "relative"
             kw["pattern"] = repr(mask.pattern)
             kw["rel_bias"] = f"score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx: [{H}, {L + S - 1}]"
@@ -671,6 +785,15 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
                          f"against {_REL_SETS} other (b, q_idx) each and {_LINES} whole rows and columns; a departure "
                          "on isolated (q_idx, kv_idx) pairs off those can pass): one compiled-kernel call adds it from a table per offset, the "
                          "mask as a pattern (Note [Relative bias probe]); memory and gradient O(H·(L + S))")
+            if needs_grad and kind.reads_grad:
+                from ..kernels.spec import Request
+                from ..report import format_bytes
+
+                r = Request(B, H, key.shape[1], L, S, query.shape[-1], value.shape[-1], query.dtype, needs_grad=True,
+                            rel_bias_grad=True)
+                notes.append(f"backward: the table's gradient is summed in per-unit rows, at most "
+                             f"{format_bytes(compiled_kernel.rel_bias_grad_bytes(r, 16))} "
+                             "(units x groups x (L + S - 1), csrc Note [Relative bias])")
         else:
             bias = "kept blocks"
             kw["attn_mask"] = "score_mod(0, b, h, q_idx, kv_idx) on the kept blocks, per query block"
@@ -682,7 +805,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
     reason = {"none": "no score_mod", "identity": "score_mod is the identity",
               "affine": "score_mod is affine in the score: its bias goes in as a float attn_mask",
               "softcap": "score_mod is soft-capping: attention's softcap"}[kind.kind]
-    return FlexPlan("attention", reason, kind, mask.describe, attention_kwargs=kw, notes=notes, bias=bias), mask
+    return FlexPlan("attention", reason, kind, mask.describe, attention_kwargs=kw, notes=notes, bias=bias), mask, rel
 
 
 def flex_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None, block_mask=None,
@@ -734,6 +857,46 @@ def _row_block(q, k, v, score_mod, mask: _Mask, scale, q0, blocks, B, H, want_ma
     return out, lse, mx
 
 
+# Note [Recomputed query blocks]: under autograd the general path keeps no scores: each query block's
+# forward runs without a graph and its backward runs it again with one (activation checkpointing). Not with
+# torch.utils.checkpoint: its first call imports torch._dynamo, and with it torch.fx's symbolic shapes and
+# sympy (0.5-1.4 s of a first call in a fresh process; tests/functional/test_flex.py
+# test_first_call_imports_no_compiler_stack). _Recomputed takes the block's queries, k, v and the leaves
+# score_mod reads (found from one call of it on a single pair: a score_mod that reads a tensor requiring grad
+# at some pairs only, by Python control flow on values, would not be seen) as inputs, so autograd routes the
+# gradients the recomputation finds to them; the recomputation differentiates through the captured tensors'
+# own graph to those leaves (retained, as every query block walks it). One backward only (no double backward).
+class _Recomputed(torch.autograd.Function):
+    """(out, lse, max) of ``run(qs)`` for one query block, recomputed in the backward (Note [Recomputed
+    query blocks]). Inputs: run, qs [B, H, r, E], k, v (which run reads), then the leaves score_mod reads."""
+
+    @staticmethod
+    def forward(ctx, run, qs, k, v, *leaves):
+        # the very tensors (not saved copies): the recomputation's graph must reach these objects
+        ctx.run, ctx.inputs = run, (qs, k, v, *leaves)
+        return run(qs)  # autograd is off inside forward: no graph, no scores kept
+
+    @staticmethod
+    def backward(ctx, *grads):
+        qs, k, v, *leaves = ctx.inputs  # kept: a retained graph may run this backward again (gradcheck does)
+        wrt = [qs.detach().requires_grad_(ctx.needs_input_grad[1])] + [k, v] + list(leaves)
+        need = [ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3],
+                *ctx.needs_input_grad[4:]]
+        pick = [i for i, n in enumerate(need) if n]
+        with torch.enable_grad():
+            outs = ctx.run(wrt[0])
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            # a scalar sum(o · g), not grad_outputs=g: torch.autograd.grad imports torch.fx's symbolic shapes
+            # and sympy on its first call with grad_outputs (the vector-Jacobian product is the same, exactly)
+            total = sum((o * g).sum() for o, g in pairs) if pairs else None
+        got = torch.autograd.grad(total, [wrt[i] for i in pick], allow_unused=True,
+                                  retain_graph=True) if pairs and pick else []
+        res = [None] * len(wrt)
+        for i, gi in zip(pick, got):
+            res[i] = gi
+        return (None, *res)
+
+
 def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
     """out [B, H, L, Ev] (query's dtype), lse [B, H, L] and max [B, H, L] (accumulation dtype) by online
     softmax over the blocks ``mask.codes`` keeps (union over batch and heads), per query block."""
@@ -748,6 +911,11 @@ def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
     kept = mask.codes.amax(dim=(0, 1))  # (nq, nk): EMPTY only where every (b, h) is empty
     full_all = (mask.codes == P.FULL).all(0).all(0)
     grad = torch.is_grad_enabled()
+    leaves = []
+    if grad and score_mod is not None:  # the tensors requiring grad score_mod reads (Note [Recomputed query blocks])
+        z = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        y = score_mod(torch.zeros(1, 1, 1, 1, dtype=acc), z, z, z, z)
+        leaves = _leaves(y) if isinstance(y, torch.Tensor) and y.requires_grad else []
     outs, lses, maxes = [], [], []
     for qb in range(-(-L // bq)):
         q0, q1 = qb * bq, min(L, (qb + 1) * bq)
@@ -756,10 +924,8 @@ def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
 
         def run(qs, q0=q0, blocks=blocks):
             return _row_block(qs, k, v, score_mod, mask, scale, q0, blocks, B, H, want_max)
-        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or score_mod is not None):
-            from torch.utils.checkpoint import checkpoint
-
-            o, lse, mx = checkpoint(run, q[:, :, q0:q1], use_reentrant=False)
+        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or leaves):
+            o, lse, mx = _Recomputed.apply(run, q[:, :, q0:q1], k, v, *leaves)
         else:
             o, lse, mx = run(q[:, :, q0:q1])
         outs.append(o), lses.append(lse), maxes.append(mx)
@@ -815,7 +981,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     want_lse, want_max, aux = _want(return_lse, return_aux, kernel_options)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"flex_attention: block_size must be a positive int or None, got {block_size!r}")
-    plan, mask = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)
+    plan, mask, rel = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)
     B, H, L, _ = query.shape
     S = key.shape[2]
     lse = mx = None
@@ -827,7 +993,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kind = plan.score_mod
         kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)
         if plan.bias == "relative":
-            out, lse = _relative_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa)
+            out, lse = _relative_bias_attention(query, key, value, rel, mask, kind, scale, enable_gqa)
             lse = lse if want_lse else None
         elif kind.has_bias:
             out, lse = _kept_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa, want_lse)

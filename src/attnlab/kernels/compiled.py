@@ -171,6 +171,29 @@ def _pattern_key(p):
     return p
 
 
+def _unique_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u, inv) with u[inv] == x: the distinct rows of x [n, w] (uint8 tiles) and each row's index among
+    them, as ``torch.unique(x, dim=0, return_inverse=True)`` (whose row sort was 55 ms of a first document-mask
+    call at L = S = 16384) in the order of a random projection: rows grouped by it, every row then
+    compared with its group's first (a collision falls back to torch.unique)."""
+    n = x.shape[0]
+    if n <= 1:
+        return x, torch.zeros(n, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    # 4 bytes a word (rows padded with zeros to whole words), times random odd words (wrapping), summed: exact
+    # integer arithmetic, so equal rows always meet
+    xp = x.contiguous() if x.shape[1] % 4 == 0 else F.pad(x, (0, -x.shape[1] % 4))
+    words = xp.view(torch.int32)  # (n, ceil(w / 4))
+    proj = (words * (torch.randint(-2**30, 2**30, (words.shape[1],), generator=g, dtype=torch.int32) | 1)).sum(
+        1, dtype=torch.int64)
+    key, inv = torch.unique(proj, return_inverse=True)  # (g,), (n,)
+    first = torch.full((key.numel(),), n, dtype=torch.long).scatter_reduce(0, inv, torch.arange(n), "amin")
+    dup = (first[inv] != torch.arange(n)).nonzero().view(-1)  # rows after their group's first
+    if dup.numel() and not torch.equal(x[dup], x[first[inv[dup]]]):  # two distinct rows with one projection
+        return torch.unique(x, dim=0, return_inverse=True)
+    return x[first], inv
+
+
 def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
     """(visit [Nl, nq, nk] bool, tid [Nl, nq, nk] int32, tiles [T, bq, bk] uint8) for the pattern alone."""
     nq, nk = -(-L // bq), -(-S // bk)
@@ -184,6 +207,17 @@ def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
     part = (lay == P.PARTIAL).nonzero()  # [Np, 2]
     if not len(part):
         return visit, tid, torch.zeros(0, bq, bk, dtype=torch.uint8)
+    all_part, rep = part, None
+    if pattern.translation_invariant() and not pattern.batch_size and len(part) > 1:
+        # keep depends on j - i only: blocks at one offset qb·bq - kb·bk hold one tile, so each offset is
+        # evaluated once (a band at L = S = 16384 evaluated 255 tiles of 128² pairs for 2 distinct ones); the
+        # last row and column of blocks (cut by L or S: clamped indices below) are evaluated on their own
+        edge = (part[:, 0] == nq - 1) | (part[:, 1] == nk - 1)
+        group = torch.where(edge, -1 - torch.arange(len(part)), part[:, 0] * bq - part[:, 1] * bk + nk * bk)  # >= bk > 0
+        _, rep = torch.unique(group, return_inverse=True)  # (Np,) each block's offset group
+        first = torch.full((int(rep.max()) + 1,), len(part), dtype=torch.long).scatter_reduce(
+            0, rep, torch.arange(len(part)), "amin")
+        part = part[first]  # one block per group
     ar_q, ar_k = torch.arange(bq), torch.arange(bk)
     uniq, chunk = [], max(1, _TILE_CHUNK_BYTES // (B * bq * bk))
     for c0 in range(0, len(part), chunk):
@@ -198,15 +232,19 @@ def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
         visit[:, qb, kb] = any_
         sel = any_ & ~all_
         if bool(sel.any()):
-            u, inv = torch.unique(m[sel].to(torch.uint8), dim=0, return_inverse=True)
+            u, inv = _unique_rows(m[sel].to(torch.uint8))
             t = torch.full((B, len(pc)), -1, dtype=torch.int32)
             t[sel] = (inv + sum(x.shape[0] for x in uniq)).to(torch.int32)
             tid[:, qb, kb] = t
             uniq.append(u)
     tiles = torch.cat(uniq) if uniq else torch.zeros(0, bq * bk, dtype=torch.uint8)
     if len(uniq) > 1:  # the same tile found in several chunks: one copy
-        tiles, inv = torch.unique(tiles, dim=0, return_inverse=True)
+        tiles, inv = _unique_rows(tiles)
         tid = torch.where(tid >= 0, inv.to(torch.int32)[tid.clamp(min=0).long()], tid)
+    if rep is not None:  # every block as its group's evaluated one
+        src = part[rep]  # (Np, 2)
+        visit[:, all_part[:, 0], all_part[:, 1]] = visit[:, src[:, 0], src[:, 1]]
+        tid[:, all_part[:, 0], all_part[:, 1]] = tid[:, src[:, 0], src[:, 1]]
     return visit, tid, tiles.view(-1, bq, bk).contiguous()
 
 
@@ -652,12 +690,26 @@ def bias_grad_bytes(r: Request) -> int:
     return r.pairs * (8 if r.dtype == torch.float64 else 4) if r.float_mask_grad else 0
 
 
+def rel_bias_grad_bytes(r: Request, block_k: int) -> int:
+    """Bytes of the relative bias table's gradient in the backward, when it requires grad (``r.rel_bias_grad``
+    under ``r.needs_grad``): each backward unit (batch element, kv head, key range: ``backward_splits``) sums
+    its score gradients into its own rows [groups, L + S - 1], added up in unit order into the result
+    [H, L + S - 1] (csrc Note [Relative bias]): (units·groups + H)·(L + S - 1) in the accumulation dtype."""
+    if not (r.rel_bias_grad and r.needs_grad):
+        return 0
+    acc = 8 if r.dtype == torch.float64 else 4
+    nk = max(1, -(-r.S // block_k))
+    units = r.N * r.Hkv * max(1, min(backward_splits(r.N, r.Hkv, r.S, block_k), nk))
+    return (units * (r.H // max(1, r.Hkv)) + r.H) * (r.L + r.S - 1) * acc
+
+
 def _peak(r: Request, t: Tiling | None) -> int:
     bq, bk = (t.block_q, t.block_k) if t is not None else (64, 64)
     splits = backward_splits(r.N, r.Hkv, r.S, bk) if r.needs_grad else 1
     dq_parts = splits * r.N * r.H * r.L * r.E * 4 if splits > 1 else 0  # csrc Note [Backward balance]
     wide = _fp32_copy_bytes(r) if _planned_as_fp32(r) else 0
-    return io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + dq_parts + wide + scratch_bytes(bq, bk, r.E, r.Ev)
+    return (io_bytes(r) + saved_bytes(r) + bias_grad_bytes(r) + rel_bias_grad_bytes(r, bk) + dq_parts + wide
+            + scratch_bytes(bq, bk, r.E, r.Ev))
 
 
 def _flops(r: Request, t: Tiling | None) -> int:

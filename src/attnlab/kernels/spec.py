@@ -35,6 +35,8 @@ class Request:
         will differentiate the result.
     softcap: tanh soft-capping of the scores is asked for; alibi: ALiBi slopes are given, of shape "[H]" or
         "[B, H]" (None: no ALiBi).
+    rel_bias_grad: a relative bias table [H, L + S - 1] (the compiled kernel's ``rel_bias``, from
+        ``flex_attention``) requires grad: the backward sums its gradient per unit (csrc Note [Relative bias]).
     """
 
     N: int
@@ -60,6 +62,7 @@ class Request:
     needs_grad: bool = False
     softcap: bool = False
     alibi: str | None = None
+    rel_bias_grad: bool = False
 
     @property
     def trivial(self) -> bool:

@@ -24,6 +24,20 @@ def _big(value: int) -> str:
     return str(value) if abs(value) < 10**20 else f"{value:.3g}"
 
 
+def _broadcast_shape(*shapes) -> tuple[int, ...]:
+    """The broadcast of shapes, as ``torch.broadcast_shapes``, whose first call imports torch._refs and sympy
+    (0.3-1.4 s in a fresh process, on the first flex_attention call: tests/functional/test_flex.py
+    test_first_call_imports_no_compiler_stack)."""
+    n = max(len(x) for x in shapes)
+    out = []
+    for dims in zip(*[(1,) * (n - len(x)) + tuple(x) for x in shapes]):
+        big = {d for d in dims if d != 1}
+        if len(big) > 1:
+            raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
+        out.append(big.pop() if big else 1)
+    return tuple(out)
+
+
 def _check_int(name: str, value, minimum: int = 0, maximum: int = MAX_INT, why: str = "positions are int64") -> int:
     """``value`` checked as an int (not a bool) in [minimum, maximum]; the error names ``name``, the value
     and the allowed range."""
@@ -318,11 +332,28 @@ class Pattern:
         any_, all_ = b  # (nq, nk): union and intersection over the batch
         empty, full = ~any_.any(0), (any_ & all_).any(0)  # (nk,): no block keeps / some block keeps all
         dead = empty[j_all // bk].unsqueeze(0).expand(B, S).clone()
-        for kb in (~empty & ~full).nonzero().view(-1).tolist():
-            rows = any_[:, kb].nonzero().view(-1)  # the column's PARTIAL query blocks
-            i = (rows.unsqueeze(1) * bq + torch.arange(bq)).view(-1)
-            j = j_all[kb * bk:(kb + 1) * bk]
-            dead[:, j] = ~self._keeps(i[i < L], j, L, S).any(-2)
+        open_cols = (~empty & ~full).nonzero().view(-1)  # (m,) columns that only PARTIAL blocks decide
+        if not open_cols.numel():
+            return dead
+        # every PARTIAL block of those columns in one vectorised keep per chunk (a loop per column called a
+        # document mask_mod 64 times: 97 ms of a first flex_attention call at L = S = 16384)
+        blocks = any_[:, open_cols].nonzero()  # (np, 2): query block, index into open_cols
+        kbs = open_cols[blocks[:, 1]]
+        seen = torch.zeros(B, S, dtype=torch.int32)  # kept pairs per key (over the open columns' blocks)
+        chunk = max(1, (1 << 22) // (bq * bk))
+        for c0 in range(0, len(blocks), chunk):
+            qb, kb = blocks[c0:c0 + chunk, 0], kbs[c0:c0 + chunk]
+            # rows past L repeat the last one (any() is unchanged); keys past S are dropped below
+            i = (qb.view(-1, 1) * bq + torch.arange(bq)).clamp(max=L - 1).unsqueeze(-1)  # (C, bq, 1)
+            j = kb.view(-1, 1) * bk + torch.arange(bk)  # (C, bk)
+            m = self.keep(i, j.clamp(max=S - 1).unsqueeze(1), L, S)
+            m = torch.broadcast_to(m, ((self.batch_size,) if self.batch_size else (1,)) + (len(qb), bq, bk))
+            a = m.any(-2).to(torch.int32).reshape(m.shape[0], -1)  # (B|1, C·bk)
+            inside = (j < S).view(-1)
+            seen.index_add_(1, j.view(-1)[inside], a[:, inside].expand(B, -1).contiguous())
+        cols = (open_cols.view(-1, 1) * bk + torch.arange(bk)).view(-1)
+        cols = cols[cols < S]
+        dead[:, cols] = seen[:, cols] == 0
         return dead
 
     def _keeps(self, i: torch.Tensor, j: torch.Tensor, L: int, S: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import intervals as _iv
-from .base import EMPTY, FULL, PARTIAL, Pattern, _check_int
+from .base import EMPTY, FULL, PARTIAL, Pattern, _broadcast_shape, _check_int
 from .mask_mod import from_mask_mod
 
 try:  # torch >= 2.5
@@ -59,18 +59,6 @@ class BuildStats:
                 f"{self.evaluated_blocks} blocks pair by pair ({self.pairs} pairs evaluated)")
 
 
-def _bshape(*shapes) -> tuple[int, ...]:
-    """The broadcast of shapes, as torch.broadcast_shapes (whose first call imports torch._refs: 1.4 s here)."""
-    n = max(len(x) for x in shapes)
-    out = []
-    for dims in zip(*[(1,) * (n - len(x)) + tuple(x) for x in shapes]):
-        big = {d for d in dims if d != 1}
-        if len(big) > 1:
-            raise ValueError(f"shapes {[tuple(x) for x in shapes]} do not broadcast")
-        out.append(big.pop() if big else 1)
-    return tuple(out)
-
-
 def _pt(v: int) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.long)
 
@@ -81,7 +69,7 @@ def _exact(mask_mod, b: int, h: int, q: torch.Tensor, kv: torch.Tensor, name: st
     if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
         raise TypeError(f"create_block_mask: mask_mod {name} must return a bool tensor (True = keep), got "
                         f"{getattr(m, 'dtype', type(m).__name__)}")
-    return torch.broadcast_to(m, _bshape(q.shape, kv.shape))
+    return torch.broadcast_to(m, _broadcast_shape(q.shape, kv.shape))
 
 
 def _blocks_exact(mask_mod, b, h, tq, tk, L, S, bq, bk, name, stats):
@@ -334,16 +322,22 @@ class BlockMaskPattern(Pattern):
         c = self.codes().to(i.device)
         cq = torch.div(i, self.block_q, rounding_mode="floor")
         ck = torch.div(j, self.block_k, rounding_mode="floor")
-        c = c[:, cq, ck] if c.shape[0] > 1 else c[0][cq, ck]  # (Bm, *shape) or shape
+        shape = _broadcast_shape(i.shape, j.shape)
+        if (i.dim() >= 2 and j.dim() >= 2 and i.shape[-1] == 1 and j.shape[-2] == 1
+                and bool((cq == cq[..., :1, :]).all()) and bool((ck == ck[..., :1]).all())):
+            # tiles inside one block each (the kernels' mask tiles, dead keys): the codes once per tile, not per
+            # pair (the per-pair gather was 3x the mask_mod's own time on a document mask's partial blocks)
+            cq, ck = cq[..., :1, :], ck[..., :1]
+        c = c[:, cq, ck] if c.shape[0] > 1 else c[0][cq, ck]  # (Bm, *shape) or shape (or per tile)
         inner = self.inner()
         if inner is None:
             m = c != EMPTY
         else:
             m = (c == FULL) | ((c == PARTIAL) & inner.keep(i, j, L, S))
         if self.batch_size:
-            shape = _bshape(i.shape, j.shape)
-            m = torch.broadcast_to(m, (self.batch_size,) + tuple(shape))
-        return m
+            return torch.broadcast_to(m, (self.batch_size,) + tuple(shape))
+        return torch.broadcast_to(m, (m.shape[0],) + tuple(shape)) if c.dim() > len(shape) else \
+            torch.broadcast_to(m, shape)
 
     def bounds(self, qlo, qhi, klo, khi, L, S):
         # cells each caller block touches, counted by 2-D prefix sums of the union / intersection over the batch

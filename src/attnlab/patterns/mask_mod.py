@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import Pattern, _block_sizes, _check_int, _layout
+from .base import Pattern, _block_sizes, _broadcast_shape, _check_int, _layout
 
 
 class _HeadUsed(Exception):
@@ -41,7 +41,7 @@ class _MaskMod(Pattern):
         # (materialize, block layouts, kernel tiles), so arithmetic such as i * 2**20 + j gives one answer
         # everywhere and ``pattern=p`` equals ``attn_mask=p.materialize(L, S)``
         i, j = i.to(torch.long), j.to(torch.long)
-        shape = torch.broadcast_shapes(i.shape, j.shape)
+        shape = _broadcast_shape(i.shape, j.shape)
         zero = torch.zeros((), dtype=torch.long, device=i.device)
         b = zero if self.B is None else torch.arange(self.B, device=i.device).view(-1, *([1] * len(shape)))
         h = zero.as_subclass(_HeadIndex)
