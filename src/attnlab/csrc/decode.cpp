@@ -37,17 +37,20 @@
 // Such a unit then spans all hs = Hkv heads, tile by tile (every head of the tile's tokens, then the next
 // tile), so memory is read in order; the key splits then provide the parallelism B·Hkv no longer does.
 //
-// Note [Decode tiles]: keys go TK at a time. A half-type tile of K (then V) is widened to fp32 once into
-// a per-thread buffer (TK x D floats, L1-resident) and every row reads it from there; fp32 rows are read in
-// place. Scores s = (scale * q) . k, then soft-capping, ALiBi, the key range, keep and bias (masked
+// Note [Decode tiles]: keys go TK at a time, read in place and widened to fp32 in registers by the loops
+// that use them (Note [Decode loads]). Scores s = (scale * q) . k, then soft-capping, ALiBi, the key range, keep and bias (masked
 // scores are overwritten with -inf, never added), the online softmax per row, and P @ V over the keys
 // whose probability is not 0: a key masked for a row is skipped, so a NaN or Inf held in a cache slot
 // that row may not see never reaches its output (0 * NaN), and slots past seqlens are never read.
 //
 // Note [Decode int8 cache]: an int8 cache holds each (token, kv head) row as int8 with one float32 scale
-// (symmetric, scale = max|x| / 127: quantised on append by functional/kvcache.py). The kernel dequantises a
-// tile's rows while widening them (int8 -> int32 -> fp32, times the row's scale, vectorised), so the rest of
-// the tile is the fp32 code: the cache is read at 1 byte an element plus 4 bytes a row.
+// (symmetric, scale = max|x| / 127: quantised on append by functional/kvcache.py). The kernel widens the int8
+// values (int8 -> int32 -> fp32) and folds the scales out of the vector loops: a score is (q . k8) * k_scale
+// and a key's probability enters P @ V as p * v_scale against v8 (l sums the unscaled p), one multiplication
+// per key and row instead of one per element (measured, 1 thread, GQA 32/8 D=128 S=32768, CPU time, loaded
+// machine: 15.6 -> 10.7 ms). The result differs from decoding the dequantised cache in fp32 by the rounding
+// of that moved multiplication (tests/functional/test_kvcache_int8.py derives the budget); the cache is read
+// at 1 byte an element plus 4 bytes a row.
 //
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
@@ -82,11 +85,13 @@ using Vf = Vectorized<float>;
 constexpr int64_t W = Vf::size();
 constexpr int64_t TK = 32;  // keys per tile (Note [Decode tiles])
 constexpr float kNinf = -std::numeric_limits<float>::infinity();
-// Note [Decode prefetch]: a tile's K and V rows are read in two short bursts with arithmetic between them,
-// too short for the hardware prefetcher to keep enough lines in flight: each row of the next tile is
-// prefetched while its counterpart in this one is read (measured, 1 thread, GQA 32/8, D=128, S=4096, CPU time
-// per call, medians of 6 interleaved processes on a loaded machine: bf16 3.40 -> 3.14 ms, fp32 3.96 vs 3.98).
-// ATTNLAB_DECODE_NO_PREFETCH=1 turns it off (for comparisons).
+// Note [Decode prefetch]: a unit computes items (tile, kv head) in order; the rows of the next item are
+// located while the current one runs and prefetched one row per key the score (K) and P @ V (V) loops pass,
+// so the misses overlap the arithmetic instead of arriving in bursts. Into L2 (prefetcht1), not L1: a tile
+// of fp32 K and V is 32 KiB, and pulling the next one into L1 evicted the current one (measured, 1 thread,
+// GQA 32/8 D=128 S=32768, CPU time, loaded machine, the same build: fp32 [B, Hkv, S, D] 37.6 ms into L1
+// (= no prefetch, 36.9) vs 21.3 ms into L2; bf16 17.6 vs 10.5; paged fp32 page 64 32.4 vs 22.1).
+// ATTNLAB_DECODE_NO_PREFETCH=1 turns it off, ATTNLAB_DECODE_PREFETCH_LEVEL=1 prefetches into L1 (comparisons).
 const int kPrefetchMode = [] {  // 0: none, 1: into L1 (prefetcht0), 2: into L2 (prefetcht1, the default)
   const char* off = std::getenv("ATTNLAB_DECODE_NO_PREFETCH");
   if (off && *off && std::string(off) != "0") return 0;
@@ -216,8 +221,9 @@ inline float hsum(const Vf& v) {
 
 // Note [Decode dot products]: out[i] = the sum of acc[i]'s lanes, for W vectors at once: a transpose-add tree
 // (pairs within 128-bit lanes, then quads, then across lanes) of 3(W - 1) shuffles and adds for W sums, where
-// one reduction per vector costs 2 log2(W) dependent steps each (measured, 1 thread, GQA 32/8 D=128 with the
-// data in cache: the per-key reductions were the largest part of the score loop).
+// one reduction per vector costs 2 log2(W) steps each. With K/V widened in registers (Note [Decode loads])
+// it took the in-cache cost per (key, kv head) from 44 to 40 ns fp32 and 56 to 39 ns bf16 (1 thread, GQA
+// 32/8 D=128 S=512, CPU time, loaded machine; data in L3, so partly memory time).
 inline void hsum_all(const Vf* acc, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
   auto pair = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)); };
@@ -262,8 +268,7 @@ inline void dot_keys(const float* q, const T* const* krows, const float* ksc, in
     for (int rr = 0; rr < RB; ++rr) qv[rr] = load(q + rr * D + d);
 #pragma GCC unroll 16
     for (int kk = 0; kk < KB; ++kk) {
-      Vf kv = load(krows[t + kk] + d);
-      if constexpr (std::is_same_v<T, int8_t>) kv = kv * Vf(ksc[t + kk]);
+      const Vf kv = load(krows[t + kk] + d);
 #pragma GCC unroll 4
       for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = at::vec::fmadd(qv[rr], kv, acc[rr * KB + kk]);
     }
@@ -276,7 +281,12 @@ inline void dot_keys(const float* q, const T* const* krows, const float* ksc, in
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr)
 #pragma GCC unroll 16
-    for (int kk = 0; kk < KB; ++kk) s[rr * TK + t + kk] = sums[rr * KB + kk];
+    for (int kk = 0; kk < KB; ++kk) {
+      if constexpr (std::is_same_v<T, int8_t>)
+        s[rr * TK + t + kk] = sums[rr * KB + kk] * ksc[t + kk];  // Note [Decode int8 cache]: the scale folded
+      else
+        s[rr * TK + t + kk] = sums[rr * KB + kk];
+    }
 }
 
 // every row's scores against the tile's nt keys (rows whole key blocks: Note [Decode tile rows])
@@ -316,11 +326,10 @@ inline void pv_cols(const float* p, const T* const* vrows, const float* vsc, int
 #pragma GCC unroll 8
     for (int c = 0; c < NV; ++c) {
       vv[c] = load_w(vrows[t] + d + c * W);
-      if constexpr (std::is_same_v<T, int8_t>) vv[c] = vv[c] * Vf(vsc[t]);
     }
 #pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
-      const Vf pv(p[rr * TK + t]);
+      const Vf pv(std::is_same_v<T, int8_t> ? p[rr * TK + t] * vsc[t] : p[rr * TK + t]);
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) acc[rr][c] = at::vec::fmadd(pv, vv[c], acc[rr][c]);
     }
@@ -536,16 +545,15 @@ void decode_impl(const Args& a) {
           const float* p = sc.data() + r * TK;
           const int32_t* z = nz.data() + r * TK;
           float* orow = o_g + r * Dv;
-          auto vrow = [&](int32_t e, int64_t d) {  // V[z[e]] columns d .. d + W - 1, dequantised
-            Vf x = load_w(vrows[z[e]] + d);
-            if constexpr (std::is_same_v<T, int8_t>) x = x * Vf(vscl[z[e]]);
-            return x;
+          auto vrow = [&](int32_t e, int64_t d) { return load_w(vrows[z[e]] + d); };  // V[z[e]], d .. d + W - 1
+          auto pz = [&](int32_t e) {  // p of key z[e], an int8 row's scale folded in (Note [Decode int8 cache])
+            return std::is_same_v<T, int8_t> ? p[z[e]] * vscl[z[e]] : p[z[e]];
           };
           int64_t d = r < r_first ? d_vec : 0;
           for (; d + 2 * W <= d_vec; d += 2 * W) {
             Vf acc0 = Vf::loadu(orow + d), acc1 = Vf::loadu(orow + d + W);
             for (int32_t e = 0; e < n; ++e) {
-              const Vf pv(p[z[e]]);
+              const Vf pv(pz(e));
               acc0 = at::vec::fmadd(pv, vrow(e, d), acc0);
               acc1 = at::vec::fmadd(pv, vrow(e, d + W), acc1);
             }
@@ -554,16 +562,12 @@ void decode_impl(const Args& a) {
           }
           for (; d < d_vec; d += W) {
             Vf acc = Vf::loadu(orow + d);
-            for (int32_t e = 0; e < n; ++e) acc = at::vec::fmadd(Vf(p[z[e]]), vrow(e, d), acc);
+            for (int32_t e = 0; e < n; ++e) acc = at::vec::fmadd(Vf(pz(e)), vrow(e, d), acc);
             acc.store(orow + d);
           }
           for (; d < Dv; ++d) {
             float acc = orow[d];
-            for (int32_t e = 0; e < n; ++e) {
-              float x = static_cast<float>(vrows[z[e]][d]);
-              if constexpr (std::is_same_v<T, int8_t>) x *= vscl[z[e]];
-              acc += p[z[e]] * x;
-            }
+            for (int32_t e = 0; e < n; ++e) acc += pz(e) * static_cast<float>(vrows[z[e]][d]);
             orow[d] = acc;
           }
         }
