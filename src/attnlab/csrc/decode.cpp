@@ -37,17 +37,20 @@
 // Such a unit then spans all hs = Hkv heads, tile by tile (every head of the tile's tokens, then the next
 // tile), so memory is read in order; the key splits then provide the parallelism B·Hkv no longer does.
 //
-// Note [Decode tiles]: keys go TK at a time. A half-type tile of K (then V) is widened to fp32 once into
-// a per-thread buffer (TK x D floats, L1-resident) and every row reads it from there; fp32 rows are read in
-// place. Scores s = (scale * q) . k, then soft-capping, ALiBi, the key range, keep and bias (masked
+// Note [Decode tiles]: keys go TK at a time, read in place and widened to fp32 in registers by the loops
+// that use them (Note [Decode loads]). Scores s = (scale * q) . k, then soft-capping, ALiBi, the key range, keep and bias (masked
 // scores are overwritten with -inf, never added), the online softmax per row, and P @ V over the keys
 // whose probability is not 0: a key masked for a row is skipped, so a NaN or Inf held in a cache slot
 // that row may not see never reaches its output (0 * NaN), and slots past seqlens are never read.
 //
 // Note [Decode int8 cache]: an int8 cache holds each (token, kv head) row as int8 with one float32 scale
-// (symmetric, scale = max|x| / 127: quantised on append by functional/kvcache.py). The kernel dequantises a
-// tile's rows while widening them (int8 -> int32 -> fp32, times the row's scale, vectorised), so the rest of
-// the tile is the fp32 code: the cache is read at 1 byte an element plus 4 bytes a row.
+// (symmetric, scale = max|x| / 127: quantised on append by functional/kvcache.py). The kernel widens the int8
+// values (int8 -> int32 -> fp32) and folds the scales out of the vector loops: a score is (q . k8) * k_scale
+// and a key's probability enters P @ V as p * v_scale against v8 (l sums the unscaled p), one multiplication
+// per key and row instead of one per element (measured, 1 thread, GQA 32/8 D=128 S=32768, CPU time, loaded
+// machine: 15.6 -> 10.7 ms). The result differs from decoding the dequantised cache in fp32 by the rounding
+// of that moved multiplication (tests/functional/test_kvcache_int8.py derives the budget); the cache is read
+// at 1 byte an element plus 4 bytes a row.
 //
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
@@ -82,16 +85,20 @@ using Vf = Vectorized<float>;
 constexpr int64_t W = Vf::size();
 constexpr int64_t TK = 32;  // keys per tile (Note [Decode tiles])
 constexpr float kNinf = -std::numeric_limits<float>::infinity();
-// Note [Decode prefetch]: a tile's K and V rows are read in two short bursts with arithmetic between them,
-// too short for the hardware prefetcher to keep enough lines in flight: each row of the next tile is
-// prefetched while its counterpart in this one is read (measured, 1 thread, GQA 32/8, D=128, S=4096, CPU time
-// per call, medians of 6 interleaved processes on a loaded machine: bf16 3.40 -> 3.14 ms, fp32 3.96 vs 3.98).
-// ATTNLAB_DECODE_NO_PREFETCH=1 turns it off (for comparisons).
-constexpr int64_t kPrefetch = TK;
-const bool kDoPrefetch = [] {
+// Note [Decode prefetch]: a unit computes items (tile, kv head) in order; the rows of the next item are
+// located while the current one runs and prefetched one row per key the score (K) and P @ V (V) loops pass,
+// so the misses overlap the arithmetic instead of arriving in bursts. Into L2 (prefetcht1), not L1: a tile
+// of fp32 K and V is 32 KiB, and pulling the next one into L1 evicted the current one (measured, 1 thread,
+// GQA 32/8 D=128 S=32768, CPU time, loaded machine, the same build: fp32 [B, Hkv, S, D] 37.6 ms into L1
+// (= no prefetch, 36.9) vs 21.3 ms into L2; bf16 17.6 vs 10.5; paged fp32 page 64 32.4 vs 22.1).
+// ATTNLAB_DECODE_NO_PREFETCH=1 turns it off, ATTNLAB_DECODE_PREFETCH_LEVEL=1 prefetches into L1 (comparisons).
+const int kPrefetchMode = [] {  // 0: none, 1: into L1 (prefetcht0), 2: into L2 (prefetcht1, the default)
   const char* off = std::getenv("ATTNLAB_DECODE_NO_PREFETCH");
-  return !(off && *off && std::string(off) != "0");
+  if (off && *off && std::string(off) != "0") return 0;
+  const char* lv = std::getenv("ATTNLAB_DECODE_PREFETCH_LEVEL");
+  return lv && std::string(lv) == "1" ? 1 : 2;
 }();
+const bool kDoPrefetch = kPrefetchMode > 0;
 
 struct Args {
   int64_t B, H, Hkv, L, D, Dv, T, maxp, ns, hs;
@@ -123,136 +130,228 @@ inline void row_range(const Args& a, int64_t b, int64_t i, int64_t& lo, int64_t&
   if (hi < lo) hi = lo;
 }
 
-// int8 row (one scale) -> fp32 row (Note [Decode int8 cache])
-inline void widen_scaled(const int8_t* p, float scale, float* dst, int64_t n) {
-  int64_t d = 0;
+// Note [Decode loads]: K and V rows are read as stored and widened to fp32 in registers, one vector of W
+// elements at a time, by the loop that uses them (no per-tile fp32 copy): bf16 by a zero-extension and a
+// 16-bit shift (its bits are the top half of an fp32), fp16 by vcvtph2ps, int8 by a sign extension and one
+// int -> float conversion. An int8 vector is then multiplied by its row's scale, so a widened row holds
+// exactly the dequantised cache's values (Note [Decode int8 cache]).
+template <typename T>
+inline Vf load_w(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vf::loadu(p);
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (; d + 16 <= n; d += 16) {
-    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + d)));
-    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(x), sv));
-  }
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  } else if constexpr (std::is_same_v<T, at::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 sv = _mm256_set1_ps(scale);
-  for (; d + 8 <= n; d += 8) {
-    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + d)));
-    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(x), sv));
-  }
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  } else if constexpr (std::is_same_v<T, at::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #endif
-  for (; d < n; ++d) dst[d] = static_cast<float>(p[d]) * scale;
+  } else {
+    float x[W];
+    for (int64_t e = 0; e < W; ++e) x[e] = static_cast<float>(p[e]);
+    return Vf::loadu(x);
+  }
 }
 
-// A tile's rows (keys j0 .. j0 + nt - 1 of sequence b, kv head g) as fp32 pointers: in place for fp32, else
-// widened (int8: dequantised with sc, the scales' strides ss) into buf [TK, width]. The rows of the tile
-// after it (up to `end`) are prefetched meanwhile (Note [Decode prefetch]); rows are found by walking the
-// page table (Note [Decode page walk]).
+// the first n < W elements, zeros after them (a row's tail when W does not divide its length)
+template <typename T>
+inline Vf load_tail(const T* p, int64_t n) {
+  float x[W] = {};
+  for (int64_t e = 0; e < n; ++e) x[e] = static_cast<float>(p[e]);
+  return Vf::loadu(x);
+}
+
+// Note [Decode tile rows]: a tile's rows (keys j0 .. j0 + nt - 1 of sequence b, kv head g) as pointers into
+// the cache, and with an int8 cache their scales; the slots from nt up to the next multiple of W repeat the
+// last row, so the score kernel runs whole key blocks (their scores are never read). Rows are found by
+// walking the page table (Note [Decode page walk]).
 template <typename T>
 inline void tile_rows(const T* base, const int64_t* st, const float* sc, const int64_t* ss, const Args& a, int64_t b,
-                      int64_t g, int64_t j0, int64_t nt, int64_t end, int64_t width, float* buf, const float** rows) {
-  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
+                      int64_t g, int64_t j0, int64_t nt, const T** rows, float* scales) {
   const int32_t* tab = a.table + b * a.maxp;
   int64_t pj = j0 / a.T, off = j0 % a.T;  // this row's page index and offset
-  const int64_t jf = j0 + kPrefetch;
-  int64_t fpj = jf / a.T, foff = jf % a.T;  // the prefetched row's
   for (int64_t t = 0; t < nt; ++t) {
-    if (kDoPrefetch && jf + t < end) {
-      const char* f = reinterpret_cast<const char*>(base + tab[fpj] * st[0] + foff * st[1] + g * st[2]);
-      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(f + c);
-    }
-    if (++foff == a.T) { foff = 0; ++fpj; }
     const int64_t page = tab[pj];
-    const T* p = base + page * st[0] + off * st[1] + g * st[2];
-    if constexpr (std::is_same_v<T, float>) {
-      rows[t] = p;
-    } else if constexpr (std::is_same_v<T, int8_t>) {
-      widen_scaled(p, sc[page * ss[0] + off * ss[1] + g * ss[2]], buf + t * width, width);
-      rows[t] = buf + t * width;
-    } else {
-      at::vec::convert(p, buf + t * width, width);
-      rows[t] = buf + t * width;
-    }
+    rows[t] = base + page * st[0] + off * st[1] + g * st[2];
+    if constexpr (std::is_same_v<T, int8_t>) scales[t] = sc[page * ss[0] + off * ss[1] + g * ss[2]];
     if (++off == a.T) { off = 0; ++pj; }
   }
+  for (int64_t t = nt; t < (nt + W - 1) / W * W; ++t) {
+    rows[t] = rows[nt - 1];
+    if constexpr (std::is_same_v<T, int8_t>) scales[t] = scales[nt - 1];
+  }
 }
+
+// The rows of the next (tile, kv head) a unit computes, prefetched one row at a time while the loops over
+// this one's rows run (Note [Decode prefetch]); n = 0 prefetches nothing. always_inline: GCC deems a function
+// that only prefetches pure (a prefetch is no side effect to it) and drops its calls before inlining them.
+template <typename T>
+struct NextRows {
+  const T* const* rows = nullptr;
+  int64_t n = 0, bytes = 0;
+  __attribute__((always_inline)) inline void row(int64_t t) const {
+    if (t < n) {
+      const char* p = reinterpret_cast<const char*>(rows[t]);
+      if (kPrefetchMode == 2)
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
+      else
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
+    }
+  }
+};
 
 // The sum of a vector's lanes.
 inline float hsum(const Vf& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_reduce_add_ps(v);
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 x = v;
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  r = _mm_hadd_ps(r, r);
-  r = _mm_hadd_ps(r, r);
-  return _mm_cvtss_f32(r);
-#else
   float b[W];
   v.store(b);
   float x = 0.f;
   for (int64_t i = 0; i < W; ++i) x += b[i];
   return x;
+}
+
+// Note [Decode dot products]: out[i] = the sum of acc[i]'s lanes, for W vectors at once: a transpose-add tree
+// (pairs within 128-bit lanes, then quads, then across lanes) of 3(W - 1) shuffles and adds for W sums, where
+// one reduction per vector costs 2 log2(W) steps each. With K/V widened in registers (Note [Decode loads])
+// it took the in-cache cost per (key, kv head) from 44 to 40 ns fp32 and 56 to 39 ns bf16 (1 thread, GQA
+// 32/8 D=128 S=512, CPU time, loaded machine; data in L3, so partly memory time).
+inline void hsum_all(const Vf* acc, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto pair = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)); };
+  auto quad = [](__m512 xy, __m512 zw) {
+    return _mm512_add_ps(_mm512_shuffle_ps(xy, zw, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(xy, zw, _MM_SHUFFLE(3, 2, 3, 2)));
+  };
+  auto lanes = [](__m512 x, __m512 y) {  // [x0+x1, x2+x3, y0+y1, y2+y3] in 128-bit lanes
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  __m512 q4[4];
+  for (int j = 0; j < 4; ++j)  // lane l of q4[j]: the sums of acc[4j .. 4j+3]'s 128-bit lane l
+    q4[j] = quad(pair(acc[4 * j], acc[4 * j + 1]), pair(acc[4 * j + 2], acc[4 * j + 3]));
+  _mm512_storeu_ps(out, lanes(lanes(q4[0], q4[1]), lanes(q4[2], q4[3])));
+#elif defined(CPU_CAPABILITY_AVX2)
+  auto pair = [](__m256 x, __m256 y) { return _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y)); };
+  auto quad = [](__m256 xy, __m256 zw) {
+    return _mm256_add_ps(_mm256_shuffle_ps(xy, zw, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(xy, zw, _MM_SHUFFLE(3, 2, 3, 2)));
+  };
+  const __m256 lo = quad(pair(acc[0], acc[1]), pair(acc[2], acc[3]));
+  const __m256 hi = quad(pair(acc[4], acc[5]), pair(acc[6], acc[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+#else
+  for (int64_t i = 0; i < W; ++i) out[i] = hsum(acc[i]);
 #endif
 }
 
-// Note [Decode dot products]: s[rr * TK + t] = q[rr] . k[t] for RB rows (q rows D apart) and KB keys at a
-// time: every K load feeds RB rows and RB x KB independent accumulators hide the FMA latency (KB = 4 keys for
-// one row, the MHA case, 2 otherwise). The accumulators are plain locals of a fully unrolled loop, so they
-// stay in registers (an array of them reduced through at::vec::vec_reduce_all was spilled to the stack on
-// every FMA: measured with perf, GQA 32/8 D=128).
-template <int RB, int KB>
-inline void dot_keys(const float* q, const float* const* krows, int64_t t, int64_t D, float* s) {
-  Vf acc[RB * KB];
+// s[rr * TK + t + kk] = q[rr] . k[t + kk] for RB rows (q rows D apart) and KB = W / RB keys: W accumulators,
+// plain locals of a fully unrolled loop (so they stay in registers), every K load feeding RB rows; their
+// sums by one hsum_all. An int8 key's products are taken with its dequantised values (Note [Decode loads]).
+template <int RB, typename T>
+inline void dot_keys(const float* q, const T* const* krows, const float* ksc, int64_t t, int64_t D, float* s) {
+  constexpr int KB = static_cast<int>(W) / RB;
+  Vf acc[W];
 #pragma GCC unroll 16
-  for (int i = 0; i < RB * KB; ++i) acc[i] = Vf(0);
-  int64_t d = 0;
-  for (; d + W <= D; d += W) {
+  for (int i = 0; i < W; ++i) acc[i] = Vf(0);
+  auto step = [&](int64_t d, auto load) {
+    Vf qv[RB];
 #pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) qv[rr] = load(q + rr * D + d);
+#pragma GCC unroll 16
     for (int kk = 0; kk < KB; ++kk) {
-      const Vf kv = Vf::loadu(krows[t + kk] + d);
+      const Vf kv = load(krows[t + kk] + d);
 #pragma GCC unroll 4
-      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = at::vec::fmadd(Vf::loadu(q + rr * D + d), kv, acc[rr * KB + kk]);
+      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = at::vec::fmadd(qv[rr], kv, acc[rr * KB + kk]);
     }
-  }
+  };
+  int64_t d = 0;
+  for (; d + W <= D; d += W) step(d, [](const auto* p) { return load_w(p); });
+  if (d < D) step(d, [n = D - d](const auto* p) { return load_tail(p, n); });
+  float sums[W];
+  hsum_all(acc, sums);
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
 #pragma GCC unroll 16
-  for (int i = 0; i < RB * KB; ++i) {
-    const int rr = i / KB, kk = i % KB;
-    float x = hsum(acc[i]);
-    for (int64_t e = d; e < D; ++e) x += q[rr * D + e] * krows[t + kk][e];
-    s[rr * TK + t + kk] = x;
-  }
+    for (int kk = 0; kk < KB; ++kk) {
+      if constexpr (std::is_same_v<T, int8_t>)
+        s[rr * TK + t + kk] = sums[rr * KB + kk] * ksc[t + kk];  // Note [Decode int8 cache]: the scale folded
+      else
+        s[rr * TK + t + kk] = sums[rr * KB + kk];
+    }
 }
 
-template <int RB>
-inline void dot_block(const float* q, const float* const* krows, int64_t nt, int64_t D, float* s) {
-  constexpr int KB = RB == 1 ? 4 : 2;
-  int64_t t = 0;
-  for (; t + KB <= nt; t += KB) dot_keys<RB, KB>(q, krows, t, D, s);
-  for (; t < nt; ++t) dot_keys<RB, 1>(q, krows, t, D, s);
+// every row's scores against the tile's nt keys (rows whole key blocks: Note [Decode tile rows])
+template <typename T>
+inline void dot_tile(const float* q, int64_t R, const T* const* krows, const float* ksc, int64_t nt, int64_t D,
+                     float* s, const NextRows<T>& next) {
+  int64_t r0 = 0;
+  auto block = [&](auto rb, int64_t t) {  // the first row block also prefetches the next rows of K
+    constexpr int RB = decltype(rb)::value;
+    dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
+    if (r0 == 0)
+      for (int64_t e = t; e < t + W / RB; ++e) next.row(e);
+  };
+  for (; r0 + 4 <= R; r0 += 4)
+    for (int64_t t = 0; t < nt; t += W / 4) block(std::integral_constant<int, 4>{}, t);
+  for (; r0 + 2 <= R; r0 += 2)
+    for (int64_t t = 0; t < nt; t += W / 2) block(std::integral_constant<int, 2>{}, t);
+  for (; r0 < R; ++r0)
+    for (int64_t t = 0; t < nt; t += W) block(std::integral_constant<int, 1>{}, t);
+  if (nt < next.n)
+    for (int64_t e = (nt + W - 1) / W * W; e < next.n; ++e) next.row(e);
 }
 
-// O[r0 + rr] += sum_t p[rr][t] * V[t] for RB rows sharing each V load (the tile's every key weighed by every
-// row: Note [Decode tiles]); columns [0, d_end) in steps of 2W, the rest by the caller.
-template <int RB>
-inline void pv_block(const float* p, const float* const* vrows, int64_t nt, float* o, int64_t Dv, int64_t d_end) {
-  for (int64_t d = 0; d < d_end; d += 2 * W) {
-    Vf acc0[RB], acc1[RB];
-    for (int rr = 0; rr < RB; ++rr) {
-      acc0[rr] = Vf::loadu(o + rr * Dv + d);
-      acc1[rr] = Vf::loadu(o + rr * Dv + d + W);
+// O[rr] += sum_t p[rr * TK + t] * V[t] over columns [d, d + NV W) for RB rows sharing each V load (the tile's
+// every key weighed by every row: Note [Decode tiles]); with an int8 cache V[t] is the dequantised row.
+template <int RB, int NV, typename T>
+inline void pv_cols(const float* p, const T* const* vrows, const float* vsc, int64_t nt, float* o, int64_t Dv,
+                    int64_t d, const NextRows<T>* next) {
+  Vf acc[RB][NV];
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) acc[rr][c] = Vf::loadu(o + rr * Dv + d + c * W);
+  for (int64_t t = 0; t < nt; ++t) {
+    if (next) next->row(t);
+    Vf vv[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      vv[c] = load_w(vrows[t] + d + c * W);
     }
-    for (int64_t t = 0; t < nt; ++t) {
-      const Vf v0 = Vf::loadu(vrows[t] + d), v1 = Vf::loadu(vrows[t] + d + W);
-      for (int rr = 0; rr < RB; ++rr) {
-        const Vf pv(p[rr * TK + t]);
-        acc0[rr] = at::vec::fmadd(pv, v0, acc0[rr]);
-        acc1[rr] = at::vec::fmadd(pv, v1, acc1[rr]);
-      }
-    }
+#pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
-      acc0[rr].store(o + rr * Dv + d);
-      acc1[rr].store(o + rr * Dv + d + W);
+      const Vf pv(std::is_same_v<T, int8_t> ? p[rr * TK + t] * vsc[t] : p[rr * TK + t]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) acc[rr][c] = at::vec::fmadd(pv, vv[c], acc[rr][c]);
     }
   }
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) acc[rr][c].store(o + rr * Dv + d + c * W);
+}
+
+// columns [0, Dv / W * W) of RB rows: chunks of as many vectors as the registers hold (RB x NV accumulators)
+// (with `next`, the first chunk prefetches the next rows of V)
+template <int RB, typename T>
+inline void pv_rows(const float* p, const T* const* vrows, const float* vsc, int64_t nt, float* o, int64_t Dv,
+                    const NextRows<T>* next) {
+  constexpr int NV = (W == 16 ? 16 : 8) / RB > 4 ? 4 : (W == 16 ? 16 : 8) / RB;
+  const int64_t nv = Dv / W;
+  int64_t c = 0;
+  for (; c + NV <= nv; c += NV, next = nullptr) pv_cols<RB, NV>(p, vrows, vsc, nt, o, Dv, c * W, next);
+  for (; c < nv; ++c, next = nullptr) pv_cols<RB, 1>(p, vrows, vsc, nt, o, Dv, c * W, next);
+  if (next)
+    for (int64_t t = 0; t < next->n; ++t) next->row(t);
 }
 
 // TQ: q's and out's type; T: the cache's (TQ, or int8: Note [Decode int8 cache])
@@ -267,11 +366,12 @@ void decode_impl(const Args& a) {
   std::atomic<int64_t> next{0};
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
-    std::vector<float> qs(RR * D), o(RR * Dv), sc(R * TK), m(RR), l(RR), kbuf(TK * D), vbuf(TK * Dv);
+    std::vector<float> qs(RR * D), o(RR * Dv), sc(R * TK), m(RR), l(RR);
     std::vector<int64_t> rlo(R), rhi(R);
     std::vector<int32_t> nz(R * TK), nnz(R);
-    const float* krows[TK];
-    const float* vrows[TK];
+    const T* kr[2][TK];  // this item's rows and the next one's (Note [Decode prefetch])
+    const T* vr[2][TK];
+    float ks2[2][TK], vs2[2][TK];  // an int8 cache's row scales
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
       const int64_t s = u % ns, g0 = ((u / ns) % spans) * hs, b = u / (ns * spans);
       // 1) the groups' query rows, scaled, in fp32; each row's key range; the unit's key range
@@ -295,25 +395,40 @@ void decode_impl(const Args& a) {
         j0 = std::min(uhi, ulo + s * per * TK);
         j1 = std::min(uhi, ulo + (s + 1) * per * TK);
       }
+      // items (tile t0, kv head g0 + gl) in order; each one's rows are found while the item before it runs
+      int cur = 0;
+      auto rows_of = [&](int c, int64_t t0, int64_t g, int64_t nt) {
+        tile_rows(K, a.ks, a.ksc, a.kss, a, b, g, t0, nt, kr[c], ks2[c]);
+        tile_rows(V, a.vs, a.vsc, a.vss, a, b, g, t0, nt, vr[c], vs2[c]);
+      };
+      if (j0 < j1) rows_of(0, j0, g0, std::min(TK, j1 - j0));
       for (int64_t t0 = j0; t0 < j1; t0 += TK)
       for (int64_t gl = 0; gl < hs; ++gl) {
         const int64_t nt = std::min(TK, j1 - t0), g = g0 + gl;
+        const int c = cur;
+        cur ^= 1;
+        const T* const* krows = kr[c];
+        const T* const* vrows = vr[c];
+        const float* kscl = ks2[c];
+        const float* vscl = vs2[c];
+        NextRows<T> next_k, next_v;
+        {
+          const int64_t u0 = gl + 1 < hs ? t0 : t0 + TK, ug = gl + 1 < hs ? g + 1 : g0;
+          if (u0 < j1) {
+            const int64_t un = std::min(TK, j1 - u0);
+            rows_of(c ^ 1, u0, ug, un);
+            if (kDoPrefetch) {
+              next_k = {kr[c ^ 1], un, D * static_cast<int64_t>(sizeof(T))};
+              next_v = {vr[c ^ 1], un, Dv * static_cast<int64_t>(sizeof(T))};
+            }
+          }
+        }
         float* const m_g = m.data() + gl * R;
         float* const l_g = l.data() + gl * R;
         float* const o_g = o.data() + gl * R * Dv;
         const float* const qs_g = qs.data() + gl * R * D;
         // 2) scores of every row against the tile's keys
-        tile_rows(K, a.ks, a.ksc, a.kss, a, b, g, t0, nt, j1, D, kbuf.data(), krows);
-        for (int64_t r0 = 0; r0 < R; r0 += 4) {  // every row's products; rows sharing each K load
-          const float* qb = qs_g + r0 * D;
-          float* sb = sc.data() + r0 * TK;
-          switch (std::min<int64_t>(4, R - r0)) {
-            case 4: dot_block<4>(qb, krows, nt, D, sb); break;
-            case 3: dot_block<3>(qb, krows, nt, D, sb); break;
-            case 2: dot_block<2>(qb, krows, nt, D, sb); break;
-            default: dot_block<1>(qb, krows, nt, D, sb); break;
-          }
-        }
+        dot_tile(qs_g, R, krows, kscl, nt, D, sc.data(), next_k);  // rows sharing each K load
         for (int64_t r = 0; r < R; ++r) {
           float* srow = sc.data() + r * TK;
           const int64_t lo = rlo[r], hi = rhi[r];
@@ -406,23 +521,23 @@ void decode_impl(const Args& a) {
           any = any || nnz[r] > 0;
           every = every && nnz[r] == nt;
         }
-        if (!any) continue;
+        if (!any) {
+          for (int64_t t = 0; t < next_v.n; ++t) next_v.row(t);
+          continue;
+        }
         // 4) O += P @ V over the weighed keys
-        tile_rows(V, a.vs, a.vsc, a.vss, a, b, g, t0, nt, j1, Dv, vbuf.data(), vrows);
-        int64_t d_first = 0;  // columns the blocked pass below has done
-        if (every && R > 1) {  // every row weighs every key: rows share each V load, 4 at a time
-          const int64_t d_end = Dv / (2 * W) * (2 * W);
-          for (int64_t r0 = 0; r0 < R; r0 += 4) {
-            const float* p = sc.data() + r0 * TK;
-            float* orow = o_g + r0 * Dv;
-            switch (std::min<int64_t>(4, R - r0)) {
-              case 4: pv_block<4>(p, vrows, nt, orow, Dv, d_end); break;
-              case 3: pv_block<3>(p, vrows, nt, orow, Dv, d_end); break;
-              case 2: pv_block<2>(p, vrows, nt, orow, Dv, d_end); break;
-              default: pv_block<1>(p, vrows, nt, orow, Dv, d_end); break;
-            }
-          }
-          d_first = d_end;
+        const int64_t d_vec = Dv / W * W;  // columns the vector passes do; the rest one by one
+        int64_t r_first = 0;  // rows the blocked pass below has done
+        if (every) {  // every row weighs every key: rows share each V load, 4 at a time
+          const NextRows<T>* nv = &next_v;  // prefetched by the first row block
+          for (; r_first + 4 <= R; r_first += 4, nv = nullptr)
+            pv_rows<4>(sc.data() + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+          for (; r_first + 2 <= R; r_first += 2, nv = nullptr)
+            pv_rows<2>(sc.data() + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+          for (; r_first < R; ++r_first, nv = nullptr)
+            pv_rows<1>(sc.data() + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+        } else {
+          for (int64_t t = 0; t < next_v.n; ++t) next_v.row(t);
         }
         for (int64_t r = 0; r < R; ++r) {
           const int32_t n = nnz[r];
@@ -430,26 +545,29 @@ void decode_impl(const Args& a) {
           const float* p = sc.data() + r * TK;
           const int32_t* z = nz.data() + r * TK;
           float* orow = o_g + r * Dv;
-          int64_t d = d_first;
-          for (; d + 2 * W <= Dv; d += 2 * W) {
+          auto vrow = [&](int32_t e, int64_t d) { return load_w(vrows[z[e]] + d); };  // V[z[e]], d .. d + W - 1
+          auto pz = [&](int32_t e) {  // p of key z[e], an int8 row's scale folded in (Note [Decode int8 cache])
+            return std::is_same_v<T, int8_t> ? p[z[e]] * vscl[z[e]] : p[z[e]];
+          };
+          int64_t d = r < r_first ? d_vec : 0;
+          for (; d + 2 * W <= d_vec; d += 2 * W) {
             Vf acc0 = Vf::loadu(orow + d), acc1 = Vf::loadu(orow + d + W);
             for (int32_t e = 0; e < n; ++e) {
-              const Vf pv(p[z[e]]);
-              const float* vr = vrows[z[e]] + d;
-              acc0 = at::vec::fmadd(pv, Vf::loadu(vr), acc0);
-              acc1 = at::vec::fmadd(pv, Vf::loadu(vr + W), acc1);
+              const Vf pv(pz(e));
+              acc0 = at::vec::fmadd(pv, vrow(e, d), acc0);
+              acc1 = at::vec::fmadd(pv, vrow(e, d + W), acc1);
             }
             acc0.store(orow + d);
             acc1.store(orow + d + W);
           }
-          for (; d + W <= Dv; d += W) {
+          for (; d < d_vec; d += W) {
             Vf acc = Vf::loadu(orow + d);
-            for (int32_t e = 0; e < n; ++e) acc = at::vec::fmadd(Vf(p[z[e]]), Vf::loadu(vrows[z[e]] + d), acc);
+            for (int32_t e = 0; e < n; ++e) acc = at::vec::fmadd(Vf(pz(e)), vrow(e, d), acc);
             acc.store(orow + d);
           }
           for (; d < Dv; ++d) {
             float acc = orow[d];
-            for (int32_t e = 0; e < n; ++e) acc += p[z[e]] * vrows[z[e]][d];
+            for (int32_t e = 0; e < n; ++e) acc += pz(e) * static_cast<float>(vrows[z[e]][d]);
             orow[d] = acc;
           }
         }
