@@ -1,4 +1,4 @@
-"""Calibration (Note [Calibrated rates] in attnlab.functional.rates): measured rates cached per machine,
+"""Calibration (Note [Calibrated rates] in attnlab.kernels.rates): measured rates cached per machine,
 corrupt or foreign files ignored with one warning, and no calibration — however skewed — changes a result
 beyond the chosen kernel's rounding."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import attnlab
 from attnlab import patterns as P
 from attnlab import sysinfo
-from attnlab.bench.calibrate import CalibrationConfig, calibrate
+from attnlab.functional.calibration import CalibrationConfig, calibrate
 from attnlab.cli import main as cli
 from attnlab.functional import plancache, rates
 from attnlab.kernels import compiled
@@ -168,7 +168,7 @@ def test_cli_calibrate_quick(calibration_on, capsys):
 
 
 def test_least_pairs_is_where_the_fitted_speed_ratio_crosses_the_margin():
-    from attnlab.bench.calibrate import MARGIN, _least_pairs
+    from attnlab.functional.calibration import MARGIN, _least_pairs
 
     # ratio = MARGIN * (pairs / 4e6) ** 0.5: crosses the margin at exactly 4e6 pairs, dense and causal alike
     pts = [(p, MARGIN * (p / 4e6) ** 0.5) for p in (1e6, 4e6, 16e6) for _ in range(2)]
