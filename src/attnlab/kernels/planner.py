@@ -275,9 +275,15 @@ def _mask_tiles(c: _Call):
 
 def _calibrated_dense(c: _Call):
     r = c.r
-    if not r.need_weights and K.COMPILED in c.ok and c.plain and c.rates.compiled_dense_wins(
-            r.dtype, r.N * r.H * r.L * r.S, r.causal_only):
+    if r.need_weights or K.COMPILED not in c.ok or not c.plain:
+        return None
+    if c.rates.compiled_dense_wins(r.dtype, r.pairs, r.causal_only):
         return K.COMPILED, f"attnlab's compiled kernel is faster than SDPA for {r.dtype} calls of this size here"
+    if K.SDPA in c.ok and (r.dtype, r.causal_only) in c.rates.compiled_dense_min_pairs:
+        # measured, and the compiled kernel loses at this size: its per-call and per-tile overhead is what the
+        # size threshold holds, and predicted times (FLOPs over a rate) would not see it
+        return K.SDPA, (f"SDPA is faster than attnlab's compiled kernel for {r.dtype} calls of this size here "
+                        "(measured size threshold)")
 
 
 def _block_skipping(c: _Call):
@@ -325,7 +331,7 @@ RULES: tuple[Rule, ...] = (
     Rule("weights -> second pass over the log-sum-exp", _second_pass_weights),
     Rule("weights -> the kernel that returns them", _only_weights),
     Rule("masks or score mods -> compiled tiles", _mask_tiles),
-    Rule("calibrated: compiled faster for this dtype", _calibrated_dense),
+    Rule("calibrated: compiled or SDPA by the measured size threshold", _calibrated_dense),
     Rule("pattern with many empty blocks -> block skipping", _block_skipping),
     Rule("fastest capable kernel by predicted time", _fastest),
 )
