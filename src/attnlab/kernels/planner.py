@@ -31,6 +31,8 @@ from .. import cpu
 from .. import kernels as K
 from ..report import format_bytes
 from . import KERNELS, Kernel, Request, Tiling, rates
+from .rates import (COMPILED_BLOCK_SPEED, COMPILED_DENSE_DTYPES, PLAIN_MHA_DECODE_ON_SDPA, SPARSE_BLOCK_SPEED,
+                    SPARSE_OVER_COMPILED)  # the built-in table, read here by its old names
 from . import compiled as compiled_kernel
 from . import fused as fused_kernel
 from . import sparse as sparse_kernel
@@ -51,23 +53,9 @@ DENSE_WEIGHTS_BUDGET = 256 * 2**20
 #: auto uses the gathered block-sparse kernel when at least this fraction of blocks is empty
 SPARSE_MIN_EMPTY = 0.25
 DEFAULT_SPARSE_BLOCK = sparse_kernel.DEFAULT_SPARSE_BLOCK
-#: fused-kernel speed (GFLOP/s) at query blocks of this many rows, measured on the 2-core reference
-#: machine (B·H batches of [block, ~block + 256] problems); relative values choose a band's block size
-SPARSE_BLOCK_SPEED = {32: 49.0, 64: 60.0, 128: 65.0, 256: 77.0}
 DEFAULT_TILED_BLOCK = tiled_kernel.DEFAULT_BLOCK
-#: the compiled kernel's relative speed (dense fp32, B=1, H=8, D=64, n=4096, both cores, MKL tiles) at each
-#: (block_q, block_k): larger tiles run faster per pair, smaller ones skip more of a band's empty area.
-#: With brgemm tiles, one thread on the busy machine: 0.77 / 0.93 / 0.90 / 0.88 / 0.96 of SDPA per pair; the
-#: causal 256-window at n=4096 ran 81 ms at 64x64 and 104 ms at 128x128 (both threads), so 64x64 stays.
-COMPILED_BLOCK_SPEED = {(64, 64): 0.69, (128, 128): 0.78, (128, 256): 0.83, (256, 256): 0.9, (256, 512): 1.0}
 COMPILED_DENSE_BLOCK = compiled_kernel.COMPILED_DENSE_BLOCK
-#: auto prefers the gathered kernel only when it computes this many times less than the compiled one
-#: (its narrow key blocks fit patterns like fixed; per pair it is slower, see issue 14's figures)
-SPARSE_OVER_COMPILED = 2.0
 COMPILED_MASK_BLOCK = compiled_kernel.COMPILED_MASK_BLOCK
-#: dtypes for which auto runs plain dense / causal inputs (no other mask) on the compiled kernel rather
-#: than SDPA: measured no faster than SDPA for fp32 and bf16
-COMPILED_DENSE_DTYPES: tuple = ()
 #: the kernels that return a log-sum-exp, in attention_with_lse's order of preference (``kernels.LSE_ORDER``)
 LSE_ORDER: tuple[str, ...] = tuple(k.name for k in K.LSE_ORDER)
 #: auto's order among kernels of equal predicted time (``kernels.FALLBACK_ORDER``); dense (the universal
@@ -226,8 +214,7 @@ class Rule:
 #: converts: the decode path 4x), masks, patterns and score modifications keep the decode path. That was one
 #: CPU: ``attnlab calibrate`` times plain decode calls (MHA and GQA, each dtype, a few cache lengths) on both
 #: (``Rates.decode_over_sdpa``) and the rule follows the measurement; this constant is only the default of an
-#: uncalibrated planner (``Rates.plain_decode_on_sdpa``).
-PLAIN_MHA_DECODE_ON_SDPA = (torch.float32,)
+#: uncalibrated planner (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
 
 
 def _decode(c: _Call):

@@ -36,7 +36,7 @@ __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "make_current",
            "cache_dir", "cache_path", "save", "builtin", "calibration_enabled", "ISA_ENV_VARS"]
 
 FORMAT = 1
-#: the rates a calibration fits, by the planner's constant names (COMPILED_DENSE_MIN_PAIRS has no constant:
+#: the rates a calibration fits, by the built-in table's constant names (COMPILED_DENSE_MIN_PAIRS has no constant:
 #: the built-in table has none, and a file without it, written before it was fitted, still loads)
 #: the mask kinds of a COMPILED_DENSE_MIN_PAIRS key ("<dtype> <kind>") and whether each is causal
 _MASK_KINDS = dict(dense=False, causal=True)
@@ -44,6 +44,27 @@ RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYP
               "COMPILED_DENSE_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA")
 #: the head layouts of a DECODE_OVER_SDPA key ("<dtype> <heads>") and whether each is GQA
 _HEAD_KINDS = dict(mha=False, gqa=True)
+
+
+# -- the built-in table: what the planner uses where no calibration measured this CPU ---------------------
+#: fused-kernel speed (GFLOP/s) at query blocks of this many rows, measured on the 2-core reference
+#: machine (B·H batches of [block, ~block + 256] problems); relative values choose a band's block size
+SPARSE_BLOCK_SPEED = {32: 49.0, 64: 60.0, 128: 65.0, 256: 77.0}
+#: the compiled kernel's relative speed (dense fp32, B=1, H=8, D=64, n=4096, both cores, MKL tiles) at each
+#: (block_q, block_k): larger tiles run faster per pair, smaller ones skip more of a band's empty area.
+#: With brgemm tiles, one thread on the busy machine: 0.77 / 0.93 / 0.90 / 0.88 / 0.96 of SDPA per pair; the
+#: causal 256-window at n=4096 ran 81 ms at 64x64 and 104 ms at 128x128 (both threads), so 64x64 stays.
+COMPILED_BLOCK_SPEED = {(64, 64): 0.69, (128, 128): 0.78, (128, 256): 0.83, (256, 256): 0.9, (256, 512): 1.0}
+#: auto prefers the gathered kernel only when it computes this many times less than the compiled one
+#: (its narrow key blocks fit patterns like fixed; per pair it is slower, see issue 14's figures)
+SPARSE_OVER_COMPILED = 2.0
+#: dtypes for which auto runs plain dense / causal inputs (no other mask) on the compiled kernel rather
+#: than SDPA: measured no faster than SDPA for fp32 and bf16
+COMPILED_DENSE_DTYPES: tuple = ()
+#: plain decode calls (few queries, no mask but causal) of these dtypes with one query head per key/value head
+#: run on SDPA rather than the decode path, where no calibration timed both (Note [Plain MHA decode] in
+#: ``kernels.planner``)
+PLAIN_MHA_DECODE_ON_SDPA = (torch.float32,)
 
 
 @dataclass(frozen=True)
@@ -65,7 +86,7 @@ class Rates:
     decode_over_sdpa: {(dtype, gqa): SDPA's time over the decode path's on plain decode calls (few queries,
     no mask but causal)}, measured over a few cache lengths; a key missing here falls back on
     ``decode_sdpa_dtypes`` (``plain_decode_on_sdpa``).
-    decode_sdpa_dtypes: the uncalibrated default, ``planner.PLAIN_MHA_DECODE_ON_SDPA`` (Note [Plain MHA decode]).
+    decode_sdpa_dtypes: the uncalibrated default, ``PLAIN_MHA_DECODE_ON_SDPA`` (Note [Plain MHA decode]).
     """
 
     sparse_block_speed: dict
@@ -77,7 +98,7 @@ class Rates:
     compiled_dense_min_pairs: dict = field(default_factory=dict)
     kernel_gflops: dict = field(default_factory=dict)
     decode_over_sdpa: dict = field(default_factory=dict)
-    decode_sdpa_dtypes: tuple = field(default_factory=lambda: _plain_mha_decode_on_sdpa())
+    decode_sdpa_dtypes: tuple = PLAIN_MHA_DECODE_ON_SDPA
 
     def compiled_dense_wins(self, dtype: torch.dtype, pairs: int, causal: bool = False) -> bool:
         """Whether the compiled kernel is faster than SDPA on a plain dense (or ``causal``) call of ``dtype``
@@ -100,23 +121,15 @@ class Rates:
         return not gqa and dtype in self.decode_sdpa_dtypes
 
 
-def _plain_mha_decode_on_sdpa() -> tuple:
-    from . import planner
-
-    return tuple(planner.PLAIN_MHA_DECODE_ON_SDPA)
-
-
 _CURRENT: Rates | None = None
 #: called with no argument whenever the current rates change (``on_change``)
 _LISTENERS: list = []
 
 
 def builtin() -> Rates:
-    """The planner's built-in table (``kernels.planner``'s constants, measured on the reference machine)."""
-    from . import planner
-
-    return Rates(dict(planner.SPARSE_BLOCK_SPEED), dict(planner.COMPILED_BLOCK_SPEED),
-                 tuple(planner.COMPILED_DENSE_DTYPES), float(planner.SPARSE_OVER_COMPILED),
+    """The planner's built-in table (this module's constants, measured on the reference machine)."""
+    return Rates(dict(SPARSE_BLOCK_SPEED), dict(COMPILED_BLOCK_SPEED), tuple(COMPILED_DENSE_DTYPES),
+                 float(SPARSE_OVER_COMPILED),
                  "built-in table (measured on the 2-core reference machine; `attnlab calibrate` measures this CPU)")
 
 
