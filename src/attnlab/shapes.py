@@ -19,7 +19,7 @@ import torch
 
 from . import patterns as P
 from .kernels.masks import MaskSpec
-from .kernels.spec import Request
+from .kernels.spec import Request, check_block_size
 
 __all__ = ["AttentionInputError", "AttentionDtypeError", "AttentionInputs", "check_attention_inputs",
            "check_block_size", "check_softcap", "check_alibi_slopes", "shape_str", "Prepared", "prepare", "to4d",
@@ -196,17 +196,6 @@ def check_attention_inputs(
     return AttentionInputs(
         batch_shape=qb, L=L, S=S, E=E, Ev=Ev, H=H, Hkv=Hkv, scale=scale_f, dtype=q.dtype, device=q.device
     )
-
-
-def check_block_size(block_size) -> int | None:
-    """``block_size`` for the tiled and sparse kernels: None (the default) or an int >= 1."""
-    if block_size is None:
-        return None
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int >= 1 or None, got {block_size!r} ({type(block_size).__name__})")
-    if block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1 or None, got {block_size}")
-    return block_size
 
 
 # -- the one way in: validate, flatten to 4-D, describe the mask ------------------------------------

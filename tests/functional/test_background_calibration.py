@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from attnlab.functional import plancache, rates
+from attnlab.functional import calibration, plancache, rates
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def fresh(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ATTNLAB_CALIBRATION", "on")
     monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(rates, "_calibrate_in_background", fake)
-    monkeypatch.setattr(rates, "_BACKGROUND", None)
+    monkeypatch.setattr(calibration, "_calibrate_in_background", fake)
+    monkeypatch.setattr(calibration, "_BACKGROUND", None)
     rates.reload()
     yield calls, done
     monkeypatch.undo()
@@ -39,23 +39,23 @@ def fresh(tmp_path, monkeypatch):
 
 def test_short_calls_never_start_it(fresh):
     calls, _ = fresh
-    for s in (0.0, 1e-6, rates.LONG_CALL_S * 0.99):
-        assert rates.note_call(s) is None
-    assert rates.background() is None and calls == [] and not rates.cache_path().exists()
-    assert rates.state()["background"] == "not started"
+    for s in (0.0, 1e-6, calibration.LONG_CALL_S * 0.99):
+        assert calibration.note_call(s) is None
+    assert calibration.background() is None and calls == [] and not rates.cache_path().exists()
+    assert calibration.state()["background"] == "not started"
 
 
 def test_the_first_long_call_starts_it_once_and_the_next_plan_takes_its_rates(fresh):
     calls, done = fresh
-    t = rates.note_call(rates.LONG_CALL_S)
-    assert isinstance(t, threading.Thread) and t.daemon and rates.background() is t
-    assert rates.note_call(10 * rates.LONG_CALL_S) is None  # once per process
+    t = calibration.note_call(calibration.LONG_CALL_S)
+    assert isinstance(t, threading.Thread) and t.daemon and calibration.background() is t
+    assert calibration.note_call(10 * calibration.LONG_CALL_S) is None  # once per process
     t.join(30)
     assert done.is_set() and calls == ["attnlab-calibration"]
-    assert rates.cache_path().exists() and rates.state()["background"] == "finished"
+    assert rates.cache_path().exists() and calibration.state()["background"] == "finished"
     assert rates.current().source.startswith("built-in")  # not yet: handed over at the next call that plans
     plancache.put(("sig",), None, None)
-    assert rates.note_call(0.0) is None
+    assert calibration.note_call(0.0) is None
     assert rates.current().source.startswith("calibrated on this CPU in the background")
     assert plancache.stats()["entries"] == 0  # plans made with the old rates are forgotten
 
@@ -63,24 +63,24 @@ def test_the_first_long_call_starts_it_once_and_the_next_plan_takes_its_rates(fr
 def test_off_or_an_existing_file_never_starts_it(fresh, monkeypatch):
     calls, _ = fresh
     rates.save(rates.builtin())  # a calibration file for this machine: nothing to do
-    assert rates.note_call(100.0) is None
+    assert calibration.note_call(100.0) is None
     rates.cache_path().unlink()
     rates.reload()
     monkeypatch.setenv("ATTNLAB_CALIBRATION", "off")
     rates.reload()
-    assert rates.note_call(100.0) is None
-    assert rates.background() is None and calls == []
+    assert calibration.note_call(100.0) is None
+    assert calibration.background() is None and calls == []
 
 
 def test_a_failing_calibration_is_one_warning_and_the_table_stays(fresh, monkeypatch):
     def broken():
         raise RuntimeError("no cores today")
 
-    monkeypatch.setattr(rates, "_calibrate_in_background", broken)
+    monkeypatch.setattr(calibration, "_calibrate_in_background", broken)
     with pytest.warns(RuntimeWarning, match="background calibration failed .*no cores today"):
-        t = rates.note_call(rates.LONG_CALL_S)
+        t = calibration.note_call(calibration.LONG_CALL_S)
         t.join(30)
-    assert rates.note_call(0.0) is None and rates.current().source.startswith("built-in")
+    assert calibration.note_call(0.0) is None and rates.current().source.startswith("built-in")
 
 
 def test_never_at_import(tmp_path):
@@ -88,8 +88,8 @@ def test_never_at_import(tmp_path):
     code = ("import threading, torch, attnlab\n"
             "q = torch.randn(1, 2, 16, 8)\n"
             "attnlab.attention(q, q, q)\n"
-            "from attnlab.functional import rates\n"
-            "assert rates.background() is None, rates.background()\n"
+            "from attnlab.functional import calibration\n"
+            "assert calibration.background() is None, calibration.background()\n"
             "assert not any(t.name == 'attnlab-calibration' for t in threading.enumerate())\n"
             "print('ok')\n")
     env = {**os.environ, "ATTNLAB_CALIBRATION": "on", "ATTNLAB_CACHE_DIR": str(tmp_path)}

@@ -1,8 +1,9 @@
-"""Calibration (Note [Calibrated rates] in attnlab.functional.rates): measured rates cached per machine,
+"""Calibration (Note [Calibrated rates] in attnlab.kernels.rates): measured rates cached per machine,
 corrupt or foreign files ignored with one warning, and no calibration — however skewed — changes a result
 beyond the chosen kernel's rounding."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -12,9 +13,10 @@ import torch
 import attnlab
 from attnlab import patterns as P
 from attnlab import sysinfo
-from attnlab.bench.calibrate import CalibrationConfig, calibrate
+from attnlab.functional.calibration import CalibrationConfig, calibrate
 from attnlab.cli import main as cli
 from attnlab.functional import plancache, rates
+from attnlab import kernels
 from attnlab.kernels import compiled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,7 +105,14 @@ SKEWS = {
     "large compiled blocks": {"COMPILED_BLOCK_SPEED": {"64x64": 1e-6, "128x128": 1e-6, "128x256": 1e-6,
                                                        "256x256": 1.0, "256x512": 1.0}},
     "large sparse blocks": {"SPARSE_BLOCK_SPEED": {"32": 1e-6, "64": 1e-6, "128": 1e-6, "256": 1.0}},
+    "tiled fastest": {"KERNEL_GFLOPS": {"tiled": 1e9}},
+    "dense fastest": {"KERNEL_GFLOPS": {"dense": 1e9}},
+    "compiled fastest": {"KERNEL_GFLOPS": {"compiled": 1e9}},
+    "decode path over sdpa": {"DECODE_OVER_SDPA": {"float32 mha": 2.0, "float32 gqa": 2.0}},
+    "sdpa over decode path": {"DECODE_OVER_SDPA": {"float32 mha": 0.5, "float32 gqa": 0.5}},
 }
+#: the skews that change a choice without the compiled extension too
+NO_EXTENSION_SKEWS = ("large sparse blocks", "tiled fastest", "dense fastest")
 
 CALLS = [
     ((1, 2, 300, 16), torch.float32, {}),
@@ -113,6 +122,9 @@ CALLS = [
     ((1, 1, 2048, 8), torch.float32, {"pattern": P.fixed(64, 8)}),  # sparse by the built-in table
     ((1, 2, 300, 16), torch.float32, {"pattern": P.sliding_window(left=17, right=5), "softcap": 4.0}),
     ((1, 2, 300, 16), torch.float32, {"pattern": P.sliding_window(40, causal=True), "method": "sparse"}),
+    # decode shapes (one query against 300 keys, multi-head and GQA): the decode path or SDPA
+    ((1, 2, 1, 16), torch.float32, {"kv": (1, 2, 300, 16)}),
+    ((1, 4, 1, 16), torch.float32, {"kv": (1, 2, 300, 16), "enable_gqa": True}),
 ]
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -122,11 +134,14 @@ def _run_all(grad: bool):
     outs, methods = [], []
     g = torch.Generator().manual_seed(1)
     for shape, dtype, kw in CALLS:
-        q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad) for _ in range(3))
+        kw = dict(kw)
+        kv = kw.pop("kv", shape)
+        q, k, v = (torch.randn(*s, generator=g).to(dtype).requires_grad_(grad) for s in (shape, kv, kv))
         methods.append((attnlab.explain(q, k, v, **kw).method, attnlab.explain(q, k, v, **kw).block_size))
         out = attnlab.attention(q, k, v, **kw)
         ref = attnlab.reference.attention(q.detach().double(), k.detach().double(), v.detach().double(),
                                           is_causal=kw.get("is_causal", False), softcap=kw.get("softcap"),
+                                          enable_gqa=kw.get("enable_gqa", False),
                                           attn_mask=kw["pattern"].materialize(shape[2], shape[2])
                                           if "pattern" in kw else None)[0]
         torch.testing.assert_close(out.detach().double(), torch.as_tensor(ref), **TOL[dtype])
@@ -148,7 +163,7 @@ def test_a_skewed_calibration_changes_only_the_choice(calibration_on, skew, grad
     path.write_text(json.dumps(doc))
     assert rates.reload().source.startswith("calibrated")
     _, after = _run_all(grad)  # each output against the float64 oracle at its dtype's tolerance
-    if compiled.available() or skew == "large sparse blocks":
+    if (compiled.available() or skew in NO_EXTENSION_SKEWS) and not (grad and "decode" in skew):  # autograd: no decode
         assert after != before, f"{skew}: the skew changed no choice, so the test checks nothing"
 
 
@@ -168,7 +183,7 @@ def test_cli_calibrate_quick(calibration_on, capsys):
 
 
 def test_least_pairs_is_where_the_fitted_speed_ratio_crosses_the_margin():
-    from attnlab.bench.calibrate import MARGIN, _least_pairs
+    from attnlab.functional.calibration import MARGIN, _least_pairs
 
     # ratio = MARGIN * (pairs / 4e6) ** 0.5: crosses the margin at exactly 4e6 pairs, dense and causal alike
     pts = [(p, MARGIN * (p / 4e6) ** 0.5) for p in (1e6, 4e6, 16e6) for _ in range(2)]
@@ -213,3 +228,49 @@ def test_an_isa_cap_is_another_machine(calibration_on, monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     capped = rates.machine_key()
     assert capped["env"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"} and rates.cache_path(capped) != rates.cache_path(plain)
+
+
+def test_measured_kernel_rates_and_decode_ratios_round_trip_and_decide(calibration_on):
+    """KERNEL_GFLOPS replaces a kernel's built-in rate (its source is then the calibration); DECODE_OVER_SDPA
+    decides plain decode per (dtype, heads), and a key it lacks keeps Note [Plain MHA decode]'s default."""
+    b = rates.builtin()
+    assert b.plain_decode_on_sdpa(torch.float32, gqa=False) and not b.plain_decode_on_sdpa(torch.float32, gqa=True)
+    assert not b.plain_decode_on_sdpa(torch.bfloat16, gqa=False)
+    fitted = dataclasses.replace(b, source="calibrated on this CPU", kernel_gflops={"tiled": 123.0, "dense": 4.5},
+                                 decode_over_sdpa={(torch.float32, False): 1.25, (torch.bfloat16, True): 0.5})
+    rates.save(fitted)
+    cur = rates.current()
+    assert cur.kernel_gflops == {"tiled": 123.0, "dense": 4.5}
+    assert cur.decode_over_sdpa == {(torch.float32, False): 1.25, (torch.bfloat16, True): 0.5}
+    assert not cur.plain_decode_on_sdpa(torch.float32, gqa=False)  # measured: the decode path is faster
+    assert cur.plain_decode_on_sdpa(torch.bfloat16, gqa=True)  # measured: SDPA is faster
+    assert not cur.plain_decode_on_sdpa(torch.float32, gqa=True)  # not measured: the built-in default
+    q = torch.randn(1, 2, 64, 8)
+    plan = attnlab.explain(q, q, q)
+    assert plan.rate_sources["tiled"] == cur.source and plan.rate_sources["dense"] == cur.source
+    assert plan.seconds["tiled"] == pytest.approx(plan.flops["tiled"] / 123e9)
+    assert plan.rate_sources["sdpa"] == kernels.kernel.BUILTIN_SOURCE  # not measured: its built-in gflops
+    for bad in ({"KERNEL_GFLOPS": {"tiled": -1.0}}, {"DECODE_OVER_SDPA": {"float32 both": 1.0}},
+                {"DECODE_OVER_SDPA": {"float32 mha": 0.0}}):
+        doc = json.loads(rates.cache_path().read_text())
+        doc["rates"].update(bad)
+        rates.cache_path().write_text(json.dumps(doc))
+        with pytest.warns(RuntimeWarning, match="ignoring the calibration file"):
+            assert rates.reload().source.startswith("built-in")
+        rates.save(fitted)
+
+
+def test_the_measured_size_threshold_sends_small_plain_calls_to_sdpa(calibration_on):
+    """Where the calibration fitted a size threshold, a plain call below it goes to SDPA even when the
+    compiled kernel's measured rate predicts it faster (the threshold holds its per-call overhead)."""
+    if not compiled.available():
+        pytest.skip("the compiled extension is not built")
+    b = rates.builtin()
+    rates.save(dataclasses.replace(b, source="calibrated on this CPU", kernel_gflops={"compiled": 1e9},
+                                   compiled_dense_min_pairs={(torch.float32, False): 1e6, (torch.float32, True): 1e6}))
+    small, large = torch.randn(1, 2, 64, 8), torch.randn(1, 4, 512, 8)  # 8192 and 1048576 pairs
+    plan = attnlab.explain(small, small, small)
+    assert plan.method == "sdpa" and "measured size threshold" in plan.reason
+    assert plan.seconds["compiled"] < plan.seconds["sdpa"]  # what the threshold overrides
+    assert attnlab.explain(large, large, large).method == "compiled"
+    assert attnlab.explain(small, small, small, is_causal=True).method == "sdpa"

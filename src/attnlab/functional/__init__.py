@@ -1,7 +1,9 @@
 """attnlab.attention: PyTorch SDPA's arguments and semantics, plus patterns, weights and a tiled kernel.
 
-One path: ``shapes.prepare`` validates and flattens the inputs once, ``planner.plan`` picks the kernel
-object and its tiling, ``run`` calls ``plan.kernel.run`` (no kernel is named here).
+One path: the plan cache (``plancache``: a repeated signature skips the rest), ``shapes.prepare``
+validates and flattens the inputs once, ``kernels.planner.plan`` picks the kernel object and its tiling,
+``run`` calls ``plan.kernel.run`` (no kernel is named here); the calibration hears of long calls
+(``calibration.note_call``).
 
 Legend: B batch (leading dims flattened; the kernels call it N), H heads, Hkv key/value heads,
 L query length, S key length, E head dim, Ev value head dim.
@@ -11,12 +13,12 @@ from __future__ import annotations
 import torch
 
 from .. import patterns as P
-from ..kernels import Declined
+from ..kernels import Declined, planner
 from ..kernels import lse as lse_merge
+from ..kernels.planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
-from . import plancache, planner, rates
+from . import calibration, plancache
 from .kvcache import attention_with_kvcache
-from .planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 
 __all__ = ["attention", "explain", "attention_with_lse", "attention_with_kvcache", "merge_partials", "run", "Plan", "METHODS", "Prepared",
            "prepare", "planner", "DEFAULT_TILED_BLOCK"]
@@ -73,7 +75,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
                 alibi_slopes=alibi_slopes).live()
     plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
     i = p.info  # Note [Background calibration]: the first long call of a process may start one
-    rates.note_call(rates.seconds_for(2 * p.N * i.H * i.L * i.S * (i.E + i.Ev)))
+    calibration.note_call(calibration.seconds_for(2 * p.N * i.H * i.L * i.S * (i.E + i.Ev)))
     plancache.put(sig, p.template(), plan, plan.kernel.direct(p, plan.tiling, need_weights) if sig else None)
     return run(p, need_weights=need_weights, plan=plan)
 

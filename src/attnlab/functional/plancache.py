@@ -8,7 +8,8 @@ except where a value is read: a user ``attn_mask`` (its dead keys and empty bloc
 in place). Those calls are not cached. For the others the live view of the first call (Note [Dead keys]),
 stripped of its tensors, and its plan are kept under the signature; a hit rebinds the new tensors to them
 (``Prepared.rebind``), which is what ``prepare(...).live()`` would have built. Bounded (``MAX_ENTRIES``,
-least recently used first out); ``clear()`` empties it (the calibration does when the planner's rates change).
+least recently used first out); ``clear()`` empties it (whenever the planner's rates change:
+``kernels.rates.on_change``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from .. import kernels
 from .. import patterns as P
+from ..kernels import rates
 
 __all__ = ["MAX_ENTRIES", "ENV_VARS", "signature", "get", "put", "clear", "stats"]
 
@@ -127,3 +129,6 @@ def clear() -> None:
 def stats() -> dict:
     """{"entries", "hits", "misses"} since the last ``clear``."""
     return {"entries": len(_ENTRIES), **_STATS}
+
+
+rates.on_change(clear)  # a plan made with the old rates is not the one the new ones make

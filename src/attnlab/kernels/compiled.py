@@ -811,6 +811,10 @@ class CompiledKernel(Kernel):
         no log-sum-exp asked for, and no vmap/grad transform (its wrappers cannot reach the decode extension)."""
         return not r.needs_lse and _kvcache().decode_applies(r) and not transformed(p.q, p.key, p.value)
 
+    def decode_reason(self, p, costs: bool = False) -> str:
+        """The decode path's schedule for ``p`` (``kvcache.decode_reason``)."""
+        return _kvcache().decode_reason(p, costs)
+
     def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
         """Its (block_q, block_k) (``compiled_blocks``) and visited blocks; ``decode`` set where it decodes."""
         L, S = p.info.L, p.info.S
@@ -822,13 +826,14 @@ class CompiledKernel(Kernel):
         return dataclasses.replace(t, decode=True) if self.decodes(p, r) else t
 
     def rate(self, r: Request, t: Tiling | None, rates) -> tuple[float, str]:
-        """``gflops`` × the tile shape's relative speed (the nearest shape by area when not in the table)."""
+        """Its best tiles' GFLOP/s (calibrated: ``rates.kernel_gflops``, else ``gflops``) × the tile shape's
+        relative speed (the nearest shape by area when not in the table)."""
         speed = rates.compiled_block_speed
         b = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
         s = speed.get(b)
         if s is None:
             s = speed[min(speed, key=lambda x: abs(x[0] * x[1] - b[0] * b[1]))]
-        return self.gflops * s / max(speed.values()), rates.source
+        return rates.kernel_gflops.get(self.spec.name, self.gflops) * s / max(speed.values()), rates.source
 
     def seconds(self, r: Request, t: Tiling | None, rates) -> float:
         """The tiles' FLOPs over ``rate``; on the decode path its K/V bytes at the read bandwidth measured in

@@ -8,11 +8,11 @@
 - ``run(p, tiling, need_weights, need_lse)``: (out [N, H, L, Ev], weights [N, H, L, S] | None,
   lse [N, H, L] | None) on prepared inputs (``attnlab.shapes.Prepared``, live view).
 
-The planner (``attnlab.functional.planner``) chooses among these objects; ``attnlab.attention`` calls
+The planner (``attnlab.kernels.planner``) chooses among these objects; ``attnlab.attention`` calls
 ``plan.kernel.run``. Nothing outside ``kernels/`` switches on a kernel's name.
 
-``rates`` is the cost model's rate table (``attnlab.functional.rates.Rates``: a calibration of this CPU
-or the built-in table); the planner passes it in, so kernels read no file and import nothing above them.
+``rates`` is the cost model's rate table (``attnlab.kernels.rates.Rates``: a calibration of this CPU
+or the built-in table); the planner passes it in, so a kernel reads no file itself.
 
 Legend: N batch (leading dims flattened), H heads, Hkv key/value heads, L query length, S key length,
 E head dim, Ev value head dim.
@@ -53,7 +53,8 @@ class Kernel:
     """One attention kernel: capabilities (``spec``), tiling, cost and run (see the module docstring).
 
     gflops: the built-in rate (GFLOP/s on the 2-core reference machine) its predicted time uses when no
-        calibration measured it; a subclass may scale it by the calibrated rates (``rate``).
+        calibration measured it (``Rates.kernel_gflops``); a subclass may scale it by the calibrated rates
+        (``rate``).
     why: what ``explain`` says when auto picks it as the fastest capable kernel; may name ``{backend}``
         (SDPA's), ``{mods}`` (" (soft-capping and ALiBi computed per tile)" or "") and ``{refused}``.
     title: the exact mechanism's class name (``attnlab.mechanisms.exact``); time / memory / paper: its
@@ -98,14 +99,21 @@ class Kernel:
         """Whether this kernel runs ``p`` on a decode path (few queries against a KV cache); False here."""
         return False
 
+    def decode_reason(self, p, costs: bool = False) -> str:
+        """What this kernel's decode path does for ``p`` (splits, bytes read; with ``costs`` the time), for
+        ``explain``; only asked of a kernel that ``decodes``."""
+        return "decode path"
+
     # -- tiling and cost -----------------------------------------------------------------------------
     def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling | None:
         """The tiles this kernel would run prepared inputs ``p`` with (None: unblocked, every pair computed)."""
         return None
 
     def rate(self, r: Request, t: Tiling | None, rates) -> tuple[float, str]:
-        """(GFLOP/s, where it came from) this kernel is predicted to reach on ``r`` with tiling ``t``."""
-        return self.gflops, BUILTIN_SOURCE
+        """(GFLOP/s, where it came from) this kernel is predicted to reach on ``r`` with tiling ``t``: the
+        calibration's measured rate (``rates.kernel_gflops``), else the built-in ``gflops``."""
+        measured = rates.kernel_gflops.get(self.spec.name)
+        return (measured, rates.source) if measured else (self.gflops, BUILTIN_SOURCE)
 
     def seconds(self, r: Request, t: Tiling | None, rates) -> float:
         """Predicted seconds: the declared FLOPs over ``rate`` (what auto compares kernels by), counting no

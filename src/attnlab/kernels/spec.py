@@ -1,8 +1,8 @@
 """What each attention kernel supports and costs, declared as data (as xformers' fmha ops do).
 
 Every kernel module declares one :class:`KernelSpec` (``SPEC``). The planner
-(``attnlab.functional.planner``), the mechanism registry, ``explain`` and ``attnlab check`` read these
-declarations; none of them re-codes a kernel's limits.
+(``attnlab.kernels.planner``: ``refusals_of``), the mechanism registry, ``explain`` and ``attnlab check``
+read these declarations; none of them re-codes a kernel's limits.
 
 Legend: N batch (leading dims flattened), H heads, Hkv key/value heads, L query length, S key length,
 E query/key head dim, Ev value head dim.
@@ -16,7 +16,8 @@ import torch
 
 from ..report import format_bytes
 
-__all__ = ["KernelSpec", "Request", "Tiling", "FLOAT_DTYPES", "io_bytes", "alibi_mask_bytes"]
+__all__ = ["KernelSpec", "Request", "Tiling", "FLOAT_DTYPES", "io_bytes", "alibi_mask_bytes", "refusals_of",
+           "check_block_size"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -237,3 +238,26 @@ class KernelSpec:
         if self.explain is not None and (line := self.explain(r)):
             out.append(line)
         return out
+
+
+def refusals_of(kernels, r: Request) -> tuple[tuple[str, str], ...]:
+    """((kernel name, every reason it cannot run ``r``, joined by "; "), ...) for each of ``kernels`` (objects
+    holding a ``spec``: :class:`KernelSpec`) that refuses ``r``, in their order: the declarations alone."""
+    out = []
+    for k in kernels:
+        spec: KernelSpec = k.spec
+        why = KernelSpec.not_supported_reasons(spec, r)
+        if why:
+            out.append((spec.name, "; ".join(why)))
+    return tuple(out)
+
+
+def check_block_size(block_size) -> int | None:
+    """``block_size`` for the tiled and sparse kernels: None (the default) or an int >= 1."""
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int >= 1 or None, got {block_size!r} ({type(block_size).__name__})")
+    if block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1 or None, got {block_size}")
+    return block_size

@@ -1,7 +1,7 @@
 """Exact attention in the registry: attnlab.attention's methods and every core pattern.
 
 What each method supports is read from the kernels' declarations (``attnlab.kernels.KERNELS``) and
-refused by the one planner (``attnlab.functional.planner``); nothing here re-codes a kernel's limits.
+refused by the one planner (``attnlab.kernels.planner``); nothing here re-codes a kernel's limits.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 from .. import kernels
 from .. import patterns as P
-from ..functional import planner, run
+from ..functional import run
+from ..kernels import planner
 from ..kernels.spec import Request, Tiling, io_bytes
 from ..shapes import prepare
 from . import Inputs, Mechanism, Spec, UnsupportedInputs, register

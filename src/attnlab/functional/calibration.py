@@ -1,0 +1,318 @@
+"""The calibration: measure the kernels on this CPU and fit the planner's rates (Note [Calibrated rates]
+in ``attnlab.kernels.rates``), in the foreground (``attnlab calibrate``, ``attnlab.bench.calibrate``) or in
+the background of the first long call (Note [Background calibration]).
+
+The grid (each case timed against the others it decides between, interleaved rounds, medians):
+
+1. the compiled kernel on dense fp32 at each block shape of ``planner.COMPILED_BLOCK_SPEED`` → its
+   relative speed per pair (the fastest 1.0), and its best tiles' GFLOP/s (``KERNEL_GFLOPS["compiled"]``);
+2. the gathered sparse kernel on a causal sliding window at each block edge of ``SPARSE_BLOCK_SPEED``
+   → GFLOP/s of the pairs it computes;
+3. SDPA, the tiled and the dense kernel on the same dense fp32 call → their GFLOP/s (``KERNEL_GFLOPS``:
+   the built-in ``Kernel.gflops`` are estimates from another machine);
+4. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, the compiled kernel against
+   SDPA → ``COMPILED_DENSE_MIN_PAIRS``: per dtype, the calls' pairs (H·n²) from which the compiled kernel
+   is at least ``MARGIN`` faster, by a line fitted to log(speed ratio) over log(pairs) (``_least_pairs``;
+   None: it never wins), and ``COMPILED_DENSE_DTYPES``: the dtypes where it wins both at the largest size
+   (``bench planner`` showed the choice turns on the size: on a 2-core Zen 5 the compiled kernel ran dense
+   bf16 1.4-2.3x SDPA from n = 1024 but about half SDPA's speed at 8 x 512²);
+5. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
+   the compiled kernel's speed per computed pair over the sparse kernel's;
+6. per dtype, plain decode calls (one query, ``decode_heads`` heads, MHA and GQA, cache lengths
+   ``decode_ns``) on the decode path against SDPA → ``DECODE_OVER_SDPA``: SDPA's time over the decode
+   path's, the geometric mean over the lengths (Note [Plain MHA decode] in ``attnlab.kernels.planner``).
+
+Without the compiled extension only 2) and 3) are measured (the others keep the built-in table's values);
+without the decode extension 6) is skipped.
+
+Note [Background calibration]: without a calibration file, the first call predicted to take at least
+``LONG_CALL_S`` (``note_call``, given the call's predicted seconds) starts this grid in a daemon thread,
+once per process: never at import, never for a short call, never with ``ATTNLAB_CALIBRATION=off`` or a
+file already there. The thread measures beside the call that started it (the grid's cases are timed
+against each other in interleaved rounds, so both feel the same contention), writes the file atomically
+and hands the fitted rates over; the next call that plans (a plan-cache miss) makes them current
+(``rates.make_current``, which clears the plan cache) on its own thread (a cached plan made with the old
+rates runs the same result, up to its kernel's rounding, until then). A failure in the thread is one
+warning; the built-in table stays.
+
+Only ``calibrate()`` measures, never an import.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .. import kernels as K
+from .. import patterns as P
+from ..kernels import compiled as compiled_kernel
+from ..kernels import decode as decode_kernel
+from ..kernels import planner, rates
+from ..kernels.masks import MaskSpec
+from ..kernels.spec import Request
+from ..shapes import prepare
+from ..timing import interleaved
+
+__all__ = ["CalibrationConfig", "calibrate", "MARGIN", "note_call", "seconds_for", "background", "state",
+           "LONG_CALL_S", "ASSUMED_FLOPS"]
+
+#: the compiled kernel takes plain dense/causal calls of a dtype only when at least this much faster than SDPA
+MARGIN = 1.05
+#: a call predicted to take at least this long starts the background calibration (Note [Background calibration])
+LONG_CALL_S = 1.0
+#: FLOP/s that turn a call's FLOPs into its predicted seconds where nothing is measured yet (``seconds_for``):
+#: about half of a 2-core AVX-512 machine's fp32 GEMM rate, so that only calls of ~10^11 FLOPs count as long
+ASSUMED_FLOPS = 1e11
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """The grid's sizes: q, k, v [1, heads, n, dim]; ``window`` for the band cases; ``dtypes`` for 4) and 6);
+    decode: q [1, decode_heads, 1, dim] against K/V of each length in ``decode_ns`` (GQA: 4 query heads per
+    key/value head)."""
+
+    n: int = 2048
+    heads: int = 4
+    dense_ns: tuple = (512, 1024)  # smaller sizes of 4), below n
+    dim: int = 64
+    window: int = 256
+    dtypes: tuple = (torch.float32, torch.bfloat16)
+    decode_heads: int = 8
+    decode_ns: tuple = (2048, 8192)
+    # each sample spans many 4 ms scheduler ticks: on a shared machine a 20 ms sample is quantised to them
+    # (bench planner's rounds under a load of 4-6 on 2 cores read 8.00, 16.02, 20.04 ms)
+    rounds: int = 5
+    min_sample_s: float = 0.05
+    budget_s: float = 45.0
+
+
+Tick = Callable[[int, int, str], None]
+
+
+def _qkv(cfg: CalibrationConfig, dtype):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, cfg.heads, cfg.n, cfg.dim, generator=g).to(dtype) for _ in range(3))
+
+
+def _dense_flops(H: int, L: int, S: int, D: int) -> int:
+    """The FLOPs the cost model divides by a plain dense call's rate (``Kernel.seconds``: every pair)."""
+    return K.DENSE.spec.flops(Request(1, H, H, L, S, D, D), None)
+
+
+def _least_pairs(points: list[tuple[float, float]]) -> float | None:
+    """The pairs from which the compiled kernel is ``MARGIN`` faster than SDPA, from ``points`` = [(pairs,
+    SDPA's time / the compiled kernel's)] over the grid's sizes, dense and causal together: a least-squares
+    line of log(ratio) against log(pairs) (one noisy size moves it less than it moves a per-size verdict),
+    where it crosses log(MARGIN). None when the line is under it at the largest size; never below the
+    smallest size measured (SDPA, the default, keeps the calls the grid did not measure)."""
+    xs = [math.log(p) for p, _ in points]
+    ys = [math.log(r) for _, r in points]
+    lo, hi = min(xs), max(xs)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    at = lambda x: my + slope * (x - mx)  # noqa: E731
+    target = math.log(MARGIN)
+    if at(hi) < target:
+        return None
+    if at(lo) >= target:
+        return float(min(p for p, _ in points))
+    return float(math.exp(mx + (target - my) / slope))  # slope > 0 here: it crosses between lo and hi
+
+
+def _kernel_call(q, k, v, kernel: K.Kernel, *, is_causal: bool = False, pattern=None,
+                 block_size: int | None = None, enable_gqa: bool = False):
+    """(run, plan): ``attention(q, k, v, ..., method=kernel.name)`` prepared and planned once, so what is
+    timed is the kernel's own run (``plan.kernel.run``) and not the checks around it."""
+    p = prepare(q, k, v, None, 0.0, is_causal, None, enable_gqa, pattern).live()
+    plan = planner.plan(p, kernel.name, False, False, block_size, costs=True)
+    return (lambda: plan.kernel.run(p, plan.tiling)), plan
+
+
+def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, save: bool = True):
+    """Measure the grid, fit the rates, and (``save``) write them as this machine's calibration.
+
+    Returns (rates.Rates, measured: {case: seconds per call}, path or None). ``tick(done, total, label)``
+    reports progress. Without the compiled extension only the sparse, SDPA, tiled and dense kernels' rates
+    are measured (the others keep the built-in table's values)."""
+    cfg = cfg or CalibrationConfig()
+    tick = tick or (lambda *a: None)
+    base = rates.builtin()
+    have_ext = compiled_kernel.available()
+    have_decode = have_ext and decode_kernel.available()
+    sizes = tuple(sorted({m for m in cfg.dense_ns if m < cfg.n} | {cfg.n}))
+    total = 2 + (2 + len(cfg.dtypes) * len(sizes) if have_ext else 0) + (len(cfg.dtypes) if have_decode else 0)
+    done, measured = 0, {}
+    budget = cfg.budget_s / total
+
+    def timed(calls):
+        t = interleaved(calls, rounds=cfg.rounds, min_rounds=1, min_sample_s=cfg.min_sample_s, budget_s=budget)
+        for name, tm in t.items():
+            measured[name] = tm.median
+        return {name: tm.median for name, tm in t.items()}
+
+    def step(label):
+        nonlocal done
+        done += 1
+        tick(done, total, label)
+
+    n, scale = cfg.n, cfg.dim ** -0.5
+    q, k, v = _qkv(cfg, torch.float32)
+    band = P.sliding_window(cfg.window, causal=True)
+    dense_flops = _dense_flops(cfg.heads, n, n, cfg.dim)
+    gflops = {}
+    with torch.no_grad():
+        # 1) the compiled kernel's speed per pair at each block shape (dense: every shape computes n^2 pairs)
+        block_speed = dict(base.compiled_block_speed)
+        if have_ext:
+            shapes = [b for b in base.compiled_block_speed if compiled_kernel.clip_blocks(*b, n, n) == b]
+            mask = MaskSpec(n, n)
+            t = timed({f"compiled {b[0]}x{b[1]} dense float32": (
+                lambda b=b: compiled_kernel.compiled_attention(q, k, v, mask, scale, *b)) for b in shapes})
+            fastest = min(t.values())
+            block_speed.update({b: fastest / t[f"compiled {b[0]}x{b[1]} dense float32"] for b in shapes})
+            gflops[K.COMPILED.name] = dense_flops / fastest / 1e9
+            step("compiled kernel block shapes")
+        # 2) the sparse kernel's GFLOP/s at each block edge, on the band
+        sp, cc, sd = K.SPARSE, K.COMPILED, K.SDPA
+        runs = {bs: _kernel_call(q, k, v, sp, pattern=band, block_size=bs) for bs in base.sparse_block_speed}
+        t = timed({f"{sp.name} {bs} window float32": run for bs, (run, _) in runs.items()})
+        sparse_speed = {bs: plan.flops[sp.name] / t[f"{sp.name} {bs} window float32"] / 1e9
+                        for bs, (_, plan) in runs.items()}
+        step("sparse kernel block edges")
+        # 3) the kernels whose rate is one number, on the dense call
+        one_rate = (K.SDPA, K.TILED, K.DENSE)
+        t = timed({f"{kk.name} dense float32": _kernel_call(q, k, v, kk)[0] for kk in one_rate})
+        gflops.update({kk.name: dense_flops / t[f"{kk.name} dense float32"] / 1e9 for kk in one_rate})
+        step("sdpa, tiled and dense kernels")
+        dense_dtypes, soc, min_pairs, decode = base.compiled_dense_dtypes, base.sparse_over_compiled, {}, {}
+        if have_ext:
+            # 4) the compiled kernel against SDPA on plain inputs, per dtype and size
+            dense_dtypes = []
+            for dt in cfg.dtypes:
+                name = str(dt).removeprefix("torch.")
+                points = []
+                for size in sizes:
+                    qd, kd, vd = _qkv(dataclasses.replace(cfg, n=size), dt)
+                    label = {c: f"{'causal' if c else 'dense'} {name} n={size}" for c in (False, True)}
+                    calls = {f"{kk.name} {label[c]}": _kernel_call(qd, kd, vd, kk, is_causal=c)[0]
+                             for c in (False, True) for kk in (sd, cc)}
+                    t = timed(calls)
+                    ratios = [t[f"{sd.name} {label[c]}"] / t[f"{cc.name} {label[c]}"] for c in (False, True)]
+                    points += [(cfg.heads * size * size, r) for r in ratios]
+                    if size == cfg.n and min(ratios) >= MARGIN:
+                        dense_dtypes.append(dt)
+                    step(f"compiled vs sdpa, {name}, n={size}")
+                least = _least_pairs(points)  # one fit for dense and causal (the file keeps a slot for each)
+                min_pairs.update({(dt, False): least, (dt, True): least})
+            # 5) compiled against sparse per computed pair, each at its chosen blocks
+            runs = {kk: _kernel_call(q, k, v, kk, pattern=band) for kk in (cc, sp)}
+            t = timed({f"{kk.name} chosen window float32": run for kk, (run, _) in runs.items()})
+            speed = {kk: plan.flops[kk.name] / t[f"{kk.name} chosen window float32"] for kk, (_, plan) in runs.items()}
+            soc = speed[cc] / speed[sp]
+            step("compiled vs sparse on a window")
+        if have_decode:
+            # 6) plain decode calls: the decode path against SDPA, MHA and GQA, per dtype
+            decode = _decode_ratios(cfg, timed, step)
+    fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU",
+                         compiled_dense_min_pairs=min_pairs, kernel_gflops=gflops, decode_over_sdpa=decode)
+    path = rates.save(fitted, measured) if save else None
+    return (rates.current() if save else fitted), measured, path
+
+
+def _decode_ratios(cfg: CalibrationConfig, timed, step) -> dict:
+    """{(dtype, gqa): SDPA's time over the decode path's, geometric mean over ``cfg.decode_ns``} (step 6)."""
+    out = {}
+    H, D = cfg.decode_heads, cfg.dim
+    g = torch.Generator().manual_seed(1)
+    for dt in cfg.dtypes:
+        name, calls, cases = str(dt).removeprefix("torch."), {}, []
+        for gqa in (False, True):
+            Hkv = max(1, H // 4) if gqa else H
+            for S in cfg.decode_ns:
+                q = torch.randn(1, H, 1, D, generator=g).to(dt)
+                k, v = (torch.randn(1, Hkv, S, D, generator=g).to(dt) for _ in range(2))
+                run, plan = _kernel_call(q, k, v, K.COMPILED, enable_gqa=gqa)
+                if not plan.decode:  # e.g. a dtype the decode path does not take
+                    continue
+                case = f"{'gqa' if gqa else 'mha'} {name} S={S}"
+                calls[f"decode {case}"] = run
+                calls[f"{K.SDPA.name} {case}"] = _kernel_call(q, k, v, K.SDPA, enable_gqa=gqa)[0]
+                cases.append((gqa, case))
+        t = timed(calls)
+        for gqa in (False, True):
+            logs = [math.log(t[f"{K.SDPA.name} {c}"] / t[f"decode {c}"]) for g_, c in cases if g_ == gqa]
+            if logs:
+                out[(dt, gqa)] = math.exp(sum(logs) / len(logs))
+        step(f"decode path vs sdpa, {name}")
+    return out
+
+
+# -- in the background (Note [Background calibration]) ------------------------------------------------
+_BACKGROUND: threading.Thread | None = None
+_BACKGROUND_LOCK = threading.Lock()
+_PENDING: rates.Rates | None = None  # fitted by the background thread, made current by the next note_call
+
+
+def seconds_for(flops: float) -> float:
+    """A call's predicted seconds from its FLOPs at ``ASSUMED_FLOPS`` (for ``note_call`` before the cost model
+    predicts times itself)."""
+    return flops / ASSUMED_FLOPS
+
+
+def _calibrate_in_background() -> rates.Rates:
+    """The thread's work: the grid, saved without making it current (``note_call`` does)."""
+    fitted, measured, _ = calibrate(save=False)
+    rates.save(fitted, measured, reload_now=False)
+    return fitted
+
+
+def _thread_body() -> None:
+    global _PENDING
+    try:
+        fitted = _calibrate_in_background()
+    except Exception as e:  # noqa: BLE001 - a background failure must not reach the user's call
+        warnings.warn(f"attnlab: the background calibration failed ({type(e).__name__}: {e}); the planner keeps "
+                      "its built-in table (run `attnlab calibrate` to measure this CPU)", RuntimeWarning)
+        return
+    _PENDING = dataclasses.replace(fitted, source=f"calibrated on this CPU in the background ({rates.cache_path()})")
+
+
+def note_call(predicted_s: float) -> threading.Thread | None:
+    """Tell the calibration a call is about to run for about ``predicted_s`` seconds (Note [Background
+    calibration]): makes rates fitted in the background current, and starts the background calibration
+    when this is the first long call without a calibration file. Returns the thread when this call
+    started it, else None. Costs one comparison for a short call."""
+    global _BACKGROUND, _PENDING
+    if _PENDING is not None:
+        fitted, _PENDING = _PENDING, None
+        rates.make_current(fitted)
+    if predicted_s < LONG_CALL_S or _BACKGROUND is not None:
+        return None
+    with _BACKGROUND_LOCK:
+        if _BACKGROUND is not None or not rates.calibration_enabled() or not rates.current().source.startswith("built-in"):
+            return None
+        if rates.cache_path().exists():  # a file that did not load (it warned): `attnlab calibrate` rewrites it
+            return None
+        _BACKGROUND = threading.Thread(target=_thread_body, name="attnlab-calibration", daemon=True)
+        _BACKGROUND.start()
+        return _BACKGROUND
+
+
+def background() -> threading.Thread | None:
+    """The background calibration's thread if this process started one (alive or finished), else None."""
+    return _BACKGROUND
+
+
+def state() -> dict:
+    """For ``attnlab info``: whether calibration is on, the file for this machine, where the rates come from,
+    and the background calibration's state ("not started", "running" or "finished")."""
+    path = rates.cache_path()
+    bg = "not started" if _BACKGROUND is None else "running" if _BACKGROUND.is_alive() else "finished"
+    return {"enabled": rates.calibration_enabled(), "file": str(path), "exists": path.exists(),
+            "source": rates.current().source, "background": bg}

@@ -1,0 +1,101 @@
+"""One timer for every instrument: warm-up calls, then interleaved rounds, and the median.
+
+Note [Median, interleaved]: on a shared machine a process can be paused or starved for a while inside
+one call; the median ignores such outliers where the mean does not. When several implementations are
+compared, their samples are taken in rounds whose order rotates, so a slow spell of the machine falls
+on all of them instead of on whichever happened to run then. Each figure is reported beside the raw
+samples, never compared across runs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["Timing", "time_call", "interleaved", "median_rate"]
+
+
+@dataclass
+class Timing:
+    """The samples of one callable: ``times`` are seconds per call (each sample the mean of
+    ``calls_per_sample`` back-to-back calls); ``median`` is their median; ``first_s`` the first
+    (warm-up) call, which includes any compilation."""
+
+    times: list[float] = field(default_factory=list)
+    calls_per_sample: int = 1
+    first_s: float | None = None
+
+    @property
+    def median(self) -> float | None:
+        """Median seconds per call, or None without samples."""
+        return statistics.median(self.times) if self.times else None
+
+
+def time_call(f: Callable[[], object], repeats: int = 3, warmup: int = 1, budget_s: float | None = None) -> float:
+    """Median wall time in seconds of ``repeats`` calls of ``f()``, after ``warmup`` untimed calls.
+
+    budget_s: when given, fewer timed calls (at least one) if the warm-up shows that ``repeats`` of them
+    would take longer. ``time.perf_counter`` around each call; no CUDA synchronisation (attnlab measures
+    on the CPU). Raises ValueError for ``repeats`` < 1 or ``warmup`` < 0."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"time_call: repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        f()
+    if budget_s is not None:
+        once = (time.perf_counter() - t0) / max(warmup, 1)
+        repeats = max(1, min(repeats, int(budget_s / max(once, 1e-9))))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return float(statistics.median(ts))
+
+
+def interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 5, min_rounds: int = 3,
+                min_sample_s: float = 0.05, budget_s: float = 120.0) -> dict[str, Timing]:
+    """Time several callables against each other (Note [Median, interleaved]).
+
+    Each callable is called once to warm up (``Timing.first_s``) and once more to probe its cost; a sample
+    repeats a short call until it lasts about ``min_sample_s`` (at most 1000 calls), and the number of
+    rounds is ``rounds``, lowered (never under ``min_rounds``) when a round would not fit ``budget_s``.
+    Round r starts at the r-th callable, so none is always first. Returns {name: Timing} in the order
+    given. Exceptions from a callable propagate: decide what to skip before timing."""
+    if rounds < 1 or min_rounds < 1:
+        raise ValueError(f"interleaved: rounds and min_rounds must be >= 1, got {rounds} and {min_rounds}")
+    out = {name: Timing() for name in calls}
+    if not calls:
+        return out
+    probe = {}
+    for name, f in calls.items():
+        t0 = time.perf_counter()
+        f()
+        out[name].first_s = time.perf_counter() - t0
+        if out[name].first_s > 1.0:
+            probe[name] = out[name].first_s  # a slow call: its warm-up is a fair probe, save a call
+        else:
+            t0 = time.perf_counter()
+            f()
+            probe[name] = time.perf_counter() - t0
+        out[name].calls_per_sample = max(1, min(1000, int(min_sample_s / max(probe[name], 1e-6))))
+    per_round = sum(probe[n] * out[n].calls_per_sample for n in calls)
+    lo = min(min_rounds, rounds)
+    n_rounds = max(lo, min(rounds, int(budget_s / max(per_round, 1e-9))))
+    order = list(calls)
+    for r in range(n_rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            f, k = calls[name], out[name].calls_per_sample
+            t0 = time.perf_counter()
+            for _ in range(k):
+                f()
+            out[name].times.append((time.perf_counter() - t0) / k)
+    return out
+
+
+def median_rate(durations: list[float]) -> float | None:
+    """1 / the median of ``durations`` (events per second, e.g. training steps), None when empty.
+
+    Throughput as 1 / median rather than count / total time, for Note [Median, interleaved]'s reason."""
+    return 1.0 / statistics.median(durations) if durations else None
