@@ -179,13 +179,13 @@ def _unique_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[0]
     if n <= 1:
         return x, torch.zeros(n, dtype=torch.long)
-    g = torch.Generator().manual_seed(0)
-    # 4 bytes a word (rows padded with zeros to whole words), times random odd words (wrapping), summed: exact
-    # integer arithmetic, so equal rows always meet
+    # 4 bytes a word (rows padded with zeros to whole words), times fixed odd hash words (wrapping), summed:
+    # exact integer arithmetic, so equal rows always meet. The words are a multiplicative hash of the column,
+    # not a random draw: a random op would refuse to run under vmap (a layout built inside a transform).
     xp = x.contiguous() if x.shape[1] % 4 == 0 else F.pad(x, (0, -x.shape[1] % 4))
     words = xp.view(torch.int32)  # (n, ceil(w / 4))
-    proj = (words * (torch.randint(-2**30, 2**30, (words.shape[1],), generator=g, dtype=torch.int32) | 1)).sum(
-        1, dtype=torch.int64)
+    mult = ((torch.arange(words.shape[1], dtype=torch.int64) * 0x9E3779B1 + 0x7F4A7C15) % 2**31 | 1).to(torch.int32)
+    proj = (words * mult).sum(1, dtype=torch.int64)
     key, inv = torch.unique(proj, return_inverse=True)  # (g,), (n,)
     first = torch.full((key.numel(),), n, dtype=torch.long).scatter_reduce(0, inv, torch.arange(n), "amin")
     dup = (first[inv] != torch.arange(n)).nonzero().view(-1)  # rows after their group's first
