@@ -685,7 +685,8 @@ def block_mask_text(block_mask, max_blocks: int = 64, E: int = 64) -> str:
 
 
 # -- bands, proved --------------------------------------------------------------------------------
-def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128) -> Pattern | None:
+def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *,
+            blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Pattern | None:
     """``sliding_window(left=, right=)`` (a band: causal, windows, their &) equal to ``mask_mod`` at every
     pair of the L x S grid, or None when it is not one (or reads b or h).
 
@@ -693,7 +694,12 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128) -
     ``mask_mod != band`` is built with ``create_block_mask``'s machinery (intervals, probes, pairs only on
     undecided blocks) and must have no non-empty block. So a mask_mod that differs from the band at a single
     pair is refused, and the cost is that of evaluating the band's boundary blocks once. The band pattern then
-    runs on the kernels' band paths (one mask tile per diagonal, counts in O(L)) instead of calling mask_mod."""
+    runs on the kernels' band paths (one mask tile per diagonal, counts in O(L)) instead of calling mask_mod.
+
+    ``blocks``: (qb, kb) int64 [n], the only blocks where the equality must hold (a torch BlockMask's PARTIAL
+    blocks: its FULL and EMPTY blocks ignore mask_mod, and the caller compares them with the band's layout
+    itself). The proof then runs ``_blocks_refined`` on those blocks alone, skipping the search over the
+    whole grid (Note [Bands proved once per BlockMask] in functional/flex.py)."""
     from .bands import sliding_window
 
     bq, bk = _check_block(BLOCK_SIZE)
@@ -725,9 +731,22 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128) -
 
     stats = BuildStats()
     try:
-        per, Bm, Hm = _build(differs, 1, 1, L, S, bq, bk, stats)
+        if blocks is None:
+            per, Bm, Hm = _build(differs, 1, 1, L, S, bq, bk, stats)
+            found = any(x[0].numel() for x in per.values())
+        else:
+            tq, tk = blocks
+            if tq.numel() == 0:
+                return sliding_window(left=None if lo is None else -lo, right=hi)
+            try:
+                # sub-tiles of a quarter block: a band's boundary crosses few of them (measured faster than 8)
+                any_, _ = _blocks_refined(differs, 0, 0, tq, tk, L, S, bq, bk, "mask_mod", stats, _iv._Cache(),
+                                          sub=max(8, min(bq, bk) // 4))
+            except _iv.NotInterval:
+                any_, _ = _blocks_exact(differs, 0, 0, tq, tk, L, S, bq, bk, "mask_mod", stats)
+            found = bool(any_.any())
     except Exception:
         return None
-    if "b" in stats.reads or "h" in stats.reads or any(x[0].numel() for x in per.values()):
+    if "b" in stats.reads or "h" in stats.reads or found:
         return None
     return sliding_window(left=None if lo is None else -lo, right=hi)
