@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
 from . import intervals as _iv
@@ -332,6 +334,11 @@ class BlockMaskPattern(Pattern):
         inner = self.inner()
         if inner is None:
             m = c != EMPTY
+        elif c.numel() * 64 <= math.prod(shape) and bool((c == PARTIAL).all()):
+            # codes per tile, every one PARTIAL (the kernels' mask tiles, dead keys of PARTIAL blocks): mask_mod
+            # alone, without three full-size bool ops to combine it with the codes
+            m = inner.keep(i, j, L, S)
+            m = torch.broadcast_to(m, _broadcast_shape(c.shape, m.shape))  # a view: c's batch dim, if any
         else:
             m = (c == FULL) | ((c == PARTIAL) & inner.keep(i, j, L, S))
         if self.batch_size:
