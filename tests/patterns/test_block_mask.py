@@ -394,3 +394,26 @@ def test_band_block_mask_follows_torch_on_full_blocks():
     i, j = torch.arange(300)[:, None], torch.arange(300)[None, :]
     want = reference.attention(q, k, v, attn_mask=sliding_causal(0, 0, i, j))[0]  # the pair (100, 40) kept
     assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), want, **F64, what="torch's semantics on FULL blocks")
+
+
+@pytest.mark.parametrize("L, S, block", [(1000, 1100, 64), (300, 257, 32), (17, 400, 16)])
+def test_partial_tiles_give_dead_keys_and_kernel_tiles(L, S, block):
+    # Note [PARTIAL tiles evaluated once]: dead keys and the compiled kernel's mask tiles from one evaluation
+    from attnlab.kernels import compiled as compiled_kernel
+    from attnlab.patterns.base import Pattern
+    g = torch.Generator().manual_seed(L)
+    doc = torch.randint(0, 4, (max(L, S),), generator=g).sort().values
+    for fn in (lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), lambda b, h, q, kv: (kv % 7 == 0) & (q >= kv)):
+        p = P.create_block_mask(fn, None, None, L, S, BLOCK_SIZE=block, output="pattern")
+        i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+        want = torch.broadcast_to(fn(0, 0, i, j), (L, S))
+        assert p.partial_tiles(L, S) is not None
+        assert torch.equal(p.dead_keys(L, S)[0], ~want.any(0))
+        assert torch.equal(Pattern.dead_keys(p, L, S), p.dead_keys(L, S))  # the generic path agrees
+        visit, tid, tiles = compiled_kernel._pattern_layout(p, L, S, block, block)
+        nq, nk = -(-L // block), -(-S // block)
+        dense = torch.zeros(nq * block, nk * block, dtype=torch.bool)
+        for qb, kb in visit[0].nonzero().tolist():
+            t = tid[0, qb, kb]
+            dense[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block] = tiles[t].bool() if t >= 0 else True
+        assert torch.equal(dense[:L, :S], want)

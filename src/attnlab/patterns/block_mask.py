@@ -42,6 +42,7 @@ __all__ = ["create_block_mask", "BlockMaskPattern", "from_block_mask", "to_block
 
 #: pairs per slice when blocks are evaluated pair by pair (about 1M: in cache between the mask's ops)
 _PAIRS = 1 << 20
+_TILE_MEMO_BYTES = 1 << 26  # Note [PARTIAL tiles evaluated once]
 
 
 @dataclass
@@ -362,6 +363,45 @@ class BlockMaskPattern(Pattern):
 
     def block_shape(self):
         return self.block_q, self.block_k
+
+    # Note [PARTIAL tiles evaluated once]: dead_keys and the compiled kernel's mask tiles
+    # (kernels/compiled.py _pattern_layout) both need mask_mod on every pair of the PARTIAL blocks; a shared
+    # mask (no ``batch``) evaluates them once, on its own block grid, and keeps them in its memo while they fit
+    # in _TILE_MEMO_BYTES (a document mask at L = S = 16384: about 400 blocks, 6.5 MB; evaluated twice it was a
+    # quarter of a first flex_attention call's overhead).
+    def partial_tiles(self, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(part int64 [Np, 2] (query block, key block) of the PARTIAL blocks in row-major order, keep bool
+        [Np, block_q, block_k] of their pairs, rows and keys past L or S repeating the last valid one), or None
+        when the mask is per batch element, has no mask_mod, or its tiles exceed _TILE_MEMO_BYTES (Note
+        [PARTIAL tiles evaluated once])."""
+        self._check(L, S)
+        if self.batch or self.mask_mod is None:
+            return None
+        hit = self._memo.get("partial_tiles")
+        if hit is None:
+            bq, bk = self.block_q, self.block_k
+            part = (self.codes()[0] == PARTIAL).nonzero()  # (Np, 2)
+            hit = False
+            if len(part) * bq * bk <= _TILE_MEMO_BYTES:
+                i = (part[:, :1] * bq + torch.arange(bq)).clamp(max=L - 1).unsqueeze(-1)  # (Np, bq, 1)
+                j = (part[:, 1:] * bk + torch.arange(bk)).clamp(max=S - 1).unsqueeze(1)  # (Np, 1, bk)
+                hit = part, torch.broadcast_to(self.inner().keep(i, j, L, S), (len(part), bq, bk))
+            self._memo["partial_tiles"] = hit
+        return hit or None
+
+    def dead_keys(self, L: int, S: int) -> torch.Tensor:
+        """As ``Pattern.dead_keys``, from the PARTIAL tiles of Note [PARTIAL tiles evaluated once] when kept: a
+        key is live when a FULL block's column holds it, or some row of a PARTIAL block keeps it."""
+        tiles = self.partial_tiles(L, S) if L > 0 and S > 0 else None
+        if tiles is None:
+            return super().dead_keys(L, S)
+        part, m = tiles
+        bk = self.block_k
+        nk = self.grid[1]
+        alive = (self.codes()[0] == FULL).any(0).repeat_interleave(bk)  # (nk·bk,)
+        keys = (part[:, 1:] * bk + torch.arange(bk)).view(-1)  # (Np·bk,)
+        seen = torch.zeros(nk * bk, dtype=torch.int32).index_add_(0, keys, m.any(1).view(-1).to(torch.int32))
+        return ~(alive | (seen > 0))[:S].unsqueeze(0)
 
     def kept_blocks(self) -> int:
         """Non-empty blocks, summed over the batch elements it stores."""
