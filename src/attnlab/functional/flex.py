@@ -243,9 +243,9 @@ def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
 # runs as attnlab's band pattern, whose kernels need no mask_mod call per tile (one mask tile per
 # diagonal); the BlockMask's own blocks must be the band's, and ``patterns.as_band(..., blocks=)`` proves
 # mask_mod equal to the band on the BlockMask's PARTIAL blocks only (every pair of them that intervals on
-# quarter-block sub-tiles cannot settle): torch never calls mask_mod on a FULL or EMPTY block, so those are
-# settled by the layout check, and the proof skips as_band's search over the whole grid (26 -> 13 ms for a
-# causal window at L = S = 16384). The answer is kept per BlockMask object
+# sub-tiles of an eighth of a block cannot settle): torch never calls mask_mod on a FULL or EMPTY block, so those are
+# settled by the layout check, and the proof skips as_band's search over the whole grid (21 -> 15 ms for a
+# causal window at L = S = 16384, fresh process). The answer is kept per BlockMask object
 # (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern;
 # so is the pattern ``from_block_mask`` makes of it (the kernels cache their layouts per pattern object, so a
 # new pattern per call rebuilt the mask tiles of every partial block on every call). Before the proof, a
