@@ -357,3 +357,63 @@ def test_flex_runs_a_band_block_mask_as_the_band_pattern():
     assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), want, **F64, what="band BlockMask")
     hole = torch_cbm(one_hole, None, None, 300, 300, device="cpu", BLOCK_SIZE=32)
     assert "proved" not in attnlab.flex_plan(q, k, v, block_mask=hole).mask
+
+
+def _boundary_hole(b, h, q, kv):  # sliding_causal but one pair on the band's edge, inside a PARTIAL block
+    return (q >= kv) & (q - kv <= 150) & ((q != 203) | (kv != 203))
+
+
+def test_as_band_on_given_blocks_sees_one_pair():
+    # blocks=: the proof on the PARTIAL blocks alone (flex's BlockMask path) still sees a single pair there
+    bm = torch_cbm(sliding_causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=32)
+    pq, pk = (P.block_codes(bm)[0, 0] == P.PARTIAL).nonzero(as_tuple=True)
+    assert int(((pq == 203 // 32) & (pk == 203 // 32)).sum()) == 1
+    assert P.as_band(sliding_causal, 300, 300, 32, blocks=(pq, pk)).band(300, 300) == (-150, 0)
+    assert P.as_band(_boundary_hole, 300, 300, 32, blocks=(pq, pk)) is None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    hole = torch_cbm(_boundary_hole, None, None, 300, 300, device="cpu", BLOCK_SIZE=32)
+    assert "proved" not in attnlab.flex_plan(q, k, v, block_mask=hole).mask
+    i, j = torch.arange(300)[:, None], torch.arange(300)[None, :]
+    want = reference.attention(q, k, v, attn_mask=_boundary_hole(0, 0, i, j))[0]
+    assert_close(attnlab.flex_attention(q, k, v, block_mask=hole), want, **F64, what="band with a hole")
+
+
+def test_band_block_mask_follows_torch_on_full_blocks():
+    # torch never calls mask_mod on a FULL block: a BlockMask whose FULL blocks are the band's runs as the
+    # band even where its mask_mod (here: the band minus one pair inside a FULL block) would drop a pair
+    from torch.nn.attention.flex_attention import BlockMask
+    good = torch_cbm(sliding_causal, None, None, 300, 300, device="cpu", BLOCK_SIZE=32)
+    full_hole = lambda b, h, q, kv: sliding_causal(b, h, q, kv) & ((q != 100) | (kv != 40))  # noqa: E731
+    assert int(P.block_codes(good)[0, 0, 100 // 32, 40 // 32]) == P.FULL
+    bm = BlockMask.from_kv_blocks(good.kv_num_blocks, good.kv_indices, good.full_kv_num_blocks,
+                                  good.full_kv_indices, BLOCK_SIZE=32, mask_mod=full_hole, seq_lengths=(300, 300))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 300, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    assert "proved equal to sliding_window(left=150, right=0)" in attnlab.flex_plan(q, k, v, block_mask=bm).mask
+    i, j = torch.arange(300)[:, None], torch.arange(300)[None, :]
+    want = reference.attention(q, k, v, attn_mask=sliding_causal(0, 0, i, j))[0]  # the pair (100, 40) kept
+    assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), want, **F64, what="torch's semantics on FULL blocks")
+
+
+@pytest.mark.parametrize("L, S, block", [(1000, 1100, 64), (300, 257, 32), (17, 400, 16)])
+def test_partial_tiles_give_dead_keys_and_kernel_tiles(L, S, block):
+    # Note [PARTIAL tiles evaluated once]: dead keys and the compiled kernel's mask tiles from one evaluation
+    from attnlab.kernels import compiled as compiled_kernel
+    from attnlab.patterns.base import Pattern
+    g = torch.Generator().manual_seed(L)
+    doc = torch.randint(0, 4, (max(L, S),), generator=g).sort().values
+    for fn in (lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), lambda b, h, q, kv: (kv % 7 == 0) & (q >= kv)):
+        p = P.create_block_mask(fn, None, None, L, S, BLOCK_SIZE=block, output="pattern")
+        i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+        want = torch.broadcast_to(fn(0, 0, i, j), (L, S))
+        assert p.partial_tiles(L, S) is not None
+        assert torch.equal(p.dead_keys(L, S)[0], ~want.any(0))
+        assert torch.equal(Pattern.dead_keys(p, L, S), p.dead_keys(L, S))  # the generic path agrees
+        visit, tid, tiles = compiled_kernel._pattern_layout(p, L, S, block, block)
+        nq, nk = -(-L // block), -(-S // block)
+        dense = torch.zeros(nq * block, nk * block, dtype=torch.bool)
+        for qb, kb in visit[0].nonzero().tolist():
+            t = tid[0, qb, kb]
+            dense[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block] = tiles[t].bool() if t >= 0 else True
+        assert torch.equal(dense[:L, :S], want)

@@ -207,6 +207,10 @@ def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
     part = (lay == P.PARTIAL).nonzero()  # [Np, 2]
     if not len(part):
         return visit, tid, torch.zeros(0, bq, bk, dtype=torch.uint8)
+    pre = getattr(pattern, "partial_tiles", None)  # BlockMaskPattern: Note [PARTIAL tiles evaluated once]
+    pre = pre(L, S) if pre is not None and pattern.block_shape() == (bq, bk) else None
+    if pre is not None and not torch.equal(pre[0], part):
+        pre = None
     all_part, rep = part, None
     if pattern.translation_invariant() and not pattern.batch_size and len(part) > 1:
         # keep depends on j - i only: blocks at one offset qb·bq - kb·bk hold one tile, so each offset is
@@ -218,6 +222,7 @@ def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
         first = torch.full((int(rep.max()) + 1,), len(part), dtype=torch.long).scatter_reduce(
             0, rep, torch.arange(len(part)), "amin")
         part = part[first]  # one block per group
+        pre = None
     ar_q, ar_k = torch.arange(bq), torch.arange(bk)
     uniq, chunk = [], max(1, _TILE_CHUNK_BYTES // (B * bq * bk))
     for c0 in range(0, len(part), chunk):
@@ -225,7 +230,8 @@ def _pattern_layout(pattern, L: int, S: int, bq: int, bk: int):
         # rows/columns past L or S repeat the last valid one, so any/all below see only real positions
         i = (pc[:, :1] * bq + ar_q).clamp(max=L - 1).unsqueeze(-1)  # [C, bq, 1]
         j = (pc[:, 1:] * bk + ar_k).clamp(max=S - 1).unsqueeze(1)  # [C, 1, bk]
-        m = torch.broadcast_to(pattern.keep(i, j, L, S), ((B,) if pattern.batch_size else ()) + (len(pc), bq, bk))
+        m = pre[1][c0:c0 + chunk] if pre is not None else torch.broadcast_to(
+            pattern.keep(i, j, L, S), ((B,) if pattern.batch_size else ()) + (len(pc), bq, bk))
         m = m.reshape(B, len(pc), bq * bk)
         any_, all_ = m.any(-1), m.all(-1)  # [B, C]
         qb, kb = pc[:, 0], pc[:, 1]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
 from . import intervals as _iv
@@ -40,6 +42,7 @@ __all__ = ["create_block_mask", "BlockMaskPattern", "from_block_mask", "to_block
 
 #: pairs per slice when blocks are evaluated pair by pair (about 1M: in cache between the mask's ops)
 _PAIRS = 1 << 20
+_TILE_MEMO_BYTES = 1 << 26  # Note [PARTIAL tiles evaluated once]
 
 
 @dataclass
@@ -332,6 +335,11 @@ class BlockMaskPattern(Pattern):
         inner = self.inner()
         if inner is None:
             m = c != EMPTY
+        elif c.numel() * 64 <= math.prod(shape) and bool((c == PARTIAL).all()):
+            # codes per tile, every one PARTIAL (the kernels' mask tiles, dead keys of PARTIAL blocks): mask_mod
+            # alone, without three full-size bool ops to combine it with the codes
+            m = inner.keep(i, j, L, S)
+            m = torch.broadcast_to(m, _broadcast_shape(c.shape, m.shape))  # a view: c's batch dim, if any
         else:
             m = (c == FULL) | ((c == PARTIAL) & inner.keep(i, j, L, S))
         if self.batch_size:
@@ -355,6 +363,45 @@ class BlockMaskPattern(Pattern):
 
     def block_shape(self):
         return self.block_q, self.block_k
+
+    # Note [PARTIAL tiles evaluated once]: dead_keys and the compiled kernel's mask tiles
+    # (kernels/compiled.py _pattern_layout) both need mask_mod on every pair of the PARTIAL blocks; a shared
+    # mask (no ``batch``) evaluates them once, on its own block grid, and keeps them in its memo while they fit
+    # in _TILE_MEMO_BYTES (a document mask at L = S = 16384: about 400 blocks, 6.5 MB; evaluated twice it was a
+    # quarter of a first flex_attention call's overhead).
+    def partial_tiles(self, L: int, S: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(part int64 [Np, 2] (query block, key block) of the PARTIAL blocks in row-major order, keep bool
+        [Np, block_q, block_k] of their pairs, rows and keys past L or S repeating the last valid one), or None
+        when the mask is per batch element, has no mask_mod, or its tiles exceed _TILE_MEMO_BYTES (Note
+        [PARTIAL tiles evaluated once])."""
+        self._check(L, S)
+        if self.batch or self.mask_mod is None:
+            return None
+        hit = self._memo.get("partial_tiles")
+        if hit is None:
+            bq, bk = self.block_q, self.block_k
+            part = (self.codes()[0] == PARTIAL).nonzero()  # (Np, 2)
+            hit = False
+            if len(part) * bq * bk <= _TILE_MEMO_BYTES:
+                i = (part[:, :1] * bq + torch.arange(bq)).clamp(max=L - 1).unsqueeze(-1)  # (Np, bq, 1)
+                j = (part[:, 1:] * bk + torch.arange(bk)).clamp(max=S - 1).unsqueeze(1)  # (Np, 1, bk)
+                hit = part, torch.broadcast_to(self.inner().keep(i, j, L, S), (len(part), bq, bk))
+            self._memo["partial_tiles"] = hit
+        return hit or None
+
+    def dead_keys(self, L: int, S: int) -> torch.Tensor:
+        """As ``Pattern.dead_keys``, from the PARTIAL tiles of Note [PARTIAL tiles evaluated once] when kept: a
+        key is live when a FULL block's column holds it, or some row of a PARTIAL block keeps it."""
+        tiles = self.partial_tiles(L, S) if L > 0 and S > 0 else None
+        if tiles is None:
+            return super().dead_keys(L, S)
+        part, m = tiles
+        bk = self.block_k
+        nk = self.grid[1]
+        alive = (self.codes()[0] == FULL).any(0).repeat_interleave(bk)  # (nk·bk,)
+        keys = (part[:, 1:] * bk + torch.arange(bk)).view(-1)  # (Np·bk,)
+        seen = torch.zeros(nk * bk, dtype=torch.int32).index_add_(0, keys, m.any(1).view(-1).to(torch.int32))
+        return ~(alive | (seen > 0))[:S].unsqueeze(0)
 
     def kept_blocks(self) -> int:
         """Non-empty blocks, summed over the batch elements it stores."""
@@ -685,7 +732,8 @@ def block_mask_text(block_mask, max_blocks: int = 64, E: int = 64) -> str:
 
 
 # -- bands, proved --------------------------------------------------------------------------------
-def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128) -> Pattern | None:
+def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *,
+            blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Pattern | None:
     """``sliding_window(left=, right=)`` (a band: causal, windows, their &) equal to ``mask_mod`` at every
     pair of the L x S grid, or None when it is not one (or reads b or h).
 
@@ -693,7 +741,12 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128) -
     ``mask_mod != band`` is built with ``create_block_mask``'s machinery (intervals, probes, pairs only on
     undecided blocks) and must have no non-empty block. So a mask_mod that differs from the band at a single
     pair is refused, and the cost is that of evaluating the band's boundary blocks once. The band pattern then
-    runs on the kernels' band paths (one mask tile per diagonal, counts in O(L)) instead of calling mask_mod."""
+    runs on the kernels' band paths (one mask tile per diagonal, counts in O(L)) instead of calling mask_mod.
+
+    ``blocks``: (qb, kb) int64 [n], the only blocks where the equality must hold (a torch BlockMask's PARTIAL
+    blocks: its FULL and EMPTY blocks ignore mask_mod, and the caller compares them with the band's layout
+    itself). The proof then runs ``_blocks_refined`` on those blocks alone, skipping the search over the
+    whole grid (Note [Bands proved once per BlockMask] in functional/flex.py)."""
     from .bands import sliding_window
 
     bq, bk = _check_block(BLOCK_SIZE)
@@ -725,9 +778,23 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128) -
 
     stats = BuildStats()
     try:
-        per, Bm, Hm = _build(differs, 1, 1, L, S, bq, bk, stats)
+        if blocks is None:
+            per, Bm, Hm = _build(differs, 1, 1, L, S, bq, bk, stats)
+            found = any(x[0].numel() for x in per.values())
+        else:
+            tq, tk = blocks
+            if tq.numel() == 0:
+                return sliding_window(left=None if lo is None else -lo, right=hi)
+            try:
+                # sub-tiles of 16 at block 128: fewer interval tiles than 8, fewer pairs than 32 (in a fresh
+                # process at L = S = 16384, causal window: 15 ms against 20 for 8 and 28 for 32)
+                any_, _ = _blocks_refined(differs, 0, 0, tq, tk, L, S, bq, bk, "mask_mod", stats, _iv._Cache(),
+                                          sub=max(8, min(bq, bk) // 8))
+            except _iv.NotInterval:
+                any_, _ = _blocks_exact(differs, 0, 0, tq, tk, L, S, bq, bk, "mask_mod", stats)
+            found = bool(any_.any())
     except Exception:
         return None
-    if "b" in stats.reads or "h" in stats.reads or any(x[0].numel() for x in per.values()):
+    if "b" in stats.reads or "h" in stats.reads or found:
         return None
     return sliding_window(left=None if lo is None else -lo, right=hi)
