@@ -729,13 +729,34 @@ def test_band_layout_one_tile_per_offset_is_the_mask(pattern, L, S, bq, bk):
     assert torch.equal(got[:L, :S], want), (got[:L, :S] != want).nonzero()[:5]
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool])
 @pytest.mark.parametrize("n, w", [(1, 8), (7, 9), (40, 256), (17, 143)])
-def test_unique_rows_as_torch_unique(n, w):
-    """compiled._unique_rows (tile dedup by a projection): u[inv] is x and u's rows are distinct, as
-    torch.unique(x, dim=0, return_inverse=True) (up to the order of u)."""
+def test_unique_rows_as_torch_unique(n, w, dtype):
+    """compiled._unique_rows (tile dedup by a projection on int64 words): u[inv] is x and u's rows are
+    distinct, as torch.unique(x, dim=0, return_inverse=True) (up to the order of u), for uint8 tiles and for
+    the bool ones _pattern_layout hands it."""
     g = torch.Generator().manual_seed(n)
-    base = (torch.rand(max(1, n // 3), w, generator=g) > 0.5).to(torch.uint8)
+    base = (torch.rand(max(1, n // 3), w, generator=g) > 0.5).to(dtype)
     x = base[torch.randint(0, base.shape[0], (n,), generator=g)].contiguous()
     u, inv = compiled._unique_rows(x)
     assert torch.equal(u[inv], x)
     assert u.shape[0] == torch.unique(x, dim=0).shape[0]
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 64), (2, 40), (4, 13), (0, 16), (6, 8)])
+def test_any_all_on_words_is_torch_any_all(shape):
+    """compiled._any_all (the reductions of _pattern_layout on int64 words) is (m.any(-1), m.all(-1)), with
+    rows all True, all False and a single False or True among them."""
+    g = torch.Generator().manual_seed(sum(shape))
+    m = torch.rand(shape, generator=g) > 0.5
+    if m.numel():
+        flat = m.view(-1, shape[-1])
+        flat[0] = True
+        flat[-1] = False
+        if flat.shape[0] > 2:
+            flat[1] = True
+            flat[1, -1] = False
+            flat[2] = False
+            flat[2, shape[-1] // 2] = True
+    any_, all_ = compiled._any_all(m)
+    assert torch.equal(any_, m.any(-1)) and torch.equal(all_, m.all(-1))

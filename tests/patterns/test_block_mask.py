@@ -396,7 +396,7 @@ def test_band_block_mask_follows_torch_on_full_blocks():
     assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), want, **F64, what="torch's semantics on FULL blocks")
 
 
-@pytest.mark.parametrize("L, S, block", [(1000, 1100, 64), (300, 257, 32), (17, 400, 16)])
+@pytest.mark.parametrize("L, S, block", [(1000, 1100, 64), (300, 257, 32), (17, 400, 16), (1024, 768, 64), (512, 512, 32)])
 def test_partial_tiles_give_dead_keys_and_kernel_tiles(L, S, block):
     # Note [PARTIAL tiles evaluated once]: dead keys and the compiled kernel's mask tiles from one evaluation
     from attnlab.kernels import compiled as compiled_kernel
@@ -417,3 +417,34 @@ def test_partial_tiles_give_dead_keys_and_kernel_tiles(L, S, block):
             t = tid[0, qb, kb]
             dense[qb * block:(qb + 1) * block, kb * block:(kb + 1) * block] = tiles[t].bool() if t >= 0 else True
         assert torch.equal(dense[:L, :S], want)
+
+
+@pytest.mark.parametrize("L, S, block", [(1024, 768, 64), (512, 512, 32), (1000, 1100, 64)])
+def test_partial_tiles_by_sub_tiles_are_the_pairs(L, S, block):
+    # Note [PARTIAL tiles by sub-tiles]: intervals settle sub-tiles, mask_mod the undecided ones: every pair of
+    # every PARTIAL block equals mask_mod's own (documents, a window, a mask on key residues); a ragged grid,
+    # a mask intervals do not cover and one that reads b take every pair instead (None)
+    g = torch.Generator().manual_seed(S)
+    doc = torch.randint(0, 5, (max(L, S),), generator=g).sort().values
+    whole = L % block == 0 and S % block == 0
+    fns = [lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), lambda b, h, q, kv: (q - kv).abs() <= 45,
+           lambda b, h, q, kv: (kv % 7 == 0) & (q >= kv)]
+    for fn in fns:
+        p = P.create_block_mask(fn, None, None, L, S, BLOCK_SIZE=block, output="pattern")
+        part = (p.codes()[0] == P.PARTIAL).nonzero()
+        assert len(part)
+        got = p._tiles_refined(part, L, S)
+        assert (got is not None) == whole
+        if got is None:
+            continue
+        i = (part[:, :1] * block + torch.arange(block)).unsqueeze(-1)
+        j = (part[:, 1:] * block + torch.arange(block)).unsqueeze(1)
+        want = torch.broadcast_to(fn(0, 0, i, j), got.shape)
+        assert torch.equal(got, want), (got != want).nonzero()[:5]
+    p = P.create_block_mask(lambda b, h, q, kv: (q >= kv) & (b >= 0), 2, None, 512, 512, BLOCK_SIZE=32, output="pattern")
+    part = (p.codes()[0] == P.PARTIAL).nonzero()
+    assert len(part) and p._tiles_refined(part, 512, 512) is None  # reads b
+    p = P.create_block_mask(lambda b, h, q, kv: torch.sin(q.float()) >= torch.cos(kv.float()), None, None, 512, 512,
+                            BLOCK_SIZE=32, output="pattern")
+    part = (p.codes()[0] == P.PARTIAL).nonzero()
+    assert len(part) and p._tiles_refined(part, 512, 512) is None  # sin, cos: not in the interval table
