@@ -23,7 +23,11 @@ The grid (each case timed against the others it decides between, interleaved rou
    pulled dense's line under MARGIN, "never" where the sweep had the compiled kernel 1.10-1.13x SDPA from
    8 x 2048²; GQA, which SDPA runs on copied K/V, won from 2 x 8 x 512² where MHA lost). So each mask kind
    and MHA/GQA has its own line, and every ratio is the median of per-round ratios (each round times the
-   two kernels back to back, so a load change between rounds cancels) over at least ``min_rounds``;
+   two kernels back to back, so a load change between rounds cancels) over at least ``min_rounds``.
+   What pairing cannot fix: under a load above the core count (2.8 on 2 cores) every 2-thread call waits
+   for a descheduled thread, so calls shorter than the scheduler's 4 ms tick read whole ticks (a 0.3 ms
+   decode call and its SDPA both 8.00 ms, an fp32 512² call 8.0 against 11.6 ms), ratios collapse towards
+   1 and under MARGIN, and the file says SDPA everywhere: calibrate on a quiet machine;
 5. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
    the compiled kernel's speed per computed pair over the sparse kernel's;
 6. per dtype, plain decode calls (one query, ``decode_heads`` heads, MHA and GQA, cache lengths
