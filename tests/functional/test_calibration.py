@@ -274,3 +274,54 @@ def test_the_measured_size_threshold_sends_small_plain_calls_to_sdpa(calibration
     assert plan.seconds["compiled"] < plan.seconds["sdpa"]  # what the threshold overrides
     assert attnlab.explain(large, large, large).method == "compiled"
     assert attnlab.explain(small, small, small, is_causal=True).method == "sdpa"
+
+
+def test_a_ratio_is_the_median_of_per_round_ratios():
+    """Note [Calibration against the sweep]: the two kernels of a round are timed back to back, so a load
+    change between rounds cancels in their ratio and not in the ratio of their medians."""
+    from attnlab.functional.calibration import _ratio
+    from attnlab.timing import Timing
+
+    t = {"a": Timing(), "b": Timing()}
+    t["a"].times, t["b"].times = [1.0, 1.0, 10.0], [0.5, 10.0, 5.0]  # round 2: b alone under load
+    assert _ratio(t, "a", "b") == pytest.approx(2.0)  # medians would say 1.0 / 5.0
+    t["a"].times, t["b"].times = [1.0, 4.0], [1.0, 1.0]
+    assert _ratio(t, "a", "b") == pytest.approx(2.0)  # even rounds: the geometric mean of the middle two
+
+
+def test_the_calibration_fits_each_mask_kind_and_gqa_apart(calibration_on):
+    """Note [Calibration against the sweep]: dense, causal, MHA and GQA each get their own size threshold."""
+    if not compiled.available():
+        pytest.skip("the compiled extension is not built")
+    cfg = CalibrationConfig(n=128, heads=4, dim=16, window=32, dense_ns=(64,), dtypes=(torch.float32,), rounds=1,
+                            min_sample_s=0.0, decode_ns=(64,))
+    fitted, measured, _ = calibrate(cfg, save=False)
+    keys = {(torch.float32, False), (torch.float32, True)}
+    assert set(fitted.compiled_dense_min_pairs) == keys and set(fitted.compiled_gqa_min_pairs) == keys
+    assert "sdpa causal float32 gqa n=64" in measured and "compiled dense float32 gqa n=128" in measured
+
+
+def test_the_gqa_size_threshold_round_trips_and_decides_gqa_calls(calibration_on):
+    """A GQA call follows COMPILED_GQA_MIN_PAIRS, an MHA call of the same pairs COMPILED_DENSE_MIN_PAIRS, and
+    explain says which; a file without the GQA field (written before it) decides GQA by the MHA threshold."""
+    if not compiled.available():
+        pytest.skip("the compiled extension is not built")
+    b = rates.builtin()
+    mha, gqa = {(torch.float32, False): None, (torch.float32, True): None}, {(torch.float32, False): 1e5,
+                                                                            (torch.float32, True): None}
+    rates.save(dataclasses.replace(b, source="calibrated on this CPU", compiled_dense_min_pairs=mha,
+                                   compiled_gqa_min_pairs=gqa))
+    cur = rates.current()
+    assert cur.compiled_gqa_min_pairs == gqa and cur.compiled_dense_min_pairs == mha
+    q, kv = torch.randn(1, 4, 256, 16), torch.randn(1, 1, 256, 16)  # 262144 pairs
+    qm = torch.randn(1, 4, 256, 16)
+    plan = attnlab.explain(q, kv, kv, enable_gqa=True)
+    assert plan.method == "compiled" and "GQA" in plan.reason
+    assert attnlab.explain(q, kv, kv, enable_gqa=True, is_causal=True).method == "sdpa"
+    plan = attnlab.explain(qm, qm, qm)
+    assert plan.method == "sdpa" and "GQA" not in plan.reason
+    doc = json.loads(rates.cache_path().read_text())
+    del doc["rates"]["COMPILED_GQA_MIN_PAIRS"]
+    rates.cache_path().write_text(json.dumps(doc))
+    assert rates.reload().compiled_gqa_min_pairs == {}
+    assert attnlab.explain(q, kv, kv, enable_gqa=True).method == "sdpa"

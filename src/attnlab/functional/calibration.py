@@ -10,17 +10,32 @@ The grid (each case timed against the others it decides between, interleaved rou
    → GFLOP/s of the pairs it computes;
 3. SDPA, the tiled and the dense kernel on the same dense fp32 call → their GFLOP/s (``KERNEL_GFLOPS``:
    the built-in ``Kernel.gflops`` are estimates from another machine);
-4. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, the compiled kernel against
-   SDPA → ``COMPILED_DENSE_MIN_PAIRS``: per dtype, the calls' pairs (H·n²) from which the compiled kernel
-   is at least ``MARGIN`` faster, by a line fitted to log(speed ratio) over log(pairs) (``_least_pairs``;
-   None: it never wins), and ``COMPILED_DENSE_DTYPES``: the dtypes where it wins both at the largest size
+4. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, MHA and GQA (``heads`` query
+   heads on ``heads // 4`` key/value heads), the compiled kernel against SDPA → ``COMPILED_DENSE_MIN_PAIRS``
+   (MHA) and ``COMPILED_GQA_MIN_PAIRS``: per dtype and mask (dense, causal), the calls' pairs (H·n²) from
+   which the compiled kernel is at least ``MARGIN`` faster, by a line fitted to log(speed ratio) over
+   log(pairs) (``_least_pairs``; None: it never wins), and ``COMPILED_DENSE_DTYPES``: the dtypes where it
+   wins both MHA cases at the largest size
    (``bench planner`` showed the choice turns on the size: on a 2-core Zen 5 the compiled kernel ran dense
-   bf16 1.4-2.3x SDPA from n = 1024 but about half SDPA's speed at 8 x 512²);
+   bf16 1.4-2.3x SDPA from n = 1024 but about half SDPA's speed at 8 x 512²). Note [Calibration against
+   the sweep]: one fit for dense and causal together, MHA alone, and ratios of medians of 5 rounds
+   disagreed with ``bench planner`` by 9-16 % under ``ONEDNN_MAX_CPU_ISA=AVX2`` (bf16: causal's ratios
+   pulled dense's line under MARGIN, "never" where the sweep had the compiled kernel 1.10-1.13x SDPA from
+   8 x 2048²; GQA, which SDPA runs on copied K/V, won from 2 x 8 x 512² where MHA lost). So each mask kind
+   and MHA/GQA has its own line, and every ratio is the median of per-round ratios (each round times the
+   two kernels back to back, so a load change between rounds cancels) over at least ``min_rounds``.
+   What pairing cannot fix: under a load above the core count (2.8 on 2 cores) every 2-thread call waits
+   for a descheduled thread, so calls shorter than the scheduler's 4 ms tick read whole ticks (a 0.3 ms
+   decode call and its SDPA both 8.00 ms, an fp32 512² call 8.0 against 11.6 ms), ratios collapse towards
+   1 and under MARGIN, and the file says SDPA everywhere: calibrate on a quiet machine;
 5. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
    the compiled kernel's speed per computed pair over the sparse kernel's;
 6. per dtype, plain decode calls (one query, ``decode_heads`` heads, MHA and GQA, cache lengths
    ``decode_ns``) on the decode path against SDPA → ``DECODE_OVER_SDPA``: SDPA's time over the decode
-   path's, the geometric mean over the lengths (Note [Plain MHA decode] in ``attnlab.kernels.planner``).
+   path's, the geometric mean over the lengths (Note [Plain MHA decode] in ``attnlab.kernels.planner``):
+   the lengths span the sweep's (2048 ... 8192, with 4096 between: on the Zen machine the decode path went
+   from 0.73x SDPA at 2048 to 1.29x at 8192, and two lengths left the mean at 0.97-0.99, "SDPA", where
+   the sweep's 4096 measured the decode path 1.16x).
 
 Without the compiled extension only 2) and 3) are measured (the others keep the built-in table's values);
 without the decode extension 6) is skipped.
@@ -83,20 +98,35 @@ class CalibrationConfig:
     window: int = 256
     dtypes: tuple = (torch.float32, torch.bfloat16)
     decode_heads: int = 8
-    decode_ns: tuple = (2048, 8192)
+    decode_ns: tuple = (2048, 4096, 8192)
     # each sample spans many 4 ms scheduler ticks: on a shared machine a 20 ms sample is quantised to them
     # (bench planner's rounds under a load of 4-6 on 2 cores read 8.00, 16.02, 20.04 ms)
-    rounds: int = 5
+    # (Note [Calibration against the sweep]: 5 rounds' medians moved a ratio by 10 %; 9 rounds, never fewer
+    # than 5, fit the 60 s budget on 2 cores)
+    rounds: int = 9
+    min_rounds: int = 5
     min_sample_s: float = 0.05
-    budget_s: float = 45.0
+    budget_s: float = 50.0
 
 
 Tick = Callable[[int, int, str], None]
 
 
-def _qkv(cfg: CalibrationConfig, dtype):
+def _qkv(cfg: CalibrationConfig, dtype, kv_heads: int | None = None):
+    """q [1, heads, n, dim]; k, v [1, kv_heads (default heads), n, dim]."""
     g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(1, cfg.heads, cfg.n, cfg.dim, generator=g).to(dtype) for _ in range(3))
+    q = torch.randn(1, cfg.heads, cfg.n, cfg.dim, generator=g).to(dtype)
+    kv = kv_heads or cfg.heads
+    return (q, *(torch.randn(1, kv, cfg.n, cfg.dim, generator=g).to(dtype) for _ in range(2)))
+
+
+def _ratio(t: dict, slow: str, fast: str) -> float:
+    """``slow``'s time over ``fast``'s: the median of the per-round ratios (Note [Calibration against the
+    sweep]: ``interleaved`` times the two in the same round, so a load change between rounds cancels)."""
+    a, b = t[slow].times, t[fast].times
+    rs = sorted(x / y for x, y in zip(a, b))
+    m = len(rs) // 2
+    return rs[m] if len(rs) % 2 else math.sqrt(rs[m - 1] * rs[m])
 
 
 def _dense_flops(H: int, L: int, S: int, D: int) -> int:
@@ -106,7 +136,7 @@ def _dense_flops(H: int, L: int, S: int, D: int) -> int:
 
 def _least_pairs(points: list[tuple[float, float]]) -> float | None:
     """The pairs from which the compiled kernel is ``MARGIN`` faster than SDPA, from ``points`` = [(pairs,
-    SDPA's time / the compiled kernel's)] over the grid's sizes, dense and causal together: a least-squares
+    SDPA's time / the compiled kernel's)] over the grid's sizes of one mask kind (Note [Calibration against the sweep]): a least-squares
     line of log(ratio) against log(pairs) (one noisy size moves it less than it moves a per-size verdict),
     where it crosses log(MARGIN). None when the line is under it at the largest size; never below the
     smallest size measured (SDPA, the default, keeps the calls the grid did not measure)."""
@@ -146,15 +176,21 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
     have_ext = compiled_kernel.available()
     have_decode = have_ext and decode_kernel.available()
     sizes = tuple(sorted({m for m in cfg.dense_ns if m < cfg.n} | {cfg.n}))
-    total = 2 + (2 + len(cfg.dtypes) * len(sizes) if have_ext else 0) + (len(cfg.dtypes) if have_decode else 0)
+    kv_gqa = max(1, cfg.heads // 4)
+    head_kinds = (False, True) if kv_gqa < cfg.heads else (False,)  # GQA: one key/value head per 4 query heads
+    total = 2 + (2 + len(head_kinds) * len(cfg.dtypes) * len(sizes) if have_ext else 0) + (len(cfg.dtypes) if have_decode else 0)
     done, measured = 0, {}
     budget = cfg.budget_s / total
 
-    def timed(calls):
-        t = interleaved(calls, rounds=cfg.rounds, min_rounds=1, min_sample_s=cfg.min_sample_s, budget_s=budget)
+    def timings(calls):
+        t = interleaved(calls, rounds=cfg.rounds, min_rounds=min(cfg.min_rounds, cfg.rounds),
+                        min_sample_s=cfg.min_sample_s, budget_s=budget)
         for name, tm in t.items():
             measured[name] = tm.median
-        return {name: tm.median for name, tm in t.items()}
+        return t
+
+    def timed(calls):
+        return {name: tm.median for name, tm in timings(calls).items()}
 
     def step(label):
         nonlocal done
@@ -191,25 +227,29 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
         gflops.update({kk.name: dense_flops / t[f"{kk.name} dense float32"] / 1e9 for kk in one_rate})
         step("sdpa, tiled and dense kernels")
         dense_dtypes, soc, min_pairs, decode = base.compiled_dense_dtypes, base.sparse_over_compiled, {}, {}
+        gqa_pairs = {}
         if have_ext:
             # 4) the compiled kernel against SDPA on plain inputs, per dtype and size
             dense_dtypes = []
             for dt in cfg.dtypes:
                 name = str(dt).removeprefix("torch.")
-                points = []
-                for size in sizes:
-                    qd, kd, vd = _qkv(dataclasses.replace(cfg, n=size), dt)
-                    label = {c: f"{'causal' if c else 'dense'} {name} n={size}" for c in (False, True)}
-                    calls = {f"{kk.name} {label[c]}": _kernel_call(qd, kd, vd, kk, is_causal=c)[0]
-                             for c in (False, True) for kk in (sd, cc)}
-                    t = timed(calls)
-                    ratios = [t[f"{sd.name} {label[c]}"] / t[f"{cc.name} {label[c]}"] for c in (False, True)]
-                    points += [(cfg.heads * size * size, r) for r in ratios]
-                    if size == cfg.n and min(ratios) >= MARGIN:
-                        dense_dtypes.append(dt)
-                    step(f"compiled vs sdpa, {name}, n={size}")
-                least = _least_pairs(points)  # one fit for dense and causal (the file keeps a slot for each)
-                min_pairs.update({(dt, False): least, (dt, True): least})
+                for gqa in head_kinds:
+                    points = {False: [], True: []}  # causal: [(pairs, SDPA's time / the compiled kernel's)]
+                    heads = " gqa" if gqa else ""
+                    for size in sizes:
+                        qd, kd, vd = _qkv(dataclasses.replace(cfg, n=size), dt, kv_gqa if gqa else None)
+                        label = {c: f"{'causal' if c else 'dense'} {name}{heads} n={size}" for c in (False, True)}
+                        calls = {f"{kk.name} {label[c]}": _kernel_call(qd, kd, vd, kk, is_causal=c, enable_gqa=gqa)[0]
+                                 for c in (False, True) for kk in (sd, cc)}
+                        t = timings(calls)
+                        ratios = {c: _ratio(t, f"{sd.name} {label[c]}", f"{cc.name} {label[c]}") for c in (False, True)}
+                        for c, r in ratios.items():
+                            points[c].append((cfg.heads * size * size, r))
+                        if not gqa and size == cfg.n and min(ratios.values()) >= MARGIN:
+                            dense_dtypes.append(dt)
+                        step(f"compiled vs sdpa, {name}{heads}, n={size}")
+                    # a line per mask kind (Note [Calibration against the sweep])
+                    (gqa_pairs if gqa else min_pairs).update({(dt, c): _least_pairs(points[c]) for c in (False, True)})
             # 5) compiled against sparse per computed pair, each at its chosen blocks
             runs = {kk: _kernel_call(q, k, v, kk, pattern=band) for kk in (cc, sp)}
             t = timed({f"{kk.name} chosen window float32": run for kk, (run, _) in runs.items()})
@@ -218,14 +258,15 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
             step("compiled vs sparse on a window")
         if have_decode:
             # 6) plain decode calls: the decode path against SDPA, MHA and GQA, per dtype
-            decode = _decode_ratios(cfg, timed, step)
+            decode = _decode_ratios(cfg, timings, step)
     fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU",
-                         compiled_dense_min_pairs=min_pairs, kernel_gflops=gflops, decode_over_sdpa=decode)
+                         compiled_dense_min_pairs=min_pairs, kernel_gflops=gflops, decode_over_sdpa=decode,
+                         compiled_gqa_min_pairs=gqa_pairs)
     path = rates.save(fitted, measured) if save else None
     return (rates.current() if save else fitted), measured, path
 
 
-def _decode_ratios(cfg: CalibrationConfig, timed, step) -> dict:
+def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step) -> dict:
     """{(dtype, gqa): SDPA's time over the decode path's, geometric mean over ``cfg.decode_ns``} (step 6)."""
     out = {}
     H, D = cfg.decode_heads, cfg.dim
@@ -244,9 +285,9 @@ def _decode_ratios(cfg: CalibrationConfig, timed, step) -> dict:
                 calls[f"decode {case}"] = run
                 calls[f"{K.SDPA.name} {case}"] = _kernel_call(q, k, v, K.SDPA, enable_gqa=gqa)[0]
                 cases.append((gqa, case))
-        t = timed(calls)
+        t = timed_rounds(calls)
         for gqa in (False, True):
-            logs = [math.log(t[f"{K.SDPA.name} {c}"] / t[f"decode {c}"]) for g_, c in cases if g_ == gqa]
+            logs = [math.log(_ratio(t, f"{K.SDPA.name} {c}", f"decode {c}")) for g_, c in cases if g_ == gqa]
             if logs:
                 out[(dt, gqa)] = math.exp(sum(logs) / len(logs))
         step(f"decode path vs sdpa, {name}")

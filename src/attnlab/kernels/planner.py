@@ -264,12 +264,15 @@ def _calibrated_dense(c: _Call):
     r = c.r
     if r.need_weights or K.COMPILED not in c.ok or not c.plain:
         return None
-    if c.rates.compiled_dense_wins(r.dtype, r.pairs, r.causal_only):
-        return K.COMPILED, f"attnlab's compiled kernel is faster than SDPA for {r.dtype} calls of this size here"
+    gqa = r.H != r.Hkv
+    if c.rates.compiled_dense_wins(r.dtype, r.pairs, r.causal_only, gqa):
+        return K.COMPILED, (f"attnlab's compiled kernel is faster than SDPA for {r.dtype} {'GQA ' if gqa else ''}"
+                            "calls of this size here")
     if K.SDPA in c.ok and (r.dtype, r.causal_only) in c.rates.compiled_dense_min_pairs:
         # measured, and the compiled kernel loses at this size: its per-call and per-tile overhead is what the
         # size threshold holds, and predicted times (FLOPs over a rate) would not see it
-        return K.SDPA, (f"SDPA is faster than attnlab's compiled kernel for {r.dtype} calls of this size here "
+        return K.SDPA, (f"SDPA is faster than attnlab's compiled kernel for {r.dtype} {'GQA ' if gqa else ''}"
+                        "calls of this size here "
                         "(measured size threshold)")
 
 

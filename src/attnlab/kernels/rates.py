@@ -86,6 +86,10 @@ class Rates:
     decode_over_sdpa: {(dtype, gqa): SDPA's time over the decode path's on plain decode calls (few queries,
     no mask but causal)}, measured over a few cache lengths; a key missing here falls back on
     ``decode_sdpa_dtypes`` (``plain_decode_on_sdpa``).
+    compiled_gqa_min_pairs: as ``compiled_dense_min_pairs`` for GQA calls (fewer key/value heads than query
+    heads, ``enable_gqa``): SDPA copies K/V per query head there and the compiled kernel reads them in place,
+    so it wins from smaller calls (``bench planner``: 1.15x SDPA at 2 x 8 x 512² fp32 GQA where MHA of the same
+    pairs lost); a key missing here falls back on ``compiled_dense_min_pairs``.
     decode_sdpa_dtypes: the uncalibrated default, ``PLAIN_MHA_DECODE_ON_SDPA`` (Note [Plain MHA decode]).
     """
 
@@ -98,13 +102,18 @@ class Rates:
     compiled_dense_min_pairs: dict = field(default_factory=dict)
     kernel_gflops: dict = field(default_factory=dict)
     decode_over_sdpa: dict = field(default_factory=dict)
+    compiled_gqa_min_pairs: dict = field(default_factory=dict)
     decode_sdpa_dtypes: tuple = PLAIN_MHA_DECODE_ON_SDPA
 
-    def compiled_dense_wins(self, dtype: torch.dtype, pairs: int, causal: bool = False) -> bool:
+    def compiled_dense_wins(self, dtype: torch.dtype, pairs: int, causal: bool = False, gqa: bool = False) -> bool:
         """Whether the compiled kernel is faster than SDPA on a plain dense (or ``causal``) call of ``dtype``
-        with ``pairs`` = B·H·L·S (query, key) pairs: by the measured size threshold where the calibration
-        fitted one, else by ``compiled_dense_dtypes`` alone. (The planner's plain-input rule.)"""
+        with ``pairs`` = B·H·L·S (query, key) pairs (``gqa``: fewer key/value heads than query heads): by the
+        measured size threshold where the calibration fitted one (GQA's own where it has one), else by
+        ``compiled_dense_dtypes`` alone. (The planner's plain-input rule.)"""
         key = (dtype, bool(causal))
+        if gqa and key in self.compiled_gqa_min_pairs:
+            least = self.compiled_gqa_min_pairs[key]
+            return least is not None and pairs >= least
         if key in self.compiled_dense_min_pairs:
             least = self.compiled_dense_min_pairs[key]
             return least is not None and pairs >= least
@@ -197,14 +206,7 @@ def _from_json(doc: dict, path: Path) -> Rates:
     if not (soc > 0 and soc < float("inf")):
         raise ValueError("SPARSE_OVER_COMPILED must be finite and > 0")
     dtypes = tuple(_dtype(n) for n in r["COMPILED_DENSE_DTYPES"])
-    least = {}
-    for name, p in r.get("COMPILED_DENSE_MIN_PAIRS", {}).items():
-        dt, _, kind = name.partition(" ")
-        if kind not in _MASK_KINDS:
-            raise ValueError(f"COMPILED_DENSE_MIN_PAIRS keys are '<dtype> dense|causal', got {name!r}")
-        least[(_dtype(dt), _MASK_KINDS[kind])] = None if p is None else float(p)
-    if any(p is not None and not (p >= 0 and p < float("inf")) for p in least.values()):
-        raise ValueError("COMPILED_DENSE_MIN_PAIRS must be finite and >= 0, or null (never)")
+    least, least_gqa = _min_pairs(r, "COMPILED_DENSE_MIN_PAIRS"), _min_pairs(r, "COMPILED_GQA_MIN_PAIRS")
     gflops = {str(n): float(g) for n, g in r.get("KERNEL_GFLOPS", {}).items()}
     if any(not (g > 0 and g < float("inf")) for g in gflops.values()):
         raise ValueError("KERNEL_GFLOPS must be finite and > 0")
@@ -218,7 +220,21 @@ def _from_json(doc: dict, path: Path) -> Rates:
         raise ValueError("DECODE_OVER_SDPA must be finite and > 0")
     when = doc.get("created", "?")
     return Rates(sbs, cbs, dtypes, soc, f"calibrated on this CPU {when} ({path})", doc.get("measured", {}),
-                 compiled_dense_min_pairs=least, kernel_gflops=gflops, decode_over_sdpa=decode)
+                 compiled_dense_min_pairs=least, kernel_gflops=gflops, decode_over_sdpa=decode,
+                 compiled_gqa_min_pairs=least_gqa)
+
+
+def _min_pairs(r: dict, field_name: str) -> dict:
+    """{(dtype, causal): pairs or None} from a file's ``field_name`` entry, or ValueError naming what is wrong."""
+    least = {}
+    for name, p in r.get(field_name, {}).items():
+        dt, _, kind = name.partition(" ")
+        if kind not in _MASK_KINDS:
+            raise ValueError(f"{field_name} keys are '<dtype> dense|causal', got {name!r}")
+        least[(_dtype(dt), _MASK_KINDS[kind])] = None if p is None else float(p)
+    if any(p is not None and not (p >= 0 and p < float("inf")) for p in least.values()):
+        raise ValueError(f"{field_name} must be finite and >= 0, or null (never)")
+    return least
 
 
 def _to_json(rates: Rates) -> dict:
@@ -228,6 +244,8 @@ def _to_json(rates: Rates) -> dict:
             "SPARSE_OVER_COMPILED": rates.sparse_over_compiled,
             "COMPILED_DENSE_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
                                          for (d, c), p in rates.compiled_dense_min_pairs.items()},
+            "COMPILED_GQA_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
+                                       for (d, c), p in rates.compiled_gqa_min_pairs.items()},
             "KERNEL_GFLOPS": dict(rates.kernel_gflops),
             "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": x
                                  for (d, g), x in rates.decode_over_sdpa.items()}}
