@@ -519,8 +519,16 @@ FOUND_BF16_GQA_DV_SUM = _case(dtype=torch.bfloat16, H=3, Hkv=1, L=17, S=3, scale
                               softcap=1.5, seed=1)
 
 
+#: found by hypothesis (a fresh clone's make test): PyTorch's CPU SDPA backward gave dq off by 0.115 for q
+#: expanded along L with a size-1 head dim of stride 1 (strides [2, 1, 0, 1]); Note [SDPA backward of
+#: expanded operands]
+FOUND_SDPA_Q_EXPANDED_L = _case(rank=4, lead=[1], L=2, S=1, E=2, Ev=2,
+                                layouts=dict(q=Layout((1, 1, 2, 2), expanded=(2,), unit_strides=(None, 1, None, None))))
+
+
 @settings(max_examples=_examples(100), **SETTINGS)
 @given(cases(weights=False))
+@example(FOUND_SDPA_Q_EXPANDED_L)
 @example(FOUND_BF16_DELTA)
 @example(FOUND_BF16_GQA_DV_SUM)
 @example(FOUND_AUTO_DENSE_ONLY)

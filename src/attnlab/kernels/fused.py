@@ -44,10 +44,25 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _dense_if_expanded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied row-major when it needs a gradient and a dim of size >= 2 has stride 0 (an ``expand``).
+
+    Note [SDPA backward of expanded operands]: PyTorch's CPU SDPA backward (torch 2.13) returns a wrong
+    gradient for an operand expanded along its sequence dim when a size-1 dim carries an unusual stride
+    (q [1, 1, 2, 2] with strides [2, 1, 0, 1]: dq off by 0.1, found by test_differential's layout fuzz);
+    the forward is right. A copy under autograd sums the expanded rows' gradients exactly, and only such
+    operands pay it."""
+    if not t.requires_grad or not any(st == 0 and n >= 2 for st, n in zip(t.stride(), t.shape)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """PyTorch's scaled_dot_product_attention on 4-D tensors (4-D keeps its fused backends eligible);
     ``enable_gqa`` with k, v of Hkv < H heads: PyTorch reads the groups without attnlab copying them."""
     q, scale = _positive_scale(q, is_causal, scale)
+    if torch.is_grad_enabled():
+        q, k, v = (_dense_if_expanded(t) for t in (q, k, v))
     if enable_gqa:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=True)
