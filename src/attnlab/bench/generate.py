@@ -187,6 +187,11 @@ def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
         row["speedup"] = row["cache"]["tokens_per_s"] / row["no_cache"]["tokens_per_s"]
         row["decode_speedup"] = row["cache"]["decode_tokens_per_s"] / row["no_cache"]["decode_tokens_per_s"]
         res.rows.append(row)
+    return _finish(res, progress, total)
+
+
+def _finish(res: GenerateBench, progress, total: int) -> GenerateBench:
+    """Exit code 1 unless every row gave the same tokens both ways; write the report; say done."""
     if not all(r["same_tokens"] for r in res.rows):
         res.exit_code = 1
     res.write()
@@ -267,12 +272,7 @@ def _run_hf(config: GenerateConfig, v: dict, progress) -> GenerateBench:
         a, b = row["sdpa"]["decode_seconds_per_token"], row["attnlab"]["decode_seconds_per_token"]
         row["decode_speedup"] = a / b if b > 0 else math.inf
         res.rows.append(row)
-    if not all(r["same_tokens"] for r in res.rows):
-        res.exit_code = 1
-    res.write()
-    if progress:
-        progress(total, total, "done")
-    return res
+    return _finish(res, progress, total)
 
 
 def _draw(res: GenerateBench, ax) -> None:
