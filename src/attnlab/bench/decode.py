@@ -3,11 +3,12 @@
 Per case (KV length S, dtype, heads, batch B, cache layout) one new query token (L = 1) attends to the whole
 cache. Timed side by side in interleaved rounds (medians): ``attnlab.attention_with_kvcache`` on the cache
 (contiguous, or paged with the given page size) and ``F.scaled_dot_product_attention(enable_gqa=True)`` on
-the same keys in [B, Hkv, S, D], plus each round's read bandwidth (a sum over a buffer well past the
-caches). Reported: milliseconds, GB/s of K/V read, the memory-bound time (K/V bytes / bandwidth) and
-attnlab's time over it, and attnlab's speed over SDPA's. Every case's output is checked against SDPA in
-float64 (the error budget: FUSED_ERROR_FACTOR times SDPA's own error in the case's dtype, plus a floor);
-a case out of budget sets ``exit_code`` 1.
+the same keys in [B, Hkv, S, D], plus the read bandwidth (a sum over a buffer well past the caches, run
+before every timed call, so each call reads its K/V cold: Note [Decode bench cold cache]). Reported:
+milliseconds, GB/s of K/V read, the memory-bound time (K/V bytes / bandwidth) and attnlab's time over it,
+and attnlab's speed over SDPA's. Every case's output is checked against SDPA in float64 (the error budget:
+FUSED_ERROR_FACTOR times SDPA's own error in the case's dtype, plus a floor); a case out of budget sets
+``exit_code`` 1.
 
 dtype "int8": an int8 cache (``QuantizedKV``, per-token per-head scales) with float32 queries; SDPA runs on the
 dequantised float32 keys (the same values), and the int8 target compares its time with the bf16 case's.
@@ -105,8 +106,9 @@ class DecodeBench:
         self.files = write_json_and_figure(self.out_dir, "decode", {
             "suite": "decode", "threads": self.threads, "rows": self.rows, "skipped": self.skipped,
             "targets": self.targets, "env": self.env,
-            "note": ("ms: medians of interleaved rounds; memory_bound_ms = K/V bytes / the read bandwidth measured "
-                     "in the same rounds; speedup = SDPA ms / attnlab ms")},
+            "note": ("ms: medians of interleaved rounds, each call after a bandwidth probe that flushes the caches "
+                     "(cold K/V); memory_bound_ms = K/V bytes / the read bandwidth measured in the same rounds; "
+                     "speedup = SDPA ms / attnlab ms")},
             lambda ax: _draw(self, ax), figsize=(6, 3.5))
         return self.files
 
@@ -120,6 +122,14 @@ def _paged(x: torch.Tensor, table: torch.Tensor, page: int) -> torch.Tensor:
     return pool
 
 
+# Note [Decode bench cold cache]: every timed call follows a bandwidth probe, whose buffer (1 GiB by default)
+# is far past the L3, so each call reads its K/V from memory, as the memory-bound time assumes. One probe per
+# round, after both calls, let the second call of a round read warm data wherever it shared memory with the
+# first: SDPA's k, v [B, Hkv, S, D] are the memory of the contiguous cache (a view), so in the
+# rounds SDPA went first the contiguous case found up to 32 MiB of its K/V in the L3 (all of a bf16 cache at
+# S = 4096, 16.8 MB), while a paged pool (a copy) never did: its ratio to the contiguous case was biased
+# against it by the L3, and at S <= 4096 the contiguous case's time against the bound mixed cold and warm
+# rounds.
 def _bandwidth_once(buf: torch.Tensor) -> float:
     t = time.perf_counter()
     buf.sum()
@@ -162,10 +172,10 @@ def _case(name, S, dtype, B, layout, rounds, buf, gen):
     for r in range(rounds):  # interleaved; alternate who goes first
         pair = [(tm, mine), (ts, theirs)]
         for acc, f in (pair if r % 2 == 0 else pair[::-1]):
+            bw.append(_bandwidth_once(buf))  # Note [Decode bench cold cache]: also flushes the caches
             t = time.perf_counter()
             f()
             acc.append(time.perf_counter() - t)
-        bw.append(_bandwidth_once(buf))
     nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, torch.int8 if int8 else dt)
     ms, ss, bwm = float(np.median(tm)) * 1e3, float(np.median(ts)) * 1e3, float(np.median(bw))
     bound_ms = nbytes / bwm * 1e3

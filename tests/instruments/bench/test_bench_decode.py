@@ -51,3 +51,29 @@ def test_bench_decode_int8_and_layout_targets(tmp_path):
     i8 = targets["mqa S=32768 int8 vs bf16 B=1 contiguous"]
     assert i8["int8_over_bf16"] == pytest.approx(rows["int8", "contiguous"]["attnlab_ms"]
                                                  / rows["bfloat16", "contiguous"]["attnlab_ms"])
+
+
+@pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
+def test_bench_decode_probe_before_every_timed_call(tmp_path, monkeypatch):
+    """Note [Decode bench cold cache]: each timed call (attnlab's or SDPA's) follows a bandwidth probe, so no
+    call reads K/V the other one of its round left in the caches."""
+    events = []
+    probe, call = bench_decode._bandwidth_once, bench_decode.decode_kernel_call
+    sdpa = bench_decode.F.scaled_dot_product_attention
+
+    class _F:  # bench_decode's F with SDPA's calls recorded
+        @staticmethod
+        def scaled_dot_product_attention(*a, **kw):
+            events.append("sdpa")
+            return sdpa(*a, **kw)
+
+    monkeypatch.setattr(bench_decode, "_bandwidth_once", lambda buf: events.append("probe") or probe(buf))
+    monkeypatch.setattr(bench_decode, "decode_kernel_call", lambda *a: events.append("mine") or call(*a))
+    monkeypatch.setattr(bench_decode, "F", _F)
+    res = bench_decode.run(bench_decode.DecodeConfig(out=str(tmp_path), seq_lens=(64,), dtypes=("float32",),
+                                                     heads=("mqa",), batches=(1,), layouts=("contiguous",), rounds=3,
+                                                     bandwidth_mib=1, threads=1))
+    assert res.exit_code == 0 and len(res.rows) == 1
+    # the untimed check (attnlab, SDPA, SDPA in float64), then 3 rounds alternating who goes first
+    assert events == ["mine", "sdpa", "sdpa"] + ["probe", "mine", "probe", "sdpa", "probe", "sdpa", "probe", "mine",
+                                                 "probe", "mine", "probe", "sdpa"]
