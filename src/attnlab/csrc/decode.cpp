@@ -36,6 +36,12 @@
 // 32/8, D=128, S=8192, CPU time: fp32 20.3 ms vs 10.3 ms for the [.., Hkv, S, D] layout; bf16 13.5 vs 9.2).
 // Such a unit then spans all hs = Hkv heads, tile by tile (every head of the tile's tokens, then the next
 // tile), so memory is read in order; the key splits then provide the parallelism B·Hkv no longer does.
+// Fewer heads per unit are slower (1 thread, CPU time, S=32768, against the [.., Hkv, S, D] layout's time:
+// hs = 2 / 4 / 8: fp32 1.49 / 1.20 / 1.14, bf16 1.50 / 1.25 / 1.02), and so is the split count's choice not
+// the cause: 2 or 8 splits of hs = 8 time the same (2 threads, wall: fp32 1.11 vs 1.14, bf16 1.28 vs 1.27).
+// The rest of the gap is the layout itself at 2 threads (Note [Decode page walk]). Tried and not kept:
+// prefetching the next tile token by token (memory order, a tile ahead) instead of the next item's rows:
+// no change at 1 thread (fp32 paged 64: 19.1 vs 19.2 ms, bf16 11.3 vs 11.3).
 //
 // Note [Decode tiles]: keys go TK at a time, read in place and widened to fp32 in registers by the loops
 // that use them (Note [Decode loads]). Scores s = (scale * q) . k, then soft-capping, ALiBi, the key range, keep and bias (masked
@@ -57,6 +63,11 @@
 // row). With it, paged caches of page size 16, 64 and 256 run within 1.01-1.08x of the same keys in one
 // [B, S, Hkv, D] page per sequence (the same schedule; measured 1 thread, CPU time, GQA 32/8, D=128,
 // S=4096 and 32768, fp32 and bf16, on a loaded machine). The contiguous cache walks the same way.
+// Against attnlab's [B, Hkv, S, D] cache (one head per unit, each head's rows one run: what `bench decode`
+// calls contiguous) the gap is the pool's layout, not the walk: 2 threads, wall, GQA 32/8 D=128 S=32768,
+// caches flushed before each call, medians of 9 interleaved rounds, a lightly loaded machine; time over the
+// [B, Hkv, S, D] cache's: [B, S, Hkv, D] 1.14 (fp32) / 1.27 (bf16), paged 16 / 64 / 256 fp32 1.28 / 1.18 /
+// 1.14, bf16 1.39 / 1.28 / 1.26. On 1 thread (CPU time) bf16 closes to 1.01-1.06 and fp32 stays 1.14-1.34.
 //
 // Compiled once per CPU capability with attention.cpp's flags (setup.py); at::vec picks the vector width.
 
