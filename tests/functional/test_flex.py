@@ -629,3 +629,40 @@ def test_first_call_imports_no_compiler_stack():
                        env=dict(os.environ, OMP_NUM_THREADS="1", ATTNLAB_CALIBRATION="off"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[-2] == "[]", r.stdout[-2000:]
+
+
+# -- the fused probe checks (Note [Fused probe checks]) give the plain checks' answers ------------------------
+@pytest.mark.parametrize("name, fn, kind, fused", [
+    ("identity", lambda s, b, h, q, k: s, "identity", None),
+    ("plus 0.5", lambda s, b, h, q, k: s + 0.5, "affine", True),
+    ("relative, scaled", lambda s, b, h, q, k: s * 0.5 + 0.1 * (q - k), "affine", True),
+    ("large factor", lambda s, b, h, q, k: s * 3.7e9 + 0.1 * (q - k) + 0.3, "affine", False),  # residual > _RTOL, < tol
+    ("mask as -inf", lambda s, b, h, q, k: torch.where(q >= k, s + (q - k) * 0.1, float("-inf")), "affine", None),
+    ("sum overflows", lambda s, b, h, q, k: s * 1e302, "affine", None),  # finite values, an infinite sum
+    ("nan on one key", lambda s, b, h, q, k: torch.where(k == 5, s * float("nan"), s), "general", None),
+    ("softcap", lambda s, b, h, q, k: 30 * torch.tanh(s / 30), "softcap", True),
+    ("softcap, large bias", lambda s, b, h, q, k: 30 * torch.tanh(s / 30) + 1.1e12 * (q - k) + 0.3, "softcap", False),
+    ("clamp", lambda s, b, h, q, k: torch.clamp(s, -50, 50), "general", False),
+    ("curvature", lambda s, b, h, q, k: s + 1e-3 * s * s, "general", False),
+    ("negative factor", lambda s, b, h, q, k: -s + 1.0, "general", True),
+])
+def test_fused_probe_checks_agree_with_the_plain_ones(monkeypatch, name, fn, kind, fused):
+    """Note [Fused probe checks]: the same ScoreModKind with the fused checks as with the plain ones alone, on
+    score_mods where the fused check settles it (fused True), where it does not and the plain check decides
+    (False) and where the finite-sum test sends the call to the plain path (None: nothing fused is asked)."""
+    seen = []
+    for f in ("_fused_affine", "_fused_softcap"):
+        def spy(*a, _f=getattr(flex, f)):
+            seen.append(_f(*a))
+            return seen[-1]
+        monkeypatch.setattr(flex, f, spy)
+    fast = flex.probe_score_mod(fn, 2, 3, 40, 40)
+    monkeypatch.setattr(flex, "_FAST_CHECKS", False)
+    n_fast = len(seen)
+    plain = flex.probe_score_mod(fn, 2, 3, 40, 40)
+    assert len(seen) == n_fast, "the plain checks ran a fused one"
+    assert fast == plain and fast.kind == kind, (fast, plain)
+    if fused is None:
+        assert not seen
+    else:
+        assert seen and seen[-1] is fused, seen
