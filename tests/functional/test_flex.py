@@ -641,7 +641,7 @@ def test_first_call_imports_no_compiler_stack():
     ("sum overflows", lambda s, b, h, q, k: s * 1e302, "affine", None),  # finite values, an infinite sum
     ("nan on one key", lambda s, b, h, q, k: torch.where(k == 5, s * float("nan"), s), "general", None),
     ("softcap", lambda s, b, h, q, k: 30 * torch.tanh(s / 30), "softcap", True),
-    ("softcap, large bias", lambda s, b, h, q, k: 30 * torch.tanh(s / 30) + 1.1e12 * (q - k) + 0.3, "softcap", False),
+    ("softcap, large bias", lambda s, b, h, q, k: 30 * torch.tanh(s / 30) + 0.3 + 1.1e12 * (q - k), "softcap", False),
     ("clamp", lambda s, b, h, q, k: torch.clamp(s, -50, 50), "general", False),
     ("curvature", lambda s, b, h, q, k: s + 1e-3 * s * s, "general", False),
     ("negative factor", lambda s, b, h, q, k: -s + 1.0, "general", True),
