@@ -666,3 +666,20 @@ def test_fused_probe_checks_agree_with_the_plain_ones(monkeypatch, name, fn, kin
         assert not seen
     else:
         assert seen and seen[-1] is fused, seen
+
+
+@pytest.mark.parametrize("y, want, same, fused", [
+    ([1.0, -2.5, 0.0], [1.0, -2.5, 0.0], True, True),
+    ([1.0, float("-inf")], [1.0, float("-inf")], True, False),  # -inf - -inf is NaN: the plain check decides
+    ([1e6, 3.0], [1e6 + 1e-4, 3.0], True, False),  # > _RTOL apart, within _RTOL·(|y| + |want| + 1)
+    ([1e6, 3.0], [1e6 + 1e-2, 3.0], False, False),
+    ([0.5, float("-inf")], [0.5, 0.0], False, False),
+])
+def test_relative_probe_match_fused_and_plain(monkeypatch, y, want, same, fused):
+    """Note [Fused probe checks]: _matches (the relative probe's table comparison) by its fused bound and by
+    the plain check alone give one answer; ``fused``: whether the bound settles it."""
+    y, want = torch.tensor(y, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    assert (float((y - want).abs().max()) <= flex._RTOL) is fused
+    assert flex._matches(y, want) is same
+    monkeypatch.setattr(flex, "_FAST_CHECKS", False)
+    assert flex._matches(y, want) is same
