@@ -456,6 +456,8 @@ def test_relative_bias_is_one_table_per_offset(name, mask):
     lambda s, b, h, q, k: s + 0.1 * q,  # absolute query position
     lambda s, b, h, q, k: s + torch.where(k % 3 == 0, 1.0, 0.0),  # absolute key positions
     lambda s, b, h, q, k: s + b * 0.5 + (q - k),  # relative, but per batch element
+    # relative but key 7 masked as -inf: passed as relative (|-inf - t| <= tolerance·inf), off by 0.32
+    lambda s, b, h, q, k: s + 0.1 * (q - k) + torch.where(k == 7, float("-inf"), 0.0),
 ])
 def test_relative_probe_refuses_absolute_biases(score_mod):
     """Biases that are not a function of (h, q_idx - kv_idx) take the kept-blocks path, and stay exact."""
@@ -673,7 +675,8 @@ def test_fused_probe_checks_agree_with_the_plain_ones(monkeypatch, name, fn, kin
     ([1.0, float("-inf")], [1.0, float("-inf")], True, False),  # -inf - -inf is NaN: the plain check decides
     ([1e6, 3.0], [1e6 + 1e-4, 3.0], True, False),  # > _RTOL apart, within _RTOL·(|y| + |want| + 1)
     ([1e6, 3.0], [1e6 + 1e-2, 3.0], False, False),
-    ([0.5, float("-inf")], [0.5, 0.0], False, False),
+    ([0.5, float("-inf")], [0.5, 0.0], False, False),  # a -inf is never within a tolerance of a finite value
+    ([0.5, 1e308], [0.5, -1e308], False, False),
 ])
 def test_relative_probe_match_fused_and_plain(monkeypatch, y, want, same, fused):
     """Note [Fused probe checks]: _matches (the relative probe's table comparison) by its fused bound and by

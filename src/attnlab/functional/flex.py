@@ -746,11 +746,14 @@ def _table_index(h, qi, ki, H, L, S) -> torch.Tensor:
 
 
 def _matches(y: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether y == want, or within _RTOL·(|y| + |want| + 1), at every point (-inf matching -inf); first by
-    the fused bound max |y - want| <= _RTOL, which implies it (Note [Fused probe checks])."""
+    """Whether y == want, or both finite and within _RTOL·(|y| + |want| + 1), at every point (-inf matches
+    -inf only: with a tolerance that grew with |y| a -inf at a point whose table value is finite passed, and
+    the kernel added the finite table value there); first by the fused bound max |y - want| <= _RTOL, which
+    implies it (Note [Fused probe checks])."""
     if _FAST_CHECKS and y.numel() and float((y - want).abs_().max()) <= _RTOL:
         return True
-    return bool(((y == want) | ((y - want).abs() <= _RTOL * (y.abs() + want.abs() + 1))).all())
+    d = (y - want).abs()  # inf where one side is infinite and the other not: never within a tolerance
+    return bool(((y == want) | ((d <= _RTOL * (y.abs() + want.abs() + 1)) & torch.isfinite(d))).all())
 
 
 def _relative_probe_count(L, S) -> int:
