@@ -405,9 +405,11 @@ def _probe_inputs(B, H, L, S, seed):
             if n == 0:
                 continue
             b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
-            s = torch.tensor(scores, dtype=torch.float64).expand(n, -1)
-            s = torch.cat([s, torch.rand(n, len(scores) // 3, generator=g, dtype=torch.float64) * 20 - 10,
-                           torch.full((n, 1), _BIG)], 1)
+            k = len(scores)  # (n, k + k // 3 + 1): the fixed scores, random ones in [-10, 10), _BIG; in place
+            s = torch.empty(n, k + k // 3 + 1, dtype=torch.float64)
+            s[:, :k] = torch.tensor(scores, dtype=torch.float64)
+            s[:, k:-1] = torch.rand(n, k // 3, generator=g, dtype=torch.float64).mul_(20).sub_(10)
+            s[:, -1] = _BIG
             where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
             out.append((s, (b, h, qi, ki), scores, where))
         return out
@@ -473,9 +475,9 @@ def _classify(score_mod, name, s, idx, scores, seed, where, biases=None):
 # - the affine check |y - fit| <= tol, tol = _RTOL·(|score|·|slope| + |c| + 1) >= _RTOL, holds everywhere if
 #   max |y - fit| <= _RTOL, with fit computed by the same operations (so bitwise the same values) in one
 #   temporary, in place; the soft-capping check likewise against _RTOL·(cap + 1) <= its tolerance (rounding
-#   is monotone); where the max exceeds that bound, the plain check decides. The affine check runs the plain
-#   check on one column of scores first (an (n,) pass: the -1000 score, where a soft-capping or curved
-#   function departs most), so that a soft-capping score_mod leaves it after (n,) work.
+#   is monotone); where the max exceeds that bound, the plain check decides. After a fused affine check that
+#   fails, the plain one runs on one column of scores first (an (n,) pass: the -1000 score, where a
+#   soft-capping or curved function departs most), so that a soft-capping score_mod leaves it after (n,) work.
 _FAST_CHECKS = True
 
 
@@ -511,10 +513,10 @@ def _affine_fits(ys, sb, slope, c, lo, exact):
         fit = slope * sb + c
         return bool(((ys - fit).abs() <= _RTOL * (sb.abs() * slope.abs() + c.abs() + 1)).all())
     if not exact:
-        if not fits(ys[:, lo], sb[:, lo], slope, c):  # one column first, (n,) temporaries: soft-capping fails here
-            return False
         if _fused_affine(ys, sb, slope, c):
             return True
+        if not fits(ys[:, lo], sb[:, lo], slope, c):  # one column, (n,) temporaries: soft-capping fails here
+            return False
     return fits(ys, sb, slope.unsqueeze(1), c.unsqueeze(1))
 
 
