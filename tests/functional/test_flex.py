@@ -456,6 +456,8 @@ def test_relative_bias_is_one_table_per_offset(name, mask):
     lambda s, b, h, q, k: s + 0.1 * q,  # absolute query position
     lambda s, b, h, q, k: s + torch.where(k % 3 == 0, 1.0, 0.0),  # absolute key positions
     lambda s, b, h, q, k: s + b * 0.5 + (q - k),  # relative, but per batch element
+    # relative but key 7 masked as -inf: passed as relative (|-inf - t| <= tolerance·inf), off by 0.32
+    lambda s, b, h, q, k: s + 0.1 * (q - k) + torch.where(k == 7, float("-inf"), 0.0),
 ])
 def test_relative_probe_refuses_absolute_biases(score_mod):
     """Biases that are not a function of (h, q_idx - kv_idx) take the kept-blocks path, and stay exact."""
@@ -629,3 +631,58 @@ def test_first_call_imports_no_compiler_stack():
                        env=dict(os.environ, OMP_NUM_THREADS="1", ATTNLAB_CALIBRATION="off"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[-2] == "[]", r.stdout[-2000:]
+
+
+# -- the fused probe checks (Note [Fused probe checks]) give the plain checks' answers ------------------------
+@pytest.mark.parametrize("name, fn, kind, fused", [
+    ("identity", lambda s, b, h, q, k: s, "identity", None),
+    ("plus 0.5", lambda s, b, h, q, k: s + 0.5, "affine", True),
+    ("relative, scaled", lambda s, b, h, q, k: s * 0.5 + 0.1 * (q - k), "affine", True),
+    ("large factor", lambda s, b, h, q, k: s * 3.7e9 + 0.1 * (q - k) + 0.3, "affine", False),  # residual > _RTOL, < tol
+    ("mask as -inf", lambda s, b, h, q, k: torch.where(q >= k, s + (q - k) * 0.1, float("-inf")), "affine", None),
+    ("sum overflows", lambda s, b, h, q, k: s * 1e302, "affine", None),  # finite values, an infinite sum
+    ("nan on one key", lambda s, b, h, q, k: torch.where(k == 5, s * float("nan"), s), "general", None),
+    ("softcap", lambda s, b, h, q, k: 30 * torch.tanh(s / 30), "softcap", True),
+    ("softcap, large bias", lambda s, b, h, q, k: 30 * torch.tanh(s / 30) + 0.3 + 1.1e12 * (q - k), "softcap", False),
+    ("clamp", lambda s, b, h, q, k: torch.clamp(s, -50, 50), "general", False),
+    ("curvature", lambda s, b, h, q, k: s + 1e-3 * s * s, "general", False),
+    ("negative factor", lambda s, b, h, q, k: -s + 1.0, "general", True),
+])
+def test_fused_probe_checks_agree_with_the_plain_ones(monkeypatch, name, fn, kind, fused):
+    """Note [Fused probe checks]: the same ScoreModKind with the fused checks as with the plain ones alone, on
+    score_mods where the fused check settles it (fused True), where it does not and the plain check decides
+    (False) and where the finite-sum test sends the call to the plain path (None: nothing fused is asked)."""
+    seen = []
+    for f in ("_fused_affine", "_fused_softcap"):
+        def spy(*a, _f=getattr(flex, f)):
+            seen.append(_f(*a))
+            return seen[-1]
+        monkeypatch.setattr(flex, f, spy)
+    fast = flex.probe_score_mod(fn, 2, 3, 40, 40)
+    monkeypatch.setattr(flex, "_FAST_CHECKS", False)
+    n_fast = len(seen)
+    plain = flex.probe_score_mod(fn, 2, 3, 40, 40)
+    assert len(seen) == n_fast, "the plain checks ran a fused one"
+    assert fast == plain and fast.kind == kind, (fast, plain)
+    if fused is None:
+        assert not seen
+    else:
+        assert seen and seen[-1] is fused, seen
+
+
+@pytest.mark.parametrize("y, want, same, fused", [
+    ([1.0, -2.5, 0.0], [1.0, -2.5, 0.0], True, True),
+    ([1.0, float("-inf")], [1.0, float("-inf")], True, False),  # -inf - -inf is NaN: the plain check decides
+    ([1e6, 3.0], [1e6 + 1e-4, 3.0], True, False),  # > _RTOL apart, within _RTOL·(|y| + |want| + 1)
+    ([1e6, 3.0], [1e6 + 1e-2, 3.0], False, False),
+    ([0.5, float("-inf")], [0.5, 0.0], False, False),  # a -inf is never within a tolerance of a finite value
+    ([0.5, 1e308], [0.5, -1e308], False, False),
+])
+def test_relative_probe_match_fused_and_plain(monkeypatch, y, want, same, fused):
+    """Note [Fused probe checks]: _matches (the relative probe's table comparison) by its fused bound and by
+    the plain check alone give one answer; ``fused``: whether the bound settles it."""
+    y, want = torch.tensor(y, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    assert (float((y - want).abs().max()) <= flex._RTOL) is fused
+    assert flex._matches(y, want) is same
+    monkeypatch.setattr(flex, "_FAST_CHECKS", False)
+    assert flex._matches(y, want) is same

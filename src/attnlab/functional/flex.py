@@ -405,9 +405,11 @@ def _probe_inputs(B, H, L, S, seed):
             if n == 0:
                 continue
             b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
-            s = torch.tensor(scores, dtype=torch.float64).expand(n, -1)
-            s = torch.cat([s, torch.rand(n, len(scores) // 3, generator=g, dtype=torch.float64) * 20 - 10,
-                           torch.full((n, 1), _BIG)], 1)
+            k = len(scores)  # (n, k + k // 3 + 1): the fixed scores, random ones in [-10, 10), _BIG; in place
+            s = torch.empty(n, k + k // 3 + 1, dtype=torch.float64)
+            s[:, :k] = torch.tensor(scores, dtype=torch.float64)
+            s[:, k:-1] = torch.rand(n, k // 3, generator=g, dtype=torch.float64).mul_(20).sub_(10)
+            s[:, -1] = _BIG
             where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
             out.append((s, (b, h, qi, ki), scores, where))
         return out
@@ -435,13 +437,17 @@ def _classify(score_mod, name, s, idx, scores, seed, where, biases=None):
                             "(its gradient depends on the score)", reads_grad=True), False
     y = y.detach().to(torch.float64)
     ys, yb, sb = y[:, :-1], y[:, -1], s[:, :-1]
+    c = ys[:, zero]  # the bias term: score_mod(0, ...)
     if biases is not None:
-        biases.append((idx, ys[:, zero]))
-    if bool((ys == sb).all()):
+        biases.append((idx, c))
+    # identity needs c == 0 (the score 0 column): checked first, an (n,) pass instead of an (n, k) one
+    if bool((c == 0).all()) and bool((ys == sb).all()):
         if reads_grad:  # a learned bias that is 0 now (a zero-initialised table): still a bias, for its gradient
             return ScoreModKind("affine", "score_mod(score) == score + bias, the bias 0 on the probes but read from "
                                 "a tensor that requires grad", has_bias=True, reads_grad=True), False
         return ScoreModKind("identity", f"score_mod(score) == score on {where}"), False
+    if _FAST_CHECKS and _sum_is_finite(y):  # Note [Fused probe checks]: every value finite, none masked
+        return _classify_finite(ys, yb, sb, c, lo, hi, where, reads_grad), False
     # points whose every value is -inf are masked pairs: consistent with any kind that has a bias
     masked = torch.isneginf(y).all(1)
     any_masked = bool(masked.any())
@@ -449,37 +455,99 @@ def _classify(score_mod, name, s, idx, scores, seed, where, biases=None):
     if not bool(torch.isfinite(y[live] if any_masked else y).all()):
         return ScoreModKind("general", "non-finite values on some scores of a pair (not affine, not soft-capping)",
                             reads_grad=reads_grad), False
-    if any_masked:  # (a boolean index copies: skipped when every pair is live, the common case)
-        ys, yb, sb = ys[live], yb[live], sb[live]
+    if any_masked:  # (a boolean index copies: skipped when every pair is live)
+        ys, yb, sb, c = ys[live], yb[live], sb[live], c[live]
     if ys.shape[0] == 0:
         return ScoreModKind("affine", "every probed pair is -inf: a mask written as a score_mod", has_bias=True,
                             reads_grad=reads_grad), True
-    c = ys[:, zero]  # the bias term: score_mod(0, ...)
+    return _classify_finite(ys, yb, sb, c, lo, hi, where, reads_grad, any_masked, exact=True), False
+
+
+# Note [Fused probe checks]: _classify's checks are full passes over (n, k) float64 values, n the ~5·L line
+# points of Note [Structured probes] (at L = S = 16384, 98k points x 4 scores, 3 MB per temporary, each a fresh
+# allocation that faults its pages in): a dozen of them were most of the probe's 20 ms even for
+# ``score + 0.5``. The answers stay exactly those of the plain checks (kept as the ``exact`` branch, and run
+# whenever a fused one does not settle it; _FAST_CHECKS = False runs them alone, and the tests compare):
+# - identity needs score_mod(0) == 0 at every point, an (n,) check before the (n, k) one;
+# - a finite sum of every value proves every value finite (an inf or NaN makes the sum inf or NaN; an
+#   overflowing sum of finite values only sends the call to the plain checks), so no pair is masked and the
+#   isneginf/isfinite passes are skipped;
+# - the affine check |y - fit| <= tol, tol = _RTOL·(|score|·|slope| + |c| + 1) >= _RTOL, holds everywhere if
+#   max |y - fit| <= _RTOL, with fit computed by the same operations (so bitwise the same values) in one
+#   temporary, in place; the soft-capping check likewise against _RTOL·(cap + 1) <= its tolerance (rounding
+#   is monotone); where the max exceeds that bound, the plain check decides. After a fused affine check that
+#   fails, the plain one runs on one column of scores first (an (n,) pass: the -1000 score, where a
+#   soft-capping or curved function departs most), so that a soft-capping score_mod leaves it after (n,) work.
+_FAST_CHECKS = True
+
+
+def _classify_finite(ys, yb, sb, c, lo, hi, where, reads_grad, any_masked=False, exact=False):
+    """_classify's affine and soft-capping checks on points whose values are all finite (Note [Fused probe
+    checks]): ys (n, k) at the scores sb (n, k), yb (n,) at _BIG, c (n,) at score 0; ``exact`` runs the plain
+    checks only."""
     # affine: slope from the widest pair of scores, residual on every other score
     slope = (ys[:, hi] - ys[:, lo]) / (sb[:, hi] - sb[:, lo])  # scores 250 and -1000
-    fit = slope.unsqueeze(1) * sb + c.unsqueeze(1)
-    tol = _RTOL * (sb.abs() * slope.abs().unsqueeze(1) + c.abs().unsqueeze(1) + 1)
-    if bool(((ys - fit).abs() <= tol).all()):
+    if _affine_fits(ys, sb, slope, c, lo, exact):
         a = float(slope[0])
         if bool((slope - a).abs().le(_RTOL * abs(a)).all()) and a > 0:
             has_bias = bool((c != 0).any()) or any_masked or reads_grad
             return ScoreModKind("affine", f"score_mod(score) == {a:.6g}·score + bias(b, h, q_idx, kv_idx) on "
-                                f"{where}", factor=a, has_bias=has_bias, reads_grad=reads_grad), False
+                                f"{where}", factor=a, has_bias=has_bias, reads_grad=reads_grad)
         return ScoreModKind("general", "affine in the score, but its factor varies with (b, h, q_idx, kv_idx) or "
-                            "is not > 0 (only a constant positive factor folds into scale)", reads_grad=reads_grad), False
+                            "is not > 0 (only a constant positive factor folds into scale)", reads_grad=reads_grad)
     # soft-capping (plus a bias): y - y(0) == cap·tanh(score / cap), cap = y(_BIG) - y(0)
     cap = yb - c
     cap0 = float(cap[0])
     if cap0 > 0 and math.isfinite(cap0) and bool(((cap - cap0).abs() <= _RTOL * cap0).all()):
-        want = cap0 * torch.tanh(sb / cap0) + c.unsqueeze(1)
-        if bool(((ys - want).abs() <= _RTOL * (cap0 + c.abs().unsqueeze(1) + 1)).all()):
+        if _softcap_fits(ys, sb, cap0, c, exact):
             has_bias = bool((c != 0).any()) or any_masked or reads_grad
             return ScoreModKind("softcap", f"score_mod(score) == {cap0:.6g}·tanh(score / {cap0:.6g})"
                                 + (" + bias(b, h, q_idx, kv_idx)" if has_bias else "")
-                                + f" on {where}", softcap=cap0, has_bias=has_bias,
-                                reads_grad=reads_grad), False
-    return ScoreModKind("general", f"neither affine in the score nor soft-capping on {where}",
-                        reads_grad=reads_grad), False
+                                + f" on {where}", softcap=cap0, has_bias=has_bias, reads_grad=reads_grad)
+    return ScoreModKind("general", f"neither affine in the score nor soft-capping on {where}", reads_grad=reads_grad)
+
+
+def _affine_fits(ys, sb, slope, c, lo, exact):
+    """Whether |ys - (slope·sb + c)| <= _RTOL·(|sb|·|slope| + |c| + 1) everywhere (Note [Fused probe checks])."""
+    def fits(ys, sb, slope, c):
+        fit = slope * sb + c
+        return bool(((ys - fit).abs() <= _RTOL * (sb.abs() * slope.abs() + c.abs() + 1)).all())
+    if not exact:
+        if _fused_affine(ys, sb, slope, c):
+            return True
+        if not fits(ys[:, lo], sb[:, lo], slope, c):  # one column, (n,) temporaries: soft-capping fails here
+            return False
+    return fits(ys, sb, slope.unsqueeze(1), c.unsqueeze(1))
+
+
+def _sum_is_finite(y: torch.Tensor) -> bool:
+    """A sufficient condition for every value of y being finite: its sum is (Note [Fused probe checks])."""
+    return math.isfinite(float(y.sum()))
+
+
+def _fused_affine(ys, sb, slope, c) -> bool:
+    """A sufficient condition for _affine_fits: max |ys - fit| <= _RTOL, fit by the plain check's operations
+    in one (n, k) temporary (Note [Fused probe checks]); a NaN max fails."""
+    r = slope.unsqueeze(1) * sb
+    r.add_(c.unsqueeze(1)).sub_(ys).abs_()
+    return float(r.max()) <= _RTOL
+
+
+def _fused_softcap(ys, sb, cap0, c) -> bool:
+    """A sufficient condition for _softcap_fits: max |ys - want| <= _RTOL·(cap0 + 1) (Note [Fused probe
+    checks])."""
+    r = sb / cap0
+    r.tanh_().mul_(cap0).add_(c.unsqueeze(1)).sub_(ys).abs_()
+    return float(r.max()) <= _RTOL * (cap0 + 1)
+
+
+def _softcap_fits(ys, sb, cap0, c, exact):
+    """Whether |ys - (cap0·tanh(sb / cap0) + c)| <= _RTOL·(cap0 + |c| + 1) everywhere (Note [Fused probe
+    checks])."""
+    if not exact and _fused_softcap(ys, sb, cap0, c):
+        return True
+    want = cap0 * torch.tanh(sb / cap0) + c.unsqueeze(1)
+    return bool(((ys - want).abs() <= _RTOL * (cap0 + c.abs().unsqueeze(1) + 1)).all())
 
 
 def _combine(*groups) -> ScoreModKind:
@@ -651,21 +719,43 @@ def _relative_probe(score_mod, B, H, L, S, seed=0, seen=None) -> torch.Tensor | 
     if L == 0 or S == 0:
         return None
     table = _relative_table(score_mod, H, L, S, torch.float64)  # (H, W): offset d at column d + L - 1
-    ref = table.detach().double()
+    ref = table.detach().double().reshape(-1)  # (H·W,)
     b, h, qi, ki = _relative_points(B, H, L, S, seed, own_lines=seen is None)
     n = b.numel()
     with torch.no_grad():
         z = torch.zeros(n, 1, dtype=torch.float64)
         y = torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), ki.view(n, 1)), (n, 1))
-        ys, idx = [y.double().view(n)], [(h, qi, ki)]
-        for (_, hp, qp, kp), yp in seen or ():
-            ys.append(yp)
-            idx.append((hp.view(-1), qp.view(-1), kp.view(-1)))
-        y = torch.cat(ys)
-        h, qi, ki = (torch.cat(t) for t in zip(*idx))
-        want = ref[h % ref.shape[0], ki - qi + (L - 1)] if H else y
-    same = (y == want) | ((y - want).abs() <= _RTOL * (y.abs() + want.abs() + 1))
-    return table if bool(same.all()) else None
+        pieces = [(y.double().view(n), (h, qi, ki))] + [(yp, (hp.view(-1), qp.view(-1), kp.view(-1)))
+                                                       for (_, hp, qp, kp), yp in seen or ()]
+        for y, (h, qi, ki) in pieces:  # each piece on its own: all() of their concatenation, without it
+            want = ref[_table_index(h, qi, ki, H, L, S)] if H else y
+            if not _matches(y, want):
+                return None
+    return table
+
+
+def _table_index(h, qi, ki, H, L, S) -> torch.Tensor:
+    """(h mod H)·(L + S - 1) + kv_idx - q_idx + L - 1: where the points (h, q_idx, kv_idx) [n] read the
+    flattened table of _relative_table, kept with the points (per shape, Note [Probe inputs per shape]): keyed
+    by the h tensor, which the memo holds, so a key is never a freed tensor's reused id."""
+    key = ("table index", id(h), H, L, S)
+    hit = _PROBE_INPUTS.get(key)
+    if hit is not None and hit[0] is h:
+        return hit[1]
+    flat = (h % H).mul_(L + S - 1).add_(ki).sub_(qi).add_(L - 1)
+    _memo(key, lambda: (h, flat))
+    return flat
+
+
+def _matches(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether y == want, or both finite and within _RTOL·(|y| + |want| + 1), at every point (-inf matches
+    -inf only: with a tolerance that grew with |y| a -inf at a point whose table value is finite passed, and
+    the kernel added the finite table value there); first by the fused bound max |y - want| <= _RTOL, which
+    implies it (Note [Fused probe checks])."""
+    if _FAST_CHECKS and y.numel() and float((y - want).abs_().max()) <= _RTOL:
+        return True
+    d = (y - want).abs()  # inf where one side is infinite and the other not: never within a tolerance
+    return bool(((y == want) | ((d <= _RTOL * (y.abs() + want.abs() + 1)) & torch.isfinite(d))).all())
 
 
 def _relative_probe_count(L, S) -> int:

@@ -123,12 +123,17 @@ def _blocks_refined(mask_mod, b, h, tq, tk, L, S, bq, bk, name, stats, cache, su
         u = und[u0:u0 + step]
         q = q0[u, None] + torch.arange(sq)  # (u, sq)
         k = k0[u, None] + torch.arange(sk)
+        rows, cols = q1[u] - q0[u] + 1, k1[u] - k0[u] + 1  # (u,) each: the pairs inside the grid
+        stats.pairs += int((rows * cols).sum())
+        if bool(((rows == sq) & (cols == sk)).all()):  # no sub-tile clipped by L or S (the common case)
+            m = _exact(mask_mod, b, h, q[:, :, None], k[:, None, :], name).flatten(1)  # (u, sq·sk)
+            any_s[u], all_s[u] = m.any(1), m.all(1)
+            continue
         valid = (q <= q1[u, None])[:, :, None] & (k <= k1[u, None])[:, None, :]
         m = _exact(mask_mod, b, h, torch.minimum(q, q1[u, None])[:, :, None],
                    torch.minimum(k, k1[u, None])[:, None, :], name)
         any_s[u] = (m & valid).flatten(1).any(1)
         all_s[u] = (m | ~valid).flatten(1).all(1)
-        stats.pairs += int(valid.sum())
     any_ = torch.zeros(T, dtype=torch.long).index_add_(0, blk, any_s.long()) > 0
     all_ = torch.zeros(T, dtype=torch.long).index_add_(0, blk, all_s.long()) == nsq * nsk
     # torch pads the grid with dropped pairs: a block that L or S clips is never FULL
@@ -805,10 +810,11 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *
         return None
 
     def differs(b, h, q_idx, kv_idx):
-        d = kv_idx - q_idx
-        band = (d >= lo) if lo is not None else None
+        # lo <= kv_idx - q_idx <= hi, as kv_idx >= q_idx + lo: the sums are the small operands' shape (a grid
+        # of pairs broadcasts (u, r, 1) against (u, 1, c)), no full-size int64 difference
+        band = (kv_idx >= q_idx + lo) if lo is not None else None
         if hi is not None:
-            band = (d <= hi) if band is None else band & (d <= hi)
+            band = (kv_idx <= q_idx + hi) if band is None else band & (kv_idx <= q_idx + hi)
         if band is None:
             return ~mask_mod(b, h, q_idx, kv_idx)
         return mask_mod(b, h, q_idx, kv_idx) != band
