@@ -49,8 +49,24 @@
 // and a key's probability enters P @ V as p * v_scale against v8 (l sums the unscaled p), one multiplication
 // per key and row instead of one per element (measured, 1 thread, GQA 32/8 D=128 S=32768, CPU time, loaded
 // machine: 15.6 -> 10.7 ms). The result differs from decoding the dequantised cache in fp32 by the rounding
-// of that moved multiplication (tests/functional/test_kvcache_int8.py derives the budget); the cache is read
+// of that moved multiplication, and in a SIMD build by the scores' int16 query (Note [Decode int8 scores]);
+// tests/functional/test_kvcache_int8.py derives the budget of both. The cache is read
 // at 1 byte an element plus 4 bytes a row.
+//
+// Note [Decode int8 scores]: with an AVX2 or AVX-512 build an int8 cache's scores are integer dot products.
+// Each query row, scaled by the softmax scale, is rounded once per unit to int16 on its own grid, q16 =
+// round(q / qsc) with qsc = max|q_row| / 32767 (every element off by at most qsc / 2: 2^-16 of the row's
+// largest, where the int8 keys are off by 2^-8 of theirs and a bf16 q by 2^-9 of each element); the keys are
+// sign-extended int8 -> int16 (one instruction per 2W elements, where the fp32 path took int8 -> int32 ->
+// fp32, two per W) and multiplied pairwise into int32 lanes (vpmaddwd), exactly; a score is then
+// float(q16 . k8) * qsc * k_scale. That halves the instructions per key of the score loop; the rest of the
+// tile (softmax, P @ V against v8 with p * v_scale folded, vectorised per tile) is the fp32 path's. Measured
+// (1 thread, CPU time, GQA 32/8, D = 128, S = 32768, interleaved with a bf16 cache in one process, loaded
+// machine): int8 / bf16 from 1.21-1.27 to 0.64-0.65 (S = 1024, in cache: 1.44-1.55 to 0.70). A query that
+// already lies on its grid is taken exactly (tests/functional/test_kvcache_int8.py); otherwise the tests add
+// the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. VNNI (vpdpwssd) would fuse the
+// multiply-add but is not assumed by the AVX-512 build (Skylake-X lacks it); a default build, and heads over
+// kIntDotMaxD, keep the fp32 path.
 //
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
@@ -183,12 +199,7 @@ inline void tile_rows(const T* base, const int64_t* st, const float* sc, const i
   for (int64_t t = 0; t < nt; ++t) {
     const int64_t page = tab[pj];
     rows[t] = base + page * st[0] + off * st[1] + g * st[2];
-    if constexpr (std::is_same_v<T, int8_t>) {
-      const float* sp = sc + page * ss[0] + off * ss[1] + g * ss[2];
-      scales[t] = *sp;
-      // Note [Decode int8 scores]: the scales a tile further on, which no row prefetch brings in
-      if (kDoPrefetch && off + TK < a.T) __builtin_prefetch(sp + TK * ss[1], 0, 2);
-    }
+    if constexpr (std::is_same_v<T, int8_t>) scales[t] = sc[page * ss[0] + off * ss[1] + g * ss[2]];
     if (++off == a.T) { off = 0; ++pj; }
   }
   for (int64_t t = nt; t < (nt + W - 1) / W * W; ++t) {
@@ -300,6 +311,9 @@ constexpr bool kIntDot = true;  // Note [Decode int8 scores]
 constexpr bool kIntDot = false;
 #endif
 constexpr int64_t KW = 2 * W;  // int16 lanes of one vector: the elements one multiply-add step takes
+// the longest head the int32 lanes hold exactly: a lane sums 2 D / KW products of at most 32767 * 127
+// (< 2^31 up to D = 8256 at KW = 32, 4128 at KW = 16); longer heads take the fp32 path
+constexpr int64_t kIntDotMaxD = 4096;
 
 #if defined(CPU_CAPABILITY_AVX512)
 using Vi = __m512i;
@@ -368,9 +382,13 @@ inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float
   auto block = [&](auto rb, int64_t t) {  // the first row block also prefetches the next rows of K
     constexpr int RB = decltype(rb)::value;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<T, int8_t>)
-      dot_keys_i8<RB>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
-    else
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (q16) {
+        dot_keys_i8<RB>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
+      } else {
+        dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
+      }
+    } else
 #endif
       dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
     if (r0 == 0)
@@ -444,7 +462,7 @@ void decode_impl(const Args& a) {
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     std::vector<float> qs(RR * D), o(RR * Dv), sc(R * TK), m(RR), l(RR);
     // an int8 cache's scores take q as int16 rows (Note [Decode int8 scores]): q16 [RR, Dp], qsc [RR]
-    constexpr bool i8dot = kIntDot && std::is_same_v<T, int8_t>;
+    const bool i8dot = kIntDot && std::is_same_v<T, int8_t> && D <= kIntDotMaxD;
     const int64_t Dp = (D + KW - 1) / KW * KW;
     std::vector<int16_t> q16(i8dot ? RR * Dp : 0);
     std::vector<float> qsc(i8dot ? RR : 0);
@@ -462,7 +480,7 @@ void decode_impl(const Args& a) {
         const int64_t i = rr % a.L, h = g0 * G + rr / a.L;
         const TQ* qp = Q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
         for (int64_t d = 0; d < D; ++d) qs[rr * D + d] = static_cast<float>(qp[d]) * a.scale;
-        if constexpr (i8dot) {  // q16 = round(qs / qsc), qsc = max|qs| / 32767: each element off by <= qsc / 2
+        if (i8dot) {  // q16 = round(qs / qsc), qsc = max|qs| / 32767: each element off by <= qsc / 2
           const float* x = qs.data() + rr * D;
           int16_t* y = q16.data() + rr * Dp;
           float amax = 0.f;
