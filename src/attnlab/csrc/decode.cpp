@@ -61,8 +61,10 @@
 // fp32, two per W) and multiplied pairwise into int32 lanes (vpmaddwd), exactly; a score is then
 // float(q16 . k8) * qsc * k_scale. That halves the instructions per key of the score loop; the rest of the
 // tile (softmax, P @ V against v8 with p * v_scale folded, vectorised per tile) is the fp32 path's. Measured
-// (1 thread, CPU time, GQA 32/8, D = 128, S = 32768, interleaved with a bf16 cache in one process, loaded
-// machine): int8 / bf16 from 1.21-1.27 to 0.64-0.65 (S = 1024, in cache: 1.44-1.55 to 0.70). A query that
+// (1 thread, CPU time, GQA 32/8, D = 128, interleaved with a bf16 cache in one process, the same build, loaded
+// machine): int8 / bf16 at S = 32768 from 1.23-1.27 to 0.87-0.93; at S = 2048 (in cache) 1.38-1.48 to
+// 1.09-1.14. So the int8 tile is still compute-bound (P @ V: int8 -> int32 -> fp32 per W elements, 4 FMAs a
+// vector; the page walk's per-row pointers and scales) and the issue-23 target of 0.6x is not met. A query that
 // already lies on its grid is taken exactly (tests/functional/test_kvcache_int8.py); otherwise the tests add
 // the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. VNNI (vpdpwssd) would fuse the
 // multiply-add but is not assumed by the AVX-512 build (Skylake-X lacks it); a default build, and heads over
@@ -240,7 +242,9 @@ inline float hsum(const Vf& v) {
 // one reduction per vector costs 2 log2(W) steps each. With K/V widened in registers (Note [Decode loads])
 // it took the in-cache cost per (key, kv head) from 44 to 40 ns fp32 and 56 to 39 ns bf16 (1 thread, GQA
 // 32/8 D=128 S=512, CPU time, loaded machine; data in L3, so partly memory time).
-inline void hsum_all(const Vf* acc, float* out) {
+// always_inline: with a second caller (Note [Decode int8 scores]) GCC stopped inlining it, and the bf16
+// path, passing its 16 accumulators through memory, lost 40% (1 thread, S = 2048, 50 -> 70 ns a key).
+__attribute__((always_inline)) inline void hsum_all(const Vf* acc, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
   auto pair = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)); };
   auto quad = [](__m512 xy, __m512 zw) {
@@ -335,8 +339,12 @@ inline Vf i32_to_f(Vi x) { return _mm256_cvtepi32_ps(x); }
 // dot_keys for an int8 cache (Note [Decode int8 scores]): s[rr * TK + t + kk] = (q16[rr] . k8[t + kk]) *
 // qsc[rr] * ksc[t + kk], the dot products exact in int32 (pairs of int16 products summed by one multiply-add),
 // KW elements a step; q16 rows are Dp >= D apart and zero past D, a key's tail is read into a zeroed buffer.
+// noinline, and its sums by an out-of-line hsum_all: inlined (either of them) it ran 15-20% slower (1 thread,
+// GQA 32/8, D = 128, S = 2048: 48 -> 56 ns a key), its int32 and fp32 accumulators spilled.
+__attribute__((noinline)) void hsum_all_call(const Vf* acc, float* out) { hsum_all(acc, out); }
+
 template <int RB>
-inline void dot_keys_i8(const int16_t* q16, int64_t Dp, const float* qsc, const int8_t* const* krows,
+__attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const float* qsc, const int8_t* const* krows,
                         const float* ksc, int64_t t, int64_t D, float* s) {
   constexpr int KB = static_cast<int>(W) / RB;
   Vi acc[W];
@@ -365,7 +373,7 @@ inline void dot_keys_i8(const int16_t* q16, int64_t Dp, const float* qsc, const 
 #pragma GCC unroll 16
   for (int i = 0; i < W; ++i) accf[i] = i32_to_f(acc[i]);
   float sums[W];
-  hsum_all(accf, sums);
+  hsum_all_call(accf, sums);
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr)
 #pragma GCC unroll 16
