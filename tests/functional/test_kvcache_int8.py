@@ -29,6 +29,15 @@ def _paged(x: torch.Tensor, page: int, gen):
     return pool, table
 
 
+def _q16_score_error(q: torch.Tensor, k: torch.Tensor) -> float:
+    """The most the kernel's int16 query moves a score (csrc Note [Decode int8 scores]): each element of
+    q · D^-1/2 is off by at most half its row's step max|q_row| D^-1/2 / 32767, so a score by that times
+    the key's L1 norm. q [.., D], k (the dequantised keys) [.., D]."""
+    D = q.shape[-1]
+    step = float(q.float().abs().amax()) * D ** -0.5 / 32767
+    return step / 2 * float(k.float().abs().sum(-1).max())
+
+
 def test_quantize_within_half_a_step():
     """|x - data·scale| <= scale / 2 per element (round to nearest), scale = max|row| / 127; a zero row is
     exactly 0 with scale 0."""
@@ -51,8 +60,10 @@ def test_kernel_dequantises_like_the_fp32_cache(qdtype, page, H, Hkv, D):
     """A decode step through an int8 cache (appending one token, per-sequence lengths, paged or not) matches
     the kernel on the dequantised cache in fp32 within the rounding of moving one multiplication: the int8
     path takes (q . k8) * k_scale and (p * v_scale) . v8 where the fp32 path takes q . (k8 * k_scale) and
-    p . (v8 * v_scale), the same products in the same order otherwise (Note [Decode int8 cache]). Each
-    product then moves by at most 2 eps relative, a score by 2 eps |q| |k| scale, a probability by twice the
+    p . (v8 * v_scale), the same products in the same order otherwise (Note [Decode int8 cache]), except
+    that with a SIMD build the scores take q rounded to int16 per row (Note [Decode int8 scores]: at most
+    half a step of max|q_row| / 32767 per element, ``_q16_score_error``). Each product then moves by at
+    most 2 eps relative, a score by 2 eps |q| |k| scale plus the int16 rounding, a probability by twice the
     largest score change (relative), an output by that times max|v| plus 2 eps max|v|; the budget is twice
     that. The appended row is the quantised new k, v."""
     gen = torch.Generator().manual_seed(H * D + (page or 0))
@@ -80,12 +91,36 @@ def test_kernel_dequantises_like_the_fp32_cache(qdtype, page, H, Hkv, D):
                                           num_splits=2)
     if qdtype == torch.float32:
         eps = torch.finfo(torch.float32).eps
-        ds = 2 * eps * float(q.norm(dim=-1).max() * kf.norm(dim=-1).max()) * D ** -0.5
+        ds = 2 * eps * float(q.norm(dim=-1).max() * kf.norm(dim=-1).max()) * D ** -0.5 + _q16_score_error(q, kf)
         tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
         assert max_err(out, want) <= tol, (max_err(out, want), tol)
         assert not torch.equal(kf, kq.data.float())  # the scales are not 1: the test sees them applied
     else:  # q and out in bf16: the kernel widens q and rounds out exactly as for a bf16 cache
         assert max_err(out, want) <= 2 * torch.finfo(torch.bfloat16).eps * float(want.abs().max()) + 1e-6
+
+
+@needs_ext
+@pytest.mark.parametrize("D", [40, 128])
+def test_int16_query_on_its_grid_is_exact(D):
+    """Note [Decode int8 scores]: a query whose scaled rows already lie on their int16 grid (integers n,
+    max |n| = 32767, times a power of two; softmax scale 1/8) is taken exactly, so the int8 cache's result
+    is then the dequantised fp32 cache's within fp32 rounding alone (no int16 term in the budget of
+    test_kernel_dequantises_like_the_fp32_cache). D = 40 runs a whole step and a tail, 128 whole steps."""
+    gen = torch.Generator().manual_seed(D)
+    B, S, H, Hkv = 2, 97, 6, 2
+    k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
+    kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0)
+    n = torch.randint(-32767, 32768, (B, 1, H, D), generator=gen).float()
+    n[..., 3] = 32767.0  # every row's max |n|: its step is exactly 2^-20 / 8
+    q = n * 2.0 ** -20
+    out = attnlab.attention_with_kvcache(q, kq, vq, is_causal=False, scale=0.125)
+    kf, vf = kq.dequantize(), vq.dequantize()
+    want = attnlab.attention_with_kvcache(q, kf, vf, is_causal=False, scale=0.125)
+    eps = torch.finfo(torch.float32).eps
+    ds = 2 * eps * float(q.norm(dim=-1).max() * kf.norm(dim=-1).max()) * 0.125
+    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
+    assert max_err(out, want) <= tol, (max_err(out, want), tol)
+    assert _q16_score_error(q, kf) * 0.125 * D ** 0.5 > 20 * ds  # off the grid the int16 term would dominate
 
 
 @needs_ext
@@ -145,6 +180,13 @@ def test_fallback_dequantises(monkeypatch):
     ref, _ = reference.attention(q.transpose(1, 2), kq.dequantize().transpose(1, 2), vq.dequantize().transpose(1, 2),
                                  attn_mask=torch.zeros(2, 1, 2, 40, dtype=torch.float64).masked_fill(
                                      ~keep.unsqueeze(1), float("-inf")), enable_gqa=True)
-    assert max_err(fb.transpose(1, 2), torch.from_numpy(ref)) < 1e-5
+    kf, vf = kq.dequantize(), vq.dequantize()
+    # fp32 rounding of both paths against the float64 oracle, and the kernel's int16 query (as in
+    # test_kernel_dequantises_like_the_fp32_cache): a score by ds, an output by 2 ds max|v|, twice that
+    eps = torch.finfo(torch.float32).eps
+    ds = 2 * eps * float(q.norm(dim=-1).max() * kf.norm(dim=-1).max()) * 16 ** -0.5
+    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
+    assert max_err(fb.transpose(1, 2), torch.from_numpy(ref)) <= tol
     if dk.available():
-        assert max_err(attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens), fb) < 1e-5
+        tol8 = 2 * (2 * (ds + _q16_score_error(q, kf)) + 2 * eps) * float(vf.abs().max())
+        assert max_err(attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens), fb) <= tol + tol8

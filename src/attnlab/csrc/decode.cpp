@@ -55,8 +55,26 @@
 // and a key's probability enters P @ V as p * v_scale against v8 (l sums the unscaled p), one multiplication
 // per key and row instead of one per element (measured, 1 thread, GQA 32/8 D=128 S=32768, CPU time, loaded
 // machine: 15.6 -> 10.7 ms). The result differs from decoding the dequantised cache in fp32 by the rounding
-// of that moved multiplication (tests/functional/test_kvcache_int8.py derives the budget); the cache is read
+// of that moved multiplication, and in a SIMD build by the scores' int16 query (Note [Decode int8 scores]);
+// tests/functional/test_kvcache_int8.py derives the budget of both. The cache is read
 // at 1 byte an element plus 4 bytes a row.
+//
+// Note [Decode int8 scores]: with an AVX2 or AVX-512 build an int8 cache's scores are integer dot products.
+// Each query row, scaled by the softmax scale, is rounded once per unit to int16 on its own grid, q16 =
+// round(q / qsc) with qsc = max|q_row| / 32767 (every element off by at most qsc / 2: 2^-16 of the row's
+// largest, where the int8 keys are off by 2^-8 of theirs and a bf16 q by 2^-9 of each element); the keys are
+// sign-extended int8 -> int16 (one instruction per 2W elements, where the fp32 path took int8 -> int32 ->
+// fp32, two per W) and multiplied pairwise into int32 lanes (vpmaddwd), exactly; a score is then
+// float(q16 . k8) * qsc * k_scale. That halves the instructions per key of the score loop; the rest of the
+// tile (softmax, P @ V against v8 with p * v_scale folded, vectorised per tile) is the fp32 path's. Measured
+// (1 thread, CPU time, GQA 32/8, D = 128, interleaved with a bf16 cache in one process, the same build, loaded
+// machine): int8 / bf16 at S = 32768 from 1.23-1.27 to 0.87-0.93; at S = 2048 (in cache) 1.38-1.48 to
+// 1.09-1.14. So the int8 tile is still compute-bound (P @ V: int8 -> int32 -> fp32 per W elements, 4 FMAs a
+// vector; the page walk's per-row pointers and scales) and the issue-23 target of 0.6x is not met. A query that
+// already lies on its grid is taken exactly (tests/functional/test_kvcache_int8.py); otherwise the tests add
+// the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. VNNI (vpdpwssd) would fuse the
+// multiply-add but is not assumed by the AVX-512 build (Skylake-X lacks it); a default build, and heads over
+// kIntDotMaxD, keep the fp32 path.
 //
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
@@ -235,7 +253,9 @@ inline float hsum(const Vf& v) {
 // one reduction per vector costs 2 log2(W) steps each. With K/V widened in registers (Note [Decode loads])
 // it took the in-cache cost per (key, kv head) from 44 to 40 ns fp32 and 56 to 39 ns bf16 (1 thread, GQA
 // 32/8 D=128 S=512, CPU time, loaded machine; data in L3, so partly memory time).
-inline void hsum_all(const Vf* acc, float* out) {
+// always_inline: with a second caller (Note [Decode int8 scores]) GCC stopped inlining it, and the bf16
+// path, passing its 16 accumulators through memory, lost 40% (1 thread, S = 2048, 50 -> 70 ns a key).
+__attribute__((always_inline)) inline void hsum_all(const Vf* acc, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
   auto pair = [](__m512 x, __m512 y) { return _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y)); };
   auto quad = [](__m512 xy, __m512 zw) {
@@ -300,14 +320,96 @@ inline void dot_keys(const float* q, const T* const* krows, const float* ksc, in
     }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kIntDot = true;  // Note [Decode int8 scores]
+#else
+constexpr bool kIntDot = false;
+#endif
+constexpr int64_t KW = 2 * W;  // int16 lanes of one vector: the elements one multiply-add step takes
+// the longest head the int32 lanes hold exactly: a lane sums 2 D / KW products of at most 32767 * 127
+// (< 2^31 up to D = 8256 at KW = 32, 4128 at KW = 16); longer heads take the fp32 path
+constexpr int64_t kIntDotMaxD = 4096;
+
+#if defined(CPU_CAPABILITY_AVX512)
+using Vi = __m512i;
+inline Vi i8_to_i16(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vi i16_load(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline Vi i32_madd_add(Vi acc, Vi a, Vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+inline Vi i32_zero() { return _mm512_setzero_si512(); }
+inline Vf i32_to_f(Vi x) { return _mm512_cvtepi32_ps(x); }
+#elif defined(CPU_CAPABILITY_AVX2)
+using Vi = __m256i;
+inline Vi i8_to_i16(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vi i16_load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Vi i32_madd_add(Vi acc, Vi a, Vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline Vi i32_zero() { return _mm256_setzero_si256(); }
+inline Vf i32_to_f(Vi x) { return _mm256_cvtepi32_ps(x); }
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// dot_keys for an int8 cache (Note [Decode int8 scores]): s[rr * TK + t + kk] = (q16[rr] . k8[t + kk]) *
+// qsc[rr] * ksc[t + kk], the dot products exact in int32 (pairs of int16 products summed by one multiply-add),
+// KW elements a step; q16 rows are Dp >= D apart and zero past D, a key's tail is read into a zeroed buffer.
+// noinline, and its sums by an out-of-line hsum_all: inlined (either of them) it ran 15-20% slower (1 thread,
+// GQA 32/8, D = 128, S = 2048: 48 -> 56 ns a key), its int32 and fp32 accumulators spilled.
+__attribute__((noinline)) void hsum_all_call(const Vf* acc, float* out) { hsum_all(acc, out); }
+
+template <int RB>
+__attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const float* qsc, const int8_t* const* krows,
+                        const float* ksc, int64_t t, int64_t D, float* s) {
+  constexpr int KB = static_cast<int>(W) / RB;
+  Vi acc[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) acc[i] = i32_zero();
+  auto step = [&](int64_t d, auto load) {
+    Vi qv[RB];
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) qv[rr] = i16_load(q16 + rr * Dp + d);
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) {
+      const Vi kv = load(krows[t + kk] + d);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = i32_madd_add(acc[rr * KB + kk], qv[rr], kv);
+    }
+  };
+  int64_t d = 0;
+  for (; d + KW <= D; d += KW) step(d, [](const int8_t* p) { return i8_to_i16(p); });
+  if (d < D)
+    step(d, [n = D - d](const int8_t* p) {
+      int8_t x[KW] = {};
+      for (int64_t e = 0; e < n; ++e) x[e] = p[e];
+      return i8_to_i16(x);
+    });
+  Vf accf[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) accf[i] = i32_to_f(acc[i]);
+  float sums[W];
+  hsum_all_call(accf, sums);
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) s[rr * TK + t + kk] = sums[rr * KB + kk] * qsc[rr] * ksc[t + kk];
+}
+#endif
+
 // every row's scores against the tile's nt keys (rows whole key blocks: Note [Decode tile rows])
 template <typename T>
-inline void dot_tile(const float* q, int64_t R, const T* const* krows, const float* ksc, int64_t nt, int64_t D,
-                     float* s, const NextRows<T>& next) {
+inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float* qsc, int64_t R,
+                     const T* const* krows, const float* ksc, int64_t nt, int64_t D, float* s,
+                     const NextRows<T>& next) {
   int64_t r0 = 0;
   auto block = [&](auto rb, int64_t t) {  // the first row block also prefetches the next rows of K
     constexpr int RB = decltype(rb)::value;
-    dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (q16) {
+        dot_keys_i8<RB>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
+      } else {
+        dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
+      }
+    } else
+#endif
+      dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
     if (r0 == 0)
       for (int64_t e = t; e < t + W / RB; ++e) next.row(e);
   };
@@ -340,7 +442,7 @@ inline void pv_cols(const float* p, const T* const* vrows, const float* vsc, int
     }
 #pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
-      const Vf pv(std::is_same_v<T, int8_t> ? p[rr * TK + t] * vsc[t] : p[rr * TK + t]);
+      const Vf pv(p[rr * TK + t]);  // an int8 row's scale is already in p (pv_rows' caller)
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) acc[rr][c] = at::vec::fmadd(pv, vv[c], acc[rr][c]);
     }
@@ -378,6 +480,12 @@ void decode_impl(const Args& a) {
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
   at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     std::vector<float> qs(RR * D), o(RR * Dv), sc(R * TK), m(RR), l(RR);
+    // an int8 cache's scores take q as int16 rows (Note [Decode int8 scores]): q16 [RR, Dp], qsc [RR]
+    const bool i8dot = kIntDot && std::is_same_v<T, int8_t> && D <= kIntDotMaxD;
+    const int64_t Dp = (D + KW - 1) / KW * KW;
+    std::vector<int16_t> q16(i8dot ? RR * Dp : 0);
+    std::vector<float> qsc(i8dot ? RR : 0);
+    std::vector<float> pw(std::is_same_v<T, int8_t> ? R * TK : 0);  // an int8 tile's p * v_scale [R, TK]
     std::vector<int64_t> rlo(R), rhi(R);
     std::vector<int32_t> nz(R * TK), nnz(R);
     const T* kr[2][TK];  // this item's rows and the next one's (Note [Decode prefetch])
@@ -391,6 +499,18 @@ void decode_impl(const Args& a) {
         const int64_t i = rr % a.L, h = g0 * G + rr / a.L;
         const TQ* qp = Q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
         for (int64_t d = 0; d < D; ++d) qs[rr * D + d] = static_cast<float>(qp[d]) * a.scale;
+        if (i8dot) {  // q16 = round(qs / qsc), qsc = max|qs| / 32767: each element off by <= qsc / 2
+          const float* x = qs.data() + rr * D;
+          int16_t* y = q16.data() + rr * Dp;
+          float amax = 0.f;
+          for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+          const bool ok = std::isfinite(amax) && amax > 0.f;
+          const float inv = ok ? 32767.f / amax : 0.f;
+          for (int64_t d = 0; d < Dp; ++d)
+            y[d] = d < D ? static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(x[d] * inv)))) : 0;
+          // a non-finite q gives NaN scores (its row's output NaN, as an fp32 q . k would make it)
+          qsc[rr] = ok ? amax / 32767.f : (amax > 0.f ? std::numeric_limits<float>::quiet_NaN() : 0.f);
+        }
       }
       for (int64_t r = 0; r < R; ++r) {  // ranges depend on the query only
         row_range(a, b, r % a.L, rlo[r], rhi[r]);
@@ -439,7 +559,8 @@ void decode_impl(const Args& a) {
         float* const o_g = o.data() + gl * R * Dv;
         const float* const qs_g = qs.data() + gl * R * D;
         // 2) scores of every row against the tile's keys
-        dot_tile(qs_g, R, krows, kscl, nt, D, sc.data(), next_k);  // rows sharing each K load
+        dot_tile(qs_g, i8dot ? q16.data() + gl * R * Dp : nullptr, Dp, i8dot ? qsc.data() + gl * R : nullptr, R,
+                 krows, kscl, nt, D, sc.data(), next_k);  // rows sharing each K load
         for (int64_t r = 0; r < R; ++r) {
           float* srow = sc.data() + r * TK;
           const int64_t lo = rlo[r], hi = rhi[r];
@@ -541,12 +662,18 @@ void decode_impl(const Args& a) {
         int64_t r_first = 0;  // rows the blocked pass below has done
         if (every) {  // every row weighs every key: rows share each V load, 4 at a time
           const NextRows<T>* nv = &next_v;  // prefetched by the first row block
+          const float* pp = sc.data();
+          if constexpr (std::is_same_v<T, int8_t>) {  // p * v_scale, once per (row, key), vectorised
+            for (int64_t r = 0; r < R; ++r)
+              at::vec::map2([](Vf x, Vf y) { return x * y; }, pw.data() + r * TK, sc.data() + r * TK, vscl, nt);
+            pp = pw.data();
+          }
           for (; r_first + 4 <= R; r_first += 4, nv = nullptr)
-            pv_rows<4>(sc.data() + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+            pv_rows<4>(pp + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
           for (; r_first + 2 <= R; r_first += 2, nv = nullptr)
-            pv_rows<2>(sc.data() + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+            pv_rows<2>(pp + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
           for (; r_first < R; ++r_first, nv = nullptr)
-            pv_rows<1>(sc.data() + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+            pv_rows<1>(pp + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
         } else {
           for (int64_t t = 0; t < next_v.n; ++t) next_v.row(t);
         }
