@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 
@@ -80,6 +81,21 @@ def test_a_failing_calibration_is_one_warning_and_the_table_stays(fresh, monkeyp
     with pytest.warns(RuntimeWarning, match="background calibration failed .*no cores today"):
         t = calibration.note_call(calibration.LONG_CALL_S)
         t.join(30)
+    assert calibration.note_call(0.0) is None and rates.current().source.startswith("built-in")
+
+
+def test_a_busy_machine_keeps_the_table_without_a_file_or_a_warning(fresh, monkeypatch):
+    """Note [Tick-bound samples]: the grid refusing to fit on a busy machine is no failure: nothing is written
+    and the uncalibrated table stays."""
+    def busy():
+        raise calibration.TooNoisy("the machine is too busy to calibrate (injected)")
+
+    monkeypatch.setattr(calibration, "_calibrate_in_background", busy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = calibration.note_call(calibration.LONG_CALL_S)
+        t.join(30)
+    assert not t.is_alive() and not rates.cache_path().exists()
     assert calibration.note_call(0.0) is None and rates.current().source.startswith("built-in")
 
 
