@@ -372,8 +372,10 @@ def test_the_checks_on_made_up_samples():
     quiet = {"a": timing([0.05013, 0.05121, 0.04987, 0.05077, 0.05230]),
              "b": timing([0.0431, 0.0447, 0.0452, 0.0429, 0.0441])}
     assert _tick_bound(quiet, "quiet") is None and _ratio_spread(quiet, "a", "b") < 0.1
-    ticks = {"a": timing([0.008, 0.008, 0.00801, 0.016], k=6), "b": timing([0.008, 0.00802, 0.008, 0.008], k=6)}
+    ticks = {"a": timing([0.008, 0.008, 0.008004, 0.016], k=6), "b": timing([0.008, 0.008003, 0.008, 0.008], k=6)}
     assert "8 of 8 samples are whole 4 ms scheduler ticks" in _tick_bound(ticks, "ticks")
+    long = {n: timing([0.2, 0.204, 0.2, 0.208]) for n in "ab"}  # 50 ticks: one more or less is 2 %
+    assert _tick_bound(long, "long") is None
     assert "read 0 s" in _tick_bound({"a": timing([0.0, 0.004])}, "zero")
     scattered = {"a": timing([0.01, 0.02, 0.01, 0.03, 0.01]), "b": timing([0.02, 0.01, 0.01, 0.01, 0.03])}
     assert _ratio_spread(scattered, "a", "b") > calibration.MAX_RATIO_SPREAD

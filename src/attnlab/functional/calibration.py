@@ -28,7 +28,8 @@ The grid (each case timed against the others it decides between, interleaved rou
    What pairing cannot fix: under a load above the core count (2.8 on 2 cores) every 2-thread call waits
    for a descheduled thread, so calls shorter than the scheduler's 4 ms tick read whole ticks (a 0.3 ms
    decode call and its SDPA both 8.00 ms, an fp32 512² call 8.0 against 11.6 ms), ratios collapse towards
-   1 and under MARGIN, and the file says SDPA everywhere: calibrate on a quiet machine;
+   1 and under MARGIN, and the file would say SDPA everywhere: the grid refuses such samples (Note
+   [Tick-bound samples]);
 5. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
    the compiled kernel's speed per computed pair over the sparse kernel's;
 6. per dtype, plain decode calls (one query, ``decode_heads`` heads, MHA and GQA, cache lengths
@@ -84,7 +85,7 @@ from ..shapes import prepare
 from ..timing import interleaved
 
 __all__ = ["CalibrationConfig", "calibrate", "MARGIN", "note_call", "seconds_for", "background", "state",
-           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "TICK_S", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
+           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
 
 #: the compiled kernel takes plain dense/causal calls of a dtype only when at least this much faster than SDPA
 MARGIN = 1.05
@@ -99,14 +100,17 @@ ASSUMED_FLOPS = 1e11
 # 16.02, 20.04 ms, a 0.3 ms decode call and its SDPA both 8.00 ms). Their ratios collapse towards 1, under
 # MARGIN, and a file fitted from them says "SDPA everywhere". So the grid refuses to fit (``TooNoisy``:
 # nothing is written, the planner keeps what it had) when
-# - a step's samples are whole ticks: at least MAX_TICK_SHARE of them within 0.1 ms + 0.5 % of a multiple of
-#   TICK_S (on a quiet machine a sample lands there by chance about 1 time in 6 at 50 ms, 1 in 20 at 8 ms),
-#   or any sample reads 0 (a clock coarser than the call);
+# - a step's samples are whole ticks: at least MAX_TICK_SHARE of them within TICK_TOL_S of a multiple of
+#   TICK_S, counting samples of at most TICK_BOUND_TICKS ticks (where one tick is 4 % of a sample or more,
+#   near MARGIN; on a quiet machine a sample lands there by chance 1 time in 40; busy, 8.00 ms read 8.00 to
+#   8.04), or any sample reads 0 (a clock coarser than the call);
 # - or the per-round ratios of the compared kernels scatter: the median over the grid's comparisons of their
 #   interquartile range over their median is above MAX_RATIO_SPREAD (each round times both kernels back to
 #   back, so a steady load cancels in a ratio; one that comes and goes within rounds does not).
 #: the scheduler tick (CONFIG_HZ = 250) that tick-bound samples are multiples of
 TICK_S = 0.004
+#: how close to a whole number of ticks a tick-bound sample reads, and the longest sample counted (in ticks)
+TICK_TOL_S, TICK_BOUND_TICKS = 5e-5, 25
 #: the share of a step's samples (of at least 8) that may read whole ticks
 MAX_TICK_SHARE = 0.6
 #: the median relative interquartile range of the per-round ratios above which the fit is refused
@@ -183,7 +187,8 @@ def _tick_bound(t: dict, label: str, tick_s: float = TICK_S) -> str | None:
     samples = [x * tm.calls_per_sample for tm in t.values() for x in tm.times]  # each sample's wall time
     if any(s <= 0 for s in samples):
         return f"{label}: a sample read 0 s (the clock is coarser than the call)"
-    hits = sum(round(s / tick_s) >= 1 and abs(s - round(s / tick_s) * tick_s) <= 1e-4 + 0.005 * s for s in samples)
+    hits = sum(1 <= round(s / tick_s) <= TICK_BOUND_TICKS and abs(s - round(s / tick_s) * tick_s) <= TICK_TOL_S
+               for s in samples)
     if len(samples) >= 8 and hits >= MAX_TICK_SHARE * len(samples):
         return f"{label}: {hits} of {len(samples)} samples are whole {tick_s * 1e3:g} ms scheduler ticks"
     return None
