@@ -30,6 +30,7 @@ def calibration_on(tmp_path, monkeypatch):
     tests, with an injected clock)."""
     monkeypatch.setattr(calibration, "MAX_RATIO_SPREAD", float("inf"))
     monkeypatch.setattr(calibration, "MAX_TICK_SHARE", float("inf"))
+    monkeypatch.setattr(calibration, "MIN_CPU_SHARE", 0.0)
     monkeypatch.setenv("ATTNLAB_CALIBRATION", "on")
     monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
     rates.reload()
@@ -359,6 +360,17 @@ def test_tick_bound_or_scattered_samples_are_refused_and_nothing_is_written(cali
     with pytest.raises(calibration.TooNoisy, match=f"too busy to calibrate .*({why}).*nothing written"):
         calibrate(QUICK)
     assert not rates.cache_path().exists() and rates.current().source.startswith("built-in")
+
+
+def test_a_process_starved_of_its_cores_is_refused(calibration_on, monkeypatch):
+    """A step whose process got a fifth of its cores' time (the CPU clock runs at a fifth of the wall clock)."""
+    import time
+
+    monkeypatch.setattr(calibration, "MIN_CPU_SHARE", 0.5)
+    monkeypatch.setattr(calibration, "CPU_CLOCK", lambda: time.perf_counter() * 0.2)
+    with pytest.raises(calibration.TooNoisy, match=r"too busy to calibrate .*got 20% of 1 cores' time"):
+        calibrate(dataclasses.replace(QUICK, min_sample_s=0.02))
+    assert not rates.cache_path().exists()
 
 
 def test_the_checks_on_made_up_samples():

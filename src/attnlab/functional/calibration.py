@@ -85,7 +85,7 @@ from ..shapes import prepare
 from ..timing import interleaved
 
 __all__ = ["CalibrationConfig", "calibrate", "MARGIN", "note_call", "seconds_for", "background", "state",
-           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
+           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
 
 #: the compiled kernel takes plain dense/causal calls of a dtype only when at least this much faster than SDPA
 MARGIN = 1.05
@@ -104,6 +104,10 @@ ASSUMED_FLOPS = 1e11
 #   TICK_S, counting samples of at most TICK_BOUND_TICKS ticks (where one tick is 4 % of a sample or more,
 #   near MARGIN; on a quiet machine a sample lands there by chance 1 time in 40; busy, 8.00 ms read 8.00 to
 #   8.04), or any sample reads 0 (a clock coarser than the call);
+# - the process got under MIN_CPU_SHARE of its threads' cores during a step (CPU time over wall time times
+#   threads): the rest went to other processes, whose load distorts each kernel differently (a grid under a
+#   load of 7 on 2 cores ran every kernel 3-5x slower, the compiled kernel's small GQA calls 0.62x SDPA's
+#   speed where a quiet one measured 1.01x);
 # - or the per-round ratios of the compared kernels scatter: the median over the grid's comparisons of their
 #   interquartile range over their median is above MAX_RATIO_SPREAD (each round times both kernels back to
 #   back, so a steady load cancels in a ratio; one that comes and goes within rounds does not).
@@ -117,6 +121,12 @@ MAX_TICK_SHARE = 0.6
 MAX_RATIO_SPREAD = 0.25
 #: the clock the grid times with (the tests give a coarse or jittery one: Note [Tick-bound samples])
 CLOCK = time.perf_counter
+#: the process's CPU seconds (all threads), for the share of the cores a step got; the tests give a slow one
+CPU_CLOCK = time.process_time
+#: the least share of ``torch.get_num_threads()`` cores' time a step's process may get (over steps of at least
+#: 0.2 s): the grid calibrated under a load of 6-8 on 2 cores got 26 % and fitted rates that sent 8 of the 62
+#: sweep's calls to the slower kernel (one other CPU-bound process leaves about 67 %)
+MIN_CPU_SHARE = 0.5
 
 
 class TooNoisy(RuntimeError):
@@ -252,9 +262,15 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
     spreads = []  # of the per-round ratios of every comparison (Note [Tick-bound samples])
 
     def timings(calls):
+        cpu0, wall0 = CPU_CLOCK(), clock()
         t = interleaved(calls, rounds=cfg.rounds, min_rounds=min(cfg.min_rounds, cfg.rounds),
                         min_sample_s=cfg.min_sample_s, budget_s=budget, clock=clock)
+        cpu, wall = CPU_CLOCK() - cpu0, clock() - wall0
         why = _tick_bound(t, f"timing {', '.join(calls)}")
+        share = cpu / (wall * torch.get_num_threads()) if wall >= 0.2 else 1.0
+        if not why and share < MIN_CPU_SHARE:
+            why = (f"timing {', '.join(calls)}: this process got {share:.0%} of {torch.get_num_threads()} cores' "
+                   f"time, under {MIN_CPU_SHARE:.0%}: other processes took the rest")
         if why:
             raise TooNoisy(f"the machine is too busy to calibrate ({why}); nothing written, the planner keeps "
                            f"{rates.current().source.split(' (')[0]}: rerun on a quieter machine")
