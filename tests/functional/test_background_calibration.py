@@ -46,11 +46,16 @@ def test_short_calls_never_start_it(fresh):
     assert calibration.state()["background"] == "not started"
 
 
-def test_the_first_long_call_starts_it_once_and_the_next_plan_takes_its_rates(fresh):
+def test_the_first_long_call_starts_it_once_and_the_next_plan_takes_its_rates(fresh, monkeypatch):
     calls, done = fresh
+    # the thread waits for `go`: a fake that finished before the second note_call would be handed over by it
+    # (a race seen on a busy machine)
+    go, fake = threading.Event(), calibration._calibrate_in_background
+    monkeypatch.setattr(calibration, "_calibrate_in_background", lambda: (go.wait(30), fake())[1])
     t = calibration.note_call(calibration.LONG_CALL_S)
     assert isinstance(t, threading.Thread) and t.daemon and calibration.background() is t
     assert calibration.note_call(10 * calibration.LONG_CALL_S) is None  # once per process
+    go.set()
     t.join(30)
     assert done.is_set() and calls == ["attnlab-calibration"]
     assert rates.cache_path().exists() and calibration.state()["background"] == "finished"
