@@ -55,14 +55,16 @@ def time_call(f: Callable[[], object], repeats: int = 3, warmup: int = 1, budget
 
 
 def interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 5, min_rounds: int = 3,
-                min_sample_s: float = 0.05, budget_s: float = 120.0) -> dict[str, Timing]:
+                min_sample_s: float = 0.05, budget_s: float = 120.0,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
     """Time several callables against each other (Note [Median, interleaved]).
 
     Each callable is called once to warm up (``Timing.first_s``) and once more to probe its cost; a sample
     repeats a short call until it lasts about ``min_sample_s`` (at most 1000 calls), and the number of
     rounds is ``rounds``, lowered (never under ``min_rounds``) when a round would not fit ``budget_s``.
     Round r starts at the r-th callable, so none is always first. Returns {name: Timing} in the order
-    given. Exceptions from a callable propagate: decide what to skip before timing."""
+    given. ``clock``: seconds, ``time.perf_counter`` (the calibration's tests give a coarse one). Exceptions
+    from a callable propagate: decide what to skip before timing."""
     if rounds < 1 or min_rounds < 1:
         raise ValueError(f"interleaved: rounds and min_rounds must be >= 1, got {rounds} and {min_rounds}")
     out = {name: Timing() for name in calls}
@@ -70,15 +72,15 @@ def interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 5, min_
         return out
     probe = {}
     for name, f in calls.items():
-        t0 = time.perf_counter()
+        t0 = clock()
         f()
-        out[name].first_s = time.perf_counter() - t0
+        out[name].first_s = clock() - t0
         if out[name].first_s > 1.0:
             probe[name] = out[name].first_s  # a slow call: its warm-up is a fair probe, save a call
         else:
-            t0 = time.perf_counter()
+            t0 = clock()
             f()
-            probe[name] = time.perf_counter() - t0
+            probe[name] = clock() - t0
         out[name].calls_per_sample = max(1, min(1000, int(min_sample_s / max(probe[name], 1e-6))))
     per_round = sum(probe[n] * out[n].calls_per_sample for n in calls)
     lo = min(min_rounds, rounds)
@@ -87,10 +89,10 @@ def interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 5, min_
     for r in range(n_rounds):
         for name in order[r % len(order):] + order[:r % len(order)]:
             f, k = calls[name], out[name].calls_per_sample
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(k):
                 f()
-            out[name].times.append((time.perf_counter() - t0) / k)
+            out[name].times.append((clock() - t0) / k)
     return out
 
 

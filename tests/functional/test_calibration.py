@@ -13,6 +13,7 @@ import torch
 import attnlab
 from attnlab import patterns as P
 from attnlab import sysinfo
+from attnlab.functional import calibration
 from attnlab.functional.calibration import CalibrationConfig, calibrate
 from attnlab.cli import main as cli
 from attnlab.functional import plancache, rates
@@ -24,7 +25,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def calibration_on(tmp_path, monkeypatch):
-    """Calibration on, with its cache in a fresh folder; the tests' setting (off) restored afterwards."""
+    """Calibration on, with its cache in a fresh folder; the tests' setting (off) restored afterwards. The grid's
+    refusal of noisy samples is off (the test machine may be busy; Note [Tick-bound samples] has its own
+    tests, with an injected clock)."""
+    monkeypatch.setattr(calibration, "MAX_RATIO_SPREAD", float("inf"))
+    monkeypatch.setattr(calibration, "MAX_TICK_SHARE", float("inf"))
+    monkeypatch.setattr(calibration, "MIN_CPU_SHARE", 0.0)
     monkeypatch.setenv("ATTNLAB_CALIBRATION", "on")
     monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
     rates.reload()
@@ -175,13 +181,6 @@ def test_plans_cached_under_old_rates_are_forgotten(calibration_on):
     assert plancache.stats()["entries"] == 0
 
 
-def test_cli_calibrate_quick(calibration_on, capsys):
-    outcome = cli.invoke(["calibrate", "--n", "128", "--heads", "1", "--no-progress", "--json"])
-    assert outcome.exit_code == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert printed["path"] == str(rates.cache_path()) and outcome.result["path"].exists()
-
-
 def test_least_pairs_is_where_the_fitted_speed_ratio_crosses_the_margin():
     from attnlab.functional.calibration import MARGIN, _least_pairs
 
@@ -325,3 +324,94 @@ def test_the_gqa_size_threshold_round_trips_and_decides_gqa_calls(calibration_on
     rates.cache_path().write_text(json.dumps(doc))
     assert rates.reload().compiled_gqa_min_pairs == {}
     assert attnlab.explain(q, kv, kv, enable_gqa=True).method == "sdpa"
+
+
+# -- Note [Tick-bound samples]: a busy machine's samples are refused, with an injected clock ---------------------
+def _tick_clock(tick_s=calibration.TICK_S):
+    """A clock that reads whole scheduler ticks, as a call does under a load above the core count."""
+    import math
+    import time
+
+    return lambda: math.floor(time.perf_counter() / tick_s) * tick_s
+
+
+def _jitter_clock():
+    """A clock that jumps by up to 20 ms now and then, as a call that waits for a descheduled thread."""
+    import random
+    import time
+
+    rng, skew = random.Random(0), [0.0]
+
+    def clock():
+        skew[0] += rng.choice((0.0, 0.0, 0.02)) * rng.random()
+        return time.perf_counter() + skew[0]
+    return clock
+
+
+QUICK = CalibrationConfig(n=64, heads=2, plain_heads=2, gqa_kv_heads=1, dim=16, window=16, dense_ns=(32,),
+                          dtypes=(torch.float32,), rounds=5, min_sample_s=0.002, decode_ns=(64,), decode_heads=4)
+
+
+@pytest.mark.parametrize("clock, why", [(_tick_clock(), "scheduler ticks|read 0 s"), (_jitter_clock(), "scatter")])
+def test_tick_bound_or_scattered_samples_are_refused_and_nothing_is_written(calibration_on, monkeypatch, clock, why):
+    monkeypatch.setattr(calibration, "MAX_RATIO_SPREAD", 0.25)
+    monkeypatch.setattr(calibration, "MAX_TICK_SHARE", 0.6)
+    monkeypatch.setattr(calibration, "CLOCK", clock)
+    with pytest.raises(calibration.TooNoisy, match=f"too busy to calibrate .*({why}).*nothing written"):
+        calibrate(QUICK)
+    assert not rates.cache_path().exists() and rates.current().source.startswith("built-in")
+
+
+def test_a_process_starved_of_its_cores_is_refused(calibration_on, monkeypatch):
+    """A step whose process got a fifth of its cores' time (the CPU clock runs at a fifth of the wall clock)."""
+    import time
+
+    monkeypatch.setattr(calibration, "MIN_CPU_SHARE", 0.5)
+    monkeypatch.setattr(calibration, "CPU_CLOCK", lambda: time.perf_counter() * 0.2)
+    with pytest.raises(calibration.TooNoisy, match=r"too busy to calibrate .*got 20% of 1 cores' time"):
+        calibrate(dataclasses.replace(QUICK, min_sample_s=0.02))
+    assert not rates.cache_path().exists()
+
+
+def test_the_checks_on_made_up_samples():
+    """The checks themselves, on made-up samples: quiet ones pass, whole ticks and scattered ratios do not."""
+    from attnlab.functional.calibration import _ratio_spread, _tick_bound
+    from attnlab.timing import Timing
+
+    def timing(times, k=1):
+        return Timing(list(times), calls_per_sample=k)
+
+    quiet = {"a": timing([0.05013, 0.05121, 0.04987, 0.05077, 0.05230]),
+             "b": timing([0.0431, 0.0447, 0.0452, 0.0429, 0.0441])}
+    assert _tick_bound(quiet, "quiet") is None and _ratio_spread(quiet, "a", "b") < 0.1
+    ticks = {"a": timing([0.008, 0.008, 0.008004, 0.016], k=6), "b": timing([0.008, 0.008003, 0.008, 0.008], k=6)}
+    assert "8 of 8 samples are whole 4 ms scheduler ticks" in _tick_bound(ticks, "ticks")
+    long = {n: timing([0.2, 0.204, 0.2, 0.208]) for n in "ab"}  # 50 ticks: one more or less is 2 %
+    assert _tick_bound(long, "long") is None
+    assert "read 0 s" in _tick_bound({"a": timing([0.0, 0.004])}, "zero")
+    scattered = {"a": timing([0.01, 0.02, 0.01, 0.03, 0.01]), "b": timing([0.02, 0.01, 0.01, 0.01, 0.03])}
+    assert _ratio_spread(scattered, "a", "b") > calibration.MAX_RATIO_SPREAD
+
+
+def test_cli_calibrate_on_a_busy_machine_says_so_and_exits_1(calibration_on, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "MAX_TICK_SHARE", 0.6)
+    monkeypatch.setattr(calibration, "CLOCK", _tick_clock())
+    monkeypatch.setattr(calibration, "CalibrationConfig", lambda n, heads: dataclasses.replace(QUICK, n=n, heads=heads))
+    outcome = cli.invoke(["calibrate", "--n", "64", "--heads", "1", "--no-progress", "--json"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert outcome.exit_code == 1 and len(err) == 1 and err[0].startswith("attnlab calibrate: the machine is too busy")
+    assert not rates.cache_path().exists()
+
+
+def test_cli_calibrate_json_lists_every_fitted_entry(calibration_on, monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "CalibrationConfig",
+                        lambda n, heads: dataclasses.replace(QUICK, n=n, heads=heads, rounds=1, min_sample_s=0.0))
+    outcome = cli.invoke(["calibrate", "--n", "64", "--heads", "2", "--no-progress", "--json"])
+    assert outcome.exit_code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["path"] == str(rates.cache_path()) and outcome.result["path"].exists()
+    assert set(rates.RATE_NAMES) <= set(printed) and "COMPILED_GQA_MIN_PAIRS" in rates.RATE_NAMES
+    saved = json.loads(rates.cache_path().read_text())["rates"]
+    assert all(printed[name] == saved[name] for name in rates.RATE_NAMES)
+    if compiled.available():
+        assert set(printed["COMPILED_GQA_MIN_PAIRS"]) == {"float32 dense", "float32 causal"}

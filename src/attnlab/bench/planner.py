@@ -44,7 +44,7 @@ from ..report import environment
 from ..resources import check_memory
 
 __all__ = ["Case", "PlannerConfig", "PlannerResult", "METHODS", "KINDS", "HEADS", "TOLERANCE", "full_cases",
-           "quick_cases", "run", "summarize"]
+           "quick_cases", "run", "summarize", "replay"]
 
 #: the kernels auto is compared with (each where it accepts the inputs)
 METHODS = ("sdpa", "compiled", "tiled", "sparse")
@@ -288,6 +288,33 @@ def summarize(rows: list[dict]) -> dict:
             "auto_is_fastest": sum(r["auto_pick"] == r["fastest"] for r in rows) / len(rows),
             "median_spread": statistics.median(s for r in rows for s in r["spread"].values()),
             "targets_met": within >= 0.95 and worst["ratio"] <= WORST_TARGET}
+
+
+def replay(rows: list[dict], rates) -> dict:
+    """An offline oracle for a calibration: what ``rates`` (an ``attnlab.kernels.rates.Rates``) would pick
+    for each recorded row of an earlier sweep, scored against that sweep's measured times.
+
+    Only the plain dense/causal rows are decided again (by ``Rates.compiled_dense_wins``, the planner's
+    size-threshold rule, between SDPA and the compiled kernel); every other row keeps its recorded pick.
+    Returns {"configs", "pick_within_5pct", "misses": [(config, pick, pick / fastest)]}."""
+    misses, n_within, n = [], 0, 0
+    for r in rows:
+        pick = r["auto_pick"]
+        if r["kind"] in ("dense", "causal") and "compiled" in r["ms"] and "sdpa" in r["ms"]:
+            B, H, L, S = r["B"], r["H"], r["L"], r["S"]
+            wins = rates.compiled_dense_wins(getattr(torch, r["dtype"]), B * H * L * S, r["kind"] == "causal",
+                                             r["Hkv"] != H)
+            pick = "compiled" if wins else "sdpa"
+        measured = {m: r["ms"][m] for m in METHODS if m in r["ms"]}
+        if pick not in measured:
+            continue
+        n += 1
+        ratio = measured[pick] / min(measured.values())
+        if ratio <= TOLERANCE:
+            n_within += 1
+        else:
+            misses.append((r["config"], pick, round(ratio, 3)))
+    return {"configs": n, "pick_within_5pct": n_within / max(1, n), "misses": misses}
 
 
 # -- the run ---------------------------------------------------------------------------------------------------

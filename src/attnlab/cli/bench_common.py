@@ -1,13 +1,14 @@
 """What every ``attnlab bench SUITE`` face shares: the progress display and the --out checks."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from attnlab.options import output_dir
 
 from .common import progress_display
 
-__all__ = ["progress_display", "checked_out", "run_suite"]
+__all__ = ["progress_display", "checked_out", "run_suite", "config_of"]
 
 
 def checked_out(args, *, resumable: bool = False):
@@ -19,6 +20,12 @@ def checked_out(args, *, resumable: bool = False):
     out = output_dir(args.out, resume=bool(args.resume), force=bool(args.force))
     args.checkpoint_dir = str(out)
     return out
+
+
+def config_of(args, cls):
+    """The suite's config dataclass ``cls`` of parsed options: each field from the option of its name (``--max-n``
+    is ``max_n``), a field with no option at its default. The caller checks it."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
 def run_suite(args, config, run: Callable, render: Callable[[object], None], *, title: str, resumable: bool = False,

@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 from attnlab.bench.decode import DecodeBench, DecodeConfig, run as run_decode
-from attnlab.options import positive_int, positive_int_list
+from attnlab.options import names, positive_int, positive_int_list
 
-from .bench_common import run_suite
+from .bench_common import config_of, run_suite
 from .common import add_force
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def build_parser(p) -> None:
@@ -20,11 +16,11 @@ def build_parser(p) -> None:
     add_force(p)
     p.add_argument("--seq-lens", type=positive_int_list, default=None,
                    help="comma-separated KV lengths (default 1024,4096,8192,32768,65536)")
-    p.add_argument("--dtypes", type=_names, default=None, help="comma-separated: float32, bfloat16, float16, int8 (an int8 cache, float32 queries); default float32,bfloat16,int8")
-    p.add_argument("--heads", type=_names, default=None,
+    p.add_argument("--dtypes", type=names, default=None, help="comma-separated: float32, bfloat16, float16, int8 (an int8 cache, float32 queries); default float32,bfloat16,int8")
+    p.add_argument("--heads", type=names, default=None,
                    help="comma-separated of gqa (32/8, D=128), mha (8/8, D=64), mqa (32/1, D=128); default all")
     p.add_argument("--batches", type=positive_int_list, default=None, help="comma-separated batch sizes (default 1,8)")
-    p.add_argument("--layouts", type=_names, default=None,
+    p.add_argument("--layouts", type=names, default=None,
                    help="comma-separated: contiguous, paged<page size> (default contiguous,paged16,paged64,paged256)")
     p.add_argument("--rounds", type=positive_int, default=None, help="interleaved timed rounds (median; default 9)")
     p.add_argument("--bandwidth-mib", type=positive_int, default=None,
@@ -34,9 +30,7 @@ def build_parser(p) -> None:
 
 def config_from_args(args) -> DecodeConfig:
     """The :class:`DecodeConfig` of parsed options (checked; --out is not checked here)."""
-    cfg = DecodeConfig(out=args.out, quick=args.quick, seq_lens=args.seq_lens, dtypes=args.dtypes, heads=args.heads,
-                       batches=args.batches, layouts=args.layouts, rounds=args.rounds,
-                       bandwidth_mib=args.bandwidth_mib, threads=args.threads)
+    cfg = config_of(args, DecodeConfig)
     cfg.resolved()
     return cfg
 

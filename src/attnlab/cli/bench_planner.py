@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 from attnlab.bench.planner import KINDS, PlannerConfig, PlannerResult, TOLERANCE, run as run_planner
-from .options import positive_float, positive_int
+from .options import names, positive_float, positive_int
 
-from .bench_common import run_suite
+from .bench_common import config_of, run_suite
 from .common import add_force
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def build_parser(p) -> None:
@@ -21,8 +17,8 @@ def build_parser(p) -> None:
     add_force(p)
     p.add_argument("--resume", action="store_true",
                    help="keep the configurations a killed run with the same settings left in --out, measure the rest")
-    p.add_argument("--kinds", type=_names, default=d.kinds, help=f"comma-separated of {', '.join(KINDS)} (default all)")
-    p.add_argument("--dtypes", type=_names, default=d.dtypes, help="comma-separated (default float32,bfloat16)")
+    p.add_argument("--kinds", type=names, default=d.kinds, help=f"comma-separated of {', '.join(KINDS)} (default all)")
+    p.add_argument("--dtypes", type=names, default=d.dtypes, help="comma-separated (default float32,bfloat16)")
     p.add_argument("--max-n", type=positive_int, default=d.max_n, help=f"largest sequence length (default {d.max_n})")
     p.add_argument("--rounds", type=positive_int, default=d.rounds, help=f"interleaved rounds (median; default {d.rounds})")
     p.add_argument("--min-sample-s", type=positive_float, default=d.min_sample_s,
@@ -34,9 +30,7 @@ def build_parser(p) -> None:
 
 def config_from_args(args) -> PlannerConfig:
     """The :class:`PlannerConfig` of parsed options (checked; --out is not checked here)."""
-    cfg = PlannerConfig(out=args.out, quick=args.quick, kinds=args.kinds, dtypes=args.dtypes, max_n=args.max_n,
-                        rounds=args.rounds, min_sample_s=args.min_sample_s, budget_s=args.budget_s,
-                        threads=args.threads, resume=args.resume)
+    cfg = config_of(args, PlannerConfig)
     cfg.validate()
     return cfg
 

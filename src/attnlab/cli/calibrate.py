@@ -17,37 +17,37 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Run ``attnlab.functional.calibration.calibrate`` with a progress bar, write the cache file, print the
-    rates and how long the calibration took.
+    rates (``--json``: every fitted entry, as the file holds them) and how long the calibration took. On a
+    machine too busy to measure (Note [Tick-bound samples]) nothing is written: one line on stderr, exit 1.
 
-    Returns {"rates", "measured", "path", "seconds", "exit_code": 0}."""
+    Returns {"rates", "measured", "path", "seconds", "exit_code"} (on a busy machine rates, measured and
+    path are None and "error" holds the line)."""
+    import sys
     import time
 
-    from attnlab.functional.calibration import CalibrationConfig, calibrate
+    from attnlab.functional.calibration import CalibrationConfig, TooNoisy, calibrate
     from attnlab.harness.progress import progress
+    from attnlab.functional.rates import as_json
 
     from .common import console as new_console
 
     cfg = CalibrationConfig(n=args.n, heads=args.heads)
     t0 = time.perf_counter()
-    with progress(disable=args.no_progress) as bar:
-        task = bar.add_task("calibrating", total=None)
+    try:
+        with progress(disable=args.no_progress) as bar:
+            task = bar.add_task("calibrating", total=None)
 
-        def tick(done, total, label):
-            bar.update(task, completed=done, total=total, description=label)
+            def tick(done, total, label):
+                bar.update(task, completed=done, total=total, description=label)
 
-        fitted, measured, path = calibrate(cfg, tick)
+            fitted, measured, path = calibrate(cfg, tick)
+    except TooNoisy as e:
+        print(f"attnlab calibrate: {e}", file=sys.stderr)
+        return {"rates": None, "measured": None, "path": None, "seconds": time.perf_counter() - t0,
+                "exit_code": 1, "error": str(e)}
     seconds = time.perf_counter() - t0
     console = new_console()
-    record = {"path": str(path), "source": fitted.source, "seconds": round(seconds, 1),
-              "SPARSE_BLOCK_SPEED": fitted.sparse_block_speed,
-              "COMPILED_BLOCK_SPEED": {f"{b[0]}x{b[1]}": s for b, s in fitted.compiled_block_speed.items()},
-              "COMPILED_DENSE_DTYPES": [str(d).removeprefix("torch.") for d in fitted.compiled_dense_dtypes],
-              "SPARSE_OVER_COMPILED": fitted.sparse_over_compiled,
-              "COMPILED_DENSE_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
-                                           for (d, c), p in fitted.compiled_dense_min_pairs.items()},
-              "KERNEL_GFLOPS": fitted.kernel_gflops,
-              "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": x
-                                   for (d, g), x in fitted.decode_over_sdpa.items()},
+    record = {"path": str(path), "source": fitted.source, "seconds": round(seconds, 1), **as_json(fitted),
               "measured_s": measured}
     if args.json:
         import json

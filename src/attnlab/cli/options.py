@@ -12,7 +12,7 @@ import math
 
 from ..resources import RUN_MARKERS, OptionError, check_memory, memory_budget, output_dir, output_file
 
-__all__ = ["OptionError", "positive_int", "nonneg_int", "int_in", "positive_float", "nonneg_float", "finite_float",
+__all__ = ["OptionError", "names", "positive_int", "nonneg_int", "int_in", "positive_float", "nonneg_float", "finite_float",
            "positive_int_list", "MINILM_LAYERS", "MINILM_HEADS", "MINILM_POSITIONS", "memory_budget", "check_memory", "output_dir", "output_file", "RUN_MARKERS"]
 
 
@@ -99,3 +99,8 @@ def positive_int_list(text: str) -> list[int]:
     if min(vals) < 1:
         raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}")
     return vals
+
+
+def names(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated names, blanks dropped ("float32, bfloat16" -> ("float32", "bfloat16"))."""
+    return tuple(t.strip() for t in str(text).split(",") if t.strip())

@@ -10,8 +10,9 @@ The grid (each case timed against the others it decides between, interleaved rou
    → GFLOP/s of the pairs it computes;
 3. SDPA, the tiled and the dense kernel on the same dense fp32 call → their GFLOP/s (``KERNEL_GFLOPS``:
    the built-in ``Kernel.gflops`` are estimates from another machine);
-4. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, MHA and GQA (``heads`` query
-   heads on ``heads // 4`` key/value heads), the compiled kernel against SDPA → ``COMPILED_DENSE_MIN_PAIRS``
+4. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, MHA and GQA (``plain_heads``
+   query heads on ``plain_heads`` or ``gqa_kv_heads`` key/value heads: Note [The plain grid's heads]), the
+   compiled kernel against SDPA → ``COMPILED_DENSE_MIN_PAIRS``
    (MHA) and ``COMPILED_GQA_MIN_PAIRS``: per dtype and mask (dense, causal), the calls' pairs (H·n²) from
    which the compiled kernel is at least ``MARGIN`` faster, by a line fitted to log(speed ratio) over
    log(pairs) (``_least_pairs``; None: it never wins), and ``COMPILED_DENSE_DTYPES``: the dtypes where it
@@ -27,7 +28,8 @@ The grid (each case timed against the others it decides between, interleaved rou
    What pairing cannot fix: under a load above the core count (2.8 on 2 cores) every 2-thread call waits
    for a descheduled thread, so calls shorter than the scheduler's 4 ms tick read whole ticks (a 0.3 ms
    decode call and its SDPA both 8.00 ms, an fp32 512² call 8.0 against 11.6 ms), ratios collapse towards
-   1 and under MARGIN, and the file says SDPA everywhere: calibrate on a quiet machine;
+   1 and under MARGIN, and the file would say SDPA everywhere: the grid refuses such samples (Note
+   [Tick-bound samples]);
 5. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
    the compiled kernel's speed per computed pair over the sparse kernel's;
 6. per dtype, plain decode calls (one query, ``decode_heads`` heads, MHA and GQA, cache lengths
@@ -36,6 +38,14 @@ The grid (each case timed against the others it decides between, interleaved rou
    the lengths span the sweep's (2048 ... 8192, with 4096 between: on the Zen machine the decode path went
    from 0.73x SDPA at 2048 to 1.29x at 8192, and two lengths left the mean at 0.97-0.99, "SDPA", where
    the sweep's 4096 measured the decode path 1.16x).
+
+Note [The plain grid's heads]: 4) ran on the grid's ``heads`` (4; GQA 4 on 1) and the AVX2 sweep then
+missed 4 of its 62 calls by 10-14 %: on one key/value head SDPA's GQA copy is a quarter of the sweep's
+(B = 2, H = 8 on Hkv = 2), and fp32 GQA measured at most 1.08x SDPA at 4 x 2048², fitting "never" where the
+sweep's 2 x 8 x 1024² ran the compiled kernel 1.14x; bf16 MHA's points, 4 x 1024² (0.95x) and 4 x 2048²
+(1.10x), put the threshold above the sweep's 8 x 1024² (1.10x). 4) now runs 8 query heads, on 8 or 2
+key/value heads (the group size of the sweep's GQA and of common models; pairs 8n², so n = 1024 is 8.4M
+pairs, the sweep's point): with samples of at least ``min_sample_s`` the larger calls cost about 10 % more.
 
 Without the compiled extension only 2) and 3) are measured (the others keep the built-in table's values);
 without the decode extension 6) is skipped.
@@ -57,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -74,7 +85,7 @@ from ..shapes import prepare
 from ..timing import interleaved
 
 __all__ = ["CalibrationConfig", "calibrate", "MARGIN", "note_call", "seconds_for", "background", "state",
-           "LONG_CALL_S", "ASSUMED_FLOPS"]
+           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
 
 #: the compiled kernel takes plain dense/causal calls of a dtype only when at least this much faster than SDPA
 MARGIN = 1.05
@@ -83,6 +94,44 @@ LONG_CALL_S = 1.0
 #: FLOP/s that turn a call's FLOPs into its predicted seconds where nothing is measured yet (``seconds_for``):
 #: about half of a 2-core AVX-512 machine's fp32 GEMM rate, so that only calls of ~10^11 FLOPs count as long
 ASSUMED_FLOPS = 1e11
+
+# Note [Tick-bound samples]: under a load above the core count a 2-thread call waits for its descheduled
+# thread, and samples read whole scheduler ticks (``bench planner`` under a load of 4-6 on 2 cores: 8.00,
+# 16.02, 20.04 ms, a 0.3 ms decode call and its SDPA both 8.00 ms). Their ratios collapse towards 1, under
+# MARGIN, and a file fitted from them says "SDPA everywhere". So the grid refuses to fit (``TooNoisy``:
+# nothing is written, the planner keeps what it had) when
+# - a step's samples are whole ticks: at least MAX_TICK_SHARE of them within TICK_TOL_S of a multiple of
+#   TICK_S, counting samples of at most TICK_BOUND_TICKS ticks (where one tick is 4 % of a sample or more,
+#   near MARGIN; on a quiet machine a sample lands there by chance 1 time in 40; busy, 8.00 ms read 8.00 to
+#   8.04), or any sample reads 0 (a clock coarser than the call);
+# - the process got under MIN_CPU_SHARE of its threads' cores during a step (CPU time over wall time times
+#   threads): the rest went to other processes, whose load distorts each kernel differently (a grid under a
+#   load of 7 on 2 cores ran every kernel 3-5x slower, the compiled kernel's small GQA calls 0.62x SDPA's
+#   speed where a quiet one measured 1.01x);
+# - or the per-round ratios of the compared kernels scatter: the median over the grid's comparisons of their
+#   interquartile range over their median is above MAX_RATIO_SPREAD (each round times both kernels back to
+#   back, so a steady load cancels in a ratio; one that comes and goes within rounds does not).
+#: the scheduler tick (CONFIG_HZ = 250) that tick-bound samples are multiples of
+TICK_S = 0.004
+#: how close to a whole number of ticks a tick-bound sample reads, and the longest sample counted (in ticks)
+TICK_TOL_S, TICK_BOUND_TICKS = 5e-5, 25
+#: the share of a step's samples (of at least 8) that may read whole ticks
+MAX_TICK_SHARE = 0.6
+#: the median relative interquartile range of the per-round ratios above which the fit is refused
+MAX_RATIO_SPREAD = 0.25
+#: the clock the grid times with (the tests give a coarse or jittery one: Note [Tick-bound samples])
+CLOCK = time.perf_counter
+#: the process's CPU seconds (all threads), for the share of the cores a step got; the tests give a slow one
+CPU_CLOCK = time.process_time
+#: the least share of ``torch.get_num_threads()`` cores' time a step's process may get (over steps of at least
+#: 0.2 s): the grid calibrated under a load of 6-8 on 2 cores got 26 % and fitted rates that sent 8 of the 62
+#: sweep's calls to the slower kernel (one other CPU-bound process leaves about 67 %)
+MIN_CPU_SHARE = 0.5
+
+
+class TooNoisy(RuntimeError):
+    """The calibration's samples were tick-bound or scattered (Note [Tick-bound samples]): nothing was fitted
+    or written."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +143,10 @@ class CalibrationConfig:
     n: int = 2048
     heads: int = 4
     dense_ns: tuple = (512, 1024)  # smaller sizes of 4), below n
+    # 4)'s head layouts (Note [The plain grid's heads]): MHA plain_heads x plain_heads, GQA plain_heads query heads
+    # on gqa_kv_heads key/value heads
+    plain_heads: int = 8
+    gqa_kv_heads: int = 2
     dim: int = 64
     window: int = 256
     dtypes: tuple = (torch.float32, torch.bfloat16)
@@ -112,11 +165,12 @@ class CalibrationConfig:
 Tick = Callable[[int, int, str], None]
 
 
-def _qkv(cfg: CalibrationConfig, dtype, kv_heads: int | None = None):
-    """q [1, heads, n, dim]; k, v [1, kv_heads (default heads), n, dim]."""
+def _qkv(cfg: CalibrationConfig, dtype, kv_heads: int | None = None, heads: int | None = None):
+    """q [1, heads (default cfg.heads), n, dim]; k, v [1, kv_heads (default heads), n, dim]."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, cfg.heads, cfg.n, cfg.dim, generator=g).to(dtype)
-    kv = kv_heads or cfg.heads
+    heads = heads or cfg.heads
+    q = torch.randn(1, heads, cfg.n, cfg.dim, generator=g).to(dtype)
+    kv = kv_heads or heads
     return (q, *(torch.randn(1, kv, cfg.n, cfg.dim, generator=g).to(dtype) for _ in range(2)))
 
 
@@ -127,6 +181,27 @@ def _ratio(t: dict, slow: str, fast: str) -> float:
     rs = sorted(x / y for x, y in zip(a, b))
     m = len(rs) // 2
     return rs[m] if len(rs) % 2 else math.sqrt(rs[m - 1] * rs[m])
+
+
+def _ratio_spread(t: dict, slow: str, fast: str) -> float:
+    """The interquartile range of the per-round ratios ``slow`` / ``fast`` over their median (0 with < 4 rounds)."""
+    rs = sorted(x / y for x, y in zip(t[slow].times, t[fast].times))
+    if len(rs) < 4:
+        return 0.0
+    q1, q3 = rs[len(rs) // 4], rs[(3 * len(rs)) // 4]
+    return (q3 - q1) / rs[len(rs) // 2]
+
+
+def _tick_bound(t: dict, label: str, tick_s: float = TICK_S) -> str | None:
+    """Why the samples of one step (``t``: {name: Timing}) are tick-bound, or None (Note [Tick-bound samples])."""
+    samples = [x * tm.calls_per_sample for tm in t.values() for x in tm.times]  # each sample's wall time
+    if any(s <= 0 for s in samples):
+        return f"{label}: a sample read 0 s (the clock is coarser than the call)"
+    hits = sum(1 <= round(s / tick_s) <= TICK_BOUND_TICKS and abs(s - round(s / tick_s) * tick_s) <= TICK_TOL_S
+               for s in samples)
+    if len(samples) >= 8 and hits >= MAX_TICK_SHARE * len(samples):
+        return f"{label}: {hits} of {len(samples)} samples are whole {tick_s * 1e3:g} ms scheduler ticks"
+    return None
 
 
 def _dense_flops(H: int, L: int, S: int, D: int) -> int:
@@ -169,25 +244,43 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
 
     Returns (rates.Rates, measured: {case: seconds per call}, path or None). ``tick(done, total, label)``
     reports progress. Without the compiled extension only the sparse, SDPA, tiled and dense kernels' rates
-    are measured (the others keep the built-in table's values)."""
+    are measured (the others keep the built-in table's values). Raises ``TooNoisy`` (nothing written) when
+    the samples are tick-bound or scattered (Note [Tick-bound samples])."""
     cfg = cfg or CalibrationConfig()
+    clock = CLOCK
     tick = tick or (lambda *a: None)
     base = rates.builtin()
     have_ext = compiled_kernel.available()
     have_decode = have_ext and decode_kernel.available()
     sizes = tuple(sorted({m for m in cfg.dense_ns if m < cfg.n} | {cfg.n}))
-    kv_gqa = max(1, cfg.heads // 4)
-    head_kinds = (False, True) if kv_gqa < cfg.heads else (False,)  # GQA: one key/value head per 4 query heads
+    H4, kv_gqa = cfg.plain_heads, min(cfg.gqa_kv_heads, cfg.plain_heads)
+    head_kinds = (False, True) if kv_gqa < H4 else (False,)  # Note [The plain grid's heads]
     total = 2 + (2 + len(head_kinds) * len(cfg.dtypes) * len(sizes) if have_ext else 0) + (len(cfg.dtypes) if have_decode else 0)
     done, measured = 0, {}
     budget = cfg.budget_s / total
 
+    spreads = []  # of the per-round ratios of every comparison (Note [Tick-bound samples])
+
     def timings(calls):
+        cpu0, wall0 = CPU_CLOCK(), clock()
         t = interleaved(calls, rounds=cfg.rounds, min_rounds=min(cfg.min_rounds, cfg.rounds),
-                        min_sample_s=cfg.min_sample_s, budget_s=budget)
+                        min_sample_s=cfg.min_sample_s, budget_s=budget, clock=clock)
+        cpu, wall = CPU_CLOCK() - cpu0, clock() - wall0
+        why = _tick_bound(t, f"timing {', '.join(calls)}")
+        share = cpu / (wall * torch.get_num_threads()) if wall >= 0.2 else 1.0
+        if not why and share < MIN_CPU_SHARE:
+            why = (f"timing {', '.join(calls)}: this process got {share:.0%} of {torch.get_num_threads()} cores' "
+                   f"time, under {MIN_CPU_SHARE:.0%}: other processes took the rest")
+        if why:
+            raise TooNoisy(f"the machine is too busy to calibrate ({why}); nothing written, the planner keeps "
+                           f"{rates.current().source.split(' (')[0]}: rerun on a quieter machine")
         for name, tm in t.items():
             measured[name] = tm.median
         return t
+
+    def ratio(t, slow, fast):
+        spreads.append(_ratio_spread(t, slow, fast))
+        return _ratio(t, slow, fast)
 
     def timed(calls):
         return {name: tm.median for name, tm in timings(calls).items()}
@@ -237,14 +330,14 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
                     points = {False: [], True: []}  # causal: [(pairs, SDPA's time / the compiled kernel's)]
                     heads = " gqa" if gqa else ""
                     for size in sizes:
-                        qd, kd, vd = _qkv(dataclasses.replace(cfg, n=size), dt, kv_gqa if gqa else None)
+                        qd, kd, vd = _qkv(dataclasses.replace(cfg, n=size), dt, kv_gqa if gqa else None, H4)
                         label = {c: f"{'causal' if c else 'dense'} {name}{heads} n={size}" for c in (False, True)}
                         calls = {f"{kk.name} {label[c]}": _kernel_call(qd, kd, vd, kk, is_causal=c, enable_gqa=gqa)[0]
                                  for c in (False, True) for kk in (sd, cc)}
                         t = timings(calls)
-                        ratios = {c: _ratio(t, f"{sd.name} {label[c]}", f"{cc.name} {label[c]}") for c in (False, True)}
+                        ratios = {c: ratio(t, f"{sd.name} {label[c]}", f"{cc.name} {label[c]}") for c in (False, True)}
                         for c, r in ratios.items():
-                            points[c].append((cfg.heads * size * size, r))
+                            points[c].append((H4 * size * size, r))
                         if not gqa and size == cfg.n and min(ratios.values()) >= MARGIN:
                             dense_dtypes.append(dt)
                         step(f"compiled vs sdpa, {name}{heads}, n={size}")
@@ -258,7 +351,12 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
             step("compiled vs sparse on a window")
         if have_decode:
             # 6) plain decode calls: the decode path against SDPA, MHA and GQA, per dtype
-            decode = _decode_ratios(cfg, timings, step)
+            decode = _decode_ratios(cfg, timings, step, ratio)
+    spread = sorted(spreads)[len(spreads) // 2] if spreads else 0.0
+    if spread > MAX_RATIO_SPREAD:
+        raise TooNoisy(f"the machine is too busy to calibrate (the kernels' per-round speed ratios scatter by "
+                       f"{spread:.0%} of their median, over {MAX_RATIO_SPREAD:.0%}); nothing written, the planner "
+                       f"keeps {rates.current().source.split(' (')[0]}: rerun on a quieter machine")
     fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU",
                          compiled_dense_min_pairs=min_pairs, kernel_gflops=gflops, decode_over_sdpa=decode,
                          compiled_gqa_min_pairs=gqa_pairs)
@@ -266,7 +364,7 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
     return (rates.current() if save else fitted), measured, path
 
 
-def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step) -> dict:
+def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> dict:
     """{(dtype, gqa): SDPA's time over the decode path's, geometric mean over ``cfg.decode_ns``} (step 6)."""
     out = {}
     H, D = cfg.decode_heads, cfg.dim
@@ -287,7 +385,7 @@ def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step) -> dict:
                 cases.append((gqa, case))
         t = timed_rounds(calls)
         for gqa in (False, True):
-            logs = [math.log(_ratio(t, f"{K.SDPA.name} {c}", f"decode {c}")) for g_, c in cases if g_ == gqa]
+            logs = [math.log((ratio or _ratio)(t, f"{K.SDPA.name} {c}", f"decode {c}")) for g_, c in cases if g_ == gqa]
             if logs:
                 out[(dt, gqa)] = math.exp(sum(logs) / len(logs))
         step(f"decode path vs sdpa, {name}")
@@ -317,6 +415,8 @@ def _thread_body() -> None:
     global _PENDING
     try:
         fitted = _calibrate_in_background()
+    except TooNoisy:  # a busy machine: the built-in table stays, as without a calibration (Note [Tick-bound samples])
+        return
     except Exception as e:  # noqa: BLE001 - a background failure must not reach the user's call
         warnings.warn(f"attnlab: the background calibration failed ({type(e).__name__}: {e}); the planner keeps "
                       "its built-in table (run `attnlab calibrate` to measure this CPU)", RuntimeWarning)

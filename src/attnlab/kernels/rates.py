@@ -33,7 +33,7 @@ from .. import cpu
 from ..report import atomic_write_text
 
 __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "make_current", "on_change", "machine_key",
-           "cache_dir", "cache_path", "save", "builtin", "calibration_enabled", "ISA_ENV_VARS"]
+           "cache_dir", "cache_path", "save", "builtin", "calibration_enabled", "ISA_ENV_VARS", "as_json"]
 
 FORMAT = 1
 #: the rates a calibration fits, by the built-in table's constant names (COMPILED_DENSE_MIN_PAIRS has no constant:
@@ -41,7 +41,7 @@ FORMAT = 1
 #: the mask kinds of a COMPILED_DENSE_MIN_PAIRS key ("<dtype> <kind>") and whether each is causal
 _MASK_KINDS = dict(dense=False, causal=True)
 RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED",
-              "COMPILED_DENSE_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA")
+              "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA")
 #: the head layouts of a DECODE_OVER_SDPA key ("<dtype> <heads>") and whether each is GQA
 _HEAD_KINDS = dict(mha=False, gqa=True)
 
@@ -237,7 +237,9 @@ def _min_pairs(r: dict, field_name: str) -> dict:
     return least
 
 
-def _to_json(rates: Rates) -> dict:
+def as_json(rates: Rates) -> dict:
+    """Every fitted rate of ``rates`` by its ``RATE_NAMES`` name (and COMPILED_GQA_MIN_PAIRS), as the calibration
+    file holds them: keys as strings ("<dtype> dense|causal", "<dtype> mha|gqa", "128x256"), None for "never"."""
     return {"SPARSE_BLOCK_SPEED": {str(b): s for b, s in rates.sparse_block_speed.items()},
             "COMPILED_BLOCK_SPEED": {f"{b[0]}x{b[1]}": s for b, s in rates.compiled_block_speed.items()},
             "COMPILED_DENSE_DTYPES": [str(d).removeprefix("torch.") for d in rates.compiled_dense_dtypes],
@@ -256,7 +258,7 @@ def save(rates: Rates, measured: dict | None = None, path: Path | None = None, *
     ``reload_now``: the background thread leaves that to the calling thread) and return the path."""
     path = path or cache_path()
     doc = {"format": FORMAT, "key": machine_key(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "rates": _to_json(rates), "measured": measured or {}}
+           "rates": as_json(rates), "measured": measured or {}}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True))
     if reload_now:

@@ -73,3 +73,30 @@ def test_bad_options_are_one_line(tmp_path):
     assert cli.main(["bench", "planner", "--kinds", "dense,nope", "--out", str(tmp_path)]) == 2
     with pytest.raises(ValueError, match="--max-n"):
         bench_planner.PlannerConfig(max_n=8).validate()
+
+
+def test_replay_re_decides_plain_rows_by_the_size_threshold_and_keeps_the_others():
+    """The offline oracle: plain dense/causal rows follow the rates' threshold, other rows their recorded pick,
+    each scored by the recorded times."""
+    import dataclasses
+
+    import torch
+
+    from attnlab.kernels import rates
+
+    def row(config, kind, n, Hkv, ms, pick="sdpa"):
+        return {"config": config, "kind": kind, "dtype": "float32", "B": 1, "H": 8, "Hkv": Hkv, "L": n, "S": n,
+                "ms": ms, "auto_pick": pick}
+
+    rows = [row("small", "dense", 512, 8, {"sdpa": 1.0, "compiled": 1.2}),      # 8 x 512^2 = 2.1M pairs
+            row("large", "dense", 2048, 8, {"sdpa": 1.3, "compiled": 1.0}),     # 33.6M pairs
+            row("gqa", "causal", 1024, 2, {"sdpa": 1.2, "compiled": 1.0}),      # 8.4M pairs, GQA
+            row("window", "window", 1024, 8, {"sdpa": 3.0, "compiled": 1.0, "sparse": 1.1}, pick="sparse")]
+    b = rates.builtin()
+    r = dataclasses.replace(b, compiled_dense_min_pairs={(torch.float32, False): 1e7, (torch.float32, True): 1e7},
+                            compiled_gqa_min_pairs={(torch.float32, True): 4e6})
+    out = bench_planner.replay(rows, r)
+    assert out["configs"] == 4 and out["misses"] == [("window", "sparse", 1.1)]
+    assert out["pick_within_5pct"] == pytest.approx(3 / 4)
+    never = dataclasses.replace(r, compiled_gqa_min_pairs={(torch.float32, True): None})
+    assert [m[0] for m in bench_planner.replay(rows, never)["misses"]] == ["gqa", "window"]
