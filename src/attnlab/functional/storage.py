@@ -21,10 +21,13 @@ import torch
 
 from ..shapes import AttentionInputError
 
-__all__ = ["empty_kv_cache", "huge_pages_available", "transparent_hugepage_mode", "anon_huge_bytes", "HUGE_PAGE_BYTES"]
+__all__ = ["empty_kv_cache", "huge_pages_available", "transparent_hugepage_mode", "anon_huge_bytes", "HUGE_PAGE_BYTES",
+           "MIN_HUGE_BYTES"]
 
-#: The x86-64 / arm64 (4 KiB base) PMD huge page; storage below this size takes torch.zeros.
+#: The x86-64 / arm64 (4 KiB base) PMD huge page: the mapping's alignment.
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
+#: Auto (huge_pages=None) storage below this size takes torch.zeros: it cannot fill one huge page.
+MIN_HUGE_BYTES = HUGE_PAGE_BYTES
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -97,7 +100,7 @@ def empty_kv_cache(*shape: int, dtype: torch.dtype = torch.float32, device: torc
             f"{'present' if hasattr(mmap, 'MADV_HUGEPAGE') else 'absent'}, {_THP_ENABLED}: {transparent_hugepage_mode()}); "
             "pass huge_pages=None to fall back to torch.zeros")
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if huge_pages is None and (nbytes < HUGE_PAGE_BYTES or not huge_pages_available()):
+    if huge_pages is None and (nbytes < MIN_HUGE_BYTES or not huge_pages_available()):
         return torch.zeros(shape, dtype=dtype)
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
