@@ -4,7 +4,9 @@ Note [KV cache on huge pages]: decode reads a kv head's rows Hkv * D elements ap
 or a [P, T, Hkv, D] page pool (4 KiB for fp32 at 8 heads x 128), so one 32-token tile of K and V touches 64
 distinct 4 KiB pages and the walk pays a TLB miss per row (csrc Notes [Decode head span] / [Decode page walk]).
 With transparent huge pages set to ``madvise`` (a common default) torch's tensors get 4 KiB pages; an
-anonymous mmap advised MADV_HUGEPAGE gets 2 MiB ones, so the same tile touches one or two. Anonymous memory
+anonymous mmap advised MADV_HUGEPAGE gets 2 MiB ones, so the same tile touches one or two. Measured (empty_kv_cache's docstring), huge pages speed up the
+contiguous [B, Hkv, S, D] cache about as much as the strided ones, so they do not by themselves close the
+paged / contiguous gap; they are a win for every layout. Anonymous memory
 is zero-filled by the kernel, so the storage needs no clearing pass. ``torch.frombuffer`` holds the mmap
 alive for as long as any view of the tensor lives (test_storage.py drops every other reference).
 
@@ -15,6 +17,7 @@ with huge pages (free contiguous memory, khugepaged) is never promised — ``ano
 from __future__ import annotations
 
 import mmap
+import operator
 import re
 
 import torch
@@ -50,9 +53,20 @@ def huge_pages_available() -> bool:
 def _check_shape(shape) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
+    try:
+        dims = tuple(_dim(s) for s in shape)
+    except TypeError:
+        dims = None
+    if dims is None or any(s < 0 for s in dims):
         raise AttentionInputError(f"empty_kv_cache: shape must be ints >= 0, got {list(shape)!r}")
-    return tuple(shape)
+    return dims
+
+
+def _dim(s) -> int:
+    """One dimension: an int or anything with __index__ (numpy ints), not a bool."""
+    if isinstance(s, bool):
+        raise TypeError("a bool is not a dimension")
+    return operator.index(s)
 
 
 def _huge_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -78,11 +92,15 @@ def empty_kv_cache(*shape: int, dtype: torch.dtype = torch.float32, device: torc
     ``huge_pages=True`` asks for the mmap at any size (raising when the OS does not offer it),
     ``False`` always takes torch.zeros; a device other than CPU always takes torch.zeros on that device.
 
-    What it buys (measured, 1 thread, decode GQA 32/8 D 128 S 32768, ``attnlab bench decode``'s cases):
-    a [P, T, Hkv, D] page pool or a [B, S, Hkv, D] cache, whose kv-head rows lie Hkv * D apart, reads up to
-    ~15% faster on huge pages (fp32 paged / contiguous 1.20/1.14/1.19 -> 1.12/1.04/1.10 at page 16/64/256;
-    bf16 [B, S, Hkv, D] 1.13 -> 0.94); a [B, Hkv, S, D] cache walks contiguous rows and gains little. A
-    cache a user allocates with plain torch.zeros works everywhere this one does, just on 4 KiB pages.
+    What it buys (measured here: 1-thread CPU time, medians of 15 interleaved rounds, cold caches, decode GQA
+    32/8 D 128, one process, a loaded 2-core EPYC): every layout reads about as fast or faster on huge pages —
+    huge / normal at S = 32768 bf16 0.85-0.90 for [B, Hkv, S, D], [B, S, Hkv, D] and page pools 16/64/256,
+    int8 0.86-0.95 (the contiguous [B, Hkv, S, D] 1.02), fp32 0.91-1.07 (noise); at S = 4096 0.88-1.03. Since
+    the contiguous cache gains too, paged / contiguous with both on huge pages stays where it was for fp32 /
+    bf16 (1.09-1.29; issue 23's 1.10 target not met by storage alone); int8 page 16/64/256 1.11/1.05/1.03
+    (normal pages 1.31/1.16/1.10). Against a contiguous cache on normal pages a bf16 pool on huge pages reads
+    at 0.97-0.98. A cache a user allocates with plain torch.zeros works everywhere this one does, on 4 KiB
+    pages.
     Cost: O(numel) virtual memory, touched (and so resident) only where written; one extra 2 MiB of address
     space for alignment.
     """
