@@ -92,15 +92,14 @@ def empty_kv_cache(*shape: int, dtype: torch.dtype = torch.float32, device: torc
     ``huge_pages=True`` asks for the mmap at any size (raising when the OS does not offer it),
     ``False`` always takes torch.zeros; a device other than CPU always takes torch.zeros on that device.
 
-    What it buys (measured here: 1-thread CPU time, medians of 15 interleaved rounds, cold caches, decode GQA
-    32/8 D 128, one process, a loaded 2-core EPYC): every layout reads about as fast or faster on huge pages —
-    huge / normal at S = 32768 bf16 0.85-0.90 for [B, Hkv, S, D], [B, S, Hkv, D] and page pools 16/64/256,
-    int8 0.86-0.95 (the contiguous [B, Hkv, S, D] 1.02), fp32 0.91-1.07 (noise); at S = 4096 0.88-1.03. Since
-    the contiguous cache gains too, paged / contiguous with both on huge pages stays where it was for fp32 /
-    bf16 (1.09-1.29; issue 23's 1.10 target not met by storage alone); int8 page 16/64/256 1.11/1.05/1.03
-    (normal pages 1.31/1.16/1.10). Against a contiguous cache on normal pages a bf16 pool on huge pages reads
-    at 0.97-0.98. A cache a user allocates with plain torch.zeros works everywhere this one does, on 4 KiB
-    pages.
+    What it buys (measured here: 1-thread CPU time, medians of interleaved rounds with cold caches, then the
+    median over 4 runs (run-to-run spread up to ±0.1: a loaded 2-core EPYC); decode GQA 32/8 D 128 S 32768):
+    huge / normal storage, fp32 [B, Hkv, S, D] 1.02, [B, S, Hkv, D] 0.98, page pools 16/64/256 0.96; bf16
+    0.94, 0.87, 0.88/0.92/0.91; int8 (one run) 1.02, 0.86, 0.86/0.92/0.95. Strided layouts gain the most,
+    but the contiguous cache gains too, so paged / contiguous with both on huge pages is fp32 1.19/1.17/1.15
+    (normal pages 1.22/1.17/1.15), bf16 1.16/1.10/1.06 (1.28/1.13/1.10), int8 1.11/1.05/1.03 (1.31/1.16/1.10).
+    At S = 4096 huge / normal is 0.88-1.03. A cache a user allocates with plain torch.zeros works everywhere
+    this one does, on 4 KiB pages.
     Cost: O(numel) virtual memory, touched (and so resident) only where written; one extra 2 MiB of address
     space for alignment.
     """
