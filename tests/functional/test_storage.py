@@ -135,3 +135,22 @@ def test_decode_through_huge_storage_is_identical(dtype):
         outs.append((attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=S),
                      attnlab.attention_with_kvcache(q, pk, pv, cache_seqlens=S, block_table=table)))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@huge_ok
+def test_mapping_is_released_with_the_last_view():
+    """The mmap is unmapped once no tensor refers to it (no leak per reallocation of a growing cache)."""
+    def mapped(addr):
+        with open("/proc/self/maps") as f:
+            spans = [line.split()[0].split("-") for line in f]
+        return any(int(lo, 16) <= addr < int(hi, 16) for lo, hi in spans)
+
+    t = attnlab.empty_kv_cache(*BIG, huge_pages=True)
+    addr = t.data_ptr()
+    view = t[0, 1]
+    del t
+    gc.collect()
+    assert mapped(addr)
+    del view
+    gc.collect()
+    assert not mapped(addr)
