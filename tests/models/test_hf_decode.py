@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnlab.functional import storage
 from attnlab.kernels import decode as dk
 
 transformers = pytest.importorskip("transformers")
@@ -78,6 +79,26 @@ def test_in_place_cache_gives_dynamic_cache_results():
                                beams), impl
     with pytest.raises(ValueError, match="capacity must be an int >= 0"):
         hf.in_place_cache(model.config, -1)
+
+
+@pytest.mark.skipif(not storage.huge_pages_available(), reason="no transparent huge pages on this OS")
+def test_in_place_storage_on_huge_pages_gives_the_same_tokens(monkeypatch):
+    """InPlaceLayer storage comes from empty_kv_cache (Note [KV cache on huge pages]): with the size threshold
+    lowered it sits in the 2 MiB-aligned mmap, and greedy generation equals torch storage's tokens."""
+    hf.register_all()
+    model = _llama()
+    model.set_attn_implementation("attnlab")
+    ids = torch.randint(1, 64, (2, 13), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=7, do_sample=False, pad_token_id=0)
+    monkeypatch.setattr(storage, "huge_pages_available", lambda: False)
+    with torch.no_grad():
+        ref = model.generate(ids, cache=hf.in_place_cache(model.config, 20), **kw)
+    monkeypatch.undo()
+    monkeypatch.setattr(storage, "MIN_HUGE_BYTES", 0)
+    cache = hf.in_place_cache(model.config, 20)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, cache=cache, **kw), ref)
+    assert cache.layers[0]._kbuf.data_ptr() % storage.HUGE_PAGE_BYTES == 0
 
 
 def test_generate_appends_in_place_by_default():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnlab.functional import storage
 from attnlab.kernels import decode as dk
 from attnlab.nn import KVCache, LayerCache, TransformerLM
 
@@ -38,6 +39,24 @@ def test_reserved_cache_appends_in_place():
     assert all(x.reserved == 12 for x in kv.self_attn)
     with pytest.raises(ValueError, match="reserve takes an int >= 0"):
         c.reserve(-1)
+
+
+@pytest.mark.skipif(not storage.huge_pages_available(), reason="no transparent huge pages on this OS")
+def test_cache_storage_on_huge_pages_gives_the_same_tokens(monkeypatch):
+    """LayerCache storage comes from empty_kv_cache (functional/storage.py Note [KV cache on huge pages]): with
+    the size threshold lowered, a reserved cache sits in the 2 MiB-aligned mmap, and generation gives the
+    tokens of torch storage (huge pages unavailable)."""
+    lm = _lm()
+    prompt = torch.randint(0, 61, (2, 11), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(storage, "huge_pages_available", lambda: False)
+    ref = lm.generate(prompt, 8, temperature=0)
+    monkeypatch.undo()
+    monkeypatch.setattr(storage, "MIN_HUGE_BYTES", 0)
+    assert torch.equal(lm.generate(prompt, 8, temperature=0), ref)
+    c = LayerCache()
+    c.reserve(40)
+    c.append(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 3))
+    assert c.keys.data_ptr() % storage.HUGE_PAGE_BYTES == 0 and c.values.data_ptr() % storage.HUGE_PAGE_BYTES == 0
 
 
 @needs_ext

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..harness import threads
 from ..kernels import decode as decode_kernel
+from ..functional.storage import transparent_hugepage_mode, anon_huge_bytes, empty_kv_cache, huge_pages_available
 from ..report import environment
 from ..resources import check_memory
 from .files import write_json_and_figure
@@ -106,9 +107,12 @@ class DecodeBench:
         self.files = write_json_and_figure(self.out_dir, "decode", {
             "suite": "decode", "threads": self.threads, "rows": self.rows, "skipped": self.skipped,
             "targets": self.targets, "env": self.env,
+            "storage": {"allocator": "attnlab.empty_kv_cache (contiguous and paged caches alike)",
+                        "huge_pages_available": huge_pages_available(), "transparent_hugepage": transparent_hugepage_mode()},
             "note": ("ms: medians of interleaved rounds, each call after a bandwidth probe that flushes the caches "
                      "(cold K/V); memory_bound_ms = K/V bytes / the read bandwidth measured in the same rounds; "
-                     "speedup = SDPA ms / attnlab ms")},
+                     "speedup = SDPA ms / attnlab ms; huge_pages_fraction: the K cache's bytes on huge pages "
+                     "(/proc/self/smaps AnonHugePages)")},
             lambda ax: _draw(self, ax), figsize=(6, 3.5))
         return self.files
 
@@ -116,7 +120,7 @@ class DecodeBench:
 def _paged(x: torch.Tensor, table: torch.Tensor, page: int) -> torch.Tensor:
     """x [B, S, Hkv, *] -> a pool [P, page, Hkv, *] holding its rows where ``table`` [B, pages] says."""
     B, S = x.shape[:2]
-    pool = torch.zeros(table.numel(), page, *x.shape[2:], dtype=x.dtype)
+    pool = empty_kv_cache(table.numel(), page, *x.shape[2:], dtype=x.dtype)  # like the contiguous case's storage
     j = torch.arange(S)
     pool[table.long()[:, j // page], j % page] = x
     return pool
@@ -136,6 +140,22 @@ def _bandwidth_once(buf: torch.Tensor) -> float:
     return buf.numel() * buf.element_size() / (time.perf_counter() - t)
 
 
+def _quantized_cache(x: torch.Tensor):
+    """x [B, S, Hkv, D] -> a QuantizedKV in ``QuantizedKV.empty``'s storage (huge pages where offered)."""
+    from ..functional.kvcache import QuantizedKV
+
+    q, c = QuantizedKV.quantize(x), QuantizedKV.empty(*x.shape)
+    c.data.copy_(q.data)
+    c.scale.copy_(q.scale)
+    return c
+
+
+def _huge_fraction(t: torch.Tensor) -> float | None:
+    """The share of t's bytes the kernel backs with huge pages (smaps AnonHugePages), capped at 1."""
+    got = anon_huge_bytes(t)
+    return None if got is None else min(1.0, got / max(1, t.numel() * t.element_size()))
+
+
 def _case(name, S, dtype, B, layout, rounds, buf, gen):
     from ..functional.kvcache import QuantizedKV
 
@@ -145,11 +165,12 @@ def _case(name, S, dtype, B, layout, rounds, buf, gen):
     if int8:  # float32 queries against an int8 cache; SDPA on the dequantised values
         dt = torch.float32
     q = torch.randn(B, H, 1, D, generator=gen).to(dt)
-    k = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
-    v = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
+    # (B, Hkv, S, D) in attnlab's cache storage, as a paged pool's (huge pages where offered: like with like)
+    k = empty_kv_cache(B, Hkv, S, D, dtype=dt).copy_(torch.randn(B, Hkv, S, D, generator=gen))
+    v = empty_kv_cache(B, Hkv, S, D, dtype=dt).copy_(torch.randn(B, Hkv, S, D, generator=gen))
     kc, vc = k.transpose(1, 2), v.transpose(1, 2)  # views: the same memory SDPA reads
     if int8:
-        kc, vc = QuantizedKV.quantize(kc), QuantizedKV.quantize(vc)
+        kc, vc = _quantized_cache(kc), _quantized_cache(vc)
         k, v = kc.dequantize().transpose(1, 2), vc.dequantize().transpose(1, 2)
     table = None
     if layout != "contiguous":
@@ -188,7 +209,8 @@ def _case(name, S, dtype, B, layout, rounds, buf, gen):
             "attnlab_gbs": nbytes / ms / 1e6, "sdpa_gbs": nbytes / ss / 1e6, "memory_bound_ms": bound_ms,
             "attnlab_over_bound": ms / bound_ms, "speedup": ss / ms,
             "splits": decode_kernel.num_splits_for(kc.data if int8 else kc, B, S), "max_err": err, "sdpa_err": sdpa_err,
-            "err_budget": budget, "correct": err <= budget}
+            "err_budget": budget, "correct": err <= budget,
+            "huge_pages_fraction": _huge_fraction(kc.data if int8 else kc)}
 
 
 def decode_kernel_call(q, k_cache, v_cache, block_table, S: int):

@@ -19,8 +19,9 @@ from ..kernels.planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
 from . import calibration, plancache
 from .kvcache import attention_with_kvcache
+from .storage import empty_kv_cache
 
-__all__ = ["attention", "explain", "attention_with_lse", "attention_with_kvcache", "merge_partials", "run", "Plan", "METHODS", "Prepared",
+__all__ = ["attention", "explain", "attention_with_lse", "attention_with_kvcache", "empty_kv_cache", "merge_partials", "run", "Plan", "METHODS", "Prepared",
            "prepare", "planner", "DEFAULT_TILED_BLOCK"]
 
 

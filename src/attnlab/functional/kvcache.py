@@ -21,6 +21,7 @@ import torch
 
 from ..kernels import decode as decode_kernel
 from ..shapes import AttentionDtypeError, AttentionInputError, check_softcap, shape_str
+from .storage import _check_shape, empty_kv_cache
 
 __all__ = ["attention_with_kvcache", "QuantizedKV", "Rotary", "INT8_ERROR_BUDGET", "decode_applies", "decode_reason",
            "run_prepared", "direct"]
@@ -74,9 +75,12 @@ class QuantizedKV:
             raise AttentionInputError(f"QuantizedKV.data is on {d.device} but its scale on {sc.device}")
 
     @classmethod
-    def empty(cls, *shape: int) -> "QuantizedKV":
-        """A zero cache of shape [B|P, S|T, Hkv, D] (every row 0, scale 0)."""
-        return cls(torch.zeros(*shape, dtype=torch.int8), torch.zeros(*shape[:3], dtype=torch.float32))
+    def empty(cls, *shape: int, huge_pages: bool | None = None) -> "QuantizedKV":
+        """A zero cache of shape [B|P, S|T, Hkv, D] (every row 0, scale 0), data and scale in ``empty_kv_cache``
+        storage (huge pages where the OS offers them: Note [KV cache on huge pages])."""
+        shape = _check_shape(shape)
+        return cls(empty_kv_cache(*shape, dtype=torch.int8, huge_pages=huge_pages),
+                   empty_kv_cache(*shape[:3], dtype=torch.float32, huge_pages=huge_pages))
 
     @classmethod
     def quantize(cls, x: torch.Tensor) -> "QuantizedKV":

@@ -38,7 +38,7 @@ from typing import Iterator
 import torch
 
 from .. import patterns as P
-from ..functional import METHODS, attention, planner
+from ..functional import METHODS, attention, empty_kv_cache, planner
 from ..kernels import decode as decode_kernel
 from ..nn.hooks import AttentionHooks, HookContext
 
@@ -251,8 +251,11 @@ def _in_place_classes():
                     or self._kbuf.shape[0] != key_states.shape[0] or self._kbuf.dtype != key_states.dtype:
                 cap = max(need, self.capacity, 2 * (self._kbuf.shape[2] if self._kbuf is not None else 0), 16)
                 B, Hkv, _, D = key_states.shape
-                kb = key_states.new_empty(B, Hkv, cap, D)  # (B, Hkv, capacity, D)
-                vb = value_states.new_empty(B, value_states.shape[1], cap, value_states.shape[3])
+                # (B, Hkv, capacity, D): attnlab's cache storage, on huge pages where offered (Note [KV cache
+                # on huge pages]); zeroed, and every row read is written first, so the values are unchanged
+                kb = empty_kv_cache(B, Hkv, cap, D, dtype=key_states.dtype, device=key_states.device)
+                vb = empty_kv_cache(B, value_states.shape[1], cap, value_states.shape[3], dtype=value_states.dtype,
+                                    device=value_states.device)
                 if n:
                     kb[:, :, :n] = self.keys
                     vb[:, :, :n] = self.values

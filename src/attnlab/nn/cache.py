@@ -6,13 +6,22 @@ A cache stores the keys *after* positional rotation (RoPE), so a new query at po
 only needs its own rotation. Appends write in place into preallocated storage: ``reserve(n)`` (generate
 reserves prompt + new tokens up front) makes every later append a copy of the new rows only; past the
 reserve, storage grows by doubling (O(1) amortised). The cached keys are strided views of that storage,
-which the decode kernel (kernels/decode.py) reads in place.
+which the decode kernel (kernels/decode.py) reads in place. The storage is ``attnlab.empty_kv_cache``'s
+(huge pages where the OS offers them and the storage is >= 2 MiB: functional/storage.py Note [KV cache on
+huge pages]); the values are the same as on ordinary pages.
 """
 from __future__ import annotations
 
 import torch
 
+from ..functional.storage import empty_kv_cache
+
 __all__ = ["LayerCache", "KVCache"]
+
+
+def _storage_like(ref: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Cache storage of ``shape`` with ``ref``'s dtype and device (zeroed; on huge pages where offered)."""
+    return empty_kv_cache(*shape, dtype=ref.dtype, device=ref.device)
 
 
 class LayerCache:
@@ -46,8 +55,8 @@ class LayerCache:
             self._grow(n)
 
     def _grow(self, cap: int) -> None:
-        nk = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[3])
-        nv = self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[3])
+        nk = _storage_like(self._k, *self._k.shape[:2], cap, self._k.shape[3])
+        nv = _storage_like(self._v, *self._v.shape[:2], cap, self._v.shape[3])
         nk[:, :, : self.length] = self._k[:, :, : self.length]
         nv[:, :, : self.length] = self._v[:, :, : self.length]
         self._k, self._v = nk, nv
@@ -81,8 +90,8 @@ class LayerCache:
         """Append k [B, Hkv, T, D], v [B, Hkv, T, Dv]; return all keys and values so far."""
         if self._k is None:
             cap = max(16, 2 * k.shape[2], self.reserved)
-            self._k = k.new_empty(*k.shape[:2], cap, k.shape[3])
-            self._v = v.new_empty(*v.shape[:2], cap, v.shape[3])
+            self._k = _storage_like(k, *k.shape[:2], cap, k.shape[3])  # (B, Hkv, capacity, D)
+            self._v = _storage_like(v, *v.shape[:2], cap, v.shape[3])
         else:
             if k.shape[:2] != self._k.shape[:2] or k.shape[3] != self._k.shape[3] or v.shape[3] != self._v.shape[3]:
                 raise ValueError(

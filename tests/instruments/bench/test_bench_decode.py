@@ -77,3 +77,30 @@ def test_bench_decode_probe_before_every_timed_call(tmp_path, monkeypatch):
     # the untimed check (attnlab, SDPA, SDPA in float64), then 3 rounds alternating who goes first
     assert events == ["mine", "sdpa", "sdpa"] + ["probe", "mine", "probe", "sdpa", "probe", "sdpa", "probe", "mine",
                                                  "probe", "mine", "probe", "sdpa"]
+
+
+def test_bench_decode_caches_share_one_storage(tmp_path, monkeypatch):
+    """The contiguous and the paged caches both come from empty_kv_cache (like with like: Note [KV cache on huge
+    pages]), and decode.json records the storage and each row's huge-page share."""
+    from attnlab.functional import storage
+
+    shapes = []
+    real = bench_decode.empty_kv_cache
+
+    def counting(*shape, **kw):
+        shapes.append(shape)
+        return real(*shape, **kw)
+
+    monkeypatch.setattr(bench_decode, "empty_kv_cache", counting)
+    code = cli.main(["bench", "decode", "--seq-lens", "100", "--dtypes", "float32", "--heads", "mqa",
+                     "--layouts", "contiguous,paged16", "--batches", "1", "--rounds", "1", "--bandwidth-mib", "8",
+                     "--threads", "1", "--out", str(tmp_path)])
+    assert code == 0
+    H, Hkv, D = bench_decode.HEADS["mqa"]
+    assert shapes.count((1, Hkv, 100, D)) == 4  # k and v, for each layout
+    assert shapes.count((7, 16, Hkv, D)) == 2  # the paged pools: ceil(100 / 16) pages
+    data = json.loads((tmp_path / "decode.json").read_text())
+    assert data["storage"]["huge_pages_available"] == storage.huge_pages_available()
+    assert data["storage"]["transparent_hugepage"] == storage.transparent_hugepage_mode()
+    for r in data["rows"]:
+        assert r["huge_pages_fraction"] is None or 0 <= r["huge_pages_fraction"] <= 1
