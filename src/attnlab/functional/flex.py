@@ -752,9 +752,9 @@ def _matches(y: torch.Tensor, want: torch.Tensor) -> bool:
     -inf only: with a tolerance that grew with |y| a -inf at a point whose table value is finite passed, and
     the kernel added the finite table value there); first by the fused bound max |y - want| <= _RTOL, which
     implies it (Note [Fused probe checks])."""
-    if _FAST_CHECKS and y.numel() and float((y - want).abs_().max()) <= _RTOL:
+    d = (y - want).abs_()  # inf where one side is infinite and the other not: never within a tolerance
+    if _FAST_CHECKS and y.numel() and float(d.max()) <= _RTOL:
         return True
-    d = (y - want).abs()  # inf where one side is infinite and the other not: never within a tolerance
     return bool(((y == want) | ((d <= _RTOL * (y.abs() + want.abs() + 1)) & torch.isfinite(d))).all())
 
 

@@ -69,11 +69,10 @@ def _dim(s) -> int:
     return operator.index(s)
 
 
-def _huge_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _huge_tensor(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
     """A zeroed tensor in an anonymous mmap advised MADV_HUGEPAGE, its start aligned to HUGE_PAGE_BYTES (the
     mapping is over-allocated by one huge page: mmap only promises 4 KiB alignment, and a huge page must be
     naturally aligned)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mm.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps mm alive (the buffer protocol's export)
@@ -116,12 +115,12 @@ def empty_kv_cache(*shape: int, dtype: torch.dtype = torch.float32, device: torc
             f"empty_kv_cache: huge_pages=True but this OS offers no transparent huge pages (mmap.MADV_HUGEPAGE "
             f"{'present' if hasattr(mmap, 'MADV_HUGEPAGE') else 'absent'}, {_THP_ENABLED}: {transparent_hugepage_mode()}); "
             "pass huge_pages=None to fall back to torch.zeros")
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if huge_pages is None and (nbytes < MIN_HUGE_BYTES or not huge_pages_available()):
         return torch.zeros(shape, dtype=dtype)
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return _huge_tensor(shape, dtype)
+    return _huge_tensor(shape, dtype, nbytes)
 
 
 def anon_huge_bytes(t: torch.Tensor) -> int | None:
