@@ -90,7 +90,7 @@ class Plan:
     density: float = 1.0  # fraction of (query, key) blocks that are computed
     #: {kernel: what it would pay beyond its usual work (e.g. ALiBi written out as a mask)}, for kernels not refused
     notes: dict[str, str] = field(default_factory=dict)
-    #: the compiled kernel runs its decode path (L <= 16, inference: functional/kvcache.py, csrc/decode.cpp)
+    #: the compiled kernel runs its decode path (L <= 16, inference: kernels/kvdecode.py, csrc/decode.cpp)
     decode: bool = False
     #: the kernel object that runs, and its tiling (None: unblocked)
     kernel: Kernel | None = field(default=None, repr=False, compare=False)
