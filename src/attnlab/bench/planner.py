@@ -100,7 +100,7 @@ class Case:
 
 
 def full_cases() -> list[Case]:
-    """The full sweep: 62 configurations, n = 512 … 32768 (dense work only up to 4096, where one call of the
+    """The full sweep: 66 configurations, n = 512 … 32768 (dense work only up to 4096, where one call of the
     slowest kernel takes seconds on 2 cores)."""
     cases = []
     dts = ("float32", "bfloat16")
@@ -114,7 +114,9 @@ def full_cases() -> list[Case]:
         cases += [Case("block_sparse", d, n, h) for d in dts]
     for n, h in ((4096, "mha"), (8192, "gqa"), (16384, "mha"), (32768, "mha")):
         cases += [Case("document", d, n, h) for d in dts]
-    for n, h in ((1024, "decode"), (8192, "decode"), (32768, "decode"), (8192, "decode-b4"), (4096, "decode-mha")):
+    # decode-mha on both sides of the plain MHA decode crossover (Note [Plain MHA decode] in kernels.planner)
+    for n, h in ((1024, "decode"), (8192, "decode"), (32768, "decode"), (8192, "decode-b4"), (1024, "decode-mha"),
+                 (4096, "decode-mha"), (16384, "decode-mha")):
         cases += [Case("decode", d, n, h) for d in dts]
     return cases
 

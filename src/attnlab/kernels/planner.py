@@ -218,9 +218,11 @@ class Rule:
 #: one CPU: ``attnlab calibrate`` times plain decode calls (MHA and GQA, each dtype, a few cache lengths) on
 #: both (``Rates.decode_over_sdpa``, per length) and fits the length from which the decode path wins
 #: (``Rates.decode_min_keys``: a line through log(ratio) over log(S), ``calibration._least_keys``); the rule
-#: follows it, and explain quotes the measured ratio at the nearest length (``Rates.decode_evidence``). One
-#: ratio per (dtype, heads), the mean over the lengths, sent the sweep's decode fp32 n = 4096 MHA call to SDPA
-#: where the decode path ran 1.06x faster. This constant is only the default of an uncalibrated planner
+#: follows it, and explain quotes the measured ratio at the nearest length (``Rates.decode_evidence``). The
+#: sweep's one miss, decode fp32 n = 4096 MHA sent to SDPA where the decode path ran 1.06x faster, had two
+#: causes: one ratio per (dtype, heads), the mean over the lengths, and a grid that timed the decode path's
+#: ``run``, which rebuilds its arguments each call, where a repeated call runs it direct (12-25 us less:
+#: Note [Calibrate what runs] in ``functional.calibration``). This constant is only the default of an uncalibrated planner
 #: (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
 
 
