@@ -446,7 +446,8 @@ def report_markdown(res: PlannerResult) -> str:
                                         f"{r['raw_ratio']:.2f}"]) + " |")
     lines += ["", "Times in ms (medians). auto/fastest = auto/pick paired × pick/fastest; auto/pick paired: the median "
               "over rounds of auto's time / its pick's in the same round (timed back to back, order flipped each "
-              "round); auto/fastest raw: auto's median / the fastest's. refused: the kernel does not accept these inputs; skipped: predicted or "
+              "round); auto/fastest raw: auto's median / the fastest's. refused: the kernel does not accept these "
+              "inputs; skipped: predicted or "
               "measured far slower than the fastest, not timed (Note [Kernels too slow to time]; reasons for both "
               "in results.json)."]
     return "\n".join(lines) + "\n"

@@ -63,7 +63,8 @@ def render(res: PlannerResult) -> None:
     console.print(t)
     s = res.summary
     console.print(f"auto within {TOLERANCE - 1:.0%} of the fastest in {s['within_5pct']:.1%} of {s['configs']} "
-                  f"configurations (auto / pick paired x pick / fastest; by its pick's time {s['pick_within_5pct']:.1%}, "
+                  "configurations (auto / pick paired x pick / fastest; by its pick's time "
+                  f"{s['pick_within_5pct']:.1%}, "
                   f"by auto's separate median {s['raw_within_5pct']:.1%}); worst {s['worst_ratio']:.2f} "
                   f"({s['worst_config']})", markup=False, highlight=False)
     if s.get("median_auto_over_pick") is not None:

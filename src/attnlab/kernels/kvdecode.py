@@ -63,7 +63,10 @@ def decode_args(p) -> dict:
             right = min(right, decode_kernel.UNBOUNDED if hi == math.inf else max(-(2**40), int(hi)))
         elif kk is not None and is_prefix(kk, S):
             lens = kk[:, :S].sum(1).to(torch.int64)  # (N,)
-            seqlens = lens.clamp(max=S).expand(N).contiguous() if isinstance(seqlens, int) else torch.minimum(seqlens, lens)
+            if isinstance(seqlens, int):
+                seqlens = lens.clamp(max=S).expand(N).contiguous()
+            else:
+                seqlens = torch.minimum(seqlens, lens)
         else:
             rest.append(part)
     for part in rest:

@@ -210,19 +210,20 @@ class Rule:
 
 #: Note [Plain MHA decode]: with one query head per key/value head, float32 and nothing but a causal mask,
 #: PyTorch's flash kernel reads K/V about as fast as the decode path, and which is faster turns on the cache
-#: length: measured 0.66x (quiet) and 0.77x (busy) its speed at H = 8, D = 64, S = 8192 on the AVX-512 Zen
-#: machine at first; later (1 thread, load 2.5 on the 2 cores, 9 interleaved rounds, medians of per-round
-#: ratios) SDPA's time over the decode path's 0.83x at S = 1024, 0.92x at 2048, 1.28x at 4096, 1.12x at 8192,
-#: 1.22x at 16384 (the decode path's fixed cost loses on short caches, its one read of K/V wins on long ones). GQA (no copies there), bf16/fp16
-#: (SDPA converts: the decode path 4x), masks, patterns and score modifications keep the decode path. That was
-#: one CPU: ``attnlab calibrate`` times plain decode calls (MHA and GQA, each dtype, a few cache lengths) on
-#: both (``Rates.decode_over_sdpa``, per length) and fits the length from which the decode path wins
-#: (``Rates.decode_min_keys``: a line through log(ratio) over log(S), ``calibration._least_keys``); the rule
-#: follows it, and explain quotes the measured ratio at the nearest length (``Rates.decode_evidence``). The
-#: sweep's one miss, decode fp32 n = 4096 MHA sent to SDPA where the decode path ran 1.06x faster, had two
-#: causes: one ratio per (dtype, heads), the mean over the lengths, and a grid that timed the decode path's
-#: ``run``, which rebuilds its arguments each call, where a repeated call runs it direct (12-25 us less:
-#: Note [Calibrate what runs] in ``functional.calibration``). This constant is only the default of an uncalibrated planner
+#: length: the decode path's fixed cost loses on short caches, its one read of K/V wins on long ones. On the
+#: AVX-512 Zen machine (H = 8, D = 64, 2 threads, load 1.1-1.3, ``bench planner --kinds decode``) SDPA ran
+#: S = 1024 1.06x faster, S = 4096 was a tie (the decode path 1.04x SDPA's time) and the decode path ran
+#: S = 16384 1.20x faster; the calibration grid measured SDPA's time over the decode path's 0.89 / 0.94 / 1.28x
+#: at S = 2048 / 4096 / 8192. GQA (no copies there), bf16/fp16 (SDPA converts: the decode path 10x), masks,
+#: patterns and score modifications keep the decode path. ``attnlab calibrate`` times plain decode calls (MHA
+#: and GQA, each dtype, a few cache lengths) on both (``Rates.decode_over_sdpa``, per length) and fits the
+#: length from which the decode path wins (``Rates.decode_min_keys``: a line through log(ratio) over log(S),
+#: ``calibration._least_keys``; 3763 keys in that run); the rule follows it, and explain quotes the ratio
+#: measured at the nearest length (``Rates.decode_evidence``). The sweep's one miss before, decode fp32
+#: n = 4096 MHA sent to SDPA where the decode path ran 1.06x faster, had two causes: one ratio per (dtype,
+#: heads), the mean over the lengths, and a grid that timed the decode path's ``run``, which rebuilds its
+#: arguments each call, where a repeated call runs it direct (12-25 us less: Note [Calibrate what runs] in
+#: ``functional.calibration``). Uncalibrated, float32 MHA goes to SDPA at every length
 #: (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
 
 
@@ -231,8 +232,8 @@ def _decode(c: _Call):
     if k is None:
         return None
     r, gqa = c.r, c.r.H != c.r.Hkv
-    heads, dt = "GQA" if gqa else "multi-head", str(r.dtype).removeprefix("torch.")
     if c.plain and K.SDPA in c.ok and c.rates.plain_decode_on_sdpa(r.dtype, gqa, r.S):
+        heads, dt = "GQA" if gqa else "multi-head", str(r.dtype).removeprefix("torch.")
         why = c.rates.decode_evidence(r.dtype, gqa, r.S)
         how = (f"SDPA faster at S = {r.S} here ({why}; {c.rates.source})" if why else
                "PyTorch's fused kernel reads K/V as fast (built-in default)")

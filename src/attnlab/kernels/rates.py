@@ -45,7 +45,8 @@ FORMAT = 2
 #: the mask kinds of a COMPILED_DENSE_MIN_PAIRS key ("<dtype> <kind>") and whether each is causal
 _MASK_KINDS = dict(dense=False, causal=True)
 RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED",
-              "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA", "DECODE_MIN_KEYS")
+              "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA",
+              "DECODE_MIN_KEYS")
 #: the head layouts of a DECODE_OVER_SDPA / DECODE_MIN_KEYS key ("<dtype> <heads>") and whether each is GQA
 _HEAD_KINDS = dict(mha=False, gqa=True)
 
@@ -284,8 +285,8 @@ def as_json(rates: Rates) -> dict:
             "COMPILED_GQA_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
                                        for (d, c), p in rates.compiled_gqa_min_pairs.items()},
             "KERNEL_GFLOPS": dict(rates.kernel_gflops),
-            "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": {str(n): x for n, x in pts.items()}
-                                 for (d, g), pts in rates.decode_over_sdpa.items()},
+            "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}":
+                                 {str(n): x for n, x in pts.items()} for (d, g), pts in rates.decode_over_sdpa.items()},
             "DECODE_MIN_KEYS": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": x
                                 for (d, g), x in rates.decode_min_keys.items()}}
 
