@@ -5,6 +5,12 @@ one call; the median ignores such outliers where the mean does not. When several
 compared, their samples are taken in rounds whose order rotates, so a slow spell of the machine falls
 on all of them instead of on whichever happened to run then. Each figure is reported beside the raw
 samples, never compared across runs.
+
+Note [Paired samples]: two callables that should cost almost the same (``auto`` and the kernel it picks)
+are compared best by pairs: timed back to back in every round, the order flipped each round, with the same
+calls per sample, their ratio in round r (``paired_ratio``: the median over rounds) sees the same state of
+the machine in numerator and denominator. A ratio of two separate medians carries the rounds' spread of
+both (on the shared 2-core machine ±20-50 % a round).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Timing", "time_call", "interleaved", "median_rate"]
+__all__ = ["Timing", "time_call", "interleaved", "paired_ratio", "median_rate"]
 
 
 @dataclass
@@ -55,18 +61,26 @@ def time_call(f: Callable[[], object], repeats: int = 3, warmup: int = 1, budget
 
 
 def interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 5, min_rounds: int = 3,
-                min_sample_s: float = 0.05, budget_s: float = 120.0,
+                min_sample_s: float = 0.05, budget_s: float = 120.0, pairs: dict[str, str] | None = None,
                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
     """Time several callables against each other (Note [Median, interleaved]).
 
     Each callable is called once to warm up (``Timing.first_s``) and once more to probe its cost; a sample
     repeats a short call until it lasts about ``min_sample_s`` (at most 1000 calls), and the number of
     rounds is ``rounds``, lowered (never under ``min_rounds``) when a round would not fit ``budget_s``.
-    Round r starts at the r-th callable, so none is always first. Returns {name: Timing} in the order
-    given. ``clock``: seconds, ``time.perf_counter`` (the calibration's tests give a coarse one). Exceptions
-    from a callable propagate: decide what to skip before timing."""
+    Round r starts at the r-th callable, so none is always first. ``pairs`` {name: partner}: each name is
+    timed right beside its partner in every round, first on even rounds and second on odd ones, both with
+    the same calls per sample (Note [Paired samples]; ``paired_ratio``); a pair rotates as one callable.
+    Returns {name: Timing} in the order given, sample r of each from round r. ``clock``: seconds,
+    ``time.perf_counter`` (the calibration's tests give a coarse one). Exceptions from a callable propagate:
+    decide what to skip before timing."""
     if rounds < 1 or min_rounds < 1:
         raise ValueError(f"interleaved: rounds and min_rounds must be >= 1, got {rounds} and {min_rounds}")
+    pairs = dict(pairs or {})
+    paired = list(pairs) + list(pairs.values())
+    if any(n not in calls for n in paired) or len(set(paired)) != len(paired):
+        raise ValueError(f"interleaved: pairs {pairs} must pair distinct names of calls ({', '.join(calls)}), "
+                         "each in one pair at most")
     out = {name: Timing() for name in calls}
     if not calls:
         return out
@@ -82,18 +96,31 @@ def interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 5, min_
             f()
             probe[name] = clock() - t0
         out[name].calls_per_sample = max(1, min(1000, int(min_sample_s / max(probe[name], 1e-6))))
+    for a, b in pairs.items():  # one count for both: a sample of each spans the same stretch of the machine
+        out[a].calls_per_sample = out[b].calls_per_sample = min(out[a].calls_per_sample, out[b].calls_per_sample)
     per_round = sum(probe[n] * out[n].calls_per_sample for n in calls)
     lo = min(min_rounds, rounds)
     n_rounds = max(lo, min(rounds, int(budget_s / max(per_round, 1e-9))))
-    order = list(calls)
+    units = [(n, pairs[n]) if n in pairs else (n,) for n in calls if n not in pairs.values()]
     for r in range(n_rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            f, k = calls[name], out[name].calls_per_sample
-            t0 = clock()
-            for _ in range(k):
-                f()
-            out[name].times.append((clock() - t0) / k)
+        for unit in units[r % len(units):] + units[:r % len(units)]:
+            for name in (unit if r % 2 == 0 else unit[::-1]):
+                f, k = calls[name], out[name].calls_per_sample
+                t0 = clock()
+                for _ in range(k):
+                    f()
+                out[name].times.append((clock() - t0) / k)
     return out
+
+
+def paired_ratio(a: Timing, b: Timing) -> float | None:
+    """The median over rounds of a's sample / b's sample of the same round (two Timings of one ``interleaved``
+    call, paired there: Note [Paired samples]); None without samples. ValueError when the counts differ."""
+    if len(a.times) != len(b.times):
+        raise ValueError(f"paired_ratio: {len(a.times)} and {len(b.times)} samples are not one per round each")
+    if not a.times:
+        return None
+    return statistics.median(x / y for x, y in zip(a.times, b.times))
 
 
 def median_rate(durations: list[float]) -> float | None:

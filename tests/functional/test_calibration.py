@@ -64,6 +64,12 @@ def test_calibrate_writes_this_machine_s_file_and_the_planner_reads_it(calibrati
     assert set(cur.sparse_block_speed) == set(rates.builtin().sparse_block_speed)
     if compiled.available():  # a size threshold for each dtype, dense and causal
         assert set(cur.compiled_dense_min_pairs) == {(torch.float32, False), (torch.float32, True)}
+    from attnlab.kernels import decode
+
+    if compiled.available() and decode.available():  # a ratio per cache length, and a fitted length, MHA and GQA
+        keys = {(torch.float32, False), (torch.float32, True)}
+        assert set(cur.decode_over_sdpa) == set(cur.decode_min_keys) == keys
+        assert all(set(pts) == set(cfg.decode_ns) for pts in cur.decode_over_sdpa.values())
     assert all(s > 0 for s in (*cur.sparse_block_speed.values(), *cur.compiled_block_speed.values()))
     q = torch.randn(1, 2, 16, 8)
     assert f"rates: calibrated on this CPU" in str(attnlab.explain(q, q, q))
@@ -72,7 +78,8 @@ def test_calibrate_writes_this_machine_s_file_and_the_planner_reads_it(calibrati
 
 @pytest.mark.parametrize("content,why", [
     ("{not json", "Expecting property name"),
-    (json.dumps({"format": 99}), "not a format-1 calibration file"),
+    (json.dumps({"format": 99}), "not a format-2 calibration file"),
+    (json.dumps({"format": 1, "rates": {"DECODE_OVER_SDPA": {"float32 mha": 0.9}}}), "not a format-2 calibration file"),
     ("FOREIGN", "calibrated for another machine"),
     ("NEGATIVE", "speeds must be finite and > 0"),
 ])
@@ -114,8 +121,14 @@ SKEWS = {
     "tiled fastest": {"KERNEL_GFLOPS": {"tiled": 1e9}},
     "dense fastest": {"KERNEL_GFLOPS": {"dense": 1e9}},
     "compiled fastest": {"KERNEL_GFLOPS": {"compiled": 1e9}},
-    "decode path over sdpa": {"DECODE_OVER_SDPA": {"float32 mha": 2.0, "float32 gqa": 2.0}},
-    "sdpa over decode path": {"DECODE_OVER_SDPA": {"float32 mha": 0.5, "float32 gqa": 0.5}},
+    "decode path over sdpa": {"DECODE_OVER_SDPA": {"float32 mha": {"300": 2.0}, "float32 gqa": {"300": 2.0}},
+                              "DECODE_MIN_KEYS": {"float32 mha": 0.0, "float32 gqa": 0.0}},
+    "sdpa over decode path": {"DECODE_OVER_SDPA": {"float32 mha": {"300": 0.5}, "float32 gqa": {"300": 0.5}},
+                              "DECODE_MIN_KEYS": {"float32 mha": None, "float32 gqa": None}},
+    # the fitted length between the CALLS' two decode caches (200 and 300 keys): each side of it its own kernel
+    "decode path from 250 keys": {"DECODE_OVER_SDPA": {"float32 mha": {"200": 0.8, "300": 1.2},
+                                                       "float32 gqa": {"200": 0.8, "300": 1.2}},
+                                  "DECODE_MIN_KEYS": {"float32 mha": 250.0, "float32 gqa": 250.0}},
 }
 #: the skews that change a choice without the compiled extension too
 NO_EXTENSION_SKEWS = ("large sparse blocks", "tiled fastest", "dense fastest")
@@ -131,6 +144,8 @@ CALLS = [
     # decode shapes (one query against 300 keys, multi-head and GQA): the decode path or SDPA
     ((1, 2, 1, 16), torch.float32, {"kv": (1, 2, 300, 16)}),
     ((1, 4, 1, 16), torch.float32, {"kv": (1, 2, 300, 16), "enable_gqa": True}),
+    ((1, 2, 1, 16), torch.float32, {"kv": (1, 2, 200, 16)}),
+    ((1, 4, 1, 16), torch.float32, {"kv": (1, 2, 200, 16), "enable_gqa": True}),
 ]
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -231,33 +246,80 @@ def test_an_isa_cap_is_another_machine(calibration_on, monkeypatch):
 
 
 def test_measured_kernel_rates_and_decode_ratios_round_trip_and_decide(calibration_on):
-    """KERNEL_GFLOPS replaces a kernel's built-in rate (its source is then the calibration); DECODE_OVER_SDPA
-    decides plain decode per (dtype, heads), and a key it lacks keeps Note [Plain MHA decode]'s default."""
+    """KERNEL_GFLOPS replaces a kernel's built-in rate (its source is then the calibration); DECODE_MIN_KEYS
+    decides plain decode per (dtype, heads) by the cache length, and a key it lacks keeps Note [Plain MHA
+    decode]'s default."""
     b = rates.builtin()
-    assert b.plain_decode_on_sdpa(torch.float32, gqa=False) and not b.plain_decode_on_sdpa(torch.float32, gqa=True)
-    assert not b.plain_decode_on_sdpa(torch.bfloat16, gqa=False)
+    assert b.plain_decode_on_sdpa(torch.float32, False, 4096) and not b.plain_decode_on_sdpa(torch.float32, True, 4096)
+    assert not b.plain_decode_on_sdpa(torch.bfloat16, False, 4096)
+    points = {(torch.float32, False): {2048: 0.9, 4096: 1.1, 8192: 1.25}, (torch.bfloat16, True): {2048: 0.5}}
+    least = {(torch.float32, False): 3000.0, (torch.bfloat16, True): None, (torch.float16, False): 0.0}
     fitted = dataclasses.replace(b, source="calibrated on this CPU", kernel_gflops={"tiled": 123.0, "dense": 4.5},
-                                 decode_over_sdpa={(torch.float32, False): 1.25, (torch.bfloat16, True): 0.5})
+                                 decode_over_sdpa=points, decode_min_keys=least)
     rates.save(fitted)
     cur = rates.current()
     assert cur.kernel_gflops == {"tiled": 123.0, "dense": 4.5}
-    assert cur.decode_over_sdpa == {(torch.float32, False): 1.25, (torch.bfloat16, True): 0.5}
-    assert not cur.plain_decode_on_sdpa(torch.float32, gqa=False)  # measured: the decode path is faster
-    assert cur.plain_decode_on_sdpa(torch.bfloat16, gqa=True)  # measured: SDPA is faster
-    assert not cur.plain_decode_on_sdpa(torch.float32, gqa=True)  # not measured: the built-in default
+    assert cur.decode_over_sdpa == points and cur.decode_min_keys == least
+    assert cur.plain_decode_on_sdpa(torch.float32, False, 2999)  # under the fitted length: SDPA is faster
+    assert not cur.plain_decode_on_sdpa(torch.float32, False, 3000)  # from it on: the decode path
+    assert cur.plain_decode_on_sdpa(torch.bfloat16, True, 10**6)  # None: SDPA at every length
+    assert not cur.plain_decode_on_sdpa(torch.float16, False, 1)  # 0: the decode path at every length
+    assert not cur.plain_decode_on_sdpa(torch.float32, True, 100)  # not measured: the built-in default
+    assert "0.90x at S = 2048, the length nearest 2500" in cur.decode_evidence(torch.float32, False, 2500)
+    assert "from S = 3000" in cur.decode_evidence(torch.float32, False, 2500)
+    assert cur.decode_evidence(torch.float32, True, 2500) is None
     q = torch.randn(1, 2, 64, 8)
     plan = attnlab.explain(q, q, q)
     assert plan.rate_sources["tiled"] == cur.source and plan.rate_sources["dense"] == cur.source
     assert plan.seconds["tiled"] == pytest.approx(plan.flops["tiled"] / 123e9)
     assert plan.rate_sources["sdpa"] == kernels.kernel.BUILTIN_SOURCE  # not measured: its built-in gflops
-    for bad in ({"KERNEL_GFLOPS": {"tiled": -1.0}}, {"DECODE_OVER_SDPA": {"float32 both": 1.0}},
-                {"DECODE_OVER_SDPA": {"float32 mha": 0.0}}):
+    for bad in ({"KERNEL_GFLOPS": {"tiled": -1.0}}, {"DECODE_OVER_SDPA": {"float32 both": {"64": 1.0}}},
+                {"DECODE_OVER_SDPA": {"float32 mha": {"64": 0.0}}}, {"DECODE_OVER_SDPA": {"float32 mha": {"0": 1.0}}},
+                {"DECODE_OVER_SDPA": {"float32 mha": 1.0}}, {"DECODE_MIN_KEYS": {"float32 mha": -1.0}},
+                {"DECODE_MIN_KEYS": {"bfloat16 all": 1.0}}):
         doc = json.loads(rates.cache_path().read_text())
         doc["rates"].update(bad)
         rates.cache_path().write_text(json.dumps(doc))
         with pytest.warns(RuntimeWarning, match="ignoring the calibration file"):
             assert rates.reload().source.startswith("built-in")
         rates.save(fitted)
+
+
+def test_explain_says_which_measured_decode_ratio_at_which_length_decided(calibration_on):
+    """Note [Plain MHA decode]: a plain decode call goes to SDPA under the fitted cache length and to the decode
+    path from it, and explain quotes the ratio measured at the nearest length either way."""
+    from attnlab.kernels import decode
+
+    if not (compiled.available() and decode.available()):
+        pytest.skip("the decode extension is not built")
+    b = rates.builtin()
+    rates.save(dataclasses.replace(b, source="calibrated on this CPU",
+                                   decode_over_sdpa={(torch.float32, False): {256: 0.8, 1024: 1.3}},
+                                   decode_min_keys={(torch.float32, False): 500.0}))
+    q = torch.randn(1, 2, 1, 16)
+    short, long = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 900, 16)
+    plan = attnlab.explain(q, short, short)
+    assert plan.method == "sdpa" and "SDPA faster at S = 300" in plan.reason
+    assert "0.80x at S = 256, the length nearest 300" in plan.reason and "from S = 500" in plan.reason
+    plan = attnlab.explain(q, long, long)
+    assert plan.method == "compiled" and plan.decode and "1.30x at S = 1024, the length nearest 900" in plan.reason
+    torch.testing.assert_close(attnlab.attention(q, long, long), attnlab.attention(q, long, long, method="sdpa"),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_least_keys_is_where_the_fitted_decode_ratio_crosses_one():
+    from attnlab.functional.calibration import _least_keys
+
+    # ratio = (S / 3000) ** 0.3: crosses 1 at exactly 3000 keys
+    assert _least_keys([(n, (n / 3000) ** 0.3) for n in (2048, 4096, 8192)]) == pytest.approx(3000)
+    # wins at every length measured: every length (the line is not extrapolated below the shortest)
+    assert _least_keys([(n, (n / 500) ** 0.3) for n in (2048, 4096, 8192)]) == 0.0
+    assert _least_keys([(2048, 0.7), (8192, 0.9)]) is None  # loses at the longest: never
+    assert _least_keys([(2048, 1.5), (8192, 1.2)]) == 0.0  # wins at the longest and more below: everywhere
+    assert _least_keys([(64, 1.1)]) == 0.0 and _least_keys([(64, 0.9)]) is None  # one length: its verdict
+    # the probe of Note [Plain MHA decode]: one noisy length moves the line, not the verdict at the others
+    least = _least_keys([(2048, 0.92), (4096, 1.28), (8192, 1.12)])
+    assert 1024 < least < 4096
 
 
 def test_the_measured_size_threshold_sends_small_plain_calls_to_sdpa(calibration_on):

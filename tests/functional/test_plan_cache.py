@@ -264,12 +264,12 @@ def test_a_decode_hit_runs_the_decode_kernel_directly(kw, monkeypatch):
 
 def test_no_direct_decode_where_the_call_reads_a_mask():
     """Key padding by lengths (read from a tensor), a user mask and non-4-D inputs keep the prepared path."""
-    from attnlab.functional import kvcache
+    from attnlab.kernels import kvdecode
 
     q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 29, 8)
-    assert kvcache.direct(prepare(q, k, k, enable_gqa=True).live()) is not None
+    assert kvdecode.direct(prepare(q, k, k, enable_gqa=True).live()) is not None
     pad = P.key_padding(torch.tensor([29, 17]))
     mask = torch.rand(2, 1, 1, 29) > 0.3
     for p in (prepare(q, k, k, enable_gqa=True, pattern=pad), prepare(q, k, k, mask, enable_gqa=True),
               prepare(q[0], k[0], k[0], enable_gqa=True)):
-        assert kvcache.direct(p.live()) is None
+        assert kvdecode.direct(p.live()) is None

@@ -12,7 +12,7 @@ SUITES = {
     "ring": ("attnlab.cli.bench_ring", "ring attention: per-rank memory and time vs one process"),
     "layers": ("attnlab.cli.bench_layers", "self-attention vs recurrence vs convolution (Vaswani et al. Table 1)"),
     "kernels": ("attnlab.cli.bench_kernels", "attnlab's kernels vs SDPA and compiled FlexAttention (issue 14 targets)"),
-    "planner": ("attnlab.cli.bench_planner", "method=auto against the fastest kernel over 62 configurations (issue 22)"),
+    "planner": ("attnlab.cli.bench_planner", "method=auto against the fastest kernel over 66 configurations (issue 22)"),
 }
 
 

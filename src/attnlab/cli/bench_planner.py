@@ -41,7 +41,8 @@ def run(args) -> PlannerResult:
 
 
 def render(res: PlannerResult) -> None:
-    """One row per configuration: each kernel's ms (or "refused"), the fastest, auto's pick and auto / fastest."""
+    """One row per configuration: each kernel's ms (or "refused"), the fastest, auto's pick, auto / fastest (auto /
+    pick paired × pick / fastest) and auto / pick paired."""
     from rich.table import Table
 
     from attnlab.bench.planner import METHODS
@@ -49,20 +50,27 @@ def render(res: PlannerResult) -> None:
     from .common import console as new_console
 
     t = Table(title="bench planner: auto against the fastest kernel (ms, medians of interleaved rounds)")
-    for col in ("config", *METHODS, "auto", "fastest", "auto's pick", "auto/fastest"):
+    for col in ("config", *METHODS, "auto", "fastest", "auto's pick", "auto/fastest", "auto/pick"):
         t.add_column(col, justify="left" if col in ("config", "fastest", "auto's pick") else "right")
     for r in res.rows:
         ms = [("refused" if m in r["refused"] else "skipped" if m in r.get("skipped", {}) else f"{r['ms'][m]:.3g}")
               for m in METHODS]
         ratio = f"{r['ratio']:.2f}" if r["ratio"] <= TOLERANCE else f"[yellow]{r['ratio']:.2f}[/yellow]"
         t.add_row(r["config"], *ms, f"{r['ms']['auto']:.3g}", r["fastest"],
-                  r["auto_pick"] + (" (decode)" if r["decode_path"] else ""), ratio)
+                  r["auto_pick"] + (" (decode)" if r["decode_path"] else ""), ratio,
+                  "" if r.get("auto_over_pick") is None else f"{r['auto_over_pick']:.3f}")
     console = new_console()
     console.print(t)
     s = res.summary
     console.print(f"auto within {TOLERANCE - 1:.0%} of the fastest in {s['within_5pct']:.1%} of {s['configs']} "
-                  f"configurations (by its pick's time {s['pick_within_5pct']:.1%}); worst {s['worst_ratio']:.2f} "
+                  "configurations (auto / pick paired x pick / fastest; by its pick's time "
+                  f"{s['pick_within_5pct']:.1%}, "
+                  f"by auto's separate median {s['raw_within_5pct']:.1%}); worst {s['worst_ratio']:.2f} "
                   f"({s['worst_config']})", markup=False, highlight=False)
+    if s.get("median_auto_over_pick") is not None:
+        console.print(f"auto / its pick, paired in each round: median {s['median_auto_over_pick']:.3f}, worst "
+                      f"{s['worst_auto_over_pick']:.3f} ({s['paired_configs']} configurations)", markup=False,
+                      highlight=False)
     for n in res.notes:
         console.print(n, markup=False, highlight=False)
     console.print(f"wrote {', '.join(res.files)}", markup=False, highlight=False)

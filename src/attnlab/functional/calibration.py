@@ -34,10 +34,12 @@ The grid (each case timed against the others it decides between, interleaved rou
    the compiled kernel's speed per computed pair over the sparse kernel's;
 6. per dtype, plain decode calls (one query, ``decode_heads`` heads, MHA and GQA, cache lengths
    ``decode_ns``) on the decode path against SDPA → ``DECODE_OVER_SDPA``: SDPA's time over the decode
-   path's, the geometric mean over the lengths (Note [Plain MHA decode] in ``attnlab.kernels.planner``):
-   the lengths span the sweep's (2048 ... 8192, with 4096 between: on the Zen machine the decode path went
-   from 0.73x SDPA at 2048 to 1.29x at 8192, and two lengths left the mean at 0.97-0.99, "SDPA", where
-   the sweep's 4096 measured the decode path 1.16x).
+   path's at each length, and ``DECODE_MIN_KEYS``: the length from which the decode path wins, where a
+   line fitted to log(ratio) over log(S) crosses 1 (``_least_keys``; Note [Plain MHA decode] in
+   ``attnlab.kernels.planner``). The lengths span the sweep's (2048 ... 8192, with 4096 between: on the Zen
+   machine the decode path went from 0.73x SDPA at 2048 to 1.29x at 8192). One ratio per dtype and heads,
+   the geometric mean over the lengths, could not follow that: it said "SDPA" (0.97-0.99) where the sweep's
+   4096 measured the decode path 1.16x, or "decode path" where S = 1024 ran SDPA 1.2x faster.
 
 Note [The plain grid's heads]: 4) ran on the grid's ``heads`` (4; GQA 4 on 1) and the AVX2 sweep then
 missed 4 of its 62 calls by 10-14 %: on one key/value head SDPA's GQA copy is a quarter of the sweep's
@@ -241,12 +243,41 @@ def _least_pairs(points: list[tuple[float, float]]) -> float | None:
     return float(math.exp(mx + (target - my) / slope))  # slope > 0 here: it crosses between lo and hi
 
 
+def _least_keys(points: list[tuple[int, float]]) -> float | None:
+    """The cache length from which the decode path beats SDPA on plain decode calls, from ``points`` = [(S,
+    SDPA's time / the decode path's)] (step 6): where a least-squares line of log(ratio) against log(S) crosses
+    0, never outside the lengths measured: 0.0 (every length) when the line is over 0 at the shortest and at
+    the longest length (the one-length case included: its verdict), None (never) when it is under 0 at the
+    longest (the threshold model has no "up to": a line falling with S that wins only short caches keeps
+    SDPA). Not extrapolated below the shortest length: a busy grid measured bf16 MHA at 1.00-1.10x where
+    a quiet one measured 10x, and its line's extrapolation sent caches under 1615 keys to SDPA."""
+    xs = [math.log(n) for n, _ in points]
+    ys = [math.log(r) for _, r in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    if my + slope * (max(xs) - mx) < 0:
+        return None
+    if slope <= 0 or my + slope * (min(xs) - mx) >= 0:
+        return 0.0
+    return float(math.exp(mx - my / slope))  # slope > 0: it crosses between the shortest and longest lengths
+
+
 def _kernel_call(q, k, v, kernel: K.Kernel, *, is_causal: bool = False, pattern=None,
                  block_size: int | None = None, enable_gqa: bool = False):
     """(run, plan): ``attention(q, k, v, ..., method=kernel.name)`` prepared and planned once, so what is
-    timed is the kernel's own run (``plan.kernel.run``) and not the checks around it."""
+    timed is what a repeated call runs and not the checks around it: the kernel straight on q, k, v where it
+    offers that (``Kernel.direct``, the plan cache's hit: Note [Decode direct call]), else its ``run`` on the
+    prepared inputs. Note [Calibrate what runs]: the decode path's ``run`` rebuilds its arguments each call,
+    12-25 us that a repeated ``attention`` call does not pay (H = 8, D = 64, fp32, 2 threads, load 1.2: SDPA
+    over the decode path 0.84 / 0.82 / 1.18x at S = 2048 / 4096 / 8192 through ``run``, 0.94 / 0.97 / 1.25x
+    direct, 0.97 / 1.02 / 1.35x through ``attention``); timed through ``run``, the grid sent S = 4096 to SDPA
+    where the sweep measured the decode path 1.06x faster (Note [Plain MHA decode])."""
     p = prepare(q, k, v, None, 0.0, is_causal, None, enable_gqa, pattern).live()
     plan = planner.plan(p, kernel.name, False, False, block_size, costs=True)
+    direct = plan.kernel.direct(p, plan.tiling)
+    if direct is not None:
+        return (lambda: direct(q, k, v)), plan
     return (lambda: plan.kernel.run(p, plan.tiling)), plan
 
 
@@ -360,9 +391,11 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
             speed = {kk: plan.flops[kk.name] / t[f"{kk.name} chosen window float32"] for kk, (_, plan) in runs.items()}
             soc = speed[cc] / speed[sp]
             step("compiled vs sparse on a window")
+        decode_keys = {}
         if have_decode:
-            # 6) plain decode calls: the decode path against SDPA, MHA and GQA, per dtype
+            # 6) plain decode calls: the decode path against SDPA, MHA and GQA, per dtype and cache length
             decode = _decode_ratios(cfg, timings, step, ratio)
+            decode_keys = {key: _least_keys(list(pts.items())) for key, pts in decode.items()}
     spread = sorted(spreads)[len(spreads) // 2] if spreads else 0.0
     if spread > MAX_RATIO_SPREAD:
         raise TooNoisy(f"the machine is too busy to calibrate (the kernels' per-round speed ratios scatter by "
@@ -370,13 +403,13 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
                        f"keeps {rates.current().source.split(' (')[0]}: rerun on a quieter machine")
     fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU",
                          compiled_dense_min_pairs=min_pairs, kernel_gflops=gflops, decode_over_sdpa=decode,
-                         compiled_gqa_min_pairs=gqa_pairs)
+                         compiled_gqa_min_pairs=gqa_pairs, decode_min_keys=decode_keys)
     path = rates.save(fitted, measured) if save else None
     return (rates.current() if save else fitted), measured, path
 
 
 def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> dict:
-    """{(dtype, gqa): SDPA's time over the decode path's, geometric mean over ``cfg.decode_ns``} (step 6)."""
+    """{(dtype, gqa): {S: SDPA's time over the decode path's at cache length S}} over ``cfg.decode_ns`` (step 6)."""
     out = {}
     H, D = cfg.decode_heads, cfg.dim
     g = torch.Generator().manual_seed(1)
@@ -393,12 +426,10 @@ def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> di
                 case = f"{'gqa' if gqa else 'mha'} {name} S={S}"
                 calls[f"decode {case}"] = run
                 calls[f"{K.SDPA.name} {case}"] = _kernel_call(q, k, v, K.SDPA, enable_gqa=gqa)[0]
-                cases.append((gqa, case))
+                cases.append((gqa, S, case))
         t = timed_rounds(calls)
-        for gqa in (False, True):
-            logs = [math.log((ratio or _ratio)(t, f"{K.SDPA.name} {c}", f"decode {c}")) for g_, c in cases if g_ == gqa]
-            if logs:
-                out[(dt, gqa)] = math.exp(sum(logs) / len(logs))
+        for gqa, S, c in cases:
+            out.setdefault((dt, gqa), {})[S] = (ratio or _ratio)(t, f"{K.SDPA.name} {c}", f"decode {c}")
         step(f"decode path vs sdpa, {name}")
     return out
 

@@ -20,12 +20,12 @@ from .progress import NoProgress, progress
 from .runtime import environment_record, threads
 from .store import ResultStore, remove_partial, write_report
 from .tables import fmt, markdown_table, mean_std
-from .timing import Timing, interleaved, median_rate, time_call
+from .timing import Timing, interleaved, median_rate, paired_ratio, time_call
 from .training import (CheckpointError, StepBoundary, TrainConfig, evaluate, grad_norm, load_checkpoint,
                        tail_mean, train_run)
 
 __all__ = [
-    "Timing", "time_call", "interleaved", "median_rate",
+    "Timing", "time_call", "interleaved", "paired_ratio", "median_rate",
     "rss_bytes", "peak_rss_bytes", "reset_peak_rss", "PeakRSS",
     "ResultStore", "write_report", "remove_partial",
     "fmt", "markdown_table", "mean_std",

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from .. import patterns as P
 from ..caches import ByteLRU
 from ..report import format_bytes
+from . import decode as decode_kernel, kvdecode
 from .extension import Extension, transformed
 from .masks import MaskSpec
 from .kernel import Cost, Kernel, masked_tiling, nonempty_blocks
@@ -816,33 +817,20 @@ def compiled_blocks(p, block_size: int | None, speed: dict) -> tuple[int, int]:
     return clip_blocks(block_size, block_size, p.info.L, p.info.S) if block_size else compiled_block(p, speed)
 
 
-_KVCACHE: list = []
-
-
-def _kvcache():
-    """``attnlab.functional.kvcache``, the decode path's Python side (it lives with the KV-cache API, above
-    kernels/: imported on first use, never at import)."""
-    if not _KVCACHE:
-        from ..functional import kvcache
-
-        _KVCACHE.append(kvcache)
-    return _KVCACHE[0]
-
-
 class CompiledKernel(Kernel):
     """The compiled kernel's door: its tiles over the mask's layout, or its decode path (few queries
-    against a KV cache, inference: ``attnlab.functional.kvcache.run_prepared`` on csrc/decode.cpp).
+    against a KV cache, inference: ``kvdecode.run_prepared`` on csrc/decode.cpp).
     Its rate is ``gflops`` (its best tiles, dense fp32) times the calibrated or built-in relative speed
     of the tile shape (``rates.compiled_block_speed``)."""
 
     def decodes(self, p, r: Request) -> bool:
-        """Few queries against more keys, inference, the decode extension loaded (``kvcache.decode_applies``),
+        """Few queries against more keys, inference, the decode extension loaded (``kvdecode.decode_applies``),
         no log-sum-exp asked for, and no vmap/grad transform (its wrappers cannot reach the decode extension)."""
-        return not r.needs_lse and _kvcache().decode_applies(r) and not transformed(p.q, p.key, p.value)
+        return not r.needs_lse and kvdecode.decode_applies(r) and not transformed(p.q, p.key, p.value)
 
     def decode_reason(self, p, costs: bool = False) -> str:
-        """The decode path's schedule for ``p`` (``kvcache.decode_reason``)."""
-        return _kvcache().decode_reason(p, costs)
+        """The decode path's schedule for ``p`` (``kvdecode.decode_reason``)."""
+        return kvdecode.decode_reason(p, costs)
 
     def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
         """Its (block_q, block_k) (``compiled_blocks``) and visited blocks; ``decode`` set where it decodes."""
@@ -869,8 +857,6 @@ class CompiledKernel(Kernel):
         this process (``decode.read_bandwidth``: it is memory-bound)."""
         if t is None or not t.decode:
             return super().seconds(r, t, rates)
-        from . import decode as decode_kernel
-
         nbytes = decode_kernel.kv_bytes(r.N, r.Hkv, r.S, r.E, r.Ev, r.dtype)
         return decode_kernel.predicted_seconds(nbytes, decode_kernel.read_bandwidth())
 
@@ -879,22 +865,20 @@ class CompiledKernel(Kernel):
         c = super().cost(r, t, rates)
         if t is None or not t.decode:
             return c
-        from . import decode as decode_kernel
-
         return dataclasses.replace(c, source=f"decode: K/V bytes at the {decode_kernel.read_bandwidth() / 1e9:.3g} "
                                              "GB/s read bandwidth measured now")
 
     def direct(self, p, t: Tiling | None, need_weights: bool = False):
         """On the decode path, the decode kernel on the caller's 4-D tensors with its arguments built once
-        (``kvcache.direct``: plain, causal or band-pattern inputs); None otherwise."""
+        (``kvdecode.direct``: plain, causal or band-pattern inputs); None otherwise."""
         if t is None or not t.decode or need_weights:
             return None
-        return _kvcache().direct(p)
+        return kvdecode.direct(p)
 
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, None, lse) from the tiles, or (out, None, None) from the decode path."""
         if t is not None and t.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
-            return _kvcache().run_prepared(p), None, None
+            return kvdecode.run_prepared(p), None, None
         bq, bk = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
         out, lse = compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
         return out, None, lse

@@ -90,7 +90,7 @@ class Plan:
     density: float = 1.0  # fraction of (query, key) blocks that are computed
     #: {kernel: what it would pay beyond its usual work (e.g. ALiBi written out as a mask)}, for kernels not refused
     notes: dict[str, str] = field(default_factory=dict)
-    #: the compiled kernel runs its decode path (L <= 16, inference: functional/kvcache.py, csrc/decode.cpp)
+    #: the compiled kernel runs its decode path (L <= 16, inference: kernels/kvdecode.py, csrc/decode.cpp)
     decode: bool = False
     #: the kernel object that runs, and its tiling (None: unblocked)
     kernel: Kernel | None = field(default=None, repr=False, compare=False)
@@ -209,12 +209,22 @@ class Rule:
 
 
 #: Note [Plain MHA decode]: with one query head per key/value head, float32 and nothing but a causal mask,
-#: PyTorch's flash kernel reads K/V as fast as the decode path: measured 0.66x (quiet) and 0.77x (busy) its
-#: speed at H = 8, D = 64, S = 8192 on the AVX-512 Zen machine. GQA (no copies there), bf16/fp16 (SDPA
-#: converts: the decode path 4x), masks, patterns and score modifications keep the decode path. That was one
-#: CPU: ``attnlab calibrate`` times plain decode calls (MHA and GQA, each dtype, a few cache lengths) on both
-#: (``Rates.decode_over_sdpa``) and the rule follows the measurement; this constant is only the default of an
-#: uncalibrated planner (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
+#: PyTorch's flash kernel reads K/V about as fast as the decode path, and which is faster turns on the cache
+#: length: the decode path's fixed cost loses on short caches, its one read of K/V wins on long ones. On the
+#: AVX-512 Zen machine (H = 8, D = 64, 2 threads, load 1.1-1.3, ``bench planner --kinds decode``) SDPA ran
+#: S = 1024 1.06x faster, S = 4096 was a tie (the decode path 1.04x SDPA's time) and the decode path ran
+#: S = 16384 1.20x faster; the calibration grid measured SDPA's time over the decode path's 0.89 / 0.94 / 1.28x
+#: at S = 2048 / 4096 / 8192. GQA (no copies there), bf16/fp16 (SDPA converts: the decode path 10x), masks,
+#: patterns and score modifications keep the decode path. ``attnlab calibrate`` times plain decode calls (MHA
+#: and GQA, each dtype, a few cache lengths) on both (``Rates.decode_over_sdpa``, per length) and fits the
+#: length from which the decode path wins (``Rates.decode_min_keys``: a line through log(ratio) over log(S),
+#: ``calibration._least_keys``; 3763 keys in that run); the rule follows it, and explain quotes the ratio
+#: measured at the nearest length (``Rates.decode_evidence``). The sweep's one miss before, decode fp32
+#: n = 4096 MHA sent to SDPA where the decode path ran 1.06x faster, had two causes: one ratio per (dtype,
+#: heads), the mean over the lengths, and a grid that timed the decode path's ``run``, which rebuilds its
+#: arguments each call, where a repeated call runs it direct (12-25 us less: Note [Calibrate what runs] in
+#: ``functional.calibration``). Uncalibrated, float32 MHA goes to SDPA at every length
+#: (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
 
 
 def _decode(c: _Call):
@@ -222,14 +232,17 @@ def _decode(c: _Call):
     if k is None:
         return None
     r, gqa = c.r, c.r.H != c.r.Hkv
-    if c.plain and K.SDPA in c.ok and c.rates.plain_decode_on_sdpa(r.dtype, gqa):
+    if c.plain and K.SDPA in c.ok and c.rates.plain_decode_on_sdpa(r.dtype, gqa, r.S):
         heads, dt = "GQA" if gqa else "multi-head", str(r.dtype).removeprefix("torch.")
-        ratio = c.rates.decode_over_sdpa.get((r.dtype, gqa))
-        how = (f"SDPA ran them {1 / ratio:.2g}x the decode path's speed here ({c.rates.source})" if ratio else
+        why = c.rates.decode_evidence(r.dtype, gqa, r.S)
+        how = (f"SDPA faster at S = {r.S} here ({why}; {c.rates.source})" if why else
                "PyTorch's fused kernel reads K/V as fast (built-in default)")
         return K.SDPA, f"plain {heads} decode in {dt}: {how} (Note [Plain MHA decode])"
     # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
-    return k, k.decode_reason(c.p, c.explaining) if c.explaining else "decode path"
+    if not c.explaining:
+        return k, "decode path"
+    why = c.rates.decode_evidence(r.dtype, gqa, r.S) if c.plain and K.SDPA in c.ok else None
+    return k, k.decode_reason(c.p, True) + (f"; over SDPA at S = {r.S}: {why} (Note [Plain MHA decode])" if why else "")
 
 
 def _small_weights(c: _Call):

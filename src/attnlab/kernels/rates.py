@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 import warnings
@@ -35,14 +36,18 @@ from ..report import atomic_write_text
 __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "make_current", "on_change", "machine_key",
            "cache_dir", "cache_path", "save", "builtin", "calibration_enabled", "ISA_ENV_VARS", "as_json"]
 
-FORMAT = 1
+#: the calibration file's format: 2 = DECODE_OVER_SDPA per cache length and DECODE_MIN_KEYS (format 1 had one
+#: ratio per dtype and heads, the geometric mean over the lengths); a file of another format is ignored with one
+#: warning and rewritten by the next ``attnlab calibrate``
+FORMAT = 2
 #: the rates a calibration fits, by the built-in table's constant names (COMPILED_DENSE_MIN_PAIRS has no constant:
 #: the built-in table has none, and a file without it, written before it was fitted, still loads)
 #: the mask kinds of a COMPILED_DENSE_MIN_PAIRS key ("<dtype> <kind>") and whether each is causal
 _MASK_KINDS = dict(dense=False, causal=True)
 RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED",
-              "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA")
-#: the head layouts of a DECODE_OVER_SDPA key ("<dtype> <heads>") and whether each is GQA
+              "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA",
+              "DECODE_MIN_KEYS")
+#: the head layouts of a DECODE_OVER_SDPA / DECODE_MIN_KEYS key ("<dtype> <heads>") and whether each is GQA
 _HEAD_KINDS = dict(mha=False, gqa=True)
 
 
@@ -83,9 +88,11 @@ class Rates:
     kernel_gflops: {kernel name: GFLOP/s measured on plain dense float32 calls} for the kernels whose rate is
     one number (``Kernel.rate``: sdpa, tiled, dense; compiled: its best tiles, scaled per tile shape by
     ``compiled_block_speed``); a kernel missing here keeps its built-in ``Kernel.gflops``.
-    decode_over_sdpa: {(dtype, gqa): SDPA's time over the decode path's on plain decode calls (few queries,
-    no mask but causal)}, measured over a few cache lengths; a key missing here falls back on
-    ``decode_sdpa_dtypes`` (``plain_decode_on_sdpa``).
+    decode_over_sdpa: {(dtype, gqa): {cache length S: SDPA's time over the decode path's on plain decode calls
+    (few queries, no mask but causal)}}, measured at a few cache lengths (what ``explain`` quotes);
+    decode_min_keys: {(dtype, gqa): the cache length from which the decode path beats SDPA on those calls,
+    fitted to ``decode_over_sdpa``'s ratios (0: at every length; None: at none)}; a key missing here falls back
+    on ``decode_sdpa_dtypes`` (``plain_decode_on_sdpa``; Note [Plain MHA decode]).
     compiled_gqa_min_pairs: as ``compiled_dense_min_pairs`` for GQA calls (fewer key/value heads than query
     heads, ``enable_gqa``): SDPA copies K/V per query head there and the compiled kernel reads them in place,
     so it wins from smaller calls (``bench planner``: 1.15x SDPA at 2 x 8 x 512² fp32 GQA where MHA of the same
@@ -104,6 +111,7 @@ class Rates:
     decode_over_sdpa: dict = field(default_factory=dict)
     compiled_gqa_min_pairs: dict = field(default_factory=dict)
     decode_sdpa_dtypes: tuple = PLAIN_MHA_DECODE_ON_SDPA
+    decode_min_keys: dict = field(default_factory=dict)
 
     def compiled_dense_wins(self, dtype: torch.dtype, pairs: int, causal: bool = False, gqa: bool = False) -> bool:
         """Whether the compiled kernel is faster than SDPA on a plain dense (or ``causal``) call of ``dtype``
@@ -119,15 +127,33 @@ class Rates:
             return least is not None and pairs >= least
         return dtype in self.compiled_dense_dtypes
 
-    def plain_decode_on_sdpa(self, dtype: torch.dtype, gqa: bool) -> bool:
-        """Whether SDPA runs a plain decode call (few queries against a KV cache, no mask but causal) of
-        ``dtype`` faster than the decode path: by the measured ratio where the calibration timed it (SDPA
-        only when faster), else the built-in default (``decode_sdpa_dtypes``, multi-head only: under GQA
-        SDPA has no way to read K/V heads in place that matches the decode path's)."""
+    def plain_decode_on_sdpa(self, dtype: torch.dtype, gqa: bool, S: int) -> bool:
+        """Whether SDPA runs a plain decode call (few queries against a KV cache of ``S`` keys, no mask but
+        causal) of ``dtype`` faster than the decode path: by the cache length fitted to the measured ratios
+        where the calibration timed them (``decode_min_keys``: SDPA below it), else the built-in default
+        (``decode_sdpa_dtypes``, multi-head only: under GQA SDPA has no way to read K/V heads in place that
+        matches the decode path's)."""
         key = (dtype, bool(gqa))
-        if key in self.decode_over_sdpa:
-            return self.decode_over_sdpa[key] < 1.0
+        if key in self.decode_min_keys:
+            least = self.decode_min_keys[key]
+            return least is None or S < least
         return not gqa and dtype in self.decode_sdpa_dtypes
+
+    def decode_evidence(self, dtype: torch.dtype, gqa: bool, S: int) -> str | None:
+        """What decided ``plain_decode_on_sdpa`` for a cache of ``S`` keys, in words: the fitted length and the
+        measured ratio at the length nearest S (in log S), or None where no calibration measured this key."""
+        key = (dtype, bool(gqa))
+        if key not in self.decode_min_keys:
+            return None
+        least, pts = self.decode_min_keys[key], self.decode_over_sdpa.get(key, {})
+        rule = ("the decode path at no length" if least is None else "the decode path at every length" if least == 0
+                else f"the decode path from S = {least:.0f}")
+        if not pts:
+            return f"fitted: {rule}"
+        near = min(pts, key=lambda n: abs(math.log(max(n, 1) / max(S, 1))))
+        every = ", ".join(f"{r:.2f}x at {n}" for n, r in sorted(pts.items()))
+        return (f"SDPA's time / the decode path's measured {pts[near]:.2f}x at S = {near}, the length nearest "
+                f"{S} ({every}); fitted: {rule}")
 
 
 _CURRENT: Rates | None = None
@@ -210,18 +236,28 @@ def _from_json(doc: dict, path: Path) -> Rates:
     gflops = {str(n): float(g) for n, g in r.get("KERNEL_GFLOPS", {}).items()}
     if any(not (g > 0 and g < float("inf")) for g in gflops.values()):
         raise ValueError("KERNEL_GFLOPS must be finite and > 0")
-    decode = {}
-    for name, ratio in r.get("DECODE_OVER_SDPA", {}).items():
-        dt, _, heads = name.partition(" ")
-        if heads not in _HEAD_KINDS:
-            raise ValueError(f"DECODE_OVER_SDPA keys are '<dtype> mha|gqa', got {name!r}")
-        decode[(_dtype(dt), _HEAD_KINDS[heads])] = float(ratio)
-    if any(not (x > 0 and x < float("inf")) for x in decode.values()):
-        raise ValueError("DECODE_OVER_SDPA must be finite and > 0")
+    decode = {key: {int(n): float(x) for n, x in per_length.items()}
+              for key, per_length in _decode_keys(r, "DECODE_OVER_SDPA").items()}
+    if any(n < 1 or not (x > 0 and x < float("inf")) for pts in decode.values() for n, x in pts.items()):
+        raise ValueError("DECODE_OVER_SDPA must be {cache length >= 1: ratio finite and > 0} per key")
+    decode_keys = {key: None if x is None else float(x) for key, x in _decode_keys(r, "DECODE_MIN_KEYS").items()}
+    if any(x is not None and not (x >= 0 and x < float("inf")) for x in decode_keys.values()):
+        raise ValueError("DECODE_MIN_KEYS must be finite and >= 0, or null (never)")
     when = doc.get("created", "?")
     return Rates(sbs, cbs, dtypes, soc, f"calibrated on this CPU {when} ({path})", doc.get("measured", {}),
                  compiled_dense_min_pairs=least, kernel_gflops=gflops, decode_over_sdpa=decode,
-                 compiled_gqa_min_pairs=least_gqa)
+                 compiled_gqa_min_pairs=least_gqa, decode_min_keys=decode_keys)
+
+
+def _decode_keys(r: dict, field_name: str) -> dict:
+    """{(dtype, gqa): value} from a file's ``field_name`` entry keyed "<dtype> mha|gqa", or ValueError."""
+    out = {}
+    for name, value in r.get(field_name, {}).items():
+        dt, _, heads = name.partition(" ")
+        if heads not in _HEAD_KINDS:
+            raise ValueError(f"{field_name} keys are '<dtype> mha|gqa', got {name!r}")
+        out[(_dtype(dt), _HEAD_KINDS[heads])] = value
+    return out
 
 
 def _min_pairs(r: dict, field_name: str) -> dict:
@@ -238,8 +274,8 @@ def _min_pairs(r: dict, field_name: str) -> dict:
 
 
 def as_json(rates: Rates) -> dict:
-    """Every fitted rate of ``rates`` by its ``RATE_NAMES`` name (and COMPILED_GQA_MIN_PAIRS), as the calibration
-    file holds them: keys as strings ("<dtype> dense|causal", "<dtype> mha|gqa", "128x256"), None for "never"."""
+    """Every fitted rate of ``rates`` by its ``RATE_NAMES`` name, as the calibration file holds them: keys as
+    strings ("<dtype> dense|causal", "<dtype> mha|gqa", "128x256", a cache length), None for "never"."""
     return {"SPARSE_BLOCK_SPEED": {str(b): s for b, s in rates.sparse_block_speed.items()},
             "COMPILED_BLOCK_SPEED": {f"{b[0]}x{b[1]}": s for b, s in rates.compiled_block_speed.items()},
             "COMPILED_DENSE_DTYPES": [str(d).removeprefix("torch.") for d in rates.compiled_dense_dtypes],
@@ -249,8 +285,10 @@ def as_json(rates: Rates) -> dict:
             "COMPILED_GQA_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
                                        for (d, c), p in rates.compiled_gqa_min_pairs.items()},
             "KERNEL_GFLOPS": dict(rates.kernel_gflops),
-            "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": x
-                                 for (d, g), x in rates.decode_over_sdpa.items()}}
+            "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}":
+                                 {str(n): x for n, x in pts.items()} for (d, g), pts in rates.decode_over_sdpa.items()},
+            "DECODE_MIN_KEYS": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": x
+                                for (d, g), x in rates.decode_min_keys.items()}}
 
 
 def save(rates: Rates, measured: dict | None = None, path: Path | None = None, *, reload_now: bool = True) -> Path:

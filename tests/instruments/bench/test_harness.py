@@ -39,6 +39,51 @@ def test_interleaved_rotates_the_order_and_keeps_every_sample():
     assert Hn.interleaved({}) == {}
 
 
+def test_interleaved_pairs_time_two_callables_back_to_back_in_flipped_order():
+    """Note [Paired samples]: a pair is adjacent in every round, first / second alternating, and rotates as one."""
+    log = []
+    calls = {name: (lambda name=name: log.append(name)) for name in ("a", "auto", "b", "pick")}
+    res = Hn.interleaved(calls, rounds=4, min_rounds=1, min_sample_s=0.0, budget_s=1e9, pairs={"auto": "pick"})
+    assert list(res) == ["a", "auto", "b", "pick"] and all(len(t.times) == 4 for t in res.values())
+    timed = log[8:]  # warm-up and probe of each
+    rounds = [timed[4 * r: 4 * r + 4] for r in range(4)]
+    assert rounds == [["a", "auto", "pick", "b"], ["pick", "auto", "b", "a"],
+                      ["b", "a", "auto", "pick"], ["a", "pick", "auto", "b"]]
+    with pytest.raises(ValueError, match="pairs"):
+        Hn.interleaved(calls, pairs={"auto": "nope"})
+    with pytest.raises(ValueError, match="pairs"):
+        Hn.interleaved(calls, pairs={"auto": "pick", "a": "auto"})
+
+
+def test_a_pair_shares_its_calls_per_sample():
+    """Both of a pair repeat as often per sample (the shorter count), so each sample spans the same stretch."""
+    t = [0.0]
+
+    def clock():
+        return t[0]
+
+    def cost(s):
+        def f():
+            t[0] += s
+        return f
+
+    # binary fractions: the fake clock's sums are exact; alone they would take 128 and 16 calls a sample
+    res = Hn.interleaved({"fast": cost(2**-10), "slow": cost(2**-7)}, rounds=2, min_rounds=1, min_sample_s=2**-3,
+                         budget_s=1e9, pairs={"fast": "slow"}, clock=clock)
+    assert res["fast"].calls_per_sample == res["slow"].calls_per_sample == 16
+    assert res["fast"].times == [2**-10] * 2 and res["slow"].times == [2**-7] * 2
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    """Not the ratio of the medians: a slow round slows both of a pair and cancels."""
+    a, b = Hn.Timing([1.0, 2.0, 10.0]), Hn.Timing([1.0, 1.0, 8.0])  # rounds 2-3 slowed a (and b in round 3)
+    assert Hn.paired_ratio(a, b) == pytest.approx(1.25)  # median of 1.0, 2.0, 1.25
+    assert a.median / b.median == pytest.approx(2.0)
+    assert Hn.paired_ratio(Hn.Timing(), Hn.Timing()) is None
+    with pytest.raises(ValueError, match="per round"):
+        Hn.paired_ratio(Hn.Timing([1.0]), Hn.Timing([1.0, 2.0]))
+
+
 def test_median_rate_ignores_an_outlier():
     assert Hn.median_rate([0.1, 0.1, 100.0]) == pytest.approx(10.0)
     assert Hn.median_rate([]) is None
