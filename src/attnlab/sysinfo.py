@@ -22,6 +22,7 @@ __all__ = ["SystemInfo", "collect", "ENV_VARS"]
 
 #: environment variables that change which kernel runs or how (reported when set)
 ENV_VARS = ("ATTNLAB_NO_EXT", "ATTNLAB_EXT_GEMM", "ATTNLAB_EXT_BWD_SPLITS", "ATTNLAB_EXT_NO_AVX512BF16",
+            "ATTNLAB_DECODE_NO_BF16_DOT", "ATTNLAB_DECODE_NO_PREFETCH", "ATTNLAB_DECODE_PREFETCH_LEVEL",
             "ATTNLAB_CALIBRATION", "ATTNLAB_CACHE_DIR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -42,6 +43,8 @@ class SystemInfo:
     measured: dict | None
     extension: dict  # the compiled kernel: variant, capability, status, tile back ends
     calibration: dict  # the planner's rates: where they come from
+    #: the decode kernel (kernels/decode.py): status, capability, bf16 scores' instructions, prefetch level
+    decode: dict = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)  # the ENV_VARS that are set
 
     def as_dict(self) -> dict:
@@ -76,6 +79,12 @@ class SystemInfo:
                       f"extension.native_bf16_convert: {x['native_bf16_convert']}"]
         else:
             lines.append(f"extension: unavailable: {x['status']}")
+        d = self.decode
+        if d.get("status") == "ok":
+            lines.append(f"decode: capability {d['capability']}, bf16 scores {d['bf16_scores']}, "
+                         f"prefetch {d['prefetch']}")
+        elif d:
+            lines.append(f"decode: unavailable: {d['status']}")
         lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in self.calibration.items()))
         lines += [f"env.{k}: {v}" for k, v in self.environment.items()]
         return "\n".join(lines)
@@ -106,6 +115,17 @@ def _extension() -> dict:
             "gemm_setting": setting, "tiles": tiles, "native_bf16_convert": compiled_kernel.converts_bf16_natively()}
 
 
+def _decode() -> dict:
+    from .kernels import decode as decode_kernel
+
+    reason = decode_kernel.unavailable_reason()
+    if reason is not None:
+        return {"status": reason}
+    return {"status": "ok", "capability": decode_kernel.capability(),
+            "bf16_scores": "vdpbf16ps" if decode_kernel.bf16_dot() else "widened to fp32",
+            "prefetch": {0: "off", 1: "into L1", 2: "into L2"}[decode_kernel.prefetch_mode()]}
+
+
 def _calibration() -> dict:
     from .functional import rates
 
@@ -125,5 +145,5 @@ def collect(measure: bool = True, seconds: float = 0.25) -> SystemInfo:
     return SystemInfo(
         attnlab=__version__, python=sys.version.split()[0], platform=platform.platform(), torch=torch.__version__,
         transformers=_version("transformers"), cpu=cpu.INFO.as_dict(), threads=torch.get_num_threads(),
-        numa_nodes=cpu.numa_nodes(), measured=measured, extension=_extension(), calibration=_calibration(),
+        numa_nodes=cpu.numa_nodes(), measured=measured, extension=_extension(), calibration=_calibration(), decode=_decode(),
         environment={k: os.environ[k] for k in ENV_VARS if k in os.environ})

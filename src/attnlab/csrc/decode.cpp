@@ -121,13 +121,16 @@ constexpr float kNinf = -std::numeric_limits<float>::infinity();
 // GQA 32/8 D=128 S=32768, CPU time, loaded machine, the same build: fp32 [B, Hkv, S, D] 37.6 ms into L1
 // (= no prefetch, 36.9) vs 21.3 ms into L2; bf16 17.6 vs 10.5; paged fp32 page 64 32.4 vs 22.1).
 // ATTNLAB_DECODE_NO_PREFETCH=1 turns it off, ATTNLAB_DECODE_PREFETCH_LEVEL=1 prefetches into L1 (comparisons).
-const int kPrefetchMode = [] {  // 0: none, 1: into L1 (prefetcht0), 2: into L2 (prefetcht1, the default)
+// set_prefetch(mode) changes it at run time (read once per call), so both levels compare in one process: on
+// Zen 5 (2 threads, cold caches, GQA 32/8 D=128, bf16) into L1 measured 3.13 vs 3.58 ms at S = 32768 one hour
+// and 4.26 vs 3.68 ms (S = 4096: 0.54 vs 0.45) another, so the default stays L2.
+// ATTNLAB_DECODE_NO_PREFETCH=1 starts with it off, ATTNLAB_DECODE_PREFETCH_LEVEL=1 (or 2) with that level.
+std::atomic<int> g_prefetch_mode{[] {  // 0: none, 1: into L1 (prefetcht0), 2: into L2 (prefetcht1, the default)
   const char* off = std::getenv("ATTNLAB_DECODE_NO_PREFETCH");
   if (off && *off && std::string(off) != "0") return 0;
   const char* lv = std::getenv("ATTNLAB_DECODE_PREFETCH_LEVEL");
   return lv && std::string(lv) == "1" ? 1 : 2;
-}();
-const bool kDoPrefetch = kPrefetchMode > 0;
+}()};
 
 struct Args {
   int64_t B, H, Hkv, L, D, Dv, T, maxp, ns, hs;
@@ -146,6 +149,8 @@ struct Args {
   const float* alibi = nullptr; int64_t as[2] = {0, 0};
   const int64_t* alibi_off = nullptr;
   float scale, softcap;
+  int prefetch = 2;           // Note [Decode prefetch]: 0 none, 1 into L1, 2 into L2
+  bool bf16_dot = false;      // Note [Decode bf16 scores]
   float* part_out = nullptr;  // [ns, B, H, L, Dv] when ns > 1
   float* part_lse = nullptr;  // [ns, B, H, L]
   float* lse = nullptr;       // [B, H, L]
@@ -228,10 +233,11 @@ template <typename T>
 struct NextRows {
   const T* const* rows = nullptr;
   int64_t n = 0, bytes = 0;
+  int level = 2;  // 1: into L1, 2: into L2
   __attribute__((always_inline)) inline void row(int64_t t) const {
     if (t < n) {
       const char* p = reinterpret_cast<const char*>(rows[t]);
-      if (kPrefetchMode == 2)
+      if (level == 2)
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
       else
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
@@ -239,13 +245,30 @@ struct NextRows {
   }
 };
 
-// The sum of a vector's lanes.
+// The sum (the largest) of a vector's lanes: a shuffle tree on AVX-512 (the serial scalar loop was a tenth of
+// a bf16 tile's time with the dot products on VDPBF16PS: Note [Decode bf16 scores])
 inline float hsum(const Vf& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
   float b[W];
   v.store(b);
   float x = 0.f;
   for (int64_t i = 0; i < W; ++i) x += b[i];
   return x;
+#endif
+}
+
+inline float hmax(const Vf& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(v);
+#else
+  float b[W];
+  v.store(b);
+  float x = b[0];
+  for (int64_t i = 1; i < W; ++i) x = std::max(x, b[i]);
+  return x;
+#endif
 }
 
 // Note [Decode dot products]: out[i] = the sum of acc[i]'s lanes, for W vectors at once: a transpose-add tree
@@ -392,14 +415,82 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
 }
 #endif
 
+// Note [Decode bf16 scores]: with a bf16 cache on a CPU with avx512_bf16 (Cooper Lake, Sapphire Rapids, Zen 4
+// and 5) the scores are VDPBF16PS dot products of the unscaled bf16 query against the bf16 keys as stored: one
+// instruction multiplies 32 pairs and adds them into 16 fp32 lanes, where the widening path took a
+// zero-extension, a shift and two FMAs for the same 32 elements. The products of two bf16 values are exact in
+// fp32 either way; the sums differ in their order (and the instruction flushes denormal inputs, below 2^-126,
+// to zero), and the softmax scale multiplies the sum instead of the query (one rounding moved). The query row
+// is copied once per unit into qb [RR, Dp] (Dp a multiple of 32, zeros past D), a key's last chunk is read
+// with a masked load. Chosen at run time: __builtin_cpu_supports, and set_bf16_dot(False) (kernels/decode.py)
+// turns it off so the tests compare both paths on a CPU that has it. Measured (Zen 5, 1 thread, GQA 32/8,
+// D = 128, interleaved in one process, the same build; time per call): S = 1024 / 4096 in cache 28.9 / 82.8 us
+// -> 27.8 / 78.3 (min of 41 rounds), S = 2048 x 8 kv heads 0.59 -> 0.35 ms and 28 -> 19 ns a key-head on a
+// quieter hour of the same machine; cold caches, 2 threads, S = 4096 0.71 -> 0.63 ms, S = 32768 no change
+// (4.69 vs 4.80 ms: memory-bound). Tried and not kept: P @ V on VDPBF16PS too (p rounded to bf16 in key pairs,
+// the V rows of a pair interleaved by two vpermt2w per 32 columns): no gain at any size (in cache 78.5 vs
+// 78.5 us; cold S = 32768 5.17 vs 4.80 ms) for one more rounding of p.
+#if defined(CPU_CAPABILITY_AVX512)
+const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+std::atomic<bool> g_bf16_dot{[] {
+  const char* off = std::getenv("ATTNLAB_DECODE_NO_BF16_DOT");
+  return !(off && *off && std::string(off) != "0");
+}()};
+constexpr int64_t kBW = 32;
+const bool kTmpPv = !std::getenv("TMP_NO_PV");  // bf16 elements of one VDPBF16PS
+
+template <int RB>
+__attribute__((target("avx512bf16"), noinline)) void dot_keys_bf16(const at::BFloat16* qb, int64_t Dp,
+                                                                   const at::BFloat16* const* krows, int64_t t,
+                                                                   int64_t D, float scale, float* s) {
+  constexpr int KB = static_cast<int>(W) / RB;
+  __m512 acc[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += kBW) {  // (no lambda here: a lambda does not inherit the target)
+    const __mmask32 mk = D - d >= kBW ? ~__mmask32(0) : (__mmask32(1) << (D - d)) - 1;
+    __m512bh qv[RB];
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) qv[rr] = (__m512bh)_mm512_loadu_si512(qb + rr * Dp + d);
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) {
+      const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(mk, krows[t + kk] + d);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = _mm512_dpbf16_ps(acc[rr * KB + kk], qv[rr], kv);
+    }
+  }
+  Vf accv[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) accv[i] = Vf(acc[i]);
+  float sums[W];
+  hsum_all(accv, sums);
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) s[rr * TK + t + kk] = sums[rr * KB + kk] * scale;
+}
+#else
+constexpr bool kHasBf16Dot = false;
+std::atomic<bool> g_bf16_dot{false};
+#endif
+
 // every row's scores against the tile's nt keys (rows whole key blocks: Note [Decode tile rows])
 template <typename T>
-inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float* qsc, int64_t R,
-                     const T* const* krows, const float* ksc, int64_t nt, int64_t D, float* s,
-                     const NextRows<T>& next) {
+inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float* qsc, const at::BFloat16* qb,
+                     int64_t Db, float scale, int64_t R, const T* const* krows, const float* ksc, int64_t nt,
+                     int64_t D, float* s, const NextRows<T>& next) {
   int64_t r0 = 0;
   auto block = [&](auto rb, int64_t t) {  // the first row block also prefetches the next rows of K
     constexpr int RB = decltype(rb)::value;
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (qb) {
+        dot_keys_bf16<RB>(qb + r0 * Db, Db, krows, t, D, scale, s + r0 * TK);
+      } else {
+        dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
+      }
+    } else
+#endif
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<T, int8_t>) {
       if (q16) {
@@ -485,9 +576,14 @@ void decode_impl(const Args& a) {
     const int64_t Dp = (D + KW - 1) / KW * KW;
     std::vector<int16_t> q16(i8dot ? RR * Dp : 0);
     std::vector<float> qsc(i8dot ? RR : 0);
+    // a bf16 cache's scores by VDPBF16PS take the unscaled bf16 query: qb [RR, Db] (Note [Decode bf16 scores])
+    const bool bdot = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<T, at::BFloat16> && a.bf16_dot;
+    const int64_t Db = (D + 31) / 32 * 32;
+    std::vector<at::BFloat16> qb(bdot ? RR * Db : 0);
     std::vector<float> pw(std::is_same_v<T, int8_t> ? R * TK : 0);  // an int8 tile's p * v_scale [R, TK]
     std::vector<int64_t> rlo(R), rhi(R);
     std::vector<int32_t> nz(R * TK), nnz(R);
+    std::vector<uint8_t> zfull(R);
     const T* kr[2][TK];  // this item's rows and the next one's (Note [Decode prefetch])
     const T* vr[2][TK];
     float ks2[2][TK], vs2[2][TK];  // an int8 cache's row scales
@@ -499,6 +595,10 @@ void decode_impl(const Args& a) {
         const int64_t i = rr % a.L, h = g0 * G + rr / a.L;
         const TQ* qp = Q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
         for (int64_t d = 0; d < D; ++d) qs[rr * D + d] = static_cast<float>(qp[d]) * a.scale;
+        if (bdot) {
+          at::BFloat16* y = qb.data() + rr * Db;
+          for (int64_t d = 0; d < Db; ++d) y[d] = d < D ? static_cast<at::BFloat16>(qp[d]) : at::BFloat16(0.f);
+        }
         if (i8dot) {  // q16 = round(qs / qsc), qsc = max|qs| / 32767: each element off by <= qsc / 2
           const float* x = qs.data() + rr * D;
           int16_t* y = q16.data() + rr * Dp;
@@ -548,9 +648,9 @@ void decode_impl(const Args& a) {
           if (u0 < j1) {
             const int64_t un = std::min(TK, j1 - u0);
             rows_of(c ^ 1, u0, ug, un);
-            if (kDoPrefetch) {
-              next_k = {kr[c ^ 1], un, D * static_cast<int64_t>(sizeof(T))};
-              next_v = {vr[c ^ 1], un, Dv * static_cast<int64_t>(sizeof(T))};
+            if (a.prefetch > 0) {
+              next_k = {kr[c ^ 1], un, D * static_cast<int64_t>(sizeof(T)), a.prefetch};
+              next_v = {vr[c ^ 1], un, Dv * static_cast<int64_t>(sizeof(T)), a.prefetch};
             }
           }
         }
@@ -559,7 +659,8 @@ void decode_impl(const Args& a) {
         float* const o_g = o.data() + gl * R * Dv;
         const float* const qs_g = qs.data() + gl * R * D;
         // 2) scores of every row against the tile's keys
-        dot_tile(qs_g, i8dot ? q16.data() + gl * R * Dp : nullptr, Dp, i8dot ? qsc.data() + gl * R : nullptr, R,
+        dot_tile(qs_g, i8dot ? q16.data() + gl * R * Dp : nullptr, Dp, i8dot ? qsc.data() + gl * R : nullptr,
+                 bdot ? qb.data() + gl * R * Db : nullptr, Db, a.scale, R,
                  krows, kscl, nt, D, sc.data(), next_k);  // rows sharing each K load
         for (int64_t r = 0; r < R; ++r) {
           float* srow = sc.data() + r * TK;
@@ -606,9 +707,7 @@ void decode_impl(const Args& a) {
             int64_t t = 0;
             Vf mv(mt);
             for (; t + W <= nt; t += W) mv = at::vec::maximum(mv, Vf::loadu(srow + t));
-            float mx[W];
-            mv.store(mx);
-            for (int64_t e = 0; e < W; ++e) mt = std::max(mt, mx[e]);
+            mt = std::max(mt, hmax(mv));
             for (; t < nt; ++t) mt = std::max(mt, srow[t]);
           }
           nnz[r] = 0;
@@ -642,11 +741,11 @@ void decode_impl(const Args& a) {
             }
           }
           int32_t* z = nz.data() + r * TK;
+          zfull[r] = !zero;  // a row weighing all nt keys lists them only if a pass below needs the list
           if (zero) {
             for (int64_t t = 0; t < nt; ++t)
               if (srow[t] != 0.f) z[nnz[r]++] = static_cast<int32_t>(t);
           } else {
-            for (int64_t t = 0; t < nt; ++t) z[t] = static_cast<int32_t>(t);
             nnz[r] = static_cast<int32_t>(nt);
           }
           l_g[r] += sum;
@@ -679,9 +778,11 @@ void decode_impl(const Args& a) {
         }
         for (int64_t r = 0; r < R; ++r) {
           const int32_t n = nnz[r];
-          if (!n) continue;
+          if (!n || (r < r_first && d_vec == Dv)) continue;
           const float* p = sc.data() + r * TK;
-          const int32_t* z = nz.data() + r * TK;
+          int32_t* const z = nz.data() + r * TK;
+          if (zfull[r])
+            for (int32_t t = 0; t < n; ++t) z[t] = t;
           float* orow = o_g + r * Dv;
           auto vrow = [&](int32_t e, int64_t d) { return load_w(vrows[z[e]] + d); };  // V[z[e]], d .. d + W - 1
           auto pz = [&](int32_t e) {  // p of key z[e], an int8 row's scale folded in (Note [Decode int8 cache])
@@ -854,6 +955,8 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
   }
   a.scale = static_cast<float>(scale);
   a.softcap = static_cast<float>(softcap);
+  a.prefetch = g_prefetch_mode.load(std::memory_order_relaxed);
+  a.bf16_dot = kHasBf16Dot && g_bf16_dot.load(std::memory_order_relaxed);
   TORCH_CHECK(num_splits >= 1, "attnlab._decode: num_splits must be >= 1");
   a.ns = num_splits;
   TORCH_CHECK(head_span >= 1 && a.Hkv % head_span == 0, "attnlab._decode: head_span must divide Hkv = ", a.Hkv);
@@ -890,7 +993,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &decode_forward,
         "writes out in place; returns [lse] (float32 [B, H, L]), with keep_partials also the per-split "
         "outputs [ns, B, H, L, Dv] and lse [ns, B, H, L] (None for one split)");
+  m.def("set_prefetch", [](int64_t mode) {
+    TORCH_CHECK(mode >= 0 && mode <= 2, "attnlab._decode: prefetch mode must be 0 (none), 1 (L1) or 2 (L2), got ", mode);
+    g_prefetch_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
+  }, "0: no software prefetch, 1: into L1, 2: into L2 (Note [Decode prefetch level])");
+  m.def("set_bf16_dot", [](bool on) { g_bf16_dot.store(on, std::memory_order_relaxed); },
+        "a bf16 cache's scores on VDPBF16PS where the CPU has avx512_bf16 (Note [Decode bf16 scores])");
+  m.def("bf16_dot", [] { return kHasBf16Dot && g_bf16_dot.load(std::memory_order_relaxed); },
+        "whether a bf16 cache's scores run on VDPBF16PS: the CPU has avx512_bf16 and set_bf16_dot left it on");
+  m.def("prefetch", [] { return static_cast<int64_t>(g_prefetch_mode.load(std::memory_order_relaxed)); });
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signature changes: a stale build is refused, not called
-  m.attr("abi_version") = 3;
+  m.attr("abi_version") = 4;
 }

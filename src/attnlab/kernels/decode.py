@@ -32,7 +32,7 @@ __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYP
            "DecodePlan", "plan"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,6 +67,37 @@ def capability() -> str | None:
     """The CPU capability the loaded decode extension was compiled for, or None."""
     ext = _load()
     return None if ext is None else str(ext.capability)
+
+
+def bf16_dot() -> bool:
+    """True when a bf16 cache's scores run on VDPBF16PS (the CPU has avx512_bf16 and ``set_bf16_dot`` left it
+    on; csrc Note [Decode bf16 scores]); False without the extension."""
+    ext = _load()
+    return bool(ext is not None and ext.bf16_dot())
+
+
+def set_bf16_dot(on: bool) -> None:
+    """Turn the VDPBF16PS scores on or off for this process (both paths are tested; off widens bf16 to fp32).
+    A no-op where the CPU lacks avx512_bf16 or the extension is missing."""
+    ext = _load()
+    if ext is not None:
+        ext.set_bf16_dot(bool(on))
+
+
+def prefetch_mode() -> int:
+    """The decode kernel's software prefetch of the next tile's rows: 0 off, 1 into L1, 2 into L2 (the
+    default; csrc Note [Decode prefetch]); 0 without the extension."""
+    ext = _load()
+    return 0 if ext is None else int(ext.prefetch())
+
+
+def set_prefetch_mode(mode: int) -> None:
+    """Set the prefetch mode (0, 1 or 2) for this process; it changes timing only, never a result."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"prefetch mode must be 0 (off), 1 (into L1) or 2 (into L2), got {mode!r}")
+    ext = _load()
+    if ext is not None:
+        ext.set_prefetch(int(mode))
 
 
 def num_splits(B: int, Hkv: int, S: int) -> int:
