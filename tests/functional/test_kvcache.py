@@ -374,6 +374,33 @@ def test_fallback_without_extension_agrees(monkeypatch):
         assert max_err(out, fb) < 1e-5 and max_err(lse, fl) < 1e-4
 
 
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+@pytest.mark.parametrize("lengths", ["int", "per-sequence"])
+def test_page_table_outside_the_pool_is_named_and_nothing_is_written(monkeypatch, path, lengths):
+    """A page-table entry outside the pool is named (entry, value, pool size) on both paths, whether the
+    append writes through it (checked before writing: the pool is unchanged) or only a read reaches it
+    (checked by the kernel, Note [Paged checks once]); an entry past every sequence's length is never used."""
+    if path == "kernel" and not dk.available():
+        pytest.skip(f"decode extension: {dk.unavailable_reason()}")
+    if path == "fallback":
+        monkeypatch.setattr(dk, "available", lambda: False)
+    q, kn, vn = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    pool = torch.zeros(5, 4, 2, 8)
+    table = torch.tensor([[0, 1, 2], [3, 4, 9]], dtype=torch.int32)
+    n = (lambda x: torch.tensor([x, x])) if lengths == "per-sequence" else (lambda x: x)
+    kp, vp = pool.clone(), pool.clone()
+    with pytest.raises(attnlab.AttentionInputError, match=r"block_table\[1, 2\] = 9 points outside the pool of 5 pages"):
+        attnlab.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=n(8), block_table=table)  # writes via [., 2]
+    assert torch.equal(kp, pool) and torch.equal(vp, pool)
+    with pytest.raises(attnlab.AttentionInputError, match=r"block_table\[1, 2\] = 9 points outside the pool of 5 pages"):
+        attnlab.attention_with_kvcache(q, kp, vp, cache_seqlens=n(9), block_table=table)  # 9 keys read [., 2]
+    with pytest.raises(attnlab.AttentionInputError, match=r"block_table\[0, 1\] = -1 points outside"):
+        attnlab.attention_with_kvcache(q, kp, vp, cache_seqlens=n(5),
+                                       block_table=torch.tensor([[0, -1, 2], [3, 4, 1]], dtype=torch.int32))
+    out = attnlab.attention_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=n(7), block_table=table)  # 8 keys: 2 pages
+    assert out.shape == (2, 1, 4, 8) and torch.isfinite(out).all()
+
+
 # -- attention() routes decode shapes to the decode path --------------------------------------------
 def _route_cases(B, L, S, gen):
     from attnlab import patterns as P

@@ -287,18 +287,30 @@ def _run(config: DecodeConfig, v: dict, progress) -> DecodeBench:
     return res
 
 
+def _colors(n: int) -> list:
+    """n distinct colours (tab10 up to 10, then tab20): a colour cycle that repeats would pair two cases."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i) for i in range(n)]
+
+
 def _draw(res: DecodeBench, ax) -> None:
     sel = [r for r in res.rows if r["layout"] == "contiguous" and r["B"] == 1]
-    for key in sorted({(r["heads"], r["dtype"]) for r in sel}):
+    keys = sorted({(r["heads"], r["dtype"]) for r in sel})
+    colors = _colors(len(keys))
+    for key, color in zip(keys, colors):  # one colour per (heads, dtype): attnlab solid, SDPA dashed
         rs = sorted((r for r in sel if (r["heads"], r["dtype"]) == key), key=lambda r: r["S"])
-        ax.plot([r["S"] for r in rs], [r["attnlab_gbs"] for r in rs], "o-", label=f"attnlab {key[0]} {key[1]}")
-        ax.plot([r["S"] for r in rs], [r["sdpa_gbs"] for r in rs], "x--", label=f"sdpa {key[0]} {key[1]}")
+        ax.plot([r["S"] for r in rs], [r["attnlab_gbs"] for r in rs], "o-", color=color,
+                label=f"attnlab {key[0]} {key[1]}")
+        ax.plot([r["S"] for r in rs], [r["sdpa_gbs"] for r in rs], "x--", color=color, alpha=0.6,
+                label=f"sdpa {key[0]} {key[1]}")
     if res.rows:
         ax.axhline(float(np.median([r["bandwidth_gbs"] for r in res.rows])), color="gray", lw=0.8,
                    label="read bandwidth")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV length S (B=1, contiguous)")
     ax.set_ylabel("K/V GB/s")
-    ax.legend(fontsize=5)
+    ax.legend(fontsize=5, ncol=2)
     if not sel:
         ax.text(0.5, 0.5, "no contiguous B=1 case", ha="center", transform=ax.transAxes)
