@@ -101,6 +101,7 @@
 #include <cstdlib>
 #include <string>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -863,14 +864,15 @@ void decode_impl(const Args& a) {
 }
 
 std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                                       const at::Tensor& block_table, const at::Tensor& seqlens,
-                                       const at::Tensor& mask_off, int64_t left, int64_t right,
+                                       const at::Tensor& block_table, const std::optional<at::Tensor>& seqlens,
+                                       int64_t seqlen_all, const std::optional<at::Tensor>& mask_off,
+                                       int64_t mask_off_all, int64_t left, int64_t right,
                                        const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& bias,
                                        const std::optional<at::Tensor>& alibi,
                                        const std::optional<at::Tensor>& alibi_off, double scale, double softcap,
                                        int64_t num_splits, int64_t head_span, bool keep_partials,
                                        const std::optional<at::Tensor>& k_scale,
-                                       const std::optional<at::Tensor>& v_scale) {
+                                       const std::optional<at::Tensor>& v_scale, bool blhd) {
   for (const at::Tensor* t : {&q, &k, &v, const_cast<const at::Tensor*>(&out)}) {
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 4 && t->stride(3) == 1,
                 "attnlab._decode: q, k, v, out must be 4-D CPU tensors with a contiguous last dim");
@@ -885,21 +887,34 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(int8 == (k_scale && k_scale->defined()) && int8 == (v_scale && v_scale->defined()),
               "attnlab._decode: k_scale and v_scale go with an int8 cache, and only with one");
   Args a;
-  a.B = q.size(0); a.H = q.size(1); a.L = q.size(2); a.D = q.size(3);
+  // q and out [B, H, L, D], or with blhd [B, L, H, D] (flash-attn's layout, read through its strides: no view
+  // to make per call, Note [Decode call overhead])
+  const int dh = blhd ? 2 : 1, dl = blhd ? 1 : 2;
+  a.B = q.size(0); a.H = q.size(dh); a.L = q.size(dl); a.D = q.size(3);
   a.T = k.size(1); a.Hkv = k.size(2); a.Dv = v.size(3);
   TORCH_CHECK(k.size(3) == a.D && v.size(0) == k.size(0) && v.size(1) == a.T && v.size(2) == a.Hkv && a.Hkv > 0 &&
-              a.H % a.Hkv == 0 && out.size(0) == a.B && out.size(1) == a.H && out.size(2) == a.L && out.size(3) == a.Dv,
+              a.H % a.Hkv == 0 && out.size(0) == a.B && out.size(dh) == a.H && out.size(dl) == a.L &&
+              out.size(3) == a.Dv,
               "attnlab._decode: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), ", out ", out.sizes(),
               " do not agree");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2 &&
               block_table.size(0) == a.B, "attnlab._decode: block_table must be contiguous int32 [B, pages]");
-  for (const auto* t : {&seqlens, &mask_off})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == a.B,
-                "attnlab._decode: seqlens / mask_off must be contiguous int64 [B]");
+  // Note [Decode call overhead]: one length (and offset) for every sequence comes as an int, not a tensor
+  // (a tensor each a call is one more allocation: tens of microseconds once the caches are cold)
+  std::vector<int64_t> one_len, one_off;
+  for (auto [t, all, vec, ptr] : {std::tuple{&seqlens, seqlen_all, &one_len, &a.seqlens},
+                                  std::tuple{&mask_off, mask_off_all, &one_off, &a.mask_off}}) {
+    if (*t && (*t)->defined()) {
+      TORCH_CHECK((*t)->scalar_type() == at::kLong && (*t)->is_contiguous() && (*t)->dim() == 1 &&
+                  (*t)->size(0) == a.B, "attnlab._decode: seqlens / mask_off must be contiguous int64 [B]");
+      *ptr = (*t)->data_ptr<int64_t>();
+    } else {
+      vec->assign(std::max<int64_t>(a.B, 1), all);
+      *ptr = vec->data();
+    }
+  }
   a.maxp = block_table.size(1);
   a.table = block_table.data_ptr<int32_t>();
-  a.seqlens = seqlens.data_ptr<int64_t>();
-  a.mask_off = mask_off.data_ptr<int64_t>();
   // every page a visible key can reach is checked here, so the kernel can trust the table
   const int64_t P = k.size(0);
   for (int64_t b = 0; b < a.B; ++b) {
@@ -922,7 +937,11 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
   }
   a.left = left; a.right = right;
   a.q = q.data_ptr(); a.k = k.data_ptr(); a.v = v.data_ptr(); a.out = out.data_ptr();
-  for (int d = 0; d < 4; ++d) { a.qs[d] = q.stride(d); a.os[d] = out.stride(d); }
+  for (int d = 0; d < 4; ++d) {
+    const int e = d == 1 ? dh : d == 2 ? dl : d;
+    a.qs[d] = q.stride(e);
+    a.os[d] = out.stride(e);
+  }
   for (int d = 0; d < 3; ++d) { a.ks[d] = k.stride(d); a.vs[d] = v.stride(d); }
   if (keep && keep->defined()) {
     TORCH_CHECK((keep->scalar_type() == at::kByte || keep->scalar_type() == at::kBool) && keep->dim() == 4 &&
@@ -1004,5 +1023,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetch", [] { return static_cast<int64_t>(g_prefetch_mode.load(std::memory_order_relaxed)); });
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signature changes: a stale build is refused, not called
-  m.attr("abi_version") = 4;
+  m.attr("abi_version") = 6;
 }

@@ -426,14 +426,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                     _check_pages(block_table.gather(1, pos // T), None, P_, kc_t, pos // T)
             _append(k_cache, k, pos, block_table)
             _append(v_cache, v, pos, block_table)
-    qh = q.transpose(1, 2)  # (B, H, L, D) view
     if q.device.type == "cpu" and decode_kernel.available() and L <= decode_kernel.MAX_QUERIES:
-        out = torch.empty(B, L, H, Dv, dtype=q.dtype)
         kw = dict(k_scale=k_cache.scale, v_scale=v_cache.scale) if quant else {}
         try:  # the kernel checks every page a visible key reaches (Note [Paged checks once])
-            _, lse = decode_kernel.decode_attention(
-                qh, kc_t, vc_t, scale=scale, block_table=block_table, seqlens=seqlens, left=lo, right=hi,
-                softcap=cap or 0.0, alibi_slopes=slopes, splits=num_splits, out=out.transpose(1, 2), **kw)
+            out, lse = decode_kernel.decode_attention(  # q, out in [B, L, H, D]: no views (Note [Decode call overhead])
+                q, kc_t, vc_t, scale=scale, block_table=block_table, seqlens=seqlens, left=lo, right=hi,
+                softcap=cap or 0.0, alibi_slopes=slopes, splits=num_splits, blhd=True, **kw)
         except RuntimeError as e:
             bad = _PAGE_ERROR.search(str(e))
             if bad is None:
@@ -449,7 +447,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             _check_pages(block_table.masked_fill(~used, 0), 0, P_, kc_t)
         kf = k_cache.dequantize() if quant else k_cache
         vf = v_cache.dequantize() if quant else v_cache
-        out, lse = _fallback(qh, kf, vf, block_table, seqlens, lo, hi, cap, slopes, scale)
+        out, lse = _fallback(q.transpose(1, 2), kf, vf, block_table, seqlens, lo, hi, cap, slopes, scale)
     return (out, lse) if return_lse else out
 
 

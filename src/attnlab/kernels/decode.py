@@ -32,7 +32,7 @@ __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYP
            "DecodePlan", "plan"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 4
+ABI_VERSION = 6
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -166,7 +166,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
                      bias: torch.Tensor | None = None, softcap: float = 0.0,
                      alibi_slopes: torch.Tensor | None = None, alibi_offset=None, splits: int | None = None,
                      out: torch.Tensor | None = None, return_partials: bool = False,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     blhd: bool = False):
     """q [B, H, L, D] (any strides), k [P, T, Hkv, D], v [P, T, Hkv, Dv] (a page pool, any strides; a
     contiguous cache [B, S, Hkv, D] is P = B pages of T = S tokens) -> (out [B, H, L, Dv], lse [B, H, L]).
 
@@ -180,6 +181,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     count (default ``num_splits``); ``return_partials`` also returns the splits' (out [ns, B, H, L, Dv],
     lse [ns, B, H, L]) before their merge (None, None for one split). An int8 k, v comes with float32
     ``k_scale``, ``v_scale`` [P, T, Hkv] (any strides): row (p, t, g) is ``k[p, t, g] * k_scale[p, t, g]``.
+    ``blhd``: q and out are [B, L, H, D] (flash-attn's layout) instead; lse is [B, H, L] either way.
 
     Cost: reads each visible K/V row once per kv group: ``kv_bytes``; 2·B·H·L·S·(D + Dv) FLOPs.
     """
@@ -189,7 +191,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
         raise RuntimeError("the decode kernel is forward only (inference): q, k, v or the bias require grad; "
                            "call it under torch.no_grad() / torch.inference_mode(), or use attnlab.attention")
-    B, H, L, D = q.shape
+    if blhd:  # q and out in flash-attn's [B, L, H, D], read through their strides (no transposed views)
+        B, L, H, D = q.shape
+    else:
+        B, H, L, D = q.shape
     P, T, Hkv, _ = k.shape
     Dv = v.shape[-1]
     # Note [Decode call overhead]: at decode sizes (S ~ 512) the kernel runs in tens of microseconds, as long as
@@ -205,18 +210,25 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if seqlens is None:
         seqlens = S
     smax = seqlens if isinstance(seqlens, int) else None
-    seqlens = _i64(seqlens, B, "seqlens")
+    # one int length (and the offset it implies) goes to the kernel as an int (Note [Decode call overhead])
+    seqlens = None if smax is not None else _i64(seqlens, B, "seqlens")
+    moff_all = 0
     if mask_offset is None:
-        moff = _i64(smax - L, B, "mask_offset") if smax is not None else seqlens - L
+        moff, moff_all = (None, smax - L) if smax is not None else (seqlens - L, 0)
+    elif isinstance(mask_offset, int):
+        moff, moff_all = None, mask_offset
     else:
         moff = _i64(mask_offset, B, "mask_offset")
     if out is None:
-        out = torch.empty(B, H, L, Dv, dtype=q.dtype)
+        out = torch.empty((B, L, H, Dv) if blhd else (B, H, L, Dv), dtype=q.dtype)
     slopes = aoff = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(torch.float32)
         slopes = slopes.view(1, H).expand(B, H) if slopes.dim() == 1 else slopes.expand(B, H)
-        aoff = moff if alibi_offset is None else _i64(alibi_offset, B, "alibi_offset")
+        if alibi_offset is None:
+            aoff = moff if moff is not None else _i64(moff_all, B, "alibi_offset")
+        else:
+            aoff = _i64(alibi_offset, B, "alibi_offset")
     if keep is not None:
         keep = keep.expand(B, H, L, keep.shape[-1])
     if bias is not None:
@@ -231,9 +243,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         # and ``.contiguous()`` is a no-op for a size-1 last dim of any stride (compiled's Note [Operand strides])
         return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
-    res = ext.forward(last(q), last(k), last(v), out, block_table, seqlens, moff, int(left), int(right), keep,
+    res = ext.forward(last(q), last(k), last(v), out, block_table, seqlens, smax if smax is not None else 0, moff,
+                      int(moff_all), int(left), int(right), keep,
                       bias, slopes, aoff, float(scale), float(softcap or 0.0), int(ns), hs, bool(return_partials),
-                      k_scale, v_scale)
+                      k_scale, v_scale, bool(blhd))
     if return_partials:
         return out, res[0], res[1], res[2]
     return out, res[0]
