@@ -494,3 +494,42 @@ def test_one_int_length_appends_as_per_sequence_lengths(quant):
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert not torch.equal(caches[0][0][:, 7:9], base_k[:, 7:9])  # the rows were written
+
+
+@pytest.mark.parametrize("on_sdpa", [True, False], ids=["sdpa", "decode-path"])
+def test_plain_multi_head_calls_go_where_the_planner_sends_plain_decode(monkeypatch, on_sdpa):
+    """Note [Plain decode on SDPA here]: a plain fp32 multi-head call runs on SDPA where the rates say SDPA is
+    faster at its cache length and on the decode path where they do not (a calibration fitted either way), the
+    same result within fp32 rounding of float64; an append still lands first, and a call that is not plain (an
+    lse asked, per-sequence lengths) always takes the decode path."""
+    import dataclasses
+
+    from attnlab.kernels import rates
+
+    before = rates.current()
+    least = 10**9 if on_sdpa else 0.0  # SDPA below `least` keys
+    rates.make_current(dataclasses.replace(before, decode_min_keys={(torch.float32, False): least}))
+    calls = []
+    real = dk.decode_attention
+    monkeypatch.setattr(dk, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    try:
+        gen = torch.Generator().manual_seed(21)
+        B, S, H, D = 2, 90, 4, 16
+        kc, vc = torch.randn(B, S, H, D, generator=gen), torch.randn(B, S, H, D, generator=gen)
+        q = torch.randn(B, 1, H, D, generator=gen)
+        kn, vn = torch.randn(B, 1, H, D, generator=gen), torch.randn(B, 1, H, D, generator=gen)
+        out = attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=60)
+        assert torch.equal(kc[:, 60], kn[:, 0]) and torch.equal(vc[:, 60], vn[:, 0])
+        assert len(calls) == (0 if on_sdpa else 1) or not dk.available()
+        kh, vh = kc[:, :61].transpose(1, 2), vc[:, :61].transpose(1, 2)
+        ref = _ref(q.transpose(1, 2), kh, vh, torch.ones(B, 1, 1, 61, dtype=torch.bool))
+        assert out.shape == (B, 1, H, D) and max_err(out.transpose(1, 2), ref) < 1e-5
+        calls.clear()
+        for kw in (dict(return_lse=True), dict(cache_seqlens=torch.tensor([61, 61]))):
+            kw = {"cache_seqlens": 61, **kw}
+            got = attnlab.attention_with_kvcache(q, kc, vc, **kw)
+            got = got[0] if isinstance(got, tuple) else got
+            assert max_err(got.transpose(1, 2), ref) < 1e-5
+        assert len(calls) == 2 or not dk.available()
+    finally:
+        rates.make_current(before)
