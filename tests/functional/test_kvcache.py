@@ -468,8 +468,10 @@ def test_other_decode_builds_in_subprocesses(capability):
     if probe.stdout.strip() != capability:
         pytest.skip(f"this CPU / torch cannot load the {capability} decode build (got {probe.stdout.strip()!r})")
     int8 = os.path.join(os.path.dirname(__file__), "test_kvcache_int8.py")  # its AVX2 / scalar dequantisation
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, int8,
-                          "-k", "appends_and_attends or dequantises_like"], capture_output=True, text=True, env=env,
+    bf16 = os.path.join(os.path.dirname(__file__), "test_kvcache_bf16.py")  # widened bf16 scores, prefetch modes
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, int8, bf16,
+                          "-k", "appends_and_attends or dequantises_like or bf16_scores or prefetch"],
+                         capture_output=True, text=True, env=env,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
 

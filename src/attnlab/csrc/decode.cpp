@@ -121,14 +121,18 @@ constexpr float kNinf = -std::numeric_limits<float>::infinity();
 // of fp32 K and V is 32 KiB, and pulling the next one into L1 evicted the current one (measured, 1 thread,
 // GQA 32/8 D=128 S=32768, CPU time, loaded machine, the same build: fp32 [B, Hkv, S, D] 37.6 ms into L1
 // (= no prefetch, 36.9) vs 21.3 ms into L2; bf16 17.6 vs 10.5; paged fp32 page 64 32.4 vs 22.1).
-// ATTNLAB_DECODE_NO_PREFETCH=1 turns it off, ATTNLAB_DECODE_PREFETCH_LEVEL=1 prefetches into L1 (comparisons).
 // set_prefetch(mode) changes it at run time (read once per call), so both levels compare in one process: on
 // Zen 5 (2 threads, cold caches, GQA 32/8 D=128, bf16) into L1 measured 3.13 vs 3.58 ms at S = 32768 one hour
 // and 4.26 vs 3.68 ms (S = 4096: 0.54 vs 0.45) another, so the default stays L2.
 // ATTNLAB_DECODE_NO_PREFETCH=1 starts with it off, ATTNLAB_DECODE_PREFETCH_LEVEL=1 (or 2) with that level.
+// whether an environment variable is set to something other than "" or "0"
+bool env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v && std::string(v) != "0";
+}
+
 std::atomic<int> g_prefetch_mode{[] {  // 0: none, 1: into L1 (prefetcht0), 2: into L2 (prefetcht1, the default)
-  const char* off = std::getenv("ATTNLAB_DECODE_NO_PREFETCH");
-  if (off && *off && std::string(off) != "0") return 0;
+  if (env_on("ATTNLAB_DECODE_NO_PREFETCH")) return 0;
   const char* lv = std::getenv("ATTNLAB_DECODE_PREFETCH_LEVEL");
   return lv && std::string(lv) == "1" ? 1 : 2;
 }()};
@@ -308,6 +312,16 @@ __attribute__((always_inline)) inline void hsum_all(const Vf* acc, float* out) {
 #endif
 }
 
+// s[rr * TK + t + kk] = scaled(sums[rr * KB + kk], rr, kk) for the RB x KB scores of one dot_keys block
+template <int RB, typename F>
+__attribute__((always_inline)) inline void put_scores(const float* sums, int64_t t, float* s, F scaled) {
+  constexpr int KB = static_cast<int>(W) / RB;
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) s[rr * TK + t + kk] = scaled(sums[rr * KB + kk], rr, kk);
+}
+
 // s[rr * TK + t + kk] = q[rr] . k[t + kk] for RB rows (q rows D apart) and KB = W / RB keys: W accumulators,
 // plain locals of a fully unrolled loop (so they stay in registers), every K load feeding RB rows; their
 // sums by one hsum_all. An int8 key's products are taken with its dequantised values (Note [Decode loads]).
@@ -333,15 +347,12 @@ inline void dot_keys(const float* q, const T* const* krows, const float* ksc, in
   if (d < D) step(d, [n = D - d](const auto* p) { return load_tail(p, n); });
   float sums[W];
   hsum_all(acc, sums);
-#pragma GCC unroll 4
-  for (int rr = 0; rr < RB; ++rr)
-#pragma GCC unroll 16
-    for (int kk = 0; kk < KB; ++kk) {
-      if constexpr (std::is_same_v<T, int8_t>)
-        s[rr * TK + t + kk] = sums[rr * KB + kk] * ksc[t + kk];  // Note [Decode int8 cache]: the scale folded
-      else
-        s[rr * TK + t + kk] = sums[rr * KB + kk];
-    }
+  put_scores<RB>(sums, t, s, [&](float x, int, int kk) {
+    if constexpr (std::is_same_v<T, int8_t>)
+      return x * ksc[t + kk];  // Note [Decode int8 cache]: the scale folded
+    else
+      return x;
+  });
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -409,10 +420,7 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
   for (int i = 0; i < W; ++i) accf[i] = i32_to_f(acc[i]);
   float sums[W];
   hsum_all_call(accf, sums);
-#pragma GCC unroll 4
-  for (int rr = 0; rr < RB; ++rr)
-#pragma GCC unroll 16
-    for (int kk = 0; kk < KB; ++kk) s[rr * TK + t + kk] = sums[rr * KB + kk] * qsc[rr] * ksc[t + kk];
+  put_scores<RB>(sums, t, s, [&](float x, int rr, int kk) { return x * qsc[rr] * ksc[t + kk]; });
 }
 #endif
 
@@ -433,12 +441,8 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
 // 78.5 us; cold S = 32768 5.17 vs 4.80 ms) for one more rounding of p.
 #if defined(CPU_CAPABILITY_AVX512)
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
-std::atomic<bool> g_bf16_dot{[] {
-  const char* off = std::getenv("ATTNLAB_DECODE_NO_BF16_DOT");
-  return !(off && *off && std::string(off) != "0");
-}()};
-constexpr int64_t kBW = 32;
-const bool kTmpPv = !std::getenv("TMP_NO_PV");  // bf16 elements of one VDPBF16PS
+std::atomic<bool> g_bf16_dot{!env_on("ATTNLAB_DECODE_NO_BF16_DOT")};
+constexpr int64_t kBW = 32;  // bf16 elements of one VDPBF16PS
 
 template <int RB>
 __attribute__((target("avx512bf16"), noinline)) void dot_keys_bf16(const at::BFloat16* qb, int64_t Dp,
@@ -465,10 +469,7 @@ __attribute__((target("avx512bf16"), noinline)) void dot_keys_bf16(const at::BFl
   for (int i = 0; i < W; ++i) accv[i] = Vf(acc[i]);
   float sums[W];
   hsum_all(accv, sums);
-#pragma GCC unroll 4
-  for (int rr = 0; rr < RB; ++rr)
-#pragma GCC unroll 16
-    for (int kk = 0; kk < KB; ++kk) s[rr * TK + t + kk] = sums[rr * KB + kk] * scale;
+  put_scores<RB>(sums, t, s, [scale](float x, int, int) { return x * scale; });
 }
 #else
 constexpr bool kHasBf16Dot = false;

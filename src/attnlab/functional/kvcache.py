@@ -229,7 +229,7 @@ def _append(cache, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tens
 
 
 # Note [Paged checks once]: a page table is checked where it is used, once: the pages an append writes through,
-# before the append (in Python: a slice or a gather of the table, one reduction), and every page a visible key
+# before the append (in Python: a gather of the table and one reduction), and every page a visible key
 # reaches by the decode kernel itself (csrc/decode.cpp, before it reads), whose error is re-raised here as an
 # AttentionInputError naming the entry. Checked in Python instead, the whole table took eight small tensor ops
 # a call: 0.33 ms of a paged decode step after the bench's cache flush (1 GiB), where the kernel at S = 64 takes
@@ -237,19 +237,21 @@ def _append(cache, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tens
 _PAGE_ERROR = re.compile(r"block_table\[(\d+), (\d+)\] = (-?\d+) is outside the pool of (\d+) pages")
 
 
-def _check_pages(pages: torch.Tensor, col0: int | None, pool: int, kc_t: torch.Tensor,
-                 cols: torch.Tensor | None = None) -> None:
-    """Raise naming the first entry of ``pages`` (block_table columns from col0 on, or at ``cols``) that lies
-    outside the pool of ``pool`` pages."""
+def _page_error(b, p, page, pool, kc_t: torch.Tensor) -> AttentionInputError:
+    return AttentionInputError(f"block_table[{b}, {p}] = {page} points outside the pool of {pool} pages "
+                               f"(k_cache {shape_str(kc_t)})")
+
+
+def _check_pages(block_table: torch.Tensor, cols: torch.Tensor, pool: int, kc_t: torch.Tensor) -> None:
+    """Raise naming the first entry ``block_table[b, cols[b, j]]`` that lies outside the pool of ``pool`` pages."""
+    pages = block_table.gather(1, cols)
     if not pages.numel():
         return
     lo, hi = pages.aminmax()
     if int(lo) >= 0 and int(hi) < pool:
         return
     b, j = (int(x) for x in ((pages < 0) | (pages >= pool)).nonzero()[0])
-    p = col0 + j if cols is None else int(cols[b, j])
-    raise AttentionInputError(f"block_table[{b}, {p}] = {int(pages[b, j])} points outside the pool of {pool} pages "
-                              f"(k_cache {shape_str(kc_t)})")
+    raise _page_error(b, int(cols[b, j]), int(pages[b, j]), pool, kc_t)
 
 
 def _append_rows(cache, new: torch.Tensor, start: int) -> None:
@@ -420,13 +422,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             _append_rows(k_cache, k, n0)
             _append_rows(v_cache, v, n0)
         else:
-            if cache is None:  # one length, paged: the columns of the table the append writes through
+            if cache is None:  # one length, paged
                 pos = torch.arange(n0, n0 + Lnew).expand(B, Lnew)
-                _check_pages(block_table[:, n0 // T:(n0 + Lnew - 1) // T + 1], n0 // T, P_, kc_t)
             else:
                 pos = cache.unsqueeze(1) + torch.arange(Lnew)  # (B, Lnew)
-                if block_table is not None:
-                    _check_pages(block_table.gather(1, pos // T), None, P_, kc_t, pos // T)
+            if block_table is not None:  # the pages the append writes through (Note [Paged checks once])
+                _check_pages(block_table, pos // T, P_, kc_t)
             _append(k_cache, k, pos, block_table)
             _append(v_cache, v, pos, block_table)
     # Note [Plain decode on SDPA here]: a plain call (one length, a contiguous floating cache, every query seeing
@@ -452,15 +453,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             bad = _PAGE_ERROR.search(str(e))
             if bad is None:
                 raise
-            b, p, page, pool = bad.groups()
-            raise AttentionInputError(f"block_table[{b}, {p}] = {page} points outside the pool of {pool} pages "
-                                      f"(k_cache {shape_str(kc_t)})") from None
+            raise _page_error(*bad.groups(), kc_t) from None
     else:
         if cache is None:
             seqlens = torch.full((B,), seqlens, dtype=torch.int64)
         if block_table is not None and B:
-            used = torch.arange(block_table.shape[1]).unsqueeze(0) * T < seqlens.unsqueeze(1)  # (B, pages)
-            _check_pages(block_table.masked_fill(~used, 0), 0, P_, kc_t)
+            cols = torch.arange(block_table.shape[1]).expand(B, -1)
+            used = cols * T < seqlens.unsqueeze(1)  # (B, pages)
+            _check_pages(block_table.masked_fill(~used, 0), cols, P_, kc_t)
         kf = k_cache.dequantize() if quant else k_cache
         vf = v_cache.dequantize() if quant else v_cache
         out, lse = _fallback(q.transpose(1, 2), kf, vf, block_table, seqlens, lo, hi, cap, slopes, scale)
