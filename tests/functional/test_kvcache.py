@@ -511,9 +511,16 @@ def test_plain_multi_head_calls_go_where_the_planner_sends_plain_decode(monkeypa
     before = rates.current()
     least = 10**9 if on_sdpa else 0.0  # SDPA below `least` keys
     rates.make_current(dataclasses.replace(before, decode_min_keys={(torch.float32, False): least}))
-    calls = []
-    real = dk.decode_attention
+    calls = []  # decode-path calls: the kernel's wrapper or the one-call step (Note [One-call decode step])
+    real, real_step = dk.decode_attention, dk.decode_step
     monkeypatch.setattr(dk, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def step(*a, **kw):
+        out = real_step(*a, **kw)
+        if out is not None:
+            calls.append(1)
+        return out
+    monkeypatch.setattr(dk, "decode_step", step)
     try:
         gen = torch.Generator().manual_seed(21)
         B, S, H, D = 2, 90, 4, 16
@@ -535,3 +542,100 @@ def test_plain_multi_head_calls_go_where_the_planner_sends_plain_decode(monkeypa
         assert len(calls) == 2 or not dk.available()
     finally:
         rates.make_current(before)
+
+
+# -- the one-call step (csrc Note [One-call decode step]) -----------------------------------------
+def _step_case(dtype, H, Hkv, layout, L, gen):
+    """(q, k_cache, v_cache, block_table, kn, vn) for a step at n0 = 37 of B = 2 sequences, capacity 64."""
+    B, S, D, Dv = 2, 64, 32, 48
+    k = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B, S, Hkv, Dv, generator=gen).to(dtype)
+    table = None
+    if layout == "heads-first":  # attnlab's [B, Hkv, S, D] storage passed as a view
+        k, v = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout.startswith("page"):
+        T = int(layout[4:])
+        pages = -(-S // T)
+        table = torch.randperm(B * pages + 2, generator=gen)[: B * pages].view(B, pages).to(torch.int32)
+        kp = torch.full((B * pages + 2, T, Hkv, D), float("nan")).to(dtype)
+        vp = torch.full((B * pages + 2, T, Hkv, Dv), float("nan")).to(dtype)
+        j = torch.arange(S)
+        kp[table.long()[:, j // T], j % T] = k
+        vp[table.long()[:, j // T], j % T] = v
+        k, v = kp, vp
+    q = torch.randn(B, L, H, D, generator=gen).to(dtype)
+    kn = torch.randn(B, L, Hkv, D, generator=gen).to(dtype)
+    vn = torch.randn(B, L, Hkv, Dv, generator=gen).to(dtype)
+    return q, k, v, table, kn, vn
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("layout", ["contiguous", "heads-first", "page16", "page7"])
+@pytest.mark.parametrize("L,causal", [(1, True), (3, True), (3, False)])
+def test_one_call_step_is_the_full_path(monkeypatch, dtype, H, Hkv, layout, L, causal):
+    """A plain step through the one-call entry appends the same rows and returns the same bits as the full
+    path (which calls the kernel with the same arguments), and the step was taken; both against float64."""
+    import dataclasses
+
+    from attnlab.kernels import rates
+
+    before = rates.current()  # never SDPA here: the step is what is tested
+    rates.make_current(dataclasses.replace(before, decode_min_keys={(dtype, False): 0.0, (dtype, True): 0.0}))
+    try:
+        gen = torch.Generator().manual_seed(7)
+        q, kc, vc, table, kn, vn = _step_case(dtype, H, Hkv, layout, L, gen)
+        kc2, vc2 = kc.clone(), vc.clone()
+        taken = []
+        real_step = dk.decode_step
+        monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: taken.append(real_step(*a, **kw)) or taken[-1])
+        out = attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=37, block_table=table, is_causal=causal)
+        assert len(taken) == 1 and taken[0] is not None, "the plain step did not take the one-call entry"
+        monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: None)  # the full path
+        full = attnlab.attention_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=37, block_table=table,
+                                              is_causal=causal)
+        assert torch.equal(out, full)
+        assert torch.equal(kc.nan_to_num(7.0), kc2.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0))
+        n = 37 + L
+        kh, vh = _dense_kv(kc, vc, table, n)
+        keep = _keep(2, L, n, torch.tensor([n, n]), causal=causal)
+        qh = q.transpose(1, 2)
+        _check(out.transpose(1, 2), _ref(qh, kh, vh, keep), _naive(qh, kh, vh, keep), f"{dtype} {layout}")
+    finally:
+        rates.make_current(before)
+
+
+@needs_ext
+def test_one_call_step_declines_and_writes_nothing():
+    """The one-call entry returns None, the caches untouched, for every call it does not take or input it would
+    reject (the full path then runs and names the error); a call it takes writes the rows."""
+    gen = torch.Generator().manual_seed(8)
+    q, kc, vc, table, kn, vn = _step_case(torch.float32, 4, 2, "page16", 1, gen)
+    k0, v0 = kc.clone(), vc.clone()
+    same = lambda: torch.equal(kc.nan_to_num(7.0), k0.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), v0.nan_to_num(7.0))  # noqa: E731
+    bad_table = table.clone()
+    bad_table[1, 3] = 99  # a page the read reaches (keys 48..63), not the append (key 37)
+    grad_q = q.clone().requires_grad_()
+    declined = {
+        "overflow": (q, kc, vc, kn, vn, 64, table),
+        "page outside the pool": (q, kc, vc, kn, vn, 50, bad_table),
+        "int64 table": (q, kc, vc, kn, vn, 37, table.long()),
+        "negative length": (q, kc, vc, kn, vn, -1, table),
+        "k without v": (q, kc, vc, kn, None, 37, table),
+        "k of another dtype": (q, kc, vc, kn.double(), vn.double(), 37, table),
+        "k of other heads": (q, kc, vc, kn.repeat(1, 1, 2, 1), vn.repeat(1, 1, 2, 1), 37, table),
+        "too many queries": (q.repeat(1, 17, 1, 1), kc, vc, None, None, 37, table),
+        "strided head dim": (q[..., ::2], kc, vc, None, None, 37, table),
+        "requires grad": (grad_q, kc, vc, kn, vn, 37, table),
+        "int8 cache": (q, kc.to(torch.int8), vc.to(torch.int8), None, None, 37, table),
+    }
+    for what, (qq, k_, v_, a, b, n0, t) in declined.items():
+        with torch.enable_grad():
+            got = dk.decode_step(qq, k_, v_, a, b, n0, t, True, 0.25)
+        assert got is None, what
+        assert same(), f"{what}: the caches changed"
+    out = dk.decode_step(q, kc, vc, kn, vn, 37, table, True, 0.25)
+    assert out is not None and out.shape == (2, 1, 4, 48)
+    T = kc.shape[1]
+    assert torch.equal(kc[int(table[0, 37 // T]), 37 % T], kn[0, 0]) and torch.equal(vc[int(table[1, 37 // T]), 37 % T], vn[1, 0])

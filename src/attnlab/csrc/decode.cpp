@@ -99,6 +99,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <limits>
 #include <tuple>
@@ -438,7 +439,25 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
 // quieter hour of the same machine; cold caches, 2 threads, S = 4096 0.71 -> 0.63 ms, S = 32768 no change
 // (4.69 vs 4.80 ms: memory-bound). Tried and not kept: P @ V on VDPBF16PS too (p rounded to bf16 in key pairs,
 // the V rows of a pair interleaved by two vpermt2w per 32 columns): no gain at any size (in cache 78.5 vs
-// 78.5 us; cold S = 32768 5.17 vs 4.80 ms) for one more rounding of p.
+// 78.5 us; cold S = 32768 5.17 vs 4.80 ms) for one more rounding of p. Tried again with the pair's rows
+// interleaved by in-lane unpacks (vpunpcklwd / vpunpckhwd, the unit's output rows kept in the permuted column
+// order and put back as they are written; one target call per row block and tile): half the instructions of
+// the widening P @ V, and in cache faster (1 thread, S = 4096, interleaved: 0.547 -> 0.515 ms), but cold
+// slower (2 threads, S = 32768, caches flushed, three runs: 4.22 / 4.45 / 4.29 -> 4.59 / 4.75 / 4.64 ms):
+// not kept. Cold decode here is not bound by the tile's instructions alone: Note [Decode memory and compute].
+//
+// Note [Decode memory and compute]: on this machine (a 2-vCPU Zen 5 VM) a decode call's cold time is close to
+// its compute time plus its memory time, not the larger of the two. Measured (2 threads, GQA 32/8, D = 128,
+// bf16, S = 32768, caches flushed): 1 thread takes 7.7 ms where its in-cache compute (16 ns a key and kv
+// head) is 4.2 ms and reading the K/V alone (a sum) 3.7 ms; 2 threads 4.3-4.9 ms against 2.1 + 2.9. A C++
+// stream of the same shape (per thread K and V tiles of 32 rows of 256 B, 2 threads, 268 MB) reads at
+// 38.6 GB/s with one FMA per loaded vector and 28.7 GB/s with eight (the tile's density): the memory time
+// does not hide behind the arithmetic. Software prefetch into L2 (Note [Decode
+// prefetch]) is what this kernel needs (without it 9.8 vs 4.6 ms), but it does not buy overlap either: the
+// same stream with it reads at 28.0 (one FMA) and 25.1 GB/s (eight). So the remaining gap to the bound is
+// compute: every instruction saved per key shows in the cold time, and at 1.25x the bound the tile would
+// have to cost under a third of what it does.
+
 #if defined(CPU_CAPABILITY_AVX512)
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
 std::atomic<bool> g_bf16_dot{!env_on("ATTNLAB_DECODE_NO_BF16_DOT")};
@@ -1003,6 +1022,91 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
   return {lse, part_out, part_lse};
 }
 
+// Note [One-call decode step]: the plain step of a decode loop (one int cache length, the new k, v appended at it,
+// a contiguous or paged floating cache, causal or not, no window, softcap, ALiBi, rotary or lse) in one call:
+// checks, append and kernel here, where attention_with_kvcache's Python took some twenty tensor attribute
+// reads, a torch.empty and a slice copy per call, each one slow once a step's other work has evicted the
+// caches (measured after the bench's 1 GiB flush: the wrapper's Python 95 us over the kernel call's 81 us at
+// S = 64, and the API's checks about 100 us more). It returns None for anything else, and for any input it
+// would reject, before writing anything: attention_with_kvcache then takes its full path, which gives the
+// error naming the argument (or runs the call it has more paths for). Every page the read reaches is
+// checked before the append, so a bad table never leaves a half-done step. The result is the kernel's with
+// the arguments the full path passes it (the same splits and head span: kernels/decode.py num_splits).
+std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                                      const std::optional<at::Tensor>& kn, const std::optional<at::Tensor>& vn,
+                                      int64_t n0, const std::optional<at::Tensor>& table_in, bool causal,
+                                      double scale, int64_t forced_splits, int64_t units_per_thread,
+                                      int64_t min_split_keys, int64_t max_queries, int64_t unbounded) {
+  const bool has_new = kn && kn->defined();
+  if (has_new != (vn && vn->defined())) return std::nullopt;
+  const auto dt = q.scalar_type();
+  if (dt != at::kFloat && dt != at::kBFloat16 && dt != at::kHalf) return std::nullopt;
+  const bool grad = at::GradMode::is_enabled();
+  for (const at::Tensor* t : {&q, &kc, &vc, has_new ? &*kn : &q, has_new ? &*vn : &q}) {
+    if (!t->device().is_cpu() || t->dim() != 4 || t->scalar_type() != dt || t->stride(3) != 1 ||
+        (grad && t->requires_grad()))
+      return std::nullopt;
+  }
+  const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t P = kc.size(0), T = kc.size(1), Hkv = kc.size(2), Dv = vc.size(3);
+  if (B < 1 || L < 1 || L > max_queries || Hkv < 1 || H % Hkv || kc.size(3) != D || vc.size(0) != P ||
+      vc.size(1) != T || vc.size(2) != Hkv || n0 < 0)
+    return std::nullopt;
+  const int64_t Lnew = has_new ? kn->size(1) : 0;
+  if (has_new && (kn->size(0) != B || kn->size(2) != Hkv || kn->size(3) != D || vn->size(0) != B ||
+                  vn->size(1) != Lnew || vn->size(2) != Hkv || vn->size(3) != Dv))
+    return std::nullopt;
+  at::Tensor table;
+  if (table_in && table_in->defined()) {
+    table = *table_in;
+    if (table.scalar_type() != at::kInt || !table.is_contiguous() || table.dim() != 2 || table.size(0) != B ||
+        !table.device().is_cpu())
+      return std::nullopt;
+  } else {
+    if (P != B) return std::nullopt;
+    static thread_local std::vector<at::Tensor> tables;  // [[0], [1], ...] per batch size (read only)
+    if (B < 256) {
+      if (static_cast<int64_t>(tables.size()) <= B) tables.resize(B + 1);
+      if (!tables[B].defined()) tables[B] = at::arange(B, at::TensorOptions().dtype(at::kInt)).view({B, 1});
+      table = tables[B];
+    } else {
+      table = at::arange(B, at::TensorOptions().dtype(at::kInt)).view({B, 1});
+    }
+  }
+  const int64_t maxp = table.size(1), n = n0 + Lnew;
+  if (n > maxp * T) return std::nullopt;  // the cache overflows: the full path says so
+  const int32_t* tab = table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)  // every page the read reaches (the append's among them)
+    for (int64_t p = 0; p * T < n; ++p)
+      if (tab[b * maxp + p] < 0 || tab[b * maxp + p] >= P) return std::nullopt;
+  if (has_new) {  // row (b, i, g) of the new k, v -> token n0 + i of sequence b, in place
+    const int64_t es = q.element_size();
+    for (auto [src, dst, w] : {std::tuple{&*kn, &kc, D}, std::tuple{&*vn, &vc, Dv}}) {
+      const char* s0 = static_cast<const char*>(src->data_ptr());
+      char* d0 = static_cast<char*>(dst->data_ptr());
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < Lnew; ++i) {
+          const int64_t t = n0 + i, page = tab[b * maxp + t / T], off = t % T;
+          for (int64_t g = 0; g < Hkv; ++g)
+            std::memcpy(d0 + (page * dst->stride(0) + off * dst->stride(1) + g * dst->stride(2)) * es,
+                        s0 + (b * src->stride(0) + i * src->stride(1) + g * src->stride(2)) * es, w * es);
+        }
+    }
+  }
+  // the head span and split count of kernels/decode.py (head_span, num_splits)
+  const int64_t hs = Hkv > 1 && T > 1 && std::abs(kc.stride(2)) < std::abs(kc.stride(1)) ? Hkv : 1;
+  int64_t ns = forced_splits;
+  if (ns <= 0) {
+    const int64_t want = units_per_thread * at::get_num_threads(), pairs = std::max<int64_t>(1, B * (Hkv / hs));
+    ns = pairs >= want ? 1 : std::max<int64_t>(1, std::min<int64_t>((want + pairs - 1) / pairs, n / min_split_keys));
+  }
+  at::Tensor out = at::empty({B, L, H, Dv}, q.options());
+  decode_forward(q, kc, vc, out, table, std::nullopt, n, std::nullopt, n - L, unbounded, causal ? 0 : unbounded,
+                 std::nullopt, std::nullopt, std::nullopt, std::nullopt, scale, 0.0, ns, hs, false, std::nullopt,
+                 std::nullopt, true);
+  return out;
+}
+
 }  // namespace
 
 #define ATTNLAB_STR2(x) #x
@@ -1013,6 +1117,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &decode_forward,
         "writes out in place; returns [lse] (float32 [B, H, L]), with keep_partials also the per-split "
         "outputs [ns, B, H, L, Dv] and lse [ns, B, H, L] (None for one split)");
+  m.def("step", &decode_step,
+        "the plain decode step in one call (Note [One-call decode step]): out [B, L, H, Dv], or None where the "
+        "full path must run");
   m.def("set_prefetch", [](int64_t mode) {
     TORCH_CHECK(mode >= 0 && mode <= 2, "attnlab._decode: prefetch mode must be 0 (none), 1 (L1) or 2 (L2), got ", mode);
     g_prefetch_mode.store(static_cast<int>(mode), std::memory_order_relaxed);
@@ -1024,5 +1131,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetch", [] { return static_cast<int64_t>(g_prefetch_mode.load(std::memory_order_relaxed)); });
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signature changes: a stale build is refused, not called
-  m.attr("abi_version") = 6;
+  m.attr("abi_version") = 7;
 }

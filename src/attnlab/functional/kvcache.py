@@ -313,8 +313,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     Cost: reads each sequence's K/V once per kv head group (``decode_kernel.kv_bytes``), split across
     threads (flash-decoding); memory O(B·H·L·Dv·splits). A plain call (one int length, a contiguous floating
     cache, every query seeing every key, no lse) runs where the planner sends plain decode: PyTorch's SDPA on
-    views of the cache for multi-head fp32 below the calibrated cache length (Note [Plain decode on SDPA here]).
+    views of the cache for multi-head fp32 below the calibrated cache length (Note [Plain decode on SDPA here]);
+    the decode path's plain steps (an int length, optional k, v, contiguous or paged, causal or not) run in one
+    extension call that checks, appends and attends (csrc Note [One-call decode step]).
     """
+    if (type(cache_seqlens) is int and rotary is None and rotary_cos is None and rotary_sin is None
+            and window_size is None and not return_lse and num_splits is None and alibi_slopes is None
+            and (softcap is None or softcap == 0) and type(k_cache) is torch.Tensor and type(q) is torch.Tensor):
+        out = _one_call_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale)
+        if out is not None:
+            return out
     k_cache, v_cache = _as_quantized(k_cache, "k_cache"), _as_quantized(v_cache, "v_cache")
     quant = isinstance(k_cache, QuantizedKV)
     if quant != isinstance(v_cache, QuantizedKV):
@@ -465,6 +473,23 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         vf = v_cache.dequantize() if quant else v_cache
         out, lse = _fallback(q.transpose(1, 2), kf, vf, block_table, seqlens, lo, hi, cap, slopes, scale)
     return (out, lse) if return_lse else out
+
+
+def _one_call_step(q, k_cache, v_cache, k, v, n0: int, block_table, is_causal, scale):
+    """The plain step in one extension call (csrc Note [One-call decode step]), or None: where the planner
+    sends the call to SDPA (Note [Plain decode on SDPA here]), or the call is not one the step takes (it then
+    writes nothing, and the full path runs and names any error)."""
+    if q.dim() != 4 or k_cache.dim() != 4 or q.device.type != "cpu":
+        return None
+    if block_table is None and (q.shape[1] == 1 or not is_causal) and kernel_rates.current().plain_decode_on_sdpa(
+            q.dtype, q.shape[2] != k_cache.shape[2], n0 + (k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0)):
+        return None
+    if scale is None:
+        D = q.shape[3]
+        scale = 1.0 / math.sqrt(D) if D else 1.0
+    elif type(scale) not in (int, float):
+        return None
+    return decode_kernel.decode_step(q, k_cache, v_cache, k, v, n0, block_table, bool(is_causal), scale)
 
 
 def _slopes(alibi_slopes, B: int, H: int):

@@ -29,10 +29,10 @@ from .extension import Extension
 
 __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
            "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED",
-           "DecodePlan", "plan"]
+           "DecodePlan", "plan", "decode_step"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 6
+ABI_VERSION = 7
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -197,7 +197,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         B, H, L, D = q.shape
     P, T, Hkv, _ = k.shape
     Dv = v.shape[-1]
-    # Note [Decode call overhead]: at decode sizes (S ~ 512) the kernel runs in tens of microseconds, as long as
+    # Note [Decode call overhead] (the plain step skips this wrapper: csrc Note [One-call decode step]):
+    # at decode sizes (S ~ 512) the kernel runs in tens of microseconds, as long as
     # a few small tensor ops each: the default table is cached, an int length is one torch.full, and the
     # longest length is known without a reduction when it is an int
     if block_table is None:
@@ -250,6 +251,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     if return_partials:
         return out, res[0], res[1], res[2]
     return out, res[0]
+
+
+def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, n0: int, block_table: torch.Tensor | None, causal: bool,
+                scale: float) -> torch.Tensor | None:
+    """The plain decode step in one extension call (csrc Note [One-call decode step]): append k, v [B, Lnew,
+    Hkv, D|Dv] (or none) at token ``n0`` of every sequence of the floating cache [B, S, Hkv, D] (or page pool
+    with an int32 ``block_table``), then attend q [B, L, H, D] to the first ``n0 + Lnew`` keys (bottom-right
+    causal or every key): out [B, L, H, Dv]. Returns None, having written nothing, where the extension is
+    missing or the call is anything else (or bad input): the caller's full path then runs and names the error."""
+    ext = _load()
+    if ext is None:
+        return None
+    forced = os.environ.get("ATTNLAB_DECODE_SPLITS", "")
+    return ext.step(q, k_cache, v_cache, k, v, n0, block_table, bool(causal), float(scale),
+                    max(1, int(forced)) if forced else 0, UNITS_PER_THREAD, MIN_SPLIT_KEYS, MAX_QUERIES, UNBOUNDED)
 
 
 _BANDWIDTH: list = []
