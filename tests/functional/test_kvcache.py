@@ -517,7 +517,7 @@ def test_plain_multi_head_calls_go_where_the_planner_sends_plain_decode(monkeypa
 
     def step(*a, **kw):
         out = real_step(*a, **kw)
-        if out is not None:
+        if out is not None and not kw.get("sdpa"):
             calls.append(1)
         return out
     monkeypatch.setattr(dk, "decode_step", step)
@@ -533,6 +533,11 @@ def test_plain_multi_head_calls_go_where_the_planner_sends_plain_decode(monkeypa
         kh, vh = kc[:, :61].transpose(1, 2), vc[:, :61].transpose(1, 2)
         ref = _ref(q.transpose(1, 2), kh, vh, torch.ones(B, 1, 1, 61, dtype=torch.bool))
         assert out.shape == (B, 1, H, D) and max_err(out.transpose(1, 2), ref) < 1e-5
+        # the one-call step (csrc Note [One-call decode step]) gives the full path's bits on either route
+        with monkeypatch.context() as m:
+            m.setattr(dk, "decode_step", lambda *a, **kw: None)
+            full = attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=61)
+        assert torch.equal(attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=61), full)
         calls.clear()
         for kw in (dict(return_lse=True), dict(cache_seqlens=torch.tensor([61, 61]))):
             kw = {"cache_seqlens": 61, **kw}

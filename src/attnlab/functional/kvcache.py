@@ -476,20 +476,22 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
 
 
 def _one_call_step(q, k_cache, v_cache, k, v, n0: int, block_table, is_causal, scale):
-    """The plain step in one extension call (csrc Note [One-call decode step]), or None: where the planner
-    sends the call to SDPA (Note [Plain decode on SDPA here]), or the call is not one the step takes (it then
-    writes nothing, and the full path runs and names any error)."""
+    """The plain step in one extension call (csrc Note [One-call decode step]), or None where the call is not
+    one the step takes (nothing is written, and the full path runs and names any error). A call the planner
+    sends to SDPA (Note [Plain decode on SDPA here]) is checked, appended and run on SDPA over views of the
+    cache by the same call."""
     if q.dim() != 4 or k_cache.dim() != 4 or q.device.type != "cpu":
-        return None
-    if block_table is None and (q.shape[1] == 1 or not is_causal) and kernel_rates.current().plain_decode_on_sdpa(
-            q.dtype, q.shape[2] != k_cache.shape[2], n0 + (k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0)):
         return None
     if scale is None:
         D = q.shape[3]
         scale = 1.0 / math.sqrt(D) if D else 1.0
     elif type(scale) not in (int, float):
         return None
-    return decode_kernel.decode_step(q, k_cache, v_cache, k, v, n0, block_table, bool(is_causal), scale)
+    n = n0 + (k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0)
+    H, Hkv = q.shape[2], k_cache.shape[2]
+    sdpa = (block_table is None and (q.shape[1] == 1 or not is_causal) and n > 0
+            and kernel_rates.current().plain_decode_on_sdpa(q.dtype, H != Hkv, n))
+    return decode_kernel.decode_step(q, k_cache, v_cache, k, v, n0, block_table, bool(is_causal), scale, sdpa=sdpa)
 
 
 def _slopes(alibi_slopes, B: int, H: int):
