@@ -1032,16 +1032,18 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
 // error naming the argument (or runs the call it has more paths for). Every page the read reaches is
 // checked before the append, so a bad table never leaves a half-done step. The result is the kernel's with
 // the arguments the full path passes it (the same splits and head span: kernels/decode.py num_splits).
-// With sdpa = true (a call the planner sends to SDPA, Note [Plain decode on SDPA here], every query seeing
-// every key) the same checks and append run, then PyTorch's SDPA over views of the cache, in the same call:
-// after the bench's 1 GiB flush the Python around that SDPA call took 135 us (the slices and transposes 55,
-// the check-and-append call 59, the planner's rule 21) where SDPA itself took 146.
+// The step always runs the decode kernel, also where the full path sends multi-head fp32 to SDPA (Note
+// [Plain decode on SDPA here]: that rule was fitted to the full path's overhead): MHA 8 x 64 fp32, 2 threads,
+// interleaved, per call hot / after the bench's 1 GiB flush, the step's kernel against the same step running
+// SDPA on views of the cache (a variant tried: checks and append here, then at::scaled_dot_product_attention)
+// and SDPA called direct: S = 512 32 / 246 us vs 38 / 377 vs 30 / 204; S = 1024 64 / 281 vs 72 / 397 vs
+// 65 / 258; S = 2048 146 / 451 vs 149 / 573 vs 138 / 446; S = 4096 216 / 658 vs 210 / 696 vs 251 / 727; beside
+// a CPU-bound process, hot, S = 512 39 vs 52 vs 39 us, S = 4096 377 vs 420 vs 525.
 std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                       const std::optional<at::Tensor>& kn, const std::optional<at::Tensor>& vn,
                                       int64_t n0, const std::optional<at::Tensor>& table_in, bool causal,
                                       double scale, int64_t forced_splits, int64_t units_per_thread,
-                                      int64_t min_split_keys, int64_t max_queries, int64_t unbounded,
-                                      bool sdpa) {
+                                      int64_t min_split_keys, int64_t max_queries, int64_t unbounded) {
   const bool has_new = kn && kn->defined();
   if (has_new != (vn && vn->defined())) return std::nullopt;
   const auto dt = q.scalar_type();
@@ -1098,10 +1100,6 @@ std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc,
         }
     }
   }
-  if (sdpa)  // every query sees every key (the caller's rule): PyTorch's SDPA over views of the cache
-    return at::scaled_dot_product_attention(q.transpose(1, 2), kc.narrow(1, 0, n).transpose(1, 2),
-                                            vc.narrow(1, 0, n).transpose(1, 2), std::nullopt, 0.0, false, scale,
-                                            H != Hkv).transpose(1, 2);
   // the head span and split count of kernels/decode.py (head_span, num_splits)
   const int64_t hs = Hkv > 1 && T > 1 && std::abs(kc.stride(2)) < std::abs(kc.stride(1)) ? Hkv : 1;
   int64_t ns = forced_splits;

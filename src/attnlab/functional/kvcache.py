@@ -313,9 +313,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     Cost: reads each sequence's K/V once per kv head group (``decode_kernel.kv_bytes``), split across
     threads (flash-decoding); memory O(B·H·L·Dv·splits). A plain call (one int length, a contiguous floating
     cache, every query seeing every key, no lse) runs where the planner sends plain decode: PyTorch's SDPA on
-    views of the cache for multi-head fp32 below the calibrated cache length (Note [Plain decode on SDPA here]);
-    the decode path's plain steps (an int length, optional k, v, contiguous or paged, causal or not) run in one
-    extension call that checks, appends and attends (csrc Note [One-call decode step]).
+    views of the cache for multi-head fp32 below the calibrated cache length (Note [Plain decode on SDPA here]),
+    except the plain steps (an int length, optional k, v, contiguous or paged, causal or not), which run in one
+    extension call that checks, appends and runs the decode kernel (csrc Note [One-call decode step]).
     """
     if (type(cache_seqlens) is int and rotary is None and rotary_cos is None and rotary_sin is None
             and window_size is None and not return_lse and num_splits is None and alibi_slopes is None
@@ -444,6 +444,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     # length, the decode path otherwise), on views of the cache: no copy. Measured (2 threads, MHA 8 x 64 fp32,
     # a [B, S, Hkv, D] cache, hot, per call): S = 512 SDPA 44.8 us vs the decode path 93.4; S = 2048 154 vs 180;
     # S = 4096 623 vs 400 (the calibration's crossover, 3.5-3.9k keys here, keeps that one on the decode path).
+    # Only the full path follows this rule: the one-call step (csrc Note [One-call decode step]), which takes
+    # these calls first, runs the kernel at every length, having measured it at or below SDPA's time.
     if (cache is None and block_table is None and not quant and not return_lse and cap is None and slopes is None
             and lo == decode_kernel.UNBOUNDED and (hi == decode_kernel.UNBOUNDED or L == 1) and q.device.type == "cpu"
             and B and seqlens and kernel_rates.current().plain_decode_on_sdpa(q.dtype, H != Hkv, seqlens)):
@@ -477,9 +479,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
 
 def _one_call_step(q, k_cache, v_cache, k, v, n0: int, block_table, is_causal, scale):
     """The plain step in one extension call (csrc Note [One-call decode step]), or None where the call is not
-    one the step takes (nothing is written, and the full path runs and names any error). A call the planner
-    sends to SDPA (Note [Plain decode on SDPA here]) is checked, appended and run on SDPA over views of the
-    cache by the same call."""
+    one the step takes (nothing is written, and the full path runs and names any error). It runs the decode
+    kernel at every length: the SDPA rule of the full path (Note [Plain decode on SDPA here]) was fitted to
+    the full path's overhead, and the step's kernel measured at or below SDPA's time from S = 512 up."""
     if q.dim() != 4 or k_cache.dim() != 4 or q.device.type != "cpu":
         return None
     if scale is None:
@@ -487,11 +489,7 @@ def _one_call_step(q, k_cache, v_cache, k, v, n0: int, block_table, is_causal, s
         scale = 1.0 / math.sqrt(D) if D else 1.0
     elif type(scale) not in (int, float):
         return None
-    n = n0 + (k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0)
-    H, Hkv = q.shape[2], k_cache.shape[2]
-    sdpa = (block_table is None and (q.shape[1] == 1 or not is_causal) and n > 0
-            and kernel_rates.current().plain_decode_on_sdpa(q.dtype, H != Hkv, n))
-    return decode_kernel.decode_step(q, k_cache, v_cache, k, v, n0, block_table, bool(is_causal), scale, sdpa=sdpa)
+    return decode_kernel.decode_step(q, k_cache, v_cache, k, v, n0, block_table, bool(is_causal), scale)
 
 
 def _slopes(alibi_slopes, B: int, H: int):
