@@ -402,10 +402,18 @@ FOUND_COMPILED_V_STRIDE0_S = _case(dtype=torch.float64, H=2, Hkv=2, S=3, layouts
 #: ... and raising "q, k, v must be 4-D with a contiguous last dim" for a value head dim of 1 with stride 3
 FOUND_COMPILED_EV1_STRIDED = _case(S=3, layouts=dict(v=Layout((1, 3, 1), order=(0, 2, 1))))
 
+#: ... and PyTorch's flash kernel (private op and public SDPA) returning 1e35 / NaN for q [1, 2, 33, 11] with
+#: strides [1, 66, 0, 1]: a size-1 batch dim's stride below the next dim's, queries expanded (kernels/fused.py
+#: Note [Size-1 dim strides])
+FOUND_SDPA_UNIT_DIM_STRIDE = _case(rank=4, lead=[1], dtype=torch.bfloat16, H=2, Hkv=1, L=33, S=3, E=11, Ev=11,
+                                   scale=0.7, seed=4598, layouts=dict(q=Layout((1, 2, 33, 11), expanded=(2,),
+                                   steps=(3, 1, 1, 1), pads=(5, 0, 5, 0), unit_strides=(1, None, None, None))))
+
 
 @settings(max_examples=_examples(150), **SETTINGS)
 @given(cases())
 @example(FOUND_LSE_STRIDED_V)
+@example(FOUND_SDPA_UNIT_DIM_STRIDE)
 @example(FOUND_COMPILED_V_STRIDE0_S)
 @example(FOUND_COMPILED_EV1_STRIDED)
 def test_every_exact_method_matches_the_float64_reference(c):

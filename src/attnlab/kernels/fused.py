@@ -44,6 +44,24 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _tidy_unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed with row-major strides on its size-1 dims (no copy; the values are the same).
+
+    Note [Size-1 dim strides]: PyTorch's CPU flash kernel, private op and public SDPA alike (torch 2.13),
+    returns garbage (1e35, or NaN in fp32) for q [1, 2, 33, 11] with strides [1, 66, 0, 1]: a size-1 batch dim
+    whose stride is below the next dim's, with the query dim expanded (stride 0); the same values with the
+    batch stride 132 come out right (found by test_differential's layout fuzz through attention_with_lse).
+    A size-1 dim's stride is never used to address an element, so it is set to the row-major one."""
+    shape, st = t.shape, list(t.stride())
+    changed = False
+    for d in range(t.dim() - 2, -1, -1):
+        if shape[d] == 1:
+            want = max(1, abs(st[d + 1]) * shape[d + 1])
+            if st[d] != want:
+                st[d], changed = want, True
+    return t.as_strided(shape, st, t.storage_offset()) if changed else t
+
+
 def _dense_if_expanded(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied row-major when it needs a gradient and a dim of size >= 2 has stride 0 (an ``expand``).
 
@@ -61,6 +79,7 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, en
     """PyTorch's scaled_dot_product_attention on 4-D tensors (4-D keeps its fused backends eligible);
     ``enable_gqa`` with k, v of Hkv < H heads: PyTorch reads the groups without attnlab copying them."""
     q, scale = _positive_scale(q, is_causal, scale)
+    q, k, v = (_tidy_unit_strides(t) for t in (q, k, v))  # Note [Size-1 dim strides]
     if torch.is_grad_enabled():
         q, k, v = (_dense_if_expanded(t) for t in (q, k, v))
     if enable_gqa:
@@ -79,7 +98,7 @@ def flash_cpu_with_lse(q, k, v, attn_mask=None, is_causal=False, scale=None):
     """
     if not HAS_CPU_FLASH or q.device.type != "cpu" or _empty(q, k):
         return None  # zero-size dims: the op divides by them (SIGFPE, torch 2.13)
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    q, k, v = (_tidy_unit_strides(_unit_last_stride(t)) for t in (q, k, v))  # Note [Size-1 dim strides]
     q, scale = _positive_scale(q, is_causal, scale)
     try:
         out, lse = _flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
