@@ -640,3 +640,23 @@ def test_one_call_step_declines_and_writes_nothing():
     assert out is not None and out.shape == (2, 1, 4, 48)
     T = kc.shape[1]
     assert torch.equal(kc[int(table[0, 37 // T]), 37 % T], kn[0, 0]) and torch.equal(vc[int(table[1, 37 // T]), 37 % T], vn[1, 0])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeated_plain_decode_calls_take_the_one_call_step(monkeypatch, dtype):
+    """attention()'s repeated decode call (the plan cache's direct call, kernels/kvdecode.py) of one query
+    seeing every key runs the one-call step: the same bits as the first call (decode_attention), and within
+    the naive computation's budget of the float64 reference."""
+    taken = []
+    real_step = dk.decode_step
+    monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: taken.append(real_step(*a, **kw)) or taken[-1])
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(2, 6, 1, 24, generator=gen).to(dtype)  # shapes of their own: a fresh plan-cache entry
+    k, v = torch.randn(2, 3, 41, 24, generator=gen).to(dtype), torch.randn(2, 3, 41, 24, generator=gen).to(dtype)
+    with torch.inference_mode():
+        outs = [attnlab.attention(q, k, v, enable_gqa=True) for _ in range(3)]
+    assert any(t is not None for t in taken), "no repeated call took the one-call step"
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    keep = torch.ones(2, 1, 1, 41, dtype=torch.bool)
+    _check(outs[2], _ref(q, k, v, keep), _naive(q, k, v, keep), f"{dtype}")

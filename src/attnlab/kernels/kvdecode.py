@@ -108,12 +108,22 @@ def direct(p):
     # few lines and decode_attention's own O(1) checks: the lengths and offsets are fixed int64 tensors the
     # kernel only reads, the keywords fixed; only ``out`` is new each call (the caller keeps it)
     N, H, L, Ev, dtype = p.N, i.H, i.L, i.Ev, p.q.dtype
+    n_keys, scale = kw["seqlens"], kw["scale"]
+    # one query seeing every key: the kernel through the one-call step (csrc Note [One-call decode step]),
+    # which skips decode_attention's Python (it declines, and the wrapper runs, for anything it does not take)
+    one_call = (L == 1 and kw["left"] == decode_kernel.UNBOUNDED and kw["right"] == decode_kernel.UNBOUNDED
+                and not kw["softcap"])
     kw["seqlens"] = torch.full((N,), kw["seqlens"], dtype=torch.int64)
     kw["mask_offset"] = torch.zeros(N, dtype=torch.int64)
     del kw["alibi_slopes"], kw["alibi_offset"], kw["keep"], kw["bias"]
-    run = decode_kernel.decode_attention
+    run, step = decode_kernel.decode_attention, decode_kernel.decode_step
 
     def decode_direct(query, key, value):  # (N, H, L, E), (N, Hkv, S, E|Ev) -> (N, H, L, Ev)
+        if one_call and key.shape[2] == n_keys:
+            out = step(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, n_keys, None,
+                       False, scale)
+            if out is not None:
+                return out.transpose(1, 2)  # (N, 1, H, Ev) -> (N, H, 1, Ev): a view, its size-1 dim moved
         out = torch.empty(N, H, L, Ev, dtype=dtype)
         return run(query, key.transpose(1, 2), value.transpose(1, 2), out=out, **kw)[0]
 
