@@ -39,14 +39,21 @@ def test_generate_steps_run_the_decode_kernel(batch, monkeypatch):
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         ref = model.generate(ids, **kw)
-    calls = []
-    real = dk.decode_attention
+    calls = []  # the decode kernel's calls: its wrapper, or the one-call step (csrc Note [One-call decode step])
+    real, real_step = dk.decode_attention, dk.decode_step
 
     def counting(*a, **k):
         calls.append(a[0].shape)
         return real(*a, **k)
 
+    def counting_step(*a, **k):
+        out = real_step(*a, **k)
+        if out is not None:
+            calls.append(a[0].transpose(1, 2).shape)  # q [B, L, H, D] -> [B, H, L, D]
+        return out
+
     monkeypatch.setattr(dk, "decode_attention", counting)
+    monkeypatch.setattr(dk, "decode_step", counting_step)
     model.set_attn_implementation("attnlab")
     with torch.no_grad():
         out = model.generate(ids, **kw)
@@ -141,9 +148,16 @@ def test_decode_step_route(heads, dtype, route, monkeypatch):
     v = torch.randn(B, heads, S, D, generator=g).to(dtype)
     mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
     mask[1, ..., :11] = False  # left padding of sequence 1
-    calls = []
-    real = dk.decode_attention
+    calls = []  # the decode kernel's calls: its wrapper, or the one-call step (csrc Note [One-call decode step])
+    real, real_step = dk.decode_attention, dk.decode_step
     monkeypatch.setattr(dk, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def counting_step(*a, **kw):
+        out = real_step(*a, **kw)
+        if out is not None:
+            calls.append(1)
+        return out
+    monkeypatch.setattr(dk, "decode_step", counting_step)
     with torch.no_grad():
         for m in (None, mask):
             if m is not None and route == "sdpa":

@@ -114,8 +114,9 @@ def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is
 # prepared and planned anew. For "auto" and "compiled" the step goes straight to what auto would run: the decode
 # kernel (GQA, half types, soft-capping, HF's bool mask of a padded batch read as the kernel's keep), or SDPA for plain float32
 # multi-head attention (planner Note [Plain MHA decode]). The kernel writes the output in HF's [B, L, H, Dv]
-# layout, so no transpose copy follows. Anything else (weights, dropout, grad, a float mask, top-left causal
-# L > 1, another device) takes attnlab.attention.
+# layout, so no transpose copy follows; without a mask or softcap through the one-call step (csrc Note [One-call
+# decode step]), which skips decode_attention's Python. Anything else (weights, dropout, grad, a float mask,
+# top-left causal L > 1, another device) takes attnlab.attention.
 _STEP_MECHANISMS = ("auto", "compiled")
 
 
@@ -140,6 +141,11 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
         return out.transpose(1, 2).contiguous()
     if not decode_kernel.available():
         return None
+    if mask is None and not softcap:  # the one-call step (csrc Note [One-call decode step]): out [B, L, H, Dv]
+        out = decode_kernel.decode_step(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None,
+                                        None, S, None, bool(is_causal), scale)
+        if out is not None:
+            return out
     out = query.new_empty(B, L, H, value.shape[3])  # (B, L, H, Dv): HF's layout, written by the kernel
     decode_kernel.decode_attention(query, key.transpose(1, 2), value.transpose(1, 2), scale=scale, seqlens=S,
                                    keep=mask, softcap=float(softcap or 0.0), out=out.transpose(1, 2))
