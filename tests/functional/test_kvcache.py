@@ -456,8 +456,8 @@ def test_grad_calls_do_not_take_the_decode_path():
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_other_decode_builds_in_subprocesses(capability):
     """The decode kernel's AVX2 (_decode_avx2) and baseline (_decode) builds, which this CPU would not load by
-    itself, run the append-and-attend cases against float64 and the int8 cache's dequantisation
-    (ATEN_CPU_CAPABILITY picks the build)."""
+    itself, run the append-and-attend cases against float64, the int8 cache's dequantisation and the one-call
+    step against the full path (ATEN_CPU_CAPABILITY picks the build)."""
     import os
     import subprocess
     import sys
@@ -470,7 +470,7 @@ def test_other_decode_builds_in_subprocesses(capability):
     int8 = os.path.join(os.path.dirname(__file__), "test_kvcache_int8.py")  # its AVX2 / scalar dequantisation
     bf16 = os.path.join(os.path.dirname(__file__), "test_kvcache_bf16.py")  # widened bf16 scores, prefetch modes
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, int8, bf16,
-                          "-k", "appends_and_attends or dequantises_like or bf16_scores or prefetch"],
+                          "-k", "appends_and_attends or dequantises_like or bf16_scores or prefetch or one_call_step"],
                          capture_output=True, text=True, env=env,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
