@@ -636,6 +636,9 @@ def test_one_call_step_declines_and_writes_nothing():
             got = dk.decode_step(qq, k_, v_, a, b, n0, t, True, 0.25)
         assert got is None, what
         assert same(), f"{what}: the caches changed"
+    with pytest.raises(attnlab.AttentionInputError, match="overflows"):  # past int64: the full path's error
+        attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=2**70, block_table=table)
+    assert same()
     out = dk.decode_step(q, kc, vc, kn, vn, 37, table, True, 0.25)
     assert out is not None and out.shape == (2, 1, 4, 48)
     T = kc.shape[1]
