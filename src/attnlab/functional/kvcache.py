@@ -317,8 +317,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     except the plain steps (an int length, optional k, v, contiguous or paged, causal or not), which run in one
     extension call that checks, appends and runs the decode kernel (csrc Note [One-call decode step]).
     """
-    if (type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62 and rotary is None and rotary_cos is None and rotary_sin is None
-            and window_size is None and not return_lse and num_splits is None and alibi_slopes is None
+    if (type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62
+            and rotary is None and rotary_cos is None and rotary_sin is None and window_size is None and not return_lse and num_splits is None and alibi_slopes is None
             and (softcap is None or softcap == 0) and type(k_cache) is torch.Tensor and type(q) is torch.Tensor):
         out = _one_call_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale)
         if out is not None:

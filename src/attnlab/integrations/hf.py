@@ -142,8 +142,7 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
     if not decode_kernel.available():
         return None
     if mask is None and not softcap:  # the one-call step (csrc Note [One-call decode step]): out [B, L, H, Dv]
-        out = decode_kernel.decode_step(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None,
-                                        None, S, None, bool(is_causal), scale)
+        out = decode_kernel.step_heads_first(query, key, value, bool(is_causal), scale)
         if out is not None:
             return out
     out = query.new_empty(B, L, H, value.shape[3])  # (B, L, H, Dv): HF's layout, written by the kernel

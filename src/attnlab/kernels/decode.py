@@ -29,7 +29,7 @@ from .extension import Extension
 
 __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
            "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED",
-           "DecodePlan", "plan", "decode_step"]
+           "DecodePlan", "plan", "decode_step", "step_heads_first"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
 ABI_VERSION = 7
@@ -267,6 +267,14 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
     forced = os.environ.get("ATTNLAB_DECODE_SPLITS", "")
     return ext.step(q, k_cache, v_cache, k, v, n0, block_table, bool(causal), float(scale),
                     max(1, int(forced)) if forced else 0, UNITS_PER_THREAD, MIN_SPLIT_KEYS, MAX_QUERIES, UNBOUNDED)
+
+
+def step_heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                     scale: float) -> torch.Tensor | None:
+    """``decode_step`` without an append for attnlab's and transformers' layout: query [B, H, L, D] against all
+    of key, value [B, Hkv, S, D|Dv] (views, no copy) -> out [B, L, H, Dv], or None where the step declines."""
+    return decode_step(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None,
+                       key.shape[2], None, causal, scale)
 
 
 _BANDWIDTH: list = []

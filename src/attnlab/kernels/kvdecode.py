@@ -116,12 +116,11 @@ def direct(p):
     kw["seqlens"] = torch.full((N,), kw["seqlens"], dtype=torch.int64)
     kw["mask_offset"] = torch.zeros(N, dtype=torch.int64)
     del kw["alibi_slopes"], kw["alibi_offset"], kw["keep"], kw["bias"]
-    run, step = decode_kernel.decode_attention, decode_kernel.decode_step
+    run, step = decode_kernel.decode_attention, decode_kernel.step_heads_first
 
     def decode_direct(query, key, value):  # (N, H, L, E), (N, Hkv, S, E|Ev) -> (N, H, L, Ev)
         if one_call and key.shape[2] == n_keys:
-            out = step(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, n_keys, None,
-                       False, scale)
+            out = step(query, key, value, False, scale)
             if out is not None:
                 return out.transpose(1, 2)  # (N, 1, H, Ev) -> (N, H, 1, Ev): a view, its size-1 dim moved
         out = torch.empty(N, H, L, Ev, dtype=dtype)
