@@ -82,7 +82,7 @@ class SystemInfo:
         d = self.decode
         if d.get("status") == "ok":
             lines.append(f"decode: capability {d['capability']}, bf16 scores {d['bf16_scores']}, "
-                         f"prefetch {d['prefetch']}")
+                         f"int8 scores {d.get('int8_scores', '?')}, prefetch {d['prefetch']}")
         elif d:
             lines.append(f"decode: unavailable: {d['status']}")
         lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in self.calibration.items()))
@@ -123,6 +123,8 @@ def _decode() -> dict:
         return {"status": reason}
     return {"status": "ok", "capability": decode_kernel.capability(),
             "bf16_scores": "vdpbf16ps" if decode_kernel.bf16_dot() else "widened to fp32",
+            "int8_scores": ("vpdpwssd" if decode_kernel.vnni() else
+                            "widened to fp32" if decode_kernel.capability() == "DEFAULT" else "vpmaddwd"),
             "prefetch": {0: "off", 1: "into L1", 2: "into L2"}[decode_kernel.prefetch_mode()]}
 
 

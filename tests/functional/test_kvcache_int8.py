@@ -190,3 +190,38 @@ def test_fallback_dequantises(monkeypatch):
     if dk.available():
         tol8 = 2 * (2 * (ds + _q16_score_error(q, kf)) + 2 * eps) * float(vf.abs().max())
         assert max_err(attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens), fb) <= tol + tol8
+
+
+@needs_ext
+@pytest.mark.parametrize("D", [40, 128])
+@pytest.mark.parametrize("page", [None, 7], ids=["contiguous", "page7"])
+def test_vnni_scores_give_the_same_bits(D, page):
+    """Note [Decode int8 scores]: vpdpwssd sums the same int16 x int16 pairs into int32 lanes as vpmaddwd +
+    vpaddd, exactly either way, so the two give the same outputs and lse bit for bit (GQA, L = 3, a tail of
+    the head for D = 40, one page or pages of 7, across a tile's page boundary). Skips, with a reason, where
+    the CPU or the build has no VNNI path to compare."""
+    if not dk.vnni():
+        pytest.skip("this CPU lacks avx512_vnni (or the decode build is not AVX-512): one path only")
+    gen = torch.Generator().manual_seed(D)
+    B, S, H, Hkv, L = 2, 90, 6, 2, 3
+    kq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen))
+    vq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen))
+    table = None
+    if page is not None:
+        kd, table = _paged(kq.data, page, torch.Generator().manual_seed(1))
+        ks, _ = _paged(kq.scale.unsqueeze(-1), page, torch.Generator().manual_seed(1))
+        vd, _ = _paged(vq.data, page, torch.Generator().manual_seed(1))
+        vs, _ = _paged(vq.scale.unsqueeze(-1), page, torch.Generator().manual_seed(1))
+        kq, vq = QuantizedKV(kd, ks[..., 0].contiguous()), QuantizedKV(vd, vs[..., 0].contiguous())
+    q = torch.randn(B, L, H, D, generator=gen)
+    lens = torch.tensor([S - L, 41])
+    run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table,  # noqa: E731
+                                                 return_lse=True)
+    try:
+        a = run()
+        dk.set_vnni(False)
+        assert not dk.vnni()
+        b = run()
+    finally:
+        dk.set_vnni(True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

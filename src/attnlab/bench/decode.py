@@ -141,13 +141,18 @@ def _bandwidth_once(buf: torch.Tensor) -> float:
 
 
 def _quantized_cache(x: torch.Tensor):
-    """x [B, S, Hkv, D] -> a QuantizedKV in ``QuantizedKV.empty``'s storage (huge pages where offered)."""
+    """x [B, S, Hkv, D] -> a QuantizedKV laid out as the other dtypes' contiguous case: data and scales in
+    [B, Hkv, S, ·] storage (``empty_kv_cache``: huge pages where offered) seen as [B, S, Hkv, ·] views, so the
+    int8 target compares like with like (the same layout, head span and splits as the bf16 cache)."""
     from ..functional.kvcache import QuantizedKV
 
-    q, c = QuantizedKV.quantize(x), QuantizedKV.empty(*x.shape)
-    c.data.copy_(q.data)
-    c.scale.copy_(q.scale)
-    return c
+    q = QuantizedKV.quantize(x)
+    B, S, Hkv, D = x.shape
+    data = empty_kv_cache(B, Hkv, S, D, dtype=torch.int8).transpose(1, 2)
+    scale = empty_kv_cache(B, Hkv, S, dtype=torch.float32).transpose(1, 2)
+    data.copy_(q.data)
+    scale.copy_(q.scale)
+    return QuantizedKV(data, scale)
 
 
 def _huge_fraction(t: torch.Tensor) -> float | None:

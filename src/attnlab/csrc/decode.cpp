@@ -72,9 +72,22 @@
 // 1.09-1.14. So the int8 tile is still compute-bound (P @ V: int8 -> int32 -> fp32 per W elements, 4 FMAs a
 // vector; the page walk's per-row pointers and scales) and the issue-23 target of 0.6x is not met. A query that
 // already lies on its grid is taken exactly (tests/functional/test_kvcache_int8.py); otherwise the tests add
-// the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. VNNI (vpdpwssd) would fuse the
-// multiply-add but is not assumed by the AVX-512 build (Skylake-X lacks it); a default build, and heads over
+// the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. A default build, and heads over
 // kIntDotMaxD, keep the fp32 path.
+//
+// Note [Decode int8 VNNI]: where the CPU has avx512_vnni (Ice Lake, Sapphire Rapids, Zen 4 and 5) the score
+// loop's multiply-add is one vpdpwssd (the same int16 pairs summed into int32 lanes, exactly: the same bits,
+// tested) instead of vpmaddwd + vpaddd. The AVX-512 build does not assume VNNI (Skylake-X lacks it), so the
+// instruction is inline assembly behind a run-time check (__builtin_cpu_supports), and set_vnni(False)
+// (kernels/decode.py) or ATTNLAB_DECODE_NO_VNNI=1 turns it off. With it, the tile-row fast path (Note [Decode
+// tile rows]) and the scores scaled as one vector (put_scores_v), an int8 cache laid out as the bf16 one
+// decodes at 0.56-0.64x the bf16 cache's time (Zen 5, 2 threads, GQA 32/8, D = 128, S = 32768, caches flushed,
+// medians of 15 interleaved rounds, five runs); vpmaddwd + vpaddd instead: 0.63-0.76.
+// Tried and not kept: (1) P @ V on integers too (p * v_scale rounded to int16 per row and tile, key pairs'
+// V rows interleaved by vpunpck{l,h}wd, vpdpwssd into int32 and one conversion per tile): 2.5-3% faster in
+// cache (1 thread, S = 4096), no change cold (2.62 vs 2.62 ms), for one more rounding. (2) Prefetching the
+// row scales of the tile after the next one into L1: cold, with the scales of a [B, S, Hkv] cache, 3.6-5.9 ms
+// against 2.6 ms without (three process pairs).
 //
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
@@ -157,6 +170,7 @@ struct Args {
   float scale, softcap;
   int prefetch = 2;           // Note [Decode prefetch]: 0 none, 1 into L1, 2 into L2
   bool bf16_dot = false;      // Note [Decode bf16 scores]
+  bool vnni = false;          // vpdpwssd for an int8 cache's scores (Note [Decode int8 VNNI])
   float* part_out = nullptr;  // [ns, B, H, L, Dv] when ns > 1
   float* part_lse = nullptr;  // [ns, B, H, L]
   float* lse = nullptr;       // [B, H, L]
@@ -214,17 +228,32 @@ inline Vf load_tail(const T* p, int64_t n) {
 // Note [Decode tile rows]: a tile's rows (keys j0 .. j0 + nt - 1 of sequence b, kv head g) as pointers into
 // the cache, and with an int8 cache their scales; the slots from nt up to the next multiple of W repeat the
 // last row, so the score kernel runs whole key blocks (their scores are never read). Rows are found by
-// walking the page table (Note [Decode page walk]).
+// walking the page table (Note [Decode page walk]); a tile inside one page (every tile of a contiguous cache)
+// takes them as one strided run instead, without the per-row page lookups: the walk with the scales' loads had
+// been a third of the int8 unit's own time outside the score and P @ V loops (1 thread, GQA 32/8, D = 128,
+// S = 2048, perf), and the bf16 call went 0.37-0.39 -> 0.32-0.33 ms (1 thread, S = 2048, in L3).
 template <typename T>
 inline void tile_rows(const T* base, const int64_t* st, const float* sc, const int64_t* ss, const Args& a, int64_t b,
                       int64_t g, int64_t j0, int64_t nt, const T** rows, float* scales) {
   const int32_t* tab = a.table + b * a.maxp;
   int64_t pj = j0 / a.T, off = j0 % a.T;  // this row's page index and offset
-  for (int64_t t = 0; t < nt; ++t) {
+  if (off + nt <= a.T) {  // the tile within one page (every tile of a contiguous cache): rows st[1] apart
     const int64_t page = tab[pj];
-    rows[t] = base + page * st[0] + off * st[1] + g * st[2];
-    if constexpr (std::is_same_v<T, int8_t>) scales[t] = sc[page * ss[0] + off * ss[1] + g * ss[2]];
-    if (++off == a.T) { off = 0; ++pj; }
+    const T* r0 = base + page * st[0] + off * st[1] + g * st[2];
+    const int64_t step = st[1];
+    for (int64_t t = 0; t < nt; ++t) rows[t] = r0 + t * step;
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const float* s0 = sc + page * ss[0] + off * ss[1] + g * ss[2];
+      const int64_t sstep = ss[1];
+      for (int64_t t = 0; t < nt; ++t) scales[t] = s0[t * sstep];
+    }
+  } else {
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t page = tab[pj];
+      rows[t] = base + page * st[0] + off * st[1] + g * st[2];
+      if constexpr (std::is_same_v<T, int8_t>) scales[t] = sc[page * ss[0] + off * ss[1] + g * ss[2]];
+      if (++off == a.T) { off = 0; ++pj; }
+    }
   }
   for (int64_t t = nt; t < (nt + W - 1) / W * W; ++t) {
     rows[t] = rows[nt - 1];
@@ -323,6 +352,42 @@ __attribute__((always_inline)) inline void put_scores(const float* sums, int64_t
     for (int kk = 0; kk < KB; ++kk) s[rr * TK + t + kk] = scaled(sums[rr * KB + kk], rr, kk);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// put_scores with the scaling as one vector product, sums[e] * mul[e], and RB stores (scalar, the 16 scores
+// of a block took a quarter of the int8 score kernel's time: 1 thread, GQA 32/8, D = 128, S = 2048)
+template <int RB>
+__attribute__((always_inline)) inline void put_scores_v(const float* sums, __m512 mul, int64_t t, float* s) {
+  const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sums), mul);
+  if constexpr (RB == 1) {
+    _mm512_storeu_ps(s + t, x);
+  } else if constexpr (RB == 2) {
+    _mm256_storeu_ps(s + t, _mm512_castps512_ps256(x));
+    _mm256_storeu_ps(s + TK + t, _mm512_extractf32x8_ps(x, 1));
+  } else {
+    static_assert(RB == 4);
+    _mm_storeu_ps(s + t, _mm512_castps512_ps128(x));
+    _mm_storeu_ps(s + TK + t, _mm512_extractf32x4_ps(x, 1));
+    _mm_storeu_ps(s + 2 * TK + t, _mm512_extractf32x4_ps(x, 2));
+    _mm_storeu_ps(s + 3 * TK + t, _mm512_extractf32x4_ps(x, 3));
+  }
+}
+
+// lane rr * KB + kk of the result: qsc[rr] * ksc[kk] (an int8 block's score factors; ksc at the block's key)
+template <int RB>
+__attribute__((always_inline)) inline __m512 row_key_factors(const float* qsc, const float* ksc) {
+  if constexpr (RB == 1) {
+    return _mm512_mul_ps(_mm512_set1_ps(qsc[0]), _mm512_loadu_ps(ksc));
+  } else if constexpr (RB == 2) {
+    const __m512 qv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(qsc[0]), _mm512_set1_ps(qsc[1]));
+    return _mm512_mul_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(ksc)));
+  } else {
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512 qv = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(qsc)));
+    return _mm512_mul_ps(qv, _mm512_broadcast_f32x4(_mm_loadu_ps(ksc)));
+  }
+}
+#endif
+
 // s[rr * TK + t + kk] = q[rr] . k[t + kk] for RB rows (q rows D apart) and KB = W / RB keys: W accumulators,
 // plain locals of a fully unrolled loop (so they stay in registers), every K load feeding RB rows; their
 // sums by one hsum_all. An int8 key's products are taken with its dequantised values (Note [Decode loads]).
@@ -348,6 +413,12 @@ inline void dot_keys(const float* q, const T* const* krows, const float* ksc, in
   if (d < D) step(d, [n = D - d](const auto* p) { return load_tail(p, n); });
   float sums[W];
   hsum_all(acc, sums);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (!std::is_same_v<T, int8_t>) {
+    put_scores_v<RB>(sums, _mm512_set1_ps(1.f), t, s);
+    return;
+  }
+#endif
   put_scores<RB>(sums, t, s, [&](float x, int, int kk) {
     if constexpr (std::is_same_v<T, int8_t>)
       return x * ksc[t + kk];  // Note [Decode int8 cache]: the scale folded
@@ -373,6 +444,14 @@ inline Vi i16_load(const int16_t* p) { return _mm512_loadu_si512(p); }
 inline Vi i32_madd_add(Vi acc, Vi a, Vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 inline Vi i32_zero() { return _mm512_setzero_si512(); }
 inline Vf i32_to_f(Vi x) { return _mm512_cvtepi32_ps(x); }
+// vpdpwssd (AVX512_VNNI: the same pairwise int16 products and sum as vpmaddwd + vpaddd, in one instruction;
+// Note [Decode int8 VNNI]). Inline assembly: the AVX-512 build does not assume VNNI, so its intrinsic's target
+// is off here; callers take it only where the CPU has it (kHasVnni, checked at run time).
+inline Vi i32_dot_add(Vi acc, Vi a, Vi b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+const bool kHasVnni = __builtin_cpu_supports("avx512vnni");
 #elif defined(CPU_CAPABILITY_AVX2)
 using Vi = __m256i;
 inline Vi i8_to_i16(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -380,6 +459,18 @@ inline Vi i16_load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cas
 inline Vi i32_madd_add(Vi acc, Vi a, Vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 inline Vi i32_zero() { return _mm256_setzero_si256(); }
 inline Vf i32_to_f(Vi x) { return _mm256_cvtepi32_ps(x); }
+inline Vi i32_dot_add(Vi acc, Vi a, Vi b) { return i32_madd_add(acc, a, b); }  // (no VNNI assumed: AVX-VNNI aside)
+constexpr bool kHasVnni = false;
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// acc + the pairwise products of a and b's int16 lanes, summed into int32 lanes: exact either way
+template <bool VNNI>
+__attribute__((always_inline)) inline Vi i32_madd(Vi acc, Vi a, Vi b) {
+  if constexpr (VNNI) return i32_dot_add(acc, a, b);
+  else return i32_madd_add(acc, a, b);
+}
+#else
+constexpr bool kHasVnni = false;
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -390,7 +481,7 @@ inline Vf i32_to_f(Vi x) { return _mm256_cvtepi32_ps(x); }
 // GQA 32/8, D = 128, S = 2048: 48 -> 56 ns a key), its int32 and fp32 accumulators spilled.
 __attribute__((noinline)) void hsum_all_call(const Vf* acc, float* out) { hsum_all(acc, out); }
 
-template <int RB>
+template <int RB, bool VNNI>
 __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const float* qsc, const int8_t* const* krows,
                         const float* ksc, int64_t t, int64_t D, float* s) {
   constexpr int KB = static_cast<int>(W) / RB;
@@ -405,7 +496,7 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
     for (int kk = 0; kk < KB; ++kk) {
       const Vi kv = load(krows[t + kk] + d);
 #pragma GCC unroll 4
-      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = i32_madd_add(acc[rr * KB + kk], qv[rr], kv);
+      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = i32_madd<VNNI>(acc[rr * KB + kk], qv[rr], kv);
     }
   };
   int64_t d = 0;
@@ -421,7 +512,11 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
   for (int i = 0; i < W; ++i) accf[i] = i32_to_f(acc[i]);
   float sums[W];
   hsum_all_call(accf, sums);
+#if defined(CPU_CAPABILITY_AVX512)
+  put_scores_v<RB>(sums, row_key_factors<RB>(qsc, ksc + t), t, s);
+#else
   put_scores<RB>(sums, t, s, [&](float x, int rr, int kk) { return x * qsc[rr] * ksc[t + kk]; });
+#endif
 }
 #endif
 
@@ -458,6 +553,8 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
 // compute: every instruction saved per key shows in the cold time, and at 1.25x the bound the tile would
 // have to cost under a third of what it does.
 
+std::atomic<bool> g_vnni{!env_on("ATTNLAB_DECODE_NO_VNNI")};
+
 #if defined(CPU_CAPABILITY_AVX512)
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
 std::atomic<bool> g_bf16_dot{!env_on("ATTNLAB_DECODE_NO_BF16_DOT")};
@@ -488,7 +585,7 @@ __attribute__((target("avx512bf16"), noinline)) void dot_keys_bf16(const at::BFl
   for (int i = 0; i < W; ++i) accv[i] = Vf(acc[i]);
   float sums[W];
   hsum_all(accv, sums);
-  put_scores<RB>(sums, t, s, [scale](float x, int, int) { return x * scale; });
+  put_scores_v<RB>(sums, _mm512_set1_ps(scale), t, s);
 }
 #else
 constexpr bool kHasBf16Dot = false;
@@ -499,7 +596,7 @@ std::atomic<bool> g_bf16_dot{false};
 template <typename T>
 inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float* qsc, const at::BFloat16* qb,
                      int64_t Db, float scale, int64_t R, const T* const* krows, const float* ksc, int64_t nt,
-                     int64_t D, float* s, const NextRows<T>& next) {
+                     int64_t D, float* s, const NextRows<T>& next, bool vnni) {
   int64_t r0 = 0;
   auto block = [&](auto rb, int64_t t) {  // the first row block also prefetches the next rows of K
     constexpr int RB = decltype(rb)::value;
@@ -515,7 +612,10 @@ inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<T, int8_t>) {
       if (q16) {
-        dot_keys_i8<RB>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
+        if (vnni)
+          dot_keys_i8<RB, true>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
+        else
+          dot_keys_i8<RB, false>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
       } else {
         dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
       }
@@ -682,7 +782,7 @@ void decode_impl(const Args& a) {
         // 2) scores of every row against the tile's keys
         dot_tile(qs_g, i8dot ? q16.data() + gl * R * Dp : nullptr, Dp, i8dot ? qsc.data() + gl * R : nullptr,
                  bdot ? qb.data() + gl * R * Db : nullptr, Db, a.scale, R,
-                 krows, kscl, nt, D, sc.data(), next_k);  // rows sharing each K load
+                 krows, kscl, nt, D, sc.data(), next_k, a.vnni);  // rows sharing each K load
         for (int64_t r = 0; r < R; ++r) {
           float* srow = sc.data() + r * TK;
           const int64_t lo = rlo[r], hi = rhi[r];
@@ -996,6 +1096,7 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
   a.softcap = static_cast<float>(softcap);
   a.prefetch = g_prefetch_mode.load(std::memory_order_relaxed);
   a.bf16_dot = kHasBf16Dot && g_bf16_dot.load(std::memory_order_relaxed);
+  a.vnni = kHasVnni && g_vnni.load(std::memory_order_relaxed);
   TORCH_CHECK(num_splits >= 1, "attnlab._decode: num_splits must be >= 1");
   a.ns = num_splits;
   TORCH_CHECK(head_span >= 1 && a.Hkv % head_span == 0, "attnlab._decode: head_span must divide Hkv = ", a.Hkv);
@@ -1135,8 +1236,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a bf16 cache's scores on VDPBF16PS where the CPU has avx512_bf16 (Note [Decode bf16 scores])");
   m.def("bf16_dot", [] { return kHasBf16Dot && g_bf16_dot.load(std::memory_order_relaxed); },
         "whether a bf16 cache's scores run on VDPBF16PS: the CPU has avx512_bf16 and set_bf16_dot left it on");
+  m.def("set_vnni", [](bool on) { g_vnni.store(on, std::memory_order_relaxed); },
+        "an int8 cache's integer dot products on vpdpwssd where the CPU has avx512_vnni");
+  m.def("vnni", [] { return kHasVnni && g_vnni.load(std::memory_order_relaxed); },
+        "whether an int8 cache's integer dot products run on vpdpwssd: the CPU has avx512_vnni and set_vnni left it on");
   m.def("prefetch", [] { return static_cast<int64_t>(g_prefetch_mode.load(std::memory_order_relaxed)); });
   m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
   // bumped whenever the Python-facing signature changes: a stale build is refused, not called
-  m.attr("abi_version") = 7;
+  m.attr("abi_version") = 8;
 }

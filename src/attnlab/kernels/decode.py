@@ -32,7 +32,7 @@ __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYP
            "DecodePlan", "plan", "decode_step", "step_heads_first"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 7
+ABI_VERSION = 8
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -82,6 +82,21 @@ def set_bf16_dot(on: bool) -> None:
     ext = _load()
     if ext is not None:
         ext.set_bf16_dot(bool(on))
+
+
+def vnni() -> bool:
+    """True when an int8 cache's integer dot products run on vpdpwssd (the CPU has avx512_vnni and
+    ``set_vnni`` left it on; csrc Note [Decode int8 VNNI]); False otherwise. It changes timing only: the sums
+    are exact either way."""
+    ext = _load()
+    return bool(ext is not None and ext.vnni())
+
+
+def set_vnni(on: bool) -> None:
+    """Turn vpdpwssd on or off for this process (off: vpmaddwd + vpaddd). A no-op where the CPU lacks it."""
+    ext = _load()
+    if ext is not None:
+        ext.set_vnni(bool(on))
 
 
 def prefetch_mode() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from attnlab.bench import decode as bench_decode
 from attnlab.cli import main as cli
@@ -104,3 +105,21 @@ def test_bench_decode_caches_share_one_storage(tmp_path, monkeypatch):
     assert data["storage"]["transparent_hugepage"] == storage.transparent_hugepage_mode()
     for r in data["rows"]:
         assert r["huge_pages_fraction"] is None or 0 <= r["huge_pages_fraction"] <= 1
+
+
+def test_bench_decode_int8_cache_is_laid_out_like_the_others():
+    """The int8 case compares with the bf16 case like with like: its data and scales sit in [B, Hkv, S, ·]
+    storage seen as [B, S, Hkv, ·] (the other dtypes' contiguous cache), so the kernel reads it with the
+    same head span and splits; and it holds the quantised rows of the keys it was given."""
+    from attnlab.functional.kvcache import QuantizedKV
+
+    gen = torch.Generator().manual_seed(0)
+    B, S, Hkv, D = 2, 50, 3, 16
+    x = torch.randn(B, Hkv, S, D, generator=gen).transpose(1, 2)
+    c = bench_decode._quantized_cache(x)
+    want = QuantizedKV.quantize(x)
+    assert torch.equal(c.data, want.data) and torch.equal(c.scale, want.scale)
+    assert c.data.stride() == x.stride() == (Hkv * S * D, D, S * D, 1)
+    assert c.scale.stride() == (Hkv * S, 1, S)
+    if dk.available():
+        assert dk.head_span(c.data) == dk.head_span(x) == 1
