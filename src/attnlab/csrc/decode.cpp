@@ -70,7 +70,7 @@
 // (1 thread, CPU time, GQA 32/8, D = 128, interleaved with a bf16 cache in one process, the same build, loaded
 // machine): int8 / bf16 at S = 32768 from 1.23-1.27 to 0.87-0.93; at S = 2048 (in cache) 1.38-1.48 to
 // 1.09-1.14. So the int8 tile is still compute-bound (P @ V: int8 -> int32 -> fp32 per W elements, 4 FMAs a
-// vector; the page walk's per-row pointers and scales) and the issue-23 target of 0.6x is not met. A query that
+// vector; the page walk's per-row pointers and scales): 0.6x came with Note [Decode int8 VNNI]. A query that
 // already lies on its grid is taken exactly (tests/functional/test_kvcache_int8.py); otherwise the tests add
 // the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. A default build, and heads over
 // kIntDotMaxD, keep the fp32 path.
@@ -80,9 +80,9 @@
 // tested) instead of vpmaddwd + vpaddd. The AVX-512 build does not assume VNNI (Skylake-X lacks it), so the
 // instruction is inline assembly behind a run-time check (__builtin_cpu_supports), and set_vnni(False)
 // (kernels/decode.py) or ATTNLAB_DECODE_NO_VNNI=1 turns it off. With it, the tile-row fast path (Note [Decode
-// tile rows]) and the scores scaled as one vector (put_scores_v), an int8 cache laid out as the bf16 one
-// decodes at 0.56-0.64x the bf16 cache's time (Zen 5, 2 threads, GQA 32/8, D = 128, S = 32768, caches flushed,
-// medians of 15 interleaved rounds, five runs); vpmaddwd + vpaddd instead: 0.63-0.76.
+// tile rows]) and the scores scaled as one vector (put_scores_v), an int8 cache decodes at 0.56-0.64x the bf16
+// cache's time (Zen 5, 2 threads, GQA 32/8, D = 128, S = 32768, caches flushed, medians of 15 interleaved
+// rounds, five runs; `bench decode`: 0.55, where it had been 0.84-1.15); vpmaddwd + vpaddd instead: 0.63-0.76.
 // Tried and not kept: (1) P @ V on integers too (p * v_scale rounded to int16 per row and tile, key pairs'
 // V rows interleaved by vpunpck{l,h}wd, vpdpwssd into int32 and one conversion per tile): 2.5-3% faster in
 // cache (1 thread, S = 4096), no change cold (2.62 vs 2.62 ms), for one more rounding. (2) Prefetching the
@@ -488,6 +488,22 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
   Vi acc[W];
 #pragma GCC unroll 16
   for (int i = 0; i < W; ++i) acc[i] = i32_zero();
+#if defined(CPU_CAPABILITY_AVX512)
+  // one loop, a key's last chunk by a masked load (as dot_keys_bf16): without the lambda and the scalar tail
+  // copy GCC moves 4 accumulators between registers per step instead of 12 around the vpdpwssd
+  for (int64_t d = 0; d < D; d += KW) {
+    const __mmask32 mk = D - d >= KW ? ~__mmask32(0) : (__mmask32(1) << (D - d)) - 1;
+    Vi qv[RB];
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) qv[rr] = i16_load(q16 + rr * Dp + d);
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) {
+      const Vi kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, krows[t + kk] + d));
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = i32_madd<VNNI>(acc[rr * KB + kk], qv[rr], kv);
+    }
+  }
+#else
   auto step = [&](int64_t d, auto load) {
     Vi qv[RB];
 #pragma GCC unroll 4
@@ -507,6 +523,7 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
       for (int64_t e = 0; e < n; ++e) x[e] = p[e];
       return i8_to_i16(x);
     });
+#endif
   Vf accf[W];
 #pragma GCC unroll 16
   for (int i = 0; i < W; ++i) accf[i] = i32_to_f(acc[i]);
