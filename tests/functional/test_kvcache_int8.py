@@ -29,6 +29,19 @@ def _paged(x: torch.Tensor, page: int, gen):
     return pool, table
 
 
+def _paged_caches(kq: QuantizedKV, vq: QuantizedKV, page):
+    """(kq, vq, None) for page None, else both caches moved into pools of `page` tokens (data and scales under
+    one shuffled block table) and that table."""
+    if page is None:
+        return kq, vq, None
+    gen = lambda: torch.Generator().manual_seed(1)  # noqa: E731  (the same pages for every tensor)
+    kd, table = _paged(kq.data, page, gen())
+    ks, _ = _paged(kq.scale.unsqueeze(-1), page, gen())
+    vd, _ = _paged(vq.data, page, gen())
+    vs, _ = _paged(vq.scale.unsqueeze(-1), page, gen())
+    return QuantizedKV(kd, ks[..., 0].contiguous()), QuantizedKV(vd, vs[..., 0].contiguous()), table
+
+
 def _q16_score_error(q: torch.Tensor, k: torch.Tensor) -> float:
     """The most the kernel's int16 query moves a score (csrc Note [Decode int8 scores]): each element of
     q · D^-1/2 is off by at most half its row's step max|q_row| D^-1/2 / 32767, so a score by that times
@@ -70,13 +83,7 @@ def test_kernel_dequantises_like_the_fp32_cache(qdtype, page, H, Hkv, D):
     B, S, L = 3, 150, 1
     k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
     kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0)
-    table = None
-    if page is not None:
-        kd, table = _paged(kq.data, page, torch.Generator().manual_seed(1))
-        ks, _ = _paged(kq.scale.unsqueeze(-1), page, torch.Generator().manual_seed(1))
-        vd, _ = _paged(vq.data, page, torch.Generator().manual_seed(1))
-        vs, _ = _paged(vq.scale.unsqueeze(-1), page, torch.Generator().manual_seed(1))
-        kq, vq = QuantizedKV(kd, ks[..., 0].contiguous()), QuantizedKV(vd, vs[..., 0].contiguous())
+    kq, vq, table = _paged_caches(kq, vq, page)
     lens = torch.tensor([0, 77, S - 1])
     q = torch.randn(B, L, H, D, generator=gen).to(qdtype)
     kn, vn = torch.randn(B, L, Hkv, D, generator=gen).to(qdtype), torch.randn(B, L, Hkv, D, generator=gen).to(qdtype)
@@ -206,13 +213,7 @@ def test_vnni_scores_give_the_same_bits(D, page):
     B, S, H, Hkv, L = 2, 90, 6, 2, 3
     kq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen))
     vq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen))
-    table = None
-    if page is not None:
-        kd, table = _paged(kq.data, page, torch.Generator().manual_seed(1))
-        ks, _ = _paged(kq.scale.unsqueeze(-1), page, torch.Generator().manual_seed(1))
-        vd, _ = _paged(vq.data, page, torch.Generator().manual_seed(1))
-        vs, _ = _paged(vq.scale.unsqueeze(-1), page, torch.Generator().manual_seed(1))
-        kq, vq = QuantizedKV(kd, ks[..., 0].contiguous()), QuantizedKV(vd, vs[..., 0].contiguous())
+    kq, vq, table = _paged_caches(kq, vq, page)
     q = torch.randn(B, L, H, D, generator=gen)
     lens = torch.tensor([S - L, 41])
     run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table,  # noqa: E731
