@@ -1,9 +1,10 @@
 """attnlab bench decode: decode attention against a KV cache, attnlab vs PyTorch SDPA, against the memory bandwidth.
 
 Per case (KV length S, dtype, heads, batch B, cache layout) one new query token (L = 1) attends to the whole
-cache. Timed side by side in interleaved rounds (medians): ``attnlab.attention_with_kvcache`` on the cache
+cache. Every case of one (heads, S, B) is timed side by side in the same interleaved rounds (medians; Note
+[Decode bench round groups]): ``attnlab.attention_with_kvcache`` on each dtype's and layout's cache
 (contiguous, or paged with the given page size) and ``F.scaled_dot_product_attention(enable_gqa=True)`` on
-the same keys in [B, Hkv, S, D], plus the read bandwidth (a sum over a buffer well past the caches, run
+each dtype's keys in [B, Hkv, S, D], plus the read bandwidth (a sum over a buffer well past the caches, run
 before every timed call, so each call reads its K/V cold: Note [Decode bench cold cache]). Reported:
 milliseconds, GB/s of K/V read, the memory-bound time (K/V bytes / bandwidth) and attnlab's time over it,
 and attnlab's speed over SDPA's. Every case's output is checked against SDPA in float64 (the error budget:
@@ -47,6 +48,8 @@ FULL = dict(seq_lens=(1024, 4096, 8192, 32768, 65536), dtypes=("float32", "bfloa
             batches=(1, 8), layouts=("contiguous", "paged16", "paged64", "paged256"), rounds=9, bandwidth_mib=1024)
 #: a case whose caches would take more than this many bytes is skipped (recorded)
 CASE_BYTES_LIMIT = 8 * 2**30
+#: cases of one (heads, S, B) share rounds while their caches fit in this many bytes (Note [Decode bench round groups])
+GROUP_BYTES_LIMIT = 8 * 2**30
 #: the error budget's factor over SDPA's own error in the case's dtype (tests/helpers.py FUSED_ERROR_FACTOR)
 ERROR_FACTOR = 3.0
 TARGETS = {"memory_bound_ratio": 1.25, "gqa_speedup": 2.0, "mha_speedup": 1.0, "paged_over_contiguous": 1.10,
@@ -109,7 +112,8 @@ class DecodeBench:
             "targets": self.targets, "env": self.env,
             "storage": {"allocator": "attnlab.empty_kv_cache (contiguous and paged caches alike)",
                         "huge_pages_available": huge_pages_available(), "transparent_hugepage": transparent_hugepage_mode()},
-            "note": ("ms: medians of interleaved rounds, each call after a bandwidth probe that flushes the caches "
+            "note": ("ms: medians of interleaved rounds shared by the cases of one round_group (every dtype and layout "
+                     "of a heads, S, B), each call after a bandwidth probe that flushes the caches "
                      "(cold K/V); memory_bound_ms = K/V bytes / the read bandwidth measured in the same rounds; "
                      "speedup = SDPA ms / attnlab ms; huge_pages_fraction: the K cache's bytes on huge pages "
                      "(/proc/self/smaps AnonHugePages)")},
@@ -161,9 +165,9 @@ def _huge_fraction(t: torch.Tensor) -> float | None:
     return None if got is None else min(1.0, got / max(1, t.numel() * t.element_size()))
 
 
-def _case(name, S, dtype, B, layout, rounds, buf, gen):
-    from ..functional.kvcache import QuantizedKV
-
+def _inputs(name, S, dtype, B, gen):
+    """One dtype's inputs: q [B, H, 1, D], SDPA's k, v [B, Hkv, S, D] and attnlab's contiguous cache (views of
+    the same memory in [B, S, Hkv, D]; an int8 cache's SDPA keys are its dequantised values)."""
     H, Hkv, D = HEADS[name]
     dt = getattr(torch, dtype)
     int8 = dt == torch.int8
@@ -177,45 +181,116 @@ def _case(name, S, dtype, B, layout, rounds, buf, gen):
     if int8:
         kc, vc = _quantized_cache(kc), _quantized_cache(vc)
         k, v = kc.dequantize().transpose(1, 2), vc.dequantize().transpose(1, 2)
-    table = None
-    if layout != "contiguous":
-        page = int(layout[5:])
-        table = torch.randperm(B * -(-S // page), generator=gen).view(B, -1).to(torch.int32)  # shuffled pages
-        if int8:
-            kc = QuantizedKV(_paged(kc.data, table, page), _paged(kc.scale, table, page))
-            vc = QuantizedKV(_paged(vc.data, table, page), _paged(vc.scale, table, page))
-        else:
-            kc, vc = _paged(kc, table, page), _paged(vc, table, page)
-    qf = q.transpose(1, 2)  # (B, 1, H, D): flash-attn's layout, a view
-    mine = lambda: decode_kernel_call(qf, kc, vc, table, S)  # noqa: E731
-    theirs = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-    out, ref_lo = mine(), theirs()
-    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
-    err = float((out.transpose(1, 2).double() - exact).abs().max())
-    sdpa_err = float((ref_lo.double() - exact).abs().max())
-    budget = ERROR_FACTOR * sdpa_err + 4 * torch.finfo(dt).eps * max(1.0, float(exact.abs().max()))
-    if int8:  # the kernel's int16 query (csrc Note [Decode int8 scores]): half a step of max|q| D^-1/2 / 32767
-        # per element moves a score by ds <= that times max |k|_1, an output by 2 ds max|v|; twice that
+    return q, k, v, kc, vc
+
+
+def _layout(kc, vc, layout: str, B: int, S: int, gen):
+    """The contiguous cache (kc, vc) as ``layout``: itself, or a paged pool over shuffled pages; -> (k, v, table)."""
+    from ..functional.kvcache import QuantizedKV
+
+    if layout == "contiguous":
+        return kc, vc, None
+    page = int(layout[5:])
+    table = torch.randperm(B * -(-S // page), generator=gen).view(B, -1).to(torch.int32)  # shuffled pages
+    if isinstance(kc, QuantizedKV):
+        return (QuantizedKV(_paged(kc.data, table, page), _paged(kc.scale, table, page)),
+                QuantizedKV(_paged(vc.data, table, page), _paged(vc.scale, table, page)), table)
+    return _paged(kc, table, page), _paged(vc, table, page), table
+
+
+def _budget(dtype: str, q, k, v, sdpa_err: float, exact) -> float:
+    """A case's error budget: ERROR_FACTOR x SDPA's own error plus a floor of 4 eps; an int8 cache adds its
+    int16 query's rounding (csrc Note [Decode int8 scores]): half a step of max|q| D^-1/2 / 32767 per element
+    moves a score by ds <= that times max |k|_1, an output by 2 ds max|v|; twice that."""
+    budget = ERROR_FACTOR * sdpa_err + 4 * torch.finfo(q.dtype).eps * max(1.0, float(exact.abs().max()))
+    if dtype == "int8":
         ds = float(q.abs().amax()) * q.shape[-1] ** -0.5 / 32767 / 2 * float(k.abs().sum(-1).max())
         budget += 2 * 2 * ds * float(v.abs().max())
-    tm, ts, bw = [], [], []
-    for r in range(rounds):  # interleaved; alternate who goes first
-        pair = [(tm, mine), (ts, theirs)]
-        for acc, f in (pair if r % 2 == 0 else pair[::-1]):
+    return budget
+
+
+# Note [Decode bench round groups]: the targets are ratios between cases (paged over contiguous, int8 over bf16),
+# and this VM's read bandwidth moves by up to 2x between phases seconds apart. So every case of one (heads, S, B)
+# is timed in the same rounds: each round calls attnlab on every (dtype, layout) and SDPA once per dtype, each
+# call after its own bandwidth probe (Note [Decode bench cold cache]), in an order rotated by one each round so
+# every call takes every place once in len(calls) rounds. A group whose caches would pass GROUP_BYTES_LIMIT is
+# split in order (dtypes, then layouts); rows carry their ``round_group`` and each ratio target says whether
+# its two cases shared rounds (``side_by_side``).
+def _group(gid, name, S, B, variants, rounds, buf, gen) -> list[dict]:
+    """Time every (dtype, layout) of ``variants`` for one (heads, S, B) in shared rounds; one row each."""
+    H, Hkv, D = HEADS[name]
+    dtypes = list(dict.fromkeys(d for d, _ in variants))
+    ins = {d: _inputs(name, S, d, B, gen) for d in dtypes}
+    calls, meta = [], {}  # calls: (key, fn); meta[(d, lay)]: the row's fixed fields
+    for d in dtypes:
+        q, k, v, kc, vc = ins[d]
+        qf = q.transpose(1, 2)  # (B, 1, H, D): flash-attn's layout, a view
+        outs = []
+        for dd, lay in variants:
+            if dd != d:
+                continue
+            kl, vl, table = _layout(kc, vc, lay, B, S, gen)
+            fn = (lambda qf=qf, kl=kl, vl=vl, table=table: decode_kernel_call(qf, kl, vl, table, S))
+            calls.append(((d, lay), fn))
+            outs.append(((d, lay), kl, fn()))
+        theirs = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+        calls.append(((d, "sdpa"), theirs))
+        ref_lo = theirs()
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+        sdpa_err = float((ref_lo.double() - exact).abs().max())
+        budget = _budget(d, q, k, v, sdpa_err, exact)
+        for key, kl, out in outs:
+            data = kl.data if d == "int8" else kl
+            meta[key] = {"max_err": float((out.transpose(1, 2).double() - exact).abs().max()), "sdpa_err": sdpa_err,
+                         "err_budget": budget, "splits": decode_kernel.num_splits_for(data, B, S),
+                         "huge_pages_fraction": _huge_fraction(data)}
+    times = {key: [] for key, _ in calls}
+    bw = []
+    n = len(calls)
+    for r in range(rounds):  # Note [Decode bench round groups]: the order rotated by one each round
+        for key, f in calls[r % n:] + calls[:r % n]:
             bw.append(_bandwidth_once(buf))  # Note [Decode bench cold cache]: also flushes the caches
             t = time.perf_counter()
             f()
-            acc.append(time.perf_counter() - t)
-    nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, torch.int8 if int8 else dt)
-    ms, ss, bwm = float(np.median(tm)) * 1e3, float(np.median(ts)) * 1e3, float(np.median(bw))
-    bound_ms = nbytes / bwm * 1e3
-    return {"heads": name, "H": H, "Hkv": Hkv, "D": D, "S": S, "dtype": dtype, "B": B, "layout": layout,
-            "kv_bytes": nbytes, "attnlab_ms": ms, "sdpa_ms": ss, "bandwidth_gbs": bwm / 1e9,
-            "attnlab_gbs": nbytes / ms / 1e6, "sdpa_gbs": nbytes / ss / 1e6, "memory_bound_ms": bound_ms,
-            "attnlab_over_bound": ms / bound_ms, "speedup": ss / ms,
-            "splits": decode_kernel.num_splits_for(kc.data if int8 else kc, B, S), "max_err": err, "sdpa_err": sdpa_err,
-            "err_budget": budget, "correct": err <= budget,
-            "huge_pages_fraction": _huge_fraction(kc.data if int8 else kc)}
+            times[key].append(time.perf_counter() - t)
+    bwm = float(np.median(bw))
+    rows = []
+    for (d, lay), m in meta.items():
+        nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d))
+        ms = float(np.median(times[d, lay])) * 1e3
+        ss = float(np.median(times[d, "sdpa"])) * 1e3
+        bound_ms = nbytes / bwm * 1e3
+        rows.append({"heads": name, "H": H, "Hkv": Hkv, "D": D, "S": S, "dtype": d, "B": B, "layout": lay,
+                     "kv_bytes": nbytes, "attnlab_ms": ms, "sdpa_ms": ss, "bandwidth_gbs": bwm / 1e9,
+                     "attnlab_gbs": nbytes / ms / 1e6, "sdpa_gbs": nbytes / ss / 1e6, "memory_bound_ms": bound_ms,
+                     "attnlab_over_bound": ms / bound_ms, "speedup": ss / ms, "splits": m["splits"],
+                     "max_err": m["max_err"], "sdpa_err": m["sdpa_err"], "err_budget": m["err_budget"],
+                     "correct": m["max_err"] <= m["err_budget"], "huge_pages_fraction": m["huge_pages_fraction"],
+                     "round_group": gid, "calls_per_round": n})
+    return rows
+
+
+def _group_bytes(name, S, B, variants) -> int:
+    """Memory a round group holds: per dtype SDPA's K/V (and an int8 cache beside its dequantised keys), plus
+    every paged pool."""
+    H, Hkv, D = HEADS[name]
+    total = 0
+    for d in dict.fromkeys(d for d, _ in variants):
+        cache = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d))
+        total += cache + (decode_kernel.kv_bytes(B, Hkv, S, D, D, torch.float32) if d == "int8" else 0)
+        total += cache * sum(1 for dd, lay in variants if dd == d and lay != "contiguous")
+    return total
+
+
+def _chunks(name, S, B, variants) -> list[list]:
+    """``variants`` split in order into round groups of at most GROUP_BYTES_LIMIT (one variant at least)."""
+    out: list[list] = []
+    for var in variants:
+        if out and _group_bytes(name, S, B, out[-1] + [var]) <= GROUP_BYTES_LIMIT:
+            out[-1].append(var)
+        else:
+            out.append([var])
+    return out
 
 
 def decode_kernel_call(q, k_cache, v_cache, block_table, S: int):
@@ -233,12 +308,13 @@ def _targets(rows: list[dict]) -> list[dict]:
         if r["layout"] != "contiguous" and c is not None:
             ratio = r["attnlab_ms"] / c["attnlab_ms"]
             out.append({"case": f"{r['heads']} S={r['S']} {r['dtype']} B={r['B']} {r['layout']} vs contiguous",
-                        "paged_over_contiguous": ratio, "met": ratio <= TARGETS["paged_over_contiguous"]})
+                        "paged_over_contiguous": ratio, "met": ratio <= TARGETS["paged_over_contiguous"],
+                        "side_by_side": r["round_group"] == c["round_group"]})
         b16 = by.get((r["heads"], r["S"], "bfloat16", r["B"], r["layout"]))
         if r["dtype"] == "int8" and r["S"] == 32768 and b16 is not None:
             ratio = r["attnlab_ms"] / b16["attnlab_ms"]
             out.append({"case": f"{r['heads']} S=32768 int8 vs bf16 B={r['B']} {r['layout']}", "int8_over_bf16": ratio,
-                        "met": ratio <= TARGETS["int8_over_bf16"]})
+                        "met": ratio <= TARGETS["int8_over_bf16"], "side_by_side": r["round_group"] == b16["round_group"]})
     for r in rows:
         if r["layout"] != "contiguous" or r["B"] != 1:
             continue
@@ -268,27 +344,34 @@ def run(config: DecodeConfig, *, progress: Callable[[int, int, str], None] | Non
 
 def _run(config: DecodeConfig, v: dict, progress) -> DecodeBench:
     res = DecodeBench(str(config.out), env=environment(), threads=torch.get_num_threads())
-    cases = [(h, S, d, B, lay) for h in v["heads"] for d in v["dtypes"] for B in v["batches"] for S in v["seq_lens"]
-             for lay in v["layouts"]]
     buf = torch.ones(v["bandwidth_mib"] * 2**20 // 4)
     gen = torch.Generator().manual_seed(0)
-    for n, (h, S, d, B, lay) in enumerate(cases):
-        H, Hkv, D = HEADS[h]
-        nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d)) * (2 if lay != "contiguous" else 1)
-        label = f"{h} S={S} {d} B={B} {lay}"
-        if nbytes > CASE_BYTES_LIMIT:
-            res.skipped.append({"case": label, "why": f"caches {nbytes / 2**30:.1f} GiB > {CASE_BYTES_LIMIT / 2**30:.0f}"})
-            continue
+    groups = []  # (heads, S, B, [(dtype, layout), ...]): Note [Decode bench round groups]
+    for h in v["heads"]:
+        for B in v["batches"]:
+            for S in v["seq_lens"]:
+                H, Hkv, D = HEADS[h]
+                variants = []
+                for d in v["dtypes"]:
+                    for lay in v["layouts"]:
+                        nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d)) * (2 if lay != "contiguous" else 1)
+                        if nbytes > CASE_BYTES_LIMIT:
+                            res.skipped.append({"case": f"{h} S={S} {d} B={B} {lay}",
+                                                "why": f"caches {nbytes / 2**30:.1f} GiB > {CASE_BYTES_LIMIT / 2**30:.0f}"})
+                        else:
+                            variants.append((d, lay))
+                groups += [(h, S, B, c) for c in _chunks(h, S, B, variants)] if variants else []
+    for n, (h, S, B, variants) in enumerate(groups):
         if progress:
-            progress(n, len(cases), label)
+            progress(n, len(groups), f"{h} S={S} B={B}: {len(variants)} cases")
         with torch.inference_mode():
-            res.rows.append(_case(h, S, d, B, lay, v["rounds"], buf, gen))
+            res.rows += _group(n, h, S, B, variants, v["rounds"], buf, gen)
     res.targets = _targets(res.rows)
     if not all(r["correct"] for r in res.rows):
         res.exit_code = 1
     res.write()
     if progress:
-        progress(len(cases), len(cases), "done")
+        progress(len(groups), len(groups), "done")
     return res
 
 

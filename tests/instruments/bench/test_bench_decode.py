@@ -98,7 +98,7 @@ def test_bench_decode_caches_share_one_storage(tmp_path, monkeypatch):
                      "--threads", "1", "--out", str(tmp_path)])
     assert code == 0
     H, Hkv, D = bench_decode.HEADS["mqa"]
-    assert shapes.count((1, Hkv, 100, D)) == 4  # k and v, for each layout
+    assert shapes.count((1, Hkv, 100, D)) == 2  # k and v, once: both layouts' cases share them and their rounds
     assert shapes.count((7, 16, Hkv, D)) == 2  # the paged pools: ceil(100 / 16) pages
     data = json.loads((tmp_path / "decode.json").read_text())
     assert data["storage"]["huge_pages_available"] == storage.huge_pages_available()
@@ -123,3 +123,59 @@ def test_bench_decode_int8_cache_is_laid_out_like_the_others():
     assert c.scale.stride() == (Hkv * S, 1, S)
     if dk.available():
         assert dk.head_span(c.data) == dk.head_span(x) == 1
+
+
+def _recording(monkeypatch, events):
+    """bench_decode with each timed call recorded: ("probe",), ("mine", dtype, paged?) or ("sdpa", dtype)."""
+    probe, call = bench_decode._bandwidth_once, bench_decode.decode_kernel_call
+    sdpa = bench_decode.F.scaled_dot_product_attention
+
+    class _F:
+        @staticmethod
+        def scaled_dot_product_attention(q, *a, **kw):
+            events.append(("sdpa", q.dtype))
+            return sdpa(q, *a, **kw)
+
+    monkeypatch.setattr(bench_decode, "_bandwidth_once", lambda buf: events.append(("probe",)) or probe(buf))
+    monkeypatch.setattr(bench_decode, "decode_kernel_call",
+                        lambda q, k, v, table, S: events.append(("mine", q.dtype, table is not None)) or call(q, k, v, table, S))
+    monkeypatch.setattr(bench_decode, "F", _F)
+
+
+@pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
+def test_bench_decode_cases_of_one_shape_share_rounds(tmp_path, monkeypatch):
+    """Note [Decode bench round groups]: every dtype and layout of one (heads, S, B) is timed in the same
+    rounds, each call after its own probe, the order rotated by one each round; the ratio targets say so."""
+    events = []
+    _recording(monkeypatch, events)
+    f32, b16 = torch.float32, torch.bfloat16
+    res = bench_decode.run(bench_decode.DecodeConfig(out=str(tmp_path), seq_lens=(64,), dtypes=("float32", "bfloat16"),
+                                                     heads=("mqa",), batches=(1,), layouts=("contiguous", "paged16"),
+                                                     rounds=7, bandwidth_mib=1, threads=1))
+    assert res.exit_code == 0 and len(res.rows) == 4
+    assert len({r["round_group"] for r in res.rows}) == 1 and all(r["calls_per_round"] == 6 for r in res.rows)
+    calls = [("mine", f32, False), ("mine", f32, True), ("sdpa", f32), ("mine", b16, False), ("mine", b16, True),
+             ("sdpa", b16)]
+    timed = events[events.index(("probe",)):]
+    assert timed[0::2] == [("probe",)] * 42
+    assert timed[1::2] == sum((calls[r % 6:] + calls[:r % 6] for r in range(7)), [])
+    assert all(t["side_by_side"] for t in res.targets if "paged_over_contiguous" in t)
+
+
+@pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
+def test_bench_decode_splits_a_group_past_its_memory(tmp_path, monkeypatch):
+    """A (heads, S, B) whose caches pass GROUP_BYTES_LIMIT is split in order into groups that fit; a target
+    across two groups is marked not side by side."""
+    H, Hkv, D = bench_decode.HEADS["mqa"]
+    one = bench_decode.decode_kernel.kv_bytes(1, Hkv, 64, D, D, torch.float32)
+    monkeypatch.setattr(bench_decode, "GROUP_BYTES_LIMIT", one)  # room for SDPA's K/V and no pool
+    res = bench_decode.run(bench_decode.DecodeConfig(out=str(tmp_path), seq_lens=(64,), dtypes=("float32",),
+                                                     heads=("mqa",), batches=(1,), layouts=("contiguous", "paged16"),
+                                                     rounds=1, bandwidth_mib=1, threads=1))
+    groups = {r["layout"]: r["round_group"] for r in res.rows}
+    assert groups == {"contiguous": 0, "paged16": 1}
+    assert [t["side_by_side"] for t in res.targets if "paged_over_contiguous" in t] == [False]
+    assert bench_decode._chunks("mqa", 64, 1, [("float32", "contiguous"), ("float32", "paged16")]) == [
+        [("float32", "contiguous")], [("float32", "paged16")]]
+    monkeypatch.setattr(bench_decode, "GROUP_BYTES_LIMIT", 2 * one)
+    assert len(bench_decode._chunks("mqa", 64, 1, [("float32", "contiguous"), ("float32", "paged16")])) == 1
