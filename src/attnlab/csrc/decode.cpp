@@ -137,7 +137,15 @@ constexpr float kNinf = -std::numeric_limits<float>::infinity();
 // (= no prefetch, 36.9) vs 21.3 ms into L2; bf16 17.6 vs 10.5; paged fp32 page 64 32.4 vs 22.1).
 // set_prefetch(mode) changes it at run time (read once per call), so both levels compare in one process: on
 // Zen 5 (2 threads, cold caches, GQA 32/8 D=128, bf16) into L1 measured 3.13 vs 3.58 ms at S = 32768 one hour
-// and 4.26 vs 3.68 ms (S = 4096: 0.54 vs 0.45) another, so the default stays L2.
+// and 4.26 vs 3.68 ms (S = 4096: 0.54 vs 0.45) another, so the default stays L2. Tried and not kept: rows
+// found and prefetched two or three items ahead instead of one (the first items' at once): cold, 2 threads,
+// GQA 32/8 D = 128, medians of 15 interleaved rounds, time over one item ahead: S = 32768 fp32 1.04-1.09
+// (every layout), bf16 0.98-1.02; S = 1024 bf16 0.93-1.06: no gain where the layouts differ most.
+// A unit's first item has no item before it to hide its misses behind: its rows are prefetched at once when
+// the unit starts, so they arrive together instead of one demand miss per row of the score loop. Cold, 2
+// threads, medians of 41 interleaved rounds, time with it over without: MHA 8/8 D = 64 fp32 S = 1024 (8
+// units of 1024 keys) 0.93 / 0.96 / 0.93 / 0.97 in four runs; S = 512 and 4096, and GQA 32/8 D = 128 at
+// S = 1024 (bf16) and 4096 (fp32), 0.98-1.01.
 // ATTNLAB_DECODE_NO_PREFETCH=1 starts with it off, ATTNLAB_DECODE_PREFETCH_LEVEL=1 (or 2) with that level.
 // whether an environment variable is set to something other than "" or "0"
 bool env_on(const char* name) {
@@ -770,7 +778,16 @@ void decode_impl(const Args& a) {
         tile_rows(K, a.ks, a.ksc, a.kss, a, b, g, t0, nt, kr[c], ks2[c]);
         tile_rows(V, a.vs, a.vsc, a.vss, a, b, g, t0, nt, vr[c], vs2[c]);
       };
-      if (j0 < j1) rows_of(0, j0, g0, std::min(TK, j1 - j0));
+      if (j0 < j1) {
+        const int64_t n0 = std::min(TK, j1 - j0);
+        rows_of(0, j0, g0, n0);
+        if (a.prefetch > 0) {  // the first item's rows at once (Note [Decode prefetch]): no item runs before it
+          const NextRows<T> nk{kr[0], n0, D * static_cast<int64_t>(sizeof(T)), a.prefetch};
+          const NextRows<T> nvv{vr[0], n0, Dv * static_cast<int64_t>(sizeof(T)), a.prefetch};
+          for (int64_t t = 0; t < n0; ++t) nk.row(t);
+          for (int64_t t = 0; t < n0; ++t) nvv.row(t);
+        }
+      }
       for (int64_t t0 = j0; t0 < j1; t0 += TK)
       for (int64_t gl = 0; gl < hs; ++gl) {
         const int64_t nt = std::min(TK, j1 - t0), g = g0 + gl;
