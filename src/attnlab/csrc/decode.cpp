@@ -73,11 +73,7 @@
 // vector; the page walk's per-row pointers and scales): 0.6x came with Note [Decode int8 VNNI]. A query that
 // already lies on its grid is taken exactly (tests/functional/test_kvcache_int8.py); otherwise the tests add
 // the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. A default build, and heads over
-// kIntDotMaxD, keep the fp32 path. With AVX-512 and D <= kIntSumMaxD a block's 16 dot products are summed
-// across lanes in int32 (the shuffle tree of Note [Decode dot products] with vpaddd) and converted once, where
-// each lane was converted and the lanes summed in fp32: one rounding per score instead of up to 16, and 15
-// fewer conversions a block (1 thread, GQA 32/8, D = 128, S = 2048, in cache, interleaved: 0.93-0.96x the
-// time; cold, 2 threads, S = 32768: 0.91 / 0.96 / 0.97 / 1.12 in four runs).
+// kIntDotMaxD, keep the fp32 path.
 //
 // Note [Decode int8 VNNI]: where the CPU has avx512_vnni (Ice Lake, Sapphire Rapids, Zen 4 and 5) the score
 // loop's multiply-add is one vpdpwssd (the same int16 pairs summed into int32 lanes, exactly: the same bits,
@@ -448,8 +444,6 @@ constexpr int64_t KW = 2 * W;  // int16 lanes of one vector: the elements one mu
 // the longest head the int32 lanes hold exactly: a lane sums 2 D / KW products of at most 32767 * 127
 // (< 2^31 up to D = 8256 at KW = 32, 4128 at KW = 16); longer heads take the fp32 path
 constexpr int64_t kIntDotMaxD = 4096;
-// the longest head whose whole dot product an int32 holds: D products of at most 32767 * 127 (< 2^31 to D = 516)
-constexpr int64_t kIntSumMaxD = 512;
 
 #if defined(CPU_CAPABILITY_AVX512)
 using Vi = __m512i;
@@ -495,27 +489,6 @@ constexpr bool kHasVnni = false;
 // GQA 32/8, D = 128, S = 2048: 48 -> 56 ns a key), its int32 and fp32 accumulators spilled.
 __attribute__((noinline)) void hsum_all_call(const Vf* acc, float* out) { hsum_all(acc, out); }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// hsum_all on int32 lanes (vpaddd; the same shuffle tree), the W exact sums converted once
-__attribute__((noinline)) void hsum_all_i32_call(const Vi* acc, float* out) {
-  auto cf = [](__m512i x) { return _mm512_castsi512_ps(x); };
-  auto ci = [](__m512 x) { return _mm512_castps_si512(x); };
-  auto pair = [&](__m512i x, __m512i y) { return _mm512_add_epi32(_mm512_unpacklo_epi32(x, y), _mm512_unpackhi_epi32(x, y)); };
-  auto quad = [&](__m512i xy, __m512i zw) {
-    return _mm512_add_epi32(ci(_mm512_shuffle_ps(cf(xy), cf(zw), _MM_SHUFFLE(1, 0, 1, 0))),
-                            ci(_mm512_shuffle_ps(cf(xy), cf(zw), _MM_SHUFFLE(3, 2, 3, 2))));
-  };
-  auto lanes = [](__m512i x, __m512i y) {
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
-  };
-  __m512i q4[4];
-  for (int j = 0; j < 4; ++j)
-    q4[j] = quad(pair(acc[4 * j], acc[4 * j + 1]), pair(acc[4 * j + 2], acc[4 * j + 3]));
-  _mm512_storeu_ps(out, _mm512_cvtepi32_ps(lanes(lanes(q4[0], q4[1]), lanes(q4[2], q4[3]))));
-}
-#endif
-
 template <int RB, bool VNNI>
 __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const float* qsc, const int8_t* const* krows,
                         const float* ksc, int64_t t, int64_t D, float* s) {
@@ -559,22 +532,11 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
       return i8_to_i16(x);
     });
 #endif
-  float sums[W];
-#if defined(CPU_CAPABILITY_AVX512)
-  if (D <= kIntSumMaxD) {  // Note [Decode int8 scores]: the sums exact in int32, then one conversion
-    hsum_all_i32_call(acc, sums);
-  } else {
-    Vf accf[W];
-#pragma GCC unroll 16
-    for (int i = 0; i < W; ++i) accf[i] = i32_to_f(acc[i]);
-    hsum_all_call(accf, sums);
-  }
-#else
   Vf accf[W];
 #pragma GCC unroll 16
   for (int i = 0; i < W; ++i) accf[i] = i32_to_f(acc[i]);
+  float sums[W];
   hsum_all_call(accf, sums);
-#endif
 #if defined(CPU_CAPABILITY_AVX512)
   put_scores_v<RB>(sums, row_key_factors<RB>(qsc, ksc + t), t, s);
 #else
