@@ -290,6 +290,9 @@ struct NextRows {
         for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
     }
   }
+  __attribute__((always_inline)) inline void all() const {  // every row at once
+    for (int64_t t = 0; t < n; ++t) row(t);
+  }
 };
 
 // The sum (the largest) of a vector's lanes: a shuffle tree on AVX-512 (the serial scalar loop was a tenth of
@@ -705,7 +708,7 @@ inline void pv_rows(const float* p, const T* const* vrows, const float* vsc, int
   for (; c + NV <= nv; c += NV, next = nullptr) pv_cols<RB, NV>(p, vrows, vsc, nt, o, Dv, c * W, next);
   for (; c < nv; ++c, next = nullptr) pv_cols<RB, 1>(p, vrows, vsc, nt, o, Dv, c * W, next);
   if (next)
-    for (int64_t t = 0; t < next->n; ++t) next->row(t);
+    next->all();
 }
 
 // TQ: q's and out's type; T: the cache's (TQ, or int8: Note [Decode int8 cache])
@@ -786,10 +789,8 @@ void decode_impl(const Args& a) {
         const int64_t n0 = std::min(TK, j1 - j0);
         rows_of(0, j0, g0, n0);
         if (a.prefetch > 0) {  // the first item's rows at once (Note [Decode prefetch]): no item runs before it
-          const NextRows<T> nk{kr[0], n0, D * static_cast<int64_t>(sizeof(T)), a.prefetch};
-          const NextRows<T> nvv{vr[0], n0, Dv * static_cast<int64_t>(sizeof(T)), a.prefetch};
-          for (int64_t t = 0; t < n0; ++t) nk.row(t);
-          for (int64_t t = 0; t < n0; ++t) nvv.row(t);
+          NextRows<T>{kr[0], n0, D * static_cast<int64_t>(sizeof(T)), a.prefetch}.all();
+          NextRows<T>{vr[0], n0, Dv * static_cast<int64_t>(sizeof(T)), a.prefetch}.all();
         }
       }
       for (int64_t t0 = j0; t0 < j1; t0 += TK)
@@ -912,7 +913,7 @@ void decode_impl(const Args& a) {
           every = every && nnz[r] == nt;
         }
         if (!any) {
-          for (int64_t t = 0; t < next_v.n; ++t) next_v.row(t);
+          next_v.all();
           continue;
         }
         // 4) O += P @ V over the weighed keys
@@ -933,7 +934,7 @@ void decode_impl(const Args& a) {
           for (; r_first < R; ++r_first, nv = nullptr)
             pv_rows<1>(pp + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
         } else {
-          for (int64_t t = 0; t < next_v.n; ++t) next_v.row(t);
+          next_v.all();
         }
         for (int64_t r = 0; r < R; ++r) {
           const int32_t n = nnz[r];
