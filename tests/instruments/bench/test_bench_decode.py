@@ -12,7 +12,8 @@ from attnlab.kernels import decode as dk
 
 
 @pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
-def test_bench_decode_toy(tmp_path):
+def test_bench_decode_toy(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     code = cli.main(["bench", "decode", "--seq-lens", "100,300", "--dtypes", "float32,bfloat16", "--heads", "mqa,mha",
                      "--layouts", "contiguous,paged16", "--batches", "1,2", "--rounds", "1", "--bandwidth-mib", "8", "--threads", "1",
                      "--out", str(tmp_path)])
@@ -26,6 +27,11 @@ def test_bench_decode_toy(tmp_path):
         assert r["speedup"] == pytest.approx(r["sdpa_ms"] / r["attnlab_ms"])
         assert r["attnlab_over_bound"] == pytest.approx(r["attnlab_ms"] / r["memory_bound_ms"])
     assert (tmp_path / "decode.png").stat().st_size > 0
+    # the table fits 80 columns with nothing elided (it once printed "he…", "fl…": Note [Tables that fit])
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(ln) for ln in out.splitlines()) <= 80
+    for word in ("heads", "layout", "bfloat16", "contiguous", "paged16", "speedup"):
+        assert word in out
 
 
 def test_bench_decode_bad_arguments(tmp_path):
