@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from rich.cells import cell_len
 
 from attnlab.bench import decode as bench_decode
 from attnlab.cli import main as cli
@@ -29,7 +30,7 @@ def test_bench_decode_toy(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "decode.png").stat().st_size > 0
     # the table fits 80 columns with nothing elided (it once printed "he…", "fl…": Note [Tables that fit])
     out = capsys.readouterr().out
-    assert "…" not in out and max(len(ln) for ln in out.splitlines()) <= 80
+    assert "…" not in out and max(cell_len(ln) for ln in out.splitlines()) <= 80
     for word in ("heads", "layout", "bfloat16", "contiguous", "paged16", "speedup"):
         assert word in out
 
@@ -86,6 +87,7 @@ def test_bench_decode_probe_before_every_timed_call(tmp_path, monkeypatch):
                                                  "probe", "mine", "probe", "sdpa"]
 
 
+@pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
 def test_bench_decode_caches_share_one_storage(tmp_path, monkeypatch):
     """The contiguous and the paged caches both come from empty_kv_cache (like with like: Note [KV cache on huge
     pages]), and decode.json records the storage and each row's huge-page share."""
