@@ -8,11 +8,11 @@ SUITES = {
     "all": ("attnlab.cli.bench_all", "every mechanism and pattern x sequence length, fitted exponents"),
     "minilm": ("attnlab.cli.bench_minilm", "MiniLM encode throughput: attnlab vs transformers"),
     "generate": ("attnlab.cli.bench_generate", "TransformerLM generation with vs without KV cache"),
-    "decode": ("attnlab.cli.bench_decode", "decode vs SDPA enable_gqa against the measured read bandwidth (issue 23)"),
+    "decode": ("attnlab.cli.bench_decode", "decode vs SDPA enable_gqa against the measured read bandwidth (targets for a quiet machine)"),
     "ring": ("attnlab.cli.bench_ring", "ring attention: per-rank memory and time vs one process"),
     "layers": ("attnlab.cli.bench_layers", "self-attention vs recurrence vs convolution (Vaswani et al. Table 1)"),
-    "kernels": ("attnlab.cli.bench_kernels", "attnlab's kernels vs SDPA and compiled FlexAttention (issue 14 targets)"),
-    "planner": ("attnlab.cli.bench_planner", "method=auto against the fastest kernel over 66 configurations (issue 22)"),
+    "kernels": ("attnlab.cli.bench_kernels", "attnlab's kernels vs SDPA and compiled FlexAttention, against their targets"),
+    "planner": ("attnlab.cli.bench_planner", "method=auto against the fastest kernel over 66 configurations"),
 }
 
 

@@ -95,7 +95,7 @@ def _long_range_args(p) -> None:
                    help=f"queries per associative-recall example, answered in place (default {FULL['queries']}; "
                         "1 = one query read at the last token)")
     p.add_argument("--no-token-shift", action="store_true",
-                   help="do not give each position the embedding of its predecessor (see Note [Token shift])")
+                   help="do not give each position the embedding of its predecessor (token shift, a 2-tap causal convolution)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: report the runs whose checkpoints in --out are finished (same settings) "
                         "and list the others as not run")

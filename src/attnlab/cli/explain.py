@@ -93,6 +93,16 @@ def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pat
             "density": plan.density, "plan": plan}
 
 
+def _title(r: dict) -> str:
+    """One table's title, as a user would write the call: ``query [1, 8, 1024, 64], S=1024, pattern
+    causal, is_causal=True, method=auto``."""
+    parts = [f"query {r['shape']}", f"S={r['S']}"]
+    if r["pattern"]:
+        parts.append(f"pattern {r['pattern']}")
+    parts += [f"{k}={v}" for k, v in (r["options"] or {}).items()]
+    return ", ".join(parts)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Plan each --shape (or ``DEFAULT_SHAPES``) with ``explain_shape`` and print one table per shape: every
     method, chosen or refused and why, its predicted peak memory and GFLOP. Runs no attention.
@@ -120,8 +130,7 @@ def run(args: argparse.Namespace) -> dict:
         console.print_json(json.dumps([{k: v for k, v in r.items() if k != "plan"} for r in results]))
     else:
         for r in results:
-            t = Table(title=f"query {r['shape']}, S={r['S']} {r['pattern'] or ''} {r['options'] or ''}".strip(),
-                      title_justify="left")
+            t = Table(title=_title(r), title_justify="left")
             for c in ("method", "status", "predicted peak", "GFLOP"):
                 t.add_column(c)
             for m in attnlab.METHODS[1:]:

@@ -175,8 +175,8 @@ def _text() -> str:
 
 
 def minilm_qkv(tokens: int):
-    """[(layer, q, k, v)] with q, k, v [1, 12, T, 32] from every MiniLM layer (contract 3), or raise."""
-    from attnlab.models import minilm  # lazy: contract 3
+    """[(layer, q, k, v)] with q, k, v [1, 12, T, 32] from every MiniLM layer (attnlab.models.minilm), or raise."""
+    from attnlab.models import minilm  # lazy: MiniLM is optional
 
     m = minilm.load()
     enc = m.tokenize(_text(), max_length=tokens)

@@ -405,7 +405,7 @@ def _report(res) -> str:
     md = ["# Long-range tasks: every mechanism, one budget", "",
           f"Sequence length {res['seq_len']}; a {res['num_layers']}-layer pre-norm Transformer (d_model "
           f"{res['d_model']}, {res['num_heads']} heads of 32, learned position embeddings"
-          + (", token shift (Note [Token shift])" if res["token_shift"] else "") + "), "
+          + (", token shift: each position also sees its predecessor's token embedding" if res["token_shift"] else "") + "), "
           f"{res['steps']} AdamW steps of batch {res['batch_size']} at lr {res['lr']:g} per task and mechanism — the "
           f"same budget for every mechanism — seeds {res['seeds']}, {res['train_examples']} generated training and "
           f"{res['test_examples']} held-out examples per task. Tasks: "

@@ -80,7 +80,7 @@ def random_records(dks, rows: int, keys: int, seed: int) -> list[dict]:
 def _minilm_qk(sentences=SENTENCES):
     """[(layer, q [T, 12, 32], k [T, 12, 32])] per sentence, and where they came from (or None, why)."""
     try:
-        from attnlab.models import minilm  # contract 3
+        from attnlab.models import minilm  # lazy: MiniLM is optional
         m = minilm.load()
         out = []
         for sent in sentences:
@@ -88,7 +88,7 @@ def _minilm_qk(sentences=SENTENCES):
             o = m.forward(enc["input_ids"], enc["attention_mask"], output_qkv=True)
             for layer, (q, k, _v) in enumerate(o.qkv):
                 out.append((layer, q[0].transpose(0, 1).detach(), k[0].transpose(0, 1).detach()))  # (T, 12, 32)
-        return out, "attnlab.models.minilm (contract 3)"
+        return out, "attnlab.models.minilm"
     except Exception as e:  # not there yet, or failed: fall back to the checkpoint through transformers
         first_error = f"{type(e).__name__}: {e}"
     try:

@@ -30,7 +30,7 @@ _ids = itertools.count()
 
 def resolve_mechanism(mechanism):
     """A core method name stays a string (run through attnlab.attention); anything else goes through
-    ``attnlab.mechanisms.resolve`` (contract 1) and becomes a callable."""
+    ``attnlab.mechanisms.resolve`` (the shared mechanism signature) and becomes a callable."""
     if isinstance(mechanism, str) and mechanism in METHODS:
         return mechanism
     from .. import mechanisms  # lazy: built by another module, only needed for approximations
