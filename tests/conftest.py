@@ -76,3 +76,16 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if module in SLOW_MODULES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per CPU-specific code path: ran, failed, or skipped and why (tests/cpu_paths.py)."""
+    import cpu_paths
+    from attnlab import cpu
+
+    reports = [r for key in ("passed", "failed", "skipped", "error") for r in terminalreporter.stats.get(key, [])
+               if hasattr(r, "nodeid")]
+    tr = terminalreporter
+    tr.section(f"CPU paths on this machine: {cpu.summary(peaks=False)}")
+    for line in cpu_paths.summary(reports, cpu.INFO.flags):
+        tr.write_line(line)

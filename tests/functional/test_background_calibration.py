@@ -117,3 +117,33 @@ def test_never_at_import(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# -- Note [Calibration at exit] ----------------------------------------------------------------------
+_EXITS = """
+import sys, time
+from attnlab.functional import calibration
+t = calibration.note_call(calibration.LONG_CALL_S)   # the real grid, in its daemon thread
+time.sleep(float(sys.argv[1]))                        # the thread is inside a timing now
+print("running" if t is not None and t.is_alive() else "not running", flush=True)
+sys.exit(int(sys.argv[2]))                            # the script ends with the grid mid-way
+"""
+
+
+def test_a_process_that_exits_during_the_background_calibration_exits_with_its_own_status(tmp_path):
+    """Before the fix: "terminate called without an active exception", SIGABRT, exit 134, 3 times out of 3.
+    Each run must have exited while the thread was running (else it proves nothing), with its own status, and
+    left no calibration file (a cancelled grid writes nothing)."""
+    script = tmp_path / "exits.py"
+    script.write_text(_EXITS)
+    runs = []
+    for i in range(10):
+        cache = tmp_path / f"cache{i}"
+        env = dict(os.environ, ATTNLAB_CALIBRATION="on", ATTNLAB_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+        status = 3 if i % 2 else 0
+        r = subprocess.run([sys.executable, str(script), "0.3", str(status)], env=env, capture_output=True,
+                           text=True, timeout=180)
+        runs.append((r.returncode, status, r.stdout.strip(), r.stderr.strip()[-300:]))
+        assert not any(cache.glob("*.json")) if cache.exists() else True
+    assert all(out == "running" for _, _, out, _ in runs), runs
+    assert all(rc == status for rc, status, _, _ in runs), runs

@@ -150,6 +150,13 @@ inline void blas_gemm(bool blas, bool ta, bool tb, int64_t M, int64_t N, int64_t
                        beta, c, ldc);
 }
 
+// Whether this thread's AMX tile configuration is the one torch's cpublas::brgemm believes loaded
+// (Note [AMX tile state]).
+inline bool& tiles_trusted() {
+  static thread_local bool trusted = false;
+  return trusted;
+}
+
 // The kernels' `gemm(ta, tb, M, N, K, ...)`: a local object of this type named `gemm` carries the call's
 // back end (MKL or the loop) into every product of forward_impl / backward_impl (and their threads).
 struct TileGemm {
@@ -158,6 +165,7 @@ struct TileGemm {
   void operator()(bool ta, bool tb, int64_t M, int64_t N, int64_t K, A alpha, const T* a, int64_t lda, const T* b,
                   int64_t ldb, A beta, A* c, int64_t ldc) const {
     blas_gemm(blas, ta, tb, M, N, K, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (blas) tiles_trusted() = false;  // MKL may have loaded or released the AMX tiles (Note [AMX tile state])
   }
 };
 
@@ -491,6 +499,32 @@ constexpr bool kHaveBrgemm = true;
 constexpr bool kHaveBrgemm = false;
 #endif
 
+// Note [AMX tile state]: an AMX product runs only on a thread whose tile configuration is loaded (else
+// `tilezero` raises #UD: SIGILL). torch's cpublas::brgemm loads a kernel's configuration only when the
+// thread's cached "current" kernel (a thread_local in CPUBlas.cpp) differs from the one called, and only
+// cpublas::brgemm_release(true) clears that cache. Anything else that loads or releases the tiles on the
+// thread leaves the cache believing they are set. The sequence that crashed (bf16 backward, L = S = 64,
+// blocks of 16, on a Sapphire Rapids class Xeon): the backward's scores run on brgemm (the forward's back end,
+// Note [Same scores]) while its other products run on MKL (compiled.py's backward rule: few visited blocks);
+// MKL's cblas_gemm_bf16bf16f32 runs on AMX with its own tile configuration and ends with `tilerelease`; the
+// next key tile's score product has the same (M, N, K, ld) key, so torch skips the configuration and
+// oneDNN's kernel faults on its first `tilezero`. Other ways to the same state: a user's torch op on oneDNN
+// between two of our calls on one thread, or a release elsewhere. So the kernel trusts no state it did not
+// set: each thread's work starts untrusted (TileScope), every product off brgemm marks the tiles untrusted
+// (TileGemm), and an untrusted half-type brgemm first calls brgemm_release(true), which makes torch load the
+// configuration again (one tilerelease and one ldtilecfg per product that follows an MKL one).
+// Each thread's work ends with a release, so nothing of ours leaks to the caller's thread.
+// One thread's share of a kernel call that may run half-type brgemm products: untrusted tiles at the start,
+// released at the end (Note [AMX tile state]).
+struct TileScope {
+  bool half;
+  explicit TileScope(bool half_) : half(half_) { tiles_trusted() = false; }
+  ~TileScope() {
+    if (kHaveBrgemm && half) at::native::cpublas::brgemm_release(true);
+    tiles_trusted() = false;
+  }
+};
+
 // Note [Gemm arguments]: checked like MKL's, and no empty dim (oneDNN refuses to create such a kernel).
 template <typename T>
 inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add, const T* a,
@@ -501,6 +535,10 @@ inline void brg(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64
   if constexpr (std::is_same_v<T, float>) {
     at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, false);
   } else if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+    if (!tiles_trusted()) {  // Note [AMX tile state]: make torch load this kernel's configuration
+      at::native::cpublas::brgemm_release(true);
+      tiles_trusted() = true;
+    }
     at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, a, b, c, true);
   } else {
     TORCH_CHECK(false, "attnlab._C: no brgemm for this dtype");
@@ -882,6 +920,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t units = N * H * nq;
   const std::vector<int32_t> order = costliest_first(lay.kv_num, lay.Nl, N, H, nq, lay.maxk);
   parallel_pull(units, grain(units, flops) > 1, [&](auto pull) {  // Note [Dynamic schedule]
+    const TileScope tiles(kHalf && use_brg);  // Note [AMX tile state]
     std::vector<A> sbuf(bq * W), obuf(bq * Ev), mrow(bq), lrow(bq);
     std::vector<T> pbuf(kSame ? 0 : bq * (W + 1));
     for (int64_t i = pull(); i >= 0; i = pull()) {
@@ -995,7 +1034,6 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
       }
     }
-    if (use_brg) at::native::cpublas::brgemm_release(kHalf);
   });
 }
 
@@ -1099,6 +1137,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   for (int64_t u = 0; u < units; ++u) order[u] = u;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   parallel_pull(units, grain(units, 2 * N * H * L * S * (E + Ev)) > 1, [&](auto pull) {
+    const TileScope tiles(kHalf && (use_brg || score_brg));  // Note [AMX tile state]
     std::vector<A> pbuf(bq * bk), dpbuf(bq * bk), tbuf(mod.softcap > 0 ? bq * bk : 0), dqacc(bq * E), delta(bq),
         lsafe(bq), lsafe_lo(bq);
     std::vector<T> pT(kSame ? 0 : bq * bk), dsT(kSame ? 0 : bq * bk);
@@ -1284,7 +1323,6 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         }
       }
     }
-    if (use_brg || score_brg) at::native::cpublas::brgemm_release(kHalf);
   });
   if (DQP) dq.copy_(dq_part.sum(0));
   if (DRP) {  // Note [Relative bias]: units (n, kv head, range) in order, query heads kv head's groups

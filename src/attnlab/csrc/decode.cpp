@@ -871,7 +871,10 @@ void decode_impl(const Args& a) {
             for (; t < nt; ++t) mt = std::max(mt, srow[t]);
           }
           nnz[r] = 0;
-          if (mt == kNinf) continue;  // no key seen yet
+          if (mt == kNinf) {  // no key seen yet: this row weighs nothing, so the rows cannot share V loads
+            every = false;    // (its scores stay -inf, not exponentiated: a shared pass would add -inf * v = NaN)
+            continue;
+          }
           if (mt != m_g[r]) {
             const float alpha = m_g[r] == kNinf ? 0.f : std::exp(m_g[r] - mt);
             l_g[r] *= alpha;

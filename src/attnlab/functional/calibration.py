@@ -66,6 +66,7 @@ Only ``calibrate()`` measures, never an import.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import threading
@@ -87,7 +88,7 @@ from ..shapes import prepare
 from ..timing import interleaved
 
 __all__ = ["CalibrationConfig", "calibrate", "MARGIN", "note_call", "seconds_for", "background", "state",
-           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
+           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "Cancelled", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
 
 # Note [No margin for SDPA]: the compiled kernel takes a plain dense/causal call where it measured faster than
 # SDPA at all (MARGIN = 1), not by a safety margin. The planner's promise is "the fastest kernel", judged
@@ -145,6 +146,11 @@ MIN_CPU_SHARE = 0.5
 class TooNoisy(RuntimeError):
     """The calibration's samples were tick-bound or scattered (Note [Tick-bound samples]): nothing was fitted
     or written."""
+
+
+class Cancelled(RuntimeError):
+    """The calibration was cancelled (its ``cancel`` event was set: the interpreter is exiting, Note [Calibration
+    at exit]) before it finished: nothing was fitted or written."""
 
 
 @dataclass(frozen=True)
@@ -281,15 +287,23 @@ def _kernel_call(q, k, v, kernel: K.Kernel, *, is_causal: bool = False, pattern=
     return (lambda: plan.kernel.run(p, plan.tiling)), plan
 
 
-def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, save: bool = True):
+def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, save: bool = True,
+              cancel: threading.Event | None = None):
     """Measure the grid, fit the rates, and (``save``) write them as this machine's calibration.
 
     Returns (rates.Rates, measured: {case: seconds per call}, path or None). ``tick(done, total, label)``
     reports progress. Without the compiled extension only the sparse, SDPA, tiled and dense kernels' rates
     are measured (the others keep the built-in table's values). Raises ``TooNoisy`` (nothing written) when
-    the samples are tick-bound or scattered (Note [Tick-bound samples])."""
+    the samples are tick-bound or scattered (Note [Tick-bound samples]), and ``Cancelled`` (nothing written)
+    within one sample of ``cancel`` being set."""
     cfg = cfg or CalibrationConfig()
-    clock = CLOCK
+    base_clock = CLOCK
+
+    def clock() -> float:  # read between samples: the point where a cancelled calibration stops
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the calibration was cancelled; nothing written")
+        return base_clock()
+
     tick = tick or (lambda *a: None)
     base = rates.builtin()
     have_ext = compiled_kernel.available()
@@ -435,9 +449,21 @@ def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> di
 
 
 # -- in the background (Note [Background calibration]) ------------------------------------------------
+# Note [Calibration at exit]: the background calibration runs torch ops in a daemon thread. When the interpreter
+# finalises while such a thread is inside a pybind call, the thread dies in ``PyThread_exit_thread`` on its way
+# back to the GIL; that forced unwind through C++ frames ends in ``std::terminate`` ("terminate called without
+# an active exception", SIGABRT, exit 134: 3 times out of 3 for a script whose last call started the grid).
+# So the thread never outlives the interpreter: ``_stop_at_exit`` (atexit, registered when the thread starts;
+# it runs after the main thread's code and before finalisation) sets the cancel event and joins the thread.
+# The grid checks the event at every clock reading, i.e. between samples (each at most ``min_sample_s`` of
+# calls, or one call), so the join waits one sample; it writes nothing (the file is written atomically at the
+# end or not at all), and the process exits with its own status.
 _BACKGROUND: threading.Thread | None = None
 _BACKGROUND_LOCK = threading.Lock()
 _PENDING: rates.Rates | None = None  # fitted by the background thread, made current by the next note_call
+_CANCEL = threading.Event()
+#: how long the exit waits for the background thread to stop (it stops within one sample; a guard only)
+EXIT_JOIN_S = 120.0
 
 
 def seconds_for(flops: float) -> float:
@@ -448,7 +474,7 @@ def seconds_for(flops: float) -> float:
 
 def _calibrate_in_background() -> rates.Rates:
     """The thread's work: the grid, saved without making it current (``note_call`` does)."""
-    fitted, measured, _ = calibrate(save=False)
+    fitted, measured, _ = calibrate(save=False, cancel=_CANCEL)
     rates.save(fitted, measured, reload_now=False)
     return fitted
 
@@ -457,13 +483,21 @@ def _thread_body() -> None:
     global _PENDING
     try:
         fitted = _calibrate_in_background()
-    except TooNoisy:  # a busy machine: the built-in table stays, as without a calibration (Note [Tick-bound samples])
+    except (TooNoisy, Cancelled):  # a busy machine, or the process is exiting: the built-in table stays
         return
     except Exception as e:  # noqa: BLE001 - a background failure must not reach the user's call
         warnings.warn(f"attnlab: the background calibration failed ({type(e).__name__}: {e}); the planner keeps "
                       "its built-in table (run `attnlab calibrate` to measure this CPU)", RuntimeWarning)
         return
     _PENDING = dataclasses.replace(fitted, source=f"calibrated on this CPU in the background ({rates.cache_path()})")
+
+
+def _stop_at_exit() -> None:
+    """Note [Calibration at exit]: cancel the background calibration and wait for its thread."""
+    t = _BACKGROUND
+    if t is not None and t.is_alive():
+        _CANCEL.set()
+        t.join(EXIT_JOIN_S)
 
 
 def note_call(predicted_s: float) -> threading.Thread | None:
@@ -482,7 +516,9 @@ def note_call(predicted_s: float) -> threading.Thread | None:
             return None
         if rates.cache_path().exists():  # a file that did not load (it warned): `attnlab calibrate` rewrites it
             return None
+        _CANCEL.clear()
         _BACKGROUND = threading.Thread(target=_thread_body, name="attnlab-calibration", daemon=True)
+        atexit.register(_stop_at_exit)
         _BACKGROUND.start()
         return _BACKGROUND
 
