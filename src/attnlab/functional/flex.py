@@ -3,23 +3,21 @@
 Legend: B batch, H query heads, Hkv key/value heads (GQA: H = G·Hkv, query head h reads kv head h // G),
 L query length, S key length, E head dim, Ev value head dim; b, h, q_idx, kv_idx index them.
 
-``score_mod(score, b, h, q_idx, kv_idx)`` is told apart by probing it (never by reading its source),
-vectorised, on whole lines of (b, h, q_idx, kv_idx) that cover every value of each index and every offset
-q_idx - kv_idx, plus random points: O(L + S) points, with several float64 scores each (Notes [Probing
-score_mod], [Structured probes]; a departure confined to isolated (q_idx, kv_idx) pairs off those lines is
-not seen):
+``score_mod(score, b, h, q_idx, kv_idx)`` is classified from its torch.fx trace (``flex_trace``, Note
+[score_mod by its trace]): what it is at every pair is proved from its graph, never sampled, and a fast path
+runs only where the proof is complete:
 
 - none / identity: ``attnlab.attention`` with the mask as a pattern (block skipping in the kernel);
-- soft-capping ``cap·tanh(score / cap)`` (plus an optional bias): ``attention(..., softcap=cap)``;
-- affine in the score ``c·score + bias(b, h, q_idx, kv_idx)``, c > 0 the same everywhere, the factor c
-  folded into ``scale``. A bias that probes as relative, ``bias(h, q_idx - kv_idx)`` (T5 buckets, a learned
-  relative table, ALiBi), is evaluated once per offset, [H, L + S - 1], and the compiled kernel adds it
-  inside its tiles with the mask as a pattern, in one call (Note [Relative bias probe]); any other bias is
-  evaluated per query block on the key blocks the mask keeps only and passed with them as a float
-  ``attn_mask`` (Note [Kept-blocks bias]). Either way its gradient flows, through autograd, into the
-  tensors the function reads;
-- anything else: ``general``, blockwise over the kept key blocks with an online softmax, the function
-  applied to each block's scores, differentiable through autograd (checkpointed per query block).
+- soft-capping ``cap·tanh(A·score)`` (plus a bias): ``attention(..., softcap=cap)``, A·cap folded into scale;
+- affine ``A·score + bias(b, h, q_idx, kv_idx)``, A > 0 one known number, folded into ``scale``. A bias
+  proved a function of (h, kv_idx - q_idx) only (T5 buckets, a learned relative table, ALiBi) is evaluated
+  once per offset, [H, L + S - 1], and the compiled kernel adds it inside its tiles with the mask as a
+  pattern, in one call (Note [Relative bias table]); any other bias is evaluated per query block on the key
+  blocks the mask keeps only and passed with them as a float ``attn_mask`` (Note [Kept-blocks bias]).
+  Either way its gradient flows, through autograd, into the tensors the function reads;
+- anything else, or anything the trace cannot prove: ``general``, blockwise over the kept key blocks with an
+  online softmax, the function applied to each block's scores, differentiable through autograd
+  (checkpointed per query block). Exact; slower.
 
 ``flex_plan`` says which path a call takes and why, without running attention.
 """
@@ -32,51 +30,31 @@ import torch
 
 from .. import patterns as P
 from ..shapes import AttentionInputError, shape_str
+from .flex_trace import ScoreModKind, classify_score_mod
 
 try:  # torch >= 2.5; attnlab patterns work without it
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask
 except ImportError:  # pragma: no cover - older torch
     AuxOutput = AuxRequest = BlockMask = None
 
-__all__ = ["flex_attention", "flex_plan", "FlexPlan", "probe_score_mod", "ScoreModKind", "GENERAL_BLOCK"]
+__all__ = ["flex_attention", "flex_plan", "FlexPlan", "classify_score_mod", "probe_score_mod", "ScoreModKind",
+           "GENERAL_BLOCK"]
 
 #: block edge of the general path when the mask brings no block size of its own (an attnlab pattern, no mask)
 GENERAL_BLOCK = 128
 
-# Note [Probing score_mod]: scores per probe point. Both signs, zero, magnitudes from 1e-1 to 1e3, so a
-# function that is affine only near 0 (tanh gating, clamps), piecewise (where(score > 0, ...)) or
-# polynomial cannot pass as affine; float64 so that an affine function's residual is at rounding level
-# (relative 1e-9 is ~10^7 ulps of slack and still far below any curvature these scores expose).
-# _BIG probes soft-capping: cap·tanh(_BIG / cap) == cap exactly in float64 for any cap < 2e4.
-_SCORES = (-1000.0, -37.5, -2.3, -0.71, 0.0, 0.43, 1.9, 11.0, 250.0)
-_BIG = 1e6
-#: the scores of the line points (Note [Structured probes]), plus one random score and _BIG: fewer, as
-#: there are O(L + S) of them; the random points carry all of _SCORES
-_LINE_SCORES = (-1000.0, 0.0, 250.0)
-_POINTS = 24
-_RTOL = 1e-9
 
-
-@dataclass(frozen=True)
-class ScoreModKind:
-    """What probing a score_mod found: ``kind`` is "none", "identity", "affine", "softcap" or "general";
-    ``factor`` the constant c of an affine ``c·score + bias``; ``softcap`` the cap; ``has_bias`` whether
-    the bias term is not identically 0 on the probes; ``reason`` in words; ``reads_grad`` whether its
-    value depends on a tensor that requires grad (a captured table)."""
-
-    kind: str
-    reason: str
-    factor: float = 1.0
-    softcap: float | None = None
-    has_bias: bool = False
-    reads_grad: bool = False
-
+def probe_score_mod(score_mod, B: int | None = None, H: int | None = None, L: int | None = None,
+                    S: int | None = None, seed: int = 0) -> ScoreModKind:
+    """``classify_score_mod(score_mod)``, under the name of the sampling probe it replaced (issue 40): the
+    shape and seed arguments are accepted and unused, as the classification holds at every shape."""
+    return classify_score_mod(score_mod)
 
 @dataclass
 class FlexPlan:
     """Which path ``flex_attention`` takes for a call: ``path`` "attention" (attnlab's kernels, with
     ``attention_kwargs`` saying what was passed) or "general" (the blockwise fallback); ``score_mod``
-    the probe's finding; ``mask`` how block_mask was read; ``reason`` why this path; ``notes`` costs."""
+    what its trace proved; ``mask`` how block_mask was read; ``reason`` why this path; ``notes`` costs."""
 
     path: str
     reason: str
@@ -131,7 +109,8 @@ def _check_inputs(query, key, value, scale, enable_gqa):
     if enable_gqa and (Hkv == 0 or H % Hkv):
         raise AttentionInputError(f"flex_attention: enable_gqa needs query heads ({H}) a multiple of key/value "
                                   f"heads ({Hkv})")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and math.isfinite(scale)):
         raise AttentionInputError(f"flex_attention: scale must be a finite float or None, got {scale!r}")
     return 1.0 / math.sqrt(E) if scale is None else float(scale)
 
@@ -292,289 +271,7 @@ def _band_of(bm, mm, codes, L, S, bq, bk):
     return memo[(L, S)]
 
 
-# -- probing score_mod ------------------------------------------------------------------------------
-# Note [Structured probes]: random points alone miss a score_mod that singles out one index value (a bias
-# on key 7 only, on one query, one head, one batch element): 24 points out of L·S almost never land on it,
-# and the call would be misread as the identity, silently wrong. So the probe points hold lines that cover
-# every value of each index on its own: _LINES query rows (every kv_idx at a fixed q_idx), _LINES key
-# columns (every q_idx at a fixed kv_idx), every offset kv_idx - q_idx once (the diagonal band), every h
-# and every b; b and h cycle along the long lines, so each row and column meets every head and batch
-# element too; plus the _POINTS random points (the corners among them). That is O(L + S + H + B) points
-# (about 5·L for L = S), each with the scores of Note [Probing score_mod], never O(L·S). What it proves:
-# a score_mod whose departure from the kind found depends on one index alone (b, h, q_idx, kv_idx or
-# q_idx - kv_idx, any value) is seen. What it does not: a departure confined to isolated (q_idx, kv_idx)
-# pairs, or to a conjunction such as (q_idx == 5) & (kv_idx == 7), off those lines, can still pass; and a
-# block_mask does not narrow the probe (a bias misread outside the kept blocks is harmless, inside not).
-# The values are classified on every point; the gradient check of a score_mod that reads a tensor requiring
-# grad (_grad_only_in_bias: that tensor enters through the bias only) runs on the random points and on
-# _GRAD_POINTS random line points, not on all O(L + S): its two backward passes over every line point were
-# most of a first call's probe (260 ms at L = S = 4096). So a learned factor confined to one index value whose
-# value now equals the others' (s * w[k] with w = 1 everywhere, say at initialisation) can pass that check;
-# once its values differ, the value check on the lines sees it.
-_LINES = 2
-
-
-def _probe_points(B, H, L, S, g):
-    """The probe's (b, h, q_idx, kv_idx), each int64 [n], of Note [Structured probes]."""
-    n = _POINTS
-    idx = [torch.randint(0, max(1, d), (n,), generator=g) for d in (B, H, L, S)]
-    for t, d in zip(idx, (B, H, L, S)):
-        t[0], t[1] = 0, max(0, d - 1)
-    pts = [idx]
-
-    def rnd(d, m):
-        return torch.randint(0, max(1, d), (m,), generator=g)
-
-    def cyc(d, m, k=0):
-        return (torch.arange(m) + k) % max(1, d)
-    for k in range(_LINES):
-        q0, k0 = int(rnd(L, 1)), int(rnd(S, 1))
-        pts.append([cyc(B, S, k), cyc(H, S, k), torch.full((S,), q0), torch.arange(S)])  # row q_idx = q0
-        pts.append([cyc(B, L, k + 1), cyc(H, L, k + 1), torch.arange(L), torch.full((L,), k0)])  # column kv_idx = k0
-    if L > 0 and S > 0:
-        d = torch.arange(-(L - 1), S)  # every offset kv_idx - q_idx, at a random q_idx it has
-        lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)
-        qd = lo + (torch.rand(d.numel(), generator=g, dtype=torch.float64) * (hi - lo + 1)).long().clamp(max=hi - lo)
-        pts.append([rnd(B, d.numel()), rnd(H, d.numel()), qd, qd + d])
-    pts.append([rnd(B, H), torch.arange(H), rnd(L, H), rnd(S, H)])  # every head
-    pts.append([torch.arange(B), rnd(H, B), rnd(L, B), rnd(S, B)])  # every batch element
-    return [torch.cat([p[a] for p in pts]) for a in range(4)]
-
-
-def _probe_count(B, H, L, S) -> int:
-    """How many (b, h, q_idx, kv_idx) points probe_score_mod evaluates (Note [Structured probes])."""
-    return _POINTS + _LINES * (L + S) + (L + S - 1 if L and S else 0) + H + B
-
-
-def probe_score_mod(score_mod, B: int, H: int, L: int, S: int, seed: int = 0) -> ScoreModKind:
-    """Tell a score_mod's kind apart by calling it, vectorised, on the (b, h, q_idx, kv_idx) points of Note
-    [Structured probes] (lines covering every value of each index, every offset q_idx - kv_idx, and random
-    points) with the float64 scores of Note [Probing score_mod]; see the module docstring for the kinds."""
-    if score_mod is None:
-        return ScoreModKind("none", "no score_mod")
-    if not callable(score_mod):
-        raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
-                        f"got {type(score_mod).__name__}")
-    return _probe(score_mod, B, H, L, S, seed)[0]
-
-
-def _probe(score_mod, B, H, L, S, seed=0):
-    """(probe_score_mod's answer, [((b, h, q_idx, kv_idx) (n, 1) each, score_mod(0, ...) float64 (n,))] at
-    the probe points, for _relative_probe to reuse: Note [Relative bias probe])."""
-    if score_mod is None:
-        return ScoreModKind("none", "no score_mod"), []
-    if not callable(score_mod):
-        raise TypeError(f"flex_attention: score_mod must be callable as score_mod(score, b, h, q_idx, kv_idx), "
-                        f"got {type(score_mod).__name__}")
-    name = getattr(score_mod, "__name__", type(score_mod).__name__)
-    biases = []
-    groups = [_classify(score_mod, name, s, idx, scores, seed, where, biases)
-              for s, idx, scores, where in _probe_inputs(B, H, L, S, seed)]
-    return _combine(*groups), biases
-
-
-# Note [Probe inputs per shape]: the probe's points and scores (Notes [Structured probes], [Relative bias
-# probe]) depend on (B, H, L, S, seed) only, not on the score_mod: they are drawn once per shape and kept for
-# the last _SHAPES shapes (a training loop calls one shape again and again; at L = S = 16384 they are about
-# 8 MB). Nothing writes to them: a score_mod that modified its score argument in place would corrupt them,
-# as it would corrupt the probe's own comparison.
-_SHAPES = 4
-_PROBE_INPUTS: dict = {}  # (what, B, H, L, S, seed) -> inputs
-
-
-def _memo(key, make):
-    hit = _PROBE_INPUTS.get(key)
-    if hit is None:
-        hit = make()
-        while len(_PROBE_INPUTS) >= 2 * _SHAPES:  # the oldest first (dicts keep insertion order)
-            _PROBE_INPUTS.pop(next(iter(_PROBE_INPUTS)), None)
-        _PROBE_INPUTS[key] = hit
-    return hit
-
-
-def _probe_inputs(B, H, L, S, seed):
-    """[(scores float64 (n, k + 1), (b, h, q_idx, kv_idx) int64 (n, 1) each, the fixed scores, words)] for the
-    random points and the line points (Note [Probe inputs per shape])."""
-    def make():
-        g = torch.Generator().manual_seed(seed)
-        idx = _probe_points(B, H, L, S, g)
-        out = []
-        for part, scores in ((slice(0, _POINTS), _SCORES), (slice(_POINTS, None), _LINE_SCORES)):
-            b, h, qi, ki = (t[part] for t in idx)
-            n = b.numel()
-            if n == 0:
-                continue
-            b, h, qi, ki = (t.view(n, 1) for t in (b, h, qi, ki))  # (n, 1): broadcast against the scores
-            k = len(scores)  # (n, k + k // 3 + 1): the fixed scores, random ones in [-10, 10), _BIG; in place
-            s = torch.empty(n, k + k // 3 + 1, dtype=torch.float64)
-            s[:, :k] = torch.tensor(scores, dtype=torch.float64)
-            s[:, k:-1] = torch.rand(n, k // 3, generator=g, dtype=torch.float64).mul_(20).sub_(10)
-            s[:, -1] = _BIG
-            where = f"{n} {'random' if part.start == 0 else 'line'} points x {s.shape[1] - 1} scores"
-            out.append((s, (b, h, qi, ki), scores, where))
-        return out
-    return _memo(("points", B, H, L, S, seed), make)
-
-
-def _classify(score_mod, name, s, idx, scores, seed, where, biases=None):
-    """(ScoreModKind, factor free) from score_mod at the points idx ((n, 1) each) and scores s (n, k + 1),
-    the last column _BIG; ``free``: every pair was -inf, so any factor fits. Appends (idx, score_mod at score
-    0) to ``biases`` when it gets that far."""
-    b, h, qi, ki = idx
-    zero, lo, hi = scores.index(0.0), scores.index(-1000.0), scores.index(250.0)
-    y = score_mod(s, b, h, qi, ki)
-    if not isinstance(y, torch.Tensor) or not y.is_floating_point():
-        raise TypeError(f"flex_attention: score_mod {name} must return a float tensor built from score with tensor "
-                        f"operations, got {type(y).__name__ if not isinstance(y, torch.Tensor) else y.dtype}")
-    try:
-        y = torch.broadcast_to(y, s.shape)
-    except RuntimeError:
-        raise ValueError(f"flex_attention: score_mod {name} returned shape {list(y.shape)} for scores "
-                         f"{list(s.shape)}; it must act element-wise (b, h, q_idx, kv_idx broadcast)") from None
-    reads_grad = y.requires_grad
-    if reads_grad and not _grad_only_in_bias(score_mod, y, s, idx, seed):
-        return ScoreModKind("general", "a tensor that requires grad enters through more than an additive bias "
-                            "(its gradient depends on the score)", reads_grad=True), False
-    y = y.detach().to(torch.float64)
-    ys, yb, sb = y[:, :-1], y[:, -1], s[:, :-1]
-    c = ys[:, zero]  # the bias term: score_mod(0, ...)
-    if biases is not None:
-        biases.append((idx, c))
-    # identity needs c == 0 (the score 0 column): checked first, an (n,) pass instead of an (n, k) one
-    if bool((c == 0).all()) and bool((ys == sb).all()):
-        if reads_grad:  # a learned bias that is 0 now (a zero-initialised table): still a bias, for its gradient
-            return ScoreModKind("affine", "score_mod(score) == score + bias, the bias 0 on the probes but read from "
-                                "a tensor that requires grad", has_bias=True, reads_grad=True), False
-        return ScoreModKind("identity", f"score_mod(score) == score on {where}"), False
-    if _FAST_CHECKS and _sum_is_finite(y):  # Note [Fused probe checks]: every value finite, none masked
-        return _classify_finite(ys, yb, sb, c, lo, hi, where, reads_grad), False
-    # points whose every value is -inf are masked pairs: consistent with any kind that has a bias
-    masked = torch.isneginf(y).all(1)
-    any_masked = bool(masked.any())
-    live = ~masked
-    if not bool(torch.isfinite(y[live] if any_masked else y).all()):
-        return ScoreModKind("general", "non-finite values on some scores of a pair (not affine, not soft-capping)",
-                            reads_grad=reads_grad), False
-    if any_masked:  # (a boolean index copies: skipped when every pair is live)
-        ys, yb, sb, c = ys[live], yb[live], sb[live], c[live]
-    if ys.shape[0] == 0:
-        return ScoreModKind("affine", "every probed pair is -inf: a mask written as a score_mod", has_bias=True,
-                            reads_grad=reads_grad), True
-    return _classify_finite(ys, yb, sb, c, lo, hi, where, reads_grad, any_masked, exact=True), False
-
-
-# Note [Fused probe checks]: _classify's checks are full passes over (n, k) float64 values, n the ~5·L line
-# points of Note [Structured probes] (at L = S = 16384, 98k points x 4 scores, 3 MB per temporary, each a fresh
-# allocation that faults its pages in): a dozen of them were most of the probe's 20 ms even for
-# ``score + 0.5``. The answers stay exactly those of the plain checks (kept as the ``exact`` branch, and run
-# whenever a fused one does not settle it; _FAST_CHECKS = False runs them alone, and the tests compare):
-# - identity needs score_mod(0) == 0 at every point, an (n,) check before the (n, k) one;
-# - a finite sum of every value proves every value finite (an inf or NaN makes the sum inf or NaN; an
-#   overflowing sum of finite values only sends the call to the plain checks), so no pair is masked and the
-#   isneginf/isfinite passes are skipped;
-# - the affine check |y - fit| <= tol, tol = _RTOL·(|score|·|slope| + |c| + 1) >= _RTOL, holds everywhere if
-#   max |y - fit| <= _RTOL, with fit computed by the same operations (so bitwise the same values) in one
-#   temporary, in place; the soft-capping check likewise against _RTOL·(cap + 1) <= its tolerance (rounding
-#   is monotone); where the max exceeds that bound, the plain check decides. After a fused affine check that
-#   fails, the plain one runs on one column of scores first (an (n,) pass: the -1000 score, where a
-#   soft-capping or curved function departs most), so that a soft-capping score_mod leaves it after (n,) work.
-_FAST_CHECKS = True
-
-
-def _classify_finite(ys, yb, sb, c, lo, hi, where, reads_grad, any_masked=False, exact=False):
-    """_classify's affine and soft-capping checks on points whose values are all finite (Note [Fused probe
-    checks]): ys (n, k) at the scores sb (n, k), yb (n,) at _BIG, c (n,) at score 0; ``exact`` runs the plain
-    checks only."""
-    # affine: slope from the widest pair of scores, residual on every other score
-    slope = (ys[:, hi] - ys[:, lo]) / (sb[:, hi] - sb[:, lo])  # scores 250 and -1000
-    if _affine_fits(ys, sb, slope, c, lo, exact):
-        a = float(slope[0])
-        if bool((slope - a).abs().le(_RTOL * abs(a)).all()) and a > 0:
-            has_bias = bool((c != 0).any()) or any_masked or reads_grad
-            return ScoreModKind("affine", f"score_mod(score) == {a:.6g}·score + bias(b, h, q_idx, kv_idx) on "
-                                f"{where}", factor=a, has_bias=has_bias, reads_grad=reads_grad)
-        return ScoreModKind("general", "affine in the score, but its factor varies with (b, h, q_idx, kv_idx) or "
-                            "is not > 0 (only a constant positive factor folds into scale)", reads_grad=reads_grad)
-    # soft-capping (plus a bias): y - y(0) == cap·tanh(score / cap), cap = y(_BIG) - y(0)
-    cap = yb - c
-    cap0 = float(cap[0])
-    if cap0 > 0 and math.isfinite(cap0) and bool(((cap - cap0).abs() <= _RTOL * cap0).all()):
-        if _softcap_fits(ys, sb, cap0, c, exact):
-            has_bias = bool((c != 0).any()) or any_masked or reads_grad
-            return ScoreModKind("softcap", f"score_mod(score) == {cap0:.6g}·tanh(score / {cap0:.6g})"
-                                + (" + bias(b, h, q_idx, kv_idx)" if has_bias else "")
-                                + f" on {where}", softcap=cap0, has_bias=has_bias, reads_grad=reads_grad)
-    return ScoreModKind("general", f"neither affine in the score nor soft-capping on {where}", reads_grad=reads_grad)
-
-
-def _affine_fits(ys, sb, slope, c, lo, exact):
-    """Whether |ys - (slope·sb + c)| <= _RTOL·(|sb|·|slope| + |c| + 1) everywhere (Note [Fused probe checks])."""
-    def fits(ys, sb, slope, c):
-        fit = slope * sb + c
-        return bool(((ys - fit).abs() <= _RTOL * (sb.abs() * slope.abs() + c.abs() + 1)).all())
-    if not exact:
-        if _fused_affine(ys, sb, slope, c):
-            return True
-        if not fits(ys[:, lo], sb[:, lo], slope, c):  # one column, (n,) temporaries: soft-capping fails here
-            return False
-    return fits(ys, sb, slope.unsqueeze(1), c.unsqueeze(1))
-
-
-def _sum_is_finite(y: torch.Tensor) -> bool:
-    """A sufficient condition for every value of y being finite: its sum is (Note [Fused probe checks])."""
-    return math.isfinite(float(y.sum()))
-
-
-def _fused_affine(ys, sb, slope, c) -> bool:
-    """A sufficient condition for _affine_fits: max |ys - fit| <= _RTOL, fit by the plain check's operations
-    in one (n, k) temporary (Note [Fused probe checks]); a NaN max fails."""
-    r = slope.unsqueeze(1) * sb
-    r.add_(c.unsqueeze(1)).sub_(ys).abs_()
-    return float(r.max()) <= _RTOL
-
-
-def _fused_softcap(ys, sb, cap0, c) -> bool:
-    """A sufficient condition for _softcap_fits: max |ys - want| <= _RTOL·(cap0 + 1) (Note [Fused probe
-    checks])."""
-    r = sb / cap0
-    r.tanh_().mul_(cap0).add_(c.unsqueeze(1)).sub_(ys).abs_()
-    return float(r.max()) <= _RTOL * (cap0 + 1)
-
-
-def _softcap_fits(ys, sb, cap0, c, exact):
-    """Whether |ys - (cap0·tanh(sb / cap0) + c)| <= _RTOL·(cap0 + |c| + 1) everywhere (Note [Fused probe
-    checks])."""
-    if not exact and _fused_softcap(ys, sb, cap0, c):
-        return True
-    want = cap0 * torch.tanh(sb / cap0) + c.unsqueeze(1)
-    return bool(((ys - want).abs() <= _RTOL * (cap0 + c.abs().unsqueeze(1) + 1)).all())
-
-
-def _combine(*groups) -> ScoreModKind:
-    """One ScoreModKind from the (kind, factor free) of each group of probe points: they must agree on the
-    kind (the identity is an affine kind of factor 1 without bias), the factor and the cap."""
-    kinds = [k for k, _ in groups]
-    reads_grad = any(k.reads_grad for k in kinds)
-    for k in kinds:
-        if k.kind == "general":
-            return k
-    if all(k.kind == "identity" for k in kinds):
-        return ScoreModKind("identity", "; ".join(k.reason for k in kinds))
-    caps = {k.softcap for k in kinds if k.kind == "softcap"}
-    softcap = any(k.kind == "softcap" for k in kinds)
-    free_ok = all(free or (k.kind == "softcap") == softcap for k, free in groups)
-    factors = [k.factor for k, free in groups if not free and k.kind != "softcap"]
-    reason = "; ".join(k.reason for k in kinds)
-    if not free_ok or len(caps) > 1 or any(abs(f - factors[0]) > _RTOL * abs(factors[0]) for f in factors):
-        return ScoreModKind("general", "the probe points disagree on the kind, factor or cap: " + reason,
-                            reads_grad=reads_grad)
-    has_bias = any(k.has_bias for k in kinds)
-    if softcap:
-        return ScoreModKind("softcap", reason, softcap=caps.pop(), has_bias=has_bias, reads_grad=reads_grad)
-    return ScoreModKind("affine", reason, factor=factors[0] if factors else 1.0, has_bias=has_bias,
-                        reads_grad=reads_grad)
-
-
+# -- the paths -------------------------------------------------------------------------------------
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors requiring grad that ``t`` was computed from (its autograd graph's leaves)."""
     seen, out, todo = set(), [], [t.grad_fn]
@@ -587,43 +284,6 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
             out.append(fn.variable)
         todo.extend(f for f, _ in fn.next_functions)
     return out
-
-
-#: probe points (rows) the gradient check of _grad_only_in_bias evaluates at most (Note [Structured probes])
-_GRAD_POINTS = 256
-
-
-def _grad_only_in_bias(score_mod, y, s, idx, seed) -> bool:
-    """Whether the tensors requiring grad that score_mod reads enter only through an additive bias: the
-    gradient of sum(r · score_mod(score)) into them is the same at the probe scores as at score 0, for
-    random weights r. (The factor c of an affine score_mod is folded into ``scale`` as a number, so a
-    learned factor must not pass; nor may a learned cap.) On at most _GRAD_POINTS of the rows of s (random
-    ones, score_mod evaluated again there): the line points are O(L + S) and two backward passes through
-    score_mod on all of them were most of a first call's probe (Note [Structured probes])."""
-    n = s.shape[0]
-    if n > _GRAD_POINTS:
-        sel = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 3))[:_GRAD_POINTS]
-        s, idx = s[sel], tuple(t[sel] for t in idx)
-        y = torch.broadcast_to(score_mod(s, *idx), s.shape)
-    leaves = _leaves(y)
-    if not leaves:
-        return True
-    r = torch.rand(s.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
-    keep = torch.isfinite(y.detach())
-    r = torch.where(keep, r, torch.zeros_like(r))
-    y0 = torch.broadcast_to(score_mod(torch.zeros_like(s), *idx), s.shape)
-    g = torch.autograd.grad((torch.where(keep, y, 0) * r).sum(), leaves, allow_unused=True)
-    g0 = torch.autograd.grad((torch.where(keep, y0, 0) * r).sum(), leaves, allow_unused=True)
-    for a, e in zip(g, g0):
-        a = torch.zeros((), dtype=e.dtype if e is not None else torch.float64) if a is None else a
-        e = torch.zeros((), dtype=a.dtype) if e is None else e
-        a, e = torch.broadcast_tensors(a, e)
-        differ = a != e  # (a bias's gradients are mostly bitwise equal: compare the others, not the whole table)
-        if bool(differ.any()):
-            a, e = a[differ].double(), e[differ].double()
-            if not bool(((a - e).abs() <= _RTOL * (a.abs() + e.abs() + 1)).all()):
-                return False
-    return True
 
 
 def _row_keys(mask: "_Mask", qb: int, S: int):
@@ -661,108 +321,16 @@ def _bias_blocks(score_mod, B, H, i, j, dtype):
     return y.to(dtype).expand(*y.shape[:2], i.numel(), j.numel())
 
 
-# Note [Relative bias probe]: a bias that depends on (h, q_idx - kv_idx) only is a table of L + S - 1 values
-# per head: evaluated once per offset (not once per kept pair: the per-pair gathers were most of the time
-# of a T5 or learned relative bias) and added by the compiled kernel inside its tiles (csrc Note [Relative
-# bias]), whose gradient, summed per diagonal, autograd takes on into the captured tensors. The probe
-# evaluates the table itself, score_mod(0, 0, h, lo(d), lo(d) + d) for every h and every offset d (lo(d)
-# the first q_idx that has it, as _relative_table does), and checks, within _RTOL (-inf matching -inf),
-# that every offset has the same value at _REL_SETS other (b, q_idx) along the whole offset range (the
-# last q_idx of the offset, a middle one, a random one; b and h cycling, so every b and h meets many
-# offsets), and on _LINES whole query rows and key columns (every kv_idx at one q_idx, every q_idx at one
-# kv_idx) against the table. That is O(H·(L + S)) evaluations, the table's own size. What it proves: a
-# bias that departs from a table of (h, offset) at any single b, h, q_idx, kv_idx or offset value is
-# refused (a bias on key 7, on one batch element, on one offset's far end); what it does not: a departure
-# confined to isolated (q_idx, kv_idx) pairs off those lines and off the sampled q_idx of their offset
-# ((q_idx == 5) & (kv_idx == 7), say) can pass; flex_plan says the probe found it ("bias: relative").
-# In flex_attention the structured probe's points (Note [Structured probes]: its rows, columns, one random
-# q_idx per offset, every head and batch element) already hold score_mod(0, ...): they are compared with the
-# table as they are, and only the last and middle q_idx of each offset are evaluated afresh (same coverage).
-# The table the probe checked is the one the kernel gets: evaluated once, in float64 (under autograd when it
-# is on), rounded by the kernel to its accumulation dtype; a bias made of one operation on float32 tensors
-# rounds to the same float32 value as when evaluated in float32 (IEEE operations are correctly rounded).
-_REL_SETS = 3
-
-
-def _relative_points(B, H, L, S, seed, own_lines=True):
-    """(b, h, q_idx, kv_idx) int64 [n] each of Note [Relative bias probe] (per shape: Note [Probe inputs per
-    shape]); without ``own_lines`` only the last and middle q_idx of each offset (the structured probe's
-    points stand for the random q_idx, the rows and the columns)."""
-    def make():
-        g = torch.Generator().manual_seed(seed + 2)
-        d = torch.arange(-(L - 1), S)
-        W = d.numel()
-        lo, hi = (-d).clamp(min=0), (S - 1 - d).clamp(max=L - 1)
-        rq = lo + (torch.rand(W, generator=g, dtype=torch.float64) * (hi - lo + 1)).long().clamp(max=hi - lo)
-        ar = torch.arange(W)
-        sets = [(ar % max(1, B), ar % max(1, H), hi), ((ar + 1) % max(1, B), (ar + 1) % max(1, H), (lo + hi) // 2),
-                (torch.randint(0, max(1, B), (W,), generator=g), torch.randint(0, max(1, H), (W,), generator=g), rq)]
-        sets = sets if own_lines else sets[:2]
-        bs, hs, qs, ks = ([s[0] for s in sets], [s[1] for s in sets], [s[2] for s in sets], [s[2] + d for s in sets])
-        for k in range(_LINES if own_lines else 0):  # whole rows and columns
-            q0, k0 = int(torch.randint(0, L, (1,), generator=g)), int(torch.randint(0, S, (1,), generator=g))
-            jr, ic = torch.arange(S), torch.arange(L)
-            bs += [(jr + k) % max(1, B), (ic + k + 1) % max(1, B)]
-            hs += [(jr + k) % max(1, H), (ic + k + 1) % max(1, H)]
-            qs += [torch.full((S,), q0), ic]
-            ks += [jr, torch.full((L,), k0)]
-        return tuple(torch.cat(t) for t in (bs, hs, qs, ks))
-    return _memo(("relative", B, H, L, S, seed, own_lines), make)
-
-
-def _relative_probe(score_mod, B, H, L, S, seed=0, seen=None) -> torch.Tensor | None:
-    """The table [H, L + S - 1] of _relative_table (float64, differentiable into the tensors score_mod reads
-    when autograd is on) when score_mod(0, b, h, q_idx, kv_idx) depends on (h, q_idx - kv_idx) only on the
-    probes of Note [Relative bias probe], else None. The kernel is given this same table (evaluated once).
-    ``seen``: the structured probe's [(idx, score_mod(0, ...))] (``_probe``), compared instead of evaluating
-    the random q_idx per offset and the rows and columns again."""
-    if L == 0 or S == 0:
-        return None
-    table = _relative_table(score_mod, H, L, S, torch.float64)  # (H, W): offset d at column d + L - 1
-    ref = table.detach().double().reshape(-1)  # (H·W,)
-    b, h, qi, ki = _relative_points(B, H, L, S, seed, own_lines=seen is None)
-    n = b.numel()
-    with torch.no_grad():
-        z = torch.zeros(n, 1, dtype=torch.float64)
-        y = torch.broadcast_to(score_mod(z, b.view(n, 1), h.view(n, 1), qi.view(n, 1), ki.view(n, 1)), (n, 1))
-        pieces = [(y.double().view(n), (h, qi, ki))] + [(yp, (hp.view(-1), qp.view(-1), kp.view(-1)))
-                                                       for (_, hp, qp, kp), yp in seen or ()]
-        for y, (h, qi, ki) in pieces:  # each piece on its own: all() of their concatenation, without it
-            want = ref[_table_index(h, qi, ki, H, L, S)] if H else y
-            if not _matches(y, want):
-                return None
-    return table
-
-
-def _table_index(h, qi, ki, H, L, S) -> torch.Tensor:
-    """(h mod H)·(L + S - 1) + kv_idx - q_idx + L - 1: where the points (h, q_idx, kv_idx) [n] read the
-    flattened table of _relative_table, kept with the points (per shape, Note [Probe inputs per shape]): keyed
-    by the h tensor, which the memo holds, so a key is never a freed tensor's reused id."""
-    key = ("table index", id(h), H, L, S)
-    hit = _PROBE_INPUTS.get(key)
-    if hit is not None and hit[0] is h:
-        return hit[1]
-    flat = (h % H).mul_(L + S - 1).add_(ki).sub_(qi).add_(L - 1)
-    _memo(key, lambda: (h, flat))
-    return flat
-
-
-def _matches(y: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether y == want, or both finite and within _RTOL·(|y| + |want| + 1), at every point (-inf matches
-    -inf only: with a tolerance that grew with |y| a -inf at a point whose table value is finite passed, and
-    the kernel added the finite table value there); first by the fused bound max |y - want| <= _RTOL, which
-    implies it (Note [Fused probe checks])."""
-    d = (y - want).abs_()  # inf where one side is infinite and the other not: never within a tolerance
-    if _FAST_CHECKS and y.numel() and float(d.max()) <= _RTOL:
-        return True
-    return bool(((y == want) | ((d <= _RTOL * (y.abs() + want.abs() + 1)) & torch.isfinite(d))).all())
-
-
-def _relative_probe_count(L, S) -> int:
-    """How many points _relative_probe compares against its table (Note [Relative bias probe])."""
-    return _REL_SETS * (L + S - 1) + _LINES * (L + S)
-
-
+# Note [Relative bias table]: a bias proved a function of (h, kv_idx - q_idx) only (Note [score_mod by its
+# trace]) is a table of L + S - 1 values per head: evaluated once per offset (not once per kept pair: the
+# per-pair gathers were most of the time of a T5 or learned relative bias) and added by the compiled kernel
+# inside its tiles (csrc Note [Relative bias]), whose gradient, summed per diagonal, autograd takes on into the
+# captured tensors. The table is score_mod(0, 0, h, lo(d), lo(d) + d) for every h and offset d (lo(d) the
+# first q_idx that has it), in float64 (under autograd when it is on), rounded by the kernel to its
+# accumulation dtype; a bias made of one operation on float32 tensors rounds to the same float32 value as
+# when evaluated in float32 (IEEE operations are correctly rounded). Nothing is sampled: the trace proved
+# that every pair of an offset has the table's value (an offset's pairs compute it by the same operations
+# on the same (h, kv_idx - q_idx), the q and k coefficients of every index combination cancelling exactly).
 def _relative_table(score_mod, H, L, S, dtype):
     """score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx = t - (L - 1): [H, L + S - 1] in
     ``dtype`` (differentiable into the tensors it reads)."""
@@ -775,8 +343,8 @@ def _relative_table(score_mod, H, L, S, dtype):
 
 
 def _relative_bias_attention(query, key, value, rel, mask: "_Mask", kind, scale, enable_gqa):
-    """Note [Relative bias probe]: one compiled-kernel call with the mask as a pattern and the bias as the
-    table per offset ``rel`` [H, L + S - 1] the probe evaluated (float64: the kernel rounds it to the
+    """Note [Relative bias table]: one compiled-kernel call with the mask as a pattern and the bias as the
+    table per offset ``rel`` [H, L + S - 1] (float64: the kernel rounds it to the
     accumulation dtype, differentiably). Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
     from ..kernels import compiled as compiled_kernel
     from ..shapes import prepare
@@ -841,12 +409,12 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
     B, H, L, _ = query.shape
     S = key.shape[2]
     mask = _read_block_mask(block_mask, B, H, L, S, block_size)
-    kind, seen = _probe(score_mod, B, H, L, S)
+    kind = classify_score_mod(score_mod)
     needs_grad = torch.is_grad_enabled() and (kind.reads_grad or any(t.requires_grad for t in (query, key, value)))
     notes = []
     why = None
     if kind.kind == "general":
-        why = "score_mod is neither affine in the score nor soft-capping"
+        why = "score_mod is not proved affine in the score or soft-capping (its trace: " + kind.reason + ")"
     elif want_max:
         why = "max_scores asked for: the attnlab kernels do not return it"
     elif want_lse and needs_grad:
@@ -869,16 +437,15 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
     if kind.has_bias:
         from ..kernels import compiled as compiled_kernel
 
-        if mask.refusal is None and compiled_kernel.available(query):
-            rel = _relative_probe(score_mod, B, H, L, S, seen=seen)
+        if kind.relative and mask.refusal is None and L and S and compiled_kernel.available(query):
+            rel = _relative_table(score_mod, H, L, S, torch.float64)
         if rel is not None:
             bias = "relative"
             kw["pattern"] = repr(mask.pattern)
             kw["rel_bias"] = f"score_mod(0, 0, h, q_idx, kv_idx) once per offset kv_idx - q_idx: [{H}, {L + S - 1}]"
-            notes.append(f"the bias probed as a function of (h, q_idx - kv_idx) only (every offset's table value "
-                         f"against {_REL_SETS} other (b, q_idx) each and {_LINES} whole rows and columns; a departure "
-                         "on isolated (q_idx, kv_idx) pairs off those can pass): one compiled-kernel call adds it from a table per offset, the "
-                         "mask as a pattern (Note [Relative bias probe]); memory and gradient O(H·(L + S))")
+            notes.append("the bias is proved a function of (h, kv_idx - q_idx) only by its trace: one compiled-kernel "
+                         "call adds it from a table per offset, the mask as a pattern (Note [Relative bias table]); "
+                         "memory and gradient O(H·(L + S))")
             if needs_grad and kind.reads_grad:
                 from ..kernels.spec import Request
                 from ..report import format_bytes
@@ -906,7 +473,7 @@ def flex_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
               scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
               kernel_options: dict | None = None, *, return_aux=None, block_size: int | None = None) -> FlexPlan:
     """Which path ``flex_attention`` takes for these arguments and why (``FlexPlan``; ``print`` it), from
-    probing score_mod and reading block_mask. Runs no attention."""
+    score_mod's trace and reading block_mask. Runs no attention."""
     scale = _check_inputs(query, key, value, scale, enable_gqa)
     want_lse, want_max, _ = _want(return_lse, return_aux, kernel_options)
     return _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)[0]
@@ -943,11 +510,14 @@ def _row_block(q, k, v, score_mod, mask: _Mask, scale, q0, blocks, B, H, want_ma
         l = l * alpha + p.sum(-1)
         o = o * alpha.unsqueeze(-1) + torch.matmul(p, v[:, :, k0:k1])
         m = m_new
-    live = l > 0
-    l_safe = torch.where(live, l, torch.ones_like(l))
-    out = torch.where(live.unsqueeze(-1), o / l_safe.unsqueeze(-1), torch.zeros_like(o))
+    # Note [NaN rows stay NaN]: only a row with no kept key (l == 0) gives 0 and lse -inf; a NaN from score_mod
+    # (or from the inputs) at any kept pair makes l NaN, and its row NaN, as torch's softmax does: a NaN is
+    # the user's signal of a bug, never hidden as a zero row (issue 40, D6)
+    dead = l == 0
+    l_safe = torch.where(dead, torch.ones_like(l), l)
+    out = torch.where(dead.unsqueeze(-1), torch.zeros_like(o), o / l_safe.unsqueeze(-1))
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    lse = torch.where(live, shift + torch.log(l_safe), torch.full_like(l, float("-inf")))
+    lse = torch.where(dead, torch.full_like(l, float("-inf")), shift + torch.log(l_safe))
     return out, lse, mx
 
 
@@ -1054,15 +624,14 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Returns: out [B, H, L, Ev] in query's dtype (0 for a row with no key), and lse / AuxOutput as asked.
 
-    Paths (``flex_plan`` says which one a call takes and why): score_mod is probed, vectorised, on lines of
-    points covering every value of each of b, h, q_idx, kv_idx and every offset, plus random points: O(L + S)
-    calls' worth, never L×S (Notes [Probing score_mod], [Structured probes]). It sees a score_mod that
-    singles out any one index value; a departure confined to isolated (q_idx, kv_idx) pairs off those lines
-    can pass unseen. None / identity / soft-capping run ``attnlab.attention`` with the mask as a
+    Paths (``flex_plan`` says which one a call takes and why): score_mod is classified from its torch.fx
+    trace, once per score_mod object (``classify_score_mod``, Note [score_mod by its trace]): what it is at
+    every pair is proved from its graph, and a score_mod the trace does not prove runs the exact general
+    path. None / identity / soft-capping run ``attnlab.attention`` with the mask as a
     pattern (a BlockMask proved to be a band runs as attnlab's band pattern, Note [Bands proved once per
-    BlockMask]); a score_mod affine in the score, ``c·score + bias(b, h, q_idx, kv_idx)``, whose bias probes
-    as a function of (h, q_idx - kv_idx) only evaluates it once per offset and runs one compiled-kernel call
-    (Note [Relative bias probe]: memory O(H·(L + S))); another bias is evaluated on the kept blocks only, one
+    BlockMask]); a score_mod affine in the score, ``A·score + bias(b, h, q_idx, kv_idx)``, whose bias is proved
+    a function of (h, kv_idx - q_idx) only evaluates it once per offset and runs one compiled-kernel call
+    (Note [Relative bias table]: memory O(H·(L + S))); another bias is evaluated on the kept blocks only, one
     query block at a time (memory: the kept blocks', never L×S). Either way its gradient reaches the
     captured tensors by autograd. Any other score_mod, or
     max_scores, or lse under autograd, or a per-head BlockMask, takes the general path: O(L·S·E) time over

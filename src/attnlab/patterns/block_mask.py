@@ -29,7 +29,7 @@ import torch
 
 from . import intervals as _iv
 from .base import EMPTY, FULL, PARTIAL, Pattern, _broadcast_shape, _check_int
-from .mask_mod import from_mask_mod
+from .mask_mod import _HeadIndex, _HeadUsed, from_mask_mod
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask
@@ -454,6 +454,19 @@ class BlockMaskPattern(Pattern):
                 + (f", B={self.batch_size})" if self.batch_size else ")"))
 
 
+def _reads_head(mask_mod) -> bool:
+    """Whether mask_mod uses h at all, by one call on a 1 x 1 grid with h the stand-in that refuses every use
+    (patterns.mask_mod._HeadIndex, which flex_attention's patterns evaluate with)."""
+    z = torch.zeros(1, 1, dtype=torch.long)
+    try:
+        mask_mod(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long).as_subclass(_HeadIndex), z, z)
+    except _HeadUsed:
+        return True
+    except Exception:  # noqa: BLE001 - other failures are the build's to report, not this check's
+        return False
+    return False
+
+
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cpu",
                       BLOCK_SIZE: int | tuple[int, int] = 128, _compile: bool = False, separate_full_blocks: bool = True,
                       compute_dq_write_order: bool = False, dq_kv_order: bool = True, *, output: str | None = None,
@@ -501,14 +514,19 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     if not isinstance(separate_full_blocks, bool):
         raise TypeError(f"create_block_mask: separate_full_blocks must be a bool, got {separate_full_blocks!r}")
     stats = BuildStats() if stats is None else stats
+    name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
+    # a pattern is shared by the heads, and flex_attention refuses one whose mask_mod reads h: refused here up
+    # front at any H (issue 40, D7: H=None or 1 built it, and flex_attention refused it later)
+    per_head = (f"create_block_mask: mask_mod {name} reads h; attnlab patterns are shared by the heads: use "
+                "output='torch' for a per-head BlockMask")
+    if output == "pattern" and _reads_head(mask_mod):
+        raise ValueError(per_head)
     per, Bm, Hm = _build(mask_mod, Bn, Hn, L, S, bq, bk, stats)
     if not separate_full_blocks:
         per = {key: (qb, kb, torch.full_like(code, PARTIAL)) for key, (qb, kb, code) in per.items()}
-    name = getattr(mask_mod, "__name__", type(mask_mod).__name__)
     if output == "pattern":
-        if Hm > 1:
-            raise ValueError(f"create_block_mask: mask_mod {name} reads h; attnlab patterns are shared by the heads: "
-                             "use output='torch' for a per-head BlockMask")
+        if Hm > 1 or "h" in stats.reads:
+            raise ValueError(per_head)
         blocks = tuple(per[(b, 0)] for b in range(Bm))
         return BlockMaskPattern(blocks, bq, bk, (L, S), mask_mod=mask_mod, name=name, batch=Bm if Bm > 1 else None)
     nq, nk = -(-L // bq), -(-S // bk)
@@ -777,7 +795,8 @@ def block_mask_text(block_mask, max_blocks: int = 64, E: int = 64) -> str:
 def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *,
             blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Pattern | None:
     """``sliding_window(left=, right=)`` (a band: causal, windows, their &) equal to ``mask_mod`` at every
-    pair of the L x S grid, or None when it is not one (or reads b or h).
+    pair of the L x S grid (``full()`` for a band unbounded on both sides), or None when it is not one (or
+    reads b or h).
 
     The band is read off the first and last query rows (O(S) pairs), then *proved*: the mask
     ``mask_mod != band`` is built with ``create_block_mask``'s machinery (intervals, probes, pairs only on
@@ -789,9 +808,14 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *
     blocks: its FULL and EMPTY blocks ignore mask_mod, and the caller compares them with the band's layout
     itself). The proof then runs ``_blocks_refined`` on those blocks alone, skipping the search over the
     whole grid (Note [Bands proved once per BlockMask] in functional/flex.py)."""
-    from .bands import sliding_window
+    from .bands import full, sliding_window
 
     bq, bk = _check_block(BLOCK_SIZE)
+
+    def band(lo, hi):  # unbounded on both sides is every pair (issue 40, D1: no sliding_window(None, None))
+        if lo is None and hi is None:
+            return full()
+        return sliding_window(left=None if lo is None else -lo, right=hi)
     j = torch.arange(S)
     try:
         rows = [_exact(mask_mod, 0, 0, torch.tensor([[r]]), j.view(1, -1), "mask_mod")[0] for r in (0, L - 1)]
@@ -827,7 +851,7 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *
         else:
             tq, tk = blocks
             if tq.numel() == 0:
-                return sliding_window(left=None if lo is None else -lo, right=hi)
+                return band(lo, hi)
             try:
                 # sub-tiles of 16 at block 128: fewer interval tiles than 8, fewer pairs than 32 (in a fresh
                 # process at L = S = 16384, causal window: 15 ms against 20 for 8 and 28 for 32)
@@ -840,4 +864,4 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *
         return None
     if "b" in stats.reads or "h" in stats.reads or found:
         return None
-    return sliding_window(left=None if lo is None else -lo, right=hi)
+    return band(lo, hi)
