@@ -363,8 +363,30 @@ def cache_activations(model, names: Iterable[str] | None = None) -> Iterator[Act
         yield cache
 
 
+def _check_positional(model, args: tuple, fn: str) -> None:
+    """A Hugging Face model takes the arguments after ``input_ids`` in its own order (GPT-2's second is the
+    KV cache, not the mask), so ``run_with_cache(gpt2, ids, mask)``, written as for MiniLM, would end in an
+    AttributeError deep inside transformers: refuse it here in one line, naming the parameter."""
+    import inspect
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if len(args) < 2 or transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return
+    params = [p.name for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) > 1 and params[1] != "attention_mask":
+        raise TypeError(f"{fn}: {type(model).__name__}'s second argument is {params[1]!r}, not the attention "
+                        f"mask; pass the rest by name: {fn}(model, input_ids, attention_mask=mask) or "
+                        f"{fn}(model, **tokenizer(text, return_tensors='pt'))")
+
+
 def run_with_cache(model, *args, names: Iterable[str] | None = None, **kwargs):
-    """``model(*args, **kwargs)`` under :func:`cache_activations`; returns (output, ActivationCache)."""
+    """``model(*args, **kwargs)`` under :func:`cache_activations`; returns (output, ActivationCache).
+
+    For a Hugging Face model, pass what follows ``input_ids`` by name (``attention_mask=mask``): its
+    positional order is the model's own (GPT-2's second argument is the KV cache)."""
+    _check_positional(model, args, "run_with_cache")
     with cache_activations(model, names) as cache:
         out = model(*args, **kwargs)
     return out, cache
@@ -397,6 +419,7 @@ def hooks(model, fwd_hooks: Iterable[tuple[str, Callable]]) -> Iterator[None]:
 
 def run_with_hooks(model, *args, fwd_hooks: Iterable[tuple[str, Callable]] = (), **kwargs):
     """``model(*args, **kwargs)`` with ``fwd_hooks`` active (see :func:`hooks`); returns the output."""
+    _check_positional(model, args, "run_with_hooks")
     with hooks(model, fwd_hooks):
         return model(*args, **kwargs)
 

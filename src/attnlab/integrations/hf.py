@@ -76,6 +76,24 @@ def _resolve(mechanism):
     return mechanisms.resolve(mechanism)
 
 
+# Note [Weights asked for]: a model asks for attention weights in one of two ways. Most (BERT, Llama) pass
+# ``output_attentions`` down through ``**kwargs`` to the attention function. GPT-2 takes it as a named
+# argument of its attention module and its model drops it from kwargs; transformers (5.x) then collects the
+# weights with forward hooks that ``capture_outputs`` arms for the call, and a None weight is skipped, so
+# ``outputs.attentions`` came back empty. The armed collector is the one signal every model shares: it holds
+# an "attentions" (or "cross_attentions") list while the caller asked for them.
+def _weights_asked(kwargs) -> bool:
+    """Whether the model call wants attention weights (Note [Weights asked for])."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # transformers 4.x: the flag travels in kwargs or not at all
+        return False
+    collecting = _active_collector.get()
+    return isinstance(collecting, dict) and ("attentions" in collecting or "cross_attentions" in collecting)
+
+
 def _is_causal(module, query, attention_mask, kwargs) -> bool:
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -167,7 +185,7 @@ def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
     steps = pattern is None and isinstance(mech, str) and mech in _STEP_MECHANISMS
 
     def attnlab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        need_weights = bool(kwargs.get("output_attentions", False))
+        need_weights = _weights_asked(kwargs)
         is_causal = _is_causal(module, query, attention_mask, kwargs)
         softcap = kwargs.get("softcap")
         if steps:  # Note [HF decode step]
@@ -460,7 +478,7 @@ def _hooked_function(mechanism, pattern):
 
     def attnlab_hooked(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         ad = _HOOKED.get(module)
-        need_weights = bool(kwargs.get("output_attentions", False))
+        need_weights = _weights_asked(kwargs)
         is_causal = _is_causal(module, query, attention_mask, kwargs)
         if ad is None or not ad.hooks:
             out, w = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout, is_causal,
