@@ -15,6 +15,7 @@ flash-attn's rotary_cos / rotary_sin, also accepted under those names).
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ def _rotary(rotary, rotary_cos, rotary_sin, rotary_interleaved, D: int) -> Rotar
     elif isinstance(rotary, (tuple, list)) and len(rotary) == 2:
         rotary = Rotary(rotary[0], rotary[1], bool(rotary_interleaved))
     elif not isinstance(rotary, Rotary):
-        raise TypeError(f"rotary must be an attnlab Rotary(cos, sin, interleaved) or a (cos, sin) pair, got "
+        raise TypeError(f"attention_with_kvcache: rotary must be an attnlab Rotary(cos, sin, interleaved) or a (cos, sin) pair, got "
                         f"{type(rotary).__name__}")
     c, s_ = rotary.cos, rotary.sin
     if not (isinstance(c, torch.Tensor) and isinstance(s_, torch.Tensor) and c.dim() == 2
@@ -170,7 +171,7 @@ def _as_quantized(c, name: str):
         return c
     if isinstance(c, (tuple, list)):
         if len(c) != 2:
-            raise TypeError(f"{name} as a pair must be (int8 data, float32 scale), got {len(c)} items")
+            raise TypeError(f"attention_with_kvcache: {name} as a pair must be (int8 data, float32 scale), got {len(c)} items")
         try:
             return QuantizedKV(*c)
         except (AttentionInputError, AttentionDtypeError) as e:
@@ -180,11 +181,11 @@ def _as_quantized(c, name: str):
 
 def _int_lengths(x, B: int, name: str) -> torch.Tensor:
     if isinstance(x, bool):
-        raise TypeError(f"{name} must be an int or an integer tensor [B], got bool")
+        raise TypeError(f"attention_with_kvcache: {name} must be an int or an integer tensor [B], got bool")
     if isinstance(x, int):
         return torch.full((B,), x, dtype=torch.int64)
     if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype == torch.bool:
-        raise TypeError(f"{name} must be an int or an integer tensor [B], got {type(x).__name__}"
+        raise TypeError(f"attention_with_kvcache: {name} must be an int or an integer tensor [B], got {type(x).__name__}"
                         + (f" {x.dtype}" if isinstance(x, torch.Tensor) else ""))
     if x.shape != (B,):
         raise AttentionInputError(f"{name} {shape_str(x)} must be [B] = [{B}] (one length per sequence of q)")
@@ -200,7 +201,7 @@ def _window(window_size, is_causal: bool) -> tuple[int, int]:
     if window_size is not None:
         if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
                 or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-            raise TypeError(f"window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
+            raise TypeError(f"attention_with_kvcache: window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
         left, right = window_size
         if left < -1 or right < -1:
             raise AttentionInputError(f"window_size sides must be >= 0 or -1 (unbounded), got {tuple(window_size)}")
@@ -211,9 +212,10 @@ def _window(window_size, is_causal: bool) -> tuple[int, int]:
     return lo, hi
 
 
-def _append(cache, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tensor | None) -> None:
+def _append(cache, new, pos: torch.Tensor, block_table: torch.Tensor | None) -> None:
     """cache[sequence b, positions pos[b, :]] = new[b] in place, through the page table when paged; an int8
-    cache gets the quantised rows and their scales."""
+    cache gets the quantised rows and their scales (``new`` then the (data, scale) pair of ``_quantize``, made
+    before anything is written: Note [Checked, then appended])."""
     B, Lnew = pos.shape
     if block_table is None:
         idx = (torch.arange(B).unsqueeze(1), pos)  # [B, Lnew, Hkv, D] into [B, S, Hkv, D]
@@ -221,19 +223,22 @@ def _append(cache, new: torch.Tensor, pos: torch.Tensor, block_table: torch.Tens
         T = cache.shape[1]
         idx = (block_table.long().gather(1, pos // T), pos % T)  # (B, Lnew) pages and offsets
     if isinstance(cache, QuantizedKV):
-        data, scale = _quantize(new)
+        data, scale = new
         cache.data[idx] = data
         cache.scale[idx] = scale
     else:
         cache[idx] = new.to(cache.dtype)
 
 
-# Note [Paged checks once]: a page table is checked where it is used, once: the pages an append writes through,
-# before the append (in Python: a gather of the table and one reduction), and every page a visible key
-# reaches by the decode kernel itself (csrc/decode.cpp, before it reads), whose error is re-raised here as an
-# AttentionInputError naming the entry. Checked in Python instead, the whole table took eight small tensor ops
-# a call: 0.33 ms of a paged decode step after the bench's cache flush (1 GiB), where the kernel at S = 64 takes
-# 0.2 ms (measured: attention_with_kvcache paged 563 us vs contiguous 362 us, the same keys, interleaved).
+# Note [Checked, then appended]: nothing is written into a cache unless the whole call will succeed (issue 40,
+# D3-D5): every argument is checked first (num_splits a positive int, scale a finite real number, the int8 rows
+# quantised, so a non-finite k or v is refused), and every page the call will read (the append's among them:
+# pages 0 .. ceil(seqlen / T) - 1 of each sequence, seqlen after the append) is range-checked against the pool
+# in the caller's index dtype, before the table is cast to the kernel's int32 (an int64 entry of 2^32 wrapped
+# to page 0 and was written and read). Then the append, then the attention. The plain step (csrc Note
+# [One-call decode step]) does the same in C++ for the calls it takes; the decode kernel checks the pages it
+# reads once more (csrc/decode.cpp), which no longer fires after these checks. Their cost on the full path: a
+# comparison of the table's used columns, one reduction (the plain paged step, in C++, pays none of it).
 _PAGE_ERROR = re.compile(r"block_table\[(\d+), (\d+)\] = (-?\d+) is outside the pool of (\d+) pages")
 
 
@@ -242,28 +247,58 @@ def _page_error(b, p, page, pool, kc_t: torch.Tensor) -> AttentionInputError:
                                f"(k_cache {shape_str(kc_t)})")
 
 
-def _check_pages(block_table: torch.Tensor, cols: torch.Tensor, pool: int, kc_t: torch.Tensor) -> None:
-    """Raise naming the first entry ``block_table[b, cols[b, j]]`` that lies outside the pool of ``pool`` pages."""
-    pages = block_table.gather(1, cols)
-    if not pages.numel():
+def _check_pages(block_table: torch.Tensor, seqlens, T: int, pool: int, kc_t: torch.Tensor) -> None:
+    """Raise naming the first entry ``block_table[b, p]`` with p·T < seqlens[b] (a page the call reads or
+    writes) that lies outside the pool of ``pool`` pages, compared in block_table's own dtype (Note [Checked,
+    then appended]). seqlens: an int (every sequence) or int64 [B]."""
+    B, maxp = block_table.shape
+    if B == 0 or maxp == 0:
         return
-    lo, hi = pages.aminmax()
-    if int(lo) >= 0 and int(hi) < pool:
+    bt = block_table.cpu()
+    if isinstance(seqlens, int):
+        bt = bt[:, :-(-seqlens // T)]  # the pages every sequence uses
+        bad = (bt < 0) | (bt >= pool)
+    else:
+        used = torch.arange(maxp).unsqueeze(0) * T < seqlens.unsqueeze(1)  # (B, pages)
+        bad = used & ((bt < 0) | (bt >= pool))
+    if not bool(bad.any()):
         return
-    b, j = (int(x) for x in ((pages < 0) | (pages >= pool)).nonzero()[0])
-    raise _page_error(b, int(cols[b, j]), int(pages[b, j]), pool, kc_t)
+    b, p = (int(x) for x in bad.nonzero()[0])
+    raise _page_error(b, p, int(bt[b, p]), pool, kc_t)
 
 
-def _append_rows(cache, new: torch.Tensor, start: int) -> None:
+def _check_num_splits(num_splits) -> int | None:
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"attention_with_kvcache: num_splits must be a positive int or None (the kernel's choice), "
+                        f"got {num_splits!r} ({type(num_splits).__name__})")
+    if num_splits < 1:
+        raise AttentionInputError(f"attention_with_kvcache: num_splits must be >= 1 (or None), got {num_splits}")
+    return num_splits
+
+
+def _check_scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D) if D else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"attention_with_kvcache: scale must be a real number or None (1 / sqrt(D)), got {scale!r:.40} "
+                        f"({type(scale).__name__})")
+    if not math.isfinite(scale):
+        raise AttentionInputError(f"attention_with_kvcache: scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _append_rows(cache, new, start: int) -> None:
     """cache[:, start : start + Lnew] = new [B, Lnew, Hkv, D] in place (Note [One cache length]); an int8 cache
-    gets the quantised rows and their scales."""
-    stop = start + new.shape[1]
+    gets the quantised rows and their scales (``new`` the (data, scale) pair of ``_quantize``)."""
     if isinstance(cache, QuantizedKV):
-        data, scale = _quantize(new)
+        data, scale = new
+        stop = start + data.shape[1]
         cache.data[:, start:stop] = data
         cache.scale[:, start:stop] = scale
     else:
-        cache[:, start:stop] = new
+        cache[:, start:start + new.shape[1]] = new
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
@@ -323,6 +358,20 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         out = _one_call_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale)
         if out is not None:
             return out
+    try:
+        return _full_path(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
+                          alibi_slopes, rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits,
+                          return_lse)
+    except AttentionInputError as e:  # every message names the function (AttentionDtypeError is one too)
+        if str(e).startswith("attention_with_kvcache"):
+            raise
+        raise type(e)(f"attention_with_kvcache: {e}") from None
+
+
+def _full_path(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap, alibi_slopes,
+               rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits, return_lse):
+    """attention_with_kvcache's every path but the one-call step: checks, then the append, then the attention
+    (Note [Checked, then appended])."""
     k_cache, v_cache = _as_quantized(k_cache, "k_cache"), _as_quantized(v_cache, "v_cache")
     quant = isinstance(k_cache, QuantizedKV)
     if quant != isinstance(v_cache, QuantizedKV):
@@ -334,7 +383,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         if t is None and name in ("k", "v"):
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor{' or an attnlab QuantizedKV' if 'cache' in name else ''}, "
+            raise TypeError(f"attention_with_kvcache: {name} must be a torch.Tensor"
+                            f"{' or an attnlab QuantizedKV' if 'cache' in name else ''}, "
                             f"got {type(t).__name__}")
         if t.dim() != 4:
             raise AttentionInputError(f"{name} must be 4-D (flash-attn's layout: q [B, L, H, D], caches "
@@ -367,12 +417,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                                       f"B={B} (a paged cache needs block_table)")
         capacity = T
     else:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype.is_floating_point or block_table.dim() != 2 \
-                or block_table.shape[0] != B:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype.is_floating_point or block_table.is_complex() \
+                or block_table.dtype == torch.bool or block_table.dim() != 2 or block_table.shape[0] != B:
             raise AttentionInputError(f"block_table must be an integer tensor [B, pages] = [{B}, ...], got "
-                                      f"{shape_str(block_table) if isinstance(block_table, torch.Tensor) else block_table!r}")
-        block_table = block_table.to(device="cpu", dtype=torch.int32).contiguous()
-        capacity = block_table.shape[1] * T
+                                      f"{shape_str(block_table) if isinstance(block_table, torch.Tensor) else block_table!r}"
+                                      f"{' ' + str(block_table.dtype) if isinstance(block_table, torch.Tensor) else ''}")
+        capacity = block_table.shape[1] * T  # (cast to int32 once its used pages are checked in its own dtype)
     # Note [One cache length]: an int cache_seqlens (or none: the whole capacity) is one length for every
     # sequence, kept a Python int: the overflow check needs no reduction, a contiguous cache's append is a
     # slice copy rather than an index_put, and the kernel's wrapper builds its length tensors from the int.
@@ -411,8 +461,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         cap = None  # (Note [Soft-cap at infinity])
     slopes = _slopes(alibi_slopes, B, H)
     rot = _rotary(rotary, rotary_cos, rotary_sin, rotary_interleaved, D)
-    if scale is None:
-        scale = 1.0 / math.sqrt(D) if D else 1.0
+    scale = _check_scale(scale, D)
+    splits = _check_num_splits(num_splits)
+    if block_table is not None:  # every page read or written, in the caller's dtype (Note [Checked, then appended])
+        _check_pages(block_table, seqlens, T, P_, kc_t)
+        block_table = block_table.to(device="cpu", dtype=torch.int32).contiguous()
     if rot is not None:
         if k is None:
             raise AttentionInputError("rotary rotates the new k (and q) at cache_seqlens: give k, v (flash-attn's rule)")
@@ -426,6 +479,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         q = _rotate(q, rot, qpos)
         k = _rotate(k, rot, kpos)
     if k is not None and Lnew:
+        if quant:  # both quantised before either is written: a non-finite v leaves k's cache untouched too
+            k, v = _quantize(k), _quantize(v)
         if cache is None and block_table is None:  # one length, a contiguous cache: rows n0 .. n0 + Lnew - 1
             _append_rows(k_cache, k, n0)
             _append_rows(v_cache, v, n0)
@@ -434,8 +489,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                 pos = torch.arange(n0, n0 + Lnew).expand(B, Lnew)
             else:
                 pos = cache.unsqueeze(1) + torch.arange(Lnew)  # (B, Lnew)
-            if block_table is not None:  # the pages the append writes through (Note [Paged checks once])
-                _check_pages(block_table, pos // T, P_, kc_t)
             _append(k_cache, k, pos, block_table)
             _append(v_cache, v, pos, block_table)
     # Note [Plain decode on SDPA here]: a plain call (one length, a contiguous floating cache, every query seeing
@@ -455,10 +508,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         return out.transpose(1, 2)
     if q.device.type == "cpu" and decode_kernel.available() and L <= decode_kernel.MAX_QUERIES:
         kw = dict(k_scale=k_cache.scale, v_scale=v_cache.scale) if quant else {}
-        try:  # the kernel checks every page a visible key reaches (Note [Paged checks once])
+        if splits is not None:  # splits past the keys would be empty: at most one per key (no oversized buffers)
+            splits = min(splits, max(1, seqlens if cache is None else int(seqlens.max()) if B else 1))
+        try:  # the kernel checks every page a visible key reaches again (Note [Checked, then appended])
             out, lse = decode_kernel.decode_attention(  # q, out in [B, L, H, D]: no views (Note [Decode call overhead])
                 q, kc_t, vc_t, scale=scale, block_table=block_table, seqlens=seqlens, left=lo, right=hi,
-                softcap=cap or 0.0, alibi_slopes=slopes, splits=num_splits, blhd=True, **kw)
+                softcap=cap or 0.0, alibi_slopes=slopes, splits=splits, blhd=True, **kw)
         except RuntimeError as e:
             bad = _PAGE_ERROR.search(str(e))
             if bad is None:
@@ -467,10 +522,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     else:
         if cache is None:
             seqlens = torch.full((B,), seqlens, dtype=torch.int64)
-        if block_table is not None and B:
-            cols = torch.arange(block_table.shape[1]).expand(B, -1)
-            used = cols * T < seqlens.unsqueeze(1)  # (B, pages)
-            _check_pages(block_table.masked_fill(~used, 0), cols, P_, kc_t)
         kf = k_cache.dequantize() if quant else k_cache
         vf = v_cache.dequantize() if quant else v_cache
         out, lse = _fallback(q.transpose(1, 2), kf, vf, block_table, seqlens, lo, hi, cap, slopes, scale)
@@ -489,7 +540,7 @@ def _one_call_step(q, k_cache, v_cache, k, v, n0: int, block_table, is_causal, s
     if scale is None:
         D = q.shape[3]
         scale = 1.0 / math.sqrt(D) if D else 1.0
-    elif type(scale) not in (int, float):
+    elif type(scale) not in (int, float) or not math.isfinite(scale):
         return None
     return decode_kernel.decode_step(q, k_cache, v_cache, k, v, n0, block_table, bool(is_causal), scale)
 
@@ -517,8 +568,10 @@ def _fallback(qh, k_cache, v_cache, block_table, seqlens, lo, hi, cap, slopes, s
     j = torch.arange(S)
     if block_table is None:
         kd, vd = k_cache[:, :S], v_cache[:, :S]
-    else:
-        page = block_table.long()[:, j // T] if S else torch.zeros(B, 0, dtype=torch.long)
+    else:  # a sequence's pages past its own length are not checked (nor read: masked below); page 0 stands in
+        used = torch.arange(block_table.shape[1]).unsqueeze(0) * T < seqlens.unsqueeze(1)  # (B, pages)
+        table = block_table.long().masked_fill(~used, 0)
+        page = table[:, j // T] if S else torch.zeros(B, 0, dtype=torch.long)
         kd, vd = k_cache[page, j % T], v_cache[page, j % T]  # (B, S, Hkv, D)
     i = torch.arange(L).view(1, L, 1)
     pos = i + (seqlens - L).view(B, 1, 1)  # (B, L, 1)
