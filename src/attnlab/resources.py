@@ -104,6 +104,20 @@ def _held(p: Path, markers: tuple[str, ...]) -> list[str]:
     return found
 
 
+def _check_writable(p: Path, option: str) -> None:
+    """Refuse a folder that cannot be written: the folder, or the nearest folder above it that exists, must take a
+    new entry (a scratch folder made and removed there, so a read-only or pseudo file system such as /proc is
+    found out before a run, not after it). Raises the OSError with ``p`` as its filename, which the CLI's error
+    boundary words as "--out P: cannot create it" (cli/main.py ``_out_error_line``)."""
+    import tempfile
+
+    anchor = next((a for a in (p, *p.parents) if a.exists()), Path("."))
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".attnlab-write-check-", dir=anchor))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(p)) from None
+
+
 def output_dir(path: str | os.PathLike, option: str = "--out", *, resume: bool | None = None, force: bool = False,
                markers: tuple[str, ...] = RUN_MARKERS, resumable: bool = True) -> Path:
     """An output folder: refused when it is a file (or under one).
@@ -118,6 +132,8 @@ def output_dir(path: str | os.PathLike, option: str = "--out", *, resume: bool |
     for parent in p.parents:
         if parent.exists() and not parent.is_dir():
             raise OptionError(f"{option} {p}: {parent} is a file, not a folder")
+    if resume is not None:  # a command checks here, before it runs (issue 40: bench decode --out /proc/x ran first)
+        _check_writable(p, option)
     if resume is None or (resume and resumable) or not p.is_dir():
         return p
     held = _held(p, markers)

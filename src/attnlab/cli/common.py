@@ -99,6 +99,9 @@ def add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, st
 
 #: the narrowest --width: room for a records table's longest word and its column name
 MIN_WIDTH = 20
+#: the widest --width: far past any terminal or page, short of a width whose lines no viewer could show (rich
+#: lays a table out at its width: 1e20 columns was accepted, issue 40)
+MAX_WIDTH = 10_000
 
 
 def _width(text: str) -> int:
@@ -108,13 +111,15 @@ def _width(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number of columns, got {text!r}") from None
     if v < MIN_WIDTH:
         raise argparse.ArgumentTypeError(f"must be at least {MIN_WIDTH} columns, got {text!r}")
+    if v > MAX_WIDTH:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WIDTH} columns, got {text!r}")
     return v
 
 
 def add_width(parser: argparse.ArgumentParser, default: Any = None) -> None:
     """The global --width (before or after the command): tables and text fit that many columns."""
     parser.add_argument("--width", type=_width, default=default, metavar="COLUMNS",
-                        help=f"print tables and text this many columns wide, at least {MIN_WIDTH} (default: the "
+                        help=f"print tables and text this many columns wide, {MIN_WIDTH} to {MAX_WIDTH} (default: the "
                              "terminal's width, or $COLUMNS; 80 when piped); tables wrap between words, never "
                              "inside a word or number")
 

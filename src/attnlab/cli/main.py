@@ -17,6 +17,7 @@ shows the traceback). Ctrl-C exits 130 with one line saying what was kept and ho
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
 import sys
@@ -45,6 +46,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("attnlab.cli.serve", "live attention explorer in the browser (local web app)"),
     "calibrate": ("attnlab.cli.calibrate", "measure the kernels on this CPU and cache the planner's rates"),
     "info": ("attnlab.cli.info", "this machine and install, for a bug report (CPU, extension, versions)"),
+    "verify": ("attnlab.cli.verify", "prove the kernels on this CPU class and write its record"),
 }
 
 
@@ -123,11 +125,15 @@ def _error_line(prog: str, e: BaseException) -> tuple[str, int]:
     return (f"{prog}: error: {type(e).__name__}: {first} (unexpected; ATTNLAB_TRACEBACK=1 shows the traceback)"), 1
 
 
+_CANNOT_CREATE = (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def _out_error_line(prog: str, e: BaseException, args) -> tuple[str, int] | None:
-    """A write under ``--out`` that the filesystem refused with ENOENT (``--out /proc/nope``): say that the
-    output could not be created there, naming the option, instead of "file not found"."""
+    """A write under ``--out`` that the filesystem refused (``--out /proc/nope``: ENOENT; a read-only folder:
+    EACCES, EPERM, EROFS): say that the output could not be created there, naming the option, instead of "file
+    not found" (also what ``resources.output_dir`` raises when it finds the folder unwritable before a run)."""
     out = getattr(args, "out", None)
-    if not isinstance(e, FileNotFoundError) or not out or not e.filename:
+    if not isinstance(e, OSError) or e.errno not in _CANNOT_CREATE or not out or not e.filename:
         return None
     out_path, failed = Path(str(out)).absolute(), Path(str(e.filename)).absolute()
     if failed != out_path and failed.parent not in (out_path, out_path.parent):

@@ -107,6 +107,30 @@ def empty_kv_cache(*shape: int, dtype: torch.dtype = torch.float32, device: torc
         raise AttentionInputError(f"empty_kv_cache: dtype must be a torch.dtype, got {dtype!r}")
     if huge_pages is not None and not isinstance(huge_pages, bool):
         raise AttentionInputError(f"empty_kv_cache: huge_pages must be None (auto), True or False, got {huge_pages!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype.itemsize > _MAX_BYTES:  # Python ints: no overflow before the check (issue 40)
+        raise AttentionInputError(f"empty_kv_cache: shape {list(shape)} of {dtype} is {numel * dtype.itemsize:.3g} "
+                                  f"bytes, past the {_MAX_BYTES:.3g} one tensor can address; pass a smaller shape")
+    try:
+        return _allocate(shape, dtype, device, huge_pages)
+    except (MemoryError, OSError, RuntimeError) as e:
+        if isinstance(e, AttentionInputError):
+            raise
+        from ..report import format_bytes
+
+        why = " ".join(str(e).split())[:160]
+        raise AttentionInputError(f"empty_kv_cache: shape {list(shape)} of {dtype} ({format_bytes(numel * dtype.itemsize)}) "
+                                  f"could not be allocated ({type(e).__name__}: {why})") from None
+
+
+#: the most bytes one tensor's storage can hold (its size is an int64 count of bytes)
+_MAX_BYTES = 2**63 - 1
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device, huge_pages: bool | None) -> torch.Tensor:
+    """empty_kv_cache's storage, its arguments checked."""
     dev = torch.device("cpu") if device is None else torch.device(device)
     if dev.type != "cpu" or huge_pages is False:
         return torch.zeros(shape, dtype=dtype, device=dev)

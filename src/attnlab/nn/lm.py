@@ -12,6 +12,8 @@ prompt alone would.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -27,6 +29,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     """Next token ids [B] from logits [B, V]: greedy when temperature == 0, else sample from
     softmax(logits / temperature) restricted to the top_k tokens and/or the smallest set whose
     probability reaches top_p (nucleus sampling, Holtzman et al. 2020)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"sample_next: temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -147,8 +152,10 @@ class TransformerLM(nn.Module):
                              f"{getattr(prompt_ids, 'shape', prompt_ids)!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature >= 0):  # nan passed `< 0` and failed in torch.multinomial
+            raise ValueError(f"TransformerLM.generate: temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{temperature!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         if top_p is not None and not (0.0 < top_p <= 1.0):
