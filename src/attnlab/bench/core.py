@@ -402,8 +402,10 @@ def _markdown(res: Result) -> str:
              "Matrix-product peak measured in this run (best of repeated products): " +
              ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in res.peak_gflops.items()), "",
              "`time/(ρ·dense)`: a pattern's time over its density ρ times SDPA's dense (non-causal) time at the same n.",
-             "",
-             ""]
+             "", "![time](time.png)", ""]
+    if any(r.peak_bytes for r in res.records):  # memory.png is drawn only then
+        lines += ["![memory](memory.png)", ""]
+    lines.append("")
 
     def num(x, spec):
         return "" if x is None else format(x, spec)

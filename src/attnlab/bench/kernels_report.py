@@ -200,6 +200,9 @@ def _markdown(res: KernelsResult) -> str:
             rows.append([name, impl, *(_fmt(d[k].value) if k in d else "" for k in ("quiet", "busy", "kept")),
                          first.target, first.definition])
     lines.append(markdown_table(["ratio", "implementation", "quiet", "busy", "kept", "target", "computed as"], rows))
+    plots = [Path(f).name for f in res.files if str(f).endswith(".png")]
+    if plots:  # shown by the report (and the docs site) beside the tables, before the long measurement table
+        lines += ["", "## Plots", ""] + [x for name in plots for x in (f"![{Path(name).stem}]({name})", "")]
     lines += ["", "## Measurements (median seconds)", ""]
     rows = [[m.case, m.impl, m.load, _fmt(m.density, 3) if m.density < 1 else "",
              _fmt(m.seconds * 1e3 if m.seconds else None), f"{len(m.times)} × {m.calls_per_sample}" if m.times else "",
@@ -213,5 +216,4 @@ def _markdown(res: KernelsResult) -> str:
         lines.append(markdown_table(["case", "implementation", "peak MiB", "skipped because"], rows))
     if res.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in res.notes]
-    lines += ["", "Plots: " + ", ".join(Path(f).name for f in res.files if f.endswith(".png"))]
     return "\n".join(lines) + "\n"

@@ -433,6 +433,7 @@ def report_markdown(res: PlannerResult) -> str:
                   f"- auto picks the fastest kernel in {s['auto_is_fastest']:.1%}",
                   f"- median spread of a kernel's rounds: {s['median_spread']:.1%}", ""]
     lines += [f"- {n}" for n in res.notes] + [""]
+    lines += ["![auto / fastest per configuration](planner.png)", ""]  # written beside report.md by run()
     cols = ["config", *METHODS, "auto", "fastest", "auto's pick", "auto/fastest", "pick/fastest", "auto/pick paired",
             "auto/fastest raw"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
@@ -448,8 +449,7 @@ def report_markdown(res: PlannerResult) -> str:
               "over rounds of auto's time / its pick's in the same round (timed back to back, order flipped each "
               "round); auto/fastest raw: auto's median / the fastest's. refused: the kernel does not accept these "
               "inputs; skipped: predicted or "
-              "measured far slower than the fastest, not timed (Note [Kernels too slow to time]; reasons for both "
-              "in results.json)."]
+              "measured far slower than the fastest, not timed (the reasons for both are in results.json)."]
     return "\n".join(lines) + "\n"
 
 

@@ -29,7 +29,9 @@ def test_bench_core_quick_writes_results(tmp_path):
     assert all(r["peak_bytes"] is not None and r["peak_bytes"] >= 0 for r in mem)
     assert data["peak_gflops"]["float32"] > 0
     assert (tmp_path / "time.png").stat().st_size > 1000
-    assert "× SDPA speed" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "× SDPA speed" in report
+    assert "![time](time.png)" in report and "![memory](memory.png)" in report  # the report shows its plots
 
 
 def test_explain_cli_returns_plans(capsys):

@@ -35,6 +35,9 @@ def test_writes_report_files_and_progress(tiny_run):
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no temporaries
     report = (out / "report.md").read_text()
     assert cpu.INFO.model in report and cpu.INFO.torch_isa in report  # header: CPU flags
+    # the plots are shown, before the long measurement table
+    assert all(report.index(f"]({name})") < report.index("## Measurements") for name in ("window.png", "sparse.png",
+                                                                                         "ratios.png"))
     assert "float32" in report.split("## Headline")[0] and "GFLOP/s" in report.split("## Headline")[0]
     done = [d for d, _, _ in calls]
     assert done == sorted(done) and calls[-1][0] == calls[-1][1] and calls[-1][2] == "done"

@@ -56,6 +56,7 @@ def test_quick_run_writes_the_table_and_the_summary(tmp_path):
     assert ("| config | sdpa | compiled | tiled | sparse | auto | fastest | auto's pick | auto/fastest | pick/fastest "
             "| auto/pick paired | auto/fastest raw |") in md
     assert "auto / its pick, paired in each round" in md and "by auto's separate median" in md
+    assert "](planner.png)" in md and (out / "planner.png").exists()  # the report shows its plot
     assert sum(line.startswith("| ") for line in md.splitlines()) == len(rows) + 1
     assert "refused" in md and "load average" in md
     assert (out / "planner.png").stat().st_size > 0
