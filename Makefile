@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 PYTEST  := $(BIN)/python -m pytest -n 2 -q
 
-.PHONY: demo test test-fast bench docs venv chromium clean
+.PHONY: demo test test-fast bench docs venv chromium clean verify
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,12 @@ bench: $(STAMP)
 	$(BIN)/attnlab bench kernels
 	$(BIN)/attnlab bench decode
 	$(BIN)/attnlab bench planner
+
+# the record of this CPU class (docs/results/cpus/<class>.json and .md): conformance per path, the half-type grid,
+# 10 minutes of layout fuzz, headline ratios quiet and busy, the planner sweep; about 25 minutes on 2 cores,
+# resumable (a killed run keeps its finished stages)
+verify: $(STAMP)
+	$(BIN)/attnlab verify --force
 
 # the docs site (guides, course notebooks with their outputs, measured results, API reference) into site/,
 # offline; open site/index.html. `python tests/project/test_notebooks.py --write` refreshes the notebooks' outputs.

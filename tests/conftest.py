@@ -79,13 +79,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One line per CPU-specific code path: ran, failed, or skipped and why (tests/cpu_paths.py)."""
-    import cpu_paths
+    """One line per CPU-specific code path: ran, failed, or skipped and why (attnlab.verify.paths)."""
     from attnlab import cpu
+    from attnlab.verify import paths
 
-    reports = [r for key in ("passed", "failed", "skipped", "error") for r in terminalreporter.stats.get(key, [])
-               if hasattr(r, "nodeid")]
+    outcomes = [o for key in ("passed", "failed", "skipped", "error") for r in terminalreporter.stats.get(key, [])
+                if hasattr(r, "nodeid") and hasattr(r, "when") and (o := paths.from_pytest_report(r)) is not None]
     tr = terminalreporter
     tr.section(f"CPU paths on this machine: {cpu.summary(peaks=False)}")
-    for line in cpu_paths.summary(reports, cpu.INFO.flags):
+    for line in paths.summary(outcomes, cpu.INFO.flags):
         tr.write_line(line)

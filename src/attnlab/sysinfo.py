@@ -43,6 +43,7 @@ class SystemInfo:
     measured: dict | None
     extension: dict  # the compiled kernel: variant, capability, status, tile back ends
     calibration: dict  # the planner's rates: where they come from
+    verified: dict = field(default_factory=dict)  # attnlab.verify.record.status(): this CPU class's record
     #: the decode kernel (kernels/decode.py): status, capability, bf16 scores' instructions, prefetch level
     decode: dict = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)  # the ENV_VARS that are set
@@ -86,6 +87,16 @@ class SystemInfo:
         elif d:
             lines.append(f"decode: unavailable: {d['status']}")
         lines.append("calibration: " + ", ".join(f"{k}={v}" for k, v in self.calibration.items()))
+        v = self.verified
+        if v:
+            r = v["record"]
+            if r is None:
+                lines.append(f"verified: no record for this CPU class ({v['class']}); `make verify` makes one")
+            else:
+                lines.append(f"verified: this CPU class ({v['class']}) on {r['date']}: {r['verdict']}, at kernel code "
+                             f"{r['code_hash']}" + ("" if v["current"] else f" (this install's is {v['code_hash']}: "
+                                                    "the record is older than the kernels)"))
+            lines.append("verified classes: " + (", ".join(v["classes"]) or "none"))
         lines += [f"env.{k}: {v}" for k, v in self.environment.items()]
         return "\n".join(lines)
 
@@ -134,6 +145,12 @@ def _calibration() -> dict:
     return rates.state()
 
 
+def _verified() -> dict:
+    from .verify import record
+
+    return record.status()
+
+
 def collect(measure: bool = True, seconds: float = 0.25) -> SystemInfo:
     """This machine and install. ``measure``: also time the fp32 and bf16 GEMM peaks (``cpu.matmul_peak``,
     n = 1024) and the read bandwidth (``cpu.read_bandwidth``), about ``seconds`` each (cached per process)."""
@@ -148,4 +165,5 @@ def collect(measure: bool = True, seconds: float = 0.25) -> SystemInfo:
         attnlab=__version__, python=sys.version.split()[0], platform=platform.platform(), torch=torch.__version__,
         transformers=_version("transformers"), cpu=cpu.INFO.as_dict(), threads=torch.get_num_threads(),
         numa_nodes=cpu.numa_nodes(), measured=measured, extension=_extension(), calibration=_calibration(), decode=_decode(),
+        verified=_verified(),
         environment={k: os.environ[k] for k in ENV_VARS if k in os.environ})

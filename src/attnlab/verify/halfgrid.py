@@ -41,6 +41,8 @@ FLOOR = {"bfloat16": 4e-3, "float16": 5e-4}
 
 @dataclass(frozen=True)
 class Case:
+    """One cell of the grid: dtype name, query and key lengths, head dim, block size, mask kind."""
+
     dtype: str
     L: int
     S: int
@@ -49,6 +51,7 @@ class Case:
     mask: str
 
     def label(self) -> str:
+        """e.g. "bfloat16 L=64 S=64 E=32 block=16 causal"."""
         return f"{self.dtype} L={self.L} S={self.S} E={self.E} block={self.block} {self.mask}"
 
 
@@ -65,9 +68,11 @@ class GridResult:
 
     @property
     def ok(self) -> bool:
+        """No case off its budget and no crash."""
         return not self.failures and self.crashed is None
 
     def as_dict(self) -> dict:
+        """Plain data (the child's JSON line)."""
         return dataclasses.asdict(self)
 
 
@@ -176,19 +181,13 @@ def run_isolated(backend: str, sample: int | None = None, seed: int = 0, timeout
     return GridResult(backend, crashed=f"{how} during {last or 'start-up'}" + (f": {tail}" if tail else ""))
 
 
-def _main(argv=None) -> int:
+if __name__ == "__main__":  # run_isolated's child: one "case ..." line per case, then the result as one JSON line
     import argparse
 
     ap = argparse.ArgumentParser(description="the half-type grid on one GEMM back end (one JSON line)")
     ap.add_argument("--backend", default="auto", choices=BACKENDS)
     ap.add_argument("--sample", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    res = run(grid(a.sample, a.seed), a.backend,
-              progress=lambda i, c: print(f"case {c.label()}", flush=True))
+    a = ap.parse_args()
+    res = run(grid(a.sample, a.seed), a.backend, progress=lambda i, c: print(f"case {c.label()}", flush=True))
     print(json.dumps(res.as_dict()), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

@@ -1,9 +1,10 @@
-"""The test summary's CPU-path lines: for each code path the kernels choose by CPU, whether this run proved it
-(the tests that run it passed), failed, or skipped it and why, so that a CI log says what each run proved.
+"""The CPU-specific code paths of the kernels and the tests that prove each: for the test summary's path lines
+(tests/conftest.py: ran, failed, or skipped and why, so that a CI log says what each run proved) and for the
+conformance matrix of a CPU class's record (``attnlab.verify.record``).
 
 A path is proved only on a CPU that has it (nothing emulates AMX); ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY
-narrow a CPU to the paths of smaller ones, which the subprocess tests listed here use. ``summary`` reads the
-session's test reports (xdist forwards them to the controller) and this CPU's flags.
+narrow a CPU to the paths of smaller ones, which the subprocess tests listed here use. ``summary`` takes the
+session's outcomes (``Outcome``: from pytest's reports, or from a JUnit XML file) and this CPU's flags.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Path:
+    """A CPU-specific code path: its name, the tests that prove it, the flag it needs, how the tests reach it."""
+
     name: str
     tests: tuple[str, ...]  # regexes over node ids
     needs: str | None = None  # a /proc/cpuinfo flag the path needs (else it cannot run here)
@@ -20,6 +23,8 @@ class Path:
 
 
 def paths(flags: frozenset[str] | None) -> list[Path]:
+    """The paths, with the tests that reach each on a CPU of these flags (AVX512-BF16 tiles: a capped oneDNN on a
+    CPU with AMX, whose own bf16 products take the AMX tiles)."""
     f = flags or frozenset()
     amx = "amx_bf16" in f
     brgemm_bf16 = (r"test_half_grid\.py::test_half_grid_sample_on_each_back_end\[(auto|brgemm)\]",
@@ -51,36 +56,57 @@ def paths(flags: frozenset[str] | None) -> list[Path]:
     ]
 
 
-def _reason(rep) -> str:
-    lr = rep.longrepr
-    if isinstance(lr, tuple) and len(lr) == 3:
-        return str(lr[2]).removeprefix("Skipped: ")
-    return str(lr).splitlines()[-1] if lr else "skipped"
+@dataclass(frozen=True)
+class Outcome:
+    """One test's result: its node id, "passed" / "failed" / "skipped", and a skip's reason."""
+
+    nodeid: str
+    outcome: str
+    reason: str = ""
 
 
-def summary(reports: list, flags: frozenset[str] | None) -> list[str]:
-    """One line per path: 'ran: N passed', 'FAILED: ...', 'skipped: why', or 'not run: no test selected'."""
-    lines = []
-    width = max(len(p.name) for p in paths(flags))
+def from_pytest_report(rep) -> Outcome | None:
+    """The Outcome of a pytest TestReport that decides a test (a call's pass, any failure, any skip)."""
+    if rep.skipped:
+        lr = rep.longrepr
+        why = str(lr[2]).removeprefix("Skipped: ") if isinstance(lr, tuple) and len(lr) == 3 else "skipped"
+        return Outcome(rep.nodeid, "skipped", why)
+    if rep.failed:
+        return Outcome(rep.nodeid, "failed")
+    if rep.when == "call" and rep.passed:
+        return Outcome(rep.nodeid, "passed")
+    return None
+
+
+def verdicts(outcomes: list[Outcome], flags: frozenset[str] | None) -> list[tuple[str, str, str]]:
+    """(path, status, verdict) per path; status is ran / failed / skipped / not run."""
+    rows = []
     for p in paths(flags):
         pats = [re.compile(t) for t in p.tests]
-        mine = [r for r in reports if any(x.search(r.nodeid) for x in pats)]
-        passed = {r.nodeid for r in mine if r.when == "call" and r.passed}
-        failed = {r.nodeid for r in mine if r.failed}
-        skipped = [r for r in mine if r.skipped]
+        mine = [r for r in outcomes if any(x.search(r.nodeid) for x in pats)]
+        passed = {r.nodeid for r in mine if r.outcome == "passed"}
+        failed = {r.nodeid for r in mine if r.outcome == "failed"}
+        skipped = [r for r in mine if r.outcome == "skipped"]
         if p.needs and flags is not None and p.needs not in flags:
-            verdict = f"skipped: this CPU lacks {p.needs}"
+            status, verdict = "skipped", f"skipped: this CPU lacks {p.needs}"
             if passed:
                 verdict += f" ({len(passed)} of its tests ran another path here)"
         elif failed:
-            verdict = f"FAILED: {len(failed)} failed, {len(passed)} passed ({sorted(failed)[0]} ...)"
+            status, verdict = "failed", f"FAILED: {len(failed)} failed, {len(passed)} passed ({sorted(failed)[0]} ...)"
         elif passed:
-            verdict = f"ran: {len(passed)} passed" + (f" ({p.how})" if p.how else "")
+            status, verdict = "ran", f"ran: {len(passed)} passed" + (f" ({p.how})" if p.how else "")
             if skipped:
                 verdict += f", {len(skipped)} skipped"
         elif skipped:
-            verdict = f"skipped: {_reason(skipped[0])}"
+            status, verdict = "skipped", f"skipped: {skipped[0].reason}"
         else:
-            verdict = "not run: no test of it selected"
-        lines.append(f"{p.name:<{width}}  {verdict}")
-    return lines
+            status, verdict = "not run", "not run: no test of it selected"
+        rows.append((p.name, status, verdict))
+    return rows
+
+
+def summary(outcomes: list[Outcome], flags: frozenset[str] | None) -> list[str]:
+    """One line per path: 'ran: N passed', 'FAILED: ...', 'skipped: why', or 'not run: no test selected'."""
+    rows = verdicts(outcomes, flags)
+    width = max(len(name) for name, _, _ in rows)
+    return [f"{name:<{width}}  {verdict}" for name, _, verdict in rows]

@@ -1,0 +1,432 @@
+"""A verified record per CPU class (``attnlab verify``, ``make verify``): what the kernels were proved to do on this
+class of CPU, for the code they ran.
+
+The class key is the vendor, family and model, and the flags that choose code paths (``PATH_FLAGS``); the code
+is a hash of ``csrc/`` and ``kernels/`` (``code_hash``). A record holds, in stages (each saved as it ends, so a
+killed run resumes where it stopped):
+
+1. ``conformance``: the conformance tests of every GEMM back end and build this CPU reaches (the compiled
+   kernel per back end and in the AVX2 and default builds, the decode builds, dead rows, int8 and bf16 caches),
+   run by pytest from the repository's tests, with one verdict per CPU path (``attnlab.verify.paths``).
+2. ``half_grid``: the whole half-type grid (``attnlab.verify.halfgrid``, 7,290 cases) on each back end, each in
+   its own process.
+3. ``fuzz``: the differential layout fuzz (tests/functional/test_differential.py) for ``fuzz_minutes``, in
+   rounds of fresh hypothesis seeds, with counts.
+4. ``headline``: ratios against SDPA measured side by side (interleaved rounds, medians), quiet and beside a
+   CPU-bound process: fp32 and bf16 forward and forward + backward, a causal window against SDPA causal, decode
+   against the measured read bandwidth.
+5. ``planner``: ``bench planner`` on a reduced sweep (auto against the fastest kernel).
+
+Files (atomic): ``<out>/<key>.json`` and ``<out>/<key>.md``; the stages in progress in ``<out>/<key>.partial.json``.
+``run(VerifyConfig(...)) -> dict`` prints nothing; ``attnlab verify`` is its CLI.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import __version__, cpu
+from ..report import atomic_write_json, atomic_write_text
+from . import halfgrid, paths
+
+__all__ = ["VerifyConfig", "PATH_FLAGS", "class_key", "cpu_class", "code_hash", "run", "records", "record_for",
+           "status", "STAGES", "markdown"]
+
+#: the /proc/cpuinfo flags that choose code paths in attnlab's kernels (and torch's / oneDNN's under them)
+PATH_FLAGS = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx512f", "avx2")
+STAGES = ("conformance", "half_grid", "fuzz", "headline", "planner")
+FORMAT = 1
+PKG = Path(__file__).resolve().parents[1]
+#: where records live in the repository (the docs site shows the Markdown pages)
+RECORDS = PKG.parents[1] / "docs" / "results" / "cpus"
+#: the records' headers, shipped in the package (``attnlab info`` lists them; an install has no docs/ folder)
+INDEX = Path(__file__).resolve().parent / "verified.json"
+
+CONFORMANCE_TESTS = ("tests/kernels/test_compiled_backends.py", "tests/kernels/test_half_grid.py",
+                     "tests/functional/test_dead_rows.py", "tests/functional/test_dead_keys.py",
+                     "tests/functional/test_kvcache.py", "tests/functional/test_kvcache_int8.py",
+                     "tests/functional/test_kvcache_bf16.py", "tests/kernels/test_compiled.py")
+
+
+def _cpuinfo() -> dict:
+    out = {"vendor": None, "family": None, "model": None, "model_name": cpu.INFO.model}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        k, v = k.strip(), v.strip()
+        if k == "vendor_id" and out["vendor"] is None:
+            out["vendor"] = v
+        elif k == "cpu family" and out["family"] is None:
+            out["family"] = int(v)
+        elif k == "model" and out["model"] is None and v.isdigit():
+            out["model"] = int(v)
+        elif not line.strip() and out["vendor"] is not None:
+            break
+    return out
+
+
+def cpu_class(flags: frozenset[str] | None = None) -> dict:
+    """This CPU's class: vendor, family, model and the path-choosing flags it has."""
+    info = _cpuinfo()
+    flags = cpu.INFO.flags if flags is None else flags
+    info["flags"] = [f for f in PATH_FLAGS if flags and f in flags]
+    info["key"] = class_key(info)
+    return info
+
+
+def class_key(c: dict) -> str:
+    """e.g. "GenuineIntel-6-143+amx_bf16+avx512_bf16+..." (vendor-family-model+flags)."""
+    return f"{c.get('vendor') or platform.machine()}-{c.get('family')}-{c.get('model')}+" + "+".join(c["flags"])
+
+
+def code_hash() -> str:
+    """sha256 (first 12 hex digits) over the kernels' code: csrc/*.cpp and kernels/*.py, by name and content."""
+    h = hashlib.sha256()
+    for p in sorted([*(PKG / "csrc").glob("*.cpp"), *(PKG / "csrc").glob("*.h"), *(PKG / "kernels").glob("*.py")]):
+        h.update(p.relative_to(PKG).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+HEADER = ("key", "class", "code_hash", "date", "verdict", "attnlab", "torch")
+
+
+def records(index: Path = INDEX) -> list[dict]:
+    """The records shipped with this version (their headers: key, class, code hash, date, verdict)."""
+    try:
+        return list(json.loads(Path(index).read_text()).get("records", []))
+    except (OSError, ValueError):
+        return []
+
+
+def record_for(key: str | None = None, index: Path = INDEX) -> dict | None:
+    """The shipped record of this machine's class (or ``key``'s), or None."""
+    key = key or cpu_class()["key"]
+    return next((r for r in records(index) if r["key"] == key), None)
+
+
+def status() -> dict:
+    """For ``attnlab info``: this machine's class, its record (or None), whether that record is for this code,
+    and every class verified."""
+    cls = cpu_class()
+    rec = record_for(cls["key"])
+    return {"class": cls["key"], "record": rec, "current": bool(rec and rec["code_hash"] == code_hash()),
+            "code_hash": code_hash(), "classes": [r["key"] for r in records()]}
+
+
+def _update_index(rec: dict, index: Path = INDEX) -> None:
+    rows = [r for r in records(index) if r["key"] != rec["key"]] + [{k: rec.get(k) for k in HEADER}]
+    atomic_write_json(index, {"format": FORMAT, "records": sorted(rows, key=lambda r: r["key"])})
+
+
+@dataclass
+class VerifyConfig:
+    """What ``attnlab verify`` runs: ``out`` the records folder; ``repo`` the checkout whose tests the conformance
+    and fuzz stages run (None: this package's repository); ``fuzz_minutes``; ``busy`` the headline ratios also
+    beside a CPU-bound process; ``stages`` to run (others kept from a partial run); ``grid_sample`` (None: the
+    whole half-type grid); ``planner_max_n``; ``resume`` keep the stages a killed run finished."""
+
+    out: str = str(RECORDS)
+    repo: str | None = None
+    fuzz_minutes: float = 10.0
+    busy: bool = True
+    stages: tuple[str, ...] = STAGES
+    grid_sample: int | None = None
+    planner_max_n: int = 4096
+    resume: bool = True
+    force: bool | None = None
+
+    def validate(self) -> None:
+        """ValueError naming the option for a setting that cannot run."""
+        bad = [s for s in self.stages if s not in STAGES]
+        if bad:
+            raise ValueError(f"--stages: {', '.join(bad)} not among {', '.join(STAGES)}")
+        if self.fuzz_minutes < 0:
+            raise ValueError(f"--fuzz-minutes must be >= 0, got {self.fuzz_minutes}")
+        key = cpu_class()["key"]
+        out = Path(self.out)
+        if self.force is False and (out / f"{key}.json").exists() and not (
+                self.resume and (out / f"{key}.partial.json").exists()):
+            from ..resources import OptionError
+
+            raise OptionError(f"--records {out} holds this CPU class's record ({key}.json); pass --force to "
+                              "replace it")
+        repo = Path(self.repo or PKG.parents[1])
+        if any(s in self.stages for s in ("conformance", "fuzz")) and not (repo / "tests" / "conftest.py").exists():
+            raise ValueError(f"--repo: {repo} holds no attnlab tests (the conformance and fuzz stages run them)")
+
+
+# -- stages -------------------------------------------------------------------------------------------------
+def _pytest(repo: Path, args: list[str], env: dict | None = None, timeout_s: float = 3600) -> tuple[int, list]:
+    """Run pytest in ``repo`` with a JUnit XML; (exit code, [paths.Outcome])."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "junit.xml"
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args],
+                           cwd=repo, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                           timeout=timeout_s)
+        outcomes = []
+        if xml.exists():
+            for tc in ET.parse(xml).getroot().iter("testcase"):
+                file = tc.get("file") or ""
+                cls = tc.get("classname", "")
+                mod = cls.replace(".", "/") + ".py"
+                nodeid = f"{file or mod}::{tc.get('name')}"
+                if tc.find("failure") is not None or tc.find("error") is not None:
+                    outcomes.append(paths.Outcome(nodeid, "failed"))
+                elif (sk := tc.find("skipped")) is not None:
+                    outcomes.append(paths.Outcome(nodeid, "skipped", (sk.get("message") or "").removeprefix("Skipped: ")))
+                else:
+                    outcomes.append(paths.Outcome(nodeid, "passed"))
+        return r.returncode, outcomes
+
+
+def _stage_conformance(cfg: VerifyConfig, repo: Path, say) -> dict:
+    say("conformance: the path tests of every back end and build (pytest, slow ones included)")
+    rc, outcomes = _pytest(repo, ["-n", "2", "-m", "slow or not slow", *CONFORMANCE_TESTS])
+    rows = paths.verdicts(outcomes, cpu.INFO.flags)
+    return {"exit_code": rc, "passed": sum(o.outcome == "passed" for o in outcomes),
+            "failed": sorted(o.nodeid for o in outcomes if o.outcome == "failed"),
+            "skipped": sum(o.outcome == "skipped" for o in outcomes),
+            "paths": [{"path": n, "status": s, "verdict": v} for n, s, v in rows]}
+
+
+def _stage_half_grid(cfg: VerifyConfig, repo: Path, say) -> dict:
+    out = {}
+    for b in halfgrid.BACKENDS:
+        say(f"half-type grid on {b}")
+        t0 = time.perf_counter()
+        res = halfgrid.run_isolated(b, sample=cfg.grid_sample, seed=0)
+        out[b] = {"cases": res.cases, "failures": res.failures[:20], "n_failures": len(res.failures),
+                  "crashed": res.crashed, "tiles": res.tiles, "seconds": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def _stage_fuzz(cfg: VerifyConfig, repo: Path, say) -> dict:
+    per_round, deadline, rounds = 60, time.monotonic() + cfg.fuzz_minutes * 60, []
+    seed = int(time.time()) % 100000
+    while time.monotonic() < deadline or not rounds:
+        say(f"layout fuzz, round {len(rounds) + 1} (seed {seed + len(rounds)}), "
+            f"{max(0.0, (deadline - time.monotonic()) / 60):.1f} min left")
+        t0 = time.perf_counter()
+        rc, outcomes = _pytest(repo, ["-n", "2", f"--hypothesis-seed={seed + len(rounds)}",
+                                      "tests/functional/test_differential.py"],
+                               env={"ATTNLAB_FUZZ_EXAMPLES": str(per_round)})
+        rounds.append({"seed": seed + len(rounds), "exit_code": rc, "tests": len(outcomes),
+                       "failed": sorted(o.nodeid for o in outcomes if o.outcome == "failed"),
+                       "seconds": round(time.perf_counter() - t0, 1)})
+    fuzzed = sum(1 for _ in rounds)
+    return {"rounds": rounds, "examples_per_property_test": per_round, "rounds_run": fuzzed,
+            "minutes": round(sum(r["seconds"] for r in rounds) / 60, 1),
+            "failed": sorted({f for r in rounds for f in r["failed"]})}
+
+
+def _busy_process():
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _headline_once() -> dict:
+    import attnlab
+    import torch.nn.functional as F
+
+    from .. import patterns as P
+    from ..kernels import decode as dk
+    from ..timing import interleaved
+
+    out = {}
+    B, H, D, n = 1, 8, 64, 4096
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        name = str(dt).replace("torch.", "")
+        q, k, v = (torch.randn(B, H, n, D, generator=g).to(dt) for _ in range(3))
+        with torch.no_grad():
+            calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+                     "compiled": lambda: attnlab.attention(q, k, v, method="compiled"),
+                     "auto": lambda: attnlab.attention(q, k, v)}
+            t = interleaved(calls, rounds=5, min_sample_s=0.2, budget_s=40)
+        out[f"{name} forward"] = {m: t["sdpa"].median / t[m].median for m in ("compiled", "auto")}
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+        def fb(f):
+            return lambda: f().float().sum().backward()
+        calls = {"sdpa": fb(lambda: F.scaled_dot_product_attention(qg, kg, vg)),
+                 "compiled": fb(lambda: attnlab.attention(qg, kg, vg, method="compiled")),
+                 "auto": fb(lambda: attnlab.attention(qg, kg, vg))}
+        t = interleaved(calls, rounds=5, min_sample_s=0.2, budget_s=60)
+        out[f"{name} forward+backward"] = {m: t["sdpa"].median / t[m].median for m in ("compiled", "auto")}
+    # a causal sliding window (256 keys) against SDPA's causal at n = 8192, fp32 forward
+    n2 = 8192
+    q, k, v = (torch.randn(1, 8, n2, 64, generator=g) for _ in range(3))
+    win = P.sliding_window(256, causal=True)
+    with torch.no_grad():
+        t = interleaved({"sdpa causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                         "window": lambda: attnlab.attention(q, k, v, pattern=win)}, rounds=5, min_sample_s=0.2,
+                        budget_s=40)
+    out["window 256 vs sdpa causal, fp32 n=8192"] = {"auto": t["sdpa causal"].median / t["window"].median}
+    # decode: bf16 cache, GQA 32/8, D 128, S 32768: K/V bytes over the time, against the read bandwidth
+    if dk.available():
+        S = 32768
+        kc, vc = (torch.randn(1, S, 8, 128, generator=g).bfloat16() for _ in range(2))
+        qd = torch.randn(1, 1, 32, 128, generator=g).bfloat16()
+        with torch.no_grad():
+            t = interleaved({"decode": lambda: attnlab.attention_with_kvcache(qd, kc, vc)}, rounds=7,
+                            min_sample_s=0.2, budget_s=30)
+        nbytes = 2 * S * 8 * 128 * 2
+        bw = dk.read_bandwidth()
+        out["decode bf16 GQA 32/8 D128 S32768"] = {"GB/s": nbytes / t["decode"].median / 1e9,
+                                                   "read bandwidth GB/s": bw / 1e9,
+                                                   "fraction of bandwidth": nbytes / t["decode"].median / bw}
+    return out
+
+
+def _stage_headline(cfg: VerifyConfig, repo: Path, say) -> dict:
+    say("headline ratios, quiet")
+    res = {"quiet": _headline_once()}
+    if cfg.busy:
+        say("headline ratios, beside a CPU-bound process")
+        p = _busy_process()
+        try:
+            res["busy"] = _headline_once()
+        finally:
+            p.kill()
+            p.wait()
+    return res
+
+
+def _stage_planner(cfg: VerifyConfig, repo: Path, say) -> dict:
+    from ..bench import planner
+
+    say(f"planner sweep (n <= {cfg.planner_max_n})")
+    with tempfile.TemporaryDirectory() as tmp:
+        res = planner.run(planner.PlannerConfig(out=tmp, max_n=cfg.planner_max_n, rounds=3, budget_s=20))
+        return {"summary": res.summary, "configurations": len(res.rows)}
+
+
+_RUNNERS: dict[str, Callable] = {"conformance": _stage_conformance, "half_grid": _stage_half_grid,
+                                  "fuzz": _stage_fuzz, "headline": _stage_headline, "planner": _stage_planner}
+
+
+def _verdict(rec: dict) -> str:
+    st = rec["stages"]
+    bad = []
+    c = st.get("conformance")
+    if c and (c["failed"] or c["exit_code"] not in (0,)):
+        bad.append(f"conformance: {len(c['failed'])} failed")
+    for b, g in (st.get("half_grid") or {}).items():
+        if g["crashed"] or g["n_failures"]:
+            bad.append(f"half grid {b}: {g['crashed'] or str(g['n_failures']) + ' off budget'}")
+    f = st.get("fuzz")
+    if f and f["failed"]:
+        bad.append(f"fuzz: {len(f['failed'])} failing tests")
+    missing = [s for s in STAGES if s not in st]
+    return ("FAILED: " + "; ".join(bad)) if bad else ("incomplete: " + ", ".join(missing)) if missing else "verified"
+
+
+def run(config: VerifyConfig | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the stages and write this class's record (JSON and Markdown, atomically); returns the record."""
+    cfg = config or VerifyConfig()
+    cfg.validate()
+    say = progress or (lambda msg: None)
+    repo = Path(cfg.repo or PKG.parents[1])
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cls = cpu_class()
+    key, code = cls["key"], code_hash()
+    partial = out / f"{key}.partial.json"
+    rec = None
+    if cfg.resume and partial.exists():
+        try:
+            rec = json.loads(partial.read_text())
+        except ValueError:
+            rec = None
+        if rec and (rec.get("code_hash") != code or rec.get("format") != FORMAT):
+            rec = None  # another code's stages prove nothing about this one
+    if rec is None:
+        rec = {"format": FORMAT, "key": key, "class": cls, "code_hash": code, "attnlab": __version__,
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu.INFO.as_dict(),
+               "stages": {}}
+    for stage in cfg.stages:
+        if stage in rec["stages"]:
+            say(f"{stage}: kept from the interrupted run")
+            continue
+        t0 = time.perf_counter()
+        rec["stages"][stage] = _RUNNERS[stage](cfg, repo, say)
+        rec.setdefault("seconds", {})[stage] = round(time.perf_counter() - t0, 1)
+        atomic_write_json(partial, rec)
+    rec["date"] = datetime.date.today().isoformat()
+    rec["verdict"] = _verdict(rec)
+    atomic_write_json(out / f"{key}.json", rec)
+    atomic_write_text(out / f"{key}.md", markdown(rec))
+    partial.unlink(missing_ok=True)
+    if out.resolve() == RECORDS.resolve():  # the repository's records: the package's index follows them
+        _update_index(rec)
+    return rec
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
+
+
+def markdown(rec: dict) -> str:
+    """The record as a page for the docs site."""
+    c, st = rec["class"], rec["stages"]
+    lines = [f"# {c.get('model_name') or rec['key']}", "",
+             f"CPU class `{rec['key']}`: vendor {c.get('vendor')}, family {c.get('family')}, model {c.get('model')}, "
+             f"flags {', '.join(c['flags']) or 'none of ' + ', '.join(PATH_FLAGS)}.", "",
+             f"Kernel code `{rec['code_hash']}` (csrc/ and kernels/), attnlab {rec['attnlab']}, torch {rec['torch']}, "
+             f"{rec['threads']} threads, {rec.get('date', '')}. **Verdict: {rec.get('verdict', '')}.**", ""]
+    if "conformance" in st:
+        s = st["conformance"]
+        lines += ["## Conformance per path", "",
+                  f"{s['passed']} tests passed, {len(s['failed'])} failed, {s['skipped']} skipped.", "",
+                  "| path | verdict |", "|---|---|"]
+        lines += [f"| {p['path']} | {p['verdict']} |" for p in s["paths"]]
+        lines += [""]
+    if "half_grid" in st:
+        lines += ["## Half-type grid (bf16 and fp16 forward + backward against float64)", "",
+                  "| back end | cases | off budget | crashed | bf16 tiles | fp16 tiles | seconds |",
+                  "|---|---|---|---|---|---|---|"]
+        for b, g in st["half_grid"].items():
+            lines.append(f"| {b} | {g['cases']} | {g['n_failures']} | {g['crashed'] or 'no'} | "
+                         f"{g['tiles'].get('bfloat16')} | {g['tiles'].get('float16')} | {g['seconds']} |")
+        lines += [""]
+    if "fuzz" in st:
+        f = st["fuzz"]
+        lines += ["## Layout fuzz", "",
+                  f"{f['rounds_run']} rounds of tests/functional/test_differential.py, each with fresh seeds and "
+                  f"{f['examples_per_property_test']} examples per property test, {f['minutes']} minutes; "
+                  f"failing tests: {', '.join(f['failed']) or 'none'}.", ""]
+    if "headline" in st:
+        h = st["headline"]
+        lines += ["## Headline ratios (higher is faster than the anchor; one process, interleaved rounds, medians)",
+                  "", "| call | " + " | ".join(h) + " |", "|---|" + "---|" * len(h)]
+        for call in h["quiet"]:
+            cells = []
+            for cond in h:
+                r = h[cond].get(call, {})
+                cells.append(", ".join(f"{m} {v:.2f}" for m, v in r.items()))
+            lines.append(f"| {call} | " + " | ".join(cells) + " |")
+        lines += ["", "Ratios are SDPA's time over the kernel's (above 1: faster than SDPA); the decode row gives the "
+                  "bytes read per second against the read bandwidth measured in the same process.", ""]
+    if "planner" in st:
+        p = st["planner"]
+        lines += ["## Planner sweep", "", f"{p['configurations']} configurations: "
+                  + ", ".join(f"{k} {v}" for k, v in p["summary"].items() if not isinstance(v, (dict, list))), ""]
+    lines += ["Reproduce: `make verify` (resumable; `attnlab verify --help`)."]
+    return "\n".join(lines) + "\n"
