@@ -75,3 +75,16 @@ def test_run_with_cache_positional_mask_still_works_where_it_is_the_mask():
     ids, mask = torch.randint(0, V, (1, T)), torch.ones(1, T, dtype=torch.long)
     _, cache = C.run_with_cache(model, ids, mask)  # BertModel's second argument is attention_mask
     assert cache["blocks.0.attn.weights"].shape == (1, 3, T, T)
+
+
+def test_show_takes_a_model_and_a_tokenizers_batch_encoding():
+    """``viz.show(model, tokens, inputs=enc)`` with ``enc`` as a tokenizer returns it (a BatchEncoding: a
+    Mapping, not a dict), on GPT-2 whose default attention returns no weights."""
+    from attnlab import viz
+
+    cfg, cls = _gpt2()
+    model = cls._from_config(cfg).eval()
+    enc = transformers.BatchEncoding({"input_ids": torch.randint(0, V, (1, T)),
+                                      "attention_mask": torch.ones(1, T, dtype=torch.long)})
+    page = viz.show(model, [f"t{i}" for i in range(T)], inputs=enc)
+    assert (page.data["layers"], page.data["heads"], page.data["T"]) == (2, 3, T)

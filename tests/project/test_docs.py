@@ -66,3 +66,17 @@ def _teardown_abort(r: subprocess.CompletedProcess, argv: list[str]) -> bool:
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     return (r.returncode != 0 and "terminate called without an active exception" in r.stderr
             and len(lines) >= nproc)
+
+
+def test_readme_names_every_method_and_every_command():
+    """README's method table has a row per ``attnlab.METHODS`` entry and its command list names every
+    subcommand ``attnlab --help`` shows (both once lagged the code: ``compiled``, ``calibrate``)."""
+    import attnlab
+    from attnlab.cli.main import SUBCOMMANDS
+
+    text = (ROOT / "README.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    assert set(attnlab.METHODS) <= rows, f"methods missing from README's table: {set(attnlab.METHODS) - rows}"
+    section = text.split("## Command line", 1)[1]
+    named = set(re.findall(r"`(\w+)`", section.strip().split("\n\n", 1)[0]))  # its first paragraph
+    assert set(SUBCOMMANDS) <= named, f"commands missing from README's command list: {set(SUBCOMMANDS) - named}"

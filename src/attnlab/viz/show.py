@@ -22,6 +22,7 @@ one sequence, ``sentence_b_start`` and ``pair="AB"`` (or "AA", "BA", "BB") show 
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +93,7 @@ def _captured(model, inputs) -> list[torch.Tensor]:
     """Run ``model(**inputs)`` under capture.run_with_cache and return its weights [B, H, L, S] per layer."""
     from .. import capture
 
-    if not isinstance(inputs, dict):
+    if not isinstance(inputs, Mapping):  # a dict, or a tokenizer's BatchEncoding (a Mapping, not a dict)
         raise TypeError("show(model, tokens, inputs=...) needs inputs: a dict of the model's keyword arguments "
                         "(e.g. the tokenizer's output), got " + type(inputs).__name__)
     mods = capture.attention_modules(model)
@@ -101,7 +102,7 @@ def _captured(model, inputs) -> list[torch.Tensor]:
                          "attnlab.nn.MultiHeadAttention nor a transformers attention module)")
     names = [capture.activation_name(i, "weights") for i in range(len(mods))]
     with torch.no_grad():
-        _, cache = capture.run_with_cache(model, names=names, **inputs)
+        _, cache = capture.run_with_cache(model, names=names, **dict(inputs))
     return cache.weights()
 
 
