@@ -66,6 +66,7 @@ verify: $(STAMP)
 # offline; open site/index.html. `python tests/project/test_notebooks.py --write` refreshes the notebooks' outputs.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+	@echo "the docs site: open site/index.html (it reads offline from file://, search and math included)"
 
 clean:
 	rm -rf $(VENV) reports build site .cache src/attnlab/*.so
