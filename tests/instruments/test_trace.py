@@ -174,6 +174,13 @@ def test_summary_samples_rows_for_long_inputs():
     assert t.step("weights").stats["mean_max_weight"] > 0
 
 
+def test_summary_note_states_bytes_in_the_tables_units():
+    """The note under the table gave 4.366e+05 TiB where the table says 426.3 PiB: one formatter for both."""
+    t = tr.trace_summary(768, 100_000_000, 12)
+    note = next(n for n in t.notes if "score tensor holds" in n)
+    assert "426.3 PiB" in note and "e+" not in note, note
+
+
 def test_renderers_escape_labels_and_cut_large_matrices():
     rng = np.random.default_rng(5)
     labels = ["<b>x</b>", "a|b", "c", "d"]

@@ -13,20 +13,13 @@ import numpy as np
 import torch
 
 from .. import diagnostics as dg
+from ..report import format_bytes  # the table's units (trace/render.py), so the note and the table agree
 from ..resources import check_memory
 from .core import Step, Trace, TraceOptions
 
 __all__ = ["trace_summary"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n:.4g} TiB"
 
 
 def _tstats(x: torch.Tensor) -> dict:
@@ -134,7 +127,7 @@ def trace_summary(d_model: int = 768, seq_len: int = 512, num_heads: int = 12, *
                    "total_flops": total, "attention_matmul_flops": attn,
                    "score_matrix_bytes_per_layer": pairs * isz, "stats_rows_sampled": sampled})
     t.notes.append(f"Q Kᵀ and weights·V cost {attn / total:.0%} of this layer's FLOPs at L={L}; the [B, H, L, L] "
-                   f"score tensor holds {_human_bytes(pairs * isz)} in {dtype}")
+                   f"score tensor holds {format_bytes(pairs * isz, digits=4)} in {dtype}")
     if sampled:
         t.notes.append(f"statistics of scores and weights from {sampled} sampled query rows against all {L} keys")
     if L > max_stats_len:
