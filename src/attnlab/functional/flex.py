@@ -389,9 +389,12 @@ def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scal
         if pcols is not None and mask.keep is not None:  # the mask, on the partial blocks' keys only
             keep = mask.keep(bidx, hidx, i, j[pcols])
             keep = keep.view(*([1] * (4 - keep.dim())), *keep.shape)  # (B|1, H|1, r, c_partial)
-            add = torch.zeros(*(max(x, y) for x, y in zip(bias.shape[:2], keep.shape[:2])), i.numel(), j.numel(), dtype=acc)
-            add[..., pcols] = torch.where(keep, 0.0, float("-inf")).to(acc)
-            bias = bias + add
+            # the dropped pairs set to -inf (not -inf added: a NaN the bias holds at a dropped pair must vanish
+            # there, as in torch, where the mask replaces the score; Note [NaN rows stay NaN])
+            kept = torch.ones(*(max(x, y) for x, y in zip(bias.shape[:2], keep.shape[:2])), i.numel(), j.numel(),
+                              dtype=torch.bool)
+            kept[..., pcols] = keep
+            bias = bias.masked_fill(~kept, float("-inf"))
         k, v = key[:, :, cols], value[:, :, cols]
         if want_lse:
             o, lse = attention_with_lse(query[:, :, q0:q1], k, v, attn_mask=bias, **kw)

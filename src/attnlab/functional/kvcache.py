@@ -362,10 +362,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         return _full_path(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
                           alibi_slopes, rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits,
                           return_lse)
-    except AttentionInputError as e:  # every message names the function (AttentionDtypeError is one too)
-        if str(e).startswith("attention_with_kvcache"):
+    except (AttentionInputError, TypeError) as e:  # every message names the function, on one line
+        if str(e).startswith("attention_with_kvcache") or type(e) not in (AttentionInputError, AttentionDtypeError,
+                                                                          TypeError):
             raise
-        raise type(e)(f"attention_with_kvcache: {e}") from None
+        raise type(e)(f"attention_with_kvcache: {' '.join(str(e).split())}") from None
 
 
 def _full_path(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap, alibi_slopes,
