@@ -4,7 +4,7 @@ Oracles: torch's public ``flex_attention`` run without compile (forward and lse;
 CPU) and, for gradients, ``math_attention`` from ``torch._higher_order_ops.flex_attention``: the dense
 vmap-based math that ``flex_attention`` itself runs without compile, differentiated by autograd (its lse
 and max_scores are in log2 units: times ln 2 here). Score_mods and mask_mods follow PyTorch's
-test_flex_attention and attention-gym. The probe's kinds (Note [Probing score_mod]) are asserted too.
+test_flex_attention and attention-gym. The kinds the trace proves (Note [score_mod by its trace]) are asserted too.
 """
 from __future__ import annotations
 
@@ -393,7 +393,7 @@ def test_learned_factors_are_general_whatever_their_value(name, kind):
 # -- the bias on the kept blocks only (Note [Kept-blocks bias]) ---------------------------------------
 def _counting(score_mod):
     """score_mod that records each call's grid of (q_idx, kv_idx) pairs, for the calls on [.., r, c] grids (4-D
-    index tensors; the probes' calls are on (n, 1) lists of points, Note [Structured probes])."""
+    index tensors; the classification's check call is on a (2, 1) column of pairs)."""
     calls = []
 
     def counted(s, b, h, q, k):
@@ -422,7 +422,7 @@ def test_bias_is_evaluated_on_kept_blocks_only():
         assert_close(a, e, **F64, what=f"grad {i}")
 
 
-# -- a relative bias as one table per offset (Note [Relative bias probe]) ----------------------------------
+# -- a relative bias as one table per offset (Note [Relative bias table]) ----------------------------------
 @pytest.mark.parametrize("name", ["t5", "rel_table", "softcap_bias", "alibi", "rel_causal"])
 @pytest.mark.parametrize("mask", ["sliding_window", "document", "none"])
 def test_relative_bias_is_one_table_per_offset(name, mask):
@@ -537,7 +537,7 @@ def test_bias_peak_memory_is_the_kept_blocks():
     assert grown < dense / 2, f"peak RSS grew {grown / 2**20:.0f} MB; a dense bias is {dense / 2**20:.0f} MB"
 
 
-# -- structured probes (Note [Structured probes]): a score_mod that singles out one index value -------------
+# -- a score_mod that singles out one index value (issue 24; proved from the trace since issue 40) ------------
 @pytest.mark.parametrize("name, score_mod, kind, bias", [
     ("one key", lambda s, b, h, q, k: s + torch.where(k == 7, 1.0, 0.0), "affine", "kept blocks"),
     ("one query", lambda s, b, h, q, k: s + torch.where(q == 23, 2.0, 0.0), "affine", "kept blocks"),

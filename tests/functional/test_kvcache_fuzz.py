@@ -132,7 +132,7 @@ def _breakers(c) -> dict:
     put("alibi_slopes int", "alibi_slopes", lambda c: c["kw"].__setitem__("alibi_slopes", torch.ones(H, dtype=torch.long)))
     put("alibi_slopes inf", "alibi_slopes", lambda c: c["kw"].__setitem__("alibi_slopes", torch.full((H,), float("inf"))))
     if c["k"] is not None:
-        put("rotary too short", "rotary", lambda c: c["kw"].__setitem__("rotary", (torch.rand(1, 2), torch.rand(1, 2))))
+        put("rotary too short", "rotary", lambda c: c["kw"].__setitem__("rotary", (torch.rand(0, 2), torch.rand(0, 2))))
         put("rotary too wide", "rotary", lambda c: c["kw"].__setitem__(
             "rotary", (torch.rand(64, c["D"]), torch.rand(64, c["D"]))))
         put("rotary cos only", "rotary", lambda c: c["kw"].update(rotary=None, rotary_cos=torch.rand(64, 2)))
