@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CPUInfo", "INFO", "FLAGS_THAT_MATTER", "detect", "summary", "matmul_peak", "matmul_peaks", "numa_nodes",
+__all__ = ["CPUInfo", "INFO", "FLAGS_THAT_MATTER", "PATH_FLAGS", "cpu_class", "class_key", "detect", "summary", "matmul_peak", "matmul_peaks", "numa_nodes",
            "read_bandwidth"]
 
 #: instruction-set extensions an attention kernel can use, in the order reports print them
@@ -104,6 +104,44 @@ def detect(cpuinfo_path: str | os.PathLike = "/proc/cpuinfo") -> CPUInfo:
 
 
 INFO: CPUInfo = detect()
+
+#: the /proc/cpuinfo flags that choose code paths in attnlab's kernels (and torch's / oneDNN's under them): a CPU
+#: class is its vendor, family and model and which of these it has (records, shipped rate tables)
+PATH_FLAGS = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx512f", "avx2")
+
+
+def _vendor_family_model(text: str) -> dict:
+    out = {"vendor": None, "family": None, "model": None}
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        k, v = k.strip(), v.strip()
+        if k == "vendor_id" and out["vendor"] is None:
+            out["vendor"] = v
+        elif k == "cpu family" and out["family"] is None and v.isdigit():
+            out["family"] = int(v)
+        elif k == "model" and out["model"] is None and v.isdigit():
+            out["model"] = int(v)
+        elif not line.strip() and out["vendor"] is not None:
+            break
+    return out
+
+
+def class_key(c: dict) -> str:
+    """e.g. "GenuineIntel-6-143+amx_bf16+avx512_bf16+..." (vendor-family-model+path flags)."""
+    return f"{c.get('vendor') or platform.machine()}-{c.get('family')}-{c.get('model')}+" + "+".join(c["flags"])
+
+
+def cpu_class(flags: frozenset[str] | None = None, cpuinfo_path: str | os.PathLike = "/proc/cpuinfo") -> dict:
+    """This CPU's class: {vendor, family, model, model_name, flags (the PATH_FLAGS it has), key}."""
+    try:
+        info = _vendor_family_model(Path(cpuinfo_path).read_text())
+    except OSError:
+        info = {"vendor": None, "family": None, "model": None}
+    info["model_name"] = INFO.model
+    flags = INFO.flags if flags is None else flags
+    info["flags"] = [f for f in PATH_FLAGS if flags and f in flags]
+    info["key"] = class_key(info)
+    return info
 
 
 def summary(info: CPUInfo | None = None, peaks: bool = True) -> str:

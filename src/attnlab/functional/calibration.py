@@ -171,6 +171,8 @@ class CalibrationConfig:
     dtypes: tuple = (torch.float32, torch.bfloat16)
     decode_heads: int = 8
     decode_ns: tuple = (2048, 4096, 8192)
+    # 7) forward + backward (Note [Plan the pass that runs]): plain_heads x plain_heads MHA at these lengths
+    train_ns: tuple = (512, 1024, 2048)
     # each sample spans many 4 ms scheduler ticks: on a shared machine a 20 ms sample is quantised to them
     # (bench planner's rounds under a load of 4-6 on 2 cores read 8.00, 16.02, 20.04 ms)
     # (Note [Calibration against the sweep]: 5 rounds' medians moved a ratio by 10 %; 9 rounds, never fewer
@@ -311,7 +313,8 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
     sizes = tuple(sorted({m for m in cfg.dense_ns if m < cfg.n} | {cfg.n}))
     H4, kv_gqa = cfg.plain_heads, min(cfg.gqa_kv_heads, cfg.plain_heads)
     head_kinds = (False, True) if kv_gqa < H4 else (False,)  # Note [The plain grid's heads]
-    total = 2 + (2 + len(head_kinds) * len(cfg.dtypes) * len(sizes) if have_ext else 0) + (len(cfg.dtypes) if have_decode else 0)
+    total = 2 + (2 + len(head_kinds) * len(cfg.dtypes) * len(sizes) + len(cfg.dtypes) * len(cfg.train_ns)
+                 if have_ext else 0) + (len(cfg.dtypes) if have_decode else 0)
     done, measured = 0, {}
     budget = cfg.budget_s / total
 
@@ -376,7 +379,7 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
         gflops.update({kk.name: dense_flops / t[f"{kk.name} dense float32"] / 1e9 for kk in one_rate})
         step("sdpa, tiled and dense kernels")
         dense_dtypes, soc, min_pairs, decode = base.compiled_dense_dtypes, base.sparse_over_compiled, {}, {}
-        gqa_pairs = {}
+        gqa_pairs, train_pairs = {}, {}
         if have_ext:
             # 4) the compiled kernel against SDPA on plain inputs, per dtype and size
             dense_dtypes = []
@@ -399,6 +402,9 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
                         step(f"compiled vs sdpa, {name}{heads}, n={size}")
                     # a line per mask kind (Note [Calibration against the sweep])
                     (gqa_pairs if gqa else min_pairs).update({(dt, c): _least_pairs(points[c]) for c in (False, True)})
+            # 7) the same on forward + backward, what a call whose inputs require grad runs (Note [Plan the pass
+            # that runs]): SDPA's and the compiled kernel's autograd through the public API, MHA
+            train_pairs = _train_ratios(cfg, timings, step, ratio)
             # 5) compiled against sparse per computed pair, each at its chosen blocks
             runs = {kk: _kernel_call(q, k, v, kk, pattern=band) for kk in (cc, sp)}
             t = timed({f"{kk.name} chosen window float32": run for kk, (run, _) in runs.items()})
@@ -417,9 +423,45 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
                        f"keeps {rates.current().source.split(' (')[0]}: rerun on a quieter machine")
     fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU",
                          compiled_dense_min_pairs=min_pairs, kernel_gflops=gflops, decode_over_sdpa=decode,
-                         compiled_gqa_min_pairs=gqa_pairs, decode_min_keys=decode_keys)
+                         compiled_gqa_min_pairs=gqa_pairs, decode_min_keys=decode_keys,
+                         compiled_train_min_pairs=train_pairs)
     path = rates.save(fitted, measured) if save else None
     return (rates.current() if save else fitted), measured, path
+
+
+def _train_ratios(cfg: CalibrationConfig, timings, step, ratio) -> dict:
+    """Step 7: {(dtype, causal): the pairs from which the compiled kernel's forward + backward beats SDPA's}
+    (``_least_pairs`` over ``train_ns``), timed through the public API with inputs that require grad."""
+    import torch.nn.functional as F
+
+    from . import attention  # the door a training call takes (function level: this module is imported by it)
+
+    H = cfg.plain_heads
+    out = {}
+    for dt in cfg.dtypes:
+        name = str(dt).removeprefix("torch.")
+        points = {False: [], True: []}
+        for n in cfg.train_ns:
+            q, k, v = (x.requires_grad_() for x in _qkv(dataclasses.replace(cfg, n=n), dt, heads=H))
+
+            def fb(run):
+                def call():
+                    run().float().sum().backward()
+                    q.grad = k.grad = v.grad = None
+                return call
+            calls = {}
+            for c in (False, True):
+                label = f"{'causal' if c else 'dense'} {name} train n={n}"
+                calls[f"sdpa {label}"] = fb(lambda c=c: F.scaled_dot_product_attention(q, k, v, is_causal=c))
+                calls[f"compiled {label}"] = fb(lambda c=c: attention(q, k, v, is_causal=c, method="compiled"))
+            with torch.enable_grad():
+                t = timings(calls)
+            for c in (False, True):
+                label = f"{'causal' if c else 'dense'} {name} train n={n}"
+                points[c].append((H * n * n, ratio(t, f"sdpa {label}", f"compiled {label}")))
+            step(f"compiled vs sdpa forward + backward, {name}, n={n}")
+        out.update({(dt, c): _least_pairs(points[c]) for c in (False, True)})
+    return out
 
 
 def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> dict:
@@ -512,7 +554,11 @@ def note_call(predicted_s: float) -> threading.Thread | None:
     if predicted_s < LONG_CALL_S or _BACKGROUND is not None:
         return None
     with _BACKGROUND_LOCK:
-        if _BACKGROUND is not None or not rates.calibration_enabled() or not rates.current().source.startswith("built-in"):
+        src = rates.current().source
+        # a built-in table, or another class's shipped one, is worth refining; this class's shipped one is not
+        # worth half a minute of the user's cores unasked (Note [Shipped rate tables])
+        if _BACKGROUND is not None or not rates.calibration_enabled() or not (
+                src.startswith("built-in") or src.startswith("shipped table of the nearest")):
             return None
         if rates.cache_path().exists():  # a file that did not load (it warned): `attnlab calibrate` rewrites it
             return None

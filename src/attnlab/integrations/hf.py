@@ -38,8 +38,9 @@ from typing import Iterator
 import torch
 
 from .. import patterns as P
-from ..functional import METHODS, attention, empty_kv_cache, planner
+from ..functional import METHODS, attention, empty_kv_cache
 from ..kernels import decode as decode_kernel
+from ..kernels import rates as kernel_rates
 from ..nn.hooks import AttentionHooks, HookContext
 
 __all__ = ["register", "register_all", "attention_function", "registered", "HookedAttention", "hook_modules",
@@ -153,9 +154,12 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
                              or mask.shape[2] not in (1, L)):
         return None
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
-    if (mech == "auto" and mask is None and softcap is None and key.shape[1] == H
-            and query.dtype in planner.PLAIN_MHA_DECODE_ON_SDPA):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale)  # (B, H, L, Dv)
+    # the planner's rule for plain decode calls (kernels.planner Note [Plain MHA decode]: ``Rates.plain_decode_on_sdpa``,
+    # calibrated or shipped per CPU class), the one ``attention()`` and ``attention_with_kvcache`` ask too
+    if (mech == "auto" and mask is None and softcap is None
+            and kernel_rates.current().plain_decode_on_sdpa(query.dtype, key.shape[1] != H, S)):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale,
+                                                               enable_gqa=key.shape[1] != H)  # (B, H, L, Dv)
         return out.transpose(1, 2).contiguous()
     if not decode_kernel.available():
         return None

@@ -89,6 +89,30 @@ def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, en
                                           is_causal=is_causal, scale=scale)
 
 
+def _direct_sdpa(dropout_p: float, causal: bool, scale: float, gqa: bool):
+    """``sdpa`` with these arguments as one callable on the caller's (q, k, v), for a plan-cache hit (Note [Small
+    call overhead]). A hit's tensors have its signature's shapes, strides, dtypes and grad flags, so whether
+    ``sdpa`` would re-stride or copy them (Note [Size-1 dim strides], Note [SDPA backward of expanded
+    operands]) is the same on every call: the first call finds out, and when nothing needs it (the usual case)
+    later calls go straight to PyTorch's op."""
+    kw = dict(attn_mask=None, dropout_p=dropout_p, is_causal=causal, scale=scale)
+    if gqa:
+        kw["enable_gqa"] = True
+    plain = []
+
+    def call(q, k, v):
+        if plain:
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+        same = _positive_scale(q, causal, scale)[0] is q and all(
+            _tidy_unit_strides(t) is t and (not torch.is_grad_enabled() or _dense_if_expanded(t) is t)
+            for t in (q, k, v))
+        if same:
+            plain.append(True)
+        return sdpa(q, k, v, None, dropout_p, causal, scale, gqa)
+
+    return call
+
+
 def flash_cpu_with_lse(q, k, v, attn_mask=None, is_causal=False, scale=None):
     """(out, lse) from the private CPU flash op; lse [N, H, L] in float32.
 
@@ -180,7 +204,7 @@ class SDPAKernel(Kernel):
                 or not (mask.is_trivial or p.is_causal_only) or (gqa and not SDPA_GQA)):
             return None
         dropout_p, causal, scale = p.dropout_p, p.is_causal_only, info.scale
-        return lambda q, k, v: sdpa(q, k, v, None, dropout_p, causal, scale, gqa)
+        return _direct_sdpa(dropout_p, causal, scale, gqa)
 
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, None, None), or with ``need_lse`` (out, None, lse) from the private CPU flash op (plain or

@@ -277,16 +277,18 @@ def _calibrated_dense(c: _Call):
     r = c.r
     if r.need_weights or K.COMPILED not in c.ok or not c.plain:
         return None
-    gqa = r.H != r.Hkv
-    if c.rates.compiled_dense_wins(r.dtype, r.pairs, r.causal_only, gqa):
-        return K.COMPILED, (f"attnlab's compiled kernel is faster than SDPA for {r.dtype} {'GQA ' if gqa else ''}"
-                            "calls of this size here")
-    if K.SDPA in c.ok and (r.dtype, r.causal_only) in c.rates.compiled_dense_min_pairs:
+    gqa, grad = r.H != r.Hkv, r.needs_grad
+    # Note [Plan the pass that runs]: a call whose inputs require grad will run a backward, and the kernels'
+    # backward speeds differ from their forward speeds (Zen 5: compiled fp32 fwd+bwd 1.21x SDPA against 2.05x
+    # forward; AMX Xeon bf16: 1.29x against 1.51x), so it is planned by the forward + backward threshold where
+    # one was measured (``Rates.compiled_train_min_pairs``), else by the forward's
+    what = f"{r.dtype} {'GQA ' if gqa else ''}{'training (forward + backward) ' if grad else ''}calls"
+    if c.rates.compiled_dense_wins(r.dtype, r.pairs, r.causal_only, gqa, grad):
+        return K.COMPILED, f"attnlab's compiled kernel is faster than SDPA for {what} of this size here"
+    if K.SDPA in c.ok and c.rates.dense_threshold(r.dtype, r.causal_only, gqa, grad)[0]:
         # measured, and the compiled kernel loses at this size: its per-call and per-tile overhead is what the
         # size threshold holds, and predicted times (FLOPs over a rate) would not see it
-        return K.SDPA, (f"SDPA is faster than attnlab's compiled kernel for {r.dtype} {'GQA ' if gqa else ''}"
-                        "calls of this size here "
-                        "(measured size threshold)")
+        return K.SDPA, f"SDPA is faster than attnlab's compiled kernel for {what} of this size here (measured size threshold)"
 
 
 def _block_skipping(c: _Call):

@@ -34,7 +34,8 @@ from .. import cpu
 from ..report import atomic_write_text
 
 __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "make_current", "on_change", "machine_key",
-           "cache_dir", "cache_path", "save", "builtin", "calibration_enabled", "ISA_ENV_VARS", "as_json"]
+           "cache_dir", "cache_path", "save", "builtin", "calibration_enabled", "ISA_ENV_VARS", "as_json", "shipped",
+           "shipped_tables", "nearest_class", "TABLES", "save_table"]
 
 #: the calibration file's format: 2 = DECODE_OVER_SDPA per cache length and DECODE_MIN_KEYS (format 1 had one
 #: ratio per dtype and heads, the geometric mean over the lengths); a file of another format is ignored with one
@@ -45,8 +46,8 @@ FORMAT = 2
 #: the mask kinds of a COMPILED_DENSE_MIN_PAIRS key ("<dtype> <kind>") and whether each is causal
 _MASK_KINDS = dict(dense=False, causal=True)
 RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED",
-              "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "KERNEL_GFLOPS", "DECODE_OVER_SDPA",
-              "DECODE_MIN_KEYS")
+              "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "COMPILED_TRAIN_MIN_PAIRS", "KERNEL_GFLOPS",
+              "DECODE_OVER_SDPA", "DECODE_MIN_KEYS")
 #: the head layouts of a DECODE_OVER_SDPA / DECODE_MIN_KEYS key ("<dtype> <heads>") and whether each is GQA
 _HEAD_KINDS = dict(mha=False, gqa=True)
 
@@ -98,6 +99,9 @@ class Rates:
     so it wins from smaller calls (``bench planner``: 1.15x SDPA at 2 x 8 x 512² fp32 GQA where MHA of the same
     pairs lost); a key missing here falls back on ``compiled_dense_min_pairs``.
     decode_sdpa_dtypes: the uncalibrated default, ``PLAIN_MHA_DECODE_ON_SDPA`` (Note [Plain MHA decode]).
+    compiled_train_min_pairs: as ``compiled_dense_min_pairs`` for calls that will run a backward (inputs that
+    require grad: Note [Plan the pass that runs]), measured on forward + backward; a key missing here falls back
+    on the forward's thresholds.
     """
 
     sparse_block_speed: dict
@@ -112,18 +116,31 @@ class Rates:
     compiled_gqa_min_pairs: dict = field(default_factory=dict)
     decode_sdpa_dtypes: tuple = PLAIN_MHA_DECODE_ON_SDPA
     decode_min_keys: dict = field(default_factory=dict)
+    compiled_train_min_pairs: dict = field(default_factory=dict)
 
-    def compiled_dense_wins(self, dtype: torch.dtype, pairs: int, causal: bool = False, gqa: bool = False) -> bool:
+    def dense_threshold(self, dtype: torch.dtype, causal: bool = False, gqa: bool = False,
+                        grad: bool = False) -> tuple[bool, float | None]:
+        """(measured, pairs): whether a calibration or a shipped table measured the compiled kernel against SDPA
+        for such calls, and from how many pairs it wins (None: never). ``grad``: calls that run a backward
+        (Note [Plan the pass that runs]), by the forward + backward threshold where one was measured."""
+        key = (dtype, bool(causal))
+        if grad and key in self.compiled_train_min_pairs:
+            return True, self.compiled_train_min_pairs[key]
+        if gqa and key in self.compiled_gqa_min_pairs:
+            return True, self.compiled_gqa_min_pairs[key]
+        if key in self.compiled_dense_min_pairs:
+            return True, self.compiled_dense_min_pairs[key]
+        return False, None
+
+    def compiled_dense_wins(self, dtype: torch.dtype, pairs: int, causal: bool = False, gqa: bool = False,
+                            grad: bool = False) -> bool:
         """Whether the compiled kernel is faster than SDPA on a plain dense (or ``causal``) call of ``dtype``
         with ``pairs`` = B·H·L·S (query, key) pairs (``gqa``: fewer key/value heads than query heads): by the
         measured size threshold where the calibration fitted one (GQA's own where it has one), else by
-        ``compiled_dense_dtypes`` alone. (The planner's plain-input rule.)"""
-        key = (dtype, bool(causal))
-        if gqa and key in self.compiled_gqa_min_pairs:
-            least = self.compiled_gqa_min_pairs[key]
-            return least is not None and pairs >= least
-        if key in self.compiled_dense_min_pairs:
-            least = self.compiled_dense_min_pairs[key]
+        ``compiled_dense_dtypes`` alone; ``grad``: for calls that will run a backward (``dense_threshold``).
+        (The planner's plain-input rule.)"""
+        measured, least = self.dense_threshold(dtype, causal, gqa, grad)
+        if measured:
             return least is not None and pairs >= least
         return dtype in self.compiled_dense_dtypes
 
@@ -215,11 +232,12 @@ def _dtype(name: str) -> torch.dtype:
     return d
 
 
-def _from_json(doc: dict, path: Path) -> Rates:
-    """Rates from a calibration file's JSON, or ValueError naming what is wrong."""
+def _from_json(doc: dict, path: Path, source: str | None = None) -> Rates:
+    """Rates from a calibration file's JSON (``source``: a shipped table's, whose key is its CPU class, not this
+    machine), or ValueError naming what is wrong."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"not a format-{FORMAT} calibration file")
-    if doc.get("key") != machine_key():
+    if source is None and doc.get("key") != machine_key():
         raise ValueError("calibrated for another machine or version (key differs)")
     r = doc["rates"]
     sbs = {int(b): float(s) for b, s in r["SPARSE_BLOCK_SPEED"].items()}
@@ -233,6 +251,7 @@ def _from_json(doc: dict, path: Path) -> Rates:
         raise ValueError("SPARSE_OVER_COMPILED must be finite and > 0")
     dtypes = tuple(_dtype(n) for n in r["COMPILED_DENSE_DTYPES"])
     least, least_gqa = _min_pairs(r, "COMPILED_DENSE_MIN_PAIRS"), _min_pairs(r, "COMPILED_GQA_MIN_PAIRS")
+    least_train = _min_pairs(r, "COMPILED_TRAIN_MIN_PAIRS")
     gflops = {str(n): float(g) for n, g in r.get("KERNEL_GFLOPS", {}).items()}
     if any(not (g > 0 and g < float("inf")) for g in gflops.values()):
         raise ValueError("KERNEL_GFLOPS must be finite and > 0")
@@ -244,9 +263,9 @@ def _from_json(doc: dict, path: Path) -> Rates:
     if any(x is not None and not (x >= 0 and x < float("inf")) for x in decode_keys.values()):
         raise ValueError("DECODE_MIN_KEYS must be finite and >= 0, or null (never)")
     when = doc.get("created", "?")
-    return Rates(sbs, cbs, dtypes, soc, f"calibrated on this CPU {when} ({path})", doc.get("measured", {}),
+    return Rates(sbs, cbs, dtypes, soc, source or f"calibrated on this CPU {when} ({path})", doc.get("measured", {}),
                  compiled_dense_min_pairs=least, kernel_gflops=gflops, decode_over_sdpa=decode,
-                 compiled_gqa_min_pairs=least_gqa, decode_min_keys=decode_keys)
+                 compiled_gqa_min_pairs=least_gqa, decode_min_keys=decode_keys, compiled_train_min_pairs=least_train)
 
 
 def _decode_keys(r: dict, field_name: str) -> dict:
@@ -284,6 +303,8 @@ def as_json(rates: Rates) -> dict:
                                          for (d, c), p in rates.compiled_dense_min_pairs.items()},
             "COMPILED_GQA_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
                                        for (d, c), p in rates.compiled_gqa_min_pairs.items()},
+            "COMPILED_TRAIN_MIN_PAIRS": {f"{str(d).removeprefix('torch.')} {'causal' if c else 'dense'}": p
+                                         for (d, c), p in rates.compiled_train_min_pairs.items()},
             "KERNEL_GFLOPS": dict(rates.kernel_gflops),
             "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}":
                                  {str(n): x for n, x in pts.items()} for (d, g), pts in rates.decode_over_sdpa.items()},
@@ -304,12 +325,84 @@ def save(rates: Rates, measured: dict | None = None, path: Path | None = None, *
     return path
 
 
+# Note [Shipped rate tables]: a fresh install has no calibration file, and the built-in table (one reference
+# machine's, forward only) left the compiled kernel's 1.3-1.5x on the table on an AMX Xeon until someone ran
+# `attnlab calibrate`. So the package ships the calibration of every CPU class a record was made on
+# (``tables/<class key>.json``, written by ``attnlab verify``'s calibration stage: the same grid, the same file
+# format, keyed by class instead of machine). Without a calibration file the planner takes this CPU's class's
+# table; a CPU of no recorded class takes the nearest recorded class that loads the same build (the same
+# avx512f / avx2, which decide the extension variant and oneDNN's kernels) and shares the most path flags, and
+# says so in its source (``explain``, ``attnlab info``); with no such class, the built-in table. Thread counts
+# may differ from the table's (2): the ratios it holds are of kernels on the same threads, which move together.
+# A calibration, in the background or by `attnlab calibrate`, refines: it replaces the table for this machine.
+#: the shipped tables' folder (tests point it elsewhere)
+TABLES = Path(__file__).resolve().parent / "tables"
+
+
+def shipped_tables(where: Path | None = None) -> dict[str, dict]:
+    """{class key: table document} of the tables shipped in ``where`` (default ``TABLES``)."""
+    out = {}
+    for p in sorted(Path(where or TABLES).glob("*.json")):
+        try:
+            doc = json.loads(p.read_text())
+            out[doc["class"]["key"]] = dict(doc, _path=str(p))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def nearest_class(mine: dict, keys: dict[str, dict]) -> str | None:
+    """The table for class ``mine`` (``cpu.cpu_class()``): its own key, else the class that loads the same build
+    (same avx512f and avx2) sharing the most path flags (ties: fewest flags it lacks), else None."""
+    if mine["key"] in keys:
+        return mine["key"]
+    have = set(mine["flags"])
+    same_build = [k for k, d in keys.items()
+                  if {"avx512f", "avx2"} & set(d["class"]["flags"]) == {"avx512f", "avx2"} & have]
+    if not same_build:
+        return None
+    return max(same_build, key=lambda k: (len(have & set(keys[k]["class"]["flags"])),
+                                          -len(set(keys[k]["class"]["flags"]) - have), k))
+
+
+def shipped() -> Rates | None:
+    """The shipped table for this CPU's class, or the nearest class's (Note [Shipped rate tables]), or None."""
+    tables = shipped_tables()
+    if not tables:
+        return None
+    mine = cpu.cpu_class()
+    key = nearest_class(mine, tables)
+    if key is None:
+        return None
+    doc = tables[key]
+    if key == mine["key"]:
+        why = f"shipped table for this CPU class, measured {doc.get('created', '?')} ({key})"
+    else:
+        why = (f"shipped table of the nearest recorded class {key} (this CPU's class {mine['key']} has no record; "
+               "`attnlab calibrate` measures it)")
+    try:
+        return _from_json(doc, Path(doc["_path"]), source=why)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def save_table(rates: Rates, measured: dict | None = None, where: Path | None = None) -> Path:
+    """Write ``rates`` as the shipped table of this CPU's class (``attnlab verify``'s calibration stage)."""
+    cls = cpu.cpu_class()
+    path = Path(where or TABLES) / f"{cls['key']}.json"
+    doc = {"format": FORMAT, "class": cls, "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "created": time.strftime("%Y-%m-%d"), "rates": as_json(rates), "measured": measured or {}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True))
+    return path
+
+
 def _load() -> Rates:
     if not calibration_enabled():
         return dataclasses.replace(builtin(), source="built-in table (ATTNLAB_CALIBRATION=off)")
     path = cache_path()
     if not path.exists():
-        return builtin()
+        return shipped() or builtin()
     try:
         return _from_json(json.loads(path.read_text()), path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

@@ -12,10 +12,12 @@ killed run resumes where it stopped):
    its own process.
 3. ``fuzz``: the differential layout fuzz (tests/functional/test_differential.py) for ``fuzz_minutes``, in
    rounds of fresh hypothesis seeds, with counts.
-4. ``headline``: ratios against SDPA measured side by side (interleaved rounds, medians), quiet and beside a
+4. ``calibration``: the planner's grid (``attnlab calibrate``'s), written as this class's shipped rate table
+   (``kernels/tables/<key>.json``: Note [Shipped rate tables]) when the records are the repository's.
+5. ``headline``: ratios against SDPA measured side by side (interleaved rounds, medians), quiet and beside a
    CPU-bound process: fp32 and bf16 forward and forward + backward, a causal window against SDPA causal, decode
-   against the measured read bandwidth.
-5. ``planner``: ``bench planner`` on a reduced sweep (auto against the fastest kernel).
+   against the measured read bandwidth; auto as a fresh install plans it (an empty calibration cache).
+6. ``planner``: ``bench planner`` on a reduced sweep (auto against the fastest kernel).
 
 Files (atomic): ``<out>/<key>.json`` and ``<out>/<key>.md``; the stages in progress in ``<out>/<key>.partial.json``.
 ``run(VerifyConfig(...)) -> dict`` prints nothing; ``attnlab verify`` is its CLI.
@@ -46,9 +48,8 @@ from . import halfgrid, paths
 __all__ = ["VerifyConfig", "PATH_FLAGS", "class_key", "cpu_class", "code_hash", "run", "records", "record_for",
            "status", "STAGES", "markdown"]
 
-#: the /proc/cpuinfo flags that choose code paths in attnlab's kernels (and torch's / oneDNN's under them)
-PATH_FLAGS = ("amx_bf16", "amx_fp16", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx512f", "avx2")
-STAGES = ("conformance", "half_grid", "fuzz", "headline", "planner")
+PATH_FLAGS = cpu.PATH_FLAGS
+STAGES = ("conformance", "half_grid", "fuzz", "calibration", "headline", "planner")
 FORMAT = 1
 PKG = Path(__file__).resolve().parents[1]
 #: where records live in the repository (the docs site shows the Markdown pages)
@@ -62,38 +63,12 @@ CONFORMANCE_TESTS = ("tests/kernels/test_compiled_backends.py", "tests/kernels/t
                      "tests/functional/test_kvcache_bf16.py", "tests/kernels/test_compiled.py")
 
 
-def _cpuinfo() -> dict:
-    out = {"vendor": None, "family": None, "model": None, "model_name": cpu.INFO.model}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        k, _, v = line.partition(":")
-        k, v = k.strip(), v.strip()
-        if k == "vendor_id" and out["vendor"] is None:
-            out["vendor"] = v
-        elif k == "cpu family" and out["family"] is None:
-            out["family"] = int(v)
-        elif k == "model" and out["model"] is None and v.isdigit():
-            out["model"] = int(v)
-        elif not line.strip() and out["vendor"] is not None:
-            break
-    return out
-
-
 def cpu_class(flags: frozenset[str] | None = None) -> dict:
-    """This CPU's class: vendor, family, model and the path-choosing flags it has."""
-    info = _cpuinfo()
-    flags = cpu.INFO.flags if flags is None else flags
-    info["flags"] = [f for f in PATH_FLAGS if flags and f in flags]
-    info["key"] = class_key(info)
-    return info
+    """This CPU's class (``cpu.cpu_class``): vendor, family, model and the path-choosing flags it has."""
+    return cpu.cpu_class(flags)
 
 
-def class_key(c: dict) -> str:
-    """e.g. "GenuineIntel-6-143+amx_bf16+avx512_bf16+..." (vendor-family-model+flags)."""
-    return f"{c.get('vendor') or platform.machine()}-{c.get('family')}-{c.get('model')}+" + "+".join(c["flags"])
+class_key = cpu.class_key
 
 
 def code_hash() -> str:
@@ -236,6 +211,43 @@ def _stage_fuzz(cfg: VerifyConfig, repo: Path, say) -> dict:
             "failed": sorted({f for r in rounds for f in r["failed"]})}
 
 
+def _stage_calibration(cfg: VerifyConfig, repo: Path, say) -> dict:
+    from ..functional import calibration
+    from ..kernels import rates
+
+    say("calibration: the planner's grid, for this class's shipped rate table")
+    fitted, measured, _ = calibration.calibrate(save=False)
+    table = None
+    if Path(cfg.out).resolve() == RECORDS.resolve():
+        table = str(rates.save_table(fitted, measured).relative_to(PKG.parents[1]))
+    return {"rates": rates.as_json(fitted), "table": table}
+
+
+class _FreshInstall:
+    """An empty calibration cache with calibration on, for the duration: the planner's rates as a fresh install
+    of this package has them (this class's shipped table, or the nearest one's, or the built-in table)."""
+
+    def __enter__(self):
+        from ..kernels import rates
+
+        self.tmp = tempfile.TemporaryDirectory()
+        self.saved = {k: os.environ.get(k) for k in ("ATTNLAB_CACHE_DIR", "ATTNLAB_CALIBRATION")}
+        os.environ.update(ATTNLAB_CACHE_DIR=self.tmp.name, ATTNLAB_CALIBRATION="on")
+        self.source = rates.reload().source
+        return self
+
+    def __exit__(self, *exc):
+        from ..kernels import rates
+
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        rates.reload()
+        self.tmp.cleanup()
+
+
 def _busy_process():
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -296,16 +308,18 @@ def _headline_once() -> dict:
 
 
 def _stage_headline(cfg: VerifyConfig, repo: Path, say) -> dict:
-    say("headline ratios, quiet")
-    res = {"quiet": _headline_once()}
-    if cfg.busy:
-        say("headline ratios, beside a CPU-bound process")
-        p = _busy_process()
-        try:
-            res["busy"] = _headline_once()
-        finally:
-            p.kill()
-            p.wait()
+    with _FreshInstall() as fresh:
+        say(f"headline ratios, quiet (auto's rates: {fresh.source.split(' (')[0]})")
+        res = {"quiet": _headline_once()}
+        if cfg.busy:
+            say("headline ratios, beside a CPU-bound process")
+            p = _busy_process()
+            try:
+                res["busy"] = _headline_once()
+            finally:
+                p.kill()
+                p.wait()
+        res["rates"] = fresh.source
     return res
 
 
@@ -313,13 +327,17 @@ def _stage_planner(cfg: VerifyConfig, repo: Path, say) -> dict:
     from ..bench import planner
 
     say(f"planner sweep (n <= {cfg.planner_max_n})")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _FreshInstall() as fresh:
         res = planner.run(planner.PlannerConfig(out=tmp, max_n=cfg.planner_max_n, rounds=3, budget_s=20))
-        return {"summary": res.summary, "configurations": len(res.rows)}
+        return {"summary": res.summary, "configurations": len(res.rows), "rates": fresh.source,
+                "worst": sorted(({"case": r.get("config"), "ratio": r.get("ratio"), "pick": r.get("auto_pick"),
+                                  "fastest": r.get("fastest")} for r in res.rows),
+                                key=lambda d: -(d["ratio"] or 0))[:5]}
 
 
 _RUNNERS: dict[str, Callable] = {"conformance": _stage_conformance, "half_grid": _stage_half_grid,
-                                  "fuzz": _stage_fuzz, "headline": _stage_headline, "planner": _stage_planner}
+                                  "fuzz": _stage_fuzz, "calibration": _stage_calibration,
+                                  "headline": _stage_headline, "planner": _stage_planner}
 
 
 def _verdict(rec: dict) -> str:
@@ -416,6 +434,9 @@ def markdown(rec: dict) -> str:
         h = st["headline"]
         lines += ["## Headline ratios (higher is faster than the anchor; one process, interleaved rounds, medians)",
                   "", "| call | " + " | ".join(h) + " |", "|---|" + "---|" * len(h)]
+        h = {k: v for k, v in h.items() if k != "rates"}
+        lines[-2] = "| call | " + " | ".join(h) + " |"
+        lines[-1] = "|---|" + "---|" * len(h)
         for call in h["quiet"]:
             cells = []
             for cond in h:
@@ -423,7 +444,8 @@ def markdown(rec: dict) -> str:
                 cells.append(", ".join(f"{m} {v:.2f}" for m, v in r.items()))
             lines.append(f"| {call} | " + " | ".join(cells) + " |")
         lines += ["", "Ratios are SDPA's time over the kernel's (above 1: faster than SDPA); the decode row gives the "
-                  "bytes read per second against the read bandwidth measured in the same process.", ""]
+                  "bytes read per second against the read bandwidth measured in the same process. Auto planned as a "
+                  f"fresh install does: {st['headline'].get('rates', '?')}.", ""]
     if "planner" in st:
         p = st["planner"]
         lines += ["## Planner sweep", "", f"{p['configurations']} configurations: "
