@@ -40,12 +40,15 @@ def _one_line(e: BaseException, *words: str) -> None:
 def test_d1_a_mask_that_keeps_every_pair_runs(L, make):
     """as_band built sliding_window(left=None, right=None) for ``j >= 0`` whose edge blocks are partial:
     ValueError at every length not a multiple of 128; torch's eager flex_attention returns the result."""
-    q = torch.randn(1, 1, L, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(L))
+    g = torch.Generator().manual_seed(L)
+    # q, k, v distinct tensors: torch's flex_attention (a dynamo frame) crashed in its recompilation-reason code
+    # on q, q, q after other calls in the process ('NoneType' object is not subscriptable, torch 2.13)
+    q, k, v = (torch.randn(1, 1, L, 8, dtype=torch.float64, generator=g) for _ in range(3))
     keep_all = lambda b, h, i, j: j >= 0  # noqa: E731
     build = torch_block_mask if make == "torch" else P.create_block_mask
     bm = build(keep_all, None, None, L, L, device="cpu")
     with torch.no_grad():
-        assert_close(attnlab.flex_attention(q, q, q, block_mask=bm), torch_flex(q, q, q, block_mask=bm), **F64,
+        assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), torch_flex(q, k, v, block_mask=bm), **F64,
                      what=f"L={L}")
     assert P.as_band(keep_all, L, L, 128) is not None  # proved a band: every pair
 
@@ -253,9 +256,9 @@ def test_d7_a_pattern_whose_mask_reads_h_is_refused_up_front(H, mm):
         P.create_block_mask(mm, None, H, 40, 40, BLOCK_SIZE=16, output="pattern")
     _one_line(e.value, "create_block_mask", "reads h")
     bm = P.create_block_mask(mm, None, 3, 40, 40, BLOCK_SIZE=16, output="torch")  # per head: a torch BlockMask
-    q = torch.randn(1, 3, 40, 8, dtype=torch.float64)
+    q, k, v = (torch.randn(1, 3, 40, 8, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():
-        assert_close(attnlab.flex_attention(q, q, q, block_mask=bm), torch_flex(q, q, q, block_mask=bm), **F64)
+        assert_close(attnlab.flex_attention(q, k, v, block_mask=bm), torch_flex(q, k, v, block_mask=bm), **F64)
 
 
 # -- D8: one line naming the function and the argument ------------------------------------------------------

@@ -46,8 +46,8 @@ GENERAL_BLOCK = 128
 
 def probe_score_mod(score_mod, B: int | None = None, H: int | None = None, L: int | None = None,
                     S: int | None = None, seed: int = 0) -> ScoreModKind:
-    """``classify_score_mod(score_mod)``, under the name of the sampling probe it replaced (issue 40): the
-    shape and seed arguments are accepted and unused, as the classification holds at every shape."""
+    """``classify_score_mod(score_mod)``, under the name of the sampling probe it replaced: the shape and seed
+    arguments are accepted and unused, as the classification holds at every shape."""
     return classify_score_mod(score_mod)
 
 @dataclass
