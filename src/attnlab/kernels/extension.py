@@ -67,5 +67,11 @@ def transformed(*tensors) -> bool:
     """Whether any tensor is a vmap or grad transform's wrapper (torch.func's, or the legacy vmap of
     gradcheck's batched gradients): an extension cannot read a wrapper's data, so such calls go through the
     dispatcher or a pure-PyTorch path."""
-    f = torch._C._functorch
-    return any(t is not None and (f.is_functorch_wrapped_tensor(t) or f.is_legacy_batchedtensor(t)) for t in tensors)
+    for t in tensors:  # a plain loop: every plan-cache hit asks (Note [Small call overhead])
+        if t is not None and (_WRAPPED(t) or _LEGACY_BATCHED(t)):
+            return True
+    return False
+
+
+_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+_LEGACY_BATCHED = torch._C._functorch.is_legacy_batchedtensor
