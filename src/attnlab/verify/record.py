@@ -398,7 +398,9 @@ def run(config: VerifyConfig | None = None, progress: Callable[[str], None] | No
     rec["verdict"] = _verdict(rec)
     atomic_write_json(out / f"{key}.json", rec)
     atomic_write_text(out / f"{key}.md", markdown(rec))
-    partial.unlink(missing_ok=True)
+    if all(s in rec["stages"] for s in STAGES):
+        partial.unlink(missing_ok=True)  # complete: the next run starts over
+    # incomplete (a run of some --stages): the partial stays, and the next run of the others completes it
     if out.resolve() == RECORDS.resolve():  # the repository's records: the package's index follows them
         _update_index(rec)
     return rec
