@@ -28,8 +28,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -398,6 +396,7 @@ def run(config: VerifyConfig | None = None, progress: Callable[[str], None] | No
     rec["verdict"] = _verdict(rec)
     atomic_write_json(out / f"{key}.json", rec)
     atomic_write_text(out / f"{key}.md", markdown(rec))
+    atomic_write_text(out / "README.md", index_markdown(out))
     if all(s in rec["stages"] for s in STAGES):
         partial.unlink(missing_ok=True)  # complete: the next run starts over
     # incomplete (a run of some --stages): the partial stays, and the next run of the others completes it
@@ -406,8 +405,26 @@ def run(config: VerifyConfig | None = None, progress: Callable[[str], None] | No
     return rec
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)
+def index_markdown(out: Path) -> str:
+    """The records folder's index page: one row per CPU class recorded there."""
+    rows = []
+    for p in sorted(Path(out).glob("*.json")):
+        if p.name.endswith(".partial.json"):
+            continue
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        c = d.get("class", {})
+        rows.append(f"| [{c.get('model_name') or d.get('key')}]({p.stem}.md) | {', '.join(c.get('flags', [])) or '-'} | "
+                    f"`{d.get('code_hash')}` | {d.get('date', '')} | {d.get('verdict', '')} |")
+    return "\n".join([
+        "# Verified CPU classes", "",
+        "attnlab's kernels choose code paths by CPU, and a path is proved only on a CPU that has it. Each page "
+        "below is the record `make verify` wrote on one CPU class: conformance per path, the half-type grid, the "
+        "layout fuzz, the planner's rate table for the class, headline ratios quiet and busy, and the planner "
+        "sweep, for the kernel code whose hash it names (`attnlab info` says whether the installed kernels match).",
+        "", "| CPU class | path flags | kernel code | date | verdict |", "|---|---|---|---|---|", *rows, ""])
 
 
 def markdown(rec: dict) -> str:
