@@ -147,3 +147,41 @@ def test_a_process_that_exits_during_the_background_calibration_exits_with_its_o
         assert not any(cache.glob("*.json")) if cache.exists() else True
     assert all(out == "running" for _, _, out, _ in runs), runs
     assert all(rc == status for rc, status, _, _ in runs), runs
+
+
+def test_a_hold_cancels_a_running_grid_and_starts_none(fresh, monkeypatch):
+    """Note [Calibration held]: `attnlab bench` holds the background grid; a running one is cancelled (nothing
+    written) and joined, none starts inside the hold, and state() / explain say so."""
+    import torch
+
+    import attnlab
+
+    started = threading.Event()
+
+    def slow():  # a grid that runs until cancelled, as the real one stops at its next clock reading
+        started.set()
+        while not calibration._CANCEL.wait(0.01):
+            pass
+        raise calibration.Cancelled("cancelled")
+
+    monkeypatch.setattr(calibration, "_calibrate_in_background", slow)
+    t = calibration.note_call(calibration.LONG_CALL_S)
+    assert t is not None and started.wait(10) and calibration.state()["background"] == "running"
+    q = torch.randn(1, 2, 8, 4)
+    assert "background calibration: running" in str(attnlab.explain(q, q, q))
+    with calibration.held("attnlab bench is timing"):
+        assert not t.is_alive() and not rates.cache_path().exists()
+        assert calibration.note_call(100.0) is None
+        assert calibration.state()["background"].startswith("cancelled (attnlab bench is timing)")
+    assert "background calibration: cancelled" in str(attnlab.explain(q, q, q))
+
+
+def test_bench_holds_the_background_grid(monkeypatch):
+    from attnlab.cli import _suites
+
+    seen = []
+    monkeypatch.setattr(calibration, "note_call", lambda s: seen.append(calibration._HELD[:]))
+    args = type("A", (), {})()
+    args._suite_run = lambda a: calibration.note_call(100.0)
+    _suites.run_suite(args)
+    assert seen == [["attnlab bench is timing"]] and calibration._HELD == []

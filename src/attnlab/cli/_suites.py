@@ -12,5 +12,9 @@ def add_suites(parser: argparse.ArgumentParser, suites: dict[str, tuple[str, str
 
 
 def run_suite(args: argparse.Namespace):
-    """Run the suite chosen on the command line; its result."""
-    return args._suite_run(args)
+    """Run the suite chosen on the command line; its result. No background calibration runs meanwhile
+    (Note [Calibration held]): a benchmark's timings never share the CPU with it unseen."""
+    from attnlab.functional import calibration
+
+    with calibration.held("attnlab bench is timing"):
+        return args._suite_run(args)

@@ -119,7 +119,11 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     ``Plan.assumptions`` says what it assumed."""
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
                 alibi_slopes=alibi_slopes).live()  # what run() plans for
-    return planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)
+    plan = planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)
+    bg = calibration.state()["background"]
+    if bg != "not started" and plan.rates_source:  # Note [Calibration held]: the grid is never unseen
+        plan.rates_source += f"; background calibration: {bg}"
+    return plan
 
 
 def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,

@@ -67,6 +67,7 @@ Only ``calibrate()`` measures, never an import.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import threading
@@ -88,7 +89,7 @@ from ..shapes import prepare
 from ..timing import interleaved
 
 __all__ = ["CalibrationConfig", "calibrate", "MARGIN", "note_call", "seconds_for", "background", "state",
-           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "Cancelled", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
+           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "Cancelled", "held", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
 
 # Note [No margin for SDPA]: the compiled kernel takes a plain dense/causal call where it measured faster than
 # SDPA at all (MARGIN = 1), not by a safety margin. The planner's promise is "the fastest kernel", judged
@@ -542,6 +543,29 @@ def _stop_at_exit() -> None:
         t.join(EXIT_JOIN_S)
 
 
+# Note [Calibration held]: the background grid times kernels on the cores the user's work runs on. While the
+# process times something itself (``attnlab bench``: its ratios would carry the grid's load, unseen), the grid
+# is held: a running one is cancelled and joined (it writes nothing), and none starts until the hold ends.
+# ``state()`` (``attnlab info``) and ``explain``'s rates line say when it runs, was cancelled, or is held.
+_HELD: list[str] = []
+_CANCELLED_BY: list[str] = []
+
+
+@contextlib.contextmanager
+def held(reason: str):
+    """No background calibration inside the block (Note [Calibration held]); ``reason`` shows in ``state()``."""
+    _HELD.append(reason)
+    try:
+        t = _BACKGROUND
+        if t is not None and t.is_alive():
+            _CANCEL.set()
+            t.join(EXIT_JOIN_S)
+            _CANCELLED_BY.append(reason)
+        yield
+    finally:
+        _HELD.remove(reason)
+
+
 def note_call(predicted_s: float) -> threading.Thread | None:
     """Tell the calibration a call is about to run for about ``predicted_s`` seconds (Note [Background
     calibration]): makes rates fitted in the background current, and starts the background calibration
@@ -551,7 +575,7 @@ def note_call(predicted_s: float) -> threading.Thread | None:
     if _PENDING is not None:
         fitted, _PENDING = _PENDING, None
         rates.make_current(fitted)
-    if predicted_s < LONG_CALL_S or _BACKGROUND is not None:
+    if predicted_s < LONG_CALL_S or _BACKGROUND is not None or _HELD:
         return None
     with _BACKGROUND_LOCK:
         src = rates.current().source
@@ -578,6 +602,9 @@ def state() -> dict:
     """For ``attnlab info``: whether calibration is on, the file for this machine, where the rates come from,
     and the background calibration's state ("not started", "running" or "finished")."""
     path = rates.cache_path()
-    bg = "not started" if _BACKGROUND is None else "running" if _BACKGROUND.is_alive() else "finished"
+    bg = "not started" if _BACKGROUND is None else "running" if _BACKGROUND.is_alive() else (
+        f"cancelled ({_CANCELLED_BY[-1]})" if _CANCELLED_BY else "finished")
+    if _HELD and not (_BACKGROUND is not None and _BACKGROUND.is_alive()):
+        bg += f", held ({_HELD[-1]})"
     return {"enabled": rates.calibration_enabled(), "file": str(path), "exists": path.exists(),
             "source": rates.current().source, "background": bg}
