@@ -53,8 +53,13 @@ def test_block_runs(code, tmp_path):
         if not (launch and _teardown_abort(r, argv)):
             break
         # gloo can abort a rank while its process group is torn down, after the work is done and printed
-        # (every rank's line is on stdout): a flake of torch's teardown (seen once in CI, 1 in >100 runs
-        # here), not of the block, so the block runs again; any other failure fails at once
+        # (every rank's line is on stdout): torch's teardown, not the block's. A torch-only control (no attnlab
+        # import: batch_isend_irecv between neighbours, all_gather, barrier, destroy_process_group; torch
+        # 2.13, 2 ranks, beside other work on 2 cores) aborted so in 5 of 21 runs, "terminate called without an
+        # active exception" after the interpreter's last Python frame; the ring block in 8 of 24. attnlab's
+        # own abort at exit (the background calibration's thread, Note [Calibration at exit]) is fixed, and
+        # cannot be this one: the tests run with ATTNLAB_CALIBRATION=off. So the block runs again; any other
+        # failure fails at once
         r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"block failed (rc {r.returncode}):\n{code}\n--- stderr ---\n{r.stderr[-3000:]}"
 
