@@ -8,8 +8,9 @@ killed run resumes where it stopped):
 1. ``conformance``: the conformance tests of every GEMM back end and build this CPU reaches (the compiled
    kernel per back end and in the AVX2 and default builds, the decode builds, dead rows, int8 and bf16 caches),
    run by pytest from the repository's tests, with one verdict per CPU path (``attnlab.verify.paths``).
-2. ``half_grid``: the whole half-type grid (``attnlab.verify.halfgrid``, 7,290 cases) on each back end, each in
-   its own process.
+2. ``half_grid``: the whole half-type grid (``attnlab.verify.halfgrid``, 7,290 cases) on the kernel's own choice
+   of back end, and ``FORCED_BACKEND_SAMPLE`` of its cases on each forced one (brgemm, MKL, loop), each in its own
+   process.
 3. ``fuzz``: the differential layout fuzz (tests/functional/test_differential.py) for ``fuzz_minutes``, in
    rounds of fresh hypothesis seeds, with counts.
 4. ``calibration``: the planner's grid (``attnlab calibrate``'s), written as this class's shipped rate table
@@ -179,12 +180,18 @@ def _stage_conformance(cfg: VerifyConfig, repo: Path, say) -> dict:
             "paths": [{"path": n, "status": s, "verdict": v} for n, s, v in rows]}
 
 
+#: cases of the half-type grid drawn for each forced back end (the whole grid runs on "auto", the kernel's own
+#: choice, which is what users run; 7,290 cases take minutes per back end on 2 cores)
+FORCED_BACKEND_SAMPLE = 1500
+
+
 def _stage_half_grid(cfg: VerifyConfig, repo: Path, say) -> dict:
     out = {}
     for b in halfgrid.BACKENDS:
-        say(f"half-type grid on {b}")
+        sample = cfg.grid_sample if cfg.grid_sample is not None or b == "auto" else FORCED_BACKEND_SAMPLE
+        say(f"half-type grid on {b} ({'all' if sample is None else sample} cases)")
         t0 = time.perf_counter()
-        res = halfgrid.run_isolated(b, sample=cfg.grid_sample, seed=0)
+        res = halfgrid.run_isolated(b, sample=sample, seed=0)
         out[b] = {"cases": res.cases, "failures": res.failures[:20], "n_failures": len(res.failures),
                   "crashed": res.crashed, "tiles": res.tiles, "seconds": round(time.perf_counter() - t0, 1)}
     return out
