@@ -191,7 +191,7 @@ def _stage_half_grid(cfg: VerifyConfig, repo: Path, say) -> dict:
         sample = cfg.grid_sample if cfg.grid_sample is not None or b == "auto" else FORCED_BACKEND_SAMPLE
         say(f"half-type grid on {b} ({'all' if sample is None else sample} cases)")
         t0 = time.perf_counter()
-        res = halfgrid.run_isolated(b, sample=sample, seed=0)
+        res = halfgrid.run_isolated(b, sample=sample, seed=0, shards=2)
         out[b] = {"cases": res.cases, "failures": res.failures[:20], "n_failures": len(res.failures),
                   "crashed": res.crashed, "tiles": res.tiles, "seconds": round(time.perf_counter() - t0, 1)}
     return out
