@@ -117,7 +117,7 @@ def _long_prompt(tok, n: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n_prompt", [512])
+@pytest.mark.parametrize("n_prompt", [512, 4096])
 def test_greedy_tokens_equal_sdpas_long_prompt(smollm2, n_prompt):
     model, tok = smollm2
     ids = _long_prompt(tok, n_prompt)

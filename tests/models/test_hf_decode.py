@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.functional import storage
 from attnlab.kernels import decode as dk
 
 transformers = pytest.importorskip("transformers")
@@ -88,24 +87,25 @@ def test_in_place_cache_gives_dynamic_cache_results():
         hf.in_place_cache(model.config, -1)
 
 
-@pytest.mark.skipif(not storage.huge_pages_available(), reason="no transparent huge pages on this OS")
-def test_in_place_storage_on_huge_pages_gives_the_same_tokens(monkeypatch):
-    """InPlaceLayer storage comes from empty_kv_cache (Note [KV cache on huge pages]): with the size threshold
-    lowered it sits in the 2 MiB-aligned mmap, and greedy generation equals torch storage's tokens."""
+def test_in_place_storage_is_never_read_before_it_is_written(monkeypatch):
+    """InPlaceLayer storage is uninitialised (Note [In-place cache storage] in integrations/hf.py): with storage
+    filled with NaN, greedy generation (a padded batch, the storage doubling past its capacity) gives
+    DynamicCache's tokens, so no unwritten row is read."""
     hf.register_all()
     model = _llama()
     model.set_attn_implementation("attnlab")
     ids = torch.randint(1, 64, (2, 13), generator=torch.Generator().manual_seed(5))
-    kw = dict(max_new_tokens=7, do_sample=False, pad_token_id=0)
-    monkeypatch.setattr(storage, "huge_pages_available", lambda: False)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding on the second row
+    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        ref = model.generate(ids, cache=hf.in_place_cache(model.config, 20), **kw)
-    monkeypatch.undo()
-    monkeypatch.setattr(storage, "MIN_HUGE_BYTES", 0)
-    cache = hf.in_place_cache(model.config, 20)
-    with torch.no_grad():
-        assert torch.equal(model.generate(ids, cache=cache, **kw), ref)
-    assert cache.layers[0]._kbuf.data_ptr() % storage.HUGE_PAGE_BYTES == 0
+        ref = model.generate(ids, cache_implementation="dynamic", **kw)
+    monkeypatch.setattr(hf, "_storage", lambda like, *shape: torch.full(shape, float("nan"), dtype=like.dtype))
+    for capacity in (20, 14):  # room for every step, and too little: the storage doubles mid-generation
+        cache = hf.in_place_cache(model.config, capacity)
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, cache=cache, **kw), ref), capacity
+        assert cache.layers[0]._kbuf.isnan().any()  # the poisoned storage was the one used
 
 
 def test_generate_appends_in_place_by_default():
