@@ -76,3 +76,11 @@ def test_the_command_refuses_to_replace_this_class_record_without_force(tmp_path
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1 and "--force" in err[0] and key in err[0], err
     assert (tmp_path / f"{key}.json").read_text() == '{"mine": 1}'
+
+
+def test_headline_pass_runs_on_small_sizes():
+    """The headline stage's measurements run (small sizes here; the record uses the targets' sizes) and give
+    positive ratios for every call."""
+    h = record._headline_once(n=128, n_window=512, s_decode=1024, sample_s=0.004, rounds=2)
+    assert {"float32 dense forward", "bfloat16 causal forward+backward"} <= set(h)
+    assert all(v > 0 for r in h.values() for v in r.values())
