@@ -410,8 +410,22 @@ FOUND_SDPA_UNIT_DIM_STRIDE = _case(rank=4, lead=[1], dtype=torch.bfloat16, H=2, 
                                    steps=(3, 1, 1, 1), pads=(5, 0, 5, 0), unit_strides=(1, None, None, None))))
 
 
+#: ... and the same kernel reading past the data (errors up to 1e29 and NaN, different on every call) once
+#: attnlab set that size-1 batch dim's stride to 1 where the dims after it are expanded: q [3, 33, 5] expanded
+#: on heads and queries, GQA, scale < 0, causal + window + a key-padding mask, poisoned dead keys (the layout
+#: fuzz of `attnlab verify`, seed 28885; kernels/fused.py Note [Size-1 dim strides])
+FOUND_SDPA_EXPANDED_AFTER_UNIT = _case(rank=3, dtype=torch.float32, H=3, Hkv=1, L=33, S=8, E=5, Ev=5, scale=-0.4,
+                                       is_causal=True, mask_kind="bool", mask_shape="[1, S]", poison=float("-inf"),
+                                       pattern="window", block=16, seed=2705,
+                                       layouts=dict(q=Layout((3, 33, 5), expanded=(0, 1), pads=(1, 1, 1), offset=3),
+                                                    k=Layout((1, 8, 5), order=(1, 2, 0), steps=(3, 1, 1),
+                                                             pads=(5, 0, 0), unit_strides=(7, None, None)),
+                                                    mask=Layout((1, 8))))
+
+
 @settings(max_examples=_examples(150), **SETTINGS)
 @given(cases())
+@example(FOUND_SDPA_EXPANDED_AFTER_UNIT)
 @example(FOUND_LSE_STRIDED_V)
 @example(FOUND_SDPA_UNIT_DIM_STRIDE)
 @example(FOUND_COMPILED_V_STRIDE0_S)

@@ -51,7 +51,11 @@ def _tidy_unit_strides(t: torch.Tensor) -> torch.Tensor:
     returns garbage (1e35, or NaN in fp32) for q [1, 2, 33, 11] with strides [1, 66, 0, 1]: a size-1 batch dim
     whose stride is below the next dim's, with the query dim expanded (stride 0); the same values with the
     batch stride 132 come out right (found by test_differential's layout fuzz through attention_with_lse).
-    A size-1 dim's stride is never used to address an element, so it is set to the row-major one."""
+    A size-1 dim's stride is never used to address an element, so it is set to the row-major one. Where a dim
+    after it is expanded (stride 0), no stride fixes it: the fuzz found q [1, 3, 33, 5] with strides [0, 0, 0, 1]
+    right as it was and wrong once its batch stride was set to 1 (errors up to 1e29, and NaN, changing from call
+    to call: the kernel reads past the data). Such a tensor is copied row-major instead (a layout that odd is
+    rare, and the copy is what SDPA's math path would make)."""
     shape, st = t.shape, list(t.stride())
     changed = False
     for d in range(t.dim() - 2, -1, -1):
@@ -59,7 +63,11 @@ def _tidy_unit_strides(t: torch.Tensor) -> torch.Tensor:
             want = max(1, abs(st[d + 1]) * shape[d + 1])
             if st[d] != want:
                 st[d], changed = want, True
-    return t.as_strided(shape, st, t.storage_offset()) if changed else t
+    if not changed:
+        return t
+    if any(s == 0 and n > 1 for s, n in zip(st, shape)):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.as_strided(shape, st, t.storage_offset())
 
 
 def _dense_if_expanded(t: torch.Tensor) -> torch.Tensor:
