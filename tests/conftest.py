@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Note [Calibrated rates]: tests plan by the built-in table, whatever this machine's calibration says
 os.environ["ATTNLAB_CALIBRATION"] = "off"
+# ... and a test that turns calibration on (with an empty cache folder) finds no shipped rate table either (Note
+# [Shipped rate tables]): tests/functional/test_shipped_rates.py gives the tables it tests, and checks the real ones
+from attnlab.kernels import rates as _rates  # noqa: E402
+
+SHIPPED_TABLES = _rates.TABLES
+_rates.TABLES = __import__("pathlib").Path(__import__("tempfile").mkdtemp(prefix="attnlab-no-rate-tables-"))
 torch.set_num_threads(1) if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 

@@ -121,8 +121,10 @@ def test_never_at_import(tmp_path):
 
 # -- Note [Calibration at exit] ----------------------------------------------------------------------
 _EXITS = """
-import sys, time
+import pathlib, sys, time
 from attnlab.functional import calibration
+from attnlab.kernels import rates
+rates.TABLES = pathlib.Path(sys.argv[3])             # no shipped table: a fresh install of an unrecorded class
 t = calibration.note_call(calibration.LONG_CALL_S)   # the real grid, in its daemon thread
 time.sleep(float(sys.argv[1]))                        # the thread is inside a timing now
 print("running" if t is not None and t.is_alive() else "not running", flush=True)
@@ -141,8 +143,8 @@ def test_a_process_that_exits_during_the_background_calibration_exits_with_its_o
         cache = tmp_path / f"cache{i}"
         env = dict(os.environ, ATTNLAB_CALIBRATION="on", ATTNLAB_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
         status = 3 if i % 2 else 0
-        r = subprocess.run([sys.executable, str(script), "0.3", str(status)], env=env, capture_output=True,
-                           text=True, timeout=180)
+        r = subprocess.run([sys.executable, str(script), "0.3", str(status), str(tmp_path / "no-tables")], env=env,
+                           capture_output=True, text=True, timeout=180)
         runs.append((r.returncode, status, r.stdout.strip(), r.stderr.strip()[-300:]))
         assert not any(cache.glob("*.json")) if cache.exists() else True
     assert all(out == "running" for _, _, out, _ in runs), runs

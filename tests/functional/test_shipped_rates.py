@@ -5,6 +5,7 @@ kernels' rounding (the float64 reference's budget)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,39 @@ def test_a_call_that_will_run_a_backward_is_planned_by_the_training_threshold(sh
     (torch.softmax(qn @ kn.transpose(-2, -1) / 32 ** 0.5, -1) @ vn).sum().backward()
     for got, naive_g, ref_g in ((qg.grad, qn.grad, qd.grad), (kg.grad, kn.grad, kd.grad), (vg.grad, vn.grad, vd.grad)):
         assert max_err(got, ref_g) <= 8 * max_err(naive_g, ref_g) + 1e-6
+
+
+def test_every_shipped_table_loads_and_this_class_plans_alike():
+    """The tables shipped in the package parse, name their class, and, where this CPU's class has one, the plans
+    it makes give the same results as the built-in table's, within the chosen kernels' rounding (a plan and its
+    rates change only the kernel chosen)."""
+    from conftest import SHIPPED_TABLES
+
+    tables = rates.shipped_tables(SHIPPED_TABLES)
+    for key, doc in tables.items():
+        assert doc["class"]["key"] == key and doc["format"] == rates.FORMAT
+        r = rates._from_json(doc, Path(doc["_path"]), source="test")
+        assert r.compiled_dense_min_pairs and r.kernel_gflops
+    mine = cpu.cpu_class()["key"]
+    if mine not in tables:
+        pytest.skip(f"no shipped table for this CPU class ({mine})")
+    before = rates.current()
+    table = rates._from_json(tables[mine], Path(tables[mine]["_path"]), source="test: this class's shipped table")
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        for n in (64, 512, 2048):
+            q, k, v = (torch.randn(1, 8, n, 64, generator=g).to(dt) for _ in range(3))
+            for causal in (False, True):
+                ref = torch.as_tensor(reference.attention(q.double(), k.double(), v.double(), is_causal=causal)[0])
+                s_ = (q.float() @ k.float().transpose(-2, -1)) / 8
+                if causal:
+                    s_ = s_.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+                naive = torch.softmax(s_, -1).to(dt).float() @ v.float()
+                budget = FUSED_ERROR_FACTOR * max_err(naive, ref) + (1e-6 if dt == torch.float32 else 4e-3)
+                outs = []
+                for r in (rates.builtin(), table):
+                    rates.make_current(r)
+                    with torch.no_grad():
+                        outs.append(attnlab.attention(q, k, v, is_causal=causal))
+                rates.make_current(before)
+                assert all(max_err(o, ref) <= budget for o in outs), (dt, n, causal, [max_err(o, ref) for o in outs])
