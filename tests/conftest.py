@@ -12,7 +12,6 @@ os.environ["ATTNLAB_CALIBRATION"] = "off"
 # [Shipped rate tables]): tests/functional/test_shipped_rates.py gives the tables it tests, and checks the real ones
 from attnlab.kernels import rates as _rates  # noqa: E402
 
-SHIPPED_TABLES = _rates.TABLES
 _rates.TABLES = __import__("pathlib").Path(__import__("tempfile").mkdtemp(prefix="attnlab-no-rate-tables-"))
 torch.set_num_threads(1) if os.environ.get("PYTEST_XDIST_WORKER") else None
 
