@@ -548,17 +548,24 @@ def test_planner_refusals_and_choices():
 
 
 def test_no_ext_environment_falls_back():
-    code = ("import torch, attnlab; from attnlab import patterns as P; q = torch.randn(1, 2, 64, 8); "
+    # the fallback's output against float64, within the fused-kernel budget: FUSED_ERROR_FACTOR times the naive
+    # fp32 computation's error (dense on the materialised mask), plus fp32's floor (the bound was a fixed 1e-5,
+    # which an unseeded draw exceeded once at 3.3e-5)
+    code = ("import torch, attnlab; from attnlab import patterns as P; torch.manual_seed(0); "
+            "q = torch.randn(1, 2, 64, 8); m = P.sliding_window(8).materialize(64, 64); "
             "p = attnlab.explain(q, q, q, pattern=P.sliding_window(8)); "
             "print(p.method, '|', p.refused['compiled']); "
-            "print(float((attnlab.attention(q, q, q, pattern=P.sliding_window(8)) - "
-            "attnlab.attention(q, q, q, attn_mask=P.sliding_window(8).materialize(64, 64), method='dense')).abs().max()))")
+            "ref = attnlab.attention(q.double(), q.double(), q.double(), attn_mask=m, method='dense'); "
+            "got = attnlab.attention(q, q, q, pattern=P.sliding_window(8)); "
+            "naive = attnlab.attention(q, q, q, attn_mask=m, method='dense'); "
+            "print(float((got.double() - ref).abs().max()), float((naive.double() - ref).abs().max()))")
     env = dict(os.environ, ATTNLAB_NO_EXT="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    first, err = r.stdout.strip().splitlines()
+    first, errs = r.stdout.strip().splitlines()
     assert first.split(" | ")[0] != "compiled" and "ATTNLAB_NO_EXT" in first
-    assert float(err) < 1e-5
+    err, naive_err = (float(x) for x in errs.split())
+    assert err <= FUSED_ERROR_FACTOR * naive_err + 1e-6, (err, naive_err)
 
 
 # -- large logits, soft-capping and ALiBi: flash-attn's error rule (issue 21) ------------------------------------------
