@@ -4,15 +4,34 @@ Each extension (the tile kernel ``attnlab._C*``, the decode kernel ``attnlab._de
 package's install once per capability (baseline, AVX2, AVX-512; setup.py); at run time the best variant
 that imports and carries the wrapper's ABI version is used. A missing or broken build is never an error:
 ``Extension.load()`` returns None and ``reason`` says why (``ATTNLAB_NO_EXT=1`` turns every extension off).
+A build that is missing or fails to load warns once per process (a RuntimeWarning saying why and how to
+build it), so nobody runs on the slower fallback without knowing; ``ATTNLAB_NO_EXT=1`` is a choice and
+stays silent.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import torch
 
-__all__ = ["Extension", "transformed"]
+__all__ = ["Extension", "transformed", "BUILD_HINT"]
+
+#: how to build the extensions, in the words of the warning below
+BUILD_HINT = ("build it with a C++ compiler: pip install --no-build-isolation -e . (about 15 minutes on 2 cores; "
+              "MAX_JOBS=<cores> builds in parallel); ATTNLAB_NO_EXT=1 runs on the fallback without this warning")
+_warned = False  # one warning per process, whichever extension is missing first
+
+
+def _warn_missing(reason: str) -> None:
+    """Warn once per process that a compiled extension is missing (Extension.load's first failure)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(f"attnlab: {reason}, so attention runs on the slower PyTorch fallback; {BUILD_HINT}",
+                  RuntimeWarning, stacklevel=3)
 
 
 class Extension:
@@ -60,6 +79,7 @@ class Extension:
         missing = all("No module named" in e for e in errors)
         self.reason = (f"the {self.what} is not built (pip install --no-build-isolation -e . builds it)" if missing
                        else f"the {self.what} failed to load (" + "; ".join(errors) + ")")
+        _warn_missing(self.reason)  # the first call that would have used it; ATTNLAB_NO_EXT returned above
         return None
 
 
