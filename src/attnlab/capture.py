@@ -25,7 +25,10 @@ blocks; MiniLM's ``layers.{i}``) has residual-stream and MLP points, read and re
     layers.{i}.resid_post    [B, L, E]        the block's output (the residual stream after block i)
 
 (they fire when the block is called as a module, as ``model(...)`` does; MiniLM's ``output_attentions=True``
-path calls ``forward_intermediates`` and bypasses them). :func:`patch_sweep` patches every head (and
+path calls ``forward_intermediates`` and bypasses them). A Hugging Face model has them too: its blocks are the
+entries of the ModuleList holding its attention modules (Llama's ``model.layers``, GPT-2's ``transformer.h``,
+BERT's ``encoder.layer``); ``mlp_out`` is the block's ``mlp`` (Llama, GPT-2; BERT's feed-forward adds the
+residual inside, so it has resid_pre and resid_post only). :func:`patch_sweep` patches every head (and
 position) in turn and returns the metric as a [layers, heads(, L)] tensor; ``attnlab.viz.plot_patch_sweep``
 draws it.
 
@@ -37,6 +40,7 @@ draws it.
     >>> with C.patch_heads(model, layer=3, heads=[7], source=cache_b):  # head 3.7 from another run
     ...     model(**batch)
     >>> C.head_effect(model, sentences, layer=3, heads=[7])    # cosine of MiniLM embeddings, with vs without
+    >>> C.head_effect(smollm2, sentences, layer=3, heads=[7], tokenizer=tok)   # any Hugging Face model
 
 The older weights/summary recorder (``capture(module)``, ``Capture``, ``Record``) lives here too;
 ``attnlab.inspect`` is a deprecated alias of this module.
@@ -52,7 +56,7 @@ import torch
 __all__ = [
     "capture", "Capture", "Record", "attention_modules", "ActivationCache", "ACTIVATIONS", "activation_name",
     "cache_activations", "run_with_cache", "hooks", "run_with_hooks", "ablate_heads", "patch_heads", "head_effect",
-    "sentence_embeddings", "LAYER_POINTS", "layer_point_name", "block_modules", "patch_sweep",
+    "sentence_embeddings", "LAYER_POINTS", "layer_point_name", "block_modules", "patch_sweep", "hf_sentence_embeddings",
 ]
 
 #: residual-stream and MLP points of every attnlab block (``layers.{i}.{kind}``)
@@ -78,10 +82,35 @@ def layer_point_name(layer: int, kind: str) -> str:
 
 
 def block_modules(model) -> list[tuple[str, torch.nn.Module]]:
-    """(name, block) for every attnlab ``EncoderLayer`` / ``DecoderLayer`` inside ``model``, in module order."""
+    """(name, block) for every attnlab ``EncoderLayer`` / ``DecoderLayer`` inside ``model``, in module order; for a
+    model without one, a Hugging Face model's blocks: the ModuleList entries that hold its attention modules."""
     from .nn import DecoderLayer, EncoderLayer
 
-    return [(n or "(root)", m) for n, m in model.named_modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
+    own = [(n or "(root)", m) for n, m in model.named_modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
+    if own or not isinstance(model, torch.nn.Module):
+        return own
+    try:
+        from .integrations.hf import hook_modules
+    except ImportError:
+        return []
+    found: dict[str, torch.nn.Module] = {}
+    for name, _ in hook_modules(model):
+        parts = name.split(".")
+        for k in range(len(parts) - 1, 0, -1):  # the innermost ancestor that is an entry of a ModuleList
+            if parts[k].isdigit() and isinstance(model.get_submodule(".".join(parts[:k])), torch.nn.ModuleList):
+                block = ".".join(parts[:k + 1])
+                found.setdefault(block, model.get_submodule(block))
+                break
+    return list(found.items())
+
+
+def _mlp(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The feed-forward sublayer whose output is ``mlp_out``: attnlab's ``ffn``, a Hugging Face block's ``mlp``."""
+    for attr in ("ffn", "mlp"):
+        m = getattr(block, attr, None)
+        if isinstance(m, torch.nn.Module):
+            return m
+    return None
 
 
 def _parse_layer_point(name: str, n_blocks: int) -> tuple[int, str]:
@@ -91,9 +120,10 @@ def _parse_layer_point(name: str, n_blocks: int) -> tuple[int, str]:
                          f"{', '.join(LAYER_POINTS)} (attention activations are 'blocks.{{i}}.attn.{{kind}}')")
     i = int(parts[1])
     if i >= n_blocks:
-        raise ValueError(f"{name!r}: this model has {n_blocks} attnlab blocks"
+        raise ValueError(f"{name!r}: this model has {n_blocks} blocks"
                          + (f" (layers.0 .. layers.{n_blocks - 1})" if n_blocks else
-                            " (layer points exist on attnlab.nn.EncoderLayer / DecoderLayer only)"))
+                            " (layer points exist on attnlab.nn.EncoderLayer / DecoderLayer and on the blocks of "
+                            "Hugging Face models)"))
     return i, parts[2]
 
 
@@ -128,17 +158,24 @@ def _layer_hooks(model, wanted: list[tuple[int, str, Callable]]) -> Iterator[Non
             ctx = types.SimpleNamespace(module=blk, point=layer_point_name(i, kind))
             if kind == "resid_pre":
                 def pre(mod, args, kwargs, _fn=fn, _ctx=ctx):
-                    x = args[0] if args else kwargs["x"]
+                    key = next((k for k in ("x", "hidden_states") if k in kwargs), None)  # attnlab's, transformers'
+                    x = args[0] if args else kwargs[key]
                     r = checked(_fn(x, _ctx), x, _ctx.point)
                     if r is None:
                         return None
-                    return ((r,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "x": r})
+                    return ((r,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, key: r})
 
                 handles.append(blk.register_forward_pre_hook(pre, with_kwargs=True))
             else:
-                target = blk.ffn if kind == "mlp_out" else blk
+                target = _mlp(blk) if kind == "mlp_out" else blk
+                if target is None:
+                    raise ValueError(f"{ctx.point!r}: {type(blk).__name__} has no separate feed-forward sublayer "
+                                     "(its residual add happens inside it); resid_pre and resid_post are there")
 
                 def post(mod, args, out, _fn=fn, _ctx=ctx):
+                    if isinstance(out, tuple):  # a block returning (hidden_states, ...)
+                        r = checked(_fn(out[0], _ctx), out[0], _ctx.point)
+                        return None if r is None else (r,) + tuple(out[1:])
                     return checked(_fn(out, _ctx), out, _ctx.point)
 
                 handles.append(target.register_forward_hook(post))
@@ -316,8 +353,8 @@ def cache_activations(model, names: Iterable[str] | None = None) -> Iterator[Act
     makes those layers compute weights (their mechanism must be able to).
     """
     if names is None:
-        attn_names, layer_names = None, [layer_point_name(i, k) for i in range(len(block_modules(model)))
-                                         for k in LAYER_POINTS]
+        attn_names, layer_names = None, [layer_point_name(i, k) for i, (_, b) in enumerate(block_modules(model))
+                                         for k in LAYER_POINTS if k != "mlp_out" or _mlp(b) is not None]
     else:
         attn_names, layer_names = _split_names(names)
     mods = _modules(model) if attn_names is None or attn_names or not layer_names else attention_modules(model)
@@ -606,10 +643,23 @@ def sentence_embeddings(model, batch: dict) -> torch.Tensor:
     return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
 
-@torch.no_grad()
-def head_effect(model, sentences, layer: int, heads, how="zero") -> dict:
-    """The effect of one intervention on a MiniLM model's sentence embeddings.
+def hf_sentence_embeddings(model, batch) -> torch.Tensor:
+    """A Hugging Face model's sentence embeddings [B, E] from a tokenizer's padded batch: its last hidden states,
+    averaged over the real tokens and L2-normalised (as MiniLM's are made)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    h = out.hidden_states[-1]  # (B, T, E)
+    m = batch["attention_mask"].unsqueeze(-1).to(h.dtype)  # (B, T, 1)
+    pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, p=2, dim=-1)
 
+
+@torch.no_grad()
+def head_effect(model, sentences, layer: int, heads, how="zero", *, tokenizer=None) -> dict:
+    """The effect of one intervention on a model's sentence embeddings.
+
+    model: attnlab's MiniLM (it tokenises), or any Hugging Face model with its ``tokenizer``; the embedding is
+    the mean of the last hidden states over real tokens, L2-normalised (:func:`sentence_embeddings`,
+    :func:`hf_sentence_embeddings`).
     how: "zero" or "mean" (:func:`ablate_heads`), or an ActivationCache / z tensor to patch from
     (:func:`patch_heads`; the source must come from a batch of the same shape as ``sentences`` tokenised
     together). Returns a dict: layer, heads, how, cosine (per sentence, float64, with vs without),
@@ -619,11 +669,21 @@ def head_effect(model, sentences, layer: int, heads, how="zero") -> dict:
         sentences = [sentences]
     if not sentences:
         raise ValueError("sentences must not be empty")
-    batch = model.tokenize(list(sentences))
-    base = sentence_embeddings(model, batch)
+    if tokenizer is not None:
+        if getattr(tokenizer, "pad_token", "") is None:  # decoders often have none: pad with end-of-text
+            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        batch = dict(tokenizer(list(sentences), return_tensors="pt", padding=True))
+        embed = hf_sentence_embeddings
+    elif callable(getattr(model, "tokenize", None)):
+        batch = model.tokenize(list(sentences))
+        embed = sentence_embeddings
+    else:
+        raise TypeError(f"head_effect on {type(model).__name__} needs its tokenizer: head_effect(model, sentences, "
+                        "layer, heads, tokenizer=tokenizer)")
+    base = embed(model, batch)
     ctx = ablate_heads(model, layer, heads, how) if isinstance(how, str) else patch_heads(model, layer, heads, how)
     with ctx:
-        changed = sentence_embeddings(model, batch)
+        changed = embed(model, batch)
     a, b = base.double(), changed.double()
     cos = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
     return {"layer": layer, "heads": _head_list(heads, _layer_module(model, layer).num_heads),

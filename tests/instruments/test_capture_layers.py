@@ -67,7 +67,7 @@ def test_layer_points_can_be_replaced(enc):
     assert_close(same, base, atol=0, what="identity")
     with pytest.raises(ValueError, match="same shape"):
         C.run_with_hooks(enc, x, fwd_hooks=[("layers.0.mlp_out", lambda t, ctx: t[:, :1])])
-    with pytest.raises(ValueError, match=r"2 attnlab blocks \(layers.0 .. layers.1\)"):
+    with pytest.raises(ValueError, match=r"2 blocks \(layers.0 .. layers.1\)"):
         C.run_with_cache(enc, x, names=["layers.2.resid_pre"])
     with pytest.raises(ValueError, match="kind in resid_pre, mlp_out, resid_post"):
         C.run_with_cache(enc, x, names=["layers.0.mlp"])

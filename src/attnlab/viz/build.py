@@ -11,28 +11,33 @@ from pathlib import Path
 from ..resources import output_dir
 from .data import attention_data
 from .heatmaps import plot_heads
+from .models import load_model
 from .page import write_page
 
-__all__ = ["VizConfig", "VizResult", "run_viz", "default_out", "dense_weights"]
+__all__ = ["VizConfig", "VizResult", "run_viz", "default_out", "dense_weights", "hf_attention_data"]
 
 
 def default_out(text: str, model: str) -> Path:
-    """reports/viz/<model>-<first words of text, as a safe file name>."""
+    """reports/viz/<model>-<first words of text, as a safe file name> (a model given as a path: its file or
+    folder name)."""
     slug = "-".join(re.findall(r"[A-Za-z0-9]+", text.lower())[:6])[:48].strip("-") or "text"
-    return Path("reports") / "viz" / f"{model}-{slug}"
+    name = Path(str(model).rstrip("/\\")).name or "model"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name.removesuffix(".gguf"))[:40] or "model"
+    return Path("reports") / "viz" / f"{name}-{slug}"
 
 
 @dataclass
 class VizConfig:
     """What the page shows and where it goes.
 
-    text: the input (MiniLM: up to ``max_length`` word pieces; "random": words, any length).
+    text: the input (MiniLM and Hugging Face models: up to ``max_length`` tokens; "random": words, any length).
     out: folder for index.html (and heads.png); default ``default_out(text, model)``.
-    model: "minilm" or "random" (a seeded toy encoder, no checkpoint).
-    mechanism, params: an attention mechanism of the registry and its hyperparameters.
+    model: "minilm", "random" (a seeded toy encoder, no checkpoint), or any Hugging Face model:
+    "smollm2", a .gguf file or a checkpoint folder (``attnlab.viz.models.load_model``).
+    mechanism, params: an attention mechanism of the registry and its hyperparameters (minilm and random).
     dense_max: longer inputs show streaming summaries (``topk`` keys per query) instead of weights.
     png: also write heads.png, layer 0's [H, T, T] weights as heatmaps (dense mode only).
-    loaded: an already loaded MiniLM to reuse (else it is loaded when ``model`` is "minilm").
+    loaded: an already loaded MiniLM (or ``LoadedModel``) to reuse (else it is loaded here).
     """
 
     text: str
@@ -58,6 +63,8 @@ class VizConfig:
 
             if self.mechanism not in M.available():
                 raise ValueError(f"unknown mechanism {self.mechanism!r}; available: {', '.join(M.available())}")
+            if self.model not in ("minilm", "random"):
+                raise ValueError(f"a mechanism runs on attnlab's own models (minilm, random), not on {self.model!r}")
 
 
 @dataclass
@@ -84,16 +91,37 @@ def dense_weights(data: dict, layer: int = 0):
     return raw.reshape(H, T, T) / 255.0  # (H, T, T)
 
 
+def hf_attention_data(text: str, loaded, *, dense_max_tokens: int = 96, max_length: int = 512, topk: int = 4) -> dict:
+    """The page's data for a Hugging Face model (a ``LoadedModel``): ``text`` tokenised (at most ``max_length``
+    tokens), run once under ``attnlab.capture``, shown as ``attnlab.viz.show`` shows weights."""
+    from .show import show
+
+    tok = loaded.tokenizer
+    enc = tok(text, return_tensors="pt", truncation=True, max_length=max_length)
+    ids = enc["input_ids"][0]
+    tokens = tok.convert_ids_to_tokens(ids.tolist())
+    page = show(loaded.model, tokens, inputs=dict(enc), model=loaded.name, text=text,
+                dense_max_tokens=dense_max_tokens, topk=topk)
+    data = page.data
+    if len(ids) >= max_length and len(tok(text)["input_ids"]) > max_length:
+        data["notes"].append(f"input truncated to {max_length} tokens")
+    return data
+
+
 def run_viz(config: VizConfig) -> VizResult:
     """Compute the page's data for the text, write index.html (and heads.png when asked); what was written."""
     c = config
     out = output_dir(c.out if c.out is not None else default_out(c.text, c.model))
-    try:
-        data = attention_data(c.text, model=c.model, mechanism=c.mechanism, params=c.params,
-                              dense_max_tokens=c.dense_max, max_length=c.max_length, topk=c.topk,
-                              model_obj=c.loaded)
-    except KeyError as e:  # a mechanism's unknown parameter, reported by the registry
-        raise ValueError(str(e)) from None
+    if c.model in ("minilm", "random"):
+        try:
+            data = attention_data(c.text, model=c.model, mechanism=c.mechanism, params=c.params,
+                                  dense_max_tokens=c.dense_max, max_length=c.max_length, topk=c.topk,
+                                  model_obj=c.loaded)
+        except KeyError as e:  # a mechanism's unknown parameter, reported by the registry
+            raise ValueError(str(e)) from None
+    else:
+        data = hf_attention_data(c.text, c.loaded if c.loaded is not None else load_model(c.model),
+                                 dense_max_tokens=c.dense_max, max_length=c.max_length, topk=c.topk)
     path = write_page(out, data)
     files = [str(path)]
     if c.png and data["mode"] == "dense":

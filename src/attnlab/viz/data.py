@@ -19,9 +19,10 @@ import torch
 
 from .. import patterns as P
 from ..diagnostics import entropy as _entropy
+from .tokens import pretty_tokens
 
 __all__ = ["attention_data", "weights_page_data", "distance_histogram", "distance_edges", "MODELS", "tokenize_words",
-           "pattern_grid"]
+           "pattern_grid", "is_causal", "label_tokens"]
 
 MODELS = ("minilm", "random")
 _WEIGHTS_HINT = "pick one that can (auto, dense, tiled or a pattern mechanism; see `attnlab list`)"
@@ -106,7 +107,8 @@ def _pattern_entries(T: int, mech_pattern, mech_name: str) -> list[dict]:
     w = max(1, T // 8)
     s = max(2, int(math.isqrt(max(T, 1))))
     pats.setdefault(f"sliding_window({w})", P.sliding_window(w))
-    pats.setdefault("causal", P.causal())
+    if mech_name != "causal":  # a causal run's own entry already shows it
+        pats.setdefault("causal", P.causal())
     pats.setdefault(f"strided({s})", P.strided(s))
     pats.setdefault(f"longformer({w}, global=1)", P.longformer(w, 1))
     out = []
@@ -119,8 +121,9 @@ def _pattern_entries(T: int, mech_pattern, mech_name: str) -> list[dict]:
 
 def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = None, params: dict | None = None,
                    dense_max_tokens: int = 96, max_length: int = 512, topk: int = 4, seed: int = 0,
-                   model_obj=None) -> dict:
-    """Everything the viz page shows, as a JSON-ready dict (see the module docstring)."""
+                   model_obj=None, pretty: bool = True) -> dict:
+    """Everything the viz page shows, as a JSON-ready dict (see the module docstring); ``pretty``: readable
+    token labels, the raw tokens in ``raw_tokens`` (:func:`label_tokens`)."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("text is empty: give some words to look at")
     if model not in MODELS:
@@ -200,7 +203,7 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
         notes.append(_summary_note(T, dense_max_tokens, topk))
         _add_summary(data, [_qk_rows(q, k, mech_pattern) for q, k in layers_qk], topk)
     data["patterns"] = _pattern_entries(T, mech_pattern, mech_name)
-    return data
+    return label_tokens(data, pretty)
 
 
 def _qk_rows(q: torch.Tensor, k: torch.Tensor, pattern=None):
@@ -299,16 +302,43 @@ def _add_dense(data: dict, layers_w: list[torch.Tensor]) -> None:
     data["distance"] = {"edges": distance_edges(max(data["T"], data.get("S", data["T"]))), "hist": hist}
 
 
+def is_causal(layers_w: list[torch.Tensor]) -> bool:
+    """Whether weights [H, L, L] per layer come from causal attention: no query puts any weight on a later key
+    (softmax gives every unmasked key a weight > 0, so a bidirectional run fails this on its first row)."""
+    if not layers_w or layers_w[0].shape[-1] != layers_w[0].shape[-2] or layers_w[0].shape[-1] < 2:
+        return False
+    L = layers_w[0].shape[-1]
+    later = torch.ones(L, L, dtype=torch.bool).triu(1)  # (L, L) key j > query i
+    return all(not bool(w[..., later].any()) for w in layers_w)
+
+
+def label_tokens(data: dict, pretty: bool = True) -> dict:
+    """Readable labels in ``data["tokens"]`` (and ``key_tokens``): the tokenizer's markers turned into text
+    (``attnlab.viz.tokens.pretty_tokens``); the raw tokens move to ``raw_tokens`` (``raw_key_tokens``), which the
+    page shows on hover, when any label differs from its token."""
+    if not pretty:
+        return data
+    for key, raw_key in (("tokens", "raw_tokens"), ("key_tokens", "raw_key_tokens")):
+        if key in data:
+            raw = [str(t) for t in data[key]]
+            nice = pretty_tokens(raw)
+            if nice != raw:
+                data[key], data[raw_key] = nice, raw
+    return data
+
+
 def weights_page_data(layers_w: list[torch.Tensor], tokens: list[str], *, model: str = "given weights",
                       mechanism: str = "given", title: str = "attnlab viz", text: str | None = None,
                       dense_max_tokens: int = 128, topk: int = 4, notes: list[str] | None = None,
-                      key_tokens: list[str] | None = None) -> dict:
+                      key_tokens: list[str] | None = None, causal: bool | None = None, pretty: bool = True) -> dict:
     """The viz page's data from attention weights someone else computed.
 
     layers_w: one [H, L, S] tensor per layer (rows = queries, columns = keys, values in [0, 1]);
     tokens: L query labels; key_tokens: S key labels (None: the keys are ``tokens``, self-attention).
     Up to ``dense_max_tokens`` queries and keys every weight is shipped (8 bits); longer inputs ship the
     top-``topk`` keys per query, entropy, max weight, sink mass and distance histogram.
+    causal: whether the run was causal (None: read from the weights, :func:`is_causal`); a causal run is named
+    so in the header and the pattern view. pretty: readable token labels (:func:`label_tokens`).
     Shapes are the caller's to check (``attnlab.viz.show`` does).
     """
     keys = list(tokens) if key_tokens is None else list(key_tokens)
@@ -316,17 +346,20 @@ def weights_page_data(layers_w: list[torch.Tensor], tokens: list[str], *, model:
     T, S, H = len(tokens), len(keys), int(layers_w[0].shape[0])
     notes = list(notes or [])
     dense = max(T, S) <= dense_max_tokens
-    data: dict = {"title": title, "text": " ".join(tokens) if text is None else text, "model": model,
+    causal = (not cross and is_causal(layers_w)) if causal is None else bool(causal)
+    data: dict = {"title": title, "text": text, "model": model,
                   "mechanism": mechanism, "tokens": list(tokens), "T": T, "S": S, "layers": len(layers_w), "heads": H,
-                  "mode": "dense" if dense else "summary", "notes": notes}
+                  "mode": "dense" if dense else "summary", "notes": notes, "causal": causal}
     if cross:
         data["key_tokens"] = keys
-        if text is None:
-            data["text"] = " ".join(tokens) + "  →  " + " ".join(keys)
+    label_tokens(data, pretty)
+    if text is None:
+        data["text"] = " ".join(data["tokens"]) + ("  →  " + " ".join(data["key_tokens"]) if cross else "")
     if dense:
         _add_dense(data, layers_w)
     else:
         notes.append(_summary_note(max(T, S), dense_max_tokens, topk))
         _add_summary(data, [(lambda i0, i1, w=w: w[:, i0:i1]) for w in layers_w], topk)
-    data["patterns"] = _pattern_entries(T, None, "given") if T == S else []
+    data["patterns"] = ((_pattern_entries(T, P.causal(), "causal") if causal else _pattern_entries(T, None, "given"))
+                        if T == S else [])
     return data

@@ -175,7 +175,7 @@ def plot_diagnostics(sweep, path, *, title: str = "score scale vs d_k"):
 
 
 def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
-                    measures=("prev", "same", "next", "cls", "sep", "mean_distance", "entropy")):
+                    measures=("prev", "same", "next", "cls", "sep", "mean_distance", "entropy"), title: str | None = None):
     """Layers × heads grids: first each head's label (one colour per label, full names in a legend below
     the grid), then one heatmap per measure."""
     from matplotlib.colors import ListedColormap
@@ -185,9 +185,12 @@ def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
     palette = ["#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999",
                "#882255", "#44AA99", "#332288", "#999933"]
     n = len(measures) + 1
-    cols = min(4, n)
+    cols = min(3, n)  # three across: the picture keeps readable text when a page shows it 900 px wide
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False, layout="constrained")
+    # a tick every 1, 2, 5, ... so at most 12 numbers per axis (30 layers of a decoder stay legible)
+    step = lambda k: next(s for s in (1, 2, 5, 10, 20, 50, 100, 10**9) if k / s <= 12)  # noqa: E731
+    yt, xt = range(0, num_layers, step(num_layers)), range(0, num_heads, step(num_heads))
     for ax in axes.flat:
         ax.axis("off")
     ax0 = axes.flat[0]
@@ -197,27 +200,28 @@ def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
         cat[s["layer"], s["head"]] = labels.index(s["label"])
     cmap = ListedColormap([palette[i % len(palette)] for i in range(len(labels))])
     ax0.imshow(cat, cmap=cmap, vmin=-0.5, vmax=len(labels) - 0.5, aspect="auto", interpolation="nearest")
-    ax0.set_title("label of each head", fontsize=10)
-    ax0.set_xlabel("head")
-    ax0.set_ylabel("layer")
-    ax0.set_xticks(range(num_heads))
-    ax0.set_yticks(range(num_layers))
+    ax0.set_title("label of each head", fontsize=11)
+    ax0.set_xlabel("head", fontsize=10)
+    ax0.set_ylabel("layer", fontsize=10)
+    ax0.set_xticks(xt)
+    ax0.set_yticks(yt)
+    ax0.tick_params(labelsize=9)
     ax0.legend(handles=[Patch(color=palette[i % len(palette)], label=lab) for i, lab in enumerate(labels)],
-               loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize=8, frameon=False)
+               loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=9, frameon=False)
     for ax, meas in zip(list(axes.flat)[1:], measures):
         ax.axis("on")
         grid = np.zeros((num_layers, num_heads))
         for s in stats:
             grid[s["layer"], s["head"]] = s[meas]
         im = ax.imshow(grid, cmap="magma", aspect="auto", interpolation="nearest")
-        ax.set_title(meas.replace("_", " "), fontsize=10)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_xticks(range(num_heads))
-        ax.set_yticks(range(num_layers))
-        ax.tick_params(labelsize=7)
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    fig.suptitle("what MiniLM's heads do: labels, and the mean attention of a token to prev/same/next/[CLS]/[SEP]")
+        ax.set_title({"sink": "first token (sink)"}.get(meas, meas.replace("_", " ")), fontsize=11)
+        ax.set_xlabel("head", fontsize=10)
+        ax.set_ylabel("layer", fontsize=10)
+        ax.set_xticks(xt)
+        ax.set_yticks(yt)
+        ax.tick_params(labelsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=9)
+    fig.suptitle(title or "what MiniLM's heads do: labels, and the mean attention of a token to prev/same/next/[CLS]/[SEP]")
     return save_figure(fig, Path(path))
 
 

@@ -85,6 +85,9 @@ const D = JSON.parse(document.getElementById("attn-data").textContent);
 // T (= L) queries, S keys: S = T for self-attention; cross-attention has its own key labels
 const T = D.T, S = D.S===undefined?D.T:D.S, NL = D.layers, NH = D.heads, PAL = D.palette;
 const KT = D.key_tokens||D.tokens, N = Math.max(T,S);
+// raw tokens (the tokenizer's own strings, e.g. "\u0120capital") behind the readable labels, shown on hover
+const RQ = D.raw_tokens||null, RK = D.key_tokens?(D.raw_key_tokens||null):RQ;
+function hover(e,raw,t){if(raw&&raw[t]!==undefined)e.title="token "+t+": "+JSON.stringify(raw[t]);}
 const NS = "http://www.w3.org/2000/svg";
 function b64u8(s){const b=atob(s);const a=new Uint8Array(b.length);for(let i=0;i<b.length;i++)a[i]=b.charCodeAt(i);return a;}
 function colour(h){return PAL[h%PAL.length];}
@@ -134,11 +137,11 @@ document.getElementById("allheads").addEventListener("click",function(){for(let 
 const qcol=document.getElementById("qcol"), kcol=document.getElementById("kcol"), svg=document.getElementById("lines");
 const qs=[], ks=[], fq=document.createDocumentFragment(), fk=document.createDocumentFragment();
 D.tokens.forEach(function(t,i){
-  const a=document.createElement("div");a.className="tok";a.textContent=t;a.dataset.i=i;fq.appendChild(a);qs.push(a);
+  const a=document.createElement("div");a.className="tok";a.textContent=t;a.dataset.i=i;hover(a,RQ,i);fq.appendChild(a);qs.push(a);
   if(D.sentence_b_start===i)a.classList.add("sentb");
 });
 KT.forEach(function(t,j){
-  const b=document.createElement("div");b.className="tok";b.textContent=t;b.dataset.j=j;fk.appendChild(b);ks.push(b);
+  const b=document.createElement("div");b.className="tok";b.textContent=t;b.dataset.j=j;hover(b,RK,j);fk.appendChild(b);ks.push(b);
   if(D.sentence_b_start===j)b.classList.add("sentb");
 });
 qcol.appendChild(fq);kcol.appendChild(fk);
@@ -237,11 +240,11 @@ function drawLabels(){
   mrows.classList.toggle("on",on);mcols.classList.toggle("on",on);
   if(!on)return;
   for(let t=0;t<ms.nr;t++){
-    const a=document.createElement("div");a.className="mlab";a.textContent=D.tokens[ms.i0+t];
+    const a=document.createElement("div");a.className="mlab";a.textContent=D.tokens[ms.i0+t];hover(a,RQ,ms.i0+t);
     a.style.top=((t+0.5)*ch-6.5)+"px";mrows.appendChild(a);
   }
   for(let t=0;t<ms.nc;t++){
-    const b=document.createElement("div");b.className="mlab";b.textContent=KT[ms.j0+t];
+    const b=document.createElement("div");b.className="mlab";b.textContent=KT[ms.j0+t];hover(b,RK,ms.j0+t);
     b.style.left=((t+0.5)*cw)+"px";mcols.appendChild(b);
   }
 }
@@ -470,7 +473,9 @@ def _json_for_script(data: dict) -> str:
 
 def _shape_text(data: dict) -> str:
     T, S = int(data["T"]), int(data.get("S", data["T"]))
-    return f"{T} tokens" if S == T and "key_tokens" not in data else f"cross-attention: {T} queries × {S} keys"
+    if S == T and "key_tokens" not in data:
+        return f"{T} tokens, causal" if data.get("causal") else f"{T} tokens"
+    return f"cross-attention: {T} queries × {S} keys"
 
 
 def render_page(data: dict) -> str:

@@ -32,7 +32,7 @@ from ..report import atomic_write_text
 from .data import weights_page_data
 from .page import render_page
 
-__all__ = ["show", "AttentionPage", "save"]
+__all__ = ["show", "AttentionPage", "save", "model_name"]
 
 PAIRS = ("all", "AA", "AB", "BA", "BB")
 
@@ -192,9 +192,44 @@ def _pair_block(layers, tokens, sentence_b_start, pair):
     return [w[:, qs, ks] for w in layers], tokens[qs], tokens[ks]
 
 
+def model_name(model) -> str:
+    """A model's name for the page header: the checkpoint it was loaded from (its folder or GGUF file's name) and
+    its class, e.g. "SmolLM2-135M-Instruct.Q4_1 (LlamaForCausalLM)"; the class alone when nothing says more."""
+    cls = type(model).__name__
+    cfg = getattr(model, "config", None)
+    where = str(getattr(model, "name_or_path", "") or getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", ""))
+    if not where:
+        return cls
+    p = Path(where)
+    name = p.name or where
+    try:
+        ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
+    except OSError:
+        ggufs = []
+    if len(ggufs) == 1:  # a GGUF checkpoint is loaded from its folder: the file names the model
+        name = ggufs[0].stem
+    return f"{name} ({cls})"
+
+
+def _unpadded(layers, tokens, inputs, batch_index):
+    """Drop the padded positions of sequence ``batch_index`` (attention_mask 0) from the weights and, when they
+    cover every position, the tokens; (layers, tokens, how many were dropped)."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not -mask.shape[0] <= batch_index < mask.shape[0]:
+        return layers, tokens, 0
+    keep = mask[batch_index].detach().to("cpu").bool()  # (T,)
+    L = layers[0].shape[-1]
+    if keep.all() or keep.shape[0] != L or layers[0].shape[-2] != L or not keep.any():
+        return layers, tokens, 0
+    if len(tokens) == L:
+        tokens = [t for t, k in zip(tokens, keep.tolist()) if k]
+    return [w[:, keep][:, :, keep] for w in layers], tokens, int((~keep).sum())
+
+
 def show(attentions, tokens, *, key_tokens=None, sentence_b_start: int | None = None, pair: str = "all",
-         inputs: dict | None = None, batch_index: int = 0, title: str = "attnlab viz", model: str = "given weights",
-         text: str | None = None, dense_max_tokens: int = 128, topk: int = 4, height: int = 760) -> AttentionPage:
+         inputs: dict | None = None, batch_index: int = 0, title: str = "attnlab viz", model: str | None = None,
+         text: str | None = None, dense_max_tokens: int = 128, topk: int = 4, height: int = 760,
+         pretty: bool = True) -> AttentionPage:
     """The viz page (head, matrix, model and pattern views) for ``attentions`` over ``tokens``.
 
     attentions: see the module docstring; each layer becomes [H, L, S].
@@ -202,8 +237,13 @@ def show(attentions, tokens, *, key_tokens=None, sentence_b_start: int | None = 
     key_tokens: one string per key position (S), for cross-attention; None means the keys are ``tokens``.
     sentence_b_start, pair: a sentence pair in one sequence (A = tokens[:sentence_b_start], B = the rest);
     pair "AB" shows A's queries over B's keys (likewise "AA", "BA", "BB"; "all", the default, the whole).
-    inputs: with a model as ``attentions``, the keyword arguments of one call (``model(**inputs)``).
+    inputs: with a model as ``attentions``, the keyword arguments of one call (``model(**inputs)``); with an
+    ``attention_mask`` in them, the padded positions of the sequence shown are left out (tokens may then list
+    every position or the real ones only).
     batch_index: which sequence of a batched [B, H, L, S] input to show.
+    model: the model's name in the header (default: read from the model given, else "given weights").
+    pretty: token labels as text (``Ġcapital`` -> ``capital``, ``▁cap`` -> ``cap``, ``##ing`` -> ``ing``); the raw
+    token shows on hover. A causal run (no weight on later keys) is named so in the header and pattern view.
     Up to ``dense_max_tokens`` tokens the page carries every weight (8 bits, error ≤ 0.5/255); longer
     inputs carry the top-``topk`` keys per query with entropy, max weight and distance histograms.
     Returns an ``AttentionPage`` (``.save(path)`` for HTML, PNG or SVG; inline display in Jupyter). Raises
@@ -221,10 +261,16 @@ def show(attentions, tokens, *, key_tokens=None, sentence_b_start: int | None = 
             raise TypeError(f"attentions is a model ({type(attentions).__name__}): pass inputs=, the keyword "
                             "arguments of one call, e.g. show(model, tokens, inputs=tokenizer(text, "
                             "return_tensors='pt'))")
+        if model is None:
+            model = model_name(attentions)
         attentions = _captured(attentions, inputs)
     elif inputs is not None:
         raise TypeError("inputs= is for show(model, tokens, inputs=...); attentions here is not a model")
     layers = _layers(attentions, batch_index)
+    dropped = 0
+    if inputs is not None and key_tokens is None:
+        layers, tokens, dropped = _unpadded(layers, tokens, inputs, batch_index)
+        keys = tokens
     H = layers[0].shape[0]
     for li, w in enumerate(layers):
         Hl, L, S = w.shape
@@ -249,14 +295,15 @@ def show(attentions, tokens, *, key_tokens=None, sentence_b_start: int | None = 
             raise ValueError(f"layer {li} has values in [{lo:.3g}, {hi:.3g}], outside [0, 1]: show() takes attention "
                              "weights after softmax, not scores or logits")
     layers = [w.clamp(0.0, 1.0) for w in layers]
-    notes = []
+    notes = [f"{dropped} padding position{'s' * (dropped != 1)} left out (the attention mask's zeros)"] if dropped else []
     if key_tokens is None:
         layers, tokens, keys = _pair_block(layers, tokens, sentence_b_start, pair)
         if pair != "all":
             notes.append(f"sentence pair: sentence {pair[0]}'s queries over sentence {pair[1]}'s keys (rows are a "
                          "block of the full attention, so they need not sum to 1)")
-    data = weights_page_data(layers, tokens, model=model, title=title, text=text, key_tokens=keys,
-                             dense_max_tokens=dense_max_tokens, topk=topk, notes=notes)
+    data = weights_page_data(layers, tokens, model="given weights" if model is None else model, title=title,
+                             text=text, key_tokens=keys, dense_max_tokens=dense_max_tokens, topk=topk, notes=notes,
+                             pretty=pretty)
     if sentence_b_start is not None and pair == "all":
         data["sentence_b_start"] = int(sentence_b_start)
     return AttentionPage(data, height=height)
