@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import patterns as P
+from .kernels.extension import transformed
 from .kernels.masks import MaskSpec
 from .kernels.spec import Request, check_block_size
 
@@ -363,7 +364,7 @@ class Prepared:
                        dead_per_head=self.live().dead_per_head,
                        sdpa_backend=sdpa_backend, softcap=m.softcap is not None,
                        alibi=None if m.alibi is None else "[H]" if m.alibi.shape[0] == 1 else "[B, H]",
-                       needs_grad=self.needs_grad)
+                       needs_grad=self.needs_grad, transformed=transformed(self.q, self.key, self.value))
 
 
 def to4d(t: torch.Tensor) -> torch.Tensor:

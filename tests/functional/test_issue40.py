@@ -18,6 +18,7 @@ import attnlab
 from attnlab import patterns as P
 from attnlab.functional import flex, kvcache
 from attnlab.kernels import compiled as compiled_kernel
+from attnlab.kernels import rates as kernel_rates
 from attnlab.shapes import AttentionInputError
 from helpers import TOL, assert_close
 
@@ -157,6 +158,10 @@ def _contiguous(B=2, S=8, H=2, D=8):
     return torch.randn(B, 1, H, D, generator=g), kc, vc, torch.ones(B, 1, H, D), torch.ones(B, 1, H, D)
 
 
+def _no_kernel(call):
+    raise ValueError("no kernel reads this KV-cache view (test)")
+
+
 class _SdpaRates:
     """kernel_rates.current() whose plain-decode rule says SDPA (the SDPA-on-views path of the full path)."""
 
@@ -179,9 +184,9 @@ class _SdpaRates:
 ])
 def test_d5_num_splits_and_scale_are_checked_on_every_path(monkeypatch, path, kw, err, words):
     if path == "sdpa":
-        monkeypatch.setattr(kvcache.kernel_rates, "current", lambda: _SdpaRates())
-    if path == "fallback":
-        monkeypatch.setattr(kvcache.decode_kernel, "available", lambda: False)
+        monkeypatch.setattr(kernel_rates, "current", lambda: _SdpaRates())
+    if path == "fallback":  # no kernel reads the view: the cache is gathered into ordinary tensors
+        monkeypatch.setattr(kvcache, "plan_cache", _no_kernel)
     q, kc, vc, k, v = _contiguous()
     before = kc.clone(), vc.clone()
     with pytest.raises(err) as e:

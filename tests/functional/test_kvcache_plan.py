@@ -39,9 +39,9 @@ def test_explain_shows_the_decode_plan():
 @pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
 @pytest.mark.parametrize("hq,hkv,dtype,pattern,want", [
     (8, 8, torch.float32, None, "sdpa"),                     # Note [Plain MHA decode]
-    (8, 8, torch.bfloat16, None, "compiled"),                # SDPA converts bf16: the decode path
-    (32, 8, torch.float32, None, "compiled"),                # GQA without copies
-    (8, 8, torch.float32, "window", "compiled"),             # a pattern SDPA would get as an L×S mask
+    (8, 8, torch.bfloat16, None, "decode"),                  # SDPA converts bf16: the decode kernel
+    (32, 8, torch.float32, None, "decode"),                  # GQA without copies
+    (8, 8, torch.float32, "window", "decode"),               # a pattern SDPA would get as an L×S mask
 ])
 def test_plain_mha_decode_goes_to_sdpa(hq, hkv, dtype, pattern, want):
     from attnlab import patterns as P

@@ -40,8 +40,8 @@ def test_hf_step_and_attention_choose_alike(skewed, monkeypatch, S, Hkv):
         chose_decode = plan.kernel.name != "sdpa"
         assert chose_decode == (S >= 1000), plan
         used = []
-        real = dk.step_heads_first
-        monkeypatch.setattr(dk, "step_heads_first", lambda *a, **kw: (used.append("decode"), real(*a, **kw))[1])
+        real = dk.decode_step
+        monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: (used.append("decode"), real(*a, **kw))[1])
         out = hf._decode_step("auto", q, k, v, None, None, SimpleNamespace(training=False), False, False)
     assert (used == ["decode"]) == chose_decode, (S, used)
     ref = torch.as_tensor(reference.attention(q.double(), k.double(), v.double(), enable_gqa=Hkv != 8)[0])

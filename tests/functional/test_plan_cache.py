@@ -264,7 +264,7 @@ def test_a_decode_hit_runs_the_decode_kernel_directly(kw, monkeypatch):
 
 def test_no_direct_decode_where_the_call_reads_a_mask():
     """Key padding by lengths (read from a tensor), a user mask and non-4-D inputs keep the prepared path."""
-    from attnlab.kernels import kvdecode
+    from attnlab.kernels import decode as kvdecode
 
     q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 29, 8)
     assert kvdecode.direct(prepare(q, k, k, enable_gqa=True).live()) is not None

@@ -55,6 +55,8 @@ def _declares(method: str, softcap: bool, alibi: str | None) -> bool:
 def _skip_unbuilt(method):
     if method == "compiled" and not HAS_EXT:
         pytest.skip(f"compiled extension: {compiled.unavailable_reason()}")
+    if method in kernels.METHODS and kernels.get(method).spec.max_queries is not None:  # its score mods: tests/kernels/test_decode.py
+        pytest.skip(f"method={method!r} takes decode shapes only (tests/kernels/test_decode.py covers its score mods)")
 
 
 # name -> (shapes for _qkv, attention kwargs besides the modifications, softcap, slope rows B or None)

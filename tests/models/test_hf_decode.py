@@ -42,7 +42,7 @@ def test_generate_steps_run_the_decode_kernel(batch, monkeypatch):
     real, real_step = dk.decode_attention, dk.decode_step
 
     def counting(*a, **k):
-        calls.append(a[0].shape)
+        calls.append(a[0].transpose(1, 2).shape if k.get("blhd") else a[0].shape)  # as [B, H, L, D]
         return real(*a, **k)
 
     def counting_step(*a, **k):

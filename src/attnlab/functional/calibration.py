@@ -477,9 +477,9 @@ def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> di
             for S in cfg.decode_ns:
                 q = torch.randn(1, H, 1, D, generator=g).to(dt)
                 k, v = (torch.randn(1, Hkv, S, D, generator=g).to(dt) for _ in range(2))
-                run, plan = _kernel_call(q, k, v, K.COMPILED, enable_gqa=gqa)
-                if not plan.decode:  # e.g. a dtype the decode path does not take
-                    continue
+                if K.DECODE.name in planner.refusals(prepare(q, k, v, None, 0.0, False, None, gqa).request()):
+                    continue  # e.g. a dtype the decode kernel does not take, or no extension
+                run, plan = _kernel_call(q, k, v, K.DECODE, enable_gqa=gqa)
                 case = f"{'gqa' if gqa else 'mha'} {name} S={S}"
                 calls[f"decode {case}"] = run
                 calls[f"{K.SDPA.name} {case}"] = _kernel_call(q, k, v, K.SDPA, enable_gqa=gqa)[0]

@@ -24,7 +24,7 @@ import torch
 
 from ..shapes import AttentionInputError
 
-__all__ = ["empty_kv_cache", "huge_pages_available", "transparent_hugepage_mode", "anon_huge_bytes", "HUGE_PAGE_BYTES",
+__all__ = ["empty_kv_cache", "append_kv", "huge_pages_available", "transparent_hugepage_mode", "anon_huge_bytes", "HUGE_PAGE_BYTES",
            "MIN_HUGE_BYTES"]
 
 #: The x86-64 / arm64 (4 KiB base) PMD huge page: the mapping's alignment.
@@ -165,3 +165,31 @@ def anon_huge_bytes(t: torch.Tensor) -> int | None:
         elif inside and line.startswith("AnonHugePages:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def append_kv(cache, new, start: int | None = None, *, pos: torch.Tensor | None = None,
+              block_table: torch.Tensor | None = None, dim: int = 1) -> None:
+    """Write new key or value rows into a cache in place: the one append of attnlab's caches
+    (``attention_with_kvcache``, ``nn``'s ``KVCache``, the Hugging Face in-place cache).
+
+    With ``start``: rows ``start .. start + n - 1`` along ``dim`` (one length for every sequence: a slice copy;
+    dim 1 of flash-attn's [B, S, Hkv, D], dim 2 of attnlab's and transformers' [B, Hkv, S, D]). With ``pos``
+    [B, n]: sequence b's rows at positions ``pos[b]`` of a [B, S, Hkv, D] cache, or through ``block_table``
+    [B, pages] into a page pool [P, T, Hkv, D] (an index_put). An int8 cache (``functional.kvquant.QuantizedKV``:
+    ``.data`` and ``.scale``) takes the (data, scale) pair its format encoded, written before nothing else fails
+    (Note [Checked, then appended] in ``functional.kvcache``).
+    """
+    if isinstance(new, tuple):  # an int8 cache: (int8 rows, their scales), written side by side
+        data, scale = new
+        append_kv(cache.data, data, start, pos=pos, block_table=block_table, dim=dim)
+        append_kv(cache.scale, scale, start, pos=pos, block_table=block_table, dim=dim)
+        return
+    if pos is None:
+        cache.narrow(dim, start, new.shape[dim]).copy_(new)
+        return
+    if block_table is None:
+        idx = (torch.arange(pos.shape[0]).unsqueeze(1), pos)  # [B, n, ...] into [B, S, ...]
+    else:
+        T = cache.shape[1]
+        idx = (block_table.long().gather(1, pos // T), pos % T)  # (B, n) pages and offsets
+    cache[idx] = new.to(cache.dtype)

@@ -39,8 +39,9 @@ import torch
 
 from .. import patterns as P
 from ..functional import METHODS, attention
-from ..kernels import decode as decode_kernel
-from ..kernels import rates as kernel_rates
+from ..kernels import DECODE, Declined
+from ..kernels.cacheview import CacheCall
+from ..kernels.planner import plan_cache
 from ..nn.hooks import AttentionHooks, HookContext
 
 __all__ = ["register", "register_all", "attention_function", "registered", "HookedAttention", "hook_modules",
@@ -130,22 +131,24 @@ def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is
 
 # Note [HF decode step]: a generation step (query [B, H, L <= 16, D] against the cache's S > L keys, no pattern,
 # inference) changes S every step, so attnlab.attention's plan cache never hits there and each step would be
-# prepared and planned anew. For "auto" and "compiled" the step goes straight to what auto would run: the decode
-# kernel (GQA, half types, soft-capping, HF's bool mask of a padded batch read as the kernel's keep), or SDPA for plain float32
-# multi-head attention (planner Note [Plain MHA decode]). The kernel writes the output in HF's [B, L, H, Dv]
-# layout, so no transpose copy follows; without a mask or softcap through the one-call step (csrc Note [One-call
-# decode step]), which skips decode_attention's Python. Anything else (weights, dropout, grad, a float mask,
-# top-left causal L > 1, another device) takes attnlab.attention.
-_STEP_MECHANISMS = ("auto", "compiled")
+# prepared and planned anew. The step is instead a KV-cache call (``kernels.cacheview.CacheCall``: transformers'
+# [B, Hkv, S, D] cache read as flash-attn's layout through transposed views, no copy; HF's bool mask of a padded
+# batch as the kernel's keep) planned by ``kernels.planner.plan_cache``, the door ``attention_with_kvcache`` takes
+# too: the same rules, so the one SDPA-or-decode decision (planner Note [Plain MHA decode]). The decode kernel
+# writes the output in HF's [B, L, H, Dv] layout, so no transpose copy follows; a plain step goes through the
+# one-call step (csrc Note [One-call decode step]). "compiled" (attnlab's own C++ kernels) and "decode" steps run
+# the decode kernel. Anything else (weights, dropout, grad, a float mask, top-left causal L > 1) takes
+# attnlab.attention.
+_STEP_MECHANISMS = {"auto": "auto", "compiled": "decode", "decode": "decode"}
 
 
 def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need_weights, softcap=None):
     """out [B, L, H, Dv] for a generation step on the route of Note [HF decode step], or None."""
     B, H, L, D = query.shape
     S = key.shape[2]
-    if (need_weights or module.training or not 1 <= L <= decode_kernel.MAX_QUERIES or S <= L or B == 0
-            or (is_causal and L > 1) or query.device.type != "cpu" or query.dtype not in decode_kernel.DTYPES
-            or key.dtype != query.dtype or value.dtype != query.dtype or key.shape[1] == 0 or H % key.shape[1]):
+    if (need_weights or module.training or not 1 <= L <= DECODE.spec.max_queries or S <= L or B == 0
+            or (is_causal and L > 1) or key.dtype != query.dtype or value.dtype != query.dtype
+            or key.shape[1] == 0 or H % key.shape[1]):
         return None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None
@@ -154,23 +157,14 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
                              or mask.shape[2] not in (1, L)):
         return None
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
-    # the planner's rule for plain decode calls (kernels.planner Note [Plain MHA decode]: ``Rates.plain_decode_on_sdpa``,
-    # calibrated or shipped per CPU class), the one ``attention()`` and ``attention_with_kvcache`` ask too
-    if (mech == "auto" and mask is None and softcap is None
-            and kernel_rates.current().plain_decode_on_sdpa(query.dtype, key.shape[1] != H, S)):
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale,
-                                                               enable_gqa=key.shape[1] != H)  # (B, H, L, Dv)
-        return out.transpose(1, 2).contiguous()
-    if not decode_kernel.available():
+    call = CacheCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, S, keep=mask,
+                     softcap=softcap or None)
+    try:
+        plan = plan_cache(call, _STEP_MECHANISMS[mech])
+        out, _ = plan.kernel.run_cache(call)
+    except (ValueError, Declined):  # no kernel reads this step's view: attnlab.attention takes it
         return None
-    if mask is None and not softcap:  # the one-call step (csrc Note [One-call decode step]): out [B, L, H, Dv]
-        out = decode_kernel.step_heads_first(query, key, value, bool(is_causal), scale)
-        if out is not None:
-            return out
-    out = query.new_empty(B, L, H, value.shape[3])  # (B, L, H, Dv): HF's layout, written by the kernel
-    decode_kernel.decode_attention(query, key.transpose(1, 2), value.transpose(1, 2), scale=scale, seqlens=S,
-                                   keep=mask, softcap=float(softcap or 0.0), out=out.transpose(1, 2))
-    return out
+    return out.contiguous()  # (B, L, H, Dv)
 
 
 def attention_function(mechanism="auto", pattern: P.Pattern | None = None):

@@ -53,10 +53,9 @@ import torch.nn.functional as F
 from .. import patterns as P
 from ..caches import ByteLRU
 from ..report import format_bytes
-from . import decode as decode_kernel, kvdecode
 from .extension import Extension, transformed
 from .masks import MaskSpec
-from .kernel import Cost, Kernel, masked_tiling, nonempty_blocks
+from .kernel import Kernel, masked_tiling, nonempty_blocks
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "variant", "KernelLayout", "build_layout",
@@ -818,29 +817,17 @@ def compiled_blocks(p, block_size: int | None, speed: dict) -> tuple[int, int]:
 
 
 class CompiledKernel(Kernel):
-    """The compiled kernel's door: its tiles over the mask's layout, or its decode path (few queries
-    against a KV cache, inference: ``kvdecode.run_prepared`` on csrc/decode.cpp).
-    Its rate is ``gflops`` (its best tiles, dense fp32) times the calibrated or built-in relative speed
-    of the tile shape (``rates.compiled_block_speed``)."""
-
-    def decodes(self, p, r: Request) -> bool:
-        """Few queries against more keys, inference, the decode extension loaded (``kvdecode.decode_applies``),
-        no log-sum-exp asked for, and no vmap/grad transform (its wrappers cannot reach the decode extension)."""
-        return not r.needs_lse and kvdecode.decode_applies(r) and not transformed(p.q, p.key, p.value)
-
-    def decode_reason(self, p, costs: bool = False) -> str:
-        """The decode path's schedule for ``p`` (``kvdecode.decode_reason``)."""
-        return kvdecode.decode_reason(p, costs)
+    """The compiled kernel's door: its tiles over the mask's layout (few queries against a KV cache go to the
+    decode kernel, ``kernels.decode``). Its rate is ``gflops`` (its best tiles, dense fp32) times the calibrated
+    or built-in relative speed of the tile shape (``rates.compiled_block_speed``)."""
 
     def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
-        """Its (block_q, block_k) (``compiled_blocks``) and visited blocks; ``decode`` set where it decodes."""
+        """Its (block_q, block_k) (``compiled_blocks``) and visited blocks."""
         L, S = p.info.L, p.info.S
         bq, bk = compiled_blocks(p, block_size, rates.compiled_block_speed)
         if _no_mask_tiles(p):  # ALiBi alone costs the kernel no tile and skips nothing
-            t = Tiling(bq, bk, -(-L // bq) * -(-S // bk))
-        else:
-            t = masked_tiling(p, bq, bk)
-        return dataclasses.replace(t, decode=True) if self.decodes(p, r) else t
+            return Tiling(bq, bk, -(-L // bq) * -(-S // bk))
+        return masked_tiling(p, bq, bk)
 
     def rate(self, r: Request, t: Tiling | None, rates) -> tuple[float, str]:
         """Its best tiles' GFLOP/s (calibrated: ``rates.kernel_gflops``, else ``gflops``) × the tile shape's
@@ -852,33 +839,8 @@ class CompiledKernel(Kernel):
             s = speed[min(speed, key=lambda x: abs(x[0] * x[1] - b[0] * b[1]))]
         return rates.kernel_gflops.get(self.spec.name, self.gflops) * s / max(speed.values()), rates.source
 
-    def seconds(self, r: Request, t: Tiling | None, rates) -> float:
-        """The tiles' FLOPs over ``rate``; on the decode path its K/V bytes at the read bandwidth measured in
-        this process (``decode.read_bandwidth``: it is memory-bound)."""
-        if t is None or not t.decode:
-            return super().seconds(r, t, rates)
-        nbytes = decode_kernel.kv_bytes(r.N, r.Hkv, r.S, r.E, r.Ev, r.dtype)
-        return decode_kernel.predicted_seconds(nbytes, decode_kernel.read_bandwidth())
-
-    def cost(self, r: Request, t: Tiling | None, rates) -> Cost:
-        """As ``Kernel.cost``; on the decode path the rate's source is the measured read bandwidth."""
-        c = super().cost(r, t, rates)
-        if t is None or not t.decode:
-            return c
-        return dataclasses.replace(c, source=f"decode: K/V bytes at the {decode_kernel.read_bandwidth() / 1e9:.3g} "
-                                             "GB/s read bandwidth measured now")
-
-    def direct(self, p, t: Tiling | None, need_weights: bool = False):
-        """On the decode path, the decode kernel on the caller's 4-D tensors with its arguments built once
-        (``kvdecode.direct``: plain, causal or band-pattern inputs); None otherwise."""
-        if t is None or not t.decode or need_weights:
-            return None
-        return kvdecode.direct(p)
-
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
-        """(out, None, lse) from the tiles, or (out, None, None) from the decode path."""
-        if t is not None and t.decode:  # L <= 16, inference: keys split across threads, K/V read once per group
-            return kvdecode.run_prepared(p), None, None
+        """(out, None, lse) from the tiles."""
         bq, bk = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
         out, lse = compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
         return out, None, lse

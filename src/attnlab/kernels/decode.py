@@ -25,19 +25,21 @@ from dataclasses import dataclass
 import torch
 
 from ..report import format_bytes
+from .cacheview import UNBOUNDED, CacheCall
 from .extension import Extension
+from .kernel import Kernel, Cost
+from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
            "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED",
-           "DecodePlan", "plan", "decode_step", "step_heads_first"]
+           "DecodePlan", "plan", "decode_step", "step_heads_first", "SPEC", "KERNEL", "DecodeKernel",
+           "decode_args", "run_prepared", "direct"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
 ABI_VERSION = 8
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: a window side that is not bounded (keys i - left .. i + right; far beyond any cache, no int64 overflow)
-UNBOUNDED = 1 << 50
 #: a key split is at least this many keys: below it, the merge and the split's fixed costs outweigh the
 #: parallelism it buys
 MIN_SPLIT_KEYS = 512
@@ -363,3 +365,213 @@ def plan(B: int, H: int, Hkv: int, S: int, D: int, Dv: int, dtype: torch.dtype, 
     hs = 1 if k is None else head_span(k)
     ns = splits if splits is not None else num_splits(B, Hkv // hs, S)
     return DecodePlan(B, Hkv, S, H // max(Hkv, 1), ns, hs, kv_bytes(B, Hkv, S, D, Dv, dtype), dtype, bandwidth)
+
+
+# -- attention() calls of decode shape: their masks as the kernel's arguments ----------------------------------
+def decode_reason(p, costs: bool = False) -> str:
+    """What the decode path does for prepared inputs ``p``: splits, K/V bytes read and, with ``costs``, the
+    time that takes at the read bandwidth measured in this process (``read_bandwidth``); the
+    schedule is ``plan``'s for the cache as ``run_prepared`` passes it."""
+    i = p.info
+    bw = read_bandwidth() if costs else None
+    return plan(p.N, i.H, i.Hkv, i.S, i.E, i.Ev, p.q.dtype, k=p.kv_k.transpose(1, 2),
+                              bandwidth=bw).describe()
+
+
+def decode_args(p) -> dict:
+    """The decode kernel's keywords for prepared inputs ``p`` (what ``run_prepared`` passes it but the tensors
+    and ``out``): a band pattern (causal, sliding windows, any alignment) becomes the kernel's key range; key
+    padding by lengths its per-sequence lengths; other patterns and user masks a bool keep [N|1, H|1, L, S]
+    (L×S is small at decode sizes) read through strides; ALiBi keeps attnlab's alignment i + S - L."""
+    i, mask = p.info, p.mask
+    N, L, S = p.N, i.L, i.S
+    seqlens = S  # an int until key padding shortens a sequence (Note [Decode call overhead])
+    left = right = UNBOUNDED
+    keep = mask.keep
+    pat = mask.pattern
+    rest = []  # patterns the key range cannot express
+    for part in and_parts(pat):
+        band = part.band(L, S) if part.batch_size is None else None
+        kk = getattr(part, "keep_keys", None)
+        if band is not None:
+            lo, hi = band
+            left = min(left, UNBOUNDED if lo == -math.inf else max(-(2**40), int(-lo)))
+            right = min(right, UNBOUNDED if hi == math.inf else max(-(2**40), int(hi)))
+        elif kk is not None and is_prefix(kk, S):
+            lens = kk[:, :S].sum(1).to(torch.int64)  # (N,)
+            if isinstance(seqlens, int):
+                seqlens = lens.clamp(max=S).expand(N).contiguous()
+            else:
+                seqlens = torch.minimum(seqlens, lens)
+        else:
+            rest.append(part)
+    for part in rest:
+        qi, kj = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+        m = part.keep(qi, kj, L, S)  # (L, S) or (N, L, S)
+        m = m.view(-1, 1, L, S)  # (N|1, 1, L, S)
+        keep = m if keep is None else keep & m
+    bias = mask.bias
+    return dict(scale=i.scale, seqlens=seqlens, mask_offset=0, left=left, right=right,
+                keep=None if keep is None else keep.expand(N, i.H, L, S),
+                bias=None if bias is None else bias.expand(N, i.H, L, S),
+                softcap=mask.softcap_for(torch.float32) or 0.0,
+                alibi_slopes=None if mask.alibi is None else mask.alibi.expand(N, i.H), alibi_offset=S - L)
+
+
+def run_prepared(p, return_lse: bool = False):
+    """``attention`` on prepared inputs through the decode kernel: out [N, H, L, Ev] (and lse [N, H, L]);
+    the masks as ``decode_args`` turns them into the kernel's arguments."""
+    out = torch.empty(p.N, p.info.H, p.info.L, p.info.Ev, dtype=p.q.dtype)
+    # the kernel reads flash-attn's [N, S, Hkv, E] layout through strides: (N, Hkv, S, E) -> (N, S, Hkv, E) views
+    out, lse = decode_attention(p.q, p.kv_k.transpose(1, 2), p.kv_v.transpose(1, 2), out=out,
+                                              **decode_args(p))
+    return (out, lse) if return_lse else out
+
+
+def direct(p):
+    """``run_prepared`` for inputs of ``p``'s signature as one callable ``f(query, key, value) -> out`` on the
+    caller's 4-D tensors, its arguments built once (Note [Decode direct call]), or None when running reads
+    more than the signature holds (a mask tensor, key padding lengths, dead keys, non-4-D inputs)."""
+    i = p.info
+    if (p.empty or len(p.out_shape) != 4 or p.dead is not None
+            or (p.key_range is not None and p.key_range[:2] != (0, p.key_range[2]))):
+        return None
+    kw = decode_args(p)
+    if kw["keep"] is not None or kw["bias"] is not None or kw["alibi_slopes"] is not None \
+            or not isinstance(kw["seqlens"], int):
+        return None
+    # Note [Decode direct call]: a repeated decode call (the plan cache's hit) then does the signature, these
+    # few lines and decode_attention's own O(1) checks: the lengths and offsets are fixed int64 tensors the
+    # kernel only reads, the keywords fixed; only ``out`` is new each call (the caller keeps it)
+    N, H, L, Ev, dtype = p.N, i.H, i.L, i.Ev, p.q.dtype
+    n_keys, scale = kw["seqlens"], kw["scale"]
+    # one query seeing every key: the kernel through the one-call step (csrc Note [One-call decode step]),
+    # which skips decode_attention's Python (it declines, and the wrapper runs, for anything it does not take)
+    one_call = (L == 1 and kw["left"] == UNBOUNDED and kw["right"] == UNBOUNDED
+                and not kw["softcap"])
+    kw["seqlens"] = torch.full((N,), kw["seqlens"], dtype=torch.int64)
+    kw["mask_offset"] = torch.zeros(N, dtype=torch.int64)
+    del kw["alibi_slopes"], kw["alibi_offset"], kw["keep"], kw["bias"]
+    run, step = decode_attention, step_heads_first
+
+    def decode_direct(query, key, value):  # (N, H, L, E), (N, Hkv, S, E|Ev) -> (N, H, L, Ev)
+        if one_call and key.shape[2] == n_keys:
+            out = step(query, key, value, False, scale)
+            if out is not None:
+                return out.transpose(1, 2)  # (N, 1, H, Ev) -> (N, H, 1, Ev): a view, its size-1 dim moved
+        out = torch.empty(N, H, L, Ev, dtype=dtype)
+        return run(query, key.transpose(1, 2), value.transpose(1, 2), out=out, **kw)[0]
+
+    return decode_direct
+
+
+def and_parts(pat) -> list:
+    """The operands of a pattern's ANDs (a pattern that is no AND is its own single part)."""
+    if pat is None:
+        return []
+    if getattr(pat, "op", None) == "and":
+        return and_parts(pat.a) + and_parts(pat.b)
+    return [pat]
+
+
+def is_prefix(kk: torch.Tensor, S: int) -> bool:
+    """A key-padding mask [N, >=S] that keeps exactly each row's first n keys (lengths, right padding)."""
+    k = kk[:, :S]
+    n = k.sum(1, keepdim=True)  # (N, 1)
+    return bool((k == (torch.arange(k.shape[1]).unsqueeze(0) < n)).all())
+
+
+# -- the kernel object -----------------------------------------------------------------------------------------
+def _peak(r: Request, t: Tiling | None) -> int:
+    """The inputs and output, and each key split's partial output and log-sum-exp (float32)."""
+    splits = t.blocks if t is not None and t.blocks else 1
+    return io_bytes(r) + 4 * r.N * r.H * r.L * (r.Ev + 1) * (splits if splits > 1 else 0)
+
+
+def _flops(r: Request, t: Tiling | None) -> int:
+    return 2 * r.N * r.H * r.L * r.S * (r.E + r.Ev)
+
+
+SPEC = KernelSpec("decode", "attnlab's decode kernel: 1-16 queries against a KV cache, K/V read once per kv head "
+                  "group, keys split across threads (flash-decoding)",
+                  lse="yes", backward=False, gqa_no_copy=True, needs_extension=True, devices=("cpu",), softcap=True,
+                  alibi="native", dtypes=DTYPES, max_queries=MAX_QUERIES,
+                  cache_views=("contiguous", "lengths", "paged"), quantized_cache=True, transforms=False,
+                  peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason())
+
+
+class DecodeKernel(Kernel):
+    """The decode kernel's door (Note [Decode schedule] in csrc/decode.cpp): few queries against a KV cache,
+    inference. Its tiling is the key split (``Tiling(L, keys per split, splits, decode=True)``), its cost the K/V
+    bytes it reads over the read bandwidth measured in this process (``read_bandwidth``: it is memory-bound).
+    It runs prepared ``attention()`` inputs (``run``, ``direct``: the masks become its arguments, ``decode_args``)
+    and KV-cache views (``run_cache``: ``attention_with_kvcache``, the Hugging Face generation step)."""
+
+    def decodes(self, p, r: Request) -> bool:
+        return True
+
+    def decode_reason(self, p, costs: bool = False) -> str:
+        """Its schedule for ``p`` (prepared inputs or a ``CacheCall``): splits, bytes read, with ``costs`` the time."""
+        bw = read_bandwidth() if costs else None
+        if isinstance(p, CacheCall):
+            B, L, H, D = p.q.shape
+            dt = torch.int8 if p.quantized else p.k.dtype
+            return plan(B, H, p.k.shape[2], p.S, D, p.v.shape[3], dt, k=p.k, splits=p.splits, bandwidth=bw).describe()
+        return decode_reason(p, costs)
+
+    def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
+        """The key split: L queries × ceil(S / splits) keys, one tile per split (``num_splits``)."""
+        if isinstance(p, CacheCall):
+            ns = p.splits or num_splits_for(p.k, r.N, r.S)
+        else:
+            ns = num_splits_for(p.kv_k.transpose(1, 2), r.N, r.S)
+        return Tiling(max(r.L, 1), max(1, -(-r.S // ns)), ns, decode=True)
+
+    def seconds(self, r: Request, t: Tiling | None, rates) -> float:
+        """K/V bytes (int8 with its scales) over the read bandwidth measured in this process."""
+        nbytes = kv_bytes(r.N, r.Hkv, r.S, r.E, r.Ev, torch.int8 if r.quantized else r.dtype)
+        return predicted_seconds(nbytes, read_bandwidth())
+
+    def cost(self, r: Request, t: Tiling | None, rates) -> Cost:
+        bw = read_bandwidth()
+        return Cost(self.spec.flops(r, t), self.spec.peak_bytes(r, t), self.seconds(r, t, rates), self.gflops,
+                    f"decode: K/V bytes at the {bw / 1e9:.3g} GB/s read bandwidth measured now")
+
+    def direct(self, p, t: Tiling | None, need_weights: bool = False):
+        """The kernel on the caller's 4-D tensors with its arguments built once (Note [Decode direct call])."""
+        return None if need_weights else direct(p)
+
+    def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
+        """(out, None, lse or None) for prepared inputs; L <= 16, inference: keys split across threads, K/V
+        read once per group."""
+        out, lse = run_prepared(p, return_lse=True)
+        return out, None, lse if need_lse else None
+
+    def step(self, q, k_cache, v_cache, k, v, n0: int, block_table, causal: bool, scale: float):
+        """The plain step in one extension call (append, then attend: csrc Note [One-call decode step]), its direct
+        path for the KV-cache API: out [B, L, H, Dv], or None (nothing written) where the step does not take it."""
+        return decode_step(q, k_cache, v_cache, k, v, n0, block_table, causal, scale)
+
+    def run_cache(self, c: CacheCall):
+        """(out [B, L, H, Dv], lse [B, H, L]) for a KV-cache view, in the cache's layout: the one-call step where
+        the call is plain, else ``decode_attention`` (the kernel checks every page a visible key reaches)."""
+        plain = (isinstance(c.seqlens, int) and c.keep is None and not c.softcap and c.alibi_slopes is None
+                 and c.left >= UNBOUNDED and c.right in (0, UNBOUNDED) and not c.quantized and c.splits is None
+                 and not c.need_lse)
+        if plain:
+            out = decode_step(c.q, c.k, c.v, None, None, c.seqlens, c.block_table, c.right == 0, c.scale)
+            if out is not None:
+                return out, None
+        kw = dict(k_scale=c.k_scale, v_scale=c.v_scale) if c.quantized else {}
+        splits = c.splits
+        if splits is not None:  # splits past the keys would be empty: at most one per key (no oversized buffers)
+            splits = min(splits, max(1, c.S))
+        return decode_attention(c.q, c.k, c.v, scale=c.scale, block_table=c.block_table, seqlens=c.seqlens,
+                                left=c.left, right=c.right, keep=c.keep, softcap=c.softcap or 0.0,
+                                alibi_slopes=c.alibi_slopes, splits=splits, blhd=True, **kw)
+
+
+#: its speed is the read bandwidth (``seconds``); 2·(E + Ev) FLOPs per pair at 100 GFLOP/s is what explain shows
+KERNEL = DecodeKernel(SPEC, gflops=100.0, title="Decode", memory="O(B·H·L·Dv·splits)",
+                      why="attnlab's decode kernel: K/V read once per kv head group at the memory bandwidth",
+                      paper="Dao et al. 2023, Flash-Decoding for long-context inference")

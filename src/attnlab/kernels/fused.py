@@ -194,7 +194,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
 # no softcap: SDPA adds a mask to q·kᵀ·scale and cannot apply tanh in between
 SPEC = KernelSpec("sdpa", "PyTorch's scaled_dot_product_attention (patterns passed as an L×S mask)",
                   lse="inference", dropout=True, float_mask_grad=True, materializes="mask", alibi="mask",
-                  peak_bytes=_peak, flops=_flops)
+                  cache_views=("contiguous",), peak_bytes=_peak, flops=_flops)
 
 
 # -- the kernel object ------------------------------------------------------------------------------
@@ -234,6 +234,23 @@ class SDPAKernel(Kernel):
                        info.scale, gqa).to(p.q.dtype)
             return out, None, None
         return sdpa(p.q, k, v, materialize(mask, p), p.dropout_p, False, info.scale, gqa), None, None
+
+
+    def run_cache(self, c):
+        """(out [B, L, H, Dv], None) for a contiguous KV-cache view (the one cache view it declares): SDPA on views
+        of the cache's first S rows, no copy; a window, a padded batch's mask or ALiBi as one [B, H|1, L, S] mask
+        (``CacheCall.mask``, a float one computed in float32: Note [Bias precision]). No log-sum-exp (Declined)."""
+        if c.need_lse:
+            raise Declined("SDPA returns no log-sum-exp for a KV-cache view")
+        S, gqa = c.S, c.q.shape[2] != c.k.shape[2]
+        q, k, v = c.q.transpose(1, 2), c.k[:, :S].transpose(1, 2), c.v[:, :S].transpose(1, 2)
+        m = c.mask()
+        if m is not None and m.dtype != torch.bool:
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, scale=c.scale,
+                                                 enable_gqa=gqa).to(q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=c.scale, enable_gqa=gqa)
+        return out.transpose(1, 2), None
 
 
 #: GFLOP/s on the 2-core reference machine: its fused kernel on whole problems (it reached 77 on 256-row

@@ -138,6 +138,11 @@ class Kernel:
         """(out [N, H, L, Ev], weights [N, H, L, S] or None, lse [N, H, L] or None) for prepared inputs ``p``."""
         raise NotImplementedError
 
+    def run_cache(self, c):
+        """(out [B, L, H, Dv], lse [B, H, L] or None) for a KV-cache view (``kernels.cacheview.CacheCall``), in
+        the kind its declaration reads (``KernelSpec.cache_views``)."""
+        raise NotImplementedError(f"kernel {self.spec.name} reads no KV-cache view")
+
 
 def _kernel_named(name: str) -> "Kernel":
     from . import get

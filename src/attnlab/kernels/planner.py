@@ -31,6 +31,7 @@ from .. import cpu
 from .. import kernels as K
 from ..report import format_bytes
 from . import KERNELS, Kernel, Request, Tiling, rates
+from .cacheview import CacheCall
 from .rates import (COMPILED_BLOCK_SPEED, COMPILED_DENSE_DTYPES, PLAIN_MHA_DECODE_ON_SDPA, SPARSE_BLOCK_SPEED,
                     SPARSE_OVER_COMPILED)  # the built-in table, read here by its old names
 from . import compiled as compiled_kernel
@@ -43,7 +44,8 @@ from .spec import check_block_size, refusals_of
 if TYPE_CHECKING:
     from ..shapes import Prepared
 
-__all__ = ["Plan", "Rule", "RULES", "METHODS", "plan", "refusals", "candidates", "choose_lse_kernel",
+__all__ = ["Plan", "Rule", "RULES", "METHODS", "plan", "plan_cache", "plain_decode_kernel", "refusals", "candidates",
+           "choose_lse_kernel",
            "layer_method", "takes_alibi_slopes", "causal_blocks", "nonempty_blocks"]
 
 #: "auto" and every kernel's name, in explain's order (one definition, from the kernel objects)
@@ -90,7 +92,7 @@ class Plan:
     density: float = 1.0  # fraction of (query, key) blocks that are computed
     #: {kernel: what it would pay beyond its usual work (e.g. ALiBi written out as a mask)}, for kernels not refused
     notes: dict[str, str] = field(default_factory=dict)
-    #: the compiled kernel runs its decode path (L <= 16, inference: kernels/kvdecode.py, csrc/decode.cpp)
+    #: the decode kernel runs (L <= 16, inference: kernels/decode.py, csrc/decode.cpp)
     decode: bool = False
     #: the kernel object that runs, and its tiling (None: unblocked)
     kernel: Kernel | None = field(default=None, repr=False, compare=False)
@@ -107,8 +109,9 @@ class Plan:
             cost = ""
             if m in self.peak_bytes:
                 cost = f"peak ≈ {format_bytes(self.peak_bytes[m])}, {self.flops[m] / 1e9:.3g} GFLOP"
-            if m in self.seconds:
-                cost += f", ≈ {_format_seconds(self.seconds[m])} ({self.rate_sources[m]})"
+            if m in self.seconds:  # a row names its rate's source only where it is not the plan's (printed once below)
+                src = self.rate_sources.get(m, "")
+                cost += f", ≈ {_format_seconds(self.seconds[m])}" + (f" ({src})" if src and src != self.rates_source else "")
             state = "chosen" if m == self.method else f"refused: {self.refused[m]}" if m in self.refused else "available"
             lines.append(f"  {m:<8} {state:<50} {cost}")
             if m in self.notes:
@@ -227,12 +230,27 @@ class Rule:
 #: (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
 
 
+def _plain_on_sdpa(rates, r: Request) -> bool:
+    """The one SDPA-or-decode decision (Note [Plain MHA decode]): whether a plain decode call (no mask but
+    causal, no score modification, no log-sum-exp asked) runs faster on SDPA than on the decode kernel here."""
+    return rates.plain_decode_on_sdpa(r.dtype, r.H != r.Hkv, r.S)
+
+
+def plain_decode_kernel(dtype: torch.dtype, H: int, Hkv: int, S: int) -> Kernel:
+    """The kernel auto runs a plain decode call on (SDPA or the decode kernel), by the rule ``_decode`` applies:
+    for doors that take plain steps without preparing a call (the KV-cache API's one-call step)."""
+    r = Request(1, H, Hkv, 1, S, 1, 1, dtype)
+    return K.SDPA if _plain_on_sdpa(rates.current(), r) else K.DECODE
+
+
 def _decode(c: _Call):
-    k = next((k for k in c.ok if k.decodes(c.p, c.r)), None)
-    if k is None:
+    k = K.DECODE
+    if k not in c.ok:
         return None
     r, gqa = c.r, c.r.H != c.r.Hkv
-    if c.plain and K.SDPA in c.ok and c.rates.plain_decode_on_sdpa(r.dtype, gqa, r.S):
+    if c.plain and not r.needs_lse and r.N and r.S and K.SDPA in c.ok and _plain_on_sdpa(c.rates, r):
+        if not c.explaining:
+            return K.SDPA, "plain decode: SDPA faster here (Note [Plain MHA decode])"
         heads, dt = "GQA" if gqa else "multi-head", str(r.dtype).removeprefix("torch.")
         why = c.rates.decode_evidence(r.dtype, gqa, r.S)
         how = (f"SDPA faster at S = {r.S} here ({why}; {c.rates.source})" if why else
@@ -240,7 +258,7 @@ def _decode(c: _Call):
         return K.SDPA, f"plain {heads} decode in {dt}: {how} (Note [Plain MHA decode])"
     # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
     if not c.explaining:
-        return k, "decode path"
+        return k, "decode kernel"
     why = c.rates.decode_evidence(r.dtype, gqa, r.S) if c.plain and K.SDPA in c.ok else None
     return k, k.decode_reason(c.p, True) + (f"; over SDPA at S = {r.S}: {why} (Note [Plain MHA decode])" if why else "")
 
@@ -331,7 +349,7 @@ def _fastest(c: _Call):
 
 #: auto's rules, in order: the first that fits chooses (``Plan.rule`` names it)
 RULES: tuple[Rule, ...] = (
-    Rule("decode shape -> decode path (plain decode where SDPA is faster: SDPA)", _decode),
+    Rule("decode shape -> decode kernel (plain decode where SDPA is faster: SDPA)", _decode),
     Rule("weights, small scores -> dense", _small_weights),
     Rule("weights -> second pass over the log-sum-exp", _second_pass_weights),
     Rule("weights -> the kernel that returns them", _only_weights),
@@ -382,7 +400,7 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
     else:
         kernel, reason, rule = _choose(c, refused)
     t = c.tiling(kernel)
-    decode = t is not None and t.decode
+    decode = kernel is K.DECODE
     if decode and method != "auto":
         reason = "requested; " + (kernel.decode_reason(p, costs) if costs else "decode path")
     if r.dropout_p > 0 and kernel.spec.dropout and kernel.spec.blocked:
@@ -404,6 +422,36 @@ def plan(p: Prepared, method: str = "auto", need_weights: bool = False, strict: 
         out.rate_sources = {k.name: v.source for k, v in every.items() if k.name not in refused}
     if costs or K.SPARSE in c._tilings:
         out.density = c.density(K.SPARSE)
+    return out
+
+
+def plan_cache(call: CacheCall, method: str = "auto", *, costs: bool = False) -> Plan:
+    """The plan for a call against a KV cache (``kernels.cacheview.CacheCall``: ``attention_with_kvcache``, the
+    Hugging Face generation step): every kernel's refusals (a kernel reads the view only where its declaration
+    says so: ``KernelSpec.cache_views``), then the requested kernel or auto's rules, the same table ``plan``
+    walks (its decode rule is the one SDPA-or-decode decision). Raises ValueError, naming every kernel's reason,
+    when none reads this view (the caller then gathers the cache into ordinary tensors)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    r = call.request()
+    refused = refusals(r)
+    c = _Call(call, r, None, tuple(k for k in _FALLBACK if k.name not in refused), None, costs)
+    if method != "auto":
+        if method in refused:
+            raise ValueError(f"method={method!r} cannot run this KV-cache call: {refused[method]}")
+        kernel, reason, rule = K.get(method), "requested", "requested"
+    else:
+        kernel, reason, rule = _choose(c, refused)
+        reason += f" [rule: {rule}]"
+    out = Plan(kernel.name, reason, refused, decode=kernel is K.DECODE, kernel=kernel, tiling=c.tiling(kernel),
+               rule=rule)
+    if costs:
+        out.rates_source = c.rates.source
+        every = {k: k.cost(r, c.tiling(k), c.rates) for k in c.ok}
+        out.seconds = {k.name: v.seconds for k, v in every.items()}
+        out.rate_sources = {k.name: v.source for k, v in every.items()}
+        out.flops = {k.name: v.flops for k, v in every.items()}
+        out.peak_bytes = {k.name: v.peak_bytes for k, v in every.items()}
     return out
 
 

@@ -38,6 +38,11 @@ class Request:
         "[B, H]" (None: no ALiBi).
     rel_bias_grad: a relative bias table [H, L + S - 1] (the compiled kernel's ``rel_bias``, from
         ``flex_attention``) requires grad: the backward sums its gradient per unit (csrc Note [Relative bias]).
+    cache: the keys and values are a KV-cache view (``kernels.cacheview.CacheCall``: flash-attn's layout) of
+        this kind: "contiguous" (one length for every sequence, rows [B, S]), "lengths" (a length per
+        sequence) or "paged" (a block table into a page pool); None: ordinary tensors.
+    quantized: that cache is int8 (``QuantizedKV``). transformed: the inputs are wrapped by a vmap/grad
+        transform (``kernels.extension.transformed``).
     """
 
     N: int
@@ -64,6 +69,9 @@ class Request:
     softcap: bool = False
     alibi: str | None = None
     rel_bias_grad: bool = False
+    cache: str | None = None
+    quantized: bool = False
+    transformed: bool = False
 
     @property
     def trivial(self) -> bool:
@@ -142,6 +150,11 @@ class KernelSpec:
         "positions" (each visited block's bias is computed from positions) | "mask" (written out as an
         L×S float mask per head first: ``alibi_mask_bytes``). alibi_shapes: the slope shapes it takes.
     devices: device types it runs on (None: any).
+    backward: differentiates its output (False: inference only, refused when the inputs require grad).
+    max_queries: a decode kernel's longest query (it needs L <= max_queries, and outside a KV-cache view
+        1 <= L < S: a short self-attention, L = S, stays on the prefill kernels); None: any shape.
+    cache_views: the KV-cache views it reads in place (``Request.cache``); quantized_cache: it reads int8
+        caches; transforms: it runs under vmap/grad transforms.
     peak_bytes / flops: ``f(request, tiling)`` (tiling None for unblocked kernels).
     unavailable: a hook for dynamic facts (e.g. "extension not built"): ``f(request) -> reason | None``.
     explain: a hook for what this CPU makes the kernel do beyond its usual work, for ``notes``:
@@ -167,6 +180,10 @@ class KernelSpec:
     alibi_shapes: tuple[str, ...] = ALIBI_SHAPES
     dtypes: tuple = FLOAT_DTYPES
     devices: tuple[str, ...] | None = None
+    max_queries: int | None = None
+    cache_views: tuple[str, ...] = ()
+    quantized_cache: bool = False
+    transforms: bool = True
     peak_bytes: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
     flops: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
     unavailable: Callable[[Request], str | None] | None = field(default=None, compare=False)
@@ -183,6 +200,18 @@ class KernelSpec:
             why.append(f"{'/'.join(d.upper() for d in self.devices)} tensors only (got {r.device})")
         if r.dtype not in self.dtypes:
             why.append(f"dtype {r.dtype} is not supported")
+        if self.max_queries is not None and not (r.L <= self.max_queries and (r.cache is not None
+                                                                             or 1 <= r.L < r.S)):
+            why.append(f"decodes 1..{self.max_queries} queries against more keys (a KV cache), got L = {r.L}, "
+                       f"S = {r.S}")
+        if r.needs_grad and not self.backward:
+            why.append("forward only (inference): the inputs require grad")
+        if r.cache is not None and r.cache not in self.cache_views:
+            why.append(f"reads no KV-cache view ({r.cache} cache)")
+        if r.quantized and not self.quantized_cache:
+            why.append("reads no int8 cache")
+        if r.transformed and not self.transforms:
+            why.append("its extension cannot be reached through a vmap/grad transform's wrapped tensors")
         if (r.pattern or r.keep_mask or r.float_mask) and not self.masks:
             why.append("takes no pattern or attn_mask")
         if r.causal_only and not self.causal:

@@ -141,8 +141,11 @@ def _kernel_mechanism(k: kernels.Kernel) -> type:
     return register(k.name, spec)(cls)
 
 
-#: one exact mechanism per kernel, by its title: Dense, SDPA, Tiled, Sparse, Compiled
-KERNEL_MECHANISMS: dict[str, type] = {k.title: _kernel_mechanism(k) for k in kernels.KERNELS}
+#: one exact mechanism per kernel of every shape, by its title: Dense, SDPA, Tiled, Sparse, Compiled (the decode
+#: kernel, which takes only 1-16 queries against a KV cache in inference, is a method of ``attention`` but no
+#: attention layer of its own)
+KERNEL_MECHANISMS: dict[str, type] = {k.title: _kernel_mechanism(k) for k in kernels.KERNELS
+                                      if k.spec.max_queries is None}
 globals().update(KERNEL_MECHANISMS)
 
 
