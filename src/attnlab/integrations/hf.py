@@ -39,6 +39,7 @@ import torch
 
 from .. import patterns as P
 from ..functional import METHODS, attention
+from ..functional.storage import append_kv
 from ..kernels import DECODE, Declined
 from ..kernels.cacheview import CacheCall
 from ..kernels.planner import plan_cache
@@ -295,8 +296,8 @@ def _in_place_classes():
                     kb[:, :, :n] = self.keys
                     vb[:, :, :n] = self.values
                 self._kbuf, self._vbuf = kb, vb
-            self._kbuf[:, :, n:need] = key_states
-            self._vbuf[:, :, n:need] = value_states
+            append_kv(self._kbuf, key_states, n, dim=2)  # the one append (``functional.storage.append_kv``)
+            append_kv(self._vbuf, value_states, n, dim=2)
             self.keys, self.values = self._kbuf[:, :, :need], self._vbuf[:, :, :need]
             return self.keys, self.values
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..functional.storage import empty_kv_cache
+from ..functional.storage import append_kv, empty_kv_cache
 
 __all__ = ["LayerCache", "KVCache"]
 
@@ -104,8 +104,8 @@ class LayerCache:
         if need > self._k.shape[2]:
             self._grow(max(need, 2 * self._k.shape[2]))
         # in-place writes into detached storage: a cache is for inference (generation), not training
-        self._k[:, :, self.length: need] = k.detach()
-        self._v[:, :, self.length: need] = v.detach()
+        append_kv(self._k, k.detach(), self.length, dim=2)  # the one append (``functional.storage.append_kv``)
+        append_kv(self._v, v.detach(), self.length, dim=2)
         self.length = need
         return self.keys, self.values
 
