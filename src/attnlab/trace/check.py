@@ -106,15 +106,14 @@ class TableCheck:
         tol = sorted({f"±{t:g}" for t in self.tolerance.flat})
         head = (f"{n} of {total} printed cells of '{self.step}' are wrong" if n else
                 f"all {total} printed cells of '{self.step}' are right")
-        text = f"{head} (tolerance {', '.join(tol)}: half a unit in the last printed digit)"
+        text = f"{head} (±{', '.join(tol).replace('±', '')}: half a unit of the last digit)"
         if n:
             cells = self.cells()
             slips = sum(c["error_units"] <= 1.0 for c in cells)
             if slips:
-                text += f"; {slips} of them off by at most one unit (a rounding slip)"
+                text += f"; {slips} only a rounding slip"
             worst = max(cells, key=lambda c: c["error"])
-            text += (f"; worst: row {worst['row_label']}, column {worst['col_label']} printed {worst['printed']:g}, "
-                     f"correct {worst['correct']:.4g}")
+            text += f"; worst {worst['row_label']}, {worst['col_label']}: {worst['printed']:g}, not {worst['correct']:.4g}"
         return text
 
     def to_dict(self) -> dict:
@@ -200,10 +199,13 @@ def check_html(c: TableCheck) -> str:
 
 
 def check_rich(c: TableCheck):
-    """The check as a rich ``Table``: right cells green, wrong cells red with 'printed ✗ correct'."""
+    """The check as a rich ``Table`` (right cells green, wrong cells red with 'printed ✗ correct') and, below it
+    at the terminal's width rather than the table's, the verdict (:meth:`TableCheck.summary`)."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
-    t = Table(title=f"printed '{c.step}' vs exact (wrong: printed ✗ correct)", caption=c.summary())
+    t = Table(title=f"printed '{c.step}' vs exact (wrong: printed ✗ correct)")
     t.add_column("", no_wrap=True, min_width=2)
     for col in c.cols:
         t.add_column(col, justify="right", min_width=5)
@@ -214,4 +216,4 @@ def check_rich(c: TableCheck):
             text, good = _cell_text(c, i, j)
             cells.append(f"[green]{text}[/green]" if good else f"[bold red]{text}[/bold red]")
         t.add_row(r, *cells, f"{c.printed[i].sum():.4g}")
-    return t
+    return Group(t, Text(c.summary()))

@@ -145,6 +145,9 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
         if T >= max_length:
             notes.append(f"input truncated to MiniLM's {max_length} tokens")
         dense = T <= dense_max_tokens
+        if dense and mech is not None and not mech.spec.weights:  # say so by name, before the model runs
+            raise ValueError(f"mechanism {mech_name!r} cannot return attention weights, which a page of {T} tokens "
+                             f"(<= dense max {dense_max_tokens}) shows; {_WEIGHTS_HINT}")
         old = (getattr(m, "mechanism", "auto"), getattr(m, "pattern", None))
         if mech is not None:
             m.set_mechanism(mech)

@@ -9,8 +9,10 @@ Views, all drawn at load:
   Beside it, the distance histogram (attention mass by |i - j|) per head.
 - model view: layers × heads thumbnails; click one to open it in the head view.
 - pattern view: the mask in use and common patterns, with density and FLOPs saved.
-Every view has "export SVG" / "export PNG" buttons that save it as drawn at that moment (the SVG is built in
-the page; the PNG is that SVG rasterised on a canvas at 2x). Cross-attention (L queries, S keys) has key
+Every view has "export SVG" / "export PNG" buttons. SVG saves the view as drawn at that moment (built in the
+page); PNG saves, for the head and matrix views, the figure ``attnlab.viz.save`` writes (the layer's heads as
+viridis heatmaps with ticks, colour bars and a title: Note [One export figure]), for the model and pattern
+views the SVG rasterised on a canvas at 2x. Cross-attention (L queries, S keys) has key
 labels of its own; a sentence pair marks sentence B's first token.
 Inputs longer than 512 tokens open on the matrix view; the page never grows past the window (the
 token columns scroll inside their box, the readout stays above them).
@@ -20,6 +22,7 @@ are \\u-escaped; the script writes tokens with ``textContent``, never ``innerHTM
 """
 from __future__ import annotations
 
+import functools
 import html
 import json
 import re
@@ -65,6 +68,8 @@ cursor:default;border-radius:3px;max-width:220px;overflow:hidden;text-overflow:e
 text-overflow:ellipsis;max-width:92px;line-height:13px;color:#333}
 #mrows .mlab{right:4px;text-align:right}
 #mcols .mlab{bottom:2px;transform-origin:left bottom;transform:rotate(-55deg);max-width:80px}
+#mcols .mlab.tick{transform:translateX(-50%);color:#666}#mrows .mlab.tick{color:#666}
+#mcols .mlab.axis{transform:none;bottom:18px;color:#333;font-style:italic}#mrows .mlab.axis{font-style:italic}
 #mat{border:1px solid #999;image-rendering:pixelated;cursor:crosshair;display:block;touch-action:none}
 #tip{position:fixed;pointer-events:none;background:rgba(29,29,31,.92);color:#fff;font-size:12px;padding:3px 6px;
 border-radius:4px;display:none;white-space:pre;z-index:5}
@@ -231,14 +236,28 @@ function mrender(){
   drawLabels();
   drawHists();
 }
-// token labels beside the matrix once a cell is tall enough to read them
+// token labels beside the matrix once a cell is tall enough to read them; before that, position numbers
+// every few cells (query positions down the side, key positions across the top), so every view has axes
 const mrows=document.getElementById("mrows"), mcols=document.getElementById("mcols");
 function drawLabels(){
   while(mrows.firstChild)mrows.removeChild(mrows.firstChild);
   while(mcols.firstChild)mcols.removeChild(mcols.firstChild);
   const size=mat.clientWidth||MSZ, ch=size/ms.nr, cw=size/ms.nc, on=Math.min(ch,cw)>=12;
-  mrows.classList.toggle("on",on);mcols.classList.toggle("on",on);
-  if(!on)return;
+  mrows.classList.add("on");mcols.classList.add("on");ms.toklabels=on;
+  if(!on){
+    const nice=function(n,px){const want=n*48/size;for(const s of [1,2,4,5,8,10,16,20,25,32,50,64,100,128,200,250,256,500,512,1000,1024,2000,2048,5000,10000,20000,50000])
+      if(s>=want)return s;return Math.ceil(want);};
+    const sr=nice(ms.nr), sc=nice(ms.nc);
+    for(let i=Math.ceil(ms.i0/sr)*sr;i<ms.i0+ms.nr;i+=sr){
+      const a=document.createElement("div");a.className="mlab tick";a.textContent=String(i);hover(a,RQ,i);
+      a.style.top=((i-ms.i0+0.5)*ch-6.5)+"px";mrows.appendChild(a);}
+    for(let j=Math.ceil(ms.j0/sc)*sc;j<ms.j0+ms.nc;j+=sc){
+      const b=document.createElement("div");b.className="mlab tick";b.textContent=String(j);hover(b,RK,j);
+      b.style.left=((j-ms.j0+0.5)*cw)+"px";mcols.appendChild(b);}
+    const qa=document.createElement("div");qa.className="mlab axis";qa.textContent="query \u2193";qa.style.top="-14px";mrows.appendChild(qa);
+    const ka=document.createElement("div");ka.className="mlab axis";ka.textContent="key \u2192";ka.style.left="0px";mcols.appendChild(ka);
+    return;
+  }
   for(let t=0;t<ms.nr;t++){
     const a=document.createElement("div");a.className="mlab";a.textContent=D.tokens[ms.i0+t];hover(a,RQ,ms.i0+t);
     a.style.top=((t+0.5)*ch-6.5)+"px";mrows.appendChild(a);
@@ -366,14 +385,21 @@ function headSvg(root){
   root.appendChild(g);return [w,h];
 }
 function matrixSvg(root){
-  const size=512, lab=(mrows.classList.contains("on")?100:0), top=24+(mcols.classList.contains("on")?70:0);
+  const size=512, toks=ms.toklabels, lab=toks?100:40, top=24+(toks?70:20);
   root.appendChild(svgText(4,15,mread.textContent+" \u2014 "+document.getElementById("mview").textContent,{"font-family":"sans-serif"}));
   root.appendChild(el("image",{x:lab,y:top,width:size,height:size,href:mat.toDataURL("image/png"),"image-rendering":"pixelated",
     preserveAspectRatio:"none"}));
-  if(lab){const ch=size/ms.nr,cw=size/ms.nc;
+  const ch=size/ms.nr,cw=size/ms.nc;
+  if(toks){
     for(let t=0;t<ms.nr;t++)root.appendChild(svgText(lab-4,top+(t+0.5)*ch+4,D.tokens[ms.i0+t],{"text-anchor":"end","font-size":11}));
     for(let t=0;t<ms.nc;t++){const x=lab+(t+0.5)*cw,y=top-4;
       root.appendChild(svgText(x,y,KT[ms.j0+t],{"font-size":11,transform:"rotate(-55 "+x+" "+y+")"}));}}
+  else{  // position numbers, as the page shows them when cells are too small for tokens
+    mrows.querySelectorAll(".tick").forEach(function(a){const i=+a.textContent;
+      root.appendChild(svgText(lab-4,top+(i-ms.i0+0.5)*ch+4,a.textContent,{"text-anchor":"end","font-size":10}));});
+    mcols.querySelectorAll(".tick").forEach(function(b){const j=+b.textContent;
+      root.appendChild(svgText(lab+(j-ms.j0+0.5)*cw,top-4,b.textContent,{"text-anchor":"middle","font-size":10}));});
+    root.appendChild(svgText(4,top-4,"query \u2193 key \u2192",{"font-size":10,"font-family":"sans-serif"}));}
   return [lab+size+8,top+size+8];
 }
 function canvasGridSvg(root,boxes,cols,cw,chh,title){
@@ -400,10 +426,58 @@ function viewSvg(view){
   return new XMLSerializer().serializeToString(root);
 }
 function download(name,url){const a=document.createElement("a");a.download=name;a.href=url;document.body.appendChild(a);a.click();a.remove();}
+// ---- the PNG of the head and matrix views: the figure attnlab.viz.save writes (Note [One export figure])
+const VIR=(function(){const h=D.viridis,a=[];for(let i=0;i<256;i++)a.push([parseInt(h.substr(6*i,2),16),
+  parseInt(h.substr(6*i+2,2),16),parseInt(h.substr(6*i+4,2),16)]);return a;})();
+function figureCanvas(l,heads){
+  // one panel per head, up to 4 across: heatmap (rows = queries, columns = keys), viridis from 0 to the head's
+  // max, token ticks up to 40 per axis, a colour bar; the title names the page, the layer and the model
+  const k=2, PW=408, PH=384, top=34, cols=Math.min(4,heads.length), rows=Math.ceil(heads.length/cols);
+  const tl=T<=40, kl=S<=40, lw=tl?Math.min(120,12+7*Math.max.apply(null,D.tokens.map(function(t){return t.length;}))):34;
+  const bh=kl?Math.min(110,26+7*Math.max.apply(null,KT.map(function(t){return t.length;}))):36;
+  const c=document.createElement("canvas");c.width=cols*PW*k;c.height=(top+rows*PH)*k;
+  const x=c.getContext("2d");x.scale(k,k);x.fillStyle="#fff";x.fillRect(0,0,cols*PW,top+rows*PH);
+  x.fillStyle="#000";x.textAlign="center";x.font="16px sans-serif";
+  x.fillText(D.title+": layer "+l+" ("+D.model+")",cols*PW/2,22,cols*PW-8);
+  const panels=[];
+  heads.forEach(function(h,n){
+    const ox=(n%cols)*PW, oy=top+Math.floor(n/cols)*PH, gx=ox+lw+22, gy=oy+22, gw=PW-lw-22-62, gh=PH-22-bh-18;
+    const R=Math.min(T,1024), C=Math.min(S,1024), M=new Float32Array(R*C);let mx=0;  // past 1024: max per bin
+    for(let i=0;i<T;i++){const r=Math.floor(i*R/T)*C;
+      each(l,h,i,0,S,function(j,w){const c=r+Math.floor(j*C/S);if(w>M[c])M[c]=w;if(w>mx)mx=w;});}
+    mx=Math.max(mx,1e-12);
+    const off=document.createElement("canvas");off.width=C;off.height=R;
+    const o=off.getContext("2d"),img=o.createImageData(C,R);
+    for(let t=0;t<R*C;t++){const v=VIR[Math.min(255,Math.max(0,Math.round(255*M[t]/mx)))];
+      img.data[4*t]=v[0];img.data[4*t+1]=v[1];img.data[4*t+2]=v[2];img.data[4*t+3]=255;}
+    o.putImageData(img,0,0);x.imageSmoothingEnabled=false;x.drawImage(off,gx,gy,gw,gh);
+    x.strokeStyle="#000";x.lineWidth=0.8;x.strokeRect(gx,gy,gw,gh);
+    x.fillStyle="#000";x.font="13px sans-serif";x.textAlign="center";x.fillText("head "+h,gx+gw/2,gy-7);
+    x.font="11px sans-serif";
+    if(tl){x.textAlign="right";for(let i=0;i<T;i++)x.fillText(D.tokens[i],gx-4,gy+(i+0.5)*gh/T+4,lw-4);}
+    if(kl){for(let j=0;j<S;j++){x.save();x.translate(gx+(j+0.5)*gw/S+4,gy+gh+4);x.rotate(-Math.PI/2);x.textAlign="right";
+      x.fillText(KT[j],0,0,bh-22);x.restore();}}
+    x.font="12px sans-serif";x.textAlign="center";x.fillText("key",gx+gw/2,oy+PH-8);
+    x.save();x.translate(ox+12,gy+gh/2);x.rotate(-Math.PI/2);x.fillText("query",0,0);x.restore();
+    const bx=gx+gw+10;  // colour bar, 0 .. the head's max
+    for(let t=0;t<gh;t++){const v=VIR[Math.round(255*(1-t/gh))];x.fillStyle="rgb("+v[0]+","+v[1]+","+v[2]+")";x.fillRect(bx,gy+t,12,1.5);}
+    x.strokeRect(bx,gy,12,gh);x.fillStyle="#000";x.textAlign="left";x.font="10px sans-serif";
+    [0,0.5,1].forEach(function(f){x.fillText((mx*f).toFixed(2),bx+15,gy+gh*(1-f)+4);});
+    panels.push({head:h,x:gx,y:gy,w:gw,h:gh,max:mx});
+  });
+  window.attnlabFigure={scale:k,panels:panels,layer:l,width:c.width,height:c.height};  // for tests: where each panel is
+  return c;
+}
 function exportView(view,fmt){
   const s=viewSvg(view), url="data:image/svg+xml;charset=utf-8,"+encodeURIComponent(s), name="attnlab-"+view+"-layer"+
     (view==="matrix"?ms.layer:state.layer);
   if(fmt==="svg"){download(name+".svg",url);return;}
+  if(view==="head"||view==="matrix"){
+    const all=Array.from({length:NH},function(_,h){return h;});
+    const heads=view==="head"?Array.from(state.heads).sort(function(a,b){return a-b;}):(ms.head<0?all:[ms.head]);
+    download(name+".png",figureCanvas(view==="head"?state.layer:ms.layer,heads.length?heads:all).toDataURL("image/png"));
+    return;
+  }
   const im=new Image();
   im.onload=function(){const c=document.createElement("canvas"),k=2;c.width=im.width*k;c.height=im.height*k;
     const x=c.getContext("2d");x.fillStyle="#fff";x.fillRect(0,0,c.width,c.height);x.scale(k,k);x.drawImage(im,0,0);
@@ -443,14 +517,14 @@ __NOTES__
 </header>
 <nav><button data-view="head">head view</button><button data-view="matrix">matrix view</button><button data-view="model">model view</button><button data-view="pattern">pattern view</button></nav>
 <section id="head">
-<div class="controls"><label>layer <select id="layer"></select></label><span id="chips"></span><button id="allheads">all heads</button><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this view as drawn now (PNG)">export PNG</button></div>
+<div class="controls"><label>layer <select id="layer"></select></label><span id="chips"></span><button id="allheads">all heads</button><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this layer's heads shown as heatmaps: the figure attnlab.viz.save writes (PNG)">export PNG</button></div>
 <div id="readout" class="readout"></div>
 <div id="hvbox"><div id="hv"><div class="col q" id="qcol"></div><svg id="lines" width="170" height="18"></svg><div class="col k" id="kcol"></div></div></div>
 </section>
 <section id="matrix">
 <div class="controls"><label>layer <select id="mlayer"></select></label><label>show <select id="mhead"></select></label>
 <button id="zin" title="zoom in (or the mouse wheel)">zoom in</button><button id="zout">zoom out</button><button id="zreset">whole matrix</button>
-<button id="zdiag" title="64 tokens at the top-left of the view, on the diagonal">diagonal close-up</button><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this view as drawn now (PNG)">export PNG</button></div>
+<button id="zdiag" title="64 tokens at the top-left of the view, on the diagonal">diagonal close-up</button><button class="export" data-fmt="svg" title="save this view as drawn now (SVG)">export SVG</button><button class="export" data-fmt="png" title="save this layer's heads shown as heatmaps: the figure attnlab.viz.save writes (PNG)">export PNG</button></div>
 <div id="mreadout" class="readout">move the pointer over the matrix (wheel: zoom, drag: pan, click: pin)</div>
 <div id="mwrap"><div id="mgrid"><div></div><div id="mcols"></div><div id="mrows"></div><canvas id="mat"></canvas></div><div id="mside"><div class="meta" id="mview"></div><div class="meta" id="histtitle" style="margin:8px 0 4px"></div><div id="hists"></div></div></div>
 </section>
@@ -478,6 +552,21 @@ def _shape_text(data: dict) -> str:
     return f"cross-attention: {T} queries × {S} keys"
 
 
+# Note [One export figure]: the page's "export PNG" on the head and matrix views draws, in the browser, the figure
+# ``attnlab.viz.save`` (``plot_heads``) writes from Python: the layer's heads (those shown) as heatmaps, rows =
+# queries, columns = keys, each head on matplotlib's viridis from 0 to its own maximum, with token ticks, axis
+# names, a colour bar and a title. viridis travels in the page as matplotlib's own 256 colours, so both routes
+# colour a weight alike (tests/instruments/test_browser_views.py compares the two). "export SVG" stays the view
+# as drawn; the model and pattern views export as drawn in both formats.
+@functools.lru_cache(maxsize=1)
+def _viridis_hex() -> str:
+    """matplotlib's viridis as 256 RRGGBB values in one string (what the page's PNG export colours with)."""
+    import matplotlib
+
+    rgb = matplotlib.colormaps["viridis"](range(256))[:, :3]
+    return "".join(f"{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}" for r, g, b in rgb)
+
+
 def render_page(data: dict) -> str:
     """The whole page as a string (see ``attnlab.viz.data.attention_data`` for ``data``)."""
     e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
@@ -489,7 +578,8 @@ def render_page(data: dict) -> str:
            "__MECH__": e(data["mechanism"]), "__SHAPE__": _shape_text(data), "__LAYERS__": str(int(data["layers"])),
            "__HEADS__": str(int(data["heads"])), "__MODE__": e(data["mode"]), "__TEXT__": e(text),
            "__NOTES__": notes, "__CSS__": _CSS, "__JS__": _JS}
-    rep["__DATA__"] = _json_for_script({**data, "palette": list(HEAD_COLOURS), "matrix_first": MATRIX_FIRST})
+    rep["__DATA__"] = _json_for_script({**data, "palette": list(HEAD_COLOURS), "matrix_first": MATRIX_FIRST,
+                                        "viridis": _viridis_hex()})
     # one pass: text inserted for one placeholder is never scanned for another
     return re.sub(r"__[A-Z]+__", lambda m: rep.get(m.group(0), m.group(0)), _HTML)
 
