@@ -487,12 +487,15 @@ class Explorer:
         if not (np.isfinite(w).all() and bool(torch.isfinite(emb).all())):
             raise ExplorerError("the weights are not finite under these settings (an overflow, or a mechanism that "
                                 "diverged); lower the scale, raise the temperature or change 'params'")
+        from ..viz.tokens import pretty_tokens
+
         notes = []
         if s.scope == "all" and not s.is_default and s.layer > 0:
             notes.append(f"every layer runs the experiment, so layer {s.layer}'s queries and keys differ from the "
                          "unmodified model's too")
         return {
-            "tokens": list(enc["tokens"][0]), "layer": s.layer, "head": s.head, "settings": asdict(s),
+            "tokens": list(enc["tokens"][0]), "labels": pretty_tokens(enc["tokens"][0]),  # labels: "##ing" -> "ing"
+            "layer": s.layer, "head": s.head, "settings": asdict(s),
             "weights": head.tolist(), "baseline_weights": base_w[s.head].tolist(),
             "stats": _row_stats(head, s.softmax), "baseline_stats": _row_stats(base_w[s.head], True),
             "heads": [{k: v for k, v in _row_stats(w[h], s.softmax).items() if k in ("entropy", "max_weight")}

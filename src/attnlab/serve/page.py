@@ -271,7 +271,7 @@ function finish(my, msg, error) {
 }
 
 function render(r) {
-  const t = r.tokens;
+  const t = r.labels || r.tokens;  // readable labels; the raw token shows on hover (below)
   $("now-title").textContent = "weights now · layer " + r.layer + ", head " + r.head + " (rows: queries, columns: keys)";
   $("legend").textContent = drawMatrix($("matrix"), r.weights, t, t);
   drawMatrix($("baseline"), r.baseline_weights, t, t, {size: Math.max(3, Math.min(12, Math.floor(260 / t.length)))});
@@ -281,6 +281,10 @@ function render(r) {
   $("max-now").textContent = fmt(r.stats.max_weight);
   $("cos-now").textContent = fmt(r.output.cosine_to_baseline, 4);
   $("ntok").textContent = t.length + " tokens";
+  [$("matrix"), $("baseline")].forEach((box) => {
+    const rl = box.querySelectorAll(".lab.rl"), cl = box.querySelectorAll(".lab.cl");
+    r.tokens.forEach((raw, i) => { if (rl[i]) rl[i].title = raw; if (cl[i]) cl[i].title = raw; });
+  });
   $("notes").textContent = r.notes.join(" ");
   const hb = $("heads"); hb.replaceChildren();
   const logT = Math.log(Math.max(2, t.length));
