@@ -23,7 +23,7 @@ from .kernels.masks import MaskSpec
 from .kernels.spec import Request, check_block_size
 
 __all__ = ["AttentionInputError", "AttentionDtypeError", "AttentionInputs", "check_attention_inputs",
-           "check_block_size", "check_softcap", "check_alibi_slopes", "shape_str", "Prepared", "prepare", "to4d",
+           "check_block_size", "check_softcap", "check_alibi_slopes", "check_sinks", "shape_str", "Prepared", "prepare", "to4d",
            "mask4d"]
 
 
@@ -324,6 +324,8 @@ class Prepared:
             start, stop = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (0, 0)
             if self.mask.alibi is not None:
                 stop = S
+            if self.mask.rel_bias is not None:  # its offsets count from key 0: no key is cut
+                start, stop = 0, S
         m = self.mask
         key, value = self.key, self.value
         if (start, stop) == (0, S):
@@ -335,7 +337,7 @@ class Prepared:
 
             pat = None if m.pattern is None else P.sliced_keys(m.pattern, start, S)
             mask = MaskSpec(m.L, stop - start, pattern=pat, keep=cut(m.keep), bias=cut(m.bias), softcap=m.softcap,
-                            alibi=m.alibi)
+                            alibi=m.alibi, sinks=m.sinks)
             dead = self.dead[..., start:stop]
         if dead is not None and not bool(dead.any()):
             dead = None
@@ -364,7 +366,9 @@ class Prepared:
                        dead_per_head=self.live().dead_per_head,
                        sdpa_backend=sdpa_backend, softcap=m.softcap is not None,
                        alibi=None if m.alibi is None else "[H]" if m.alibi.shape[0] == 1 else "[B, H]",
-                       needs_grad=self.needs_grad, transformed=transformed(self.q, self.key, self.value))
+                       needs_grad=self.needs_grad, transformed=transformed(self.q, self.key, self.value),
+                       rel_bias=m.rel_bias is not None, sinks=m.sinks is not None,
+                       rel_bias_grad=m.rel_bias is not None and m.rel_bias.requires_grad)
 
 
 def to4d(t: torch.Tensor) -> torch.Tensor:
@@ -448,16 +452,39 @@ def check_alibi_slopes(alibi_slopes, query: torch.Tensor, info: AttentionInputs)
     return a
 
 
+def check_sinks(sinks, H: int, device: torch.device, heads_of: str) -> torch.Tensor | None:
+    """``sinks`` [H]: one logit per query head (Note [Attention sinks] in ``kernels.lse``), floating, finite, on the
+    query's device; returned as given (it may require grad: the kernels that take sinks differentiate them).
+    ``heads_of`` names where H comes from in the messages. Raises naming the argument and the shapes."""
+    if sinks is None:
+        return None
+    t = _require_tensor("sinks", sinks)
+    if not t.dtype.is_floating_point:
+        raise AttentionDtypeError(f"sinks must be a floating tensor [H] (one logit per query head), got {t.dtype}")
+    if t.device != device:
+        raise AttentionInputError(f"sinks is on {t.device} but query is on {device}")
+    if tuple(t.shape) != (H,):
+        raise AttentionInputError(f"sinks {shape_str(t)} must be [H] = [{H}] (one logit per query head; {heads_of})")
+    if t.device.type != "meta" and not bool(torch.isfinite(t.detach()).all()):
+        raise AttentionInputError(f"sinks must be finite (a sink of -inf is no sink: pass sinks=None), got "
+                                  f"{t.tolist() if t.numel() <= 16 else 'non-finite values'}")
+    return t
+
+
 def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             enable_gqa=False, pattern=None, *, softcap: float | None = None,
-            alibi_slopes: torch.Tensor | None = None) -> Prepared:
+            alibi_slopes: torch.Tensor | None = None, rel_bias: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None) -> Prepared:
     """Validate inputs (``check_attention_inputs``, ``check_softcap``, ``check_alibi_slopes``) and bring
     them to the kernels' 4-D form: query [..., L, E] -> q [B, H, L, E]; key/value -> [B, Hkv, S, E|Ev] with
     dead keys zeroed (Note [Dead keys]); ``attn_mask``, ``is_causal``, ``pattern``, ``softcap`` and
-    ``alibi_slopes`` (-> [B|1, H]) become one ``MaskSpec`` (Note [Score modifications])."""
+    ``alibi_slopes`` (-> [B|1, H]) become one ``MaskSpec`` (Note [Score modifications]); so does ``rel_bias``,
+    a relative bias table [H, L + S - 1] (``flex_attention``'s relative score_mod, Note [Relative bias
+    table]), whose keys are never cut (its offsets count from key 0); and ``sinks`` [H] (``check_sinks``)."""
     info = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     cap = check_softcap(softcap)
     slopes = check_alibi_slopes(alibi_slopes, query, info)
+    sinks = check_sinks(sinks, info.H, query.device, f"query {shape_str(query)}")
     if pattern is not None and not isinstance(pattern, P.Pattern):
         raise TypeError(f"pattern must be an attnlab.patterns.Pattern, got {type(pattern).__name__}")
     q, k, v = to4d(query), to4d(key), to4d(value)  # k, v: (B, Hkv, S, E)
@@ -477,9 +504,14 @@ def prepare(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     pat = pattern
     if is_causal:
         pat = P.causal() if pat is None else (pat & P.causal())
-    mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias, softcap=cap, alibi=slopes)
-    # ALiBi is a bias: with it, causal is no longer the only mask (soft-capping masks nothing)
-    causal_only = is_causal and pattern is None and attn_mask is None and slopes is None
+    if rel_bias is not None and (not isinstance(rel_bias, torch.Tensor) or not rel_bias.dtype.is_floating_point
+                                 or tuple(rel_bias.shape) != (info.H, info.L + info.S - 1)):
+        raise AttentionInputError(f"rel_bias must be a floating tensor [H, L + S - 1] = [{info.H}, "
+                                  f"{info.L + info.S - 1}], got {shape_str(rel_bias) if isinstance(rel_bias, torch.Tensor) else type(rel_bias).__name__}")
+    mask = MaskSpec(info.L, info.S, pattern=pat, keep=keep, bias=bias, softcap=cap, alibi=slopes, rel_bias=rel_bias,
+                    sinks=sinks)
+    # ALiBi and a relative bias are biases: with one, causal is no longer the only mask (soft-capping masks nothing)
+    causal_only = is_causal and pattern is None and attn_mask is None and slopes is None and rel_bias is None
     return Prepared(info, q, k, v, mask, causal_only, tuple(query.shape[:-1]) + (info.Ev,), float(dropout_p),
                     bool(attn_mask is not None and attn_mask.requires_grad), _dead_keys(mask, N))
 

@@ -29,19 +29,22 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import patterns as P
-from ..shapes import AttentionInputError, shape_str
+from ..kernels import COMPILED, KERNELS, planner, transformed
+from ..kernels.spec import Request
+from ..report import format_bytes
+from ..shapes import AttentionInputError, prepare, shape_str
+from .flex_masks import GENERAL_BLOCK, FlexMask, read_block_mask
+from .flex_general import general
 from .flex_trace import ScoreModKind, classify_score_mod
 
 try:  # torch >= 2.5; attnlab patterns work without it
-    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
 except ImportError:  # pragma: no cover - older torch
-    AuxOutput = AuxRequest = BlockMask = None
+    AuxOutput = AuxRequest = None
 
 __all__ = ["flex_attention", "flex_plan", "FlexPlan", "classify_score_mod", "probe_score_mod", "ScoreModKind",
            "GENERAL_BLOCK"]
 
-#: block edge of the general path when the mask brings no block size of its own (an attnlab pattern, no mask)
-GENERAL_BLOCK = 128
 
 
 def probe_score_mod(score_mod, B: int | None = None, H: int | None = None, L: int | None = None,
@@ -131,162 +134,8 @@ def _want(return_lse, return_aux, kernel_options):
     return bool(return_lse), False, False
 
 
-# -- block masks ------------------------------------------------------------------------------------
-def _is_noop(mask_mod) -> bool:
-    """Whether a BlockMask's mask_mod keeps everything (torch's noop_mask), found by name: that one is ours
-    to know, as torch builds it."""
-    return getattr(mask_mod, "__name__", "") == "noop_mask"
-
-
-@dataclass
-class _Mask:
-    """block_mask as both paths need it: ``pattern`` for attnlab.attention (None when there is none to
-    give, see ``refusal``), ``codes`` int8 [Bm|1, Hm|1, nq, nk] and the block for the general path, and
-    ``keep(b, h, i, j)`` the exact per-pair predicate there (None: every pair of a non-empty block)."""
-
-    describe: str
-    pattern: P.Pattern | None
-    refusal: str | None
-    codes: torch.Tensor
-    block: tuple[int, int]
-    keep: object
-
-
-def _read_block_mask(block_mask, B, H, L, S, block_size) -> _Mask:
-    bq = bk = block_size or GENERAL_BLOCK
-    nq, nk = -(-L // bq), -(-S // bk)
-    if block_mask is None:
-        return _Mask("none", None, None, torch.full((1, 1, nq, nk), P.FULL, dtype=torch.int8), (bq, bk), None)
-    if isinstance(block_mask, P.Pattern):
-        if block_mask.batch_size not in (None, B):
-            raise AttentionInputError(f"flex_attention: block_mask pattern {block_mask!r} is for batch size "
-                                      f"{block_mask.batch_size}, query has {B}")
-        codes = block_mask.block_layout(L, S, bq, bk).view(1, 1, nq, nk)
-        pat = block_mask
-
-        def keep(b, h, i, j):  # (B|1, 1, r, c)
-            m = pat.keep(i.view(-1, 1), j.view(1, -1), L, S)
-            return m.view(m.shape[0], 1, *m.shape[1:]) if pat.batch_size else m
-        return _Mask(f"attnlab pattern {block_mask!r}", block_mask, None, codes, (bq, bk), keep)
-    if BlockMask is None or not isinstance(block_mask, BlockMask):
-        raise TypeError(f"flex_attention: block_mask must be a torch BlockMask (create_block_mask) or an "
-                        f"attnlab.patterns Pattern, got {type(block_mask).__name__}")
-    return _read_torch_block_mask(block_mask, B, H, L, S)
-
-
-def _read_torch_block_mask(bm, B, H, L, S) -> _Mask:
-    bq, bk = (int(x) for x in bm.BLOCK_SIZE)
-    huge = bq >= 2**29 and bk >= 2**29  # torch's stand-in for "no mask"
-    if not huge and tuple(bm.seq_lengths) != (L, S):
-        raise AttentionInputError(f"flex_attention: block_mask was built for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)}, "
-                                  f"the inputs have ({L}, {S}); build it again for these lengths, or attnlab.patterns.adjust(block_mask, "
-                                  f"{L}, {S}, align=...) it "
-                                  "(torch's _adjust crops to the top left, wrong for bottom-right masks)")
-    if bm.kv_num_blocks.device.type != "cpu":
-        raise AttentionInputError(f"flex_attention: block_mask is on {bm.kv_num_blocks.device}; build it with "
-                                  "device='cpu'")
-    codes = P.block_codes(bm)  # (Bm, Hm, nq, nk)
-    Bm, Hm = codes.shape[:2]
-    if Bm not in (1, B) or Hm not in (1, H):
-        raise AttentionInputError(f"flex_attention: block_mask has (B, H) = ({Bm}, {Hm}), the query ({B}, {H}); "
-                                  "each must be 1 or equal")
-    nq, nk = -(-L // bq), -(-S // bk)
-    codes = codes[..., :nq, :nk]
-    mm = bm.mask_mod
-    noop = _is_noop(mm)
-
-    def keep(b, h, i, j):  # exact torch semantics: full blocks, and partial blocks where mask_mod keeps
-        c = codes[:, :, torch.div(i, bq, rounding_mode="floor").view(-1, 1), torch.div(j, bk, rounding_mode="floor").view(1, -1)]
-        if noop:
-            return c != P.EMPTY
-        m = mm(b, h, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1))
-        return (c == P.FULL) | ((c == P.PARTIAL) & m)
-
-    desc = f"torch BlockMask (blocks {bq}x{bk}, (B, H) = ({Bm}, {Hm}), mask_mod {getattr(mm, '__name__', mm)!r})"
-    memo = _memo_of(bm)
-    if ("pattern", B) not in memo:  # one pattern object per BlockMask: the kernels' layouts are cached per pattern
-        try:
-            memo[("pattern", B)] = P.from_block_mask(bm, B=B), None
-        except (ValueError, TypeError) as e:
-            memo[("pattern", B)] = None, f"not an attnlab pattern ({e})"
-    pattern, refusal = memo[("pattern", B)]
-    if pattern is not None and not noop and pattern.batch_size is None:
-        band = _band_of(bm, mm, codes, L, S, bq, bk)
-        if band is not None:
-            pattern = band
-            desc += f", proved equal to {band!r}"
-    return _Mask(desc, pattern, refusal, codes, (bq, bk), keep)
-
-
-# Note [Bands proved once per BlockMask]: a BlockMask whose mask_mod is a band (causal, sliding windows)
-# runs as attnlab's band pattern, whose kernels need no mask_mod call per tile (one mask tile per
-# diagonal); the BlockMask's own blocks must be the band's, and ``patterns.as_band(..., blocks=)`` proves
-# mask_mod equal to the band on the BlockMask's PARTIAL blocks only (every pair of them that intervals on
-# sub-tiles of an eighth of a block cannot settle): torch never calls mask_mod on a FULL or EMPTY block, so those are
-# settled by the layout check, and the proof skips as_band's search over the whole grid (21 -> 15 ms for a
-# causal window at L = S = 16384, fresh process). The answer is kept per BlockMask object
-# (weakly: a mask built once per training run pays once), so mask_mod must be pure, as for every pattern;
-# so is the pattern ``from_block_mask`` makes of it (the kernels cache their layouts per pattern object, so a
-# new pattern per call rebuilt the mask tiles of every partial block on every call). Before the proof, a
-# necessary condition on the BlockMask's own blocks (square ones): a band's block (I, J) depends on J - I
-# only, so blocks one step down the diagonal must be equal (the last row and column, which the lengths may
-# cut, aside); a mask that fails it (documents, prefix LM) is no band, without evaluating mask_mod
-# (as_band's proof cost a document mask 45 ms at L = S = 16384).
-_MEMO: "weakref.WeakKeyDictionary" = None  # BlockMask -> {(L, S): band pattern | None, ("pattern", B): ...}
-
-
-def _memo_of(bm) -> dict:
-    """The per-BlockMask memo of Note [Bands proved once per BlockMask] (a fresh dict when ``bm`` is not
-    weak-referenceable)."""
-    global _MEMO
-    import weakref
-
-    if _MEMO is None:
-        _MEMO = weakref.WeakKeyDictionary()
-    try:
-        return _MEMO.setdefault(bm, {})
-    except TypeError:  # not weak-referenceable
-        return {}
-
-
-def _diagonal_invariant(c: torch.Tensor) -> bool:
-    """Whether block codes c [nq, nk] depend on J - I only, off the last row and column (a band's, for
-    square blocks: Note [Bands proved once per BlockMask])."""
-    return c.shape[0] < 3 or c.shape[1] < 3 or torch.equal(c[1:-1, 1:-1], c[:-2, :-2])
-
-
-def _band_of(bm, mm, codes, L, S, bq, bk):
-    memo = _memo_of(bm)
-    if (L, S) not in memo:
-        if bq == bk and not _diagonal_invariant(codes[0, 0]):
-            memo[(L, S)] = None
-            return None
-        pq, pk = (codes[0, 0] == P.PARTIAL).nonzero(as_tuple=True)  # the only blocks that call mask_mod
-        band = P.as_band(mm, L, S, (bq, bk), blocks=(pq, pk))
-        if band is not None:
-            want = P.torch_layout(band, L, S, (bq, bk))
-            if not torch.equal(want, codes[0, 0]) or not bool((codes == codes[:1, :1]).all()):
-                band = None
-        memo[(L, S)] = band
-    return memo[(L, S)]
-
-
 # -- the paths -------------------------------------------------------------------------------------
-def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors requiring grad that ``t`` was computed from (its autograd graph's leaves)."""
-    seen, out, todo = set(), [], [t.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if hasattr(fn, "variable"):  # AccumulateGrad
-            out.append(fn.variable)
-        todo.extend(f for f, _ in fn.next_functions)
-    return out
-
-
-def _row_keys(mask: "_Mask", qb: int, S: int):
+def _row_keys(mask: "FlexMask", qb: int, S: int):
     """Key positions of the blocks query block ``qb`` keeps (for any b, h) as a slice when they are one
     range, else an int64 index; and the positions (within those keys) of the blocks that are PARTIAL for
     some (b, h), None when every kept block is FULL everywhere."""
@@ -342,24 +191,31 @@ def _relative_table(score_mod, H, L, S, dtype):
     return torch.broadcast_to(y.to(dtype), (H, d.numel()))
 
 
-def _relative_bias_attention(query, key, value, rel, mask: "_Mask", kind, scale, enable_gqa):
-    """Note [Relative bias table]: one compiled-kernel call with the mask as a pattern and the bias as the
-    table per offset ``rel`` [H, L + S - 1] (float64: the kernel rounds it to the
-    accumulation dtype, differentiably). Returns out [B, H, L, Ev] and lse [B, H, L] (not differentiable)."""
-    from ..kernels import compiled as compiled_kernel
-    from ..shapes import prepare
-    from . import rates
-
+def _relative_bias_attention(query, key, value, rel, mask: "FlexMask", kind, scale, enable_gqa):
+    """Note [Relative bias table]: one call through the planner's door with the mask as a pattern and the bias
+    as a declared score modification, the table per offset ``rel`` [H, L + S - 1] (float64: the kernel rounds
+    it to the accumulation dtype, differentiably; the compiled kernel is the one that declares it). Returns
+    out [B, H, L, Ev] and lse [B, H, L] (not differentiable), or None when no kernel takes the table here."""
     p = prepare(query, key, value, None, 0.0, False, scale * kind.factor, enable_gqa, mask.pattern,
-                softcap=kind.softcap)
-    out, lse = compiled_kernel.compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale,
-                                                  *compiled_kernel.compiled_blocks(
-                                                      p, None, rates.current().compiled_block_speed),
-                                                  rel_bias=rel)
+                softcap=kind.softcap, rel_bias=rel).live()
+    try:
+        plan = planner.plan(p, "auto", costs=False)
+    except ValueError:  # no kernel adds a relative bias table here (e.g. the compiled extension is not built)
+        return None
+    out, _, lse = plan.kernel.run(p, plan.tiling, need_lse=True)
     return out.reshape(p.out_shape), lse.reshape(p.out_shape[:-1])
 
 
-def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scale, enable_gqa, want_lse):
+def _takes_relative(query, key, value, H, L, S) -> bool:
+    """Whether a kernel the planner would run takes a relative bias table for these inputs (its declaration:
+    ``KernelSpec.rel_bias``), asked of a request with the table's flag set."""
+    r = Request(query.shape[0], H, key.shape[1], L, S, query.shape[-1], value.shape[-1], query.dtype,
+                query.device.type, pattern=True, rel_bias=True, transformed=transformed(query, key, value),
+                needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
+    return len(planner.refusals(r)) < len(KERNELS)
+
+
+def _kept_bias_attention(query, key, value, score_mod, mask: "FlexMask", kind, scale, enable_gqa, want_lse):
     """Note [Kept-blocks bias]: an affine (or soft-capping) score_mod with a bias runs one query block at a
     time on the key blocks the mask keeps: the bias is evaluated on those (rows x kept keys) only, the
     partial blocks' mask folded in as -inf, and attnlab.attention runs the slab with it as a float
@@ -411,7 +267,7 @@ def _kept_bias_attention(query, key, value, score_mod, mask: "_Mask", kind, scal
 def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size):
     B, H, L, _ = query.shape
     S = key.shape[2]
-    mask = _read_block_mask(block_mask, B, H, L, S, block_size)
+    mask = read_block_mask(block_mask, B, H, L, S, block_size)
     kind = classify_score_mod(score_mod)
     needs_grad = torch.is_grad_enabled() and (kind.reads_grad or any(t.requires_grad for t in (query, key, value)))
     notes = []
@@ -438,9 +294,7 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
         kw["softcap"] = f"{kind.softcap:.6g}"
     bias = rel = None
     if kind.has_bias:
-        from ..kernels import compiled as compiled_kernel
-
-        if kind.relative and mask.refusal is None and L and S and compiled_kernel.available(query):
+        if kind.relative and mask.refusal is None and L and S and _takes_relative(query, key, value, H, L, S):
             rel = _relative_table(score_mod, H, L, S, torch.float64)
         if rel is not None:
             bias = "relative"
@@ -450,13 +304,10 @@ def _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse,
                          "call adds it from a table per offset, the mask as a pattern (Note [Relative bias table]); "
                          "memory and gradient O(H·(L + S))")
             if needs_grad and kind.reads_grad:
-                from ..kernels.spec import Request
-                from ..report import format_bytes
-
                 r = Request(B, H, key.shape[1], L, S, query.shape[-1], value.shape[-1], query.dtype, needs_grad=True,
-                            rel_bias_grad=True)
+                            rel_bias=True, rel_bias_grad=True)
                 notes.append(f"backward: the table's gradient is summed in per-unit rows, at most "
-                             f"{format_bytes(compiled_kernel.rel_bias_grad_bytes(r, 16))} "
+                             f"{format_bytes(COMPILED.rel_bias_grad_bytes(r, 16))} "
                              "(units x groups x (L + S - 1), csrc Note [Relative bias])")
         else:
             bias = "kept blocks"
@@ -480,126 +331,6 @@ def flex_plan(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score
     scale = _check_inputs(query, key, value, scale, enable_gqa)
     want_lse, want_max, _ = _want(return_lse, return_aux, kernel_options)
     return _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)[0]
-
-
-# -- the general path -------------------------------------------------------------------------------
-def _row_block(q, k, v, score_mod, mask: _Mask, scale, q0, blocks, B, H, want_max):
-    """Online softmax over the kept key blocks of one query block: q [B, H, r, E] (accumulation dtype),
-    k [B, H, S, E], v [B, H, S, Ev] -> out [B, H, r, Ev], lse [B, H, r], max [B, H, r]."""
-    r = q.shape[2]
-    acc = q.dtype
-    bidx = torch.arange(B).view(B, 1, 1, 1)
-    hidx = torch.arange(H).view(1, H, 1, 1)
-    i = torch.arange(q0, q0 + r)
-    m = q.new_full((B, H, r), float("-inf"))
-    l = q.new_zeros(B, H, r)
-    o = q.new_zeros(B, H, r, v.shape[-1])
-    mx = m.clone()
-    for k0, k1, partial in blocks:
-        j = torch.arange(k0, k1)
-        s = torch.matmul(q, k[:, :, k0:k1].transpose(-1, -2)) * scale  # (B, H, r, c)
-        if score_mod is not None:
-            s = torch.broadcast_to(score_mod(s, bidx, hidx, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)), s.shape).to(acc)
-        if partial and mask.keep is not None:
-            s = s.masked_fill(~mask.keep(bidx, hidx, i, j), float("-inf"))
-        if want_max:
-            mx = torch.maximum(mx, s.amax(-1))
-        # Note [Online softmax rescaling]: the running max is detached (the result does not depend on it);
-        # a row with nothing kept yet keeps max -inf, shifted by 0 instead
-        m_new = torch.maximum(m, s.detach().amax(-1))
-        shift = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = torch.exp(s - shift.unsqueeze(-1))  # (B, H, r, c)
-        alpha = torch.exp(m - shift)  # (B, H, r): 0 where m was -inf
-        l = l * alpha + p.sum(-1)
-        o = o * alpha.unsqueeze(-1) + torch.matmul(p, v[:, :, k0:k1])
-        m = m_new
-    # Note [NaN rows stay NaN]: only a row with no kept key (l == 0) gives 0 and lse -inf; a NaN from score_mod
-    # (or from the inputs) at any kept pair makes l NaN, and its row NaN, as torch's softmax does: a NaN is
-    # the user's signal of a bug, never hidden as a zero row (issue 40, D6)
-    dead = l == 0
-    l_safe = torch.where(dead, torch.ones_like(l), l)
-    out = torch.where(dead.unsqueeze(-1), torch.zeros_like(o), o / l_safe.unsqueeze(-1))
-    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    lse = torch.where(dead, torch.full_like(l, float("-inf")), shift + torch.log(l_safe))
-    return out, lse, mx
-
-
-# Note [Recomputed query blocks]: under autograd the general path keeps no scores: each query block's
-# forward runs without a graph and its backward runs it again with one (activation checkpointing). Not with
-# torch.utils.checkpoint: its first call imports torch._dynamo, and with it torch.fx's symbolic shapes and
-# sympy (0.5-1.4 s of a first call in a fresh process; tests/functional/test_flex.py
-# test_first_call_imports_no_compiler_stack). _Recomputed takes the block's queries, k, v and the leaves
-# score_mod reads (found from one call of it on a single pair: a score_mod that reads a tensor requiring grad
-# at some pairs only, by Python control flow on values, would not be seen) as inputs, so autograd routes the
-# gradients the recomputation finds to them; the recomputation differentiates through the captured tensors'
-# own graph to those leaves (retained, as every query block walks it). One backward only (no double backward).
-class _Recomputed(torch.autograd.Function):
-    """(out, lse, max) of ``run(qs)`` for one query block, recomputed in the backward (Note [Recomputed
-    query blocks]). Inputs: run, qs [B, H, r, E], k, v (which run reads), then the leaves score_mod reads."""
-
-    @staticmethod
-    def forward(ctx, run, qs, k, v, *leaves):
-        # the very tensors (not saved copies): the recomputation's graph must reach these objects
-        ctx.run, ctx.inputs = run, (qs, k, v, *leaves)
-        return run(qs)  # autograd is off inside forward: no graph, no scores kept
-
-    @staticmethod
-    def backward(ctx, *grads):
-        qs, k, v, *leaves = ctx.inputs  # kept: a retained graph may run this backward again (gradcheck does)
-        wrt = [qs.detach().requires_grad_(ctx.needs_input_grad[1])] + [k, v] + list(leaves)
-        need = [ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3],
-                *ctx.needs_input_grad[4:]]
-        pick = [i for i, n in enumerate(need) if n]
-        with torch.enable_grad():
-            outs = ctx.run(wrt[0])
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            # a scalar sum(o · g), not grad_outputs=g: torch.autograd.grad imports torch.fx's symbolic shapes
-            # and sympy on its first call with grad_outputs (the vector-Jacobian product is the same, exactly)
-            total = sum((o * g).sum() for o, g in pairs) if pairs else None
-        got = torch.autograd.grad(total, [wrt[i] for i in pick], allow_unused=True,
-                                  retain_graph=True) if pairs and pick else []
-        res = [None] * len(wrt)
-        for i, gi in zip(pick, got):
-            res[i] = gi
-        return (None, *res)
-
-
-def _general(query, key, value, score_mod, mask: _Mask, scale, want_max):
-    """out [B, H, L, Ev] (query's dtype), lse [B, H, L] and max [B, H, L] (accumulation dtype) by online
-    softmax over the blocks ``mask.codes`` keeps (union over batch and heads), per query block."""
-    B, H, L, _ = query.shape
-    S = key.shape[2]
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    G = H // key.shape[1]
-    q, k, v = query.to(acc), key.to(acc), value.to(acc)
-    if G > 1:  # (B, Hkv, S, E) -> (B, H, S, E): query head h reads kv head h // G
-        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    bq, bk = mask.block
-    kept = mask.codes.amax(dim=(0, 1))  # (nq, nk): EMPTY only where every (b, h) is empty
-    full_all = (mask.codes == P.FULL).all(0).all(0)
-    grad = torch.is_grad_enabled()
-    leaves = []
-    if grad and score_mod is not None:  # the tensors requiring grad score_mod reads (Note [Recomputed query blocks])
-        z = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-        y = score_mod(torch.zeros(1, 1, 1, 1, dtype=acc), z, z, z, z)
-        leaves = _leaves(y) if isinstance(y, torch.Tensor) and y.requires_grad else []
-    outs, lses, maxes = [], [], []
-    for qb in range(-(-L // bq)):
-        q0, q1 = qb * bq, min(L, (qb + 1) * bq)
-        blocks = [(kb * bk, min(S, (kb + 1) * bk), not bool(full_all[qb, kb]))
-                  for kb in range(kept.shape[1]) if int(kept[qb, kb]) != P.EMPTY]
-
-        def run(qs, q0=q0, blocks=blocks):
-            return _row_block(qs, k, v, score_mod, mask, scale, q0, blocks, B, H, want_max)
-        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or leaves):
-            o, lse, mx = _Recomputed.apply(run, q[:, :, q0:q1], k, v, *leaves)
-        else:
-            o, lse, mx = run(q[:, :, q0:q1])
-        outs.append(o), lses.append(lse), maxes.append(mx)
-    out = torch.cat(outs, 2).to(query.dtype) if outs else query.new_zeros(B, H, 0, value.shape[-1])
-    lse = torch.cat(lses, 2) if lses else q.new_zeros(B, H, 0)
-    mx = torch.cat(maxes, 2) if maxes else q.new_zeros(B, H, 0)
-    return out, lse, mx
 
 
 # -- the API ----------------------------------------------------------------------------------------
@@ -648,18 +379,19 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"flex_attention: block_size must be a positive int or None, got {block_size!r}")
     plan, mask, rel = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)
-    B, H, L, _ = query.shape
-    S = key.shape[2]
     lse = mx = None
     if plan.path == "general":
-        out, lse, mx = _general(query, key, value, score_mod, mask, scale, want_max)
+        out, lse, mx = general(query, key, value, score_mod, mask, scale, want_max)
     else:
         from . import attention, attention_with_lse
 
         kind = plan.score_mod
         kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)
+        got = None
         if plan.bias == "relative":
-            out, lse = _relative_bias_attention(query, key, value, rel, mask, kind, scale, enable_gqa)
+            got = _relative_bias_attention(query, key, value, rel, mask, kind, scale, enable_gqa)
+        if got is not None:
+            out, lse = got
             lse = lse if want_lse else None
         elif kind.has_bias:
             out, lse = _kept_bias_attention(query, key, value, score_mod, mask, kind, scale, enable_gqa, want_lse)

@@ -772,7 +772,7 @@ def _fp32_copy_bytes(r: Request) -> int:
 
 SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the layout's tiles, masks read "
                   "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True,
-                  devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",),
+                  devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",), rel_bias=True,
                   peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason(), explain=_explain)
 
 
@@ -842,8 +842,12 @@ class CompiledKernel(Kernel):
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, None, lse) from the tiles."""
         bq, bk = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
-        out, lse = compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk)
+        out, lse = compiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk, rel_bias=p.mask.rel_bias)
         return out, None, lse
+
+    def rel_bias_grad_bytes(self, r: Request, block_k: int = 16) -> int:
+        """Bytes of a relative bias table's gradient in its backward (``rel_bias_grad_bytes``)."""
+        return rel_bias_grad_bytes(r, block_k)
 
 
 #: GFLOP/s of its best tiles on the 2-core reference machine: 0.96 of SDPA's per pair (brgemm, dense fp32)

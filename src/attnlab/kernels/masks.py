@@ -37,6 +37,12 @@ class MaskSpec:
     bias: torch.Tensor | None = None  # user float mask, 4-D broadcastable, added to the scores
     softcap: float | None = None  # > 0: x -> softcap·tanh(x / softcap) on the scaled product (Note [Score modifications])
     alibi: torch.Tensor | None = None  # ALiBi slopes [N|1, H], float32 or float64
+    #: a relative bias table [H, L + S - 1]: rel_bias[h, j - i + L - 1] added to query i's score for key j
+    #: (flex_attention's score_mod proved a function of (h, kv_idx - q_idx): Note [Relative bias table])
+    rel_bias: torch.Tensor | None = None
+    #: attention sinks [H]: one logit per query head in the softmax denominator, masks nothing (Note [Attention
+    #: sinks] in ``kernels.lse``); may require grad
+    sinks: torch.Tensor | None = None
     # layouts already built for this call: the planner costs block shapes and the kernel then asks again
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -44,7 +50,8 @@ class MaskSpec:
     def is_trivial(self) -> bool:
         """No mask or bias at all (not even causal or ALiBi): every (query, key) pair takes part as
         its (maybe soft-capped) product."""
-        return self.pattern is None and self.keep is None and self.bias is None and self.alibi is None
+        return (self.pattern is None and self.keep is None and self.bias is None and self.alibi is None
+                and self.rel_bias is None)
 
     def softcap_for(self, dtype: torch.dtype) -> float | None:
         """The soft-cap in effect for scores computed in ``dtype``: None when off, and when ``softcap``

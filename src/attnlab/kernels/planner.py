@@ -200,7 +200,8 @@ class _Call:
 
     @property
     def mods(self) -> str:
-        return " and ".join(n for n, on in (("soft-capping", self.r.softcap), ("ALiBi", self.r.alibi)) if on)
+        return " and ".join(n for n, on in (("soft-capping", self.r.softcap), ("ALiBi", self.r.alibi),
+                                            ("a relative bias", self.r.rel_bias)) if on)
 
 
 @dataclass(frozen=True)

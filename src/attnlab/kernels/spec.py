@@ -36,8 +36,11 @@ class Request:
         will differentiate the result.
     softcap: tanh soft-capping of the scores is asked for; alibi: ALiBi slopes are given, of shape "[H]" or
         "[B, H]" (None: no ALiBi).
-    rel_bias_grad: a relative bias table [H, L + S - 1] (the compiled kernel's ``rel_bias``, from
+    rel_bias: a relative bias table [H, L + S - 1] is added to the scores (``flex_attention``'s relative
+        score_mod, a declared score modification like ALiBi). rel_bias_grad: that table (the compiled kernel's ``rel_bias``, from
         ``flex_attention``) requires grad: the backward sums its gradient per unit (csrc Note [Relative bias]).
+    sinks: learned attention sinks are given (``sinks=``, one logit s_h per query head, gpt-oss): exp(s_h) joins
+        each row's softmax denominator (Note [Attention sinks] in ``kernels.lse``).
     cache: the keys and values are a KV-cache view (``kernels.cacheview.CacheCall``: flash-attn's layout) of
         this kind: "contiguous" (one length for every sequence, rows [B, S]), "lengths" (a length per
         sequence) or "paged" (a block table into a page pool); None: ordinary tensors.
@@ -69,6 +72,8 @@ class Request:
     softcap: bool = False
     alibi: str | None = None
     rel_bias_grad: bool = False
+    rel_bias: bool = False
+    sinks: bool = False
     cache: str | None = None
     quantized: bool = False
     transformed: bool = False
@@ -76,12 +81,13 @@ class Request:
     @property
     def trivial(self) -> bool:
         """No mask or bias of any kind (not even causal or ALiBi); soft-capping may still be asked for."""
-        return not (self.causal_only or self.pattern or self.keep_mask or self.float_mask or self.alibi)
+        return not (self.causal_only or self.pattern or self.keep_mask or self.float_mask or self.alibi
+                    or self.rel_bias)
 
     @property
     def score_mods(self) -> bool:
         """Soft-capping or ALiBi is asked for."""
-        return self.softcap or self.alibi is not None
+        return self.softcap or self.alibi is not None or self.rel_bias
 
     @property
     def element_size(self) -> int:
@@ -151,6 +157,9 @@ class KernelSpec:
         L×S float mask per head first: ``alibi_mask_bytes``). alibi_shapes: the slope shapes it takes.
     devices: device types it runs on (None: any).
     backward: differentiates its output (False: inference only, refused when the inputs require grad).
+    rel_bias: adds a relative bias table [H, L + S - 1] inside its tiles, with its gradient.
+    sinks: takes attention sinks (``Request.sinks``), with their gradient where it has a backward: in its softmax,
+        or by rescaling its output from its log-sum-exp (Note [Attention sinks] in ``kernels.lse``).
     max_queries: a decode kernel's longest query (it needs L <= max_queries, and outside a KV-cache view
         1 <= L < S: a short self-attention, L = S, stays on the prefill kernels); None: any shape.
     cache_views: the KV-cache views it reads in place (``Request.cache``); quantized_cache: it reads int8
@@ -180,6 +189,8 @@ class KernelSpec:
     alibi_shapes: tuple[str, ...] = ALIBI_SHAPES
     dtypes: tuple = FLOAT_DTYPES
     devices: tuple[str, ...] | None = None
+    rel_bias: bool = False
+    sinks: bool = False
     max_queries: int | None = None
     cache_views: tuple[str, ...] = ()
     quantized_cache: bool = False
@@ -249,6 +260,11 @@ class KernelSpec:
             why.append("no pattern or mask to skip work with (nothing is sparse)")
         if r.softcap and not self.softcap:
             why.append("no soft-capping (softcap=)")
+        if r.sinks and not self.sinks:
+            why.append("no attention sinks (sinks=): no softmax of its own and no differentiable log-sum-exp to "
+                       "rescale by")
+        if r.rel_bias and not self.rel_bias:
+            why.append("no relative bias table (flex_attention's score_mod of kv_idx - q_idx)")
         if r.alibi is not None:
             if self.alibi == "no":
                 why.append("no ALiBi (alibi_slopes=)")
