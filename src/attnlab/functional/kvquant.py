@@ -1,7 +1,9 @@
 """int8 KV caches for ``attention_with_kvcache`` and the decode kernel: the stored format (``QuantizedKV``),
-quantisation on append, and the error budget (Note [int8 KV error budget]).
+quantisation on append, key channel smoothing (Note [int8 key channel smoothing]) and the error budget (Note
+[int8 KV error budget]).
 
-Legend: B batch, P pages of T tokens, S cache capacity, Hkv key/value heads, D head dim.
+Legend: B batch, L queries, H query heads, G = H / Hkv, P pages of T tokens, S cache capacity, Hkv key/value
+heads, D head dim.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 from ..shapes import AttentionDtypeError, AttentionInputError, shape_str
 from .storage import _check_shape, empty_kv_cache
 
-__all__ = ["QuantizedKV", "INT8_ERROR_BUDGET", "quantize_rows", "encode", "query"]
+__all__ = ["QuantizedKV", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "quantize_rows", "channel_scales", "encode",
+           "query"]
 
 #: Note [int8 KV error budget]: an int8 row is x ≈ data · scale with scale = max|x| / 127 (symmetric, per token
 #: and kv head, round to nearest), so each element is off by at most scale / 2 = max|x| / 254. On Gaussian rows
@@ -36,6 +39,21 @@ __all__ = ["QuantizedKV", "INT8_ERROR_BUDGET", "quantize_rows", "encode", "query
 INT8_ERROR_BUDGET = 4.0
 
 
+#: Note [int8 key channel smoothing]: keys of real models carry a few outlier channels (fixed channels, 10-100x
+#: the others), and one scale per row then spends the int8 grid on them: every other channel of the row is off by
+#: up to max|row| / 254. A smoothed key cache stores k / c per row (the per-token format above) with c one scale
+#: per kv head and channel, and the query becomes q ⊙ c: q · k = (q ⊙ c) · (k / c), so the decode kernel is
+#: unchanged (SmoothQuant's migration, folded into the query as KIVI's per-channel key scales are). c is fixed
+#: by the cache's first append (the prefill) from each channel's max|k| m over those rows: c = max(m, median_D m)
+#: ^ SMOOTH_ALPHA. The median floor leaves ordinary channels at one common c (the per-token format where it is
+#: enough: Gaussian keys are quantised as before, and a first append of one token cannot blow up a channel that
+#: happened to be small there); alpha < 1 leaves outlier channels somewhat above the others, which spends the
+#: grid between them instead of on them (alpha = 1 makes every channel's error scale with its own max). Values
+#: are not smoothed (no hook after the kernel). What was measured and why this wins: experiments/kvquant.py,
+#: Note [int8 KV format choice].
+SMOOTH_ALPHA = 0.75
+
+
 @dataclass(frozen=True)
 class QuantizedKV:
     """An int8 KV cache: ``data`` int8 [B, S, Hkv, D] (or a page pool [P, T, Hkv, D]) and ``scale`` float32
@@ -43,13 +61,18 @@ class QuantizedKV:
     per token and kv head: Note [int8 KV error budget]). Pass it as ``k_cache`` / ``v_cache`` of
     ``attention_with_kvcache`` (a plain ``(data, scale)`` pair works too): new keys/values are quantised on
     append, in place, and the decode kernel dequantises as it reads (csrc Note [Decode int8 cache]).
-    Reads 1 byte an element plus 4 a row: about half a bf16 cache's bytes at D = 128."""
+    Reads 1 byte an element plus 4 a row: about half a bf16 cache's bytes at D = 128.
+
+    ``channel`` (key caches only): None, or float32 [Hkv, D], the key channel smoothing of Note [int8 key
+    channel smoothing]: row (b, t, g) then holds ``data[b, t, g] * scale[b, t, g] * channel[g]``; all zeros
+    means "not fixed yet" (the first append fixes it, ``QuantizedKV.empty(..., smooth=True)``)."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    channel: torch.Tensor | None = None
 
     def __post_init__(self):
-        d, sc = self.data, self.scale
+        d, sc, ch = self.data, self.scale, self.channel
         if not isinstance(d, torch.Tensor) or d.dtype != torch.int8 or d.dim() != 4:
             raise AttentionDtypeError(f"QuantizedKV.data must be an int8 tensor [B|P, S|T, Hkv, D], got "
                                       f"{shape_str(d) if isinstance(d, torch.Tensor) else type(d).__name__}"
@@ -61,20 +84,34 @@ class QuantizedKV:
                 f"{(shape_str(sc) + ' ' + str(sc.dtype)) if isinstance(sc, torch.Tensor) else type(sc).__name__}")
         if sc.device != d.device:
             raise AttentionInputError(f"QuantizedKV.data is on {d.device} but its scale on {sc.device}")
+        if ch is not None:
+            if (not isinstance(ch, torch.Tensor) or ch.dtype != torch.float32
+                    or tuple(ch.shape) != (d.shape[2], d.shape[3]) or ch.device != d.device):
+                raise AttentionInputError(
+                    f"QuantizedKV.channel must be None or float32 [Hkv, D] = {list(d.shape[2:])} on {d.device} (one "
+                    f"key scale per kv head and channel of data {shape_str(d)}), got "
+                    f"{(shape_str(ch) + ' ' + str(ch.dtype) + ' on ' + str(ch.device)) if isinstance(ch, torch.Tensor) else type(ch).__name__}")
 
     @classmethod
-    def empty(cls, *shape: int, huge_pages: bool | None = None) -> "QuantizedKV":
+    def empty(cls, *shape: int, huge_pages: bool | None = None, smooth: bool = False) -> "QuantizedKV":
         """A zero cache of shape [B|P, S|T, Hkv, D] (every row 0, scale 0), data and scale in ``empty_kv_cache``
-        storage (huge pages where the OS offers them: Note [KV cache on huge pages])."""
+        storage (huge pages where the OS offers them: Note [KV cache on huge pages]). ``smooth``: a key cache
+        with channel smoothing (Note [int8 key channel smoothing]), fixed by its first append."""
         shape = _check_shape(shape)
+        if not isinstance(smooth, bool):
+            raise TypeError(f"QuantizedKV.empty: smooth must be a bool, got {type(smooth).__name__}")
         return cls(empty_kv_cache(*shape, dtype=torch.int8, huge_pages=huge_pages),
-                   empty_kv_cache(*shape[:3], dtype=torch.float32, huge_pages=huge_pages))
+                   empty_kv_cache(*shape[:3], dtype=torch.float32, huge_pages=huge_pages),
+                   torch.zeros(shape[2], shape[3]) if smooth else None)
 
     @classmethod
-    def quantize(cls, x: torch.Tensor) -> "QuantizedKV":
-        """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / 127, round to nearest)."""
-        data, scale = _quantize(x)
-        return cls(data, scale)
+    def quantize(cls, x: torch.Tensor, *, smooth: bool = False) -> "QuantizedKV":
+        """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / 127, round to nearest);
+        ``smooth``: keys with channel smoothing fixed from x itself (Note [int8 key channel smoothing])."""
+        if not smooth:
+            return cls(*_quantize(x))
+        c = channel_scales(x)
+        return cls(*_quantize(x.detach().to(torch.float32) / c), c)
 
     @property
     def shape(self) -> torch.Size:
@@ -82,8 +119,23 @@ class QuantizedKV:
         return self.data.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """data · scale as ``dtype``, same shape as data."""
-        return (self.data.to(torch.float32) * self.scale.unsqueeze(-1)).to(dtype)
+        """data · scale (· channel) as ``dtype``, same shape as data."""
+        x = self.data.to(torch.float32) * self.scale.unsqueeze(-1)
+        return (x * self.channel if self.channel is not None else x).to(dtype)
+
+
+def channel_scales(x: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """x [.., Hkv, D] keys -> c float32 [Hkv, D] (Note [int8 key channel smoothing]): m = max|x| per kv head and
+    channel over the leading dims, c = max(m, median_D m) ^ alpha (1 for a head whose keys are all 0)."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
+        raise AttentionInputError(f"channel_scales: x must be a floating tensor [.., Hkv, D], got "
+                                  f"{shape_str(x) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    m = x.detach().to(torch.float32).abs().reshape(-1, *x.shape[-2:]).amax(0)  # (Hkv, D)
+    if not bool(torch.isfinite(m).all()):
+        raise AttentionInputError("an int8 cache takes finite keys and values only (k or v holds inf or NaN)")
+    floor = m.median(-1, keepdim=True).values  # (Hkv, 1)
+    c = torch.maximum(m, floor).pow_(alpha)
+    return torch.where(c.amax(-1, keepdim=True) > 0, c, torch.ones_like(c)).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +156,25 @@ quantize_rows = _quantize
 # -- the two points where a cache's format meets a decode call (attention_with_kvcache, the HF int8 cache) ----
 def encode(cache: "QuantizedKV", new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (int8 data, float32 scale) rows that ``cache`` stores for new keys or values ``new`` [.., Hkv, D],
-    made before anything is written (Note [Checked, then appended] in ``functional.kvcache``)."""
-    return _quantize(new)
+    made before any row is written (Note [Checked, then appended] in ``functional.kvcache``). A smoothed key
+    cache whose channel scales are not fixed yet (all 0) fixes them here from ``new`` (its first append), in
+    place, once ``new`` is known finite: Note [int8 key channel smoothing]."""
+    c = cache.channel
+    if c is None:
+        return _quantize(new)
+    if not bool(c.any()):
+        c.copy_(channel_scales(new))
+    return _quantize(new.detach().to(torch.float32) / c)
 
 
 def query(k_cache: "QuantizedKV", q: torch.Tensor) -> torch.Tensor:
     """The query [B, L, H, D] that the decode kernel multiplies against ``k_cache``'s stored rows (the format's
-    per-row scale is applied by the kernel); the query itself for the per-token format."""
-    return q
+    per-row scale is applied by the kernel): q itself for the per-token format, q ⊙ channel for a smoothed one
+    (kv head g's scales on its G query heads: q · k = (q ⊙ c) · (k / c))."""
+    c = k_cache.channel
+    if c is None:
+        return q
+    B, L, H, D = q.shape
+    Hkv = c.shape[0]
+    qc = q.reshape(B, L, Hkv, H // Hkv, D) * c.unsqueeze(1)  # (B, L, Hkv, G, D)
+    return qc.reshape(B, L, H, D).to(q.dtype)

@@ -1,0 +1,144 @@
+"""int8 key channel smoothing (``functional.kvquant``, Note [int8 key channel smoothing]): the stored rows within
+half a step, the channel scales from their definition, fixed by the first append; the decode kernel on a smoothed
+cache equal to float64 on the dequantised cache within the kernel's int8 budget; the error against llama.cpp's
+q8_0 simulated here from its definition (blocks of 32, fp16 scale = amax / 127, roundf); clear errors for a bad
+channel field."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.functional import kvquant
+from attnlab.functional.kvquant import SMOOTH_ALPHA, QuantizedKV
+from attnlab.kernels import decode as dk
+
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+needs_ext = pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
+
+
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    """ggml's quantize_row_q8_0_ref and its dequantisation, float64: per 32 channels d = amax / 127 (fp32),
+    q = roundf(x / d), x ≈ q · fp16(d)."""
+    xb = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, xb / d, torch.zeros_like(xb))
+    q = torch.sign(q) * torch.floor(q.abs() + 0.5)
+    return (q.double() * d.half().double()).reshape(x.shape)
+
+
+def _attend64(q, k, v):
+    """q [B, 1, H, D], k, v [B, S, Hkv, D] -> float64 [B, 1, H, D], every key seen."""
+    B, L, H, D = q.shape
+    G = H // k.shape[2]
+    kk = k.double().repeat_interleave(G, 2).transpose(1, 2)  # (B, H, S, D)
+    vv = v.double().repeat_interleave(G, 2).transpose(1, 2)
+    s = q.double().transpose(1, 2) @ kk.transpose(-1, -2) / math.sqrt(D)  # (B, H, 1, S)
+    return (s.softmax(-1) @ vv).transpose(1, 2)
+
+
+def _keys(seed, S=1024, Hkv=2, D=128, outliers=4, factor=20.0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, S, Hkv, D, generator=g)
+    for h in range(Hkv if outliers else 0):
+        k[:, :, h, torch.randperm(D, generator=g)[:outliers]] *= factor
+    return k, torch.randn(1, S, Hkv, D, generator=g), torch.randn(1, 1, 4 * Hkv, D, generator=g)
+
+
+def test_channel_scales_and_rows_within_half_a_step():
+    """c = max(m, median_D m) ^ alpha with m the per-(head, channel) max|k| (computed here from the definition);
+    every stored element is off by at most half its row's step times its channel's c."""
+    k, _, _ = _keys(0, S=64, D=32)
+    m = k.abs().amax(dim=(0, 1))  # (Hkv, D)
+    want = torch.maximum(m, m.median(-1, keepdim=True).values) ** SMOOTH_ALPHA
+    kq = QuantizedKV.quantize(k, smooth=True)
+    torch.testing.assert_close(kq.channel, want, rtol=1e-6, atol=0)
+    err = (kq.dequantize() - k).abs()
+    bound = kq.scale.unsqueeze(-1) / 2 * kq.channel * (1 + 1e-5)
+    assert bool((err <= bound).all())
+    assert kq.channel[0].amax() > 5 * kq.channel[0].median()  # the outlier channels got their own scale
+
+
+def test_error_against_q8_0():
+    """GQA 8/2, D 128, S 1024, 3 seeds, decode output against float64: on keys with 4 outlier channels (20x),
+    per-token int8 is worse than q8_0 (the issue's gap) and the smoothed cache at most q8_0's (measured 3-4x
+    below it at S 4096: experiments/kvquant.py); on Gaussian keys the smoothed cache stays the per-token
+    format (its median floor leaves ordinary channels at one scale): within 10 % of per-token int8's error."""
+    rel = lambda a, b: float((a - b).norm() / b.norm())
+    for outliers in (4, 0):
+        e = {"q8_0": 0.0, "row": 0.0, "smooth": 0.0}
+        for seed in range(3):
+            k, v, q = _keys(seed, outliers=outliers)
+            ref = _attend64(q, k, v)
+            vr = QuantizedKV.quantize(v).dequantize().double()
+            e["q8_0"] += rel(_attend64(q, _q8_0(k), _q8_0(v)), ref)
+            e["row"] += rel(_attend64(q, QuantizedKV.quantize(k).dequantize(), vr), ref)
+            e["smooth"] += rel(_attend64(q, QuantizedKV.quantize(k, smooth=True).dequantize(), vr), ref)
+        if outliers:
+            assert e["row"] > 1.2 * e["q8_0"] and e["smooth"] <= e["q8_0"], e
+        else:
+            assert e["smooth"] <= 1.1 * e["row"], e
+
+
+@needs_ext
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "page16"])
+def test_kernel_reads_a_smoothed_cache(page):
+    """A smoothed key cache through attention_with_kvcache: the first append fixes the channel scales (from
+    its rows, as channel_scales defines them) and later appends keep them; the output equals float64 attention
+    on the dequantised cache within the int8 kernel's budget (tests/functional/test_kvcache_int8.py: a score off
+    by 2 eps |q'| |k'| D^-1/2 plus the int16 query's rounding, q' = q ⊙ c and k' = k / c the rows the kernel
+    multiplies; a probability by twice that relative; the output by that times max|v| plus 2 eps max|v|;
+    budget twice that)."""
+    k, v, q = _keys(1, S=300, Hkv=2, D=64)
+    B, S, Hkv, D = k.shape
+    if page is None:
+        kc, vc, table = QuantizedKV.empty(B, S, Hkv, D, smooth=True), QuantizedKV.empty(B, S, Hkv, D), None
+    else:
+        P = S // page + 1
+        kc, vc = QuantizedKV.empty(P, page, Hkv, D, smooth=True), QuantizedKV.empty(P, page, Hkv, D)
+        table = torch.randperm(P)[: -(-S // page)].view(1, -1).to(torch.int32)
+    with torch.no_grad():
+        attnlab.attention_with_kvcache(q, kc, vc, k[:, :100], v[:, :100], cache_seqlens=0, block_table=table)
+        c0 = kc.channel.clone()
+        torch.testing.assert_close(c0, kvquant.channel_scales(k[:, :100]), rtol=0, atol=0)
+        out = attnlab.attention_with_kvcache(q, kc, vc, k[:, 100:], v[:, 100:], cache_seqlens=100, block_table=table)
+    assert torch.equal(kc.channel, c0)
+    if table is None:
+        kf, vf = kc.dequantize(), vc.dequantize()
+    else:
+        rows = lambda c: c.dequantize()[table[0].long()].reshape(1, -1, Hkv, D)[:, :S]
+        kf, vf = rows(kc), rows(vc)
+    want = _attend64(q, kf, vf)
+    qc = kvquant.query(kc, q)
+    ks = kf / kc.channel
+    eps = torch.finfo(torch.float32).eps
+    step = float(qc.abs().amax()) * D ** -0.5 / 32767
+    ds = 2 * eps * float(qc.norm(dim=-1).max() * ks.norm(dim=-1).max()) * D ** -0.5 \
+        + step / 2 * float(ks.abs().sum(-1).max())
+    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
+    assert float((out.double() - want).abs().max()) <= tol
+
+
+def test_query_scales_each_group_by_its_head():
+    """query(k_cache, q) = q ⊙ c with kv head g's scales on query heads g·G .. g·G + G - 1; the per-token
+    format passes q through."""
+    c = torch.arange(1.0, 7.0).view(2, 3)  # (Hkv, D)
+    kc = QuantizedKV(torch.zeros(1, 4, 2, 3, dtype=torch.int8), torch.zeros(1, 4, 2), c)
+    q = torch.ones(1, 1, 4, 3)
+    assert torch.equal(kvquant.query(kc, q)[0, 0], torch.stack([c[0], c[0], c[1], c[1]]))
+    assert kvquant.query(QuantizedKV(kc.data, kc.scale), q) is q
+
+
+def test_bad_channel_field():
+    data, scale = torch.zeros(1, 4, 2, 8, dtype=torch.int8), torch.zeros(1, 4, 2)
+    for bad in (torch.zeros(2, 7), torch.zeros(2, 8, dtype=torch.float64), torch.zeros(8)):
+        with pytest.raises(attnlab.AttentionInputError, match=r"QuantizedKV\.channel must be None or float32 "
+                                                              r"\[Hkv, D\] = \[2, 8\]") as e:
+            QuantizedKV(data, scale, bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="smooth must be a bool"):
+        QuantizedKV.empty(1, 4, 2, 8, smooth="yes")
+    with pytest.raises(attnlab.AttentionInputError, match="finite"):
+        QuantizedKV.quantize(torch.full((1, 2, 1, 4), float("nan")), smooth=True)
