@@ -188,3 +188,29 @@ def test_residual_stream_points_on_a_hf_model(smollm2):
         zero = C.run_with_hooks(model, **enc, fwd_hooks=[("layers.10.resid_post", lambda x, ctx: x * 0)]).logits
     torch.testing.assert_close(same, out.logits)
     assert float((zero - out.logits).abs().max()) > 1.0
+
+
+def test_a_checkpoint_folder_runs_in_viz_and_heads(smollm2, tmp_path, capsys):
+    """--model PATH: a transformers checkpoint folder (here a tiny random Llama beside SmolLM2's tokenizer);
+    oracle: the tiny model's own eager attentions."""
+    cfg = transformers.LlamaConfig(vocab_size=len(smollm2.tokenizer), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128)
+    torch.manual_seed(0)
+    tiny = transformers.LlamaForCausalLM(cfg).eval()
+    folder = tmp_path / "tiny-llama"
+    tiny.save_pretrained(folder)
+    smollm2.tokenizer.save_pretrained(folder)
+    assert main(["viz", TEXT, "--model", str(folder), "--out", str(tmp_path / "v")]) == 0
+    html = (tmp_path / "v" / "index.html").read_text()
+    data = json.loads(html.split('type="application/json">')[1].split("</script>")[0].replace("\\u003c", "<")
+                      .replace("\\u003e", ">").replace("\\u0026", "&"))
+    assert data["model"] == "tiny-llama (LlamaForCausalLM)" and data["causal"] and (data["layers"], data["heads"]) == (2, 4)
+    enc = smollm2.tokenizer(TEXT, return_tensors="pt")
+    eager = _eager(tiny, **enc).attentions
+    for li in range(2):
+        got = torch.as_tensor(_page_weights(data, li))
+        assert float((got - eager[li][0].double()).abs().max()) <= Q8 + 1e-5
+    assert main(["heads", "--model", str(folder), "--sentence", SENTENCES[0], "--out", str(tmp_path / "h"),
+                 "--no-plot"]) == 0
+    assert "tiny-llama heads" in capsys.readouterr().out
