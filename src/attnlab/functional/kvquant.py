@@ -1,12 +1,13 @@
 """int8 KV caches for ``attention_with_kvcache`` and the decode kernel: the stored format (``QuantizedKV``),
-quantisation on append, key channel smoothing (Note [int8 key channel smoothing]) and the error budget (Note
-[int8 KV error budget]).
+quantisation on append, the key transforms folded into the query (Note [int8 key rotation], Note [int8 key
+channel smoothing]) and the error budget (Note [int8 KV error budget]).
 
 Legend: B batch, L queries, H query heads, G = H / Hkv, P pages of T tokens, S cache capacity, Hkv key/value
 heads, D head dim.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,8 @@ import torch
 from ..shapes import AttentionDtypeError, AttentionInputError, shape_str
 from .storage import _check_shape, empty_kv_cache
 
-__all__ = ["QuantizedKV", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "quantize_rows", "channel_scales", "encode",
-           "query"]
+__all__ = ["QuantizedKV", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "quantize_rows", "channel_scales", "hadamard",
+           "encode", "query"]
 
 #: Note [int8 KV error budget]: an int8 row is x ≈ data · scale with scale = max|x| / 127 (symmetric, per token
 #: and kv head, round to nearest), so each element is off by at most scale / 2 = max|x| / 254. On Gaussian rows
@@ -39,6 +40,19 @@ __all__ = ["QuantizedKV", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "quantize_rows", 
 INT8_ERROR_BUDGET = 4.0
 
 
+#: Note [int8 key rotation]: keys of real models carry a few outlier channels, and one scale per row then spends
+#: the int8 grid on them: every other channel of the row is off by up to max|row| / 254. A rotated key cache
+#: stores k Rᵀ per row (the per-token format above) with R an orthogonal [D, D] matrix, and the query becomes
+#: q Rᵀ: (q Rᵀ) · (k Rᵀ) = q · k, so the decode kernel is unchanged (QuaRot's and QuIP#'s incoherence processing,
+#: folded into the query). R is the normalised Hadamard matrix (``hadamard``; block-diagonal in blocks of the
+#: largest power of 2 dividing D): it spreads an outlier channel over every channel of its block, so a row's
+#: max falls towards its RMS. It needs no calibration, so it cannot go stale as RoPE turns a channel pair's
+#: mass from one channel to the other at later positions, which is what undid channel smoothing fixed by the
+#: prefill on SmolLM2 (Note [int8 KV format choice] in experiments/kvquant.py has the measurements). On
+#: Gaussian keys a rotation changes nothing (a rotated Gaussian is Gaussian): there the per-token format stays
+#: about 1.2x q8_0's error (groups of 32 have a smaller max than rows of 128), which only smaller groups in
+#: the kernel would change. Values are not rotated (no hook after the kernel).
+#:
 #: Note [int8 key channel smoothing]: keys of real models carry a few outlier channels (fixed channels, 10-100x
 #: the others), and one scale per row then spends the int8 grid on them: every other channel of the row is off by
 #: up to max|row| / 254. A smoothed key cache stores k / c per row (the per-token format above) with c one scale
@@ -49,8 +63,9 @@ INT8_ERROR_BUDGET = 4.0
 #: enough: Gaussian keys are quantised as before, and a first append of one token cannot blow up a channel that
 #: happened to be small there); alpha < 1 leaves outlier channels somewhat above the others, which spends the
 #: grid between them instead of on them (alpha = 1 makes every channel's error scale with its own max). Values
-#: are not smoothed (no hook after the kernel). What was measured and why this wins: experiments/kvquant.py,
-#: Note [int8 KV format choice].
+#: are not smoothed (no hook after the kernel). Measured (experiments/kvquant.py, Note [int8 KV format choice]):
+#: 0.26x q8_0's error on keys with fixed outlier channels, but 1.8x on SmolLM2's keys (RoPE: see Note [int8
+#: key rotation], the default transform of the HF int8 cache); kept for keys whose outliers do not rotate.
 SMOOTH_ALPHA = 0.75
 
 
@@ -65,11 +80,15 @@ class QuantizedKV:
 
     ``channel`` (key caches only): None, or float32 [Hkv, D], the key channel smoothing of Note [int8 key
     channel smoothing]: row (b, t, g) then holds ``data[b, t, g] * scale[b, t, g] * channel[g]``; all zeros
-    means "not fixed yet" (the first append fixes it, ``QuantizedKV.empty(..., smooth=True)``)."""
+    means "not fixed yet" (the first append fixes it, ``QuantizedKV.empty(..., smooth=True)``).
+
+    ``rotation`` (key caches only): None, or float32 [D, D] orthogonal R (Note [int8 key rotation]): the rows
+    hold k Rᵀ, so row (b, t, g) dequantises to ``(data[b, t, g] * scale[b, t, g]) @ R`` (then ``* channel``)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     channel: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
 
     def __post_init__(self):
         d, sc, ch = self.data, self.scale, self.channel
@@ -91,27 +110,40 @@ class QuantizedKV:
                     f"QuantizedKV.channel must be None or float32 [Hkv, D] = {list(d.shape[2:])} on {d.device} (one "
                     f"key scale per kv head and channel of data {shape_str(d)}), got "
                     f"{(shape_str(ch) + ' ' + str(ch.dtype) + ' on ' + str(ch.device)) if isinstance(ch, torch.Tensor) else type(ch).__name__}")
+        r = self.rotation
+        if r is not None:
+            D = d.shape[3]
+            if (not isinstance(r, torch.Tensor) or r.dtype != torch.float32 or tuple(r.shape) != (D, D)
+                    or r.device != d.device):
+                raise AttentionInputError(
+                    f"QuantizedKV.rotation must be None or float32 [D, D] = [{D}, {D}] on {d.device} (an orthogonal "
+                    f"matrix, e.g. kvquant.hadamard({D})), got "
+                    f"{(shape_str(r) + ' ' + str(r.dtype) + ' on ' + str(r.device)) if isinstance(r, torch.Tensor) else type(r).__name__}")
 
     @classmethod
-    def empty(cls, *shape: int, huge_pages: bool | None = None, smooth: bool = False) -> "QuantizedKV":
+    def empty(cls, *shape: int, huge_pages: bool | None = None, rotate: bool = False,
+              smooth: bool = False) -> "QuantizedKV":
         """A zero cache of shape [B|P, S|T, Hkv, D] (every row 0, scale 0), data and scale in ``empty_kv_cache``
-        storage (huge pages where the OS offers them: Note [KV cache on huge pages]). ``smooth``: a key cache
-        with channel smoothing (Note [int8 key channel smoothing]), fixed by its first append."""
+        storage (huge pages where the OS offers them: Note [KV cache on huge pages]). For a key cache: ``rotate``,
+        the Hadamard rotation (Note [int8 key rotation]); ``smooth``, channel smoothing fixed by the first
+        append (Note [int8 key channel smoothing])."""
         shape = _check_shape(shape)
-        if not isinstance(smooth, bool):
-            raise TypeError(f"QuantizedKV.empty: smooth must be a bool, got {type(smooth).__name__}")
+        _check_flags("QuantizedKV.empty", rotate=rotate, smooth=smooth)
         return cls(empty_kv_cache(*shape, dtype=torch.int8, huge_pages=huge_pages),
                    empty_kv_cache(*shape[:3], dtype=torch.float32, huge_pages=huge_pages),
-                   torch.zeros(shape[2], shape[3]) if smooth else None)
+                   torch.zeros(shape[2], shape[3]) if smooth else None, hadamard(shape[3]) if rotate else None)
 
     @classmethod
-    def quantize(cls, x: torch.Tensor, *, smooth: bool = False) -> "QuantizedKV":
+    def quantize(cls, x: torch.Tensor, *, rotate: bool = False, smooth: bool = False) -> "QuantizedKV":
         """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / 127, round to nearest);
-        ``smooth``: keys with channel smoothing fixed from x itself (Note [int8 key channel smoothing])."""
-        if not smooth:
+        for keys ``rotate`` (Note [int8 key rotation]) and ``smooth`` (channel scales fixed from x itself: Note
+        [int8 key channel smoothing])."""
+        _check_flags("QuantizedKV.quantize", rotate=rotate, smooth=smooth)
+        if not (rotate or smooth):
             return cls(*_quantize(x))
-        c = channel_scales(x)
-        return cls(*_quantize(x.detach().to(torch.float32) / c), c)
+        c = channel_scales(x) if smooth else None
+        r = hadamard(x.shape[-1]) if rotate else None
+        return cls(*_transform_quantize(x, c, r), c, r)
 
     @property
     def shape(self) -> torch.Size:
@@ -119,9 +151,39 @@ class QuantizedKV:
         return self.data.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """data · scale (· channel) as ``dtype``, same shape as data."""
+        """data · scale (@ rotation, · channel) as ``dtype``, same shape as data."""
         x = self.data.to(torch.float32) * self.scale.unsqueeze(-1)
+        if self.rotation is not None:
+            x = x @ self.rotation
         return (x * self.channel if self.channel is not None else x).to(dtype)
+
+
+def _check_flags(where: str, **flags) -> None:
+    for name, val in flags.items():
+        if not isinstance(val, bool):
+            raise TypeError(f"{where}: {name} must be a bool, got {type(val).__name__}")
+
+
+def hadamard(D: int) -> torch.Tensor:
+    """The orthogonal [D, D] float32 matrix of Note [int8 key rotation]: block-diagonal, each block the normalised
+    Sylvester Hadamard matrix of the largest power of 2 dividing D (the identity for odd D)."""
+    if isinstance(D, bool) or not isinstance(D, int) or D < 1:
+        raise ValueError(f"hadamard: D must be an int >= 1, got {D!r}")
+    n = D & -D  # the largest power of 2 dividing D
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*([h / math.sqrt(n)] * (D // n))).to(torch.float32)
+
+
+def _transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor | None):
+    """x [.., Hkv, D] -> the int8 rows and scales of (x / c) Rᵀ (either transform may be None)."""
+    xf = x.detach().to(torch.float32)
+    if c is not None:
+        xf = xf / c
+    if r is not None:
+        xf = xf @ r.T
+    return _quantize(xf)
 
 
 def channel_scales(x: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
@@ -159,22 +221,27 @@ def encode(cache: "QuantizedKV", new: torch.Tensor) -> tuple[torch.Tensor, torch
     made before any row is written (Note [Checked, then appended] in ``functional.kvcache``). A smoothed key
     cache whose channel scales are not fixed yet (all 0) fixes them here from ``new`` (its first append), in
     place, once ``new`` is known finite: Note [int8 key channel smoothing]."""
-    c = cache.channel
-    if c is None:
+    c, r = cache.channel, cache.rotation
+    if c is None and r is None:
         return _quantize(new)
-    if not bool(c.any()):
+    if c is not None and not bool(c.any()):
         c.copy_(channel_scales(new))
-    return _quantize(new.detach().to(torch.float32) / c)
+    return _transform_quantize(new, c, r)
 
 
 def query(k_cache: "QuantizedKV", q: torch.Tensor) -> torch.Tensor:
     """The query [B, L, H, D] that the decode kernel multiplies against ``k_cache``'s stored rows (the format's
-    per-row scale is applied by the kernel): q itself for the per-token format, q ⊙ channel for a smoothed one
-    (kv head g's scales on its G query heads: q · k = (q ⊙ c) · (k / c))."""
-    c = k_cache.channel
-    if c is None:
+    per-row scale is applied by the kernel): q itself for the per-token format, (q ⊙ c) Rᵀ for a smoothed and /
+    or rotated one (kv head g's channel scales on its G query heads): q · k = ((q ⊙ c) Rᵀ) · ((k / c) Rᵀ). Computed
+    in float32 and returned in q's dtype (a bf16 q is rounded once more after the rotation)."""
+    c, r = k_cache.channel, k_cache.rotation
+    if c is None and r is None:
         return q
     B, L, H, D = q.shape
-    Hkv = c.shape[0]
-    qc = q.reshape(B, L, Hkv, H // Hkv, D) * c.unsqueeze(1)  # (B, L, Hkv, G, D)
-    return qc.reshape(B, L, H, D).to(q.dtype)
+    qf = q.to(torch.float32)
+    if c is not None:
+        Hkv = c.shape[0]
+        qf = (qf.reshape(B, L, Hkv, H // Hkv, D) * c.unsqueeze(1)).reshape(B, L, H, D)  # (B, L, Hkv, G, D) -> back
+    if r is not None:
+        qf = qf @ r.T
+    return qf.to(q.dtype)
