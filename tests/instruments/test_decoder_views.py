@@ -66,9 +66,10 @@ def test_labels_are_the_tokenizers_own_decoding_and_the_run_is_named_causal(smol
 
 
 def test_pretty_labels_for_the_three_schemes_and_raw_tokens_off():
-    assert viz.tokens.pretty_tokens(["[CLS]", "play", "##ing", "##", "[SEP]"]) == ["[CLS]", "play", "ing", "##", "[SEP]"]
-    assert viz.tokens.pretty_tokens(["▁The", "▁", "<0x0A>", "cap"]) == ["The", "␣", "↵", "cap"]
-    assert viz.tokens.pretty_tokens(["Hi", "ĠĠ", "Ċ", "Ġ<b>"]) == ["Hi", "␣␣", "↵", "<b>"]
+    pretty = viz.tokens.pretty_tokens
+    assert pretty(["[CLS]", "play", "##ing", "##", "[SEP]"]) == ["[CLS]", "play", "ing", "##", "[SEP]"]
+    assert pretty(["▁The", "▁", "<0x0A>", "cap"]) == ["The", "␣", "↵", "cap"]
+    assert pretty(["Hi", "ĠĠ", "Ċ", "Ġ<b>"]) == ["Hi", "␣␣", "↵", "<b>"]
     w = torch.softmax(torch.randn(1, 2, 3, 3), -1)
     page = viz.show(w, ["Ġa", "Ġb", "Ġc"], pretty=False)
     assert page.data["tokens"] == ["Ġa", "Ġb", "Ġc"] and "raw_tokens" not in page.data
@@ -132,7 +133,8 @@ def test_cli_heads_and_viz_run_on_smollm2(smollm2, tmp_path, monkeypatch, capsys
     assert main(["viz", TEXT, "--model", "smollm2", "--out", str(tmp_path / "v")]) == 0
     html = (tmp_path / "v" / "index.html").read_text()
     assert "13 tokens, causal" in html and "causal (this run)" in html and "\\u0120" in html  # raw, for hover
-    assert not any("Ġ" in t for t in json.loads(html.split('type="application/json">')[1].split("</script>")[0])["tokens"])
+    labels = json.loads(html.split('type="application/json">')[1].split("</script>")[0])["tokens"]
+    assert labels and not any("Ġ" in t for t in labels)
 
 
 def test_cli_model_refusals_are_one_line(tmp_path, capsys):
@@ -205,7 +207,8 @@ def test_a_checkpoint_folder_runs_in_viz_and_heads(smollm2, tmp_path, capsys):
     html = (tmp_path / "v" / "index.html").read_text()
     data = json.loads(html.split('type="application/json">')[1].split("</script>")[0].replace("\\u003c", "<")
                       .replace("\\u003e", ">").replace("\\u0026", "&"))
-    assert data["model"] == "tiny-llama (LlamaForCausalLM)" and data["causal"] and (data["layers"], data["heads"]) == (2, 4)
+    assert data["model"] == "tiny-llama (LlamaForCausalLM)" and data["causal"]
+    assert (data["layers"], data["heads"]) == (2, 4)
     enc = smollm2.tokenizer(TEXT, return_tensors="pt")
     eager = _eager(tiny, **enc).attentions
     for li in range(2):

@@ -70,11 +70,11 @@ def _render(res: HeadsResult) -> None:
     t = Table(title=f"{res.model_name} heads over {res.n_sentences} sentences ({res.n_tokens} "
                     f"{'tokens' if decoder else 'word pieces'}): mean attention of a token to …")
     if decoder:
-        cols, keys = ("prev", "same", "first", "induct.", "mean dist", "entropy"), ("prev", "same", "sink", "induction",
-                                                                                    "mean_distance", "entropy")
+        cols = ("prev", "same", "first", "induct.", "mean dist", "entropy")
+        keys = ("prev", "same", "sink", "induction", "mean_distance", "entropy")
     else:
-        cols, keys = ("prev", "same", "next", "[CLS]", "[SEP]", "mean dist", "entropy"), ("prev", "same", "next", "cls",
-                                                                                        "sep", "mean_distance", "entropy")
+        cols = ("prev", "same", "next", "[CLS]", "[SEP]", "mean dist", "entropy")
+        keys = ("prev", "same", "next", "cls", "sep", "mean_distance", "entropy")
     for c in ("layer", "head", *cols, "label"):
         t.add_column(c, justify="left" if c == "label" else "right")
     for s in res.stats:

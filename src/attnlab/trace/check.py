@@ -113,7 +113,8 @@ class TableCheck:
             if slips:
                 text += f"; {slips} only a rounding slip"
             worst = max(cells, key=lambda c: c["error"])
-            text += f"; worst {worst['row_label']}, {worst['col_label']}: {worst['printed']:g}, not {worst['correct']:.4g}"
+            text += (f"; worst {worst['row_label']}, {worst['col_label']}: {worst['printed']:g}, "
+                     f"not {worst['correct']:.4g}")
         return text
 
     def to_dict(self) -> dict:

@@ -100,7 +100,8 @@ def hf_attention_data(text: str, loaded, *, dense_max_tokens: int = 96, max_leng
     enc = tok(text, return_tensors="pt", truncation=True, max_length=max_length)
     ids = enc["input_ids"][0]
     tokens = tok.convert_ids_to_tokens(ids.tolist())
-    page = show(loaded.model, tokens, inputs=dict(enc), model=f"{loaded.name} ({type(loaded.model).__name__})", text=text,
+    name = f"{loaded.name} ({type(loaded.model).__name__})"
+    page = show(loaded.model, tokens, inputs=dict(enc), model=name, text=text,
                 dense_max_tokens=dense_max_tokens, topk=topk)
     data = page.data
     if len(ids) >= max_length and len(tok(text)["input_ids"]) > max_length:

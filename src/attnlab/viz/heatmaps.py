@@ -175,7 +175,8 @@ def plot_diagnostics(sweep, path, *, title: str = "score scale vs d_k"):
 
 
 def plot_head_stats(stats: list[dict], path, *, num_layers: int, num_heads: int,
-                    measures=("prev", "same", "next", "cls", "sep", "mean_distance", "entropy"), title: str | None = None):
+                    measures=("prev", "same", "next", "cls", "sep", "mean_distance", "entropy"),
+                    title: str | None = None):
     """Layers × heads grids: first each head's label (one colour per label, full names in a legend below
     the grid), then one heatmap per measure."""
     from matplotlib.colors import ListedColormap

@@ -197,7 +197,8 @@ def model_name(model) -> str:
     its class, e.g. "SmolLM2-135M-Instruct.Q4_1 (LlamaForCausalLM)"; the class alone when nothing says more."""
     cls = type(model).__name__
     cfg = getattr(model, "config", None)
-    where = str(getattr(model, "name_or_path", "") or getattr(cfg, "name_or_path", "") or getattr(cfg, "_name_or_path", ""))
+    where = str(getattr(model, "name_or_path", "") or getattr(cfg, "name_or_path", "")
+                or getattr(cfg, "_name_or_path", ""))
     if not where:
         return cls
     p = Path(where)

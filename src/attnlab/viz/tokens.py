@@ -20,7 +20,7 @@ __all__ = ["pretty_tokens", "pretty_token"]
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte -> the byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
