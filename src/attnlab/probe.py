@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import patterns as P
-from .kernels import tiled
+from .kernels import TILED as tiled  # the tiled kernel object: its block walk
 from .kernels.lse import acc_dtype
 from .shapes import check_block_size, prepare
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.cacheview import UNBOUNDED, CacheCall
-from ..kernels.decode import DTYPES
-from ..shapes import AttentionDtypeError, AttentionInputError, check_softcap, shape_str
+from ..kernels import DECODE
+from ..shapes import AttentionDtypeError, AttentionInputError, check_sinks, check_softcap, shape_str
 from . import kvquant
 from .kvquant import QuantizedKV
 
@@ -212,7 +212,7 @@ class Checked:
 
 
 def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap, alibi_slopes,
-          rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits, return_lse) -> Checked:
+          rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits, return_lse, sinks=None) -> Checked:
     """Every check of ``attention_with_kvcache`` (Note [Checked, then appended]): raises naming the argument and
     the shapes, or returns what the append and the planner need."""
     k_cache, v_cache = _as_quantized(k_cache, "k_cache"), _as_quantized(v_cache, "v_cache")
@@ -234,7 +234,7 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, wind
                                       f"[B, S, Hkv, D] or pages [P, T, Hkv, D]), got {shape_str(t)}")
         if quant and "cache" in name:
             pass  # int8, checked by QuantizedKV
-        elif t.dtype not in DTYPES:
+        elif t.dtype not in DECODE.spec.dtypes:
             raise AttentionDtypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
         elif t.dtype != q.dtype:
             raise AttentionDtypeError(f"q and {name} must share one dtype, got {q.dtype} and {t.dtype}")
@@ -303,6 +303,7 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, wind
     if cap and cap > torch.finfo(torch.float32).max:  # the decode path computes in float32: the identity there
         cap = None  # (Note [Soft-cap at infinity])
     slopes = _slopes(alibi_slopes, B, H)
+    sinks = check_sinks(sinks, H, q.device, f"q {shape_str(q)} has H = {H}")
     rot = _rotary(rotary, rotary_cos, rotary_sin, rotary_interleaved, D)
     scale = _check_scale(scale, D)
     splits = _check_num_splits(num_splits)
@@ -336,5 +337,5 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, wind
         q = kvquant.query(k_cache, q)
     call = CacheCall(q, kc_t, vc_t, scale, seqlens, block_table, lo, hi, cap, slopes,
                      k_scale=k_cache.scale if quant else None, v_scale=v_cache.scale if quant else None,
-                     splits=splits, need_lse=bool(return_lse))
+                     splits=splits, need_lse=bool(return_lse), sinks=sinks)
     return Checked(k_cache, v_cache, k, v, start, Lnew_pos, call)

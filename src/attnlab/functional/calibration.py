@@ -80,11 +80,8 @@ import torch
 
 from .. import kernels as K
 from .. import patterns as P
-from ..kernels import compiled as compiled_kernel
-from ..kernels import decode as decode_kernel
 from ..kernels import planner, rates
-from ..kernels.masks import MaskSpec
-from ..kernels.spec import Request
+from ..kernels.spec import Request, Tiling
 from ..shapes import prepare
 from ..timing import interleaved
 
@@ -309,8 +306,8 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
 
     tick = tick or (lambda *a: None)
     base = rates.builtin()
-    have_ext = compiled_kernel.available()
-    have_decode = have_ext and decode_kernel.available()
+    have_ext = K.COMPILED.unavailable_reason() is None
+    have_decode = have_ext and K.DECODE.unavailable_reason() is None
     sizes = tuple(sorted({m for m in cfg.dense_ns if m < cfg.n} | {cfg.n}))
     H4, kv_gqa = cfg.plain_heads, min(cfg.gqa_kv_heads, cfg.plain_heads)
     head_kinds = (False, True) if kv_gqa < H4 else (False,)  # Note [The plain grid's heads]
@@ -359,10 +356,10 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
         # 1) the compiled kernel's speed per pair at each block shape (dense: every shape computes n^2 pairs)
         block_speed = dict(base.compiled_block_speed)
         if have_ext:
-            shapes = [b for b in base.compiled_block_speed if compiled_kernel.clip_blocks(*b, n, n) == b]
-            mask = MaskSpec(n, n)
+            shapes = [b for b in base.compiled_block_speed if b[0] <= n and b[1] <= n]
+            pd = prepare(q, k, v, None, 0.0, False, scale).live()
             t = timed({f"compiled {b[0]}x{b[1]} dense float32": (
-                lambda b=b: compiled_kernel.compiled_attention(q, k, v, mask, scale, *b)) for b in shapes})
+                lambda b=b: K.COMPILED.run(pd, Tiling(*b))) for b in shapes})
             fastest = min(t.values())
             block_speed.update({b: fastest / t[f"compiled {b[0]}x{b[1]} dense float32"] for b in shapes})
             gflops[K.COMPILED.name] = dense_flops / fastest / 1e9

@@ -87,6 +87,11 @@ class Kernel:
     def __reduce__(self):
         return (_kernel_named, (self.spec.name,))
 
+    def unavailable_reason(self) -> str | None:
+        """Why this kernel cannot run on this machine at all (its extension is not built or does not load), or
+        None: its declaration's dynamic fact (``KernelSpec.unavailable``), asked without a request."""
+        return self.spec.unavailable(None) if self.spec.unavailable is not None else None
+
     def not_supported_reasons(self, r: Request) -> list[str]:
         """Every reason this kernel cannot run ``r`` (empty: it can): ``KernelSpec.not_supported_reasons``."""
         return self.spec.not_supported_reasons(r)

@@ -18,6 +18,7 @@ from .. import patterns as P
 from . import fused as _fused
 from .lse import acc_dtype as _acc_dtype
 from .lse import merge as _merge
+from .lse import sink_scale
 from .dense import repeat_heads
 from .masks import MaskSpec
 from .kernel import Kernel, dead_per_head, masked_tiling
@@ -44,7 +45,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
 
 SPEC = KernelSpec("tiled", "online-softmax tiles (FlashAttention's algorithm), recompute backward; weights by "
                   "a second pass over the saved log-sum-exp", weights="second pass", lse="yes", blocked=True,
-                  softcap=True, alibi="positions", peak_bytes=_peak, flops=_flops)
+                  softcap=True, alibi="positions", sinks=True, peak_bytes=_peak, flops=_flops)
 
 
 def iter_blocks(layout: torch.Tensor, L: int, S: int, bq: int, bk: int):
@@ -236,24 +237,32 @@ def _assemble(parts: dict, like: torch.Tensor, b: int, dtype: torch.dtype) -> to
 
 class _TiledFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, bq, bk, dead):
+    def forward(ctx, q, k, v, mask, scale, bq, bk, dead, sinks=None):
         H, Hkv = q.shape[1], k.shape[1]
         k, v = repeat_heads(k, H, dead), repeat_heads(v, H, dead)  # GQA: exact copies in the input dtype
         out, lse = _forward(q, k, v, mask, scale, bq, bk)  # out in the accumulation dtype
-        ctx.save_for_backward(q, k, v, out, lse, dead)
+        if sinks is not None:  # Note [Attention sinks]: the backward runs on the sinked (out, lse)
+            a, lse = sink_scale(lse, sinks.detach())
+            out = out * a.unsqueeze(-1).to(out.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, dead, sinks)
         ctx.mask, ctx.scale, ctx.bq, ctx.bk, ctx.Hkv = mask, scale, bq, bk, Hkv
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, dead = ctx.saved_tensors
+        q, k, v, out, lse, dead, sinks = ctx.saved_tensors
         dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.mask, ctx.scale, ctx.bq, ctx.bk)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[8]:  # ds_h = -Σ (1 - a)·rowsum(dO ∘ O'), Note [Attention sinks]
+            delta = (dout.to(out.dtype) * out).sum(-1)  # (N, H, L)
+            rest = torch.exp(sinks.detach().to(lse.dtype).view(-1, 1) - lse)  # 1 - a = exp(s - lse')
+            dsinks = -(rest * delta).sum((0, 2)).to(sinks.dtype)
         if ctx.Hkv != q.shape[1]:  # the group's sum in the accumulation dtype (Note [GQA gradients in the ...])
             if dead is not None:  # zeroed per head in the forward
                 dk, dv = dk.masked_fill(dead.unsqueeze(-1), 0), dv.masked_fill(dead.unsqueeze(-1), 0)
             dk, dv = (g.unflatten(1, (ctx.Hkv, -1)).sum(2) for g in (dk, dv))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, dsinks
 
 
 def tiled_lse(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512):
@@ -267,15 +276,16 @@ def tiled_lse(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k
 
 
 def tiled_attention(q, k, v, mask: MaskSpec, scale: float, block_q: int = 512, block_k: int = 512,
-                    dead: torch.Tensor | None = None):
+                    dead: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """q [N, H, L, E], k [N, H|Hkv, S, E], v [N, H|Hkv, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
 
     Differentiable in q, k, v (not in a float attn_mask; functional refuses that case). Under GQA
     (Hkv < H) the heads are repeated inside, ``dead`` [N|1, H, S] keys zeroed per head, and the backward
     sums each group's gradient in the accumulation dtype (Note [GQA gradients in the accumulation dtype]).
     Time O(L·S·(E+Ev)) over non-empty blocks; memory O(L·(E+Ev) + block_q·block_k) per head.
+    ``sinks`` [H] (may require grad): attention sinks, lse then includes them (Note [Attention sinks]).
     """
-    return _TiledFunction.apply(q, k, v, mask, scale, block_q, block_k, dead)
+    return _TiledFunction.apply(q, k, v, mask, scale, block_q, block_k, dead, sinks)
 
 
 # -- the kernel object ------------------------------------------------------------------------------
@@ -294,7 +304,13 @@ def weights_from_lse(p, lse: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
 
 class TiledKernel(Kernel):
     """The tiled kernel's door: ``block_size`` square tiles (default ``DEFAULT_BLOCK``), the mask's
-    non-empty blocks visited; weights by a second pass over the saved log-sum-exp."""
+    non-empty blocks visited; weights by a second pass over the saved log-sum-exp. Its block walk is offered
+    to the streaming probe (``attnlab.probe``), which computes summaries of the weights tile by tile."""
+
+    DEFAULT_BLOCK = DEFAULT_BLOCK
+    iter_blocks = staticmethod(iter_blocks)
+    block_scores = staticmethod(block_scores)
+    tiled_lse = staticmethod(tiled_lse)
 
     def tiling(self, p, r: Request, block_size: int | None, rates) -> Tiling:
         """(block_size, block_size) or ``DEFAULT_BLOCK``, with the blocks the mask leaves non-empty."""
@@ -304,7 +320,8 @@ class TiledKernel(Kernel):
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, weights or None, lse)."""
         bq, bk = (t.block_q, t.block_k) if t is not None else DEFAULT_BLOCK
-        out, lse = tiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk, dead=dead_per_head(p))
+        out, lse = tiled_attention(p.q, p.kv_k, p.kv_v, p.mask, p.info.scale, bq, bk, dead=dead_per_head(p),
+                                   sinks=p.mask.sinks)
         return out, (weights_from_lse(p, lse, bq, bk) if need_weights else None), lse
 
 
