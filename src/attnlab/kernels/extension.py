@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import warnings
 
 import torch
@@ -19,19 +20,25 @@ import torch
 __all__ = ["Extension", "transformed", "BUILD_HINT"]
 
 #: how to build the extensions, in the words of the warning below
-BUILD_HINT = ("build it with a C++ compiler: pip install --no-build-isolation -e . (about 15 minutes on 2 cores; "
-              "MAX_JOBS=<cores> builds in parallel); ATTNLAB_NO_EXT=1 runs on the fallback without this warning")
+BUILD_HINT = ("build it with a C++ compiler: pip install --no-build-isolation -e . (a few minutes: setup.py compiles "
+              "each CPU variant in turn and says how long first); ATTNLAB_NO_EXT=1 runs on the fallback without this "
+              "warning")
 _warned = False  # one warning per process, whichever extension is missing first
 
 
 def _warn_missing(reason: str) -> None:
-    """Warn once per process that a compiled extension is missing (Extension.load's first failure)."""
+    """Warn once per process that a compiled extension is missing (Extension.load's first failure), pointing at
+    the first frame outside attnlab: the user's call that would have used it."""
     global _warned
     if _warned:
         return
     _warned = True
+    inside = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the attnlab package
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside + os.sep):
+        frame, level = frame.f_back, level + 1
     warnings.warn(f"attnlab: {reason}, so attention runs on the slower PyTorch fallback; {BUILD_HINT}",
-                  RuntimeWarning, stacklevel=3)
+                  RuntimeWarning, stacklevel=level)
 
 
 class Extension:
@@ -79,7 +86,7 @@ class Extension:
         missing = all("No module named" in e for e in errors)
         self.reason = (f"the {self.what} is not built (pip install --no-build-isolation -e . builds it)" if missing
                        else f"the {self.what} failed to load (" + "; ".join(errors) + ")")
-        _warn_missing(self.reason)  # the first call that would have used it; ATTNLAB_NO_EXT returned above
+        _warn_missing(f"the {self.what} is not built" if missing else self.reason)  # ATTNLAB_NO_EXT returned above
         return None
 
 
