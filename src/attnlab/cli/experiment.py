@@ -23,6 +23,7 @@ EXPERIMENTS = {
     "failure-modes": ("no softmax, cosine similarity, no scaling", "failure_modes"),
     "long-range": ("ListOps, associative recall, selective copy", "long_range"),
     "approximation": ("approximation error vs budget vs speed", "approximation"),
+    "kvquant": ("int8 KV formats vs bf16 and q8_0: output error, SmolLM2 perplexity and KL", "kvquant"),
 }
 
 
@@ -122,10 +123,17 @@ def _approximation_args(p) -> None:
     add_force(p)
 
 
+def _kvquant_args(p) -> None:
+    _common(p, seeds="0,1,2")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="SmolLM2 tokens of the tutorial text (default 4096; quick 512; 0 skips SmolLM2)")
+    p.add_argument("--no-kernel", action="store_true", help="simulate only (no attention_with_kvcache run)")
+
+
 _ARGS = {"variance": _variance_args,
          "scaling": lambda p: _training_args(p, "comma-separated head dims (default 16,64,256; quick 16,64)"),
          "failure-modes": lambda p: _training_args(p, "comma-separated head dims (default 64; quick 16)"),
-         "long-range": _long_range_args, "approximation": _approximation_args}
+         "long-range": _long_range_args, "approximation": _approximation_args, "kvquant": _kvquant_args}
 
 
 def build_parser(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +189,11 @@ def _config(args):
         cfg.resolved()
         cfg.out = _out(args, name)
         return mod, cfg, cfg.out
+    if name == "kvquant":
+        cfg = mod.KvquantConfig(quick=args.quick, seeds=tuple(seeds_of(args.seeds)), tokens=args.tokens,
+                                kernel=not args.no_kernel, threads=args.threads)
+        cfg.resolved()
+        return mod, cfg, _out(args, name, resumable=False)
     command = ("attnlab " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("attnlab")
                else "attnlab experiment approximation" + (" --quick" if args.quick else ""))
     cfg = mod.ApproximationConfig(quick=args.quick, n=args.n, heads=args.heads, head_dim=args.head_dim,
