@@ -659,7 +659,8 @@ def head_effect(model, sentences, layer: int, heads, how="zero", *, tokenizer=No
 
     model: attnlab's MiniLM (it tokenises), or any Hugging Face model with its ``tokenizer``; the embedding is
     the mean of the last hidden states over real tokens, L2-normalised (:func:`sentence_embeddings`,
-    :func:`hf_sentence_embeddings`).
+    :func:`hf_sentence_embeddings`). A tokenizer without a pad token (most decoders') pads with its end-of-text
+    token: this sets ``tokenizer.pad_token``.
     how: "zero" or "mean" (:func:`ablate_heads`), or an ActivationCache / z tensor to patch from
     (:func:`patch_heads`; the source must come from a batch of the same shape as ``sentences`` tokenised
     together). Returns a dict: layer, heads, how, cosine (per sentence, float64, with vs without),
