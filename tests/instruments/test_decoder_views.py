@@ -87,6 +87,11 @@ def test_padding_is_left_out_of_a_batched_sequence(smollm2):
     assert page.data["T"] == len(real) < len(ids)
     assert page.data["tokens"] == [tok.convert_tokens_to_string([t]).strip(" ") for t in real]
     assert any("padding position" in n for n in page.data["notes"])
+    # the same from the weights and the mask, without the model (out.attentions beside the tokenizer's mask)
+    att = _eager(model, **enc).attentions
+    page2 = viz.show(att, tok.convert_ids_to_tokens(ids.tolist()), batch_index=1, attention_mask=enc["attention_mask"])
+    assert page2.data["tokens"] == page.data["tokens"]
+    assert float(abs(_page_weights(page2.data, 0) - _page_weights(page.data, 0)).max()) <= 2 * Q8 + 1e-5
 
 
 def test_heads_on_a_decoder_against_transformers(smollm2, tmp_path):

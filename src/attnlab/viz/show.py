@@ -230,7 +230,7 @@ def _unpadded(layers, tokens, inputs, batch_index):
 def show(attentions, tokens, *, key_tokens=None, sentence_b_start: int | None = None, pair: str = "all",
          inputs: dict | None = None, batch_index: int = 0, title: str = "attnlab viz", model: str | None = None,
          text: str | None = None, dense_max_tokens: int = 128, topk: int = 4, height: int = 760,
-         pretty: bool = True) -> AttentionPage:
+         pretty: bool = True, attention_mask=None) -> AttentionPage:
     """The viz page (head, matrix, model and pattern views) for ``attentions`` over ``tokens``.
 
     attentions: see the module docstring; each layer becomes [H, L, S].
@@ -240,7 +240,8 @@ def show(attentions, tokens, *, key_tokens=None, sentence_b_start: int | None = 
     pair "AB" shows A's queries over B's keys (likewise "AA", "BA", "BB"; "all", the default, the whole).
     inputs: with a model as ``attentions``, the keyword arguments of one call (``model(**inputs)``); with an
     ``attention_mask`` in them, the padded positions of the sequence shown are left out (tokens may then list
-    every position or the real ones only).
+    every position or the real ones only). attention_mask: the same for weights given as tensors ([B, T], 1 =
+    token), e.g. the tokenizer's mask beside ``out.attentions``.
     batch_index: which sequence of a batched [B, H, L, S] input to show.
     model: the model's name in the header (default: read from the model given, else "given weights").
     pretty: token labels as text (``Ġcapital`` -> ``capital``, ``▁cap`` -> ``cap``, ``##ing`` -> ``ing``); the raw
@@ -269,8 +270,11 @@ def show(attentions, tokens, *, key_tokens=None, sentence_b_start: int | None = 
         raise TypeError("inputs= is for show(model, tokens, inputs=...); attentions here is not a model")
     layers = _layers(attentions, batch_index)
     dropped = 0
-    if inputs is not None and key_tokens is None:
-        layers, tokens, dropped = _unpadded(layers, tokens, inputs, batch_index)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a [B, T] tensor (1 = token), got {type(attention_mask).__name__}")
+    masks = inputs if inputs is not None else {"attention_mask": attention_mask} if attention_mask is not None else None
+    if masks is not None and key_tokens is None:
+        layers, tokens, dropped = _unpadded(layers, tokens, masks, batch_index)
         keys = tokens
     H = layers[0].shape[0]
     for li, w in enumerate(layers):
