@@ -9,7 +9,7 @@ __all__ = ["attention"]
 
 
 def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
-              softcap=None, alibi_slopes=None):
+              softcap=None, alibi_slopes=None, sinks=None):
     """softmax(Q Kᵀ · scale + mask) V in float64.
 
     query [..., L, E], key [..., S, E], value [..., S, Ev]; attn_mask bool (True = takes part) or float
@@ -17,6 +17,8 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, en
     ANDed with attn_mask. A query row with no key left gets output 0 and weights 0.
     softcap: the scaled product x becomes softcap·tanh(x / softcap) before anything is added.
     alibi_slopes [H] or [..., H] (query's dims before L): adds −slope·|i + S − L − j| (flash-attn's ALiBi).
+    sinks [H]: one logit s_h per query head in the denominator only (gpt-oss):
+    weights_ij = exp(x_ij) / (exp(s_h) + Σ_j exp(x_ij)), which then sum to less than 1.
     Returns (output [..., L, Ev], weights [..., L, S]) as float64 arrays.
     """
     q, k, v = (np.asarray(_np(t), dtype=np.float64) for t in (query, key, value))
@@ -45,8 +47,14 @@ def attention(query, key, value, attn_mask=None, is_causal=False, scale=None, en
     scores = np.where(keep, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True) if S > 0 else np.zeros(scores.shape[:-1] + (1,))
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    sink = None
+    if sinks is not None:
+        sink = _np(sinks).astype(np.float64)[:, None, None]  # (H, 1, 1)
+        row_max = np.maximum(row_max, sink)
     p = np.exp(scores - row_max)  # masked entries: exp(-inf) = 0
     denom = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.exp(sink - row_max)
     weights = p / np.where(denom == 0, 1.0, denom)
     return weights @ v, weights
 

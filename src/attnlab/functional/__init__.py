@@ -29,7 +29,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False, *, pattern: P.Pattern | None = None, method: str = "auto",
               need_weights: bool = False, strict: bool = False, block_size: int | None = None,
-              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None):
+              softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None):
     """Scaled dot-product attention with PyTorch's semantics, structured patterns and a tiled kernel.
 
     Args:
@@ -56,6 +57,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             score for key j — flash-attn's formula: queries line up with the last L keys, so with
             ``is_causal`` and L = S it is slope·(j − i) on every kept key. Not differentiated; float32
             or float64 (the compiled kernel reads them as float32, as flash-attn does).
+        sinks: learned attention sinks (gpt-oss; flash-attn's ``s_aux``): [H], one logit s_h per query head, in
+            each row's softmax denominator only: out_i = Σ_j exp(x_ij) v_j / (exp(s_h) + Σ_j exp(x_ij)), and the
+            weights sum to less than 1. Floating, finite; may require grad (differentiated). Taken by dense (in
+            its softmax), tiled, compiled and decode (from each row's log-sum-exp; Note [Attention sinks] in
+            ``attnlab.kernels.lse``); SDPA and sparse refuse them.
 
     Returns: output [..., L, Ev], or (output, weights) with need_weights.
 
@@ -63,9 +69,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     Equivalent to: ``softmax(q @ k.transpose(-2, -1) * scale + mask) @ v`` with masked scores at -inf;
     with the score modifications, ``x = q @ k.transpose(-2, -1) * scale``,
     ``softmax(softcap * tanh(x / softcap) - slopes[..., None, None] * (i + S - L - j).abs() + mask) @ v``
-    (Note [Score modifications] in ``attnlab.kernels.masks``).
+    (Note [Score modifications] in ``attnlab.kernels.masks``); with sinks, the same softmax taken over the scores
+    and one more column of score ``sinks[h]``, whose weight is dropped.
     """
-    sig = plancache.signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern,
+    sig = None if sinks is not None else plancache.signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern,
                               softcap, alibi_slopes, method, need_weights, strict, block_size)
     hit = plancache.get(sig)  # Note [Plan cache]: a repeated signature skips the checks and the planning
     if hit is not None:
@@ -73,7 +80,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
             return hit[2](query, key, value)
         return run(hit[0].rebind(query, key, value), need_weights=need_weights, plan=hit[1])
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
-                alibi_slopes=alibi_slopes).live()
+                alibi_slopes=alibi_slopes, sinks=sinks).live()
     plan = planner.plan(p, method, need_weights, strict, block_size, costs=False)
     i = p.info  # Note [Background calibration]: the first long call of a process may start one
     calibration.note_call(calibration.seconds_for(2 * p.N * i.H * i.L * i.S * (i.E + i.Ev)))
@@ -108,7 +115,7 @@ def run(p: Prepared, *, method: str = "auto", need_weights: bool = False, strict
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
             pattern=None, method="auto", need_weights=False, strict=False, block_size=None,
             softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-            device: str | None = None) -> Plan:
+            sinks: torch.Tensor | None = None, device: str | None = None) -> Plan:
     """Which method ``attention`` would run for these arguments (query [..., L, E], key [..., S, E],
     value [..., S, Ev]), why the others were refused, and the predicted peak memory and FLOPs of each
     (with what a kernel pays extra, e.g. ALiBi written out as a mask, in ``Plan.notes``).
@@ -118,7 +125,7 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     it there, the compiled kernel when it loads); where the plan would read values (a meta ``attn_mask``)
     ``Plan.assumptions`` says what it assumed."""
     p = prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, softcap=softcap,
-                alibi_slopes=alibi_slopes).live()  # what run() plans for
+                alibi_slopes=alibi_slopes, sinks=sinks).live()  # what run() plans for
     plan = planner.plan(p, method, need_weights, strict, block_size, costs=True, device=device)
     bg = calibration.state()["background"]
     if bg != "not started" and plan.rates_source:  # Note [Calibration held]: the grid is never unseen
@@ -128,10 +135,11 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
 def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *,
                        pattern=None, block_size=None, softcap: float | None = None,
-                       alibi_slopes: torch.Tensor | None = None):
+                       alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
     """(output [..., L, Ev], lse [..., L]) where lse is the log-sum-exp of each query row's scaled,
     (soft-capped, ALiBi-biased: as in ``attention``) masked scores (float32; float64 for float64 inputs;
-    -inf for a row with no key).
+    -inf for a row with no key). With ``sinks`` [H] (as in ``attention``) lse includes the row's sink,
+    logaddexp(lse, sinks[h]) (a row with no key: sinks[h]).
 
     The pair is what partial attentions over disjoint key sets need to be merged exactly
     (``merge_partials``): ring attention and split-KV decoding build on it. The kernel is the first of
@@ -139,12 +147,15 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     """
     check_block_size(block_size)
     p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern, softcap=softcap,
-                alibi_slopes=alibi_slopes).live()  # Note [Dead keys]
+                alibi_slopes=alibi_slopes, sinks=sinks).live()  # Note [Dead keys]
     lead = p.out_shape[:-1]
     acc = lse_merge.acc_dtype(p.q.dtype)
     if p.empty:
         out = torch.zeros(p.out_shape, dtype=p.q.dtype, device=p.q.device)
-        return out, torch.full(lead, float("-inf"), dtype=acc, device=p.q.device)
+        lse = torch.full(p.q.shape[:-1], float("-inf"), dtype=acc, device=p.q.device)  # (B, H, L)
+        if p.mask.sinks is not None:  # a row with no key: its sink alone
+            lse = lse_merge.sink_scale(lse, p.mask.sinks.detach())[1]
+        return out, lse.reshape(lead)
     usable, refused = planner.choose_lse_kernel(p, block_size)
     for kernel, tiling in usable:
         try:

@@ -40,7 +40,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                            softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
                            rotary: Rotary | tuple | None = None, rotary_cos: torch.Tensor | None = None,
                            rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = False,
-                           scale: float | None = None, num_splits: int | None = None, return_lse: bool = False):
+                           scale: float | None = None, num_splits: int | None = None, return_lse: bool = False,
+                           sinks: torch.Tensor | None = None):
     """Attention of new queries against a KV cache, appending new keys/values in place first
     (flash-attn's ``flash_attn_with_kvcache``; ``scale`` is its ``softmax_scale``, ``is_causal`` its
     ``causal``, True by default here).
@@ -71,6 +72,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         num_splits: key splits per (sequence, kv head); None: the kernel's heuristic. Results agree
             across split counts within fp32 rounding.
         return_lse: also return the log-sum-exp [B, H, L] (float32; -inf for a row that sees no key).
+        sinks: attention sinks [H] (gpt-oss; flash-attn's ``s_aux``): one logit per query head added to each
+            row's softmax denominator only (Note [Attention sinks] in ``attnlab.kernels.lse``); lse includes it.
 
     Returns: out [B, L, H, Dv] in q's dtype (a row that sees no key is 0), and lse with return_lse.
 
@@ -87,7 +90,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     if (type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62 and type(k_cache) is torch.Tensor
             and type(q) is torch.Tensor and q.dim() == 4 and k_cache.dim() == 4 and q.device.type == "cpu"
             and rotary is None and rotary_cos is None and window_size is None and not return_lse
-            and num_splits is None and alibi_slopes is None and not softcap
+            and num_splits is None and alibi_slopes is None and not softcap and sinks is None
             and (scale is None or type(scale) in (int, float) and math.isfinite(scale))):
         # the plain step: the decode kernel's direct path, where the planner's rule gives it the decode kernel
         n = cache_seqlens + (k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0)
@@ -99,7 +102,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     try:
         c = cacheargs.check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
                             alibi_slopes, rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits,
-                            return_lse)
+                            return_lse, sinks)
     except (AttentionInputError, TypeError) as e:  # every message names the function, on one line
         if str(e).startswith("attention_with_kvcache") or type(e) not in (AttentionInputError, AttentionDtypeError,
                                                                           TypeError):
@@ -134,5 +137,5 @@ def _run(call):
     q = call.q.transpose(1, 2)
     k, v = call.gathered(torch.float32)
     out, lse = attention_with_lse(q.float(), k, v, attn_mask=call.mask(), scale=call.scale, enable_gqa=True,
-                                  softcap=call.softcap)
+                                  softcap=call.softcap, sinks=call.sinks)
     return out.to(call.q.dtype).transpose(1, 2).contiguous(), lse

@@ -97,6 +97,12 @@ def _weights_asked(kwargs) -> bool:
     return isinstance(collecting, dict) and ("attentions" in collecting or "cross_attentions" in collecting)
 
 
+def _sinks(kwargs):
+    """The model's attention sinks [H] (gpt-oss passes its per-head logits as ``s_aux``; ``sinks`` elsewhere), or None."""
+    s = kwargs.get("s_aux")
+    return kwargs.get("sinks") if s is None else s
+
+
 def _is_causal(module, query, attention_mask, kwargs) -> bool:
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -104,9 +110,11 @@ def _is_causal(module, query, attention_mask, kwargs) -> bool:
     return bool(is_causal)
 
 
-def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is_causal, need_weights, softcap=None):
+def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is_causal, need_weights, softcap=None,
+            sinks=None):
     """query [B, H, L, D], key/value [B, Hkv, S, D|Dv] -> (output [B, H, L, Dv], weights [B, H, L, S] or None).
-    ``softcap``: the model's logit soft-capping (Gemma 2's ``attn_logit_softcapping``), or None."""
+    ``softcap``: the model's logit soft-capping (Gemma 2's ``attn_logit_softcapping``), or None; ``sinks``: its
+    attention sinks [H] (gpt-oss's ``s_aux``), or None."""
     L = query.shape[2]
     gqa = query.shape[1] != key.shape[1]
     dropout_p = dropout if module.training else 0.0
@@ -114,8 +122,12 @@ def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is
     if isinstance(mech, str):
         method = "auto" if need_weights and mech in ("sdpa", "sparse") else mech
         r = attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scaling,
-                      enable_gqa=gqa, pattern=pat, method=method, need_weights=need_weights, softcap=softcap)
+                      enable_gqa=gqa, pattern=pat, method=method, need_weights=need_weights, softcap=softcap,
+                      sinks=sinks)
     else:
+        if sinks is not None:
+            raise ValueError(f"this model has attention sinks (s_aux, [{sinks.shape[0]}]), which mechanism "
+                             f"{type(mech).__name__} does not take: use a core method (\"attnlab\", \"attnlab_tiled\", ...)")
         if softcap is not None:
             raise ValueError(f"this model soft-caps its attention scores (softcap={softcap}), which mechanism "
                              f"{type(mech).__name__} does not do: use a core method (\"attnlab\", \"attnlab_tiled\", ...)")
@@ -143,7 +155,7 @@ def _attend(mech, pattern, module, query, key, value, mask, scaling, dropout, is
 _STEP_MECHANISMS = {"auto": "auto", "compiled": "decode", "decode": "decode"}
 
 
-def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need_weights, softcap=None):
+def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need_weights, softcap=None, sinks=None):
     """out [B, L, H, Dv] for a generation step on the route of Note [HF decode step], or None."""
     B, H, L, D = query.shape
     S = key.shape[2]
@@ -158,8 +170,11 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
                              or mask.shape[2] not in (1, L)):
         return None
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(D)
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (H,)
+                              or not sinks.dtype.is_floating_point):
+        return None  # attnlab.attention checks them and says what is wrong
     call = CacheCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, S, keep=mask,
-                     softcap=softcap or None)
+                     softcap=softcap or None, sinks=sinks)
     try:
         plan = plan_cache(call, _STEP_MECHANISMS[mech])
         out, _ = plan.kernel.run_cache(call)
@@ -187,13 +202,14 @@ def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
         need_weights = _weights_asked(kwargs)
         is_causal = _is_causal(module, query, attention_mask, kwargs)
         softcap = kwargs.get("softcap")
+        sinks = _sinks(kwargs)
         if steps:  # Note [HF decode step]
             out = _decode_step(mech, query, key, value, attention_mask, scaling, module, is_causal, need_weights,
-                               softcap)
+                               softcap, sinks)
             if out is not None:
                 return out, None
         out, weights = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout,
-                               is_causal, need_weights, softcap)
+                               is_causal, need_weights, softcap, sinks)
         return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Dv)
 
     attnlab_attention.mechanism, attnlab_attention.pattern = mechanism, pattern
@@ -495,7 +511,7 @@ def _hooked_function(mechanism, pattern):
         is_causal = _is_causal(module, query, attention_mask, kwargs)
         if ad is None or not ad.hooks:
             out, w = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout, is_causal,
-                             need_weights, kwargs.get("softcap"))
+                             need_weights, kwargs.get("softcap"), _sinks(kwargs))
             return out.transpose(1, 2).contiguous(), w
         L, S = query.shape[2], key.shape[2]
         causal = is_causal or (bool(getattr(module, "is_causal", False)) and L > 0)
@@ -510,7 +526,7 @@ def _hooked_function(mechanism, pattern):
         v = ad.hooks.run("v", value, ctx)  # (B, Hkv, S, Dv)
         want = need_weights or ad.hooks.has("weights")
         out, w = _attend(mech, pattern, module, q, k, v, attention_mask, scaling, dropout, is_causal, want,
-                         kwargs.get("softcap"))
+                         kwargs.get("softcap"), _sinks(kwargs))
         if w is not None:
             ad.hooks.run("weights", w, ctx)
         z = ad.hooks.run("z", out, ctx)  # (B, H, L, Dv)

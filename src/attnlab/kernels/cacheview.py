@@ -33,7 +33,8 @@ class CacheCall:
     seqlens: keys per sequence, an int (every sequence) or int64 [B]; query i of sequence b sits at position
     ``seqlens[b] - L + i`` and sees keys ``pos - left .. pos + right`` (causal: right = 0) below seqlens[b];
     block_table: int32 [B, pages] or None (sequence b is page b); keep: bool [B|1, H|1, L|1, >=S] (a padded
-    batch's mask, True = attend) or None; alibi_slopes: float32 [H] or [B, H]; splits: forced key splits.
+    batch's mask, True = attend) or None; alibi_slopes: float32 [H] or [B, H]; splits: forced key splits;
+    sinks: attention sinks [H], one logit per query head (Note [Attention sinks] in ``kernels.lse``) or None.
     """
 
     q: torch.Tensor
@@ -51,6 +52,7 @@ class CacheCall:
     v_scale: torch.Tensor | None = None
     splits: int | None = None
     need_lse: bool = False
+    sinks: torch.Tensor | None = None
 
     @property
     def S(self) -> int:
@@ -83,7 +85,7 @@ class CacheCall:
         return Request(B, H, self.k.shape[2], L, S, D, self.v.shape[3], self.q.dtype, self.q.device.type,
                        pattern=self.banded(S), keep_mask=self.keep is not None, softcap=bool(self.softcap),
                        alibi=None if a is None else "[H]" if a.dim() == 1 else "[B, H]", needs_lse=self.need_lse,
-                       cache=self.kind, quantized=self.quantized)
+                       cache=self.kind, quantized=self.quantized, sinks=self.sinks is not None)
 
     # -- the cache as ordinary tensors, for kernels that read no view (and for other devices) -----------------
     def lengths(self) -> torch.Tensor:

@@ -56,6 +56,7 @@ from ..report import format_bytes
 from .extension import Extension, transformed
 from .masks import MaskSpec
 from .kernel import Kernel, masked_tiling, nonempty_blocks
+from .lse import sink_scale
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "variant", "KernelLayout", "build_layout",
@@ -563,11 +564,12 @@ class _CompiledFunction(torch.autograd.Function):
     """(out, lse, out_acc or None, lse_lo) of the kernel, differentiable in q, k, v, the float mask ``bias`` and
     the relative bias table ``rel`` [H, L + S - 1] (csrc Note [Relative bias]);
     torch.func-compatible (setup_context, a vmap rule). lse_lo is lse's rounding error, lse + lse_lo = m + log(l),
-    for the backward (csrc Note [Split log-sum-exp])."""
+    for the backward (csrc Note [Split log-sum-exp]). With ``sinks`` [H] the four are the sinked ones, which the
+    unchanged backward takes, and the sinks' gradient is one reduction (Note [Attention sinks] in ``kernels.lse``)."""
 
     @staticmethod
     def forward(q, k, v, lay: KernelLayout, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, keep_acc,
-                as_fp32, rel=None):
+                as_fp32, rel=None, sinks=None):
         if _wrapped(*lay.tensors):
             raise RuntimeError(_GRAD_TRANSFORM)
         dtype = q.dtype
@@ -577,24 +579,33 @@ class _CompiledFunction(torch.autograd.Function):
         out, lse, out_acc, lse_lo = _load().forward(_operand(q), _operand(k), _operand(v), *lay.tensors, keep, bias,
                                                     alibi, rel, scale, softcap, alibi_causal, alibi_offset,
                                                     lay.block_q, lay.block_k, _gemm_mode(q.dtype),
-                                                    keep_acc and not as_fp32)
+                                                    (keep_acc or sinks is not None) and not as_fp32)
+        if sinks is not None:  # the float32 O, when kept, is rescaled and rounded once
+            out, out_acc, lse, lse_lo = _sinked(out, out_acc, lse, lse_lo, sinks.detach(), keep_acc)
         if as_fp32:
             out, out_acc = _convert(out, dtype), (out if keep_acc else None)
         return out, lse, out_acc, lse_lo
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _, as_fp32, rel = inputs
+        q, k, v, lay, keep, bias, alibi, scale, softcap, alibi_causal, alibi_offset, _, as_fp32, rel, sinks = inputs
         out, lse, out_acc, lse_lo = output
-        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, lse_lo, bias, rel)
+        ctx.save_for_backward(q, k, v, out if out_acc is None else out_acc, lse, lse_lo, bias, rel, sinks)
         ctx.args = (lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset)
         ctx.as_fp32 = as_fp32
         ctx.mark_non_differentiable(*(t for t in (lse, out_acc, lse_lo) if t is not None))
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dacc, _dlo):
-        q, k, v, out, lse, lse_lo, bias, rel = ctx.saved_tensors
+        q, k, v, out, lse, lse_lo, bias, rel, sinks = ctx.saved_tensors
         lay, keep, alibi, scale, softcap, alibi_causal, alibi_offset = ctx.args
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[14]:  # ds_h = -Σ (1 - a)·rowsum(dO ∘ O'), Note [Attention sinks]
+            acc = lse.dtype
+            rest = torch.exp((sinks.detach().to(acc).view(-1, 1) - lse) - lse_lo)  # 1 - a = exp(s - lse')
+            dsinks = -(rest * (dout.to(acc) * out.to(acc)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+            if not any(ctx.needs_input_grad[i] for i in (0, 1, 2, 5, 13)):
+                return (None,) * 14 + (dsinks,)
         # the float mask's gradient comes back dense [N, H, L, S]; ``bias`` is an expand() of the caller's
         # mask, so autograd's expand backward sums it over the broadcast dims to the mask's own shape
         bias_grad = bias is not None and ctx.needs_input_grad[5]
@@ -614,11 +625,24 @@ class _CompiledFunction(torch.autograd.Function):
             dq, dk, dv, dbias, drel = _run_backward(*args)
         if ctx.as_fp32:
             dq, dk, dv = (_convert(t, dtype) for t in (dq, dk, dv))
-        return dq, dk, dv, None, None, dbias, None, None, None, None, None, None, None, drel
+        return dq, dk, dv, None, None, dbias, None, None, None, None, None, None, None, drel, dsinks
 
     @staticmethod
     def vmap(info, in_dims, *args):
         return _vmap_by_slices(_CompiledFunction.apply, info, in_dims, args)
+
+
+def _sinked(out, out_acc, lse, lse_lo, sinks, keep_acc: bool):
+    """(out', out_acc' or None, lse', lse_lo') with attention sinks (Note [Attention sinks] in ``kernels.lse``):
+    lse' = logaddexp(lse + lse_lo, s) in float64, split again into hi + lo (csrc Note [Split log-sum-exp]); the
+    output rescaled from its float32 copy when there is one (half types), then rounded once."""
+    acc = lse.dtype
+    a, full = sink_scale(lse.double() + lse_lo.double(), sinks)  # (N, H, L) each, float64
+    hi = full.to(acc)
+    lo = torch.where(torch.isfinite(hi), full - hi.double(), torch.zeros_like(full)).to(acc)
+    src = out if out_acc is None else out_acc
+    scaled = src * a.unsqueeze(-1).to(src.dtype)  # (N, H, L, Ev)
+    return scaled.to(out.dtype), (scaled if keep_acc and out_acc is not None else None), hi, lo
 
 
 def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskSpec, scale: float,
@@ -628,7 +652,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     """q [N, H, L, E], k [N, Hkv, S, E], v [N, Hkv, S, Ev] -> (out [N, H, L, Ev], lse [N, H, L]).
 
     lse is float32 (float64 for float64 inputs), -inf for a row with no key (whose output is 0), and
-    not differentiable. Differentiable in q, k, v and in a float mask ``mask.bias`` that requires grad
+    not differentiable. Attention sinks come from ``mask.sinks`` [H] (differentiable; lse then includes them:
+    Note [Attention sinks] in ``kernels.lse``). Differentiable in q, k, v and in a float mask ``mask.bias`` that requires grad
     (its gradient is built dense, [N, H, L, S] in the accumulation dtype, then summed to its shape).
     Soft-capping and ALiBi come from ``mask`` (``mask.softcap``, ``mask.alibi`` [1, H]: Note [Score
     modifications]) or, for direct callers, from the keywords (not both): softcap > 0 replaces each
@@ -654,7 +679,8 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if min(N, H, L, S) == 0 or k.shape[1] == 0:  # nothing to compute; rows with no key are 0 / -inf
         # graph kept through sums of empty slices (0 * q.sum() would be NaN for a q holding Inf)
         out = q.new_zeros(N, H, L, Ev) + (q[..., :0].sum() + k[..., :0].sum() + v[..., :0].sum())
-        return out, torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
+        lse = torch.full((N, H, L), float("-inf"), dtype=acc, device=q.device)
+        return out, (lse if mask.sinks is None else sink_scale(lse, mask.sinks.detach())[1])
     if layout is None:
         layout = build_layout(mask, *clip_blocks(block_q, block_k, L, S))
     keep = bias = None
@@ -690,8 +716,12 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         rel_bias = rel_bias.to(acc).contiguous()
     keep_acc = q.dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad)
+    sinks = mask.sinks
+    if sinks is not None and sinks.shape != (H,):
+        raise ValueError(f"compiled_attention: mask.sinks must be [H] = [{H}], got {list(sinks.shape)}")
     out, lse, _, _ = _CompiledFunction.apply(q, k, v, layout, keep, bias, alibi_slopes, float(scale), float(softcap),
-                                             bool(alibi_causal), int(S - L), keep_acc, runs_as_fp32(q.dtype), rel_bias)
+                                             bool(alibi_causal), int(S - L), keep_acc, runs_as_fp32(q.dtype), rel_bias,
+                                             sinks)
     return (out[..., :0] if Ev == 0 else out), lse
 
 
@@ -772,7 +802,7 @@ def _fp32_copy_bytes(r: Request) -> int:
 
 SPEC = KernelSpec("compiled", "attnlab's C++ CPU kernel: online softmax over the layout's tiles, masks read "
                   "inside them", lse="yes", float_mask_grad=True, gqa_no_copy=True, needs_extension=True, blocked=True,
-                  devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",), rel_bias=True,
+                  devices=("cpu",), softcap=True, alibi="native", alibi_shapes=("[H]",), rel_bias=True, sinks=True,
                   peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason(), explain=_explain)
 
 

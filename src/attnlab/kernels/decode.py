@@ -28,6 +28,7 @@ from ..report import format_bytes
 from .cacheview import UNBOUNDED, CacheCall
 from .extension import Extension
 from .kernel import Kernel, Cost
+from .lse import sink_scale
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
 __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
@@ -495,7 +496,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
 SPEC = KernelSpec("decode", "attnlab's decode kernel: 1-16 queries against a KV cache, K/V read once per kv head "
                   "group, keys split across threads (flash-decoding)",
                   lse="yes", backward=False, gqa_no_copy=True, needs_extension=True, devices=("cpu",), softcap=True,
-                  alibi="native", dtypes=DTYPES, max_queries=MAX_QUERIES,
+                  alibi="native", sinks=True, dtypes=DTYPES, max_queries=MAX_QUERIES,
                   cache_views=("contiguous", "lengths", "paged"), quantized_cache=True, transforms=False,
                   peak_bytes=_peak, flops=_flops, unavailable=lambda r: unavailable_reason())
 
@@ -545,6 +546,9 @@ class DecodeKernel(Kernel):
         """(out, None, lse or None) for prepared inputs; L <= 16, inference: keys split across threads, K/V
         read once per group."""
         out, lse = run_prepared(p, return_lse=True)
+        if p.mask.sinks is not None:  # Note [Attention sinks]: from its log-sum-exp (inference: ds flows through a)
+            a, lse = sink_scale(lse, p.mask.sinks)  # (N, H, L)
+            out = (out * a.unsqueeze(-1)).to(out.dtype)
         return out, None, lse if need_lse else None
 
     def step(self, q, k_cache, v_cache, k, v, n0: int, block_table, causal: bool, scale: float):
@@ -557,7 +561,7 @@ class DecodeKernel(Kernel):
         the call is plain, else ``decode_attention`` (the kernel checks every page a visible key reaches)."""
         plain = (isinstance(c.seqlens, int) and c.keep is None and not c.softcap and c.alibi_slopes is None
                  and c.left >= UNBOUNDED and c.right in (0, UNBOUNDED) and not c.quantized and c.splits is None
-                 and not c.need_lse)
+                 and not c.need_lse and c.sinks is None)
         if plain:
             out = decode_step(c.q, c.k, c.v, None, None, c.seqlens, c.block_table, c.right == 0, c.scale)
             if out is not None:
@@ -566,9 +570,13 @@ class DecodeKernel(Kernel):
         splits = c.splits
         if splits is not None:  # splits past the keys would be empty: at most one per key (no oversized buffers)
             splits = min(splits, max(1, c.S))
-        return decode_attention(c.q, c.k, c.v, scale=c.scale, block_table=c.block_table, seqlens=c.seqlens,
-                                left=c.left, right=c.right, keep=c.keep, softcap=c.softcap or 0.0,
-                                alibi_slopes=c.alibi_slopes, splits=splits, blhd=True, **kw)
+        out, lse = decode_attention(c.q, c.k, c.v, scale=c.scale, block_table=c.block_table, seqlens=c.seqlens,
+                                    left=c.left, right=c.right, keep=c.keep, softcap=c.softcap or 0.0,
+                                    alibi_slopes=c.alibi_slopes, splits=splits, blhd=True, **kw)
+        if c.sinks is not None:  # Note [Attention sinks]: out [B, L, H, Dv] from lse [B, H, L]
+            a, lse = sink_scale(lse, c.sinks)
+            out = (out * a.transpose(1, 2).unsqueeze(-1)).to(out.dtype)
+        return out, lse
 
 
 #: its speed is the read bandwidth (``seconds``); 2·(E + Ev) FLOPs per pair at 100 GFLOP/s is what explain shows

@@ -20,7 +20,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
 
 
 SPEC = KernelSpec("dense", "materialises the [B, H, L, S] scores; supports everything", weights="yes",
-                  dropout=True, float_mask_grad=True, materializes="scores", softcap=True, alibi="positions",
+                  dropout=True, float_mask_grad=True, materializes="scores", softcap=True, alibi="positions", sinks=True,
                   peak_bytes=_peak, flops=_flops)
 
 
@@ -65,7 +65,9 @@ def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.
     Computes in float32 for half types (as PyTorch's math path does), returns the input dtype. Soft-capping
     and ALiBi as ``mask`` says (Note [Score modifications]); autograd differentiates the cap. Under GQA
     (Hkv < H) k and v are repeated after the upcast, with ``dead`` [N|1, H, S] keys zeroed per head
-    (``repeat_heads``; Note [GQA gradients in the accumulation dtype]).
+    (``repeat_heads``; Note [GQA gradients in the accumulation dtype]). ``mask.sinks`` [H]: attention sinks in
+    the softmax, as a last column of score s_h whose weight is dropped (the weights then sum to < 1; Note
+    [Attention sinks]); autograd differentiates them.
     """
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     L, S, H = q.shape[-2], k.shape[-2], q.shape[1]
@@ -76,7 +78,13 @@ def dense_attention(q, k, v, mask: MaskSpec, scale: float, dropout_p: float = 0.
     keep, bias = mask.block(i, j, q.shape[0]) if not mask.is_trivial else (None, None)
     if bias is not None:
         scores = scores + bias.to(compute)
-    weights = masked_softmax(scores, keep)
+    if mask.sinks is None:
+        weights = masked_softmax(scores, keep)
+    else:  # (N, H, L, S + 1): the sink's column never masked, so no row is empty
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        sink = mask.sinks.to(compute).view(1, H, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = masked_softmax(torch.cat([scores, sink], dim=-1), None)[..., :S]
     attn = weights
     if dropout_p > 0.0 and training_dropout:
         attn = torch.nn.functional.dropout(weights, p=dropout_p)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge", "merge_into", "acc_dtype"]
+__all__ = ["merge", "merge_into", "acc_dtype", "sink_scale"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -49,3 +49,22 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b:
     wa, wb, denom, m_safe, nonzero = _weights(lse, lse_b)
     out.mul_(wa.unsqueeze(-1).to(out.dtype)).addcmul_(out_b.to(out.dtype), wb.unsqueeze(-1).to(out.dtype))
     lse.copy_(torch.where(nonzero, m_safe + torch.log(denom), torch.full_like(m_safe, float("-inf"))))
+
+
+# Note [Attention sinks]: a sink (gpt-oss; flash-attn, vLLM, llama.cpp) is one learned logit s_h per query head in
+# the softmax denominator only:
+#     out_i = Σ_j exp(x_ij - m) v_j / (exp(s_h - m) + Σ_j exp(x_ij - m)),
+# attention over the keys plus one key of score s_h and value 0: the merge above with the partial (0, s_h). So
+# from a row's (out, lse) without the sink, exactly:
+#     out' = out·a,  lse' = logaddexp(lse, s_h),  a = exp(lse - lse') = sigmoid(lse - s_h),
+# and the weights are exp(x - lse'), summing to a < 1. A row with no key: a = 0, out' = 0, lse' = s_h.
+# Backward (dO' the gradient of out'): the softmax backward over the keys and the sink, whose value is 0, is
+#     dx_ij = P'_ij (dO'_i·v_j - D_i),  D_i = dO'_i·out'_i,  dv_j = Σ_i P'_ij dO'_i,  ds_h = -Σ_i (1 - a_i) D_i,
+# with P' = exp(x - lse'): FlashAttention's backward run on the sinked (out', lse') gives dq, dk, dv unchanged,
+# and ds is one reduction. The tiled and compiled kernels keep (out', lse') for their backward; dense has the
+# sink in its softmax (autograd); the decode kernel (inference) rescales its output, so only ds flows, through a.
+def sink_scale(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, lse') for rows' lse [N, H, L] and sinks [H] (Note [Attention sinks]): a = sigmoid(lse - s), the factor
+    the output takes, and lse' = logaddexp(lse, s), both in lse's dtype; differentiable in ``sinks``."""
+    s = sinks.to(lse.dtype).view(-1, 1)  # (H, 1)
+    return torch.sigmoid(lse - s), torch.logaddexp(lse, s.expand_as(lse))

@@ -261,8 +261,8 @@ class KernelSpec:
         if r.softcap and not self.softcap:
             why.append("no soft-capping (softcap=)")
         if r.sinks and not self.sinks:
-            why.append("no attention sinks (sinks=): no softmax of its own and no differentiable log-sum-exp to "
-                       "rescale by")
+            why.append("no attention sinks (sinks=): its softmax takes no sink and it has no differentiable log-sum-exp "
+                       "to rescale by")
         if r.rel_bias and not self.rel_bias:
             why.append("no relative bias table (flex_attention's score_mod of kv_idx - q_idx)")
         if r.alibi is not None:
