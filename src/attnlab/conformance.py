@@ -66,7 +66,7 @@ def run_conformance(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float3
                     only=None, progress=None) -> ConformanceResult:
     """Check ``names`` (default: every registered mechanism) on the cases built from query ``shape``
     [B, H, L, E] and key length ``S`` (default L). Raises ValueError for an unknown mechanism and
-    ``attnlab.options.OptionError`` when the oracle's scores would not fit the memory budget.
+    ``attnlab.resources.OptionError`` when the oracle's scores would not fit the memory budget.
     ``progress(done, total, label)``, when given, is called before each (mechanism, case) and at the end."""
     check_budget(shape, S, only)
     rows = check(names, shape, S, dtype, seed, only, progress=progress)
@@ -92,8 +92,8 @@ _SCORE_COPIES = 6
 
 def check_budget(shape, S=None, only=None, text=None) -> None:
     """Refuse, before anything is allocated, shapes whose [B, H, L, S] score matrices do not fit the
-    memory budget (``attnlab.options.memory_budget``): the oracle is dense and float64."""
-    from .options import check_memory
+    memory budget (``attnlab.resources.memory_budget``): the oracle is dense and float64."""
+    from .resources import check_memory
 
     B, H, L, _ = shape
     S = L if S is None else S

@@ -140,9 +140,9 @@ def _decode() -> dict:
 
 
 def _calibration() -> dict:
-    from .functional import rates
+    from .functional import calibration
 
-    return rates.state()
+    return calibration.state()
 
 
 def _verified() -> dict:

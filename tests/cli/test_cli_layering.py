@@ -5,7 +5,7 @@
   found). Packages still being converted are listed in
   ``NOT_YET`` so the gap is visible and shrinks.
 - No subcommand module imports ``cli.main`` (``main`` imports the subcommands: the other direction
-  would be a cycle); nothing outside ``cli/`` imports ``attnlab.cli`` except the ``attnlab.options`` alias.
+  would be a cycle); nothing outside ``cli/`` imports ``attnlab.cli``.
 - The instruments run from a config without the CLI and write nothing on stdout or stderr, and the
   CLI's ``invoke`` hands back the result the command returned.
 """
@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[2] / "src" / "attnlab"
 # Packages whose instruments still print or parse their own options (helper "bench" is moving them
 # behind configs, issue 15); a trailing "/" covers a package.
 NOT_YET: set = set()
-ALIASES = {"options.py"}  # deprecated re-export of attnlab.cli.options
 
 
 def _library_modules():
@@ -79,7 +78,7 @@ def _outside_cli_violations(rel: str, tree: ast.Module) -> list[str]:
         if (isinstance(node, ast.Attribute) and node.attr in ("ArgumentParser", "Namespace")
                 and isinstance(node.value, ast.Name) and node.value.id == "argparse"):
             found.append(f"{rel}:{node.lineno} argparse.{node.attr}")
-        if isinstance(node, ast.ImportFrom) and node.module == "argparse" and rel not in ALIASES:
+        if isinstance(node, ast.ImportFrom) and node.module == "argparse":
             found.append(f"{rel}:{node.lineno} from argparse import")
     return found
 
@@ -90,7 +89,7 @@ def test_nothing_outside_cli_prints_or_parses_argv():
 
 
 def test_no_layer_imports_the_cli():
-    found = [f"{rel}:{node.lineno} imports {name}" for rel, tree in _library_modules() if rel not in ALIASES
+    found = [f"{rel}:{node.lineno} imports {name}" for rel, tree in _library_modules()
              for name, node in _imports(tree, rel) if name == "attnlab.cli" or name.startswith("attnlab.cli.")]
     assert not found, "; ".join(found)
 

@@ -100,7 +100,7 @@ def test_causal_block_count_matches_the_layout():
     """explain() counts plain causal blocks arithmetically; the count must equal the pattern's layout."""
     import itertools
 
-    from attnlab.functional.planner import causal_blocks as _causal_blocks
+    from attnlab.kernels.planner import causal_blocks as _causal_blocks
     for L, S, bq, bk in itertools.product([1, 5, 17, 130], [1, 7, 129], [1, 4, 16], [1, 3, 16]):
         lay = P.causal().block_layout(L, S, bq, bk)
         assert _causal_blocks(L, S, bq, bk) == int((lay != P.EMPTY).sum()), (L, S, bq, bk)

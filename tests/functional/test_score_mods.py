@@ -19,7 +19,7 @@ import attnlab
 from attnlab import kernels
 from attnlab import patterns as P
 from attnlab import reference
-from attnlab.functional import planner
+from attnlab.kernels import planner
 from attnlab.kernels import compiled
 from attnlab.nn import MultiHeadAttention
 from attnlab.positional import ALiBi, alibi_slopes

@@ -3,9 +3,6 @@ Hugging Face's eager BertModel on the same weights and against interventions don
 from __future__ import annotations
 
 import copy
-import importlib
-import sys
-import warnings
 
 import pytest
 import torch
@@ -172,18 +169,6 @@ def test_hooks_replace_read_and_refuse(minilm_model, batch):
         with C.ablate_heads(minilm_model, 0, heads=[1], how="noise"):
             pass
     assert not any(m.self_attn.hooks for m in minilm_model.layers)
-
-
-def test_inspect_is_a_deprecated_alias():
-    sys.modules.pop("attnlab.inspect", None)
-    with pytest.warns(DeprecationWarning, match="attnlab.capture"):
-        mod = importlib.import_module("attnlab.inspect")
-    with pytest.warns(DeprecationWarning, match="attnlab.capture.capture"):
-        assert mod.capture is C.capture
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(AttributeError, match="deprecated alias"):
-            mod.nothing_here
 
 
 def test_scores_follow_cache_offset_gqa_pattern_and_padding():

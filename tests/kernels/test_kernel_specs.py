@@ -13,7 +13,7 @@ import attnlab
 import attnlab.mechanisms as M
 from attnlab import kernels, reference, shapes
 from attnlab import patterns as P
-from attnlab.functional import planner
+from attnlab.kernels import planner
 from attnlab.kernels.lse import merge, merge_into
 from attnlab.nn import MultiHeadAttention
 from helpers import TOL, assert_close

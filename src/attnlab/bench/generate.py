@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..harness import threads, time_call
-from ..options import check_memory
+from ..resources import check_memory
 from ..report import environment
 from .files import write_json_and_figure
 

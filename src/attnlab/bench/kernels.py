@@ -32,7 +32,7 @@ from attnlab import cpu
 from attnlab.functional import METHODS
 
 from ..harness import threads
-from ..options import check_memory
+from ..resources import check_memory
 from ..report import environment
 from .fit import fit_exponent
 from .impls import peak_in_fresh_process

@@ -34,7 +34,7 @@ from torch import nn
 from .. import patterns
 from ..functional import attention, explain
 from ..harness import markdown_table, pyplot, save_plot, threads
-from ..options import check_memory
+from ..resources import check_memory
 from ..report import atomic_write_json, atomic_write_text, environment, format_bytes
 from .all_report import format_seconds
 from .fit import fit_exponent

@@ -28,7 +28,7 @@ from typing import Callable
 
 from ..harness import ResultStore, environment_record, remove_partial, write_report
 from ..harness.store import PARTIAL
-from ..options import memory_budget
+from ..resources import memory_budget
 from ..report import atomic_write_text, format_bytes
 from .all_jobs import REFERENCE, Runner, attention_callable, mechanism_cost, mechanism_names, measure_job
 from .all_report import TUTORIAL_TABLE, analyse, markdown, plots, write_csv
@@ -48,7 +48,7 @@ class AllConfig:
     """What ``bench all`` measures. None means the default, which ``quick`` shrinks: ``mechanisms``
     (torch_sdpa, naive and every registered one; torch_sdpa is always added), ``lengths`` (128..65536;
     quick 128..512), ``repeats`` (5; quick 3), ``time_budget`` seconds per configuration (60; quick 5),
-    ``memory_budget_gib`` (``attnlab.options.memory_budget()``: half of the available memory),
+    ``memory_budget_gib`` (``attnlab.resources.memory_budget()``: half of the available memory),
     ``isolation`` ("config": a fresh process per configuration; quick "suite": one worker),
     ``lra_lengths`` (1024..4096; quick 128, 256) and ``production_lengths`` (the tutorial's; quick 128,
     512); ``lra`` / ``production`` switch those tables. ``threads``: torch threads in the workers.

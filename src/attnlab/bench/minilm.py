@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..harness import threads
-from ..options import check_memory
+from ..resources import check_memory
 from ..report import environment
 from .files import write_json_and_figure
 

@@ -2,7 +2,7 @@
 
 For each configuration (a kind of mask × dtype × length × batch/heads/GQA) the inputs are built once and
 timed, forward under ``torch.no_grad``, side by side in interleaved rounds (medians; Note [Median,
-interleaved] in ``attnlab.harness.timing``): ``attnlab.attention(method="auto")`` beside every kernel
+interleaved] in ``attnlab.timing``): ``attnlab.attention(method="auto")`` beside every kernel
 of ``METHODS`` that accepts the inputs (a kernel that refuses them stays in the table as "refused", with
 its reason; one far too slow to time, as "skipped": Note [Kernels too slow to time]). Auto is timed
 paired with the kernel it picks (by ``attnlab.explain``): back to back in every round, the order flipped
@@ -48,7 +48,7 @@ import attnlab
 from attnlab import patterns as P
 
 from ..harness import ResultStore, pyplot, save_plot, threads
-from ..harness.timing import interleaved, paired_ratio
+from ..timing import interleaved, paired_ratio
 from ..report import environment
 from ..resources import check_memory
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from attnlab.bench.mechanisms import AllConfig, AllResult, run as run_all
 from attnlab.harness import fmt
-from attnlab.options import nonneg_int, positive_float, positive_int, positive_int_list
+from .options import nonneg_int, positive_float, positive_int, positive_int_list
 
 from .bench_common import run_suite
 

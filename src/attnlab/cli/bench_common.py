@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from attnlab.options import output_dir
+from .options import output_dir
 
 from .common import progress_display
 

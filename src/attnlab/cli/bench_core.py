@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.core import CoreConfig, Result, run as run_core
-from attnlab.options import positive_float, positive_int
+from .options import positive_float, positive_int
 
 from .bench_common import run_suite
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.decode import DecodeBench, DecodeConfig, run as run_decode
-from attnlab.options import names, positive_int, positive_int_list
+from .options import names, positive_int, positive_int_list
 
 from .bench_common import config_of, run_suite
 from .common import add_force

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.generate import GenerateBench, GenerateConfig, run as run_generate
-from attnlab.options import positive_int, positive_int_list
+from .options import positive_int, positive_int_list
 
 from .bench_common import run_suite
 from .common import add_force

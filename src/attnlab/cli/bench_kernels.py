@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.kernels import KernelsConfig, KernelsResult, run as run_kernels
-from attnlab.options import nonneg_int, positive_int, positive_int_list
+from .options import nonneg_int, positive_int, positive_int_list
 
 from .bench_common import run_suite
 from .common import add_force

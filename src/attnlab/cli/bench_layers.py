@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from attnlab.bench.all_report import format_seconds
 from attnlab.bench.layers import LAYERS, LayersConfig, LayersResult, run as run_layers
-from attnlab.options import nonneg_int, positive_float, positive_int
+from .options import nonneg_int, positive_float, positive_int
 
 from .bench_common import run_suite
 from .common import add_force

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.minilm import MiniLMBench, MiniLMConfig, run as run_minilm
-from attnlab.options import positive_int
+from .options import positive_int
 
 from .bench_common import run_suite
 from .common import add_force

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.ring import TARGET_N, TARGET_PROCS, RingBenchResult, RingConfig, run as run_ring
-from attnlab.options import positive_float, positive_int
+from .options import positive_float, positive_int
 
 from .bench_common import run_suite
 from .common import add_force

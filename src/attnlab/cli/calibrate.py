@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.options import positive_int
+from .options import positive_int
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from attnlab.functional.calibration import CalibrationConfig, TooNoisy, calibrate
     from attnlab.harness.progress import progress
-    from attnlab.functional.rates import as_json
+    from attnlab.kernels.rates import as_json
 
     from .common import console as new_console
 

@@ -10,7 +10,7 @@ import argparse
 
 from attnlab.conformance import (CASES, DTYPES, TOL_FACTOR, TOL_FLOOR, check, check_budget, make_cases,
                                  run_conformance, sized_instance)
-from attnlab.options import positive_int
+from .options import positive_int
 
 from .common import UsageError, progress_display
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from attnlab.options import output_dir, positive_float, positive_int, positive_int_list
+from .options import output_dir, positive_float, positive_int, positive_int_list
 
 from .common import add_force
 
@@ -146,7 +146,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
 
 # -- argv -> config ------------------------------------------------------------------------------------------
 def _out(args, name: str, *, resumable: bool = True) -> Path:
-    """``--out`` or reports/<name>, checked (``attnlab.options.output_dir``): not a file; a folder holding an
+    """``--out`` or reports/<name>, checked (``attnlab.resources.output_dir``): not a file; a folder holding an
     earlier run needs --force (or, for a ``resumable`` experiment, --resume), so an old report is never
     overwritten unasked nor mixed with a new run (Note [One rule for --out]). ``args.out`` is set to the folder, and ``args.checkpoint_dir`` for a
     resumable one (Ctrl-C names it, ``cli.main``)."""

@@ -8,7 +8,7 @@ import torch
 
 import attnlab
 from attnlab import patterns as P
-from attnlab.options import check_memory, nonneg_int, positive_int
+from .options import check_memory, nonneg_int, positive_int
 from attnlab.positional import alibi_slopes
 from attnlab.report import format_bytes as _fmt_bytes
 

@@ -42,7 +42,7 @@ def _sizes(text: str) -> tuple[int, int, int]:
         raise UsageError(f"--cost must be three comma-separated integers L,S,D, got {text!r}") from None
     if min(L, S, D) < 1:
         raise UsageError(f"--cost sizes must be >= 1, got {text!r}")
-    from attnlab.options import check_memory
+    from .options import check_memory
 
     # a pattern's cost counts its kept pairs row by row: a few float64 vectors of length L and S
     check_memory(f"--cost {text}", 4 * 8 * (L + S), "the patterns' per-row counts of kept pairs")

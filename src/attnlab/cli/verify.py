@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from attnlab.options import positive_int
+from .options import positive_int
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:

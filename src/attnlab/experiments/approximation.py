@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from attnlab import harness
 from attnlab.harness import fmt as _fmt
 from attnlab.harness import markdown_table as _table
-from attnlab.options import check_memory
+from attnlab.resources import check_memory
 from attnlab.report import environment
 
 __all__ = ["ApproximationConfig", "ApproximationResult", "run", "grid", "errors", "time_call", "pareto",
@@ -144,7 +144,7 @@ def headline(n: int, D: int = 64, H: int = 1, seed: int = 0) -> dict:
     lin = M.get("linear")
     res = {"n": n, "D": D, "heads": H, "batch": 1, "dtype": "float32"}
     for causal in (False, True):
-        # interleaved rounds, median (Note [Median, interleaved] in attnlab.harness.timing): a slow spell of
+        # interleaved rounds, median (Note [Median, interleaved] in attnlab.timing): a slow spell of
         # a shared machine falls on both sides of the ratio
         with torch.no_grad():
             t = harness.interleaved({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),

@@ -19,7 +19,7 @@ import torch
 from attnlab import harness
 from attnlab.harness import fmt
 from attnlab.harness import markdown_table as table
-from attnlab.options import check_memory
+from attnlab.resources import check_memory
 
 from .attention import choose, mechanism_names
 from .training import RunConfig, plot_curves, train_run

@@ -18,7 +18,7 @@ import torch
 from attnlab import harness
 from attnlab.harness import fmt
 from attnlab.harness import markdown_table as table
-from attnlab.options import check_memory
+from attnlab.resources import check_memory
 
 __all__ = ["VarianceConfig", "VarianceResult", "run", "measure", "random_records", "minilm_records", "SCALINGS"]
 

@@ -3,7 +3,7 @@
 Every instrument (``bench``, ``experiments``, ...) measures, keeps partial results, trains and writes
 reports the same way, through these modules; none of them parses arguments or prints.
 
-- :mod:`~attnlab.harness.timing`: one timer (warm-up, interleaved rounds, median).
+- :mod:`~attnlab.timing` (re-exported here): one timer (warm-up, interleaved rounds, median).
 - :mod:`~attnlab.harness.memory`: resident memory now and at its peak; reset the peak.
 - :mod:`~attnlab.harness.store`: a result store on disk with partial results and resume; report files.
 - :mod:`~attnlab.harness.tables`: the one Markdown table writer and number formatting.
@@ -20,7 +20,7 @@ from .progress import NoProgress, progress
 from .runtime import environment_record, threads
 from .store import ResultStore, remove_partial, write_report
 from .tables import fmt, markdown_table, mean_std
-from .timing import Timing, interleaved, median_rate, paired_ratio, time_call
+from ..timing import Timing, interleaved, median_rate, paired_ratio, time_call
 from .training import (CheckpointError, StepBoundary, TrainConfig, evaluate, grad_norm, load_checkpoint,
                        tail_mean, train_run)
 

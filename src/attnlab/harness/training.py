@@ -23,7 +23,7 @@ import torch
 from attnlab.report import atomic_write_bytes
 
 from .memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from .timing import median_rate
+from ..timing import median_rate
 
 __all__ = ["TrainConfig", "train_run", "evaluate", "grad_norm", "tail_mean", "load_checkpoint", "CheckpointError",
            "StepBoundary", "make_optimizer", "HISTORY_KEYS"]
@@ -179,7 +179,7 @@ def train_run(cfg, model: torch.nn.Module, loss_fn: LossFn, train, test, ckpt: P
     gen = torch.Generator().manual_seed(10_000 + cfg.seed)
     hist: dict[str, list] = {k: [] for k in HISTORY_KEYS}
     step, train_time, done, resumed_from = 0, 0.0, False, None
-    step_times: list[float] = []  # Note [Median, interleaved] (harness.timing): throughput from the median step
+    step_times: list[float] = []  # Note [Median, interleaved] (attnlab.timing): throughput from the median step
     stored_peak: int | None = None  # training memory a killed or finished earlier process measured
     cfg_dict = asdict(cfg)
     if resume and ckpt is not None and ckpt.exists():
