@@ -177,3 +177,24 @@ def test_bad_fields():
         QuantizedKV.empty(1, 4, 2, 8, smooth="yes")
     with pytest.raises(attnlab.AttentionInputError, match="finite"):
         QuantizedKV.quantize(torch.full((1, 2, 1, 4), float("nan")), smooth=True)
+
+
+def test_gathered_path_reads_a_rotated_cache():
+    """More queries than the decode kernel takes (L = 20) gather the cache (kernels.cacheview: data · scale, the
+    stored basis) and attend with the query hook's q Rᵀ: float64 attention on the dequantised cache with the
+    original q, bottom-right causal, within float32 attention's rounding (the gathered call is attention_with_lse
+    in float32: 8 D eps relative of the output's scale here)."""
+    g = torch.Generator().manual_seed(4)
+    B, S, Hkv, H, D, L = 1, 64, 2, 4, 32, 20
+    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, D, generator=g)
+    q = torch.randn(B, L, H, D, generator=g)
+    kc, vc = QuantizedKV.quantize(k, rotate=True), QuantizedKV.quantize(v)
+    with torch.no_grad():
+        out = attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=S)
+    kf, vf = kc.dequantize().double(), vc.dequantize().double()
+    G = H // Hkv
+    s = q.double().transpose(1, 2) @ kf.repeat_interleave(G, 2).permute(0, 2, 3, 1) / math.sqrt(D)  # (B, H, L, S)
+    s = s.masked_fill(torch.arange(S) > torch.arange(L).unsqueeze(1) + (S - L), float("-inf"))
+    want = (s.softmax(-1) @ vf.repeat_interleave(G, 2).transpose(1, 2)).transpose(1, 2)
+    tol = 8 * D * torch.finfo(torch.float32).eps * float(vf.abs().max())
+    assert float((out.double() - want).abs().max()) <= tol

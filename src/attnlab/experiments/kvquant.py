@@ -211,15 +211,42 @@ def smollm2_kv(model, ids: torch.Tensor, queries: int) -> list[tuple[torch.Tenso
         _SIM["capture"] = None
 
 
-def model_metrics(model, ids: torch.Tensor, formats, n0: int) -> dict:
+def _hidden_through_cache(model, ids: torch.Tensor, n0: int, chunk: int, flags: dict) -> torch.Tensor:
+    """SmolLM2's last hidden states [S, E] with a real int8 cache (``integrations.hf_int8``, the decode kernel):
+    a prefill of n0 tokens, then ``chunk`` tokens a call."""
+    from attnlab.integrations import hf_int8
+
+    impl = model.config._attn_implementation
+    model.set_attn_implementation(hf_int8.register())
+    try:
+        cache = hf_int8.int8_cache(model.config, ids.shape[1], **flags)
+        hs = []
+        for a in [0, *range(n0, ids.shape[1], chunk)]:
+            b = n0 if a == 0 else min(a + chunk, ids.shape[1])
+            hs.append(model.model(ids[:, a:b], cache=cache).last_hidden_state[0])
+        return torch.cat(hs)
+    finally:
+        model.set_attn_implementation(impl)
+
+
+#: the real HF int8 cache's rows of model_metrics: name -> hf_int8.int8_cache flags
+CACHE_ROWS = {"int8 (HF cache)": {"rotate": False}, "int8-hadamard (HF cache)": {"rotate": True}}
+
+
+def model_metrics(model, ids: torch.Tensor, formats, n0: int, cache_chunk: int = 0) -> dict:
     """name -> {"ppl": perplexity over ids, "kl": mean KL(fp32 ‖ format) of the next-token distributions over
     every position (nats), "kl_max"}: one forward per format with every layer's K/V fake-quantised (the smoothed
-    formats fix their channel scales from the first ``n0`` rows, the prefill)."""
+    formats fix their channel scales from the first ``n0`` rows, the prefill); with ``cache_chunk``, also the real
+    int8 cache (CACHE_ROWS: a prefill of n0 tokens, then cache_chunk tokens a call through the decode kernel)."""
     out, ref, chunk = {}, [], 512
-    for name in ["fp32", *formats]:
-        _SIM.update(format=name, n0=n0, capture=None)
+    runs = [(name, None) for name in ["fp32", *formats]]
+    if cache_chunk:
+        runs += list(CACHE_ROWS.items())
+    for name, flags in runs:
+        _SIM.update(format=name if flags is None else "fp32", n0=n0, capture=None)
         with torch.no_grad():
-            h = model.model(ids).last_hidden_state[0]  # (S, E)
+            h = (model.model(ids).last_hidden_state[0] if flags is None
+                 else _hidden_through_cache(model, ids, n0, cache_chunk, flags))  # (S, E)
             nll, kls, kmax = 0.0, 0.0, 0.0
             for i, a in enumerate(range(0, h.shape[0] - 1, chunk)):
                 b = min(a + chunk, h.shape[0] - 1)
@@ -240,7 +267,8 @@ def model_metrics(model, ids: torch.Tensor, formats, n0: int) -> dict:
 @dataclass
 class KvquantConfig:
     """Sizes: synthetic GQA H / Hkv, head dim D, S keys (n0 of them the prefill), seeds; SmolLM2 on ``tokens``
-    tokens (0: skipped), its error on the last ``queries`` positions; ``formats`` besides fp32."""
+    tokens (0: skipped), its error on the last ``queries`` positions, the real HF int8 cache fed ``cache_chunk``
+    tokens a call after the prefill (0: not run); ``formats`` besides fp32."""
 
     quick: bool = False
     seeds: tuple = (0, 1, 2)
@@ -254,6 +282,7 @@ class KvquantConfig:
     tokens: int | None = None
     queries: int = 16
     kernel: bool = True
+    cache_chunk: int = 16
     formats: tuple = tuple(FORMATS)
     text_dir: str | Path = TUTORIAL_DIR
     threads: int = 1
@@ -299,8 +328,8 @@ class KvquantResult:
     def verdict(self) -> dict:
         """format -> {data set: error / q8_0's error} and KL / q8_0's KL (<= 1: at q8_0's quality or better)."""
         out = {}
-        for f in self.settings["formats"]:
-            r = {d: e[f] / e["q8_0"] for d, e in self.errors.items() if "q8_0" in e and e["q8_0"]}
+        for f in [*self.settings["formats"], *(c for c in CACHE_ROWS if c in self.model)]:
+            r = {d: e[f] / e["q8_0"] for d, e in self.errors.items() if f in e and e.get("q8_0")}
             if self.model and self.model.get("q8_0", {}).get("kl"):
                 r["kl"] = self.model[f]["kl"] / self.model["q8_0"]["kl"]
             out[f] = r
@@ -319,6 +348,8 @@ class KvquantResult:
         lines = [f"[bold]kvquant[/bold] -> {out}/report.md"]
         for f in self.settings["formats"]:
             lines.append(f"{f}: " + ", ".join(f"{d} {fmt(x)}x q8_0" for d, x in v[f].items()))
+        for f in (c for c in CACHE_ROWS if c in v):
+            lines.append(f"{f}: kl {fmt(v[f].get('kl'))}x q8_0")
         return lines
 
 
@@ -366,9 +397,9 @@ def _report(r: KvquantResult) -> str:
                table(["format", "perplexity", "mean KL (nats)", "max KL"],
                      [[f, m["ppl"], m["kl"], m["kl_max"]] for f, m in r.model.items()], digits=4), ""]
     v = r.verdict()
+    cols = list(next(iter(v.values())).keys())
     md += ["## Against q8_0 (ratio; <= 1 is q8_0's quality or better)\n",
-           table(["format"] + list(next(iter(v.values())).keys()), [[f] + list(x.values()) for f, x in v.items()]),
-           ""]
+           table(["format"] + cols, [[f] + [x.get(c, "") for c in cols] for f, x in v.items()]), ""]
     md += [f"- {n}" for n in r.notes]
     md.append(f"\n![errors](kvquant.png)\n\nwall {r.wall_s:.0f} s")
     return "\n".join(md)
@@ -428,7 +459,7 @@ def run(config: KvquantConfig, *, progress=None) -> KvquantResult:
                     kern["SmolLM2 K/V"] = {f: sum(x) / len(x) for f, x in kacc.items()}
                 notes.append(f"SmolLM2 keys: the largest channel max|k| over the median channel's, per layer: "
                              f"median {sorted(amax)[len(amax) // 2]:.1f}, max {max(amax):.1f}")
-                model_res = model_metrics(model, ids, fmts, n0)
+                model_res = model_metrics(model, ids, fmts, n0, config.cache_chunk if config.kernel else 0)
         wall = time.perf_counter() - t0
     settings = {"S": S, "H": config.H, "Hkv": config.Hkv, "D": config.D, "n0": config.n0, "seeds": list(config.seeds),
                 "outliers": config.outliers, "outlier_scale": config.outlier_scale, "tokens": tokens,
