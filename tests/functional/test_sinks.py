@@ -86,14 +86,15 @@ CASES = [("dense", 33, 33, True), ("tiled", 33, 33, True), ("tiled", 9, 70, Fals
 @pytest.mark.parametrize("method,L,S,causal", CASES)
 def test_kernels_match_float64(method, L, S, causal, dtype):
     """Each kernel that takes sinks, against float64: at most FUSED_ERROR_FACTOR x the same-dtype SDPA math
-    error (plus half an ulp of |out| <= 1 for a naive error that happens to round to 0)."""
+    error, plus half an ulp of max |out|: the decode kernel returns its output rounded to the dtype and the
+    rescale rounds once more (bf16: measured up to 2.9x the naive error without that half ulp)."""
     q, k, v, s = _inputs(L, S, dtype)
     kw = dict(pattern=attnlab.patterns.causal("bottom_right")) if causal else {}
     out = attention(q, k, v, enable_gqa=True, method=method, sinks=s, **kw)
     ref = _sink_ref(q, k, v, s, causal)[0]
     naive = _sdpa_math_sink(q, k, v, s, causal)
     eps = torch.finfo(dtype).eps
-    budget = FUSED_ERROR_FACTOR * max_err(naive, ref) + eps / 2
+    budget = FUSED_ERROR_FACTOR * max_err(naive, ref) + eps / 2 * float(ref.abs().max())
     assert max_err(out, ref) <= budget, (method, max_err(out, ref), max_err(naive, ref))
     no_sink = attention(q, k, v, enable_gqa=True, method=method, **kw)
     assert max_err(no_sink, ref) > 4 * budget  # the sinks matter at these sizes
@@ -205,7 +206,7 @@ def test_attention_with_kvcache(kind, dtype):
         ref, _, lref = _sink_ref(qb, kb, vb, s, causal=True)
         naive = _sdpa_math_sink(qb.expand(B, -1, -1, -1), kb.expand(B, -1, -1, -1), vb.expand(B, -1, -1, -1), s,
                                 causal=True)[:1]
-        budget = FUSED_ERROR_FACTOR * max_err(naive, ref) + torch.finfo(dtype).eps / 2
+        budget = FUSED_ERROR_FACTOR * max_err(naive, ref) + torch.finfo(dtype).eps / 2 * float(ref.abs().max())
         assert max_err(out[b].transpose(0, 1)[None], ref) <= budget, (b, max_err(out[b].transpose(0, 1), ref[0]))
         assert max_err(lse[b], lref[0]) < 1e-5  # float32 lse of the fp32-accumulated scores
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..report import format_bytes
+from ..files import format_bytes
 from .cacheview import UNBOUNDED, CacheCall
 from .extension import Extension
 from .kernel import Kernel, Cost
@@ -546,7 +546,8 @@ class DecodeKernel(Kernel):
         """(out, None, lse or None) for prepared inputs; L <= 16, inference: keys split across threads, K/V
         read once per group."""
         out, lse = run_prepared(p, return_lse=True)
-        if p.mask.sinks is not None:  # Note [Attention sinks]: from its log-sum-exp (inference: ds flows through a)
+        if p.mask.sinks is not None:  # Note [Attention sinks]: from its log-sum-exp (inference: ds flows through a);
+            # half types: out is rounded once by the kernel and once more here (at most half an ulp more)
             a, lse = sink_scale(lse, p.mask.sinks)  # (N, H, L)
             out = (out * a.unsqueeze(-1)).to(out.dtype)
         return out, None, lse if need_lse else None
