@@ -57,7 +57,7 @@ def check_memory(option: str, nbytes: float, what: str = "") -> None:
 
     option: the option and its value as the user wrote them ("--shape 1,1,200000,64");
     what: which allocation dominates ("the float64 reference's [B, H, L, S] scores")."""
-    from .report import format_bytes
+    from .files import format_bytes
 
     budget, source = memory_budget()
     if nbytes > budget:

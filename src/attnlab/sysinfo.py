@@ -154,7 +154,7 @@ def _verified() -> dict:
 def collect(measure: bool = True, seconds: float = 0.25) -> SystemInfo:
     """This machine and install. ``measure``: also time the fp32 and bf16 GEMM peaks (``cpu.matmul_peak``,
     n = 1024) and the read bandwidth (``cpu.read_bandwidth``), about ``seconds`` each (cached per process)."""
-    from . import __version__
+    from .version import __version__
 
     measured = None
     if measure:

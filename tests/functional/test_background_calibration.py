@@ -11,7 +11,8 @@ import warnings
 
 import pytest
 
-from attnlab.functional import calibration, plancache, rates
+from attnlab.functional import calibration, plancache
+from attnlab.kernels import rates
 
 
 @pytest.fixture

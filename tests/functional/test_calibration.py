@@ -16,7 +16,8 @@ from attnlab import sysinfo
 from attnlab.functional import calibration
 from attnlab.functional.calibration import CalibrationConfig, calibrate
 from attnlab.cli import main as cli
-from attnlab.functional import plancache, rates
+from attnlab.functional import plancache
+from attnlab.kernels import rates
 from attnlab import kernels
 from attnlab.kernels import compiled
 

@@ -15,7 +15,8 @@ import torch
 import attnlab
 from attnlab import kernels, reference
 from attnlab import patterns as P
-from attnlab.functional import plancache, planner, rates
+from attnlab.functional import plancache
+from attnlab.kernels import planner, rates
 from attnlab.shapes import prepare
 
 

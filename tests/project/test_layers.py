@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2] / "src" / "attnlab"
 
 #: {layer: the attnlab top-level packages / modules its files may import at run time}
 ALLOWED = {
-    "kernels": {"kernels", "patterns", "cpu", "caches", "report"},
+    "kernels": {"kernels", "patterns", "cpu", "caches", "report", "files", "version"},
     "patterns": {"patterns"},
 }
 #: what an ``if TYPE_CHECKING:`` block may import besides, per layer (annotations only: nothing runs)

@@ -64,7 +64,7 @@ def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
 
     lazy: import a subcommand's module (and add its options) only when a parse chooses it, as ``invoke``
     does (Note [Lazy subcommands] in cli/common.py); the default loads every one, for walking the options."""
-    from attnlab import __version__
+    from attnlab.version import __version__
 
     parser = ArgumentParser(
         prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")

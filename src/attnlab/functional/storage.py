@@ -118,7 +118,7 @@ def empty_kv_cache(*shape: int, dtype: torch.dtype = torch.float32, device: torc
     except (MemoryError, OSError, RuntimeError) as e:
         if isinstance(e, AttentionInputError):
             raise
-        from ..report import format_bytes
+        from ..files import format_bytes
 
         why = " ".join(str(e).split())[:160]
         raise AttentionInputError(f"empty_kv_cache: shape {list(shape)} of {dtype} ({format_bytes(numel * dtype.itemsize)}) "

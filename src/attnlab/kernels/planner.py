@@ -29,7 +29,7 @@ import torch
 
 from .. import cpu
 from .. import kernels as K
-from ..report import format_bytes
+from ..files import format_bytes
 from . import KERNELS, Kernel, Request, Tiling, rates
 from .cacheview import CacheCall
 from .rates import (COMPILED_BLOCK_SPEED, COMPILED_DENSE_DTYPES, PLAIN_MHA_DECODE_ON_SDPA, SPARSE_BLOCK_SPEED,

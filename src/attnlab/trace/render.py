@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-from ..report import format_bytes
+from ..files import format_bytes
 from .core import Step, Trace
 
 __all__ = ["to_json", "to_markdown", "to_html", "to_rich", "FORMATS"]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .. import diagnostics as dg
-from ..report import format_bytes  # the table's units (trace/render.py), so the note and the table agree
+from ..files import format_bytes  # the table's units (trace/render.py), so the note and the table agree
 from ..resources import check_memory
 from .core import Step, Trace, TraceOptions
 

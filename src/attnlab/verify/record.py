@@ -40,7 +40,8 @@ from typing import Callable
 
 import torch
 
-from .. import __version__, cpu
+from .. import cpu
+from ..version import __version__
 from ..report import atomic_write_json, atomic_write_text
 from . import halfgrid, paths
 
