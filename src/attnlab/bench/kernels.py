@@ -36,10 +36,10 @@ from ..resources import check_memory
 from ..report import environment
 from .fit import fit_exponent
 from .impls import peak_in_fresh_process
-from .kernels_cases import (DTYPES, TARGET_NS, Contention, KernelsConfig, KernelsResult, Measurement, Ratio,
+from .kernels_cases import (DTYPES, TARGET_NS, Contention, KernelsConfig, Measurement, Ratio,
                             build_impl, flex_backward_reason, flex_block_mask, flex_compiler, make_case_pattern,
                             measure_case, window_mask_mod)
-from .kernels_report import compute_ratios, save_partial
+from .kernels_report import KernelsResult, compute_ratios, save_partial
 
 __all__ = ["KernelsConfig", "KernelsResult", "Measurement", "Ratio", "run", "build_impl", "make_case_pattern",
            "flex_block_mask", "window_mask_mod", "compute_ratios", "fit_exponent", "DTYPES", "TARGET_NS"]

@@ -21,7 +21,7 @@ from attnlab import patterns as P
 from ..harness import interleaved
 from .impls import DTYPES, make_inputs
 
-__all__ = ["DTYPES", "TARGET_NS", "KernelsConfig", "Measurement", "Ratio", "KernelsResult", "make_case_pattern",
+__all__ = ["DTYPES", "TARGET_NS", "KernelsConfig", "Measurement", "Ratio", "make_case_pattern",
            "flex_block_mask", "window_mask_mod", "build_impl", "measure_case", "Contention",
            "flex_compiler", "flex_backward_reason"]
 
@@ -115,35 +115,6 @@ class Ratio:
     definition: str  # how it was computed, e.g. "torch:sdpa s / attnlab:sparse s"
     target: str = ""
     inputs: dict = field(default_factory=dict)  # the measured figures it came from
-
-
-@dataclass
-class KernelsResult:
-    """Everything one run measured: the config (as a dict), the CPU and its measured matmul peaks, each
-    case's measurements, fresh-process peak memory, the headline ratios, notes and the files written."""
-
-    config: dict
-    out_dir: str
-    cpu: dict = field(default_factory=dict)
-    cpu_summary: str = ""
-    peaks_gflops: dict = field(default_factory=dict)
-    env: dict = field(default_factory=dict)
-    measurements: list[Measurement] = field(default_factory=list)
-    memory: list[dict] = field(default_factory=list)
-    ratios: list[Ratio] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    exit_code: int = 0
-
-    def write(self) -> list[str]:
-        """Write results.json, report.md and the plots into ``out_dir``, atomically (see
-        :func:`attnlab.bench.kernels_report.write_report`); returns the files."""
-        from pathlib import Path
-
-        from .kernels_report import write_report  # the report module builds on these dataclasses
-
-        return write_report(self, Path(self.out_dir))
 
 
 # -- implementations ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The headline ratios of ``bench kernels`` (each from two medians of one case and load) and its report files."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from attnlab import cpu
@@ -9,9 +9,35 @@ from attnlab import cpu
 from ..harness import markdown_table, pyplot, save_plot
 from ..report import atomic_write_json, atomic_write_text
 from .fit import fit_exponent
-from .kernels_cases import TARGET_NS, KernelsConfig, KernelsResult, Ratio
+from .kernels_cases import TARGET_NS, KernelsConfig, Measurement, Ratio
 
-__all__ = ["compute_ratios", "save_partial", "write_report"]
+__all__ = ["KernelsResult", "compute_ratios", "save_partial", "write_report"]
+
+
+@dataclass
+class KernelsResult:
+    """Everything one run measured: the config (as a dict), the CPU and its measured matmul peaks, each
+    case's measurements, fresh-process peak memory, the headline ratios, notes and the files written."""
+
+    config: dict
+    out_dir: str
+    cpu: dict = field(default_factory=dict)
+    cpu_summary: str = ""
+    peaks_gflops: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    measurements: list[Measurement] = field(default_factory=list)
+    memory: list[dict] = field(default_factory=list)
+    ratios: list[Ratio] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    exit_code: int = 0
+
+    def write(self) -> list[str]:
+        """Write results.json, report.md and the plots into ``out_dir``, atomically (see
+        :func:`write_report`); returns the files."""
+        return write_report(self, Path(self.out_dir))
+
 
 # -- ratios -----------------------------------------------------------------------------------------------
 def compute_ratios(res: KernelsResult, cfg: KernelsConfig) -> list[Ratio]:

@@ -163,6 +163,8 @@ class Pattern:
 
     #: leading batch size for patterns that differ per batch element (key padding), else None
     batch_size: int | None = None
+    #: True on global rows and columns (``blocks._Global``): read by ``_global_side``, which cannot import it
+    _global_tokens = False
 
     def keep(self, i: torch.Tensor, j: torch.Tensor, L: int, S: int) -> torch.Tensor:
         """Whether query i may attend to key j in an L x S problem.
@@ -475,13 +477,11 @@ class _Combine(Pattern):
 
     def _global_side(self):
         """(other, global) when this is ``other | global rows and columns`` (Longformer), else None."""
-        from .blocks import _Global
-
         if self.op != "or" or self.batch_size:
             return None
-        if isinstance(self.b, _Global):
+        if self.b._global_tokens:
             return self.a, self.b
-        return (self.b, self.a) if isinstance(self.a, _Global) else None
+        return (self.b, self.a) if self.a._global_tokens else None
 
     def nnz(self, L, S):
         """As ``Pattern.nnz``; ``x | global`` (Longformer) by inclusion-exclusion: nnz(x) + nnz(global)

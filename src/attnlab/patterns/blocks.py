@@ -185,6 +185,7 @@ def block_sparse(layout: torch.Tensor, block_size: int) -> Pattern:
 class _Global(Pattern):
     """Keep rows and columns of the global tokens: (i, j) kept when i or j is one of ``tokens``."""
 
+    _global_tokens = True  # no annotation: a class constant, not a dataclass field
     tokens: tuple[int, ...]
 
     def keep(self, i, j, L, S):
