@@ -72,6 +72,11 @@ def test_hadamard_from_its_definition():
     for D in (64, 96, 128):
         h = kvquant.hadamard(D).double()
         assert float((h @ h.T - torch.eye(D, dtype=torch.float64)).abs().max()) <= 4 * torch.finfo(torch.float32).eps
+    for D in (2, 8, 24, 64, 128, 7):  # the factored product the format applies (H_n1 ⊗ H_n2) is x Hᵀ
+        x = torch.randn(5, 3, D, generator=torch.Generator().manual_seed(D))
+        want = x.double() @ kvquant.hadamard(D).double().T
+        assert float((kvquant._rotate(x, kvquant.hadamard(D)) - want).abs().max()) \
+            <= 2 * D * torch.finfo(torch.float32).eps * float(x.abs().max())
 
 
 def test_rotated_rows_within_half_a_step():

@@ -7,6 +7,7 @@ heads, D head dim.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -53,9 +54,8 @@ INT8_ERROR_BUDGET = 4.0
 #: about 1.2x q8_0's error (groups of 32 have a smaller max than rows of 128), which only smaller groups in
 #: the kernel would change. Values are not rotated (no hook after the kernel).
 #:
-#: Note [int8 key channel smoothing]: keys of real models carry a few outlier channels (fixed channels, 10-100x
-#: the others), and one scale per row then spends the int8 grid on them: every other channel of the row is off by
-#: up to max|row| / 254. A smoothed key cache stores k / c per row (the per-token format above) with c one scale
+#: Note [int8 key channel smoothing]: the other answer to outlier channels (Note [int8 key rotation]). A smoothed
+#: key cache stores k / c per row (the per-token format above) with c one scale
 #: per kv head and channel, and the query becomes q ⊙ c: q · k = (q ⊙ c) · (k / c), so the decode kernel is
 #: unchanged (SmoothQuant's migration, folded into the query as KIVI's per-channel key scales are). c is fixed
 #: by the cache's first append (the prefill) from each channel's max|k| m over those rows: c = max(m, median_D m)
@@ -166,14 +166,38 @@ def _check_flags(where: str, **flags) -> None:
 
 def hadamard(D: int) -> torch.Tensor:
     """The orthogonal [D, D] float32 matrix of Note [int8 key rotation]: block-diagonal, each block the normalised
-    Sylvester Hadamard matrix of the largest power of 2 dividing D (the identity for odd D)."""
+    Sylvester Hadamard matrix of the largest power of 2 dividing D (the identity for odd D). Symmetric."""
     if isinstance(D, bool) or not isinstance(D, int) or D < 1:
         raise ValueError(f"hadamard: D must be an int >= 1, got {D!r}")
+    return _hadamard(D).clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard(D: int) -> torch.Tensor:
     n = D & -D  # the largest power of 2 dividing D
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return torch.block_diag(*([h / math.sqrt(n)] * (D // n))).to(torch.float32)
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x Rᵀ for x [.., D] float32. For ``hadamard(D)``, whose blocks are Sylvester's H_n = H_n1 ⊗ H_n2 (n = n1 n2,
+    both powers of 2, symmetric), each block's row reshaped to X [n1, n2] becomes H_n1 X H_n2: two batched
+    products of tiny matrices. A decode step's few rows as one [rows, D] x [D, D] GEMM went to a thread pool that
+    took 5 ms a call on the busy 2-core machine (10 µs single-threaded); this took 15 µs there. Any other R: a
+    matmul."""
+    D = x.shape[-1]
+    if r.device != x.device or not torch.equal(r, _hadamard(D).to(r.device)):
+        return x @ r.T
+    n = D & -D
+    if n == 1:
+        return x
+    n1 = 1 << ((n.bit_length() - 1) // 2)
+    n2 = n // n1
+    h1, h2 = _hadamard(n1).to(x.device), _hadamard(n2).to(x.device)
+    X = x.reshape(-1, n1, n2)  # (rows · D/n, n1, n2)
+    return (h1 @ X @ h2).reshape(x.shape)
 
 
 def _transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor | None):
@@ -182,7 +206,7 @@ def _transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor
     if c is not None:
         xf = xf / c
     if r is not None:
-        xf = xf @ r.T
+        xf = _rotate(xf, r)
     return _quantize(xf)
 
 
@@ -243,5 +267,5 @@ def query(k_cache: "QuantizedKV", q: torch.Tensor) -> torch.Tensor:
         Hkv = c.shape[0]
         qf = (qf.reshape(B, L, Hkv, H // Hkv, D) * c.unsqueeze(1)).reshape(B, L, H, D)  # (B, L, Hkv, G, D) -> back
     if r is not None:
-        qf = qf @ r.T
+        qf = _rotate(qf, r)
     return qf.to(q.dtype)
