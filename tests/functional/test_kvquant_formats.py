@@ -31,7 +31,7 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:
 
 def _attend64(q, k, v):
     """q [B, 1, H, D], k, v [B, S, Hkv, D] -> float64 [B, 1, H, D], every key seen."""
-    B, L, H, D = q.shape
+    H, D = q.shape[2:]
     G = H // k.shape[2]
     kk = k.double().repeat_interleave(G, 2).transpose(1, 2)  # (B, H, S, D)
     vv = v.double().repeat_interleave(G, 2).transpose(1, 2)

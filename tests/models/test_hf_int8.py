@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from attnlab.integrations import hf_int8  # noqa: E402
-from attnlab.kernels import decode as dk  # noqa: E402
+from attnlab.integrations import hf_int8
+from attnlab.kernels import decode as dk
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")]
@@ -72,7 +72,7 @@ def test_steps_match_float64_on_the_quantised_cache():
     assert len(seen) == 2 * 5 and cache.get_seq_length() == 24
     eps = torch.finfo(torch.float32).eps
     for q, kc, vc, n, out, scale in seen:
-        B, H, L, D = q.shape
+        H, L, D = q.shape[1:]
         G = H // kc.shape[2]
         r = _sylvester(D)
         stored = kc.data[:, :n].double() * kc.scale[:, :n, :, None].double()  # (B, n, Hkv, D): k Rᵀ, rounded

@@ -404,7 +404,7 @@ def _report(r: KvquantResult) -> str:
     sets = list(r.errors)
     rows = [[f, FORMATS[f]] + [r.errors[d][f] for d in sets]
             + [r.kernel.get(d, {}).get(f, "") if f in KERNEL_FORMATS else "" for d in sets] for f in fmts]
-    md = [f"# kvquant: int8 KV formats against bf16 and q8_0\n",
+    md = ["# kvquant: int8 KV formats against bf16 and q8_0\n",
           f"Synthetic: GQA {s['H']}/{s['Hkv']}, D {s['D']}, S {s['S']} (prefill {s['n0']}), one query per head, "
           f"{len(s['seeds'])} seeds (mean); outlier keys: {s['outliers']} of {s['D']} channels per kv head "
           f"{s['outlier_scale']}x. SmolLM2: {s['tokens']} tokens of the tutorial text, the last {s['queries']} "
@@ -445,8 +445,8 @@ def run(config: KvquantConfig, *, progress=None) -> KvquantResult:
                 for f in fmts:
                     acc[f].append(decode_error(q, k, v, f, config.n0, ref=ref))
                 if config.kernel:
-                    for f in kacc:
-                        kacc[f].append(kernel_error(q, k, v, KERNEL_FORMATS[f], config.n0, ref))
+                    for f, xs in kacc.items():
+                        xs.append(kernel_error(q, k, v, KERNEL_FORMATS[f], config.n0, ref))
             errors[data] = {f: sum(x) / len(x) for f, x in acc.items()}
             if kacc:
                 kern[data] = {f: sum(x) / len(x) for f, x in kacc.items()}
@@ -474,8 +474,8 @@ def run(config: KvquantConfig, *, progress=None) -> KvquantResult:
                     for f in fmts:
                         acc[f].append(decode_error(q, k, v, f, n0, ref=ref))
                     if config.kernel:
-                        for f in kacc:
-                            kacc[f].append(kernel_error(q, k, v, KERNEL_FORMATS[f], n0, ref))
+                        for f, xs in kacc.items():
+                            xs.append(kernel_error(q, k, v, KERNEL_FORMATS[f], n0, ref))
                 errors["SmolLM2 K/V"] = {f: sum(x) / len(x) for f, x in acc.items()}
                 if kacc:
                     kern["SmolLM2 K/V"] = {f: sum(x) / len(x) for f, x in kacc.items()}

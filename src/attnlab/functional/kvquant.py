@@ -175,7 +175,7 @@ def hadamard(D: int) -> torch.Tensor:
     return _hadamard(D).clone()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard(D: int) -> torch.Tensor:
     n = D & -D  # the largest power of 2 dividing D
     h = torch.ones(1, 1, dtype=torch.float64)

@@ -5,6 +5,7 @@ written. SmolLM2 is not loaded (tokens=0): its measurement is the experiment's f
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_quick_run_and_report(tmp_path, one_thread):
     out = r.errors["outlier keys"]
     assert out["int8-hadamard"] <= out["q8_0"] < out["int8"]
     paths = r.write(tmp_path)
-    res = json.loads(open(paths["results"]).read())
+    res = json.loads(Path(paths["results"]).read_text())
     assert res["experiment"] == "kvquant" and (tmp_path / "kvquant.png").exists()
     with pytest.raises(ValueError, match="unknown formats"):
         E.KvquantConfig(formats=("int4",)).resolved()
