@@ -72,8 +72,9 @@ def test_hadamard_from_its_definition():
     for D in (64, 96, 128):
         h = kvquant.hadamard(D).double()
         assert float((h @ h.T - torch.eye(D, dtype=torch.float64)).abs().max()) <= 4 * torch.finfo(torch.float32).eps
-    for D in (2, 8, 24, 64, 128, 7):  # the factored product the format applies (H_n1 ⊗ H_n2) is x Hᵀ
-        x = torch.randn(5, 3, D, generator=torch.Generator().manual_seed(D))
+    for D, rows in ((2, 5), (8, 5), (24, 5), (64, 5), (128, 5), (7, 5), (128, 400), (96, 400)):
+        # what the format applies is x Hᵀ: the elementwise transform for a step's few rows, a matmul for many
+        x = torch.randn(rows, 3, D, generator=torch.Generator().manual_seed(D))
         want = x.double() @ kvquant.hadamard(D).double().T
         assert float((kvquant._rotate(x, kvquant.hadamard(D)) - want).abs().max()) \
             <= 2 * D * torch.finfo(torch.float32).eps * float(x.abs().max())
