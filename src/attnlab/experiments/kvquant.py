@@ -50,8 +50,13 @@ import torch
 
 from attnlab import harness
 from attnlab.functional import kvquant
+from attnlab.functional.kvcache import attention_with_kvcache
+from attnlab.integrations import hf_int8
+from attnlab.models import gguf
+from attnlab.functional.kvcache import attention_with_kvcache
 from attnlab.harness import fmt
 from attnlab.harness import markdown_table as table
+from attnlab.integrations import hf_int8
 
 __all__ = ["KvquantConfig", "KvquantResult", "FORMATS", "fake_quant", "q8_0", "synthetic", "decode_error",
            "smollm2_tokens", "smollm2_kv", "model_metrics", "run"]
@@ -145,7 +150,6 @@ def decode_error(q, k, v, name: str, n0: int, scale: float | None = None, ref: t
 def kernel_error(q, k, v, flags: dict, n0: int, ref: torch.Tensor) -> float:
     """The same error through ``attention_with_kvcache`` on a ``QuantizedKV`` cache (the decode kernel): the
     first n0 rows appended as a prefill, then the rest, float32 queries."""
-    from attnlab.functional.kvcache import attention_with_kvcache
 
     B, S, Hkv, D = k.shape
     kc, vc = kvquant.QuantizedKV.empty(B, S, Hkv, D, **flags), kvquant.QuantizedKV.empty(B, S, Hkv, v.shape[-1])
@@ -236,7 +240,6 @@ def smollm2_kv(model, ids: torch.Tensor, queries: int) -> list[tuple[torch.Tenso
 def _hidden_through_cache(model, ids: torch.Tensor, n0: int, chunk: int, flags: dict) -> torch.Tensor:
     """SmolLM2's last hidden states [S, E] with a real int8 cache (``integrations.hf_int8``, the decode kernel):
     a prefill of n0 tokens, then ``chunk`` tokens a call."""
-    from attnlab.integrations import hf_int8
 
     impl = model.config._attn_implementation
     model.set_attn_implementation(hf_int8.register())
@@ -343,6 +346,7 @@ class KvquantResult:
     exit_code: int = 0
 
     def to_json(self, files: list[str] | None = None) -> dict:
+        """results.json's content (``files``: the plot written beside it)."""
         return {"experiment": "kvquant", "errors": self.errors, "kernel": self.kernel, "model": self.model,
                 "formats": {f: FORMATS[f] for f in self.settings["formats"]}, "settings": self.settings,
                 "notes": self.notes, "environment": self.environment, "files": files or [], "wall_s": self.wall_s}
@@ -366,6 +370,7 @@ class KvquantResult:
         return harness.write_report(out, res, _report(self))
 
     def summary_lines(self, out=None) -> list[str]:
+        """A few lines for a terminal (rich markup): each format's ratios to q8_0."""
         v = self.verdict()
         lines = [f"[bold]kvquant[/bold] -> {out}/report.md"]
         for f in self.settings["formats"]:
@@ -453,8 +458,6 @@ def run(config: KvquantConfig, *, progress=None) -> KvquantResult:
         model_res = {}
         if tokens:
             try:
-                from attnlab.models import gguf
-
                 model, tok = gguf.load(attn_implementation="sdpa")
                 ids = smollm2_tokens(tok, tokens, config.text_dir)
             except (ImportError, OSError, ValueError) as e:  # not installed, or no tutorial text

@@ -24,7 +24,9 @@ import math
 import torch
 
 from ..functional import kvquant
+from ..functional.kvcache import attention_with_kvcache
 from ..functional.kvquant import QuantizedKV
+from . import hf
 
 __all__ = ["register", "int8_cache", "INT8_IMPLEMENTATION"]
 
@@ -159,8 +161,6 @@ def _dequantized(kc: QuantizedKV, vc: QuantizedKV, n: int, dtype: torch.dtype):
 def register(name: str = INT8_IMPLEMENTATION) -> str:
     """Register the attention function that reads an int8 cache (and runs "attnlab" otherwise) with transformers
     as attn_implementation ``name``; returns the name."""
-    from ..functional.kvcache import attention_with_kvcache
-    from . import hf
 
     hf.register(name, "auto")  # the plain function, the mask function, the generation hook
     base = hf.attention_function("auto")
