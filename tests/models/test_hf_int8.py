@@ -126,3 +126,21 @@ def test_generate_and_misuse():
         hf_int8.int8_cache(None, -1)
     with pytest.raises(TypeError, match="int8_cache: rotate must be a bool"):
         hf_int8.int8_cache(None, rotate="yes")
+
+
+def test_padded_batch_takes_the_dequantised_cache():
+    """A left-padded batch carries a mask, so each call attends through "attnlab" on the dequantised int8 cache
+    (Note [HF int8 cache]): generate runs, the cache holds every position's int8 rows (the padded sequence's
+    real tokens included) and advances by the new tokens. (The dequantised path's numbers are "attnlab"'s own,
+    tested in tests/models/test_hf_decode.py; the rows it reads are test_layer_stores_rounded_rotated_rows'.)"""
+    model = _model()
+    model.set_attn_implementation(hf_int8.register())
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # sequence 1 is left-padded by 3
+    cache = hf_int8.int8_cache(model.config)
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False, min_new_tokens=4,
+                         pad_token_id=0)
+    assert out.shape == (2, 13) and cache.get_seq_length() == 12
+    kc = cache.layers[0].k_cache
+    assert kc.data.dtype == torch.int8 and kc.rotation is not None and bool(kc.scale[1, 3:12].gt(0).all())
