@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import mechanisms as M
+from . import reference
+from .functional import explain
+from .mechanisms.exact import Exact
+from .resources import check_memory
+
 __all__ = ["run_conformance", "ConformanceResult", "check", "check_budget", "make_cases", "sized_instance",
            "Case", "CASES", "DTYPES", "TOL_FACTOR", "TOL_FLOOR"]
 
@@ -93,7 +99,6 @@ _SCORE_COPIES = 6
 def check_budget(shape, S=None, only=None, text=None) -> None:
     """Refuse, before anything is allocated, shapes whose [B, H, L, S] score matrices do not fit the
     memory budget (``attnlab.resources.memory_budget``): the oracle is dense and float64."""
-    from .resources import check_memory
 
     B, H, L, _ = shape
     S = L if S is None else S
@@ -159,8 +164,6 @@ def _naive_same_dtype(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False
 
 
 def _reference(case: Case, pattern):
-    from . import reference
-
     mask = case.kwargs.get("attn_mask")
     if pattern is not None:
         pm = pattern.materialize(case.q.shape[-2], case.k.shape[-2])
@@ -176,9 +179,6 @@ def _reference(case: Case, pattern):
 
 
 def _path(mech, case: Case) -> str:
-    from .functional import explain
-    from .mechanisms.exact import Exact
-
     if isinstance(mech, Exact):
         try:
             plan = explain(case.q, case.k, case.v, pattern=mech.pattern_for(), method=mech.method,
@@ -192,7 +192,6 @@ def _path(mech, case: Case) -> str:
 def sized_instance(name: str, L: int, S: int):
     """The mechanism with its window/block/budget sized to the inputs (about an eighth of the length),
     so that patterns really mask and approximations really approximate at the checked shape."""
-    from . import mechanisms as M
 
     n = max(L, S)
     w, blk = max(1, n // 8), max(1, n // 8)
@@ -217,7 +216,6 @@ def check(names=None, shape=(2, 4, 77, 32), S=None, dtype=torch.float32, seed=0,
           progress=None) -> list[dict]:
     """Run the check; one dict per (mechanism, case) (see ``run_conformance`` for the summary and
     ``progress``)."""
-    from . import mechanisms as M
 
     names = list(M.available()) if not names else names
     for n in names:

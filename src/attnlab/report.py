@@ -5,6 +5,8 @@ import os
 import platform
 from pathlib import Path
 
+from . import cpu
+
 # the atomic writes and format_bytes live in the leaf attnlab.files (the core uses them too); re-exported here
 from .files import atomic_write_bytes, atomic_write_json, atomic_write_text, format_bytes
 
@@ -55,8 +57,6 @@ def environment() -> dict:
 
 
 def _cpu_features() -> dict:
-    from . import cpu
-
     return cpu.INFO.as_dict()
 
 

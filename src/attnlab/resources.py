@@ -14,6 +14,8 @@ import os
 import shutil
 from pathlib import Path
 
+from .files import format_bytes
+
 __all__ = ["OptionError", "memory_budget", "check_memory", "output_dir", "output_file", "RUN_MARKERS", "OUTPUT_MARKERS"]
 
 
@@ -57,7 +59,6 @@ def check_memory(option: str, nbytes: float, what: str = "") -> None:
 
     option: the option and its value as the user wrote them ("--shape 1,1,200000,64");
     what: which allocation dominates ("the float64 reference's [B, H, L, S] scores")."""
-    from .files import format_bytes
 
     budget, source = memory_budget()
     if nbytes > budget:

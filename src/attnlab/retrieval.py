@@ -29,6 +29,9 @@ from typing import Callable, Sequence
 import torch
 
 from .functional import attention
+from .models import minilm
+from .report import atomic_write_json
+from .resources import output_dir
 
 __all__ = [
     "CorpusEntry", "Corpus", "generate_corpus", "labelled_queries", "RELATIONS",
@@ -201,8 +204,6 @@ def hashing_embedder(dim: int = 1024) -> Embedder:
 
 @functools.lru_cache(maxsize=2)
 def _minilm_model(mechanism: str):
-    from .models import minilm  # contract 3; imported lazily (MiniLM is optional)
-
     return minilm.load(mechanism=mechanism)
 
 
@@ -552,9 +553,7 @@ class RetrieveConfig:
 def run_retrieve(config: RetrieveConfig, progress: Callable[[str], None] | None = None) -> RetrievalResult:
     """:func:`retrieve` as ``config`` says, then write retrieve.png and retrieve.json (atomically) into
     ``config.out``; the result, with ``files`` naming both."""
-    from .report import atomic_write_json
-    from .resources import output_dir
-    from .viz.retrieval import plot_retrieval
+    from .viz.retrieval import plot_retrieval  # defers matplotlib (viz) to the run that writes the PNG
 
     c = config
     out = output_dir(c.out)

@@ -16,7 +16,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import cpu
+from .functional import calibration
 from .kernels import compiled as compiled_kernel
+from .kernels import decode as decode_kernel
+from .verify import record
+from .version import __version__
 
 __all__ = ["SystemInfo", "collect", "ENV_VARS"]
 
@@ -127,8 +131,6 @@ def _extension() -> dict:
 
 
 def _decode() -> dict:
-    from .kernels import decode as decode_kernel
-
     reason = decode_kernel.unavailable_reason()
     if reason is not None:
         return {"status": reason}
@@ -140,21 +142,16 @@ def _decode() -> dict:
 
 
 def _calibration() -> dict:
-    from .functional import calibration
-
     return calibration.state()
 
 
 def _verified() -> dict:
-    from .verify import record
-
     return record.status()
 
 
 def collect(measure: bool = True, seconds: float = 0.25) -> SystemInfo:
     """This machine and install. ``measure``: also time the fp32 and bf16 GEMM peaks (``cpu.matmul_peak``,
     n = 1024) and the read bandwidth (``cpu.read_bandwidth``), about ``seconds`` each (cached per process)."""
-    from .version import __version__
 
     measured = None
     if measure:

@@ -23,6 +23,16 @@ from typing import Callable
 
 import numpy as np
 
+import attnlab
+from attnlab import patterns as P
+from attnlab import trace as tr
+from attnlab.bench.core import peak_bytes
+from attnlab.bench.impls import build_call, make_inputs
+from attnlab.diagnostics.heads import DEFAULT_SENTENCES, HeadsConfig, run_heads
+from attnlab.experiments.variance import random_records
+from attnlab.harness import interleaved
+from attnlab.trace.minilm import load_minilm
+
 from .report import atomic_write_json, atomic_write_text, environment, markdown_to_html, save_figure
 
 __all__ = ["TourConfig", "TourResult", "Piece", "run_tour", "PIECES", "SENTENCE", "EXPLAIN_SHAPES"]
@@ -146,9 +156,6 @@ def _plain_log_y(ax) -> None:
 def _explain(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     import torch
 
-    import attnlab
-    from attnlab import patterns as P
-
     lines, rows = [], []
     for label, B, H, L, S, E, kw in EXPLAIN_SHAPES:
         kw = dict(kw)
@@ -170,8 +177,6 @@ def _explain(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _trace(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    from attnlab import trace as tr
-
     t = tr.run_trace(tr.TraceConfig(source="example")).trace
     atomic_write_text(out / "trace.html", tr.to_html(t))
     w = t.step("weights").value
@@ -181,8 +186,6 @@ def _trace(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _variance(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    from attnlab.experiments.variance import random_records
-
     plt = _pyplot()
     dks = sorted(int(d) for d in cfg.variance_dks)
     recs = []
@@ -234,9 +237,6 @@ def _variance(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
     import torch
 
-    from attnlab.bench.impls import build_call, make_inputs
-    from attnlab.harness import interleaved
-
     plt = _pyplot()
     ns = sorted(int(n) for n in cfg.speed_ns)
     pat = {"name": "sliding_window", "window": cfg.window, "causal": True}
@@ -280,8 +280,6 @@ def _speed(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _memory(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    from attnlab.bench.core import peak_bytes
-
     plt = _pyplot()
     ns = sorted(int(n) for n in cfg.memory_ns)
     rows = []
@@ -322,15 +320,11 @@ def _memory(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 def _minilm(cfg: TourConfig):
     if cfg.model is None:
-        from attnlab.trace.minilm import load_minilm
-
         cfg.model = load_minilm()
     return cfg.model
 
 
 def _heads(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    from attnlab.diagnostics.heads import DEFAULT_SENTENCES, HeadsConfig, run_heads
-
     tick("loading MiniLM")
     model = _minilm(cfg)
     tick(f"running MiniLM on {len(DEFAULT_SENTENCES)} sentences")
@@ -342,7 +336,7 @@ def _heads(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
 
 
 def _viz(cfg: TourConfig, out: Path, piece: Piece, tick) -> None:
-    from attnlab import viz
+    from attnlab import viz  # defers the viz package (matplotlib) to the viz piece
 
     tick("loading MiniLM")
     model = _minilm(cfg)

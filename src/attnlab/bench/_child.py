@@ -23,7 +23,7 @@ from .impls import build_call, make_inputs
 
 def _build(spec: dict):
     if ":" in spec["impl"]:  # bench kernels' names: torch:sdpa, attnlab:<method>
-        from .kernels_cases import build_impl
+        from .kernels_cases import build_impl  # bench kernels' cases only: other benches' children start without them
 
         return build_impl(spec["impl"])
     return build_call(spec)

@@ -21,8 +21,13 @@ from typing import Callable
 
 import torch
 
+import attnlab
+import attnlab.mechanisms as M
+
 from .. import cpu
+from ..experiments.attention import choose
 from ..harness import peak_rss_bytes, reset_peak_rss, rss_bytes
+from ..nn import Encoder
 from .impls import naive_attention
 
 __all__ = ["REFERENCE", "mechanism_names", "make_mechanism", "attention_callable", "mechanism_cost", "measure_job",
@@ -34,7 +39,6 @@ REFERENCE = "torch_sdpa"
 
 def mechanism_names() -> list[str]:
     """torch_sdpa, naive and every mechanism of the ``attnlab.mechanisms`` registry."""
-    import attnlab.mechanisms as M
 
     return [REFERENCE, "naive", *M.available()]
 
@@ -43,9 +47,6 @@ def make_mechanism(name: str, n: int):
     """The registered mechanism ``name`` as an instance with its defaults, sized for length n where its
     parameters depend on it (``attnlab.experiments.attention.choose``: block_sparse's layout). ValueError
     listing the valid names when unknown."""
-    import attnlab.mechanisms as M
-
-    from ..experiments.attention import choose
 
     if name not in M.available():
         raise ValueError(f"unknown mechanism {name!r}; choose from {', '.join(mechanism_names())}")
@@ -81,7 +82,6 @@ class _Classifier(torch.nn.Module):
 
     def __init__(self, mechanism, vocab: int, classes: int, d_model: int, heads: int, layers: int):
         super().__init__()
-        from ..nn import Encoder
 
         self.embed = torch.nn.Embedding(vocab, d_model)
         self.encoder = Encoder(d_model, heads, layers, mechanism=mechanism)
@@ -93,7 +93,6 @@ class _Classifier(torch.nn.Module):
 
 def _train_step(job: dict) -> Callable:
     """One AdamW step of the LRA-style classifier (2 heads of 32) on random ids [B, n] over 16 tokens."""
-    from ..experiments.attention import choose
 
     # the encoder runs attnlab's modules: torch_sdpa (PyTorch's fused kernel) is attnlab's method sdpa there,
     # naive is method dense, as in the experiments
@@ -196,8 +195,6 @@ class Worker:
     """A measuring Python process (:func:`worker_main`) that answers one job per :meth:`measure`."""
 
     def __init__(self, threads: int | None):
-        import attnlab
-
         env = dict(os.environ)
         src = str(Path(attnlab.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

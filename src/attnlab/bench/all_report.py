@@ -8,6 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from attnlab.report import atomic_write_text
+
 from ..harness import fmt, line_styles, markdown_table, pyplot, save_plot
 from ..report import format_bytes, legend_outside
 from .all_jobs import REFERENCE
@@ -119,8 +121,6 @@ def write_csv(out: Path, res) -> str:
     """results.csv: one row per measurement of the grid, production and LRA tables (atomically)."""
     import csv
     import io
-
-    from attnlab.report import atomic_write_text
 
     cols = ["table", "kind", "mechanism", "n", "B", "H", "D", "time_s", "peak_bytes", "flops", "gflops",
             "fraction_of_matmul_peak", "time_vs_sdpa", "memory_vs_sdpa", "steps_per_s", "speed_vs_vanilla",

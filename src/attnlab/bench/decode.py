@@ -31,9 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..functional import attention_with_kvcache
+from ..functional.kvcache import QuantizedKV
+from ..functional.storage import anon_huge_bytes, empty_kv_cache, huge_pages_available, transparent_hugepage_mode
 from ..harness import threads
 from ..kernels import decode as decode_kernel
-from ..functional.storage import transparent_hugepage_mode, anon_huge_bytes, empty_kv_cache, huge_pages_available
 from ..report import environment
 from ..resources import check_memory
 from .files import write_json_and_figure
@@ -148,7 +150,6 @@ def _quantized_cache(x: torch.Tensor):
     """x [B, S, Hkv, D] -> a QuantizedKV laid out as the other dtypes' contiguous case: data and scales in
     [B, Hkv, S, ·] storage (``empty_kv_cache``: huge pages where offered) seen as [B, S, Hkv, ·] views, so the
     int8 target compares like with like (the same layout, head span and splits as the bf16 cache)."""
-    from ..functional.kvcache import QuantizedKV
 
     q = QuantizedKV.quantize(x)
     B, S, Hkv, D = x.shape
@@ -186,7 +187,6 @@ def _inputs(name, S, dtype, B, gen):
 
 def _layout(kc, vc, layout: str, B: int, S: int, gen):
     """The contiguous cache (kc, vc) as ``layout``: itself, or a paged pool over shuffled pages; -> (k, v, table)."""
-    from ..functional.kvcache import QuantizedKV
 
     if layout == "contiguous":
         return kc, vc, None
@@ -296,7 +296,6 @@ def _chunks(name, S, B, variants) -> list[list]:
 def decode_kernel_call(q, k_cache, v_cache, block_table, S: int):
     """The call the bench times: ``attnlab.attention_with_kvcache`` of q [B, 1, H, D] over S cached keys
     (a paged cache's last page may hold fewer than its page size)."""
-    from ..functional import attention_with_kvcache
     return attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=S, block_table=block_table, is_causal=False)
 
 

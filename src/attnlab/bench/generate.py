@@ -22,17 +22,20 @@ token are reported separately, each as sdpa's time / attnlab's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
 from ..harness import threads, time_call
-from ..resources import check_memory
+from ..integrations import hf
+from ..models import gguf
+from ..nn import TransformerLM
 from ..report import environment
+from ..resources import check_memory
 from .files import write_json_and_figure
 
 __all__ = ["GenerateConfig", "GenerateBench", "run"]
@@ -188,8 +191,6 @@ def run(config: GenerateConfig, *, progress: Callable[[int, int, str], None] | N
 
 
 def _run(config: GenerateConfig, v: dict, progress) -> GenerateBench:
-    from ..nn import TransformerLM
-
     contexts, n_new, repeats = v["contexts"], v["new_tokens"], v["repeats"]
     vocab = 1000
     torch.manual_seed(0)
@@ -258,7 +259,6 @@ def _llama(v: dict, max_len: int):
 
 def _gguf_model(config: GenerateConfig, v: dict):
     """(model, description) of ``config.gguf`` (a file, or "smollm2" for the shipped one), its memory checked."""
-    from ..models import gguf
 
     path = gguf.smollm2_path() if config.gguf.lower() == "smollm2" else gguf.check_file(config.gguf)
     model, _ = gguf.load(path, attn_implementation="attnlab")
@@ -274,8 +274,6 @@ def _gguf_model(config: GenerateConfig, v: dict):
 
 @torch.inference_mode()
 def _run_hf(config: GenerateConfig, v: dict, progress) -> GenerateBench:
-    from ..integrations import hf
-
     prompts, n_new, repeats = v["contexts"], v["new_tokens"], v["repeats"]
     hf.register("attnlab")
     if config.gguf is not None:

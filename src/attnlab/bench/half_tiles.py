@@ -26,6 +26,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+import attnlab
+
+from ..kernels import compiled as ck
+
 __all__ = ["HalfTilesConfig", "run", "gemm_rate"]
 
 
@@ -63,7 +67,6 @@ def gemm_rate(dtype: torch.dtype, n: int = 2048, reps: int = 3) -> float:
 
 def _calls(cfg: HalfTilesConfig, n: int):
     """{name: (function, flops)} for one sequence length: each call runs one forward (or forward + backward)."""
-    import attnlab
 
     def inputs(dtype, grad):
         g = torch.Generator().manual_seed(n)
@@ -105,7 +108,6 @@ def _calls(cfg: HalfTilesConfig, n: int):
 
 def run(config: HalfTilesConfig = HalfTilesConfig()) -> dict:
     """Median seconds and GFLOP/s of every call, GEMM rates, and the ratios issue 22 asks for."""
-    from ..kernels import compiled as ck
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from ..harness import threads
-from ..resources import check_memory
+from ..models import minilm
 from ..report import environment
+from ..resources import check_memory
 from .files import write_json_and_figure
 
 __all__ = ["MiniLMConfig", "MiniLMBench", "run"]
@@ -107,8 +108,6 @@ def run(config: MiniLMConfig, *, progress: Callable[[int, int, str], None] | Non
 
 
 def _run(config: MiniLMConfig, batch: int, tokens: int, repeats: int, progress) -> MiniLMBench:
-    from ..models import minilm
-
     res = MiniLMBench(str(config.out), batch, tokens, repeats, torch.get_num_threads(), env=environment())
 
     # one fixed batch: [CLS] random WordPiece ids [SEP], every token real (no padding)

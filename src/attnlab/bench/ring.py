@@ -26,6 +26,10 @@ from typing import Callable
 
 import torch
 
+import attnlab
+from attnlab.distributed import comm_stats, ring_attention, shard_segments
+
+from ..distributed import run_local
 from ..harness import peak_rss_bytes, pyplot, reset_peak_rss, rss_bytes, save_plot
 from ..report import atomic_write_json, environment
 
@@ -159,9 +163,6 @@ def _mmap_large_allocations() -> None:
 def _measure(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
-    import attnlab
-    from attnlab.distributed import comm_stats, ring_attention, shard_segments
-
     _mmap_large_allocations()
     ring = cfg["config"] != "single"
     threads = max(1, cfg["threads"] // world) if ring else cfg["threads"]
@@ -217,7 +218,6 @@ def run(config: RingConfig, *, progress: Callable[[int, int, str], None] | None 
     total, label)`` is called before each configuration. Raises ValueError for fewer than 2 processes or
     a sequence shorter than 2 positions per rank, and RuntimeError if any rank produced non-finite outputs.
     """
-    from ..distributed import run_local
 
     s = config.settings()
     out_dir = Path(config.out)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from attnlab.functional import calibration
+
 from .common import add_commands
 
 
@@ -14,7 +16,6 @@ def add_suites(parser: argparse.ArgumentParser, suites: dict[str, tuple[str, str
 def run_suite(args: argparse.Namespace):
     """Run the suite chosen on the command line; its result. No background calibration runs meanwhile
     (Note [Calibration held]): a benchmark's timings never share the CPU with it unseen."""
-    from attnlab.functional import calibration
 
     with calibration.held("attnlab bench is timing"):
         return args._suite_run(args)

@@ -6,6 +6,7 @@ from attnlab.harness import fmt
 from .options import nonneg_int, positive_float, positive_int, positive_int_list
 
 from .bench_common import run_suite
+from .common import console as new_console
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -74,7 +75,6 @@ def run(args) -> AllResult:
 
 def render(res: AllResult) -> None:
     """Print where the report is, the matrix-product peak, and each mechanism's fitted exponents."""
-    from .common import console as new_console
     from rich.markup import escape
 
     d = res.data

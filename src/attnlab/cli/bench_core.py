@@ -5,6 +5,7 @@ from attnlab.bench.core import CoreConfig, Result, run as run_core
 from .options import positive_float, positive_int
 
 from .bench_common import run_suite
+from .common import console as new_console
 
 
 def build_parser(p) -> None:
@@ -41,7 +42,6 @@ def run(args) -> Result:
 
 def render(res: Result) -> None:
     """Print a run's measurements as a table (ratios are SDPA's time over each one's, same run)."""
-    from .common import console as new_console
     from rich.table import Table
 
     console = new_console()

@@ -6,6 +6,7 @@ from .options import names, positive_int, positive_int_list
 
 from .bench_common import config_of, run_suite
 from .common import add_force
+from .common import console as new_console
 
 
 def build_parser(p) -> None:
@@ -43,8 +44,6 @@ def run(args) -> DecodeBench:
 def render(res: DecodeBench) -> None:
     """One row per case: ms of attnlab and SDPA, GB/s, attnlab over the memory-bound time, speedup, error."""
     from rich.table import Table
-
-    from .common import console as new_console
 
     t = Table(title=f"decode (L=1): attnlab.attention_with_kvcache vs SDPA enable_gqa, {res.threads} threads")
     for col in ("heads", "S", "dtype", "B", "layout", "splits", "attnlab ms", "sdpa ms", "GB/s", "bandwidth GB/s",

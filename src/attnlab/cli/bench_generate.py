@@ -6,6 +6,7 @@ from .options import positive_int, positive_int_list
 
 from .bench_common import run_suite
 from .common import add_force
+from .common import console as new_console
 
 
 def build_parser(p) -> None:
@@ -52,7 +53,6 @@ def run(args) -> GenerateBench:
 def render(res: GenerateBench) -> None:
     """Print one row per context: tokens/s with and without the cache, their ratios, same tokens (with --hf:
     attnlab's and sdpa's tokens/s and decode ms per token, their ratios, same tokens)."""
-    from .common import console as new_console
     from rich.table import Table
 
     m = res.model

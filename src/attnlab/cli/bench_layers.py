@@ -12,6 +12,7 @@ from .options import nonneg_int, positive_float, positive_int
 
 from .bench_common import run_suite
 from .common import add_force
+from .common import console as new_console
 
 
 def _int_list(text: str) -> list[int]:
@@ -62,7 +63,6 @@ def run(args) -> LayersResult:
 
 def render(res: LayersResult) -> None:
     """Print forward time per layer and n at the largest d (ratio to GRU) and the crossover table."""
-    from .common import console as new_console
     from rich.table import Table
 
     cfg, rows = res.config, res.rows

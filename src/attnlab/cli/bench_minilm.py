@@ -6,6 +6,7 @@ from .options import positive_int
 
 from .bench_common import run_suite
 from .common import add_force
+from .common import console as new_console
 
 
 def build_parser(p) -> None:
@@ -39,7 +40,6 @@ def run(args) -> MiniLMBench:
 
 def render(res: MiniLMBench) -> None:
     """Print one row per implementation: median seconds, sentences/s, ratios, largest difference."""
-    from .common import console as new_console
     from rich.markup import escape
     from rich.table import Table
 

@@ -1,11 +1,14 @@
 """attnlab bench planner: the CLI face of attnlab.bench.planner (argv in, progress line, table out)."""
 from __future__ import annotations
 
-from attnlab.bench.planner import KINDS, PlannerConfig, PlannerResult, TOLERANCE, run as run_planner
+from attnlab.bench.planner import KINDS, METHODS, TOLERANCE, PlannerConfig, PlannerResult
+from attnlab.bench.planner import run as run_planner
+
 from .options import names, positive_float, positive_int
 
 from .bench_common import config_of, run_suite
 from .common import add_force
+from .common import console as new_console
 
 
 def build_parser(p) -> None:
@@ -44,10 +47,6 @@ def render(res: PlannerResult) -> None:
     """One row per configuration: each kernel's ms (or "refused"), the fastest, auto's pick, auto / fastest (auto /
     pick paired × pick / fastest) and auto / pick paired."""
     from rich.table import Table
-
-    from attnlab.bench.planner import METHODS
-
-    from .common import console as new_console
 
     t = Table(title="bench planner: auto against the fastest kernel (ms, medians of interleaved rounds)")
     for col in ("config", *METHODS, "auto", "fastest", "auto's pick", "auto/fastest", "auto/pick"):

@@ -6,6 +6,7 @@ from .options import positive_float, positive_int
 
 from .bench_common import run_suite
 from .common import add_force
+from .common import console as new_console
 
 
 def build_parser(p) -> None:
@@ -44,7 +45,6 @@ def run(args) -> RingBenchResult:
 
 def render(result: RingBenchResult) -> None:
     """Print every rank's memory, time and traffic beside the single process, and the issue-7 target."""
-    from .common import console as new_console
     from rich.table import Table
 
     t = Table(title=f"attnlab bench ring (n={result.settings['n']}, {result.settings['procs']} processes)")

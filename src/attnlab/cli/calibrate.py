@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from attnlab.functional.calibration import CalibrationConfig, TooNoisy, calibrate
+from attnlab.kernels.rates import as_json
+
+from .common import console as new_console
 from .options import positive_int
 
 
@@ -25,11 +29,8 @@ def run(args: argparse.Namespace) -> dict:
     import sys
     import time
 
-    from attnlab.functional.calibration import CalibrationConfig, TooNoisy, calibrate
+    # lazy subcommand: loaded when the command runs, not by `attnlab --help`
     from attnlab.harness.progress import progress
-    from attnlab.kernels.rates import as_json
-
-    from .common import console as new_console
 
     cfg = CalibrationConfig(n=args.n, heads=args.heads)
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from attnlab.conformance import (CASES, DTYPES, TOL_FACTOR, TOL_FLOOR, check, ch
 from .options import positive_int
 
 from .common import UsageError, progress_display
+from .common import console as new_console
 
 __all__ = ["run", "build_parser", "verdict", "check", "CASES", "TOL_FACTOR", "TOL_FLOOR", "make_cases", "sized_instance"]
 
@@ -70,7 +71,6 @@ def run(args: argparse.Namespace) -> dict:
     tolerance or any mechanism crashed on inputs it claims, else 0)."""
     import json
 
-    from .common import console as new_console
     from rich.table import Table
 
     shape = _shape(args.shape)

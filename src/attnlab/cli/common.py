@@ -13,6 +13,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from ..report import atomic_write_text
+
 __all__ = ["UsageError", "HelpFormatter", "ArgumentParser", "add_commands", "add_force", "add_width", "console", "fit", "set_width",
            "plain_text", "progress_display", "show_or_write"]
 
@@ -317,7 +319,6 @@ def show_or_write(content: str | Any, out: str | None, *, wrote: str = "") -> st
     """Print ``content`` (text as it is, or a rich renderable) or, with ``out``, write it there atomically
     and print "wrote OUT" (plus ``wrote``, e.g. ": 2 of 9 cells wrong"). Returns the text written or
     printed, None for a renderable shown on the terminal."""
-    from ..report import atomic_write_text
 
     if out:
         text = content if isinstance(content, str) else plain_text(content)

@@ -13,6 +13,7 @@ from pathlib import Path
 from .options import output_dir, positive_float, positive_int, positive_int_list
 
 from .common import add_force
+from .common import console as new_console
 
 __all__ = ["EXPERIMENTS", "build_parser", "run", "seeds_of"]
 
@@ -80,6 +81,7 @@ def _training_args(p, d_k_help: str) -> None:
 
 
 def _long_range_args(p) -> None:
+    # lazy subcommand: loaded when the command runs, not by `attnlab --help`
     from attnlab.experiments.long_range import FULL, TASKS
 
     _common(p, seeds="0")
@@ -207,9 +209,8 @@ def run(args):
     """Run ``attnlab experiment NAME`` from the parsed ``args``: build the config, run the experiment with
     a progress bar (unless --no-progress), write its report into --out, print a short summary; return
     the result (its ``exit_code`` is 130 when the experiment stopped early on Ctrl-C or SIGTERM)."""
-    from .common import console as new_console
 
-    from attnlab import harness
+    from attnlab import harness  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
     mod, cfg, out = _config(args)
     with harness.progress(args.no_progress) as prog:

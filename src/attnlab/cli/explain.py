@@ -13,6 +13,7 @@ from attnlab.positional import alibi_slopes
 from attnlab.report import format_bytes as _fmt_bytes
 
 from .common import UsageError
+from .common import console as new_console
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,7 +109,6 @@ def run(args: argparse.Namespace) -> dict:
     method, chosen or refused and why, its predicted peak memory and GFLOP. Runs no attention.
 
     Returns the plans, this CPU's capabilities and ``exit_code`` 0; bad shapes raise ``UsageError``."""
-    from .common import console as new_console
     from rich.table import Table
 
     opts = dict(is_causal=args.causal, need_weights=args.need_weights, dropout_p=args.dropout,

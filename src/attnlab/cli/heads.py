@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError("the sentences given are all empty")
     hf = None
     if args.model != "minilm":
-        from ..viz.models import load_model
+        from ..viz.models import load_model  # defers transformers (viz.models loads HF models)
 
         if args.model == "random":
             raise UsageError("--model random has no trained heads to measure; give minilm, smollm2, a .gguf file "

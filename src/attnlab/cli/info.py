@@ -3,6 +3,7 @@ bandwidth, the compiled extension, calibration, versions)."""
 from __future__ import annotations
 
 import argparse
+from .common import console as new_console
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
@@ -16,9 +17,7 @@ def run(args: argparse.Namespace) -> dict:
     """Collect ``attnlab.sysinfo.collect`` and print it (lines, or JSON with --json).
 
     Returns {"info": SystemInfo, "exit_code": 0}."""
-    from attnlab import sysinfo
-
-    from .common import console as new_console
+    from attnlab import sysinfo  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
     info = sysinfo.collect(measure=not args.no_measure)
     console = new_console()

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from attnlab import kernels
+from attnlab.patterns import Pattern
+
+from .common import UsageError
+from .common import console as new_console
+from .options import check_memory
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
@@ -23,7 +29,6 @@ COUNT_LIMIT_PAIRS = 2**28
 
 def _counted_pair_by_pair(m, L: int, S: int) -> bool:
     """Whether the mechanism's cost at (L, S) needs the generic O(L·S) count of a pattern's kept pairs."""
-    from attnlab.patterns import Pattern
 
     pattern_for = getattr(m, "pattern_for", None)
     try:
@@ -34,15 +39,12 @@ def _counted_pair_by_pair(m, L: int, S: int) -> bool:
 
 
 def _sizes(text: str) -> tuple[int, int, int]:
-    from .common import UsageError
-
     try:
         L, S, D = (int(x) for x in text.split(","))
     except ValueError:
         raise UsageError(f"--cost must be three comma-separated integers L,S,D, got {text!r}") from None
     if min(L, S, D) < 1:
         raise UsageError(f"--cost sizes must be >= 1, got {text!r}")
-    from .options import check_memory
 
     # a pattern's cost counts its kept pairs row by row: a few float64 vectors of length L and S
     check_memory(f"--cost {text}", 4 * 8 * (L + S), "the patterns' per-row counts of kept pairs")
@@ -51,7 +53,6 @@ def _sizes(text: str) -> tuple[int, int, int]:
 
 def kernel_rows() -> list[dict]:
     """One dict per kernel from its declaration: name, summary and the capability fields."""
-    from attnlab import kernels
 
     rows = []
     for s in kernels.KERNELS:
@@ -95,10 +96,9 @@ def run(args: argparse.Namespace) -> dict:
     Returns the rows (``mechanisms`` or ``kernels``) and ``exit_code`` 0."""
     import json
 
-    from .common import console as new_console
     from rich.table import Table
 
-    import attnlab.mechanisms as M
+    import attnlab.mechanisms as M  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
     if getattr(args, "kernels", False):
         return _run_kernels(args, new_console())

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import ArgumentParser, HelpFormatter, UsageError, add_commands, add_width, set_width
+from attnlab.version import __version__
 
 __all__ = ["main", "invoke", "Outcome", "UsageError", "SUBCOMMANDS", "ArgumentParser", "HelpFormatter",
            "build_parser", "interrupted_message"]
@@ -64,7 +65,6 @@ def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
 
     lazy: import a subcommand's module (and add its options) only when a parse chooses it, as ``invoke``
     does (Note [Lazy subcommands] in cli/common.py); the default loads every one, for walking the options."""
-    from attnlab.version import __version__
 
     parser = ArgumentParser(
         prog="attnlab", description="attnlab: exact and efficient self-attention you can see, trace, measure and scale.")

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> dict:
                          "pip install starlette uvicorn") from None
     if not 2 <= args.max_tokens <= 512:
         raise ValueError(f"--max-tokens must be in 2..512 (MiniLM has 512 positions), got {args.max_tokens}")
+    # defers starlette and uvicorn to `attnlab serve`
     from ..serve import Explorer, bind, create_app, is_loopback, serve_forever
 
     sock = bind(args.host, args.port)

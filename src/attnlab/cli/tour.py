@@ -10,12 +10,14 @@ import sys
 
 from .common import UsageError, add_force
 from .options import check_memory, output_dir, positive_int_list
+from .common import console as new_console
 
 __all__ = ["build_parser", "run"]
 
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """The tour's options: output folder, pieces to skip, the sentence, the lengths measured."""
+    # lazy subcommand: loaded when the command runs, not by `attnlab --help`
     from ..tour import PIECES, SENTENCE, TourConfig
 
     d = TourConfig()
@@ -34,9 +36,9 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace):
     """Run the tour with a progress line on stderr; print the summary table; return tour.json's dict."""
-    from ..tour import TourConfig, run_tour
+    from ..tour import TourConfig, run_tour  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
-    from ..tour import PIECES
+    from ..tour import PIECES  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
     skip = tuple(s.strip() for s in args.skip.split(",") if s.strip())
     unknown = sorted(set(skip) - set(PIECES))
@@ -88,7 +90,6 @@ class _ProgressLine:
 
 
 def _render(res) -> None:
-    from .common import console as new_console
     from rich.markup import escape
     from rich.table import Table
 

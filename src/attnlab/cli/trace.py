@@ -65,7 +65,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
 
 def load_matrix(name: str, spec: str) -> np.ndarray:
     """A 2-D matrix from inline JSON or a .json/.npy file; ValueError with the argument's name otherwise."""
-    from ..trace import as_matrix
+    from ..trace import as_matrix  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
     s = spec.strip()
     path = Path(s)
@@ -103,6 +103,7 @@ def load_matrix(name: str, spec: str) -> np.ndarray:
 
 def config_from_args(args: argparse.Namespace) -> TraceConfig:
     """The ``TraceConfig`` the options describe; UsageError for options that do not go together."""
+    # lazy subcommand: loaded when the command runs, not by `attnlab --help`
     from ..trace import TraceConfig, TraceOptions
 
     sources = [n for n, on in (("--example", args.example), ("--text", args.text is not None),
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
     """Trace as the options say, render it (terminal, or --out) and write --png; the trace and what was shown.
 
     Exit status 1 when --expect found a wrong cell (like diff), else 0."""
-    from .. import trace as tr
+    from .. import trace as tr  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
     res = tr.run_trace(config_from_args(args))
     trace, check, fmt = res.trace, res.check, args.format

@@ -8,6 +8,7 @@ from .options import positive_int
 
 def build_parser(p: argparse.ArgumentParser) -> None:
     """verify's options: where the record goes, the fuzz's length, the stages, --fresh."""
+    # lazy subcommand: loaded when the command runs, not by `attnlab --help`
     from attnlab.verify.record import RECORDS, STAGES
 
     p.add_argument("--records", default=str(RECORDS), help="the records folder, one record per CPU class (default: "
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> dict:
     Returns {"record", "exit_code"} (exit 1 when the verdict is not "verified")."""
     import sys
 
-    from attnlab.verify import record
+    from attnlab.verify import record  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
     cfg = record.VerifyConfig(out=args.records, force=args.force, repo=args.repo, fuzz_minutes=args.fuzz_minutes,
                               stages=tuple(s.strip() for s in args.stages.split(",") if s.strip()),

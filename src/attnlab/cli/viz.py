@@ -55,14 +55,14 @@ def parse_params(items: list[str]) -> dict:
 
 def run(args: argparse.Namespace):
     """Write the page for TEXT (and heads.png with --png) through ``attnlab.viz.run_viz``; print where."""
-    from ..viz import VizConfig, default_out, run_viz
+    from ..viz import VizConfig, default_out, run_viz  # defers matplotlib and transformers (viz) to `attnlab viz`
 
     params = parse_params(args.param)
     if params and args.mechanism is None:
         raise UsageError("--param needs --mechanism")
     loaded = None
     if args.model not in ("minilm", "random"):  # a Hugging Face model: load it (or say why not) before any output
-        from ..viz.models import load_model
+        from ..viz.models import load_model  # defers matplotlib and transformers (viz) to `attnlab viz`
 
         if args.mechanism is not None:
             raise UsageError(f"--mechanism runs on attnlab's own models (--model minilm or random), not on "
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace):
         except (ValueError, ImportError, FileNotFoundError) as e:
             raise UsageError(f"--model: {e}") from None
     if args.mechanism is not None:  # an unknown name or parameter: say which option, before any work
-        import attnlab.mechanisms as M
+        import attnlab.mechanisms as M  # lazy subcommand: loaded when the command runs, not by `attnlab --help`
 
         given = f"--mechanism {args.mechanism}" + "".join(f" --param {p}" for p in args.param)
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .task import TaskData
+
 __all__ = ["selective_copy"]
 
 
@@ -19,7 +21,6 @@ def selective_copy(num_samples: int, seq_len: int, seed: int = 0, *, num_tokens:
     symbols in order, ``num_symbols`` classes) read at the last ``num_tokens`` positions. Raises
     ValueError unless num_tokens >= 1 and seq_len >= 2·num_tokens.
     """
-    from . import TaskData
 
     if num_tokens < 1 or seq_len < 2 * num_tokens:
         raise ValueError(f"seq_len must be >= 2 * num_tokens = {2 * num_tokens} (num_tokens >= 1), got seq_len={seq_len}")

@@ -14,6 +14,8 @@ import random
 
 import torch
 
+from .task import TaskData
+
 __all__ = ["listops", "generate_tree", "evaluate", "tokens_of", "VOCAB", "OPERATORS"]
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")
@@ -93,7 +95,6 @@ def listops(num_samples: int, seq_len: int, seed: int = 0, *, min_length: int | 
     each expression: 10 classes) and the token lengths in ``meta["lengths"]``. Trees are drawn by
     rejection; raises ValueError if ``max_tries`` draws do not give ``num_samples`` of the right length.
     """
-    from . import TaskData
 
     if num_samples < 1 or seq_len < 2:
         raise ValueError(f"num_samples must be >= 1 and seq_len >= 2, got {num_samples} and {seq_len}")

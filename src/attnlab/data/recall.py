@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .task import TaskData
+
 __all__ = ["associative_recall"]
 
 
@@ -24,7 +26,6 @@ def associative_recall(num_samples: int, seq_len: int, seed: int = 0, *, num_pai
     ``num_queries`` positions. ``meta`` holds the token id ranges. Raises ValueError unless
     1 <= num_queries <= num_pairs <= num_keys and seq_len >= 2·num_pairs + num_queries.
     """
-    from . import TaskData
 
     if num_pairs < 1 or num_pairs > num_keys:
         raise ValueError(f"num_pairs must be in [1, num_keys={num_keys}], got {num_pairs}")

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..probe import probe
+
 __all__ = [
     "entropy", "max_weight", "saturated_fraction", "softmax_jacobian", "jacobian_norm", "score_grad_norm",
     "weight_stats", "score_variance", "scale_sweep", "SCALES", "scale_value", "streaming_summary",
@@ -221,7 +223,6 @@ def streaming_summary(query, key, attn_mask=None, is_causal=False, scale=None, *
     query: [H, L, E] or [1, H, L, E]; key: [H, S, E] or [1, H, S, E]. Works for a 32k-token input:
     only one block of scores exists at a time (with a sparse ``pattern`` only its blocks are computed).
     """
-    from ..probe import probe
 
     if query.dim() == 4:
         if query.shape[0] != 1:

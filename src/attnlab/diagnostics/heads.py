@@ -18,6 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ..capture import activation_name, attention_modules, run_with_cache
+from ..report import atomic_write_json
+from ..resources import output_dir
+from ..trace.minilm import load_minilm
+
 __all__ = ["head_stats", "label_head", "measure_heads", "LABEL_RULES", "DEFAULT_SENTENCES", "HeadsConfig",
            "HeadsResult", "run_heads", "DECODER_LABEL_RULES", "decoder_head_stats", "measure_decoder_heads",
            "DECODER_MEASURES"]
@@ -167,7 +172,6 @@ def decoder_head_stats(attentions, attention_mask: torch.Tensor, induction=None,
 
 def _hf_weights(model, **inputs) -> list[torch.Tensor]:
     """A Hugging Face model's attention weights [B, H, T, T] per layer, caught by attnlab.capture."""
-    from ..capture import activation_name, attention_modules, run_with_cache
 
     names = [activation_name(i, "weights") for i in range(len(attention_modules(model)))]
     with torch.no_grad():
@@ -202,8 +206,6 @@ def measure_decoder_heads(sentences: list[str], loaded) -> dict:
 def measure_heads(sentences: list[str], model=None) -> dict:
     """Run MiniLM on ``sentences`` and measure every head. Returns {stats, counts, n_sentences, n_tokens}."""
     import torch
-
-    from ..trace.minilm import load_minilm
 
     sentences = [s for s in sentences if s.strip()]
     if not sentences:
@@ -262,8 +264,6 @@ class HeadsResult:
 
 def run_heads(config: HeadsConfig) -> HeadsResult:
     """Measure MiniLM's heads over the sentences; write heads.json (and heads.png) into ``config.out``."""
-    from ..report import atomic_write_json
-    from ..resources import output_dir
 
     out = output_dir(config.out)
     sentences = [s for s in config.sentences if s.strip()]
@@ -271,7 +271,7 @@ def run_heads(config: HeadsConfig) -> HeadsResult:
         raise ValueError("the sentences given are all empty")
     model = config.hf if config.hf is not None else config.model
     if model is None:
-        from ..trace.minilm import load_minilm
+        from ..trace.minilm import load_minilm  # breaks a cycle: trace imports diagnostics
 
         model = load_minilm()
     name = getattr(config.hf, "name", "MiniLM")
@@ -291,7 +291,7 @@ def run_heads(config: HeadsConfig) -> HeadsResult:
     result = HeadsResult(**res, sentences=sentences, layers=layers, files=[], model_name=name, kind=kind)
     result.files.append(str(atomic_write_json(out / "heads.json", result.to_dict())))
     if config.plot:
-        from ..viz.heatmaps import plot_head_stats
+        from ..viz.heatmaps import plot_head_stats  # defers matplotlib (viz) until a plot is asked for
 
         kw = {} if kind == "encoder" else {"measures": DECODER_MEASURES, "title": f"what {name}'s heads do: labels, "
                                            "and the mean attention of a token to prev/same/the first token/induction"}

@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import attnlab.mechanisms as M
 from attnlab import harness
 from attnlab.harness import fmt as _fmt
 from attnlab.harness import markdown_table as _table
-from attnlab.resources import check_memory
+from attnlab.models import minilm
 from attnlab.report import environment
+from attnlab.resources import check_memory
 
 __all__ = ["ApproximationConfig", "ApproximationResult", "run", "grid", "errors", "time_call", "pareto",
            "measure_inputs", "headline", "minilm_qkv", "GRID"]
@@ -88,8 +90,6 @@ def grid(quick: bool):
 
 
 def _instance(name, params, n):
-    import attnlab.mechanisms as M
-
     p = dict(params)
     for key in ("k", "num_landmarks", "block_size", "window", "num_features"):
         if key in p and key != "num_features":
@@ -137,7 +137,6 @@ def measure_inputs(q, k, v, configs, *, timed: bool, progress=None, task=None) -
 def headline(n: int, D: int = 64, H: int = 1, seed: int = 0) -> dict:
     """Linear attention vs PyTorch SDPA (dense, no mask) on q, k, v [1, H, n, D] float32, non-causal and
     causal, timed side by side in interleaved rounds (``attnlab.harness.interleaved``, median)."""
-    import attnlab.mechanisms as M
 
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, H, n, D, generator=g) for _ in range(3))
@@ -176,7 +175,6 @@ def _text() -> str:
 
 def minilm_qkv(tokens: int):
     """[(layer, q, k, v)] with q, k, v [1, 12, T, 32] from every MiniLM layer (attnlab.models.minilm), or raise."""
-    from attnlab.models import minilm  # lazy: MiniLM is optional
 
     m = minilm.load()
     enc = m.tokenize(_text(), max_length=tokens)
@@ -420,7 +418,6 @@ def run(config: ApproximationConfig, *, progress=None) -> ApproximationResult:
     linear attention vs SDPA at speed_n, non-causal and causal. Torch's thread count is
     ``config.threads`` for the run. Raises ValueError for a size < 1 and OptionError for a float64
     [H, n, n] reference over the memory budget."""
-    import attnlab.mechanisms as M  # noqa: F401  (registers everything)
 
     s = config.resolved()
     n, H, D, speed_n, tokens = s["n"], s["heads"], s["head_dim"], s["speed_n"], s["minilm_tokens"]

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+import attnlab.mechanisms as M
+from attnlab import patterns as P
 from attnlab.functional import METHODS
 
 __all__ = ["AttentionChoice", "choose", "mechanism_names", "pattern_catalog", "ALIASES"]
@@ -34,7 +36,6 @@ class AttentionChoice:
 def pattern_catalog(seq_len: int, causal: bool = False) -> dict:
     """Every structured pattern with parameters sized for ``seq_len`` (name -> ``attnlab.patterns``
     pattern): windows of n/8 (at most 128), BigBird blocks of n/8 (at most 64), strides of √n."""
-    from attnlab import patterns as P
 
     w = max(1, min(128, seq_len // 8))
     blk = max(1, min(64, seq_len // 8))
@@ -55,7 +56,7 @@ def pattern_catalog(seq_len: int, causal: bool = False) -> dict:
 def mechanism_names() -> tuple[list[str], str | None]:
     """Registered mechanism names, or ([], why) when ``attnlab.mechanisms`` cannot load its registry."""
     try:
-        import attnlab.mechanisms as M
+        import attnlab.mechanisms as M  # inside try: a registry that fails to import is reported, not raised
     except ImportError as e:
         return [], f"attnlab.mechanisms not available ({e})"
     try:
@@ -68,7 +69,6 @@ def mechanism_names() -> tuple[list[str], str | None]:
 def _sized(name: str, seq_len: int | None):
     """``attnlab.mechanisms.get(name)``; block_sparse gets a layout for ``seq_len``: a band of 3 blocks
     plus the first block column, blocks of 64 (n/4 below 256)."""
-    import attnlab.mechanisms as M
 
     if name == "block_sparse":
         if seq_len is None:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+import attnlab.mechanisms as M
 from attnlab import harness
+from attnlab.data import make_task
 from attnlab.harness import fmt
 from attnlab.harness import markdown_table as table
 from attnlab.resources import check_memory
@@ -40,15 +42,12 @@ def default_mechanisms() -> tuple[list[str], str | None]:
     names, why = mechanism_names()
     if why is not None:
         return [VANILLA, "pattern:sliding_window", "pattern:longformer", "pattern:bigbird", "pattern:strided"], why
-    import attnlab.mechanisms as M
 
     specs = M.specs()
     return [VANILLA] + [n for n in names if specs[n].kind != "exact"], None
 
 
 def _datasets(tasks, T, n_train, n_test, seed, recall_queries=1):
-    from attnlab.data import make_task
-
     out = {}
     for t in tasks:
         kw = {"listops": {"min_length": T // 4}, "recall": {"num_queries": recall_queries}}.get(t, {})

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.mechanisms import Mechanism, Spec
-from attnlab.nn import Encoder
+from attnlab.nn import Encoder, TransformerLM
 
 from .attention import choose
 
@@ -182,8 +182,6 @@ def build_model(cfg, data) -> nn.Module:
     if cfg.model == "lm":
         if data.name != "text" or cfg.score != "softmax":
             raise ValueError("--model lm (attnlab.nn.TransformerLM) runs the text task with softmax attention only")
-        from attnlab.nn import TransformerLM
-
         lm = TransformerLM(data.vocab_size, cfg.num_heads * cfg.head_dim, cfg.num_heads, cfg.num_layers,
                            max_len=cfg.seq_len, mechanism=choose(cfg.attention, cfg.seq_len, True).mechanism,
                            scale=scale_value(cfg.scale, cfg.head_dim))

@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from attnlab.data import TaskData, make_task
+
 __all__ = ["TEXT_MODULES", "stdlib_text", "text_task", "task_data"]
 
 #: standard-library modules whose docstrings make the text task's corpus (fixed: the corpus is the same everywhere)
@@ -39,7 +41,6 @@ def stdlib_text(max_chars: int = 400_000) -> str:
 def text_task(num_samples: int, seq_len: int, seed: int = 0):
     """Byte-level next-token windows of :func:`stdlib_text` as ``attnlab.data.TaskData``: inputs [N, T]
     (ids = byte + 1, 0 stays padding), targets [N, T] (the next byte's id), 257 classes."""
-    from attnlab.data import TaskData
 
     data = torch.tensor(list(stdlib_text().encode("utf-8")), dtype=torch.long) + 1  # 0 stays padding
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +56,6 @@ def task_data(task: str, sizes: dict, seed: int = 0):
     """(train, test) ``TaskData`` of a training experiment's task: "text" (:func:`text_task`) or "recall"
     (``attnlab.data.make_task("recall")`` with 4 pairs); lengths ``sizes["seq_len"][task]``, counts
     ``sizes["train"]`` and ``sizes["test"]``."""
-    from attnlab.data import make_task
 
     T, n = sizes["seq_len"][task], sizes["train"] + sizes["test"]
     if task == "text":

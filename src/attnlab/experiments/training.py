@@ -17,6 +17,7 @@ from attnlab import harness
 
 from .model import build_model, loss_fn_for
 from .tasks import task_data
+from .training_report import training_report
 
 __all__ = ["RunConfig", "train_run", "run_grid", "summarize_runs", "plot_curves", "TrainingConfig",
            "TrainingResult", "run_training", "verdicts", "QUICK_SIZES", "FULL_SIZES"]
@@ -250,7 +251,6 @@ class TrainingResult:
     def write(self, out: str | Path | None = None) -> dict:
         """Write curves.png, results.json, report.md and report.html into ``out`` (default: the config's),
         drop the partial results file; returns the paths."""
-        from .training_report import training_report
 
         out = Path(out if out is not None else self.out)
         files = [plot_curves(self.runs, lambda r: r["arm"],

@@ -22,6 +22,7 @@ import re
 
 import torch
 
+from ..files import format_bytes
 from ..shapes import AttentionInputError
 
 __all__ = ["empty_kv_cache", "append_kv", "huge_pages_available", "transparent_hugepage_mode", "anon_huge_bytes", "HUGE_PAGE_BYTES",
@@ -118,8 +119,6 @@ def empty_kv_cache(*shape: int, dtype: torch.dtype = torch.float32, device: torc
     except (MemoryError, OSError, RuntimeError) as e:
         if isinstance(e, AttentionInputError):
             raise
-        from ..files import format_bytes
-
         why = " ".join(str(e).split())[:160]
         raise AttentionInputError(f"empty_kv_cache: shape {list(shape)} of {dtype} ({format_bytes(numel * dtype.itemsize)}) "
                                   f"could not be allocated ({type(e).__name__}: {why})") from None

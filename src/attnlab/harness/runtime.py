@@ -6,6 +6,8 @@ import sys
 
 import torch
 
+from attnlab.report import environment
+
 __all__ = ["threads", "environment_record"]
 
 
@@ -29,7 +31,6 @@ class threads:
 
 def environment_record(seeds: list[int] | None = None) -> dict:
     """``attnlab.report.environment()`` plus the seeds, the command line and the working folder."""
-    from attnlab.report import environment
 
     env = environment()
     env["seeds"] = seeds

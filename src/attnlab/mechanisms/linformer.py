@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import Inputs, Mechanism, MechanismModule, Spec, register
 from ..caches import ByteLRU
 from ..kernels.dense import masked_softmax
+from . import Inputs, Mechanism, MechanismModule, Spec, _prepare, register
 
 __all__ = ["Linformer", "LinformerModule"]
 
@@ -137,8 +137,6 @@ class LinformerModule(MechanismModule):
 
     def forward(self, query, key, value, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
                 enable_gqa=False, need_weights=False):
-        from . import _prepare
-
         S = key.shape[-2]
         if S > self.max_len:
             raise ValueError(f"key has S={S} positions but this Linformer's projections cover max_len="

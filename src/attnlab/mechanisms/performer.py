@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import Mechanism, MechanismModule, Spec, register
 from ..caches import ByteLRU
+from . import Mechanism, MechanismModule, Spec, _prepare, register
 from .linear import compute_dtype, kernel_attention
 
 __all__ = ["Performer", "PerformerModule", "orthogonal_gaussian"]
@@ -169,8 +169,6 @@ class PerformerModule(MechanismModule):
 
     def forward(self, query, key, value, *, attn_mask=None, is_causal=False, scale=None, dropout_p=0.0,
                 enable_gqa=False, need_weights=False):
-        from . import _prepare
-
         E = query.shape[-1]
         if self.omega.numel() == 0 or self.omega.shape[-1] != E:
             self.omega = self.mechanism.omega(E, query.device, torch.float32)

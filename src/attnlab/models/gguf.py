@@ -91,7 +91,7 @@ def load(path=None, *, attn_implementation: str = "attnlab", dtype: torch.dtype 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation not in _BUILTIN:
-        from ..integrations import hf
+        from ..integrations import hf  # defers transformers' AttentionInterface hookup to attnlab's implementations
 
         if attn_implementation not in hf.registered():
             hf.register_all()

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import mechanisms
 from .. import patterns as P
 from ..nn.blocks import EncoderLayer
 
@@ -298,8 +299,6 @@ def embedding_drift(sentences: list[str], mechanism, pattern: P.Pattern | None =
         raise ValueError("sentences must not be empty")
     mech = mechanism
     if params:
-        from .. import mechanisms
-
         mech = mechanisms.get(mechanism, **params)
     exact = _exact_reference().encode(sentences, batch_size=batch_size)
     approx = load(mechanism=mech, pattern=pattern).encode(sentences, batch_size=batch_size)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import mechanisms
 from .. import patterns as P
 from ..functional import METHODS, planner, run
-from ..shapes import prepare
 from ..positional.base import AttentionPositional
-from ..shapes import AttentionDtypeError, check_softcap
+from ..shapes import AttentionDtypeError, check_softcap, prepare
 from .cache import LayerCache
 from .hooks import AttentionHooks, HookContext
 
@@ -33,7 +33,6 @@ def resolve_mechanism(mechanism):
     ``attnlab.mechanisms.resolve`` (the shared mechanism signature) and becomes a callable."""
     if isinstance(mechanism, str) and mechanism in METHODS:
         return mechanism
-    from .. import mechanisms  # lazy: built by another module, only needed for approximations
 
     return mechanisms.resolve(mechanism)
 
@@ -304,7 +303,6 @@ class MultiHeadAttention(nn.Module):
             fix = f"pass {name}.to({w.dtype})" + (f" or convert the layer with .to({x.dtype})"
                                                  if x.dtype.is_floating_point else "")
             raise AttentionDtypeError(f"{name} has dtype {x.dtype} but this layer's parameters are {w.dtype}; {fix}")
-
 
     def forward_intermediates(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
                               is_causal=False, need_weights=False, cache=None) -> AttentionIntermediates:

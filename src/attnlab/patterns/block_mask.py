@@ -21,13 +21,13 @@ sound interval bounds or from every pair, PARTIAL from two witnesses (Note [Soun
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from . import intervals as _iv
+from .bands import full, sliding_window
 from .base import EMPTY, FULL, PARTIAL, Pattern, _broadcast_shape, _check_int
 from .mask_mod import _HeadIndex, _HeadUsed, from_mask_mod
 
@@ -808,7 +808,6 @@ def as_band(mask_mod, L: int, S: int, BLOCK_SIZE: int | tuple[int, int] = 128, *
     blocks: its FULL and EMPTY blocks ignore mask_mod, and the caller compares them with the band's layout
     itself). The proof then runs ``_blocks_refined`` on those blocks alone, skipping the search over the
     whole grid (Note [Bands proved once per BlockMask] in functional/flex.py)."""
-    from .bands import full, sliding_window
 
     bq, bk = _check_block(BLOCK_SIZE)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import diagnostics as dg
 from .check import TableCheck, check_table
 from .core import Trace, TraceOptions, trace_example, trace_qkv, trace_scores
 from .minilm import trace_text
@@ -96,8 +97,7 @@ def run_trace(config: TraceConfig) -> TraceResult:
 def plot_trace(trace: Trace, path: str | Path) -> Path:
     """A PNG of the trace: the weights per shown head ([H, L, S] heatmaps), or for a summary the
     diagnostics of score scale against d_k (4, 16, 64, 256 and the model's own)."""
-    from .. import diagnostics as dg
-    from .. import viz
+    from .. import viz  # breaks a cycle: viz imports trace
 
     if trace.source == "summary":
         d_k = trace.d_k

@@ -19,7 +19,7 @@ __all__ = ["trace_text", "load_minilm"]
 def load_minilm(mechanism: str = "auto"):
     """attnlab.models.minilm.load(mechanism), loaded once per process."""
     try:
-        from ..models import minilm
+        from ..models import minilm  # inside try: a failed models import becomes the install hint
     except ImportError as e:  # the models package itself failed to import
         raise ValueError(f"MiniLM is not available: {e}") from None
     try:

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+import attnlab
+
+from ..kernels import compiled
+
 __all__ = ["Case", "GridResult", "grid", "run_case", "run", "run_isolated", "LENGTHS", "HEAD_DIMS", "BLOCKS",
            "MASKS", "DTYPES", "BACKENDS"]
 
@@ -104,7 +108,6 @@ def _err(a, b) -> float:
 
 def run_case(c: Case) -> list[tuple[str, float, float]]:
     """The case's failures: (what, error, budget) for each of out, dq, dk, dv off its budget or non-finite."""
-    import attnlab  # here: the subprocess imports attnlab once, the grid's definition needs no torch ops
 
     dtype = getattr(torch, c.dtype)
     g = torch.Generator().manual_seed(hash((c.L, c.S, c.E, c.block, c.mask)) % 2**31)
@@ -139,7 +142,6 @@ def run_case(c: Case) -> list[tuple[str, float, float]]:
 def run(cases: list[Case], backend: str = "auto", progress=None) -> GridResult:
     """Run ``cases`` in this process under ``ATTNLAB_EXT_GEMM=backend``. ``progress(i, case)`` is called before
     each case (``run_isolated``'s child prints it, so a crash names its case)."""
-    from ..kernels import compiled
 
     prev = os.environ.get("ATTNLAB_EXT_GEMM")
     os.environ["ATTNLAB_EXT_GEMM"] = backend

@@ -40,9 +40,18 @@ from typing import Callable
 
 import torch
 
+import attnlab
+
 from .. import cpu
-from ..version import __version__
+from .. import patterns as P
+from ..bench import planner
+from ..functional import calibration
+from ..kernels import decode as dk
+from ..kernels import rates
 from ..report import atomic_write_json, atomic_write_text
+from ..resources import OptionError
+from ..timing import interleaved
+from ..version import __version__
 from . import halfgrid, paths
 
 __all__ = ["VerifyConfig", "PATH_FLAGS", "class_key", "cpu_class", "code_hash", "run", "records", "record_for",
@@ -138,8 +147,6 @@ class VerifyConfig:
         out = Path(self.out)
         if self.force is False and (out / f"{key}.json").exists() and not (
                 self.resume and (out / f"{key}.partial.json").exists()):
-            from ..resources import OptionError
-
             raise OptionError(f"--records {out} holds this CPU class's record ({key}.json); pass --force to "
                               "replace it")
         repo = Path(self.repo or PKG.parents[1])
@@ -218,9 +225,6 @@ def _stage_fuzz(cfg: VerifyConfig, repo: Path, say) -> dict:
 
 
 def _stage_calibration(cfg: VerifyConfig, repo: Path, say) -> dict:
-    from ..functional import calibration
-    from ..kernels import rates
-
     say("calibration: the planner's grid, for this class's shipped rate table")
     fitted, measured, _ = calibration.calibrate(save=False)
     table = None
@@ -234,8 +238,6 @@ class _FreshInstall:
     of this package has them (this class's shipped table, or the nearest one's, or the built-in table)."""
 
     def __enter__(self):
-        from ..kernels import rates
-
         self.tmp = tempfile.TemporaryDirectory()
         self.saved = {k: os.environ.get(k) for k in ("ATTNLAB_CACHE_DIR", "ATTNLAB_CALIBRATION")}
         os.environ.update(ATTNLAB_CACHE_DIR=self.tmp.name, ATTNLAB_CALIBRATION="on")
@@ -243,8 +245,6 @@ class _FreshInstall:
         return self
 
     def __exit__(self, *exc):
-        from ..kernels import rates
-
         for k, v in self.saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -262,12 +262,7 @@ def _busy_process():
 def _headline_once(n: int = 4096, n_window: int = 8192, s_decode: int = 32768, sample_s: float = 0.2,
                    rounds: int = 5) -> dict:
     """One pass of the headline ratios (the sizes are the targets'; tests pass small ones and short samples)."""
-    import attnlab
     import torch.nn.functional as F
-
-    from .. import patterns as P
-    from ..kernels import decode as dk
-    from ..timing import interleaved
 
     out = {}
     B, H, D = 1, 8, 64
@@ -347,8 +342,6 @@ def _stage_headline(cfg: VerifyConfig, repo: Path, say) -> dict:
 
 
 def _stage_planner(cfg: VerifyConfig, repo: Path, say) -> dict:
-    from ..bench import planner
-
     say(f"planner sweep (n <= {cfg.planner_max_n})")
     with tempfile.TemporaryDirectory() as tmp, _FreshInstall() as fresh:
         res = planner.run(planner.PlannerConfig(out=tmp, max_n=cfg.planner_max_n, rounds=3, budget_s=20))
