@@ -25,11 +25,11 @@ error of the decode output against float64, and SmolLM2's mean next-token KL aga
     int8, keys smoothed 0.75   1.46e-2       9.36e-3        2.23e-2      4.60e-4            7.758
     int8, keys smoothed 1      1.43e-2       9.34e-3        2.87e-2      6.92e-4            7.774
     int8, keys Hadamard        2.21e-2       9.21e-3        1.11e-2      2.25e-4            7.762
-    the same, real HF cache    -             -              -            2.19e-4 (int8: 6.22e-4)  7.761
+    the same, real HF cache    -             -              -            2.19-2.28e-4 (2 runs; int8: 6.2e-4)  7.761-7.765
 
 The decode kernel's errors on attnlab's formats equal the simulated ones to 3 digits. The Hadamard rotation of
 the keys (Note [int8 key rotation]) is the only format at q8_0's quality or better on both the outlier keys
-(0.40x) and SmolLM2 (0.90x the output error, 0.72x the KL; 0.70x through the real cache). Smoothing wins on
+(0.40x) and SmolLM2 (0.90x the output error, 0.72x the KL; 0.70-0.73x through the real cache). Smoothing wins on
 fixed synthetic outliers (0.26x) but loses on SmolLM2 (1.8x): its channel scales come from the prefill, and
 RoPE moves a channel pair's mass between its two channels at later positions (scales fixed from all 4,096
 rows instead: 1.39e-2, still above q8_0 and the rotation). On Gaussian keys no per-token format reaches q8_0
