@@ -128,17 +128,14 @@ RANKS = {
     "cli": 7,
 }
 #: upward imports in files other work is rewriting (issue 41's cheap mends could not edit them); may only shrink
-KNOWN_UPWARD = {
-    "functional.flex -> report", "kernels.compiled -> report", "kernels.rates -> report", "kernels.rates -> attnlab",
-    "kernels.spec -> report",
-}
+KNOWN_UPWARD: set = set()
 #: at most this many function-level imports of attnlab modules (issue 41), each with a one-line reason comment
 MAX_FUNCTION_IMPORTS = 80
 #: function-level imports still without a reason comment, per module, in files other work is rewriting (issue 41's
 #: cheap mends could not edit them); the counts may only shrink
 KNOWN_BARE = {
-    "attnlab.capture": 9, "attnlab.functional.flex": 2, "attnlab.integrations.hf": 2, "attnlab.kernels.kernel": 1,
-    "attnlab.kernels.rates": 1, "attnlab.serve": 2, "attnlab.serve.engine": 3, "attnlab.viz.build": 2,
+    "attnlab.capture": 9,
+    "attnlab.serve": 2, "attnlab.serve.engine": 3, "attnlab.viz.build": 2,
     "attnlab.viz.data": 3, "attnlab.viz.heatmaps": 1, "attnlab.viz.models": 1, "attnlab.viz.show": 2,
 }
 

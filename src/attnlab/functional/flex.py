@@ -31,7 +31,7 @@ import torch
 from .. import patterns as P
 from ..kernels import COMPILED, KERNELS, planner, transformed
 from ..kernels.spec import Request
-from ..report import format_bytes
+from ..files import format_bytes
 from ..shapes import AttentionInputError, prepare, shape_str
 from .flex_masks import GENERAL_BLOCK, FlexMask, read_block_mask
 from .flex_general import general
@@ -222,7 +222,7 @@ def _kept_bias_attention(query, key, value, score_mod, mask: "FlexMask", kind, s
     attn_mask (so its gradient reaches the captured tensors by autograd). Memory: the kept blocks' bias,
     never L x S; keys of a row that form one range are a view, else gathered.
     Returns out [B, H, L, Ev] and lse [B, H, L] (None unless want_lse)."""
-    from . import attention, attention_with_lse
+    from . import attention, attention_with_lse  # the package (the doors) imports this module
 
     B, H, L, _ = query.shape
     S = key.shape[2]
@@ -383,7 +383,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if plan.path == "general":
         out, lse, mx = general(query, key, value, score_mod, mask, scale, want_max)
     else:
-        from . import attention, attention_with_lse
+        from . import attention, attention_with_lse  # the package (the doors) imports this module
 
         kind = plan.score_mod
         kw = dict(scale=scale * kind.factor, enable_gqa=enable_gqa, pattern=mask.pattern, softcap=kind.softcap)

@@ -37,6 +37,7 @@ from typing import Iterator
 
 import torch
 
+from .. import mechanisms
 from .. import patterns as P
 from ..functional import METHODS, attention
 from ..functional.storage import append_kv
@@ -74,8 +75,6 @@ def _key_only(mask: torch.Tensor) -> torch.Tensor:
 def _resolve(mechanism):
     if isinstance(mechanism, str) and mechanism in METHODS:
         return mechanism
-    from .. import mechanisms
-
     return mechanisms.resolve(mechanism)
 
 
@@ -235,9 +234,7 @@ def register_all() -> list[str]:
     Returns the names."""
     names = [register("attnlab", "auto")]
     try:
-        from .. import mechanisms
-
-        available = list(mechanisms.available())
+            available = list(mechanisms.available())
     except ImportError:
         available = list(METHODS)
     for m in dict.fromkeys(list(METHODS[1:]) + available):

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from .. import patterns as P
 from ..caches import ByteLRU
-from ..report import format_bytes
+from ..files import format_bytes
 from .extension import Extension, transformed
 from .masks import MaskSpec
 from .kernel import Kernel, masked_tiling, nonempty_blocks

@@ -150,7 +150,7 @@ class Kernel:
 
 
 def _kernel_named(name: str) -> "Kernel":
-    from . import get
+    from . import get  # the package imports this module (unpickling a kernel by name)
 
     return get(name)
 

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from .. import cpu
-from ..report import atomic_write_text
+from ..files import atomic_write_text
+from ..version import __version__
 
 __all__ = ["Rates", "RATE_NAMES", "FORMAT", "current", "reload", "make_current", "on_change", "machine_key",
            "cache_dir", "cache_path", "save", "builtin", "calibration_enabled", "ISA_ENV_VARS", "as_json", "shipped",
@@ -198,8 +199,6 @@ ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ATTNLAB_EXT_GEMM")
 def machine_key() -> dict:
     """What a calibration is valid for: CPU model and flags, torch's thread count, torch and attnlab versions,
     and any of ``ISA_ENV_VARS`` that is set (``ONEDNN_MAX_CPU_ISA=AVX2`` runs other kernels than AVX-512)."""
-    from .. import __version__
-
     info = cpu.INFO
     key = {"cpu": info.model, "flags": sorted(f for f in cpu.FLAGS_THAT_MATTER if info.has(f)),
            "torch_isa": info.torch_isa, "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..report import format_bytes
+from ..files import format_bytes
 
 __all__ = ["KernelSpec", "Request", "Tiling", "FLOAT_DTYPES", "io_bytes", "alibi_mask_bytes", "refusals_of",
            "check_block_size"]
