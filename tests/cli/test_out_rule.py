@@ -18,6 +18,7 @@ FOLDER_COMMANDS = {
     "experiment scaling": ["experiment", "scaling", "--quick", "--no-progress"],
     "experiment failure-modes": ["experiment", "failure-modes", "--quick", "--no-progress"],
     "experiment long-range": ["experiment", "long-range", "--quick", "--no-progress"],
+    "experiment kvquant": ["experiment", "kvquant", "--quick", "--no-kernel", "--no-progress"],
     "viz": ["viz", "the cat sat", "--model", "random"],
     "tour": ["tour", "--no-progress", "--skip", "explain,trace,variance,speed,memory,heads,viz"],
     "heads": ["heads", "--sentence", "a cat"],

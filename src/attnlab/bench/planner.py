@@ -59,7 +59,7 @@ __all__ = ["Case", "PlannerConfig", "PlannerResult", "METHODS", "KINDS", "HEADS"
 #: auto's separate median only). A row of another format is measured again, never resumed.
 FORMAT = 2
 #: the kernels auto is compared with (each where it accepts the inputs)
-METHODS = ("sdpa", "compiled", "tiled", "sparse")
+METHODS = ("sdpa", "compiled", "decode", "tiled", "sparse")
 KINDS = ("dense", "causal", "window", "block_sparse", "document", "decode")
 #: name -> (B, H, Hkv, D)
 HEADS = {"mha": (1, 8, 8, 64), "gqa": (2, 8, 2, 64), "decode": (1, 32, 8, 128), "decode-b4": (4, 32, 8, 128),

@@ -113,7 +113,7 @@ def fake_quant(name: str, x: torch.Tensor, kind: str, n0: int) -> torch.Tensor:
         return _rows(x.to(torch.float32) / c) * c.double()
     if name == "int8-hadamard":
         r = kvquant.hadamard(x.shape[-1])
-        data, scale = kvquant._transform_quantize(x, None, r)  # rows of x Rᵀ
+        data, scale = kvquant.transform_quantize(x, None, r)  # rows of x Rᵀ
         return (data.double() * scale.double().unsqueeze(-1)) @ r.double()
     raise ValueError(f"unknown format {name!r}; known: fp32, {', '.join(FORMATS)}")
 

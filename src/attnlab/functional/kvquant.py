@@ -16,7 +16,7 @@ import torch
 from ..shapes import AttentionDtypeError, AttentionInputError, shape_str
 from .storage import _check_shape, empty_kv_cache
 
-__all__ = ["QuantizedKV", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "quantize_rows", "channel_scales", "hadamard",
+__all__ = ["QuantizedKV", "transform_quantize", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "quantize_rows", "channel_scales", "hadamard",
            "encode", "query"]
 
 #: Note [int8 KV error budget]: an int8 row is x ≈ data · scale with scale = max|x| / 127 (symmetric, per token
@@ -146,7 +146,7 @@ class QuantizedKV:
             return cls(*_quantize(x))
         c = channel_scales(x) if smooth else None
         r = hadamard(x.shape[-1]) if rotate else None
-        return cls(*_transform_quantize(x, c, r), c, r)
+        return cls(*transform_quantize(x, c, r), c, r)
 
     @property
     def shape(self) -> torch.Size:
@@ -211,7 +211,7 @@ def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return y.reshape(x.shape) * (1.0 / math.sqrt(n))
 
 
-def _transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor | None):
+def transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor | None):
     """x [.., Hkv, D] -> the int8 rows and scales of (x / c) Rᵀ (either transform may be None)."""
     xf = x.detach().to(torch.float32)
     if c is not None:
@@ -261,7 +261,7 @@ def encode(cache: "QuantizedKV", new: torch.Tensor) -> tuple[torch.Tensor, torch
         return _quantize(new)
     if c is not None and not bool(c.any()):
         c.copy_(channel_scales(new))
-    return _transform_quantize(new, c, r)
+    return transform_quantize(new, c, r)
 
 
 def query(k_cache: "QuantizedKV", q: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ def test_quick_run_writes_the_table_and_the_summary(tmp_path):
     assert s["paired_configs"] == len(rows)
     assert data["settings"]["format"] == bench_planner.FORMAT
     md = (out / "report.md").read_text()
-    assert ("| config | sdpa | compiled | tiled | sparse | auto | fastest | auto's pick | auto/fastest | pick/fastest "
+    assert ("| config | sdpa | compiled | decode | tiled | sparse | auto | fastest | auto's pick | auto/fastest | pick/fastest "
             "| auto/pick paired | auto/fastest raw |") in md
     assert "auto / its pick, paired in each round" in md and "by auto's separate median" in md
     assert "](planner.png)" in md and (out / "planner.png").exists()  # the report shows its plot
