@@ -444,8 +444,9 @@ def plan_cache(call: CacheCall, method: str = "auto", *, costs: bool = False) ->
     else:
         kernel, reason, rule = _choose(c, refused)
         reason += f" [rule: {rule}]"
-    out = Plan(kernel.name, reason, refused, decode=kernel is K.DECODE, kernel=kernel, tiling=c.tiling(kernel),
-               rule=rule)
+    # (the tiling only for explain: run_cache schedules the call itself, and a generation step plans every layer)
+    out = Plan(kernel.name, reason, refused, decode=kernel is K.DECODE, kernel=kernel,
+               tiling=c.tiling(kernel) if costs else None, rule=rule)
     if costs:
         out.rates_source = c.rates.source
         every = {k: k.cost(r, c.tiling(k), c.rates) for k in c.ok}
