@@ -107,7 +107,7 @@ def _calls(cfg: HalfTilesConfig, n: int):
 
 
 def run(config: HalfTilesConfig = HalfTilesConfig()) -> dict:
-    """Median seconds and GFLOP/s of every call, GEMM rates, and the ratios issue 22 asks for."""
+    """Median seconds and GFLOP/s of every call, GEMM rates, and the ratios against SDPA and the GEMMs."""
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
