@@ -330,6 +330,7 @@ FLAGS = {
     "scaling": "--d-k --force --lr --model --no-progress --optimizer --out --qk-init --quick --resume --seeds --steps "
                "--tasks --threads",
     "variance": "--d-k --force --keys --no-minilm --no-progress --out --quick --resume --rows --seeds --steps --threads",
+    "kvquant": "--force --no-kernel --no-progress --out --quick --resume --seeds --steps --threads --tokens",
 }
 
 
