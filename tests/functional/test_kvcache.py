@@ -520,7 +520,8 @@ def test_plain_multi_head_calls_go_where_the_planner_sends_plain_decode(monkeypa
     try:
         gen = torch.Generator().manual_seed(21)
         B, S, H, D = 2, 90, 4, 16
-        kc, vc = torch.randn(B, S, H, D, generator=gen), torch.randn(B, S, H, D, generator=gen)
+        # a heads-first cache (attnlab's [B, H, S, D], transposed): SDPA reads no other (Note [Cache layouts])
+        kc, vc = (torch.randn(B, H, S, D, generator=gen).transpose(1, 2) for _ in range(2))
         q = torch.randn(B, 1, H, D, generator=gen)
         kn, vn = torch.randn(B, 1, H, D, generator=gen), torch.randn(B, 1, H, D, generator=gen)
         out = attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=60)
@@ -536,12 +537,16 @@ def test_plain_multi_head_calls_go_where_the_planner_sends_plain_decode(monkeypa
             got = got[0] if isinstance(got, tuple) else got
             assert max_err(got.transpose(1, 2), ref) < 1e-5
         assert len(calls) == 2 or not dk.available()
-        # the one-call step, the decode kernel's direct path, takes plain calls at every length (Note [Plain steps on
-        # the decode kernel]: SDPA on flash-attn's layout reads strided views)
+        # the one-call step, the decode kernel's direct path, takes the plain calls the rule gives the decode kernel
+        # on this heads-first cache, and every plain call on flash-attn's tokens-first one (Note [Plain steps on the
+        # decode kernel]: SDPA declares heads-first caches only)
         stepped = []
         monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: stepped.append(real_step(*a, **kw)) or stepped[-1])
         got = attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=61)
-        assert len(stepped) == 1 and (stepped[0] is not None or not dk.available())
+        assert len(stepped) == (0 if on_sdpa else 1) and (on_sdpa or stepped[0] is not None or not dk.available())
+        assert max_err(got.transpose(1, 2), ref) < 1e-5
+        got = attnlab.attention_with_kvcache(q, kc.contiguous(), vc.contiguous(), cache_seqlens=61)
+        assert len(stepped) == (1 if on_sdpa else 2) and (stepped[-1] is not None or not dk.available())
         assert max_err(got.transpose(1, 2), ref) < 1e-5
     finally:
         rates.make_current(before)

@@ -46,3 +46,33 @@ def test_hf_step_and_attention_choose_alike(skewed, monkeypatch, S, Hkv):
     assert (used == ["decode"]) == chose_decode, (S, used)
     ref = torch.as_tensor(reference.attention(q.double(), k.double(), v.double(), enable_gqa=Hkv != 8)[0])
     assert (out.transpose(1, 2) - ref).abs().max() <= 1e-5  # fp32 arithmetic over S <= 2000 keys
+
+
+@pytest.mark.parametrize("layout", ["heads-first", "tokens-first"])
+@pytest.mark.parametrize("S", [500, 2000])
+def test_kvcache_plain_step_follows_the_rule(skewed, monkeypatch, S, layout):
+    """The KV-cache door's plain step asks the same rule (kernels.cacheview Note [Cache layouts]): on a
+    heads-first cache SDPA below the skewed crossover and the one-call decode step above it; on flash-attn's
+    tokens-first cache the decode step at every length. Output and the appended rows against float64."""
+    g = torch.Generator().manual_seed(S)
+    H, D = 8, 64
+    q, knew, vnew = (torch.randn(1, 1, H, D, generator=g) for _ in range(3))
+    if layout == "heads-first":
+        kc, vc = (torch.randn(1, H, S + 4, D, generator=g).transpose(1, 2) for _ in range(2))
+    else:
+        kc, vc = (torch.randn(1, S + 4, H, D, generator=g) for _ in range(2))
+    k_old, v_old = kc[:, :S].clone(), vc[:, :S].clone()
+    used = []
+    real_step, real_sdpa = dk.decode_step, torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: (used.append("decode"), real_step(*a, **kw))[1])
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: (used.append("sdpa"), real_sdpa(*a, **kw))[1])
+    with torch.no_grad():
+        out = attnlab.attention_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=S)
+    want = "sdpa" if layout == "heads-first" and S < 1000 else "decode"
+    assert used and used[-1] == want and "sdpa" not in used[:-1], (layout, S, used)
+    assert torch.equal(kc[:, S], knew[:, 0]) and torch.equal(vc[:, S], vnew[:, 0])
+    k = torch.cat([k_old, knew], 1).double().transpose(1, 2)
+    v = torch.cat([v_old, vnew], 1).double().transpose(1, 2)
+    ref = torch.as_tensor(reference.attention(q.double().transpose(1, 2), k, v)[0]).transpose(1, 2)
+    assert (out - ref).abs().max() <= 1e-5  # fp32 arithmetic over S <= 2000 keys

@@ -124,16 +124,34 @@ def test_run_cache_on_each_view_against_float64(kind, dtype):
 
 
 def test_plain_cache_call_and_attention_choose_alike():
-    """One decision: the cache door and attention() send the same plain call to the same kernel."""
+    """One decision: the cache door and attention() send the same plain call on a heads-first cache (attnlab's
+    [B, Hkv, S, D], read through a transposed view) to the same kernel."""
     g = torch.Generator().manual_seed(3)
     for dtype, Hkv, S in ((torch.float32, 8, 300), (torch.float32, 8, 9000), (torch.bfloat16, 8, 300),
                           (torch.float32, 2, 300)):
         q = torch.randn(1, 1, 8, 64, generator=g).to(dtype)
-        kc = torch.randn(1, S, Hkv, 64, generator=g).to(dtype)
-        call = CacheCall(q, kc, kc, 0.125, S)
+        kc = torch.randn(1, Hkv, S, 64, generator=g).to(dtype)
+        call = CacheCall(q, kc.transpose(1, 2), kc.transpose(1, 2), 0.125, S)
+        assert call.layout == "heads-first"
         with torch.no_grad():
-            a = attnlab.explain(q.transpose(1, 2), kc.transpose(1, 2), kc.transpose(1, 2), enable_gqa=Hkv != 8)
+            a = attnlab.explain(q.transpose(1, 2), kc, kc, enable_gqa=Hkv != 8)
         assert plan_cache(call).kernel is a.kernel, (dtype, Hkv, S)
+
+
+def test_sdpa_refuses_tokens_first_caches():
+    """Note [Cache layouts]: on flash-attn's tokens-first memory SDPA would read strided rows; it declares
+    heads-first caches only, and the planner says so."""
+    q = torch.randn(1, 1, 8, 64)
+    kc = torch.randn(1, 300, 8, 64)
+    call = CacheCall(q, kc, kc, 0.125, 300)
+    assert call.layout == "tokens-first" and call.request().cache_layout == "tokens-first"
+    plan = plan_cache(call, costs=True)
+    assert plan.kernel is kernels.DECODE
+    assert "heads-first" in plan.refused["sdpa"] and "Cache layouts" in plan.refused["sdpa"]
+    with pytest.raises(ValueError, match="tokens-first"):
+        plan_cache(call, "sdpa")
+    one_head = torch.randn(1, 300, 1, 64)  # one kv head: both orders are the same memory
+    assert CacheCall(q, one_head, one_head, 0.125, 300).layout == "heads-first"
 
 
 def test_refusals_name_the_reason():

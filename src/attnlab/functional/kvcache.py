@@ -23,7 +23,8 @@ import math
 import torch
 
 from ..kernels import DECODE, Declined
-from ..kernels.planner import plan_cache
+from ..kernels.cacheview import layout_of
+from ..kernels.planner import plain_decode_kernel, plan_cache
 from ..shapes import AttentionDtypeError, AttentionInputError
 from . import cacheargs
 from .cacheargs import Rotary
@@ -92,14 +93,18 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             and rotary is None and rotary_cos is None and window_size is None and not return_lse
             and num_splits is None and alibi_slopes is None and not softcap and sinks is None
             and (scale is None or type(scale) in (int, float) and math.isfinite(scale))):
-        # Note [Plain steps on the decode kernel]: the plain step is the decode kernel's direct path, at every length.
-        # The planner's plain-decode rule was measured on heads-first K/V ([B, H, S, D]); in flash-attn's [B, S, H, D]
-        # cache SDPA reads strided views, and lost to the step at every length measured (MHA 8 x 64 fp32, 2
-        # threads, per call: S 512 60 vs 135 us, S 4096 354 vs 628 us through SDPA on the views)
-        sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0
-        out = DECODE.step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, bool(is_causal), sc)
-        if out is not None:
-            return out
+        # Note [Plain steps on the decode kernel]: the plain step is the decode kernel's direct path (one extension
+        # call: check, append, attend), taken wherever the planner's one rule gives a plain step the decode kernel:
+        # always on flash-attn's tokens-first cache (SDPA reads heads-first caches only: Note [Cache layouts] in
+        # kernels/cacheview.py), and on a heads-first cache (attnlab's [B, Hkv, S, D], transposed) where the
+        # plain-decode rule does not give it SDPA; that call is checked, appended and planned below.
+        if (block_table is not None or layout_of(k_cache) == "tokens-first"
+                or plain_decode_kernel(q.dtype, q.shape[2], k_cache.shape[2], cache_seqlens + (
+                    k.shape[1] if type(k) is torch.Tensor and k.dim() == 4 else 0)) is DECODE):
+            sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0
+            out = DECODE.step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, bool(is_causal), sc)
+            if out is not None:
+                return out
     try:
         c = cacheargs.check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
                             alibi_slopes, rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits,

@@ -19,17 +19,40 @@ import torch
 
 from .spec import Request
 
-__all__ = ["CacheCall", "UNBOUNDED"]
+__all__ = ["CacheCall", "UNBOUNDED", "layout_of"]
 
 #: a window side that is not bounded (keys i - left .. i + right; far beyond any cache, no int64 overflow)
 UNBOUNDED = 1 << 50
+
+
+# Note [Cache layouts]: the view is flash-attn's [P, T, Hkv, D], over either memory order. A heads-first cache
+# (attnlab's and transformers' [B, Hkv, S, D], passed transposed) keeps each head's rows contiguous, as SDPA
+# reads them; flash-attn's own tokens-first memory interleaves the heads, and SDPA on such views reads strided
+# rows. The decode kernel reads both through strides. The planner's plain-decode rule (Note [Plain MHA decode])
+# was measured heads-first, and on tokens-first caches SDPA lost to the decode kernel at every length measured
+# (MHA 8 x 64 fp32, 2 threads, per call: S 512 135 vs 60 us, S 4096 628 vs 354 us), so SDPA declares
+# heads-first caches only (``KernelSpec.cache_layouts``) and a tokens-first call is refused there with this note.
+def layout_of(t: torch.Tensor) -> str:
+    """The memory order of a [P, T, Hkv, D] cache view t: "heads-first" when a head's rows are contiguous in
+    memory (stride of a head >= T rows of it, or one head), else "tokens-first"."""
+    return "heads-first" if t.shape[2] == 1 or t.stride(2) >= t.shape[1] * t.stride(1) else "tokens-first"
+
+
+def _dequantized(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 rows x [P, T, Hkv, D] and their float32 scales [P, T, Hkv] (per row) or [P, T, Hkv, G] (per group of
+    D / G channels: functional.kvquant's Note [int8 KV groups]) -> float32 x · scale."""
+    xf = x.to(torch.float32)
+    if scale.dim() == 4:
+        return (xf.unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)).flatten(-2)  # (P, T, Hkv, G, D/G)
+    return xf * scale.unsqueeze(-1)
 
 
 @dataclass
 class CacheCall:
     """One checked call against a KV cache (see the module docstring).
 
-    q: [B, L, H, D]; k, v: [P, T, Hkv, D|Dv] (int8 data with ``k_scale`` / ``v_scale`` float32 [P, T, Hkv]);
+    q: [B, L, H, D]; k, v: [P, T, Hkv, D|Dv] (int8 data with ``k_scale`` / ``v_scale`` float32 [P, T, Hkv], or
+    [P, T, Hkv, D|Dv / group size] for the group format of functional.kvquant's Note [int8 KV groups]);
     seqlens: keys per sequence, an int (every sequence) or int64 [B]; query i of sequence b sits at position
     ``seqlens[b] - L + i`` and sees keys ``pos - left .. pos + right`` (causal: right = 0) below seqlens[b];
     block_table: int32 [B, pages] or None (sequence b is page b); keep: bool [B|1, H|1, L|1, >=S] (a padded
@@ -66,6 +89,12 @@ class CacheCall:
         return "paged" if self.block_table is not None else "contiguous" if isinstance(self.seqlens, int) else "lengths"
 
     @property
+    def layout(self) -> str:
+        """"heads-first" (each kv head's rows contiguous in memory: a [B, Hkv, S, D] cache read through a
+        transposed view) or "tokens-first" (flash-attn's [B, S, Hkv, D] memory): Note [Cache layouts]."""
+        return layout_of(self.k) if layout_of(self.v) == "heads-first" else "tokens-first"
+
+    @property
     def quantized(self) -> bool:
         """An int8 cache (k and v int8 with per-row scales)."""
         return self.k_scale is not None
@@ -85,7 +114,16 @@ class CacheCall:
         return Request(B, H, self.k.shape[2], L, S, D, self.v.shape[3], self.q.dtype, self.q.device.type,
                        pattern=self.banded(S), keep_mask=self.keep is not None, softcap=bool(self.softcap),
                        alibi=None if a is None else "[H]" if a.dim() == 1 else "[B, H]", needs_lse=self.need_lse,
-                       cache=self.kind, quantized=self.quantized, sinks=self.sinks is not None)
+                       cache=self.kind, cache_layout=self.layout, quantized=self.quantized, sinks=self.sinks is not None)
+
+    def plan_key(self, S: int) -> tuple:
+        """Everything of ``request()`` but the key count ``S`` (the call's, given), as a tuple: the memo key of
+        ``planner.plan_cache`` (Note [Cache plans]). Whether the window hides keys is judged at S."""
+        a, q = self.alibi_slopes, self.q
+        windowed = self.left < UNBOUNDED or self.right < q.shape[1] - 1  # (else no key is hidden at any S)
+        return (self.kind, self.layout, self.k_scale is not None, q.shape, q.dtype, q.device.type, self.k.shape[2], self.v.shape[3],
+                windowed and self.banded(S), self.keep is not None, bool(self.softcap),
+                None if a is None else a.dim(), self.need_lse, self.sinks is not None)
 
     # -- the cache as ordinary tensors, for kernels that read no view (and for other devices) -----------------
     def lengths(self) -> torch.Tensor:
@@ -100,8 +138,7 @@ class CacheCall:
         B, S = self.q.shape[0], self.S
         k, v = self.k, self.v
         if self.quantized:
-            k = k.to(torch.float32) * self.k_scale.unsqueeze(-1)
-            v = v.to(torch.float32) * self.v_scale.unsqueeze(-1)
+            k, v = _dequantized(k, self.k_scale), _dequantized(v, self.v_scale)
         if self.block_table is None:
             kd, vd = k[:, :S], v[:, :S]
         else:

@@ -194,7 +194,7 @@ def _flops(r: Request, t: Tiling | None) -> int:
 # no softcap: SDPA adds a mask to q·kᵀ·scale and cannot apply tanh in between
 SPEC = KernelSpec("sdpa", "PyTorch's scaled_dot_product_attention (patterns passed as an L×S mask)",
                   lse="inference", dropout=True, float_mask_grad=True, materializes="mask", alibi="mask",
-                  cache_views=("contiguous",), peak_bytes=_peak, flops=_flops)
+                  cache_views=("contiguous",), cache_layouts=("heads-first",), peak_bytes=_peak, flops=_flops)
 
 
 # -- the kernel object ------------------------------------------------------------------------------

@@ -237,11 +237,13 @@ def _plain_on_sdpa(rates, r: Request) -> bool:
     return rates.plain_decode_on_sdpa(r.dtype, r.H != r.Hkv, r.S)
 
 
-def plain_decode_kernel(dtype: torch.dtype, H: int, Hkv: int, S: int) -> Kernel:
-    """The kernel auto runs a plain decode call on (SDPA or the decode kernel), by the rule ``_decode`` applies:
-    for doors that take plain steps without preparing a call (the KV-cache API's one-call step)."""
-    r = Request(1, H, Hkv, 1, S, 1, 1, dtype)
-    return K.SDPA if _plain_on_sdpa(rates.current(), r) else K.DECODE
+def plain_decode_kernel(dtype: torch.dtype, H: int, Hkv: int, S: int, layout: str = "heads-first") -> Kernel:
+    """The kernel auto runs a plain decode call on (SDPA or the decode kernel), by the rule ``_decode`` applies,
+    for a cache of ``layout`` (Note [Cache layouts]: SDPA reads heads-first caches only): for doors that take
+    plain steps without preparing a call (the KV-cache API's one-call step)."""
+    if layout not in K.SDPA.spec.cache_layouts:
+        return K.DECODE
+    return K.SDPA if rates.current().plain_decode_on_sdpa(dtype, H != Hkv, S) else K.DECODE
 
 
 def _decode(c: _Call):
@@ -434,6 +436,15 @@ def plan_cache(call: CacheCall, method: str = "auto", *, costs: bool = False) ->
     when none reads this view (the caller then gathers the cache into ordinary tensors)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    key = None
+    if not costs:  # Note [Cache plans]
+        S, q = call.S, call.q
+        sdpa_wins = (call.kind == "contiguous" and not call.quantized
+                     and rates.current().plain_decode_on_sdpa(q.dtype, q.shape[2] != call.k.shape[2], S))
+        key = (call.plan_key(S), method, sdpa_wins, S > 0)
+        hit = _CACHE_PLANS.get(key)
+        if hit is not None:
+            return hit
     r = call.request()
     refused = refusals(r)
     c = _Call(call, r, None, tuple(k for k in _FALLBACK if k.name not in refused), None, costs)
@@ -454,7 +465,21 @@ def plan_cache(call: CacheCall, method: str = "auto", *, costs: bool = False) ->
         out.rate_sources = {k.name: v.source for k, v in every.items()}
         out.flops = {k.name: v.flops for k, v in every.items()}
         out.peak_bytes = {k.name: v.peak_bytes for k, v in every.items()}
+    if key is not None and (rule == "requested" or rule == RULES[0].name) and len(_CACHE_PLANS) < 1024:
+        _CACHE_PLANS[key] = out
     return out
+
+
+# Note [Cache plans]: a generation loop plans one KV-cache call per layer and step, and the key count S grows by one
+# each step, so a memo keyed by the whole request never hits. For a cache view the declarations' refusals do not
+# read S (``KernelSpec.max_queries`` passes any cache call of few queries), and the decode rule reads it only
+# through ``Rates.plain_decode_on_sdpa`` (one bool, for a contiguous cache SDPA can read). So a plan made by a
+# request or by the decode rule is kept under the request with S set to 0 and that bool: a later step of the same
+# shapes reuses it without building the request, the refusal check and the rule walk. The key is the request's
+# fields but S, as a tuple (``CacheCall.plan_key``; whether a window hides keys at this S is one of them). Plans made by the later rules (their costs read S) are
+# not kept, and none with costs (explain). Forgotten when the rates change.
+_CACHE_PLANS: dict[tuple, Plan] = {}
+rates.on_change(_CACHE_PLANS.clear)
 
 
 def meta_assumptions(p: Prepared) -> list[str]:

@@ -44,6 +44,9 @@ class Request:
     cache: the keys and values are a KV-cache view (``kernels.cacheview.CacheCall``: flash-attn's layout) of
         this kind: "contiguous" (one length for every sequence, rows [B, S]), "lengths" (a length per
         sequence) or "paged" (a block table into a page pool); None: ordinary tensors.
+    cache_layout: that cache's memory order: "heads-first" ([B, Hkv, S, D] memory, each head's rows contiguous:
+        attnlab's and transformers' caches, read through transposed views) or "tokens-first" (flash-attn's
+        [B, S, Hkv, D] memory); None for ordinary tensors.
     quantized: that cache is int8 (``QuantizedKV``). transformed: the inputs are wrapped by a vmap/grad
         transform (``kernels.extension.transformed``).
     """
@@ -75,6 +78,7 @@ class Request:
     rel_bias: bool = False
     sinks: bool = False
     cache: str | None = None
+    cache_layout: str | None = None
     quantized: bool = False
     transformed: bool = False
 
@@ -162,8 +166,9 @@ class KernelSpec:
         or by rescaling its output from its log-sum-exp (Note [Attention sinks] in ``kernels.lse``).
     max_queries: a decode kernel's longest query (it needs L <= max_queries, and outside a KV-cache view
         1 <= L < S: a short self-attention, L = S, stays on the prefill kernels); None: any shape.
-    cache_views: the KV-cache views it reads in place (``Request.cache``); quantized_cache: it reads int8
-        caches; transforms: it runs under vmap/grad transforms.
+    cache_views: the KV-cache views it reads in place (``Request.cache``); cache_layouts: the memory orders of
+        those views it reads (``Request.cache_layout``); quantized_cache: it reads int8 caches; transforms: it runs
+        under vmap/grad transforms.
     peak_bytes / flops: ``f(request, tiling)`` (tiling None for unblocked kernels).
     unavailable: a hook for dynamic facts (e.g. "extension not built"): ``f(request) -> reason | None``.
     explain: a hook for what this CPU makes the kernel do beyond its usual work, for ``notes``:
@@ -193,6 +198,7 @@ class KernelSpec:
     sinks: bool = False
     max_queries: int | None = None
     cache_views: tuple[str, ...] = ()
+    cache_layouts: tuple[str, ...] = ("heads-first", "tokens-first")
     quantized_cache: bool = False
     transforms: bool = True
     peak_bytes: Callable[[Request, Tiling | None], int] | None = field(default=None, compare=False)
@@ -219,6 +225,9 @@ class KernelSpec:
             why.append("forward only (inference): the inputs require grad")
         if r.cache is not None and r.cache not in self.cache_views:
             why.append(f"reads no KV-cache view ({r.cache} cache)")
+        elif r.cache is not None and r.cache_layout not in self.cache_layouts:
+            why.append(f"reads a KV cache only {' or '.join(self.cache_layouts)} in memory, this one is "
+                       f"{r.cache_layout} (Note [Cache layouts])")
         if r.quantized and not self.quantized_cache:
             why.append("reads no int8 cache")
         if r.transformed and not self.transforms:
