@@ -76,3 +76,27 @@ def test_kvcache_plain_step_follows_the_rule(skewed, monkeypatch, S, layout):
     v = torch.cat([v_old, vnew], 1).double().transpose(1, 2)
     ref = torch.as_tensor(reference.attention(q.double().transpose(1, 2), k, v)[0]).transpose(1, 2)
     assert (out - ref).abs().max() <= 1e-5  # fp32 arithmetic over S <= 2000 keys
+
+
+def test_kept_cache_plans_equal_fresh_ones(skewed):
+    """Note [Cache plans]: plan_cache keeps the decode rule's plans under the request without S; a kept plan is the
+    plan a fresh walk of the rules makes (``costs=True`` never reads the memo), on both sides of the skewed
+    crossover, for every cache view kind, and a change of the rates forgets them."""
+    from attnlab.kernels.cacheview import CacheCall
+    from attnlab.kernels.planner import _CACHE_PLANS, plan_cache
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, 64, generator=g)
+    kc = torch.randn(2, 8, 3000, 64, generator=g).transpose(1, 2)  # heads-first: SDPA may read it
+    table = torch.arange(2 * 30, dtype=torch.int32).view(2, 30)
+    for S in (500, 2000, 600, 2500, 999, 1000):
+        for seqlens, bt, k in ((S, None, kc), (torch.tensor([S, S - 7]), None, kc),
+                               (torch.tensor([S, S - 7]), table, kc.reshape(60, 100, 8, 64))):
+            call = CacheCall(q, k, k, 0.125, seqlens, block_table=bt)
+            kept, fresh = plan_cache(call), plan_cache(call, costs=True)
+            assert kept.kernel is fresh.kernel, (S, call.kind, kept.kernel.name, fresh.kernel.name)
+            if call.kind == "contiguous":
+                assert (kept.kernel.name == "sdpa") == (S < 1000), S
+    assert _CACHE_PLANS
+    rates.make_current(rates.current())
+    assert not _CACHE_PLANS
