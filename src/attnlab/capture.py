@@ -53,6 +53,11 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from . import patterns as P
+from .diagnostics import streaming_summary
+from .integrations.hf import hook_modules, hooked
+from .nn import DecoderLayer, EncoderLayer, MultiHeadAttention
+
 __all__ = [
     "capture", "Capture", "Record", "attention_modules", "ActivationCache", "ACTIVATIONS", "activation_name",
     "cache_activations", "run_with_cache", "hooks", "run_with_hooks", "ablate_heads", "patch_heads", "head_effect",
@@ -84,17 +89,15 @@ def layer_point_name(layer: int, kind: str) -> str:
 def block_modules(model) -> list[tuple[str, torch.nn.Module]]:
     """(name, block) for every attnlab ``EncoderLayer`` / ``DecoderLayer`` inside ``model``, in module order; for a
     model without one, a Hugging Face model's blocks: the ModuleList entries that hold its attention modules."""
-    from .nn import DecoderLayer, EncoderLayer
-
     own = [(n or "(root)", m) for n, m in model.named_modules() if isinstance(m, (EncoderLayer, DecoderLayer))]
     if own or not isinstance(model, torch.nn.Module):
         return own
     try:
-        from .integrations.hf import hook_modules
-    except ImportError:
+        hooks = hook_modules(model)
+    except ImportError:  # transformers missing or too old: nothing of it to hook
         return []
     found: dict[str, torch.nn.Module] = {}
-    for name, _ in hook_modules(model):
+    for name, _ in hooks:
         parts = name.split(".")
         for k in range(len(parts) - 1, 0, -1):  # the innermost ancestor that is an entry of a ModuleList
             if parts[k].isdigit() and isinstance(model.get_submodule(".".join(parts[:k])), torch.nn.ModuleList):
@@ -201,18 +204,15 @@ def attention_modules(module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) for every attnlab.nn.MultiHeadAttention inside ``module`` (itself included); for a
     model without one, a transformers model's attention modules as ``attnlab.integrations.hf.HookedAttention``
     (each with ``.module``, ``.hooks``, ``.num_heads``)."""
-    from .nn import MultiHeadAttention
-
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"capture() needs a torch.nn.Module, got {type(module).__name__}")
     mods = [(n or "(root)", m) for n, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
     if mods:
         return mods
     try:
-        from .integrations.hf import hook_modules
+        return hook_modules(module)
     except ImportError:  # transformers missing or too old: nothing of it to hook
         return []
-    return hook_modules(module)
 
 
 def _modules(model) -> list[tuple[str, torch.nn.Module]]:
@@ -228,14 +228,10 @@ def _modules(model) -> list[tuple[str, torch.nn.Module]]:
 def _registered(pairs: Iterable[tuple[torch.nn.Module, str, Callable]], model=None) -> Iterator[None]:
     """Add each (module, point, fn) hook; remove them all on exit, whatever happened. A transformers
     ``model`` runs on attnlab's hooked attention meanwhile (Note [HF hooked attention] in integrations/hf.py)."""
-    from .nn import MultiHeadAttention
-
     pairs = list(pairs)
     handles = []
     engaged = contextlib.nullcontext()
     if model is not None and any(not isinstance(m, MultiHeadAttention) for m, _, _ in pairs):
-        from .integrations.hf import hooked
-
         engaged = hooked(model)
     with engaged:
         try:
@@ -313,8 +309,6 @@ class ActivationCache:
 def _scores(q: torch.Tensor, k: torch.Tensor, ctx) -> torch.Tensor:
     """scale · q kᵀ with the call's masks (see the module docstring): q [B, H, L, D], k [B, Hkv, S, D] ->
     [B, H, L, S]."""
-    from . import patterns as P
-
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, S, D)
     s = (q @ k.transpose(-1, -2)) * ctx.scale  # (B, H, L, S)
@@ -774,9 +768,6 @@ def capture(module, mode: str = "weights", *, topk: int = 5) -> Iterator[Capture
 
 def _summarise(q: torch.Tensor, k: torch.Tensor, ctx, topk: int) -> list:
     """Streaming summaries of one call from its projected q [B, H, L, D], k [B, Hkv, S, D]: one per batch element."""
-    from . import patterns as P
-    from .diagnostics import streaming_summary
-
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, S, D)
     pattern = ctx.pattern

@@ -133,11 +133,7 @@ KNOWN_UPWARD: set = set()
 MAX_FUNCTION_IMPORTS = 80
 #: function-level imports still without a reason comment, per module, in files other work is rewriting (issue 41's
 #: cheap mends could not edit them); the counts may only shrink
-KNOWN_BARE = {
-    "attnlab.capture": 9,
-    "attnlab.serve": 2, "attnlab.serve.engine": 3, "attnlab.viz.build": 2,
-    "attnlab.viz.data": 3, "attnlab.viz.heatmaps": 1, "attnlab.viz.models": 1, "attnlab.viz.show": 2,
-}
+KNOWN_BARE: dict = {}
 
 
 def _modname(path: Path, root: Path) -> str:

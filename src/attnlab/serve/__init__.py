@@ -28,7 +28,7 @@ def create_app(explorer: Explorer | None = None, *, allowed_hosts=None, **kwargs
 
     allowed_hosts: Host header names answered (``attnlab.serve.app.LOOPBACK_HOSTS`` when bound to
     loopback); None answers any."""
-    from .app import create_app as _create
+    from .app import create_app as _create  # defers starlette until an app is built
 
     return _create(explorer if explorer is not None else Explorer(**kwargs), allowed_hosts=allowed_hosts)
 
@@ -36,7 +36,7 @@ def create_app(explorer: Explorer | None = None, *, allowed_hosts=None, **kwargs
 def serve_forever(app, sock) -> None:
     """Serve ``app`` on the bound socket ``sock`` with uvicorn until SIGINT/SIGTERM (then KeyboardInterrupt
     propagates after a graceful shutdown, as uvicorn re-raises the signal)."""
-    from .app import serve_forever as _serve
+    from .app import serve_forever as _serve  # defers starlette and uvicorn until a server runs
 
     _serve(app, sock)
 

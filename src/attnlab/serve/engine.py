@@ -46,6 +46,9 @@ from .. import mechanisms as M
 from .. import patterns as P
 from ..mechanisms import Mechanism, Spec
 from ..resources import OptionError, check_memory
+from ..models import minilm
+from ..viz.tokens import pretty_tokens
+from ..trace import TraceOptions, trace_text
 
 __all__ = ["Explorer", "Settings", "ExplorerError", "Variant", "parse_settings", "request_sizes", "MAX_TOKENS",
            "MAX_SIZE", "SCALES"]
@@ -305,8 +308,6 @@ class Explorer:
         self.message = ""
         if model is None:
             try:
-                from ..models import minilm
-
                 model = minilm.load()
             except (ImportError, FileNotFoundError) as e:
                 self.message = f"MiniLM is not available: {e}"
@@ -487,7 +488,6 @@ class Explorer:
         if not (np.isfinite(w).all() and bool(torch.isfinite(emb).all())):
             raise ExplorerError("the weights are not finite under these settings (an overflow, or a mechanism that "
                                 "diverged); lower the scale, raise the temperature or change 'params'")
-        from ..viz.tokens import pretty_tokens
 
         notes = []
         if s.scope == "all" and not s.is_default and s.layer > 0:
@@ -507,7 +507,6 @@ class Explorer:
     def trace(self, body: Any) -> dict:
         """POST /api/trace: attnlab.trace's steps for (layer, head) on the text (scale, softmax, cosine;
         temperature is not a trace switch), matrices cut to PREVIEW_ROWS × PREVIEW_COLS."""
-        from ..trace import TraceOptions, trace_text
 
         m = self._need_model()
         s = parse_settings(body, m.num_layers, m.num_heads)

@@ -13,6 +13,8 @@ from .data import attention_data
 from .heatmaps import plot_heads
 from .models import load_model
 from .page import write_page
+from .. import mechanisms as M
+from .show import show
 
 __all__ = ["VizConfig", "VizResult", "run_viz", "default_out", "dense_weights", "hf_attention_data"]
 
@@ -59,8 +61,6 @@ class VizConfig:
         if self.params and self.mechanism is None:
             raise ValueError("mechanism parameters need a mechanism")
         if self.mechanism is not None:
-            from .. import mechanisms as M
-
             if self.mechanism not in M.available():
                 raise ValueError(f"unknown mechanism {self.mechanism!r}; available: {', '.join(M.available())}")
             if self.model not in ("minilm", "random"):
@@ -94,7 +94,6 @@ def dense_weights(data: dict, layer: int = 0):
 def hf_attention_data(text: str, loaded, *, dense_max_tokens: int = 96, max_length: int = 512, topk: int = 4) -> dict:
     """The page's data for a Hugging Face model (a ``LoadedModel``): ``text`` tokenised (at most ``max_length``
     tokens), run once under ``attnlab.capture``, shown as ``attnlab.viz.show`` shows weights."""
-    from .show import show
 
     tok = loaded.tokenizer
     enc = tok(text, return_tensors="pt", truncation=True, max_length=max_length)

@@ -20,6 +20,9 @@ import torch
 from .. import patterns as P
 from ..diagnostics import entropy as _entropy
 from .tokens import pretty_tokens
+from .. import mechanisms as M
+from ..trace.minilm import load_minilm
+from ..functional import attention
 
 __all__ = ["attention_data", "weights_page_data", "distance_histogram", "distance_edges", "MODELS", "tokenize_words",
            "pattern_grid", "is_causal", "label_tokens"]
@@ -45,7 +48,6 @@ def _mechanism(name, params):
     """(mechanism instance or None, its pattern or None, its name)."""
     if name is None:
         return None, None, "auto"
-    from .. import mechanisms as M
 
     mech = M.get(name, **(params or {}))
     pat = mech.pattern_for() if hasattr(mech, "pattern_for") else None
@@ -136,8 +138,6 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
     layers_qk: list[tuple] = []  # (q, k) per layer (summary mode)
 
     if model == "minilm":
-        from ..trace.minilm import load_minilm
-
         m = model_obj if model_obj is not None else load_minilm()
         enc = m.tokenize(text, max_length=max_length)
         tokens = list(enc["tokens"][0])
@@ -173,7 +173,6 @@ def attention_data(text: str, *, model: str = "minilm", mechanism: str | None = 
         enc_model = _RandomEncoder(seed)
         L_, H = enc_model.num_layers, enc_model.num_heads
         dense = T <= dense_max_tokens
-        from ..functional import attention
 
         x = enc_model.embed(tokens)
         with torch.no_grad():

@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ..report import save_figure  # noqa: E402
+from ..patterns import block_codes, block_mask_stats
 
 __all__ = ["plot_patch_sweep", "plot_heads", "plot_pattern", "plot_patterns", "plot_block_mask", "plot_diagnostics", "plot_head_stats",
            "pattern_cost"]
@@ -232,7 +233,6 @@ def plot_block_mask(block_mask, path, *, E: int = 64, max_heads: int = 8, title:
 
     ``block_mask``: a torch ``BlockMask`` or an ``attnlab.patterns.BlockMaskPattern``. Rows are query blocks,
     columns key blocks (``patterns.block_mask_text`` is the same picture as text)."""
-    from ..patterns import block_codes, block_mask_stats
 
     codes = block_codes(block_mask)  # (Bm, Hm, nq, nk)
     stats = block_mask_stats(block_mask, E=E)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from ..models import gguf
 
 __all__ = ["LoadedModel", "load_model", "is_model_spec", "BUILTIN", "MODEL_HELP"]
 
@@ -54,7 +55,6 @@ def load_model(spec: str) -> LoadedModel:
 
     if importlib.util.find_spec("transformers") is None:
         raise ImportError("a Hugging Face model needs transformers: pip install 'attnlab[hf]'")
-    from ..models import gguf
 
     spec = str(spec)
     if spec == "smollm2" or spec.lower().endswith(".gguf"):

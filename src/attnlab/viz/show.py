@@ -31,6 +31,7 @@ import torch
 from ..report import atomic_write_text
 from .data import weights_page_data
 from .page import render_page
+from .. import capture
 
 __all__ = ["show", "AttentionPage", "save", "model_name"]
 
@@ -91,7 +92,6 @@ _NO_WEIGHTS = ("Either let attnlab catch them: attnlab.viz.show(model, tokens, i
 
 def _captured(model, inputs) -> list[torch.Tensor]:
     """Run ``model(**inputs)`` under capture.run_with_cache and return its weights [B, H, L, S] per layer."""
-    from .. import capture
 
     if not isinstance(inputs, Mapping):  # a dict, or a tokenizer's BatchEncoding (a Mapping, not a dict)
         raise TypeError("show(model, tokens, inputs=...) needs inputs: a dict of the model's keyword arguments "
@@ -338,7 +338,7 @@ def save(what, path, *, tokens=None, key_tokens=None, layer: int = 0, heads=None
     heads: which heads (default all), one heatmap each, rows = queries, columns = keys, labelled by token.
     Returns the path. The browser page's own "export" buttons save the rendered view as SVG or PNG.
     """
-    from .heatmaps import plot_heads
+    from .heatmaps import plot_heads  # defers matplotlib until a figure is drawn
 
     p = Path(path)
     if p.suffix.lower() not in (".png", ".svg"):
