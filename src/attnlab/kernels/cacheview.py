@@ -116,9 +116,10 @@ class CacheCall:
                        alibi=None if a is None else "[H]" if a.dim() == 1 else "[B, H]", needs_lse=self.need_lse,
                        cache=self.kind, cache_layout=self.layout, quantized=self.quantized, sinks=self.sinks is not None)
 
-    def plan_key(self, S: int) -> tuple:
-        """Everything of ``request()`` but the key count ``S`` (the call's, given), as a tuple: the memo key of
-        ``planner.plan_cache`` (Note [Cache plans]). Whether the window hides keys is judged at S."""
+    def plan_key(self, S: int | None) -> tuple:
+        """Everything of ``request()`` but the key count ``S`` (the call's, given; None where the call has no
+        window), as a tuple: the memo key of ``planner.plan_cache`` (Note [Cache plans]). Whether the window
+        hides keys is judged at S."""
         a, q = self.alibi_slopes, self.q
         windowed = self.left < UNBOUNDED or self.right < q.shape[1] - 1  # (else no key is hidden at any S)
         return (self.kind, self.layout, self.k_scale is not None, q.shape, q.dtype, q.device.type, self.k.shape[2], self.v.shape[3],
