@@ -18,6 +18,7 @@ from ..kernels import lse as lse_merge
 from ..kernels.planner import DEFAULT_TILED_BLOCK, METHODS, Plan
 from ..shapes import AttentionInputError, Prepared, check_block_size, prepare, shape_str
 from . import calibration, plancache
+from . import ops as _ops
 from .kvcache import attention_with_kvcache
 from .storage import empty_kv_cache
 
@@ -72,6 +73,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     (Note [Score modifications] in ``attnlab.kernels.masks``); with sinks, the same softmax taken over the scores
     and one more column of score ``sinks[h]``, whose weight is dropped.
     """
+    if torch.compiler.is_compiling():  # Note [Doors as torch ops]: one op, which dynamo does not look into
+        return _ops.door_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern, method,
+                              need_weights, strict, block_size, softcap, alibi_slopes, sinks)
     sig = None if sinks is not None else plancache.signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, pattern,
                               softcap, alibi_slopes, method, need_weights, strict, block_size)
     hit = plancache.get(sig)  # Note [Plan cache]: a repeated signature skips the checks and the planning
@@ -145,6 +149,9 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
     (``merge_partials``): ring attention and split-KV decoding build on it. The kernel is the first of
     ``kernels.LSE_ORDER`` the planner does not refuse (and whose run does not decline the inputs).
     """
+    if torch.compiler.is_compiling():  # Note [Doors as torch ops]
+        return _ops.lse_door_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, pattern, block_size,
+                                  softcap, alibi_slopes, sinks)
     check_block_size(block_size)
     p = prepare(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, pattern, softcap=softcap,
                 alibi_slopes=alibi_slopes, sinks=sinks).live()  # Note [Dead keys]

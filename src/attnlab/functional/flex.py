@@ -36,6 +36,7 @@ from ..shapes import AttentionInputError, prepare, shape_str
 from .flex_masks import GENERAL_BLOCK, FlexMask, read_block_mask
 from .flex_general import general
 from .flex_trace import ScoreModKind, classify_score_mod
+from . import ops as _ops
 
 try:  # torch >= 2.5; attnlab patterns work without it
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
@@ -378,6 +379,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     want_lse, want_max, aux = _want(return_lse, return_aux, kernel_options)
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"flex_attention: block_size must be a positive int or None, got {block_size!r}")
+    if torch.compiler.is_compiling():  # Note [Doors as torch ops] (functional/ops.py): no trace or mask reading here
+        return _ops.flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, aux,
+                              AuxOutput)
     plan, mask, rel = _plan(query, key, value, score_mod, block_mask, scale, enable_gqa, want_lse, want_max, block_size)
     lse = mx = None
     if plan.path == "general":

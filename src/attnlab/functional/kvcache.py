@@ -27,6 +27,7 @@ from ..kernels.cacheview import layout_of
 from ..kernels.planner import plain_decode_kernel, plan_cache
 from ..shapes import AttentionDtypeError, AttentionInputError
 from . import cacheargs
+from . import ops as _ops
 from .cacheargs import Rotary
 from .kvquant import INT8_ERROR_BUDGET, QuantizedKV
 from .storage import append_kv
@@ -88,6 +89,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     SDPA-or-decode rule says SDPA is faster (Note [Plain MHA decode]). A plain step the rule gives the decode
     kernel runs as one extension call that checks, appends and attends (csrc Note [One-call decode step]).
     """
+    if torch.compiler.is_compiling():  # functional's Note [Doors as torch ops]: under compile the door is an op
+        return _ops.kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
+                                 alibi_slopes, rotary, rotary_cos, rotary_sin, scale, num_splits, return_lse, sinks)
     if (type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62 and type(k_cache) is torch.Tensor
             and type(q) is torch.Tensor and q.dim() == 4 and k_cache.dim() == 4 and q.device.type == "cpu"
             and rotary is None and rotary_cos is None and window_size is None and not return_lse

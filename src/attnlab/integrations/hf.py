@@ -88,6 +88,8 @@ def _weights_asked(kwargs) -> bool:
     """Whether the model call wants attention weights (Note [Weights asked for])."""
     if kwargs.get("output_attentions"):
         return True
+    if torch.compiler.is_compiling():  # dynamo cannot read a ContextVar: under compile only the flag in kwargs counts
+        return False
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # transformers 4.x: the flag travels in kwargs or not at all
@@ -202,7 +204,8 @@ def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
         is_causal = _is_causal(module, query, attention_mask, kwargs)
         softcap = kwargs.get("softcap")
         sinks = _sinks(kwargs)
-        if steps:  # Note [HF decode step]
+        if steps and not torch.compiler.is_compiling():  # Note [HF decode step]; under compile the door's op
+            # (functional's Note [Doors as torch ops]) takes the step
             out = _decode_step(mech, query, key, value, attention_mask, scaling, module, is_causal, need_weights,
                                softcap, sinks)
             if out is not None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from .. import mechanisms
 from .. import patterns as P
-from ..functional import METHODS, planner, run
+from ..functional import METHODS, attention, planner, run
 from ..positional.base import AttentionPositional
 from ..shapes import AttentionDtypeError, check_softcap, prepare
 from .cache import LayerCache
@@ -238,7 +238,7 @@ class MultiHeadAttention(nn.Module):
         """(weight [rows, E], bias [rows] | None, row split) when pack_qkv's tensor is still the storage of
         all three input projections and may stand in for them, else None."""
         pk = self._packed
-        if pk is None:
+        if pk is None or torch.compiler.is_compiling():  # under compile the three projections (no data_ptr checks)
             return None
         lins = (self.q_proj, self.k_proj, self.v_proj)
         if any(type(m) is not nn.Linear or _torch_hooked(m) for m in lins):
@@ -489,6 +489,12 @@ class MultiHeadAttention(nn.Module):
             # (functional's Note [Dead keys])
             if key_pattern is not None:
                 pattern = key_pattern if pattern is None else pattern & key_pattern
+            if torch.compiler.is_compiling():  # functional's Note [Doors as torch ops]: the door is the op dynamo
+                # sees; prepare and the planner below are not traced (the door plans inside the op)
+                r = attention(q, k, v, mask, dropout_p, is_causal, self.scale, gqa, pattern=pattern, method=mech,
+                              need_weights=need_weights, softcap=self.softcap,
+                              alibi_slopes=None if alibi is None else alibi[0])
+                return r if need_weights else (r, None)
             slopes = None
             if alibi is not None:
                 slopes, written_out = alibi
