@@ -7,6 +7,8 @@ generation); one inductor test. Legend: B batch, H heads, Hkv key/value heads, L
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -262,3 +264,50 @@ def test_inductor():
         return torch.nn.functional.gelu(sdpa(q, k, v, is_causal=True)) * 2
 
     _same_compiled(f, (q, k, v), backend="inductor", tol=TOL[torch.float32], oracle=oracle)
+
+
+@pytest.mark.parametrize("positional", ["alibi", "rope"])
+def test_multi_head_attention_positional(positional):
+    from attnlab.positional import ALiBi, RotaryEmbedding
+
+    torch.manual_seed(0)
+    pos = ALiBi(4) if positional == "alibi" else RotaryEmbedding(8)
+    m = MultiHeadAttention(32, 4, positional=pos).double()
+    x = torch.randn(1, 6, 32, dtype=torch.float64, requires_grad=True)
+    _same_compiled(lambda x: m(x, is_causal=True)[0], (x,))
+
+
+def test_hf_llama_compiles_and_exports():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnlab.integrations import hf
+
+    hf.register()
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "attnlab"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 9))
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(ids, use_cache=False).logits
+
+    f = Logits()
+    with torch.no_grad():
+        eager = f(ids)
+        ref = LlamaForCausalLM(copy.deepcopy(cfg)).eval()  # its own config: the oracle runs transformers' SDPA
+        ref.config._attn_implementation = "sdpa"
+        ref.load_state_dict(model.state_dict())
+        assert_close(eager, ref(ids, use_cache=False).logits, **TOL[torch.float32], what="attnlab vs sdpa")
+        assert_close(torch.compile(f, fullgraph=True, backend="eager")(ids), eager, **TOL[torch.float32],
+                     what="compiled")
+        ep = torch.export.export(f, (ids,))
+        assert sum("attnlab.attention" in str(n.target) for n in ep.graph.nodes) == 2, "one op per layer"
+        assert_close(ep.module()(ids), eager, **TOL[torch.float32], what="exported")
