@@ -311,3 +311,16 @@ def test_hf_llama_compiles_and_exports():
         ep = torch.export.export(f, (ids,))
         assert sum("attnlab.attention" in str(n.target) for n in ep.graph.nodes) == 2, "one op per layer"
         assert_close(ep.module()(ids), eager, **TOL[torch.float32], what="exported")
+
+
+def test_patterns_as_arguments_are_not_baked_in():
+    """A pattern passed to the compiled function: a new one of another size (keyed by repr) or other lengths (a
+    tensor pattern, materialised in the graph) gives its own result, never the first call's."""
+    q, k, v = _qkv(grad=False)
+
+    f = torch.compile(lambda q, k, v, p: attnlab.attention(q, k, v, pattern=p), fullgraph=True, backend="eager")
+    for p in (P.sliding_window(2), P.sliding_window(5), P.key_padding(torch.tensor([4]), 9),
+              P.key_padding(torch.tensor([7]), 9), P.from_key_padding_mask(torch.tensor([[True] * 3 + [False] * 6]))):
+        assert_close(f(q, k, v, p), sdpa(q, k, v, attn_mask=p.materialize(7, 9)), **F64, what=repr(p))
+    with pytest.raises(RuntimeError, match="longer than the key length"):
+        f(q, k, v, P.key_padding(torch.tensor([12]), 12))
