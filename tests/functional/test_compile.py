@@ -324,3 +324,27 @@ def test_patterns_as_arguments_are_not_baked_in():
         assert_close(f(q, k, v, p), sdpa(q, k, v, attn_mask=p.materialize(7, 9)), **F64, what=repr(p))
     with pytest.raises(RuntimeError, match="longer than the key length"):
         f(q, k, v, P.key_padding(torch.tensor([12]), 12))
+
+
+def test_ops_pass_opcheck_and_gradcheck():
+    """torch.library.opcheck (schema, autograd registration, fake tensors, AOT dispatch) on each op, and gradcheck
+    in float64 of the custom backward (``attnlab::attention_backward``) for q, k, v, a float mask and sinks."""
+    q, k, v = _qkv(L=5, S=5, E=4)
+    mask = torch.randn(1, 1, 5, 5, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    attn, lse = torch.ops.attnlab.attention.default, torch.ops.attnlab.attention_with_lse.default
+    torch.library.opcheck(attn, (q, k, v, None, 0.0, True, None, False, "", "auto", False, False, None, None, None, None))
+    torch.library.opcheck(attn, (q, k, v, mask, 0.0, False, None, False, "", "auto", True, False, None, 3.0, None, sinks))
+    torch.library.opcheck(lse, (q, k, v, None, True, None, False, "", None, None, None, None))
+    B, S, Hkv, D = 2, 8, 2, 4
+    g = torch.Generator().manual_seed(2)
+    cache = [torch.randn(B, S, Hkv, D, generator=g) for _ in range(2)]
+    new = [torch.randn(B, 1, Hkv, D, generator=g) for _ in range(2)]
+    torch.library.opcheck(torch.ops.attnlab.kvcache_step.default,
+                          (torch.randn(B, 1, 4, D, generator=g), *cache, *new, torch.tensor([2, 5], dtype=torch.int32),
+                           None, None, True, None, None, None, None, None, True, None))
+
+    def f(q, k, v, mask, sinks):
+        return attn(q, k, v, mask, 0.0, False, None, False, "", "auto", True, False, None, 3.0, None, sinks)[:2]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, mask, sinks))
