@@ -226,3 +226,50 @@ def test_vnni_scores_give_the_same_bits(D, page):
     finally:
         dk.set_vnni(True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@needs_ext
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+@pytest.mark.parametrize("page", [None, 16, 5], ids=["contiguous", "page16", "page5"])
+@pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (4, 1, 96)], ids=["gqa", "mqa"])
+def test_group_scaled_cache_dequantises_like_the_fp32_cache(rotate, page, H, Hkv, D):
+    """Note [int8 KV groups] (csrc Note [Decode int8 groups]): a decode step through a cache with one scale per
+    32 channels (keys rotated or not; per-sequence lengths, paged or not) matches the kernel on the dequantised
+    cache in fp32 within the budget of test_kernel_dequantises_like_the_fp32_cache (a group's scale moves one
+    multiplication as a row's does)."""
+    gen = torch.Generator().manual_seed(H * D + (page or 0))
+    B, S = 3, 150
+    k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
+    k0[..., :32] *= 10  # one group far above the others
+    kq, vq = QuantizedKV.quantize(k0, group_size=32, rotate=rotate), QuantizedKV.quantize(v0, group_size=32)
+    assert kq.scale.shape == (B, S, Hkv, D // 32) and kq.group_size == 32
+    gen1 = lambda: torch.Generator().manual_seed(1)  # noqa: E731
+    table = None
+    if page is not None:
+        kd, table = _paged(kq.data, page, gen1())
+        ks, _ = _paged(kq.scale, page, gen1())
+        vd, _ = _paged(vq.data, page, gen1())
+        vs, _ = _paged(vq.scale, page, gen1())
+        kq, vq = QuantizedKV(kd, ks, rotation=kq.rotation), QuantizedKV(vd, vs)
+    lens = torch.tensor([0, 77, S - 1])
+    q = torch.randn(B, 1, H, D, generator=gen)
+    kn, vn = torch.randn(B, 1, Hkv, D, generator=gen), torch.randn(B, 1, Hkv, D, generator=gen)
+    out = attnlab.attention_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=lens, block_table=table, num_splits=2)
+    kf, vf = kq.dequantize(), vq.dequantize()
+    want = attnlab.attention_with_kvcache(q, kf, vf, cache_seqlens=lens + 1, block_table=table, num_splits=2)
+    qr = q if kq.rotation is None else q @ kq.rotation.T
+    kr = kf if kq.rotation is None else kf @ kq.rotation.T
+    eps = torch.finfo(torch.float32).eps
+    ds = 2 * eps * float(q.norm(dim=-1).max() * kf.norm(dim=-1).max()) * D ** -0.5 + _q16_score_error(qr, kr)
+    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
+    assert max_err(out, want) <= tol, (max_err(out, want), tol)
+
+
+def test_bad_group_scales_raise():
+    data = torch.zeros(2, 10, 2, 64, dtype=torch.int8)
+    with pytest.raises(attnlab.AttentionInputError, match=r"scale \[2, 10, 2, 3\] has 3 groups per row.*D=64"):
+        QuantizedKV(data, torch.zeros(2, 10, 2, 3))
+    with pytest.raises(attnlab.AttentionInputError, match=r"scale \[2, 10, 2, 4\] has 4 groups.*multiple of 32"):
+        QuantizedKV(data, torch.zeros(2, 10, 2, 4))
+    with pytest.raises(ValueError, match="group_size must divide the head dim D=64"):
+        QuantizedKV.quantize(torch.randn(2, 10, 2, 64), group_size=48)

@@ -93,6 +93,18 @@
 // row scales of the tile after the next one into L1: cold, with the scales of a [B, S, Hkv] cache, 3.6-5.9 ms
 // against 2.6 ms without (three process pairs).
 //
+// Note [Decode int8 groups]: a group-scaled int8 cache (functional/kvquant.py Note [int8 KV groups]: llama.cpp
+// q8_0's grouping) holds one float32 scale per group of gs channels (gs a multiple of 32) of each token and kv
+// head, k_scale / v_scale [P, T, Hkv, D / gs]. tile_rows copies a tile's scales group-major ([groups][TK]).
+// Scores: per group and key the int16 query against the int8 keys in int32 (one vpdpwssd / vpmaddwd step of 32
+// channels at gs = 32 on AVX-512), converted to fp32 and multiplied into the key's fp32 lane accumulators by
+// the group's scale (one conversion and one FMA per row, key and group, where the per-row format converts
+// once per key); the lanes are summed as before and scaled by the row's qsc. P @ V: p * v_scale is formed per
+// (row, key, group), vectorised per tile ([R, groups, TK]), and each column vector of V takes its group's p
+// (a broadcast per column vector instead of per row: the FMA's memory operand). Without an integer path the
+// scores are per-group fp32 sums (dot_keys_f32g). The result is the dequantised cache's within the same
+// roundings as the per-row format (tests/functional/test_kvquant_formats.py).
+//
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
 // row). With it, paged caches of page size 16, 64 and 256 run within 1.01-1.08x of the same keys in one
@@ -170,6 +182,7 @@ struct Args {
   const void* v; int64_t vs[3];
   const float* ksc = nullptr; int64_t kss[3] = {0, 0, 0};  // int8 cache: per-row scales [P, T, Hkv]
   const float* vsc = nullptr; int64_t vss[3] = {0, 0, 0};
+  int64_t kng = 1, vng = 1;  // scale groups per row (Note [Decode int8 groups]): 1 = one scale per row
   void* out; int64_t os[4];
   const int32_t* table;
   const int64_t* seqlens;
@@ -244,9 +257,11 @@ inline Vf load_tail(const T* p, int64_t n) {
 // takes them as one strided run instead, without the per-row page lookups: the walk with the scales' loads had
 // been a third of the int8 unit's own time outside the score and P @ V loops (1 thread, GQA 32/8, D = 128,
 // S = 2048, perf), and the bf16 call went 0.37-0.39 -> 0.32-0.33 ms (1 thread, S = 2048, in L3).
+// With ng > 1 scale groups per row (Note [Decode int8 groups]) the scales go group-major, scales[n * TK + t],
+// so that a group's scales of a key block, or of every key of the tile, are one vector.
 template <typename T>
-inline void tile_rows(const T* base, const int64_t* st, const float* sc, const int64_t* ss, const Args& a, int64_t b,
-                      int64_t g, int64_t j0, int64_t nt, const T** rows, float* scales) {
+inline void tile_rows(const T* base, const int64_t* st, const float* sc, const int64_t* ss, int64_t ng, const Args& a,
+                      int64_t b, int64_t g, int64_t j0, int64_t nt, const T** rows, float* scales) {
   const int32_t* tab = a.table + b * a.maxp;
   int64_t pj = j0 / a.T, off = j0 % a.T;  // this row's page index and offset
   if (off + nt <= a.T) {  // the tile within one page (every tile of a contiguous cache): rows st[1] apart
@@ -257,19 +272,28 @@ inline void tile_rows(const T* base, const int64_t* st, const float* sc, const i
     if constexpr (std::is_same_v<T, int8_t>) {
       const float* s0 = sc + page * ss[0] + off * ss[1] + g * ss[2];
       const int64_t sstep = ss[1];
-      for (int64_t t = 0; t < nt; ++t) scales[t] = s0[t * sstep];
+      if (ng == 1) {
+        for (int64_t t = 0; t < nt; ++t) scales[t] = s0[t * sstep];
+      } else {
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t n = 0; n < ng; ++n) scales[n * TK + t] = s0[t * sstep + n];
+      }
     }
   } else {
     for (int64_t t = 0; t < nt; ++t) {
       const int64_t page = tab[pj];
       rows[t] = base + page * st[0] + off * st[1] + g * st[2];
-      if constexpr (std::is_same_v<T, int8_t>) scales[t] = sc[page * ss[0] + off * ss[1] + g * ss[2]];
+      if constexpr (std::is_same_v<T, int8_t>) {
+        const float* sp = sc + page * ss[0] + off * ss[1] + g * ss[2];
+        for (int64_t n = 0; n < ng; ++n) scales[n * TK + t] = sp[n];
+      }
       if (++off == a.T) { off = 0; ++pj; }
     }
   }
   for (int64_t t = nt; t < (nt + W - 1) / W * W; ++t) {
     rows[t] = rows[nt - 1];
-    if constexpr (std::is_same_v<T, int8_t>) scales[t] = scales[nt - 1];
+    if constexpr (std::is_same_v<T, int8_t>)
+      for (int64_t n = 0; n < ng; ++n) scales[n * TK + t] = scales[n * TK + nt - 1];
   }
 }
 
@@ -550,7 +574,64 @@ __attribute__((noinline)) void dot_keys_i8(const int16_t* q16, int64_t Dp, const
   put_scores<RB>(sums, t, s, [&](float x, int rr, int kk) { return x * qsc[rr] * ksc[t + kk]; });
 #endif
 }
+
+// dot_keys_i8 for a group-scaled key cache (Note [Decode int8 groups]): s[rr * TK + t + kk] = qsc[rr] *
+// sum_n ksc[n * TK + t + kk] * (q16[rr] . k8[t + kk]) over group n's gs channels (gs a multiple of KW: whole
+// steps, no tail), each group's dot product exact in int32, converted and weighed by its scale in fp32 lanes.
+template <int RB, bool VNNI>
+__attribute__((noinline)) void dot_keys_i8g(const int16_t* q16, int64_t Dp, const float* qsc,
+                                            const int8_t* const* krows, const float* ksc, int64_t t, int64_t D,
+                                            int64_t gs, float* s) {
+  constexpr int KB = static_cast<int>(W) / RB;
+  Vf acc[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) acc[i] = Vf(0);
+  for (int64_t d0 = 0; d0 < D; d0 += gs) {
+    const float* kg = ksc + (d0 / gs) * TK + t;  // this group's scales of the block's keys
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) {
+      Vi part[RB];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) part[rr] = i32_zero();
+      for (int64_t d = d0; d < d0 + gs; d += KW) {
+        const Vi kv = i8_to_i16(krows[t + kk] + d);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < RB; ++rr) part[rr] = i32_madd<VNNI>(part[rr], i16_load(q16 + rr * Dp + d), kv);
+      }
+      const Vf f(kg[kk]);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) acc[rr * KB + kk] = at::vec::fmadd(i32_to_f(part[rr]), f, acc[rr * KB + kk]);
+    }
+  }
+  float sums[W];
+  hsum_all_call(acc, sums);
+#if defined(CPU_CAPABILITY_AVX512)
+  alignas(64) static constexpr float kOnes[W] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  put_scores_v<RB>(sums, row_key_factors<RB>(qsc, kOnes), t, s);
+#else
+  put_scores<RB>(sums, t, s, [&](float x, int rr, int) { return x * qsc[rr]; });
 #endif
+}
+#endif
+
+// The scores of a group-scaled key cache where no integer path runs (a default build, heads over kIntDotMaxD):
+// per group an fp32 dot product of the scaled query with the int8 values, times the group's scale.
+template <int RB>
+void dot_keys_f32g(const float* q, const int8_t* const* krows, const float* ksc, int64_t t, int64_t D, int64_t gs,
+                   float* s) {
+  constexpr int KB = static_cast<int>(W) / RB;
+  for (int rr = 0; rr < RB; ++rr)
+    for (int kk = 0; kk < KB; ++kk) {
+      const int8_t* k = krows[t + kk];
+      float tot = 0.f;
+      for (int64_t d0 = 0; d0 < D; d0 += gs) {
+        float part = 0.f;
+        for (int64_t d = d0; d < d0 + gs; ++d) part += q[rr * D + d] * static_cast<float>(k[d]);
+        tot += part * ksc[(d0 / gs) * TK + t + kk];
+      }
+      s[rr * TK + t + kk] = tot;
+    }
+}
 
 // Note [Decode bf16 scores]: with a bf16 cache on a CPU with avx512_bf16 (Cooper Lake, Sapphire Rapids, Zen 4
 // and 5) the scores are VDPBF16PS dot products of the unscaled bf16 query against the bf16 keys as stored: one
@@ -625,10 +706,11 @@ std::atomic<bool> g_bf16_dot{false};
 #endif
 
 // every row's scores against the tile's nt keys (rows whole key blocks: Note [Decode tile rows])
+// (kgs > 0: a group-scaled key cache, groups of kgs channels, ksc group-major: Note [Decode int8 groups])
 template <typename T>
 inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float* qsc, const at::BFloat16* qb,
-                     int64_t Db, float scale, int64_t R, const T* const* krows, const float* ksc, int64_t nt,
-                     int64_t D, float* s, const NextRows<T>& next, bool vnni) {
+                     int64_t Db, float scale, int64_t R, const T* const* krows, const float* ksc, int64_t kgs,
+                     int64_t nt, int64_t D, float* s, const NextRows<T>& next, bool vnni) {
   int64_t r0 = 0;
   auto block = [&](auto rb, int64_t t) {  // the first row block also prefetches the next rows of K
     constexpr int RB = decltype(rb)::value;
@@ -643,17 +725,31 @@ inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float
 #endif
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<T, int8_t>) {
-      if (q16) {
+      if (q16 && kgs) {
+        if (vnni)
+          dot_keys_i8g<RB, true>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, kgs, s + r0 * TK);
+        else
+          dot_keys_i8g<RB, false>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, kgs, s + r0 * TK);
+      } else if (q16) {
         if (vnni)
           dot_keys_i8<RB, true>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
         else
           dot_keys_i8<RB, false>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
+      } else if (kgs) {
+        dot_keys_f32g<RB>(q + r0 * D, krows, ksc, t, D, kgs, s + r0 * TK);
       } else {
         dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
       }
     } else
 #endif
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (kgs)
+        dot_keys_f32g<RB>(q + r0 * D, krows, ksc, t, D, kgs, s + r0 * TK);
+      else
+        dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
+    } else {
       dot_keys<RB>(q + r0 * D, krows, ksc, t, D, s + r0 * TK);
+    }
     if (r0 == 0)
       for (int64_t e = t; e < t + W / RB; ++e) next.row(e);
   };
@@ -669,9 +765,14 @@ inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float
 
 // O[rr] += sum_t p[rr * TK + t] * V[t] over columns [d, d + NV W) for RB rows sharing each V load (the tile's
 // every key weighed by every row: Note [Decode tiles]); with an int8 cache V[t] is the dequantised row.
-template <int RB, int NV, typename T>
-inline void pv_cols(const float* p, const T* const* vrows, const float* vsc, int64_t nt, float* o, int64_t Dv,
+// With value groups (vgs > 0: Note [Decode int8 groups]) p holds, per row, one [TK] run per group (p * the
+// group's v_scale), ps = groups * TK apart, and column vector c reads its group's run.
+template <int RB, int NV, bool GROUPED, typename T>
+inline void pv_cols(const float* p, const T* const* vrows, int64_t ps, int64_t vgs, int64_t nt, float* o, int64_t Dv,
                     int64_t d, const NextRows<T>* next) {
+  int64_t go[NV];  // column vector c's group run, or 0
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) go[c] = GROUPED ? (d + c * W) / vgs * TK : 0;
   Vf acc[RB][NV];
 #pragma GCC unroll 4
   for (int rr = 0; rr < RB; ++rr)
@@ -686,9 +787,14 @@ inline void pv_cols(const float* p, const T* const* vrows, const float* vsc, int
     }
 #pragma GCC unroll 4
     for (int rr = 0; rr < RB; ++rr) {
-      const Vf pv(p[rr * TK + t]);  // an int8 row's scale is already in p (pv_rows' caller)
+      if constexpr (GROUPED) {
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) acc[rr][c] = at::vec::fmadd(pv, vv[c], acc[rr][c]);
+        for (int c = 0; c < NV; ++c) acc[rr][c] = at::vec::fmadd(Vf(p[rr * ps + go[c] + t]), vv[c], acc[rr][c]);
+      } else {
+        const Vf pv(p[rr * TK + t]);  // an int8 row's scale is already in p (pv_rows' caller)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) acc[rr][c] = at::vec::fmadd(pv, vv[c], acc[rr][c]);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -700,13 +806,18 @@ inline void pv_cols(const float* p, const T* const* vrows, const float* vsc, int
 // columns [0, Dv / W * W) of RB rows: chunks of as many vectors as the registers hold (RB x NV accumulators)
 // (with `next`, the first chunk prefetches the next rows of V)
 template <int RB, typename T>
-inline void pv_rows(const float* p, const T* const* vrows, const float* vsc, int64_t nt, float* o, int64_t Dv,
+inline void pv_rows(const float* p, const T* const* vrows, int64_t ps, int64_t vgs, int64_t nt, float* o, int64_t Dv,
                     const NextRows<T>* next) {
   constexpr int NV = (W == 16 ? 16 : 8) / RB > 4 ? 4 : (W == 16 ? 16 : 8) / RB;
   const int64_t nv = Dv / W;
   int64_t c = 0;
-  for (; c + NV <= nv; c += NV, next = nullptr) pv_cols<RB, NV>(p, vrows, vsc, nt, o, Dv, c * W, next);
-  for (; c < nv; ++c, next = nullptr) pv_cols<RB, 1>(p, vrows, vsc, nt, o, Dv, c * W, next);
+  if (vgs) {
+    for (; c + NV <= nv; c += NV, next = nullptr) pv_cols<RB, NV, true>(p, vrows, ps, vgs, nt, o, Dv, c * W, next);
+    for (; c < nv; ++c, next = nullptr) pv_cols<RB, 1, true>(p, vrows, ps, vgs, nt, o, Dv, c * W, next);
+  } else {
+    for (; c + NV <= nv; c += NV, next = nullptr) pv_cols<RB, NV, false>(p, vrows, ps, vgs, nt, o, Dv, c * W, next);
+    for (; c < nv; ++c, next = nullptr) pv_cols<RB, 1, false>(p, vrows, ps, vgs, nt, o, Dv, c * W, next);
+  }
   if (next)
     next->all();
 }
@@ -733,13 +844,16 @@ void decode_impl(const Args& a) {
     const bool bdot = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<T, at::BFloat16> && a.bf16_dot;
     const int64_t Db = (D + 31) / 32 * 32;
     std::vector<at::BFloat16> qb(bdot ? RR * Db : 0);
-    std::vector<float> pw(std::is_same_v<T, int8_t> ? R * TK : 0);  // an int8 tile's p * v_scale [R, TK]
+    // an int8 tile's p * v_scale [R, TK], or [R, vng, TK] per value group (Note [Decode int8 groups])
+    std::vector<float> pw(std::is_same_v<T, int8_t> ? R * a.vng * TK : 0);
     std::vector<int64_t> rlo(R), rhi(R);
     std::vector<int32_t> nz(R * TK), nnz(R);
     std::vector<uint8_t> zfull(R);
     const T* kr[2][TK];  // this item's rows and the next one's (Note [Decode prefetch])
     const T* vr[2][TK];
-    float ks2[2][TK], vs2[2][TK];  // an int8 cache's row scales
+    // an int8 cache's row scales, [2][ng][TK] (group-major: tile_rows)
+    std::vector<float> ks2(std::is_same_v<T, int8_t> ? 2 * a.kng * TK : 0), vs2(std::is_same_v<T, int8_t> ? 2 * a.vng * TK : 0);
+    const int64_t kgs = a.kng > 1 ? D / a.kng : 0, vgs = a.vng > 1 ? Dv / a.vng : 0;  // group sizes (0: per row)
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
       const int64_t s = u % ns, g0 = ((u / ns) % spans) * hs, b = u / (ns * spans);
       // 1) the groups' query rows, scaled, in fp32; each row's key range; the unit's key range
@@ -782,8 +896,8 @@ void decode_impl(const Args& a) {
       // items (tile t0, kv head g0 + gl) in order; each one's rows are found while the item before it runs
       int cur = 0;
       auto rows_of = [&](int c, int64_t t0, int64_t g, int64_t nt) {
-        tile_rows(K, a.ks, a.ksc, a.kss, a, b, g, t0, nt, kr[c], ks2[c]);
-        tile_rows(V, a.vs, a.vsc, a.vss, a, b, g, t0, nt, vr[c], vs2[c]);
+        tile_rows(K, a.ks, a.ksc, a.kss, a.kng, a, b, g, t0, nt, kr[c], ks2.data() + c * a.kng * TK);
+        tile_rows(V, a.vs, a.vsc, a.vss, a.vng, a, b, g, t0, nt, vr[c], vs2.data() + c * a.vng * TK);
       };
       if (j0 < j1) {
         const int64_t n0 = std::min(TK, j1 - j0);
@@ -800,8 +914,8 @@ void decode_impl(const Args& a) {
         cur ^= 1;
         const T* const* krows = kr[c];
         const T* const* vrows = vr[c];
-        const float* kscl = ks2[c];
-        const float* vscl = vs2[c];
+        const float* kscl = ks2.data() + c * a.kng * TK;
+        const float* vscl = vs2.data() + c * a.vng * TK;
         NextRows<T> next_k, next_v;
         {
           const int64_t u0 = gl + 1 < hs ? t0 : t0 + TK, ug = gl + 1 < hs ? g + 1 : g0;
@@ -821,7 +935,7 @@ void decode_impl(const Args& a) {
         // 2) scores of every row against the tile's keys
         dot_tile(qs_g, i8dot ? q16.data() + gl * R * Dp : nullptr, Dp, i8dot ? qsc.data() + gl * R : nullptr,
                  bdot ? qb.data() + gl * R * Db : nullptr, Db, a.scale, R,
-                 krows, kscl, nt, D, sc.data(), next_k, a.vnni);  // rows sharing each K load
+                 krows, kscl, kgs, nt, D, sc.data(), next_k, a.vnni);  // rows sharing each K load
         for (int64_t r = 0; r < R; ++r) {
           float* srow = sc.data() + r * TK;
           const int64_t lo = rlo[r], hi = rhi[r];
@@ -925,17 +1039,21 @@ void decode_impl(const Args& a) {
         if (every) {  // every row weighs every key: rows share each V load, 4 at a time
           const NextRows<T>* nv = &next_v;  // prefetched by the first row block
           const float* pp = sc.data();
-          if constexpr (std::is_same_v<T, int8_t>) {  // p * v_scale, once per (row, key), vectorised
+          int64_t ps = TK;  // p's row stride
+          if constexpr (std::is_same_v<T, int8_t>) {  // p * v_scale, once per (row, key[, group]), vectorised
+            ps = a.vng * TK;
             for (int64_t r = 0; r < R; ++r)
-              at::vec::map2([](Vf x, Vf y) { return x * y; }, pw.data() + r * TK, sc.data() + r * TK, vscl, nt);
+              for (int64_t n = 0; n < a.vng; ++n)
+                at::vec::map2([](Vf x, Vf y) { return x * y; }, pw.data() + r * ps + n * TK, sc.data() + r * TK,
+                              vscl + n * TK, nt);
             pp = pw.data();
           }
           for (; r_first + 4 <= R; r_first += 4, nv = nullptr)
-            pv_rows<4>(pp + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+            pv_rows<4>(pp + r_first * ps, vrows, ps, vgs, nt, o_g + r_first * Dv, Dv, nv);
           for (; r_first + 2 <= R; r_first += 2, nv = nullptr)
-            pv_rows<2>(pp + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+            pv_rows<2>(pp + r_first * ps, vrows, ps, vgs, nt, o_g + r_first * Dv, Dv, nv);
           for (; r_first < R; ++r_first, nv = nullptr)
-            pv_rows<1>(pp + r_first * TK, vrows, vscl, nt, o_g + r_first * Dv, Dv, nv);
+            pv_rows<1>(pp + r_first * ps, vrows, ps, vgs, nt, o_g + r_first * Dv, Dv, nv);
         } else {
           next_v.all();
         }
@@ -948,14 +1066,15 @@ void decode_impl(const Args& a) {
             for (int32_t t = 0; t < n; ++t) z[t] = t;
           float* orow = o_g + r * Dv;
           auto vrow = [&](int32_t e, int64_t d) { return load_w(vrows[z[e]] + d); };  // V[z[e]], d .. d + W - 1
-          auto pz = [&](int32_t e) {  // p of key z[e], an int8 row's scale folded in (Note [Decode int8 cache])
-            return std::is_same_v<T, int8_t> ? p[z[e]] * vscl[z[e]] : p[z[e]];
+          // p of key z[e] for column d, an int8 row's (or d's group's) scale folded in (Note [Decode int8 cache])
+          auto pz = [&](int32_t e, int64_t d) {
+            return std::is_same_v<T, int8_t> ? p[z[e]] * vscl[(vgs ? d / vgs : 0) * TK + z[e]] : p[z[e]];
           };
           int64_t d = r < r_first ? d_vec : 0;
           for (; d + 2 * W <= d_vec; d += 2 * W) {
             Vf acc0 = Vf::loadu(orow + d), acc1 = Vf::loadu(orow + d + W);
-            for (int32_t e = 0; e < n; ++e) {
-              const Vf pv(pz(e));
+            for (int32_t e = 0; e < n; ++e) {  // (d and d + W in one group: groups are multiples of 32 >= 2 W)
+              const Vf pv(pz(e, d));
               acc0 = at::vec::fmadd(pv, vrow(e, d), acc0);
               acc1 = at::vec::fmadd(pv, vrow(e, d + W), acc1);
             }
@@ -964,12 +1083,12 @@ void decode_impl(const Args& a) {
           }
           for (; d < d_vec; d += W) {
             Vf acc = Vf::loadu(orow + d);
-            for (int32_t e = 0; e < n; ++e) acc = at::vec::fmadd(Vf(pz(e)), vrow(e, d), acc);
+            for (int32_t e = 0; e < n; ++e) acc = at::vec::fmadd(Vf(pz(e, d)), vrow(e, d), acc);
             acc.store(orow + d);
           }
           for (; d < Dv; ++d) {
             float acc = orow[d];
-            for (int32_t e = 0; e < n; ++e) acc += pz(e) * static_cast<float>(vrows[z[e]][d]);
+            for (int32_t e = 0; e < n; ++e) acc += pz(e, d) * static_cast<float>(vrows[z[e]][d]);
             orow[d] = acc;
           }
         }
@@ -1089,10 +1208,17 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
     }
   }
   if (int8) {
-    for (const auto* sc : {&*k_scale, &*v_scale})
-      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->dim() == 3 && sc->size(0) == k.size(0) &&
-                  sc->size(1) == a.T && sc->size(2) == a.Hkv, "attnlab._decode: k_scale / v_scale must be float32 "
-                  "[P, T, Hkv] = ", k.sizes().slice(0, 3), ", got ", sc->sizes());
+    for (auto [sc, name, Dx, ng] : {std::tuple{&*k_scale, "k_scale", a.D, &a.kng},
+                                    std::tuple{&*v_scale, "v_scale", a.Dv, &a.vng}}) {
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && (sc->dim() == 3 || sc->dim() == 4) && sc->size(0) == k.size(0) &&
+                  sc->size(1) == a.T && sc->size(2) == a.Hkv, "attnlab._decode: ", name, " must be float32 "
+                  "[P, T, Hkv] = ", k.sizes().slice(0, 3), " or [P, T, Hkv, groups], got ", sc->sizes(), " ",
+                  sc->scalar_type());
+      *ng = sc->dim() == 4 ? sc->size(3) : 1;  // Note [Decode int8 groups]
+      TORCH_CHECK(*ng >= 1 && Dx % *ng == 0 && (*ng == 1 || ((Dx / *ng) % 32 == 0 && sc->stride(3) == 1)),
+                  "attnlab._decode: ", name, " ", sc->sizes(), " has ", *ng, " groups per row of ", Dx,
+                  " channels: a group size must divide it, be a multiple of 32, and the groups be contiguous");
+    }
     a.ksc = k_scale->data_ptr<float>();
     a.vsc = v_scale->data_ptr<float>();
     for (int d = 0; d < 3; ++d) { a.kss[d] = k_scale->stride(d); a.vss[d] = v_scale->stride(d); }

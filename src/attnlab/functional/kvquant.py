@@ -16,8 +16,8 @@ import torch
 from ..shapes import AttentionDtypeError, AttentionInputError, shape_str
 from .storage import _check_shape, empty_kv_cache
 
-__all__ = ["QuantizedKV", "transform_quantize", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "quantize_rows", "channel_scales", "hadamard",
-           "encode", "query"]
+__all__ = ["QuantizedKV", "transform_quantize", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "GROUP_SIZE", "GROUP_MULTIPLE",
+           "quantize_rows", "dequantize_rows", "channel_scales", "hadamard", "encode", "query"]
 
 #: Note [int8 KV error budget]: an int8 row is x ≈ data · scale with scale = max|x| / 127 (symmetric, per token
 #: and kv head, round to nearest), so each element is off by at most scale / 2 = max|x| / 254. On Gaussian rows
@@ -71,15 +71,28 @@ INT8_ERROR_BUDGET = 4.0
 #: key rotation], the default transform of the HF int8 cache); kept for keys whose outliers do not rotate.
 SMOOTH_ALPHA = 0.75
 
+#: Note [int8 KV groups]: the per-token row spends one scale on max|row| over all D channels; llama.cpp's q8_0
+#: spends one on each block of 32, whose max is smaller (a Gaussian row of 128 has max ≈ 2.9 σ, a block of 32
+#: ≈ 2.3 σ), so its elements are off by less. The group format keeps q8_0's grouping with a float32 scale per
+#: GROUP_SIZE channels of each token and kv head (scale [.., Hkv, D / GROUP_SIZE]; 1 + 4 / 32 bytes an element,
+#: 0.5625x a bf16 cache's), for keys after the Hadamard rotation of Note [int8 key rotation] (rotation, then
+#: groups) and for values as they are. The decode kernel applies a key group's scale to that group's exact
+#: int32 dot product and a value group's to p for that group's columns (csrc Note [Decode int8 groups]);
+#: groups are multiples of GROUP_MULTIPLE channels (one AVX-512 int16 step, two AVX2 ones).
+GROUP_SIZE = 32
+GROUP_MULTIPLE = 32
+
 
 @dataclass(frozen=True)
 class QuantizedKV:
     """An int8 KV cache: ``data`` int8 [B, S, Hkv, D] (or a page pool [P, T, Hkv, D]) and ``scale`` float32
     [B, S, Hkv] ([P, T, Hkv]); row (b, t, g) holds ``data[b, t, g] * scale[b, t, g]`` (symmetric, one scale
-    per token and kv head: Note [int8 KV error budget]). Pass it as ``k_cache`` / ``v_cache`` of
+    per token and kv head: Note [int8 KV error budget]). Group-scaled (Note [int8 KV groups]): ``scale``
+    float32 [B, S, Hkv, D / gs] (gs, ``group_size``, a multiple of 32: llama.cpp q8_0's blocks at gs = 32),
+    and channels ``n gs .. n gs + gs - 1`` of row (b, t, g) hold ``data[b, t, g, n gs:] * scale[b, t, g, n]``. Pass it as ``k_cache`` / ``v_cache`` of
     ``attention_with_kvcache`` (a plain ``(data, scale)`` pair works too): new keys/values are quantised on
     append, in place, and the decode kernel dequantises as it reads (csrc Note [Decode int8 cache]).
-    Reads 1 byte an element plus 4 a row: about half a bf16 cache's bytes at D = 128.
+    Reads 1 byte an element plus 4 a row (4 a group): about half a bf16 cache's bytes at D = 128.
 
     ``channel`` (key caches only): None, or float32 [Hkv, D], the key channel smoothing of Note [int8 key
     channel smoothing]: row (b, t, g) then holds ``data[b, t, g] * scale[b, t, g] * channel[g]``; all zeros
@@ -99,11 +112,20 @@ class QuantizedKV:
             raise AttentionDtypeError(f"QuantizedKV.data must be an int8 tensor [B|P, S|T, Hkv, D], got "
                                       f"{shape_str(d) if isinstance(d, torch.Tensor) else type(d).__name__}"
                                       f"{' ' + str(d.dtype) if isinstance(d, torch.Tensor) else ''}")
-        if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 or tuple(sc.shape) != tuple(d.shape[:3]):
+        if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 or tuple(sc.shape[:3]) != tuple(d.shape[:3]) \
+                or sc.dim() not in (3, 4):
             raise AttentionInputError(
                 f"QuantizedKV.scale must be float32 [B|P, S|T, Hkv] = {list(d.shape[:3])} (one scale per token and "
-                f"kv head of data {shape_str(d)}), got "
-                f"{(shape_str(sc) + ' ' + str(sc.dtype)) if isinstance(sc, torch.Tensor) else type(sc).__name__}")
+                f"kv head of data {shape_str(d)}) or [B|P, S|T, Hkv, D / group_size] (one per group of channels), "
+                f"got {(shape_str(sc) + ' ' + str(sc.dtype)) if isinstance(sc, torch.Tensor) else type(sc).__name__}")
+        if sc.dim() == 4:
+            D, ng = d.shape[3], sc.shape[3]
+            if ng < 1 or D % ng or (ng > 1 and (D // ng) % GROUP_MULTIPLE):
+                raise AttentionInputError(
+                    f"QuantizedKV.scale {shape_str(sc)} has {ng} groups per row, but a group size must divide the "
+                    f"head dim D={D} of data {shape_str(d)} and be a multiple of {GROUP_MULTIPLE} (e.g. "
+                    f"[{', '.join(map(str, d.shape[:3]))}, {D // 32 if D % 32 == 0 else 1}]); "
+                    f"QuantizedKV.quantize(x, group_size=32) makes one")
         if sc.device != d.device:
             raise AttentionInputError(f"QuantizedKV.data is on {d.device} but its scale on {sc.device}")
         if ch is not None:
@@ -125,40 +147,61 @@ class QuantizedKV:
 
     @classmethod
     def empty(cls, *shape: int, huge_pages: bool | None = None, rotate: bool = False,
-              smooth: bool = False) -> "QuantizedKV":
+              smooth: bool = False, group_size: int | None = None) -> "QuantizedKV":
         """A zero cache of shape [B|P, S|T, Hkv, D] (every row 0, scale 0), data and scale in ``empty_kv_cache``
         storage (huge pages where the OS offers them: Note [KV cache on huge pages]). For a key cache: ``rotate``,
         the Hadamard rotation (Note [int8 key rotation]); ``smooth``, channel smoothing fixed by the first
-        append (Note [int8 key channel smoothing])."""
+        append (Note [int8 key channel smoothing]); ``group_size``: one scale per that many channels (Note [int8
+        KV groups]; None: one per row)."""
         shape = _check_shape(shape)
         _check_flags("QuantizedKV.empty", rotate=rotate, smooth=smooth)
+        ng = _groups("QuantizedKV.empty", shape[3], group_size)
         return cls(empty_kv_cache(*shape, dtype=torch.int8, huge_pages=huge_pages),
-                   empty_kv_cache(*shape[:3], dtype=torch.float32, huge_pages=huge_pages),
+                   empty_kv_cache(*shape[:3], *((ng,) if ng else ()), dtype=torch.float32, huge_pages=huge_pages),
                    torch.zeros(shape[2], shape[3]) if smooth else None, hadamard(shape[3]) if rotate else None)
 
     @classmethod
-    def quantize(cls, x: torch.Tensor, *, rotate: bool = False, smooth: bool = False) -> "QuantizedKV":
-        """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / 127, round to nearest);
-        for keys ``rotate`` (Note [int8 key rotation]) and ``smooth`` (channel scales fixed from x itself: Note
-        [int8 key channel smoothing])."""
+    def quantize(cls, x: torch.Tensor, *, rotate: bool = False, smooth: bool = False,
+                 group_size: int | None = None) -> "QuantizedKV":
+        """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / 127, round to nearest;
+        with ``group_size``, max|group| / 127 per group of that many channels: Note [int8 KV groups]); for keys
+        ``rotate`` (Note [int8 key rotation]: rotation, then groups) and ``smooth`` (channel scales fixed from x
+        itself: Note [int8 key channel smoothing])."""
         _check_flags("QuantizedKV.quantize", rotate=rotate, smooth=smooth)
+        ng = _groups("QuantizedKV.quantize", x.shape[-1], group_size)
         if not (rotate or smooth):
-            return cls(*_quantize(x))
+            return cls(*_quantize(x, ng))
         c = channel_scales(x) if smooth else None
         r = hadamard(x.shape[-1]) if rotate else None
-        return cls(*transform_quantize(x, c, r), c, r)
+        return cls(*transform_quantize(x, c, r, ng), c, r)
 
     @property
     def shape(self) -> torch.Size:
         """The cache's shape, [B|P, S|T, Hkv, D]."""
         return self.data.shape
 
+    @property
+    def group_size(self) -> int:
+        """Channels per scale: D for the per-token format (scale [.., Hkv]), D / scale.shape[-1] for groups."""
+        return self.data.shape[3] // self.scale.shape[3] if self.scale.dim() == 4 else self.data.shape[3]
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """data · scale (@ rotation, · channel) as ``dtype``, same shape as data."""
-        x = self.data.to(torch.float32) * self.scale.unsqueeze(-1)
+        x = dequantize_rows(self.data, self.scale)
         if self.rotation is not None:
             x = x @ self.rotation
         return (x * self.channel if self.channel is not None else x).to(dtype)
+
+
+def _groups(where: str, D: int, group_size) -> int:
+    """The scale's group count for ``group_size`` (0: per-token rows, scale [.., Hkv]); ValueError naming it."""
+    if group_size is None:
+        return 0
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or D % group_size \
+            or (group_size != D and group_size % GROUP_MULTIPLE):
+        raise ValueError(f"{where}: group_size must divide the head dim D={D} and be a multiple of "
+                         f"{GROUP_MULTIPLE} (or D itself), got {group_size!r}")
+    return D // group_size
 
 
 def _check_flags(where: str, **flags) -> None:
@@ -211,14 +254,15 @@ def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return y.reshape(x.shape) * (1.0 / math.sqrt(n))
 
 
-def transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor | None):
-    """x [.., Hkv, D] -> the int8 rows and scales of (x / c) Rᵀ (either transform may be None)."""
+def transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor | None, groups: int = 0):
+    """x [.., Hkv, D] -> the int8 rows and scales of (x / c) Rᵀ (either transform may be None; ``groups`` as
+    ``_quantize``'s: the rotation first, then the groups)."""
     xf = x.detach().to(torch.float32)
     if c is not None:
         xf = xf / c
     if r is not None:
         xf = _rotate(xf, r)
-    return _quantize(xf)
+    return _quantize(xf, groups)
 
 
 def channel_scales(x: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
@@ -235,19 +279,34 @@ def channel_scales(x: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor
     return torch.where(c.amax(-1, keepdim=True) > 0, c, torch.ones_like(c)).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [.., D] -> (int8 [.., D], float32 scale [..]) with x ≈ data · scale (Note [int8 KV error budget])."""
+def _quantize(x: torch.Tensor, groups: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [.., D] -> (int8 [.., D], float32 scale [..]) with x ≈ data · scale (Note [int8 KV error budget]); with
+    ``groups`` > 0, scale [.., groups], one per D / groups channels (Note [int8 KV groups])."""
     xf = x.detach().to(torch.float32)
-    amax = xf.abs().amax(-1)  # (..)
+    D = xf.shape[-1]
+    xg = xf.reshape(*xf.shape[:-1], groups, D // groups) if groups else xf  # (.., groups, gs) or (.., D)
+    amax = xg.abs().amax(-1)  # (..) or (.., groups)
     if not bool(torch.isfinite(amax).all()):
         raise AttentionInputError("an int8 cache takes finite keys and values only (k or v holds inf or NaN)")
     scale = amax / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    data = (xf / safe).round_().clamp_(-127, 127).to(torch.int8)
+    data = (xg / safe).round_().clamp_(-127, 127).to(torch.int8).reshape(xf.shape)
     return data, scale
 
 
-quantize_rows = _quantize
+def quantize_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [.., D] -> (int8 data, float32 scale): one scale per row ([..]), or per ``group_size`` channels
+    ([.., D / group_size]; Note [int8 KV groups])."""
+    return _quantize(x, _groups("quantize_rows", x.shape[-1], group_size))
+
+
+def dequantize_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 data [.., D] and its float32 scale [..] (per row) or [.., groups] -> data · scale, float32 [.., D]."""
+    x = data.to(torch.float32)
+    if scale.dim() == data.dim():  # (.., groups): each group of D / groups channels times its scale
+        ng = scale.shape[-1]
+        return (x.reshape(*x.shape[:-1], ng, -1) * scale.unsqueeze(-1)).reshape(x.shape)
+    return x * scale.unsqueeze(-1)
 
 
 # -- the two points where a cache's format meets a decode call (attention_with_kvcache, the HF int8 cache) ----
@@ -257,11 +316,12 @@ def encode(cache: "QuantizedKV", new: torch.Tensor) -> tuple[torch.Tensor, torch
     cache whose channel scales are not fixed yet (all 0) fixes them here from ``new`` (its first append), in
     place, once ``new`` is known finite: Note [int8 key channel smoothing]."""
     c, r = cache.channel, cache.rotation
+    ng = cache.scale.shape[3] if cache.scale.dim() == 4 else 0
     if c is None and r is None:
-        return _quantize(new)
+        return _quantize(new, ng)
     if c is not None and not bool(c.any()):
         c.copy_(channel_scales(new))
-    return transform_quantize(new, c, r)
+    return transform_quantize(new, c, r, ng)
 
 
 def query(k_cache: "QuantizedKV", q: torch.Tensor) -> torch.Tensor:

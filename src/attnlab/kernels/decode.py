@@ -198,7 +198,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     lse is float32, -inf for a row that sees no key (its output is 0). ``splits`` forces the key split
     count (default ``num_splits``); ``return_partials`` also returns the splits' (out [ns, B, H, L, Dv],
     lse [ns, B, H, L]) before their merge (None, None for one split). An int8 k, v comes with float32
-    ``k_scale``, ``v_scale`` [P, T, Hkv] (any strides): row (p, t, g) is ``k[p, t, g] * k_scale[p, t, g]``.
+    ``k_scale``, ``v_scale`` [P, T, Hkv] (any strides): row (p, t, g) is ``k[p, t, g] * k_scale[p, t, g]``;
+    or [P, T, Hkv, D / gs] (a scale per group of gs channels, gs a multiple of 32: csrc Note [Decode int8
+    groups]): channel c of row (p, t, g) is ``k[p, t, g, c] * k_scale[p, t, g, c // gs]``.
     ``blhd``: q and out are [B, L, H, D] (flash-attn's layout) instead; lse is [B, H, L] either way.
 
     Cost: reads each visible K/V row once per kv group: ``kv_bytes``; 2·B·H·L·S·(D + Dv) FLOPs.
@@ -262,6 +264,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         # and ``.contiguous()`` is a no-op for a size-1 last dim of any stride (compiled's Note [Operand strides])
         return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
+    if k_scale is not None and k_scale.dim() == 4:  # group scales: each row's groups side by side (csrc Note
+        k_scale, v_scale = last(k_scale), last(v_scale)  # [Decode int8 groups])
+    elif v_scale is not None and v_scale.dim() == 4:
+        v_scale = last(v_scale)
     res = ext.forward(last(q), last(k), last(v), out, block_table, seqlens, smax if smax is not None else 0, moff,
                       int(moff_all), int(left), int(right), keep,
                       bias, slopes, aoff, float(scale), float(softcap or 0.0), int(ns), hs, bool(return_partials),
