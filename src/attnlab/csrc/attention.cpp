@@ -34,23 +34,9 @@
 // The same source is compiled once per CPU capability (DEFAULT, AVX2, AVX512; see setup.py); the
 // Python wrapper imports the best module the CPU runs.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/cpu/vec/functional.h>
+#include "common.h"
 #include <ATen/native/CPUBlas.h>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <limits>
-#include <vector>
 
 // BLAS from the MKL that PyTorch's CPU build carries (what its own CPU flash kernel reaches through
 // cpublas::gemm, whose float overloads are not exported). Declared weak: on a torch without MKL the
@@ -1566,8 +1552,6 @@ std::string half_dot_for(const std::string& dtype) {
 
 }  // namespace
 
-#define ATTNLAB_STR2(x) #x
-#define ATTNLAB_STR(x) ATTNLAB_STR2(x)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnlab's compiled CPU attention kernel (block-layout driven, flash-attention-2 style)";
@@ -1585,7 +1569,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("half_dot", &half_dot_for,
         "how this CPU multiplies pairs of this half dtype (name) in hardware: 'amx', 'avx512' (AVX512-BF16 / "
         "AVX512-FP16) or '' (it does not)");
-  m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
-  // bumped whenever the Python-facing signatures change: a stale build is refused, not called
-  m.attr("abi_version") = 10;
+  ATTNLAB_MODULE_ATTRS(m, 10);
 }

@@ -118,25 +118,8 @@
 //
 // Compiled once per CPU capability with attention.cpp's flags (setup.py); at::vec picks the vector width.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/cpu/vec/functional.h>
+#include "common.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <string>
-#include <limits>
-#include <tuple>
-#include <type_traits>
-#include <vector>
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -1385,8 +1368,6 @@ std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc,
 
 }  // namespace
 
-#define ATTNLAB_STR2(x) #x
-#define ATTNLAB_STR(x) ATTNLAB_STR2(x)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnlab's decode kernel: a few queries against a (paged) KV cache, keys split across threads";
@@ -1409,7 +1390,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni", [] { return kHasVnni && g_vnni.load(std::memory_order_relaxed); },
         "whether an int8 cache's integer dot products run on vpdpwssd: the CPU has avx512_vnni and set_vnni left it on");
   m.def("prefetch", [] { return static_cast<int64_t>(g_prefetch_mode.load(std::memory_order_relaxed)); });
-  m.attr("capability") = ATTNLAB_STR(CPU_CAPABILITY);
-  // bumped whenever the Python-facing signature changes: a stale build is refused, not called
-  m.attr("abi_version") = 8;
+  ATTNLAB_MODULE_ATTRS(m, 8);
 }
