@@ -55,12 +55,11 @@ without the decode extension 6) is skipped.
 Note [Background calibration]: without a calibration file, the first call predicted to take at least
 ``LONG_CALL_S`` (``note_call``, given the call's predicted seconds) starts this grid in a daemon thread,
 once per process: never at import, never for a short call, never with ``ATTNLAB_CALIBRATION=off`` or a
-file already there. The thread measures beside the call that started it (the grid's cases are timed
-against each other in interleaved rounds, so both feel the same contention), writes the file atomically
-and hands the fitted rates over; the next call that plans (a plan-cache miss) makes them current
-(``rates.make_current``, which clears the plan cache) on its own thread (a cached plan made with the old
-rates runs the same result, up to its kernel's rounding, until then). A failure in the thread is one
-warning; the built-in table stays.
+file already there. The thread measures only while the process is idle, never beside the user's work
+(Note [Calibration yields]), writes the file atomically and hands the fitted rates over; the next call that
+plans (a plan-cache miss) makes them current (``rates.make_current``, which clears the plan cache) on its
+own thread (a cached plan made with the old rates runs the same result, up to its kernel's rounding, until
+then). A failure in the thread is one warning; the built-in table stays.
 
 Only ``calibrate()`` measures, never an import.
 """
@@ -69,6 +68,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -87,7 +87,7 @@ from .calibration_grid import (MARGIN, _decode_ratios, _dense_flops, _kernel_cal
                                _ratio, _ratio_spread, _train_ratios)
 
 __all__ = ["CalibrationConfig", "calibrate", "MARGIN", "note_call", "seconds_for", "background", "state",
-           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "Cancelled", "held", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
+           "LONG_CALL_S", "ASSUMED_FLOPS", "TooNoisy", "Cancelled", "Preempted", "held", "MIN_CPU_SHARE", "CPU_CLOCK", "TICK_S", "TICK_TOL_S", "TICK_BOUND_TICKS", "MAX_TICK_SHARE", "MAX_RATIO_SPREAD", "CLOCK"]
 
 # Note [No margin for SDPA]: the compiled kernel takes a plain dense/causal call where it measured faster than
 # SDPA at all (MARGIN = 1), not by a safety margin. The planner's promise is "the fastest kernel", judged
@@ -147,6 +147,11 @@ class TooNoisy(RuntimeError):
     or written."""
 
 
+class Preempted(RuntimeError):
+    """The process's own work ran while the background grid timed (Note [Calibration yields]): the grid stopped
+    at its next clock reading; nothing was fitted or written."""
+
+
 class Cancelled(RuntimeError):
     """The calibration was cancelled (its ``cancel`` event was set: the interpreter is exiting, Note [Calibration
     at exit]) before it finished: nothing was fitted or written."""
@@ -198,21 +203,28 @@ def _tick_bound(t: dict, label: str, tick_s: float = TICK_S) -> str | None:
 
 
 def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, save: bool = True,
-              cancel: threading.Event | None = None):
+              cancel: threading.Event | None = None, busy: Callable[[], bool] | None = None):
     """Measure the grid, fit the rates, and (``save``) write them as this machine's calibration.
 
     Returns (rates.Rates, measured: {case: seconds per call}, path or None). ``tick(done, total, label)``
     reports progress. Without the compiled extension only the sparse, SDPA, tiled and dense kernels' rates
     are measured (the others keep the built-in table's values). Raises ``TooNoisy`` (nothing written) when
     the samples are tick-bound or scattered (Note [Tick-bound samples]), and ``Cancelled`` (nothing written)
-    within one sample of ``cancel`` being set."""
+    within one sample of ``cancel`` being set, and ``Preempted`` (nothing written) within one sample of ``busy()``
+    turning true (read at most every ``BUSY_POLL_S``: Note [Calibration yields])."""
     cfg = cfg or CalibrationConfig()
     base_clock = CLOCK
+    polled = [-float("inf")]
 
-    def clock() -> float:  # read between samples: the point where a cancelled calibration stops
+    def clock() -> float:  # read between samples: the point where a cancelled or preempted calibration stops
         if cancel is not None and cancel.is_set():
             raise Cancelled("the calibration was cancelled; nothing written")
-        return base_clock()
+        now = base_clock()
+        if busy is not None and now - polled[0] >= BUSY_POLL_S:
+            polled[0] = now
+            if busy():
+                raise Preempted("this process's own work ran during the calibration; nothing written")
+        return now
 
     tick = tick or (lambda *a: None)
     base = rates.builtin()
@@ -361,17 +373,108 @@ def seconds_for(flops: float) -> float:
     return flops / ASSUMED_FLOPS
 
 
+# Note [Calibration yields]: the grid keeps two cores busy for about 50 s. Started by the first long call and run
+# beside it, it competed with the user's work unseen: on SmolLM2 (transformers, attn_implementation="attnlab") an
+# 8,000-token prompt's first layer is such a call (predicted 1.5 s), and the grid then shared the 2 cores with the
+# other 29 layers: on a CPU class with no shipped table that prefill took 38.4 s, the next one 23.1 s (2 cores, one
+# process each: with this yield 17.8 and 17.6 s, with ATTNLAB_CALIBRATION=off 18.7 and 16.3 s). So the thread
+# yields to its own process:
+# - it starts timing only once the process's other Python threads (the user's: torch's pool threads only help the
+#   Python thread that made the call, and that one runs too) have used under IDLE_SHARE of a core for IDLE_S
+#   (``_wait_idle``; /proc counts CPU time in 10 ms ticks, so a poll that saw one tick was not idle);
+# - while it times, those threads' CPU time is read between samples (at most every BUSY_POLL_S); more than
+#   BUSY_CPU_S since the last reading (the user's work is back) stops the grid (``Preempted``: nothing written),
+#   and it waits for the next idle spell and starts over, at most MAX_PREEMPTIONS times, then gives up (the
+#   built-in or shipped table stays; ``attnlab calibrate`` measures in the foreground).
+# A script whose last long call is its last work therefore never calibrates in the background (its exit cancels the
+# waiting thread: Note [Calibration at exit]); an interactive session does, between its calls. ``state()`` (``attnlab
+# info``, ``explain``'s rates line) says whether the thread waits, runs, was interrupted, or gave up. The CPU times
+# are read from /proc (Linux); where they cannot be read the process counts as idle (the grid runs as before).
+#: the idle spell the grid waits for: the other threads' CPU under IDLE_SHARE of one core for IDLE_S seconds
+IDLE_S, IDLE_SHARE, IDLE_POLL_S = 0.25, 0.1, 0.05
+#: while timing: the other threads' CPU seconds since the last reading (every BUSY_POLL_S at most) that stop the grid
+BUSY_CPU_S, BUSY_POLL_S = 0.02, 0.05
+#: the grid starts over this many times after being stopped by the process's work, then gives up
+MAX_PREEMPTIONS = 5
+_PREEMPTIONS: list[int] = [0]
+_PHASE: list[str] = ["waiting"]  # "waiting" (for an idle spell), "running", "gave up"
+
+
+def _others_cpu(me: int | None) -> float | None:
+    """CPU seconds used so far by this process's Python threads other than native thread ``me``; None where
+    /proc cannot be read (Note [Calibration yields])."""
+    tick = _CLK_TCK
+    total, read = 0.0, False
+    for t in threading.enumerate():
+        tid = t.native_id
+        if tid is None or tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # a thread that just ended, or no /proc
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime, in clock ticks
+        read = True
+    return total if read else None
+
+
+try:
+    _CLK_TCK = os.sysconf("SC_CLK_TCK")
+except (AttributeError, ValueError, OSError):
+    _CLK_TCK = 100
+
+
+def _wait_idle(me: int | None) -> None:
+    """Return once the other threads have been idle for IDLE_S (Note [Calibration yields]); ``Cancelled`` when the
+    cancel event is set meanwhile."""
+    last, quiet = _others_cpu(me), 0.0
+    while quiet < IDLE_S:
+        if _CANCEL.wait(IDLE_POLL_S):
+            raise Cancelled("the calibration was cancelled while it waited; nothing written")
+        now = _others_cpu(me)
+        if now is None or last is None:
+            return
+        quiet = quiet + IDLE_POLL_S if now - last <= IDLE_SHARE * IDLE_POLL_S else 0.0
+        last = now
+
+
+def _busy(me: int | None) -> Callable[[], bool]:
+    """calibrate()'s ``busy``: whether the other threads used more than BUSY_CPU_S since the previous reading."""
+    last = [_others_cpu(me)]
+
+    def busy() -> bool:
+        now = _others_cpu(me)
+        was, last[0] = last[0], now
+        return now is not None and was is not None and now - was > BUSY_CPU_S
+
+    return busy
+
+
 def _calibrate_in_background() -> rates.Rates:
-    """The thread's work: the grid, saved without making it current (``note_call`` does)."""
-    fitted, measured, _ = calibrate(save=False, cancel=_CANCEL)
+    """The thread's work: the grid, saved without making it current (``note_call`` does); it yields to the
+    process's own work (``Preempted``: Note [Calibration yields])."""
+    fitted, measured, _ = calibrate(save=False, cancel=_CANCEL, busy=_busy(threading.get_native_id()))
     rates.save(fitted, measured, reload_now=False)
     return fitted
 
 
 def _thread_body() -> None:
     global _PENDING
+    me = threading.get_native_id()
     try:
-        fitted = _calibrate_in_background()
+        while True:
+            _PHASE[0] = "waiting"
+            _wait_idle(me)
+            _PHASE[0] = "running"
+            try:
+                fitted = _calibrate_in_background()
+                break
+            except Preempted:
+                _PREEMPTIONS[0] += 1
+                if _PREEMPTIONS[0] > MAX_PREEMPTIONS:
+                    _PHASE[0] = "gave up"
+                    return
     except (TooNoisy, Cancelled):  # a busy machine, or the process is exiting: the built-in table stays
         return
     except Exception as e:  # noqa: BLE001 - a background failure must not reach the user's call
@@ -433,6 +536,7 @@ def note_call(predicted_s: float) -> threading.Thread | None:
         if rates.cache_path().exists():  # a file that did not load (it warned): `attnlab calibrate` rewrites it
             return None
         _CANCEL.clear()
+        _PREEMPTIONS[0], _PHASE[0] = 0, "waiting"
         _BACKGROUND = threading.Thread(target=_thread_body, name="attnlab-calibration", daemon=True)
         atexit.register(_stop_at_exit)
         _BACKGROUND.start()
@@ -448,8 +552,19 @@ def state() -> dict:
     """For ``attnlab info``: whether calibration is on, the file for this machine, where the rates come from,
     and the background calibration's state ("not started", "running" or "finished")."""
     path = rates.cache_path()
-    bg = "not started" if _BACKGROUND is None else "running" if _BACKGROUND.is_alive() else (
-        f"cancelled ({_CANCELLED_BY[-1]})" if _CANCELLED_BY else "finished")
+    n = _PREEMPTIONS[0]
+    again = f" (started over after {n} interruption{'s' if n > 1 else ''} by this process's work)" if n else ""
+    if _BACKGROUND is None:
+        bg = "not started"
+    elif _BACKGROUND.is_alive():
+        bg = ("waiting for this process to go idle" + again if _PHASE[0] == "waiting" else "running" + again)
+    elif _CANCELLED_BY:
+        bg = f"cancelled ({_CANCELLED_BY[-1]})"
+    elif _PHASE[0] == "gave up":
+        bg = (f"gave up: interrupted {n} times by this process's work (`attnlab calibrate` measures in the "
+              "foreground)")
+    else:
+        bg = "finished" + again
     if _HELD and not (_BACKGROUND is not None and _BACKGROUND.is_alive()):
         bg += f", held ({_HELD[-1]})"
     return {"enabled": rates.calibration_enabled(), "file": str(path), "exists": path.exists(),
