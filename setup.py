@@ -85,8 +85,9 @@ def _extensions():
          f"{max(1, round(len(variants) * 40 / 60))} minutes on a current x86 core (ATTNLAB_NO_BUILD_EXT=1 skips them; "
          "attnlab then runs its pure-PyTorch kernels)")
     exts = [CppExtension(name, [os.path.join(CSRC, src)], extra_compile_args=common + flags,
-                         depends=[os.path.join(CSRC, "common.h"), os.path.join(CSRC, src.split("_")[0].removesuffix(".cpp") + ".cpp")],
-                         extra_link_args=["-fopenmp"]) for name, src, flags in variants]
+                         depends=[os.path.join(CSRC, "common.h"), os.path.join(CSRC, base)],
+                         extra_link_args=["-fopenmp"]) for name, src, flags in variants
+            for base in [src.replace("_avx2", "").replace("_avx512", "")]]  # the source the per-ISA wrapper includes
     return exts, {"build_ext": OptionalBuildExt}
 
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from .. import patterns as P
+from ..kernels.lse import acc_dtype
 
 __all__ = ["attention", "attention_with_lse", "attention_backward", "kvcache_step", "pattern_key", "door_call",
            "lse_door_call", "kvcache_call", "kvcache_refusal", "flex_call"]
@@ -161,10 +162,6 @@ def _run(lse, q, k, v, mask, slopes, sinks, dropout_p, is_causal, scale, enable_
     return r if need_weights else (r, None)
 
 
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # -- attnlab::attention ------------------------------------------------------------------------------
 @torch.library.custom_op("attnlab::attention", mutates_args=())
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -228,7 +225,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 @attention_with_lse.register_fake
 def _(query, key, value, attn_mask, is_causal, scale, enable_gqa, pattern, block_size, softcap, alibi_slopes, sinks):
     return (query.new_empty(query.shape[:-1] + value.shape[-1:]),  # (..., L, Ev)
-            query.new_empty(query.shape[:-1], dtype=_acc(query.dtype)))  # (..., L)
+            query.new_empty(query.shape[:-1], dtype=acc_dtype(query.dtype)))  # (..., L)
 
 
 def _lse_setup(ctx, inputs, output):
@@ -412,7 +409,7 @@ def flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa, want_
     else:
         if pattern is not None:
             keep = pattern.materialize(L, S)  # (L, S) or (B, 1, L, S)
-        acc = _acc(query.dtype)
+        acc = acc_dtype(query.dtype)
         G = H // key.shape[1]
         k = key.repeat_interleave(G, 1) if G > 1 else key  # (B, H, S, E)
         v = value.repeat_interleave(G, 1) if G > 1 else value  # (B, H, S, Ev)
