@@ -229,6 +229,34 @@ def test_vnni_scores_give_the_same_bits(D, page):
 
 
 @needs_ext
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("page", [None, 7], ids=["contiguous", "page7"])
+def test_vnni_group_scores_give_the_same_bits(D, page):
+    """The group-scaled format (csrc Note [Decode int8 groups]) sums each group's int16 pairs into int32 lanes on
+    vpdpwssd or on vpmaddwd + vpaddd: exact either way, so the same outputs and lse bit for bit. Skips, with a
+    reason, where the CPU or the build has no VNNI path to compare."""
+    if not dk.vnni():
+        pytest.skip("this CPU lacks avx512_vnni (or the decode build is not AVX-512): one path only")
+    gen = torch.Generator().manual_seed(D + 1)
+    B, S, H, Hkv, L = 2, 90, 6, 2, 3
+    kq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen), rotate=True, group_size=32)
+    vq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen), group_size=32)
+    kq, vq, table = _paged_caches(kq, vq, page)
+    q = torch.randn(B, L, H, D, generator=gen)
+    lens = torch.tensor([S - L, 41])
+    run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table,  # noqa: E731
+                                                 return_lse=True)
+    try:
+        a = run()
+        dk.set_vnni(False)
+        assert not dk.vnni()
+        b = run()
+    finally:
+        dk.set_vnni(True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@needs_ext
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
 @pytest.mark.parametrize("page", [None, 16, 5], ids=["contiguous", "page16", "page5"])
 @pytest.mark.parametrize("H,Hkv,D", [(6, 2, 64), (4, 1, 96)], ids=["gqa", "mqa"])

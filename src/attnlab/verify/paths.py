@@ -37,7 +37,7 @@ def paths(flags: frozenset[str] | None) -> list[Path]:
         Path("AVX512-BF16 tiles (VDPBF16PS brgemm)", capped_bf16 if amx else brgemm_bf16, "avx512_bf16",
              "oneDNN capped at AVX512_CORE_BF16 in a subprocess" if amx else "bf16 products on oneDNN's brgemm"),
         Path("AVX512-BF16 decode scores", (r"test_kvcache_bf16\.py",), "avx512_bf16", "bf16 caches"),
-        Path("VNNI int8 decode scores", (r"test_kvcache_int8\.py::test_vnni_scores_give_the_same_bits",), "avx512_vnni",
+        Path("VNNI int8 decode scores", (r"test_kvcache_int8\.py::test_vnni_(group_)?scores_give_the_same_bits",), "avx512_vnni",
              "vpdpwssd against vpmaddwd, same bits"),
         Path("AVX-512 build (_C_avx512, _decode_avx512)", (r"test_compiled_backends\.py::test_conformance_on_each_backend",),
              "avx512f", "the build this CPU loads"),
