@@ -12,7 +12,9 @@ os.environ["ATTNLAB_CALIBRATION"] = "off"
 # [Shipped rate tables]): tests/functional/test_shipped_rates.py gives the tables it tests, and checks the real ones
 from attnlab.kernels import rates as _rates  # noqa: E402
 
+# (an empty folder of this process, removed at its exit: none left behind in /tmp)
 _rates.TABLES = __import__("pathlib").Path(__import__("tempfile").mkdtemp(prefix="attnlab-no-rate-tables-"))
+__import__("atexit").register(__import__("shutil").rmtree, _rates.TABLES, True)
 torch.set_num_threads(1) if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
