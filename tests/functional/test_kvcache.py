@@ -582,9 +582,11 @@ def _step_case(dtype, H, Hkv, layout, L, gen):
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("layout", ["contiguous", "heads-first", "page16", "page7"])
 @pytest.mark.parametrize("L,causal", [(1, True), (3, True), (3, False)])
-def test_one_call_step_is_the_full_path(monkeypatch, dtype, H, Hkv, layout, L, causal):
+@pytest.mark.parametrize("lens", ["int", "int32 [B]", "int64 [B]"])
+def test_one_call_step_is_the_full_path(monkeypatch, dtype, H, Hkv, layout, L, causal, lens):
     """A plain step through the one-call entry appends the same rows and returns the same bits as the full
-    path (which calls the kernel with the same arguments), and the step was taken; both against float64."""
+    path (which calls the kernel with the same arguments), and the step was taken; both against float64. One
+    length for the batch, or one per sequence (csrc Note [One-call step lengths])."""
     import dataclasses
 
     from attnlab.kernels import rates
@@ -598,16 +600,18 @@ def test_one_call_step_is_the_full_path(monkeypatch, dtype, H, Hkv, layout, L, c
         taken = []
         real_step = dk.decode_step
         monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: taken.append(real_step(*a, **kw)) or taken[-1])
-        out = attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=37, block_table=table, is_causal=causal)
+        n0 = 37 if lens == "int" else torch.tensor([37, 21], dtype=getattr(torch, lens.split()[0]))
+        out = attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=n0, block_table=table, is_causal=causal)
         assert len(taken) == 1 and taken[0] is not None, "the plain step did not take the one-call entry"
         monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: None)  # the full path
-        full = attnlab.attention_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=37, block_table=table,
+        full = attnlab.attention_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=n0, block_table=table,
                                               is_causal=causal)
         assert torch.equal(out, full)
         assert torch.equal(kc.nan_to_num(7.0), kc2.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0))
-        n = 37 + L
+        seqlens = (torch.tensor([37, 37]) if lens == "int" else n0.long()) + L
+        n = int(seqlens.max())
         kh, vh = _dense_kv(kc, vc, table, n)
-        keep = _keep(2, L, n, torch.tensor([n, n]), causal=causal)
+        keep = _keep(2, L, n, seqlens, causal=causal)
         qh = q.transpose(1, 2)
         _check(out.transpose(1, 2), _ref(qh, kh, vh, keep), _naive(qh, kh, vh, keep), f"{dtype} {layout}")
     finally:
@@ -637,6 +641,13 @@ def test_one_call_step_declines_and_writes_nothing():
         "strided head dim": (q[..., ::2], kc, vc, None, None, 37, table),
         "requires grad": (grad_q, kc, vc, kn, vn, 37, table),
         "int8 cache": (q, kc.to(torch.int8), vc.to(torch.int8), None, None, 37, table),
+        # per-sequence lengths (csrc Note [One-call step lengths])
+        "a negative length of one sequence": (q, kc, vc, kn, vn, torch.tensor([37, -1]), table),
+        "one sequence overflows": (q, kc, vc, kn, vn, torch.tensor([10, 64], dtype=torch.int32), table),
+        "a page outside the pool for one sequence": (q, kc, vc, kn, vn, torch.tensor([10, 50]), bad_table),
+        "lengths of another dtype": (q, kc, vc, kn, vn, torch.tensor([37, 37], dtype=torch.int16), table),
+        "lengths of another shape": (q, kc, vc, kn, vn, torch.tensor([37, 37, 37]), table),
+        "lengths [B, 1]": (q, kc, vc, kn, vn, torch.tensor([[37], [37]]), table),
     }
     for what, (qq, k_, v_, a, b, n0, t) in declined.items():
         with torch.enable_grad():
@@ -645,6 +656,11 @@ def test_one_call_step_declines_and_writes_nothing():
         assert same(), f"{what}: the caches changed"
     with pytest.raises(attnlab.AttentionInputError, match="overflows"):  # past int64: the full path's error
         attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=2**70, block_table=table)
+    assert same()
+    with pytest.raises(attnlab.AttentionInputError, match="sequence 1 .*overflows|overflows: sequence 1"):
+        attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.tensor([10, 64]), block_table=table)
+    with pytest.raises(attnlab.AttentionInputError, match=r"block_table\[1, 3\] = 99"):
+        attnlab.attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.tensor([10, 50]), block_table=bad_table)
     assert same()
     out = dk.decode_step(q, kc, vc, kn, vn, 37, table, True, 0.25)
     assert out is not None and out.shape == (2, 1, 4, 48)

@@ -1291,11 +1291,18 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
 // and SDPA called direct: S = 512 32 / 246 us vs 38 / 377 vs 30 / 204; S = 1024 64 / 281 vs 72 / 397 vs
 // 65 / 258; S = 2048 146 / 451 vs 149 / 573 vs 138 / 446; S = 4096 216 / 658 vs 210 / 696 vs 251 / 727; beside
 // a CPU-bound process, hot, S = 512 39 vs 52 vs 39 us, S = 4096 377 vs 420 vs 525.
+//
+// Note [One-call step lengths]: a batch whose sequences hold different lengths (``cache_seqlens`` an integer
+// tensor [B], int32 or int64: vLLM's and flash-attn's usual call) takes the same one call, ``lens_in`` giving
+// each sequence's start: the full path's Python (checks, two index_put appends, the plan) cost 60-90 us over
+// the kernel at S = 512 once the kernel had evicted the caches. Other dtypes, a negative length or an overflow
+// return None, as above.
 std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                       const std::optional<at::Tensor>& kn, const std::optional<at::Tensor>& vn,
                                       int64_t n0, const std::optional<at::Tensor>& table_in, bool causal,
                                       double scale, int64_t forced_splits, int64_t units_per_thread,
-                                      int64_t min_split_keys, int64_t max_queries, int64_t unbounded) {
+                                      int64_t min_split_keys, int64_t max_queries, int64_t unbounded,
+                                      const std::optional<at::Tensor>& lens_in) {
   const bool has_new = kn && kn->defined();
   if (has_new != (vn && vn->defined())) return std::nullopt;
   const auto dt = q.scalar_type();
@@ -1332,20 +1339,37 @@ std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc,
       table = at::arange(B, at::TensorOptions().dtype(at::kInt)).view({B, 1});
     }
   }
-  const int64_t maxp = table.size(1), n = n0 + Lnew;
-  if (n > maxp * T) return std::nullopt;  // the cache overflows: the full path says so
+  // sequence b's keys before the append: n0 for every sequence, or lens_in[b] (int32 or int64 [B]: Note
+  // [One-call step lengths])
+  const bool per_seq = lens_in && lens_in->defined();
+  std::vector<int64_t> start(B, n0);
+  if (per_seq) {
+    const at::Tensor& l = *lens_in;
+    if (!l.device().is_cpu() || l.dim() != 1 || l.size(0) != B ||
+        (l.scalar_type() != at::kInt && l.scalar_type() != at::kLong))
+      return std::nullopt;
+    const at::Tensor l64 = l.to(at::kLong).contiguous();
+    const int64_t* lp = l64.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) start[b] = lp[b];
+  }
+  const int64_t maxp = table.size(1);
+  int64_t n = 0;  // the most keys a sequence sees after the append
+  for (int64_t b = 0; b < B; ++b) {
+    if (start[b] < 0 || start[b] + Lnew > maxp * T) return std::nullopt;  // the full path names the error
+    n = std::max(n, start[b] + Lnew);
+  }
   const int32_t* tab = table.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b)  // every page the read reaches (the append's among them)
-    for (int64_t p = 0; p * T < n; ++p)
+    for (int64_t p = 0; p * T < start[b] + Lnew; ++p)
       if (tab[b * maxp + p] < 0 || tab[b * maxp + p] >= P) return std::nullopt;
-  if (has_new) {  // row (b, i, g) of the new k, v -> token n0 + i of sequence b, in place
+  if (has_new) {  // row (b, i, g) of the new k, v -> token start[b] + i of sequence b, in place
     const int64_t es = q.element_size();
     for (auto [src, dst, w] : {std::tuple{&*kn, &kc, D}, std::tuple{&*vn, &vc, Dv}}) {
       const char* s0 = static_cast<const char*>(src->data_ptr());
       char* d0 = static_cast<char*>(dst->data_ptr());
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Lnew; ++i) {
-          const int64_t t = n0 + i, page = tab[b * maxp + t / T], off = t % T;
+          const int64_t t = start[b] + i, page = tab[b * maxp + t / T], off = t % T;
           for (int64_t g = 0; g < Hkv; ++g)
             std::memcpy(d0 + (page * dst->stride(0) + off * dst->stride(1) + g * dst->stride(2)) * es,
                         s0 + (b * src->stride(0) + i * src->stride(1) + g * src->stride(2)) * es, w * es);
@@ -1360,9 +1384,24 @@ std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc,
     ns = pairs >= want ? 1 : std::max<int64_t>(1, std::min<int64_t>((want + pairs - 1) / pairs, n / min_split_keys));
   }
   at::Tensor out = at::empty({B, L, H, Dv}, q.options());
-  decode_forward(q, kc, vc, out, table, std::nullopt, n, std::nullopt, n - L, unbounded, causal ? 0 : unbounded,
-                 std::nullopt, std::nullopt, std::nullopt, std::nullopt, scale, 0.0, ns, hs, false, std::nullopt,
-                 std::nullopt, true);
+  if (!per_seq) {
+    decode_forward(q, kc, vc, out, table, std::nullopt, n, std::nullopt, n - L, unbounded, causal ? 0 : unbounded,
+                   std::nullopt, std::nullopt, std::nullopt, std::nullopt, scale, 0.0, ns, hs, false, std::nullopt,
+                   std::nullopt, true);
+    return out;
+  }
+  // the lengths after the append, and each sequence's query offset (bottom-right: seqlens[b] - L), as the
+  // full path passes them (kernels/decode.py decode_attention)
+  at::Tensor seqlens = at::empty({B}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor moff = at::empty({B}, at::TensorOptions().dtype(at::kLong));
+  int64_t* sp = seqlens.data_ptr<int64_t>();
+  int64_t* mp = moff.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    sp[b] = start[b] + Lnew;
+    mp[b] = sp[b] - L;
+  }
+  decode_forward(q, kc, vc, out, table, seqlens, 0, moff, 0, unbounded, causal ? 0 : unbounded, std::nullopt,
+                 std::nullopt, std::nullopt, std::nullopt, scale, 0.0, ns, hs, false, std::nullopt, std::nullopt, true);
   return out;
 }
 

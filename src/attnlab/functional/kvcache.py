@@ -92,17 +92,19 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
     if torch.compiler.is_compiling():  # functional's Note [Doors as torch ops]: under compile the door is an op
         return _ops.kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
                                  alibi_slopes, rotary, rotary_cos, rotary_sin, scale, num_splits, return_lse, sinks)
-    if (type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62 and type(k_cache) is torch.Tensor
+    if ((type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62 or type(cache_seqlens) is torch.Tensor)
+            and type(k_cache) is torch.Tensor
             and type(q) is torch.Tensor and q.dim() == 4 and k_cache.dim() == 4 and q.device.type == "cpu"
             and rotary is None and rotary_cos is None and window_size is None and not return_lse
             and num_splits is None and alibi_slopes is None and not softcap and sinks is None
             and (scale is None or type(scale) in (int, float) and math.isfinite(scale))):
         # Note [Plain steps on the decode kernel]: the plain step is the decode kernel's direct path (one extension
         # call: check, append, attend), taken wherever the planner's one rule gives a plain step the decode kernel:
-        # always on flash-attn's tokens-first cache (SDPA reads heads-first caches only: Note [Cache layouts] in
+        # always for a page pool or a length per sequence (SDPA reads neither view: its ``cache_views``) and on
+        # flash-attn's tokens-first cache (SDPA reads heads-first caches only: Note [Cache layouts] in
         # kernels/cacheview.py), and on a heads-first cache (attnlab's [B, Hkv, S, D], transposed) where the
         # plain-decode rule does not give it SDPA; that call is checked, appended and planned below.
-        if (block_table is not None or layout_of(k_cache) == "tokens-first"
+        if (block_table is not None or type(cache_seqlens) is not int or layout_of(k_cache) == "tokens-first"
                 or plain_decode_kernel(q.dtype, q.shape[2], k_cache.shape[2], cache_seqlens + (
                     k.shape[1] if type(k) is torch.Tensor and k.dim() == 4 else 0)) is DECODE):
             sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0

@@ -42,8 +42,8 @@ from .. import patterns as P
 from ..functional import METHODS, attention
 from ..functional.storage import append_kv
 from ..kernels import DECODE, Declined
-from ..kernels.cacheview import CacheCall
-from ..kernels.planner import plan_cache
+from ..kernels.cacheview import CacheCall, layout_of
+from ..kernels.planner import plain_decode_kernel, plan_cache
 from ..nn.hooks import AttentionHooks, HookContext
 
 __all__ = ["register", "register_all", "attention_function", "registered", "HookedAttention", "hook_modules",
@@ -84,17 +84,27 @@ def _resolve(mechanism):
 # weights with forward hooks that ``capture_outputs`` arms for the call, and a None weight is skipped, so
 # ``outputs.attentions`` came back empty. The armed collector is the one signal every model shares: it holds
 # an "attentions" (or "cross_attentions") list while the caller asked for them.
+@functools.cache
+def _collector():
+    """transformers' ContextVar of armed output collectors (Note [Weights asked for]), or None where it has none;
+    looked up once (every generation step of every layer asks)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector  # (transformers: an optional dependency)
+    except ImportError:
+        return None
+    return _active_collector
+
+
 def _weights_asked(kwargs) -> bool:
     """Whether the model call wants attention weights (Note [Weights asked for])."""
     if kwargs.get("output_attentions"):
         return True
     if torch.compiler.is_compiling():  # dynamo cannot read a ContextVar: under compile only the flag in kwargs counts
         return False
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # transformers 4.x: the flag travels in kwargs or not at all
+    collector = _collector()
+    if collector is None:  # transformers 4.x: the flag travels in kwargs or not at all
         return False
-    collecting = _active_collector.get()
+    collecting = collector.get()
     return isinstance(collecting, dict) and ("attentions" in collecting or "cross_attentions" in collecting)
 
 
@@ -174,8 +184,15 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (H,)
                               or not sinks.dtype.is_floating_point):
         return None  # attnlab.attention checks them and says what is wrong
-    call = CacheCall(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, S, keep=mask,
-                     softcap=softcap or None, sinks=sinks)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if mask is None and not softcap and sinks is None and (
+            mech != "auto" or plain_decode_kernel(q.dtype, H, k.shape[2], S, layout_of(k)) is DECODE):
+        # a plain step the one rule gives the decode kernel: its direct path (planner Note [Plain MHA decode],
+        # csrc Note [One-call decode step]), without building the call and its plan
+        out = DECODE.step(q, k, v, None, None, S, None, bool(is_causal), scale)
+        if out is not None:
+            return out
+    call = CacheCall(q, k, v, scale, S, keep=mask, softcap=softcap or None, sinks=sinks)
     try:
         plan = plan_cache(call, _STEP_MECHANISMS[mech])
         out, _ = plan.kernel.run_cache(call)
