@@ -71,39 +71,30 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             the new k is rotated at positions ``cache_seqlens[b] + i`` before its append, and q at
             ``cache_seqlens[b] + i`` under is_causal or a window, else every query at ``cache_seqlens[b]``
             (flash-attn's rule). Needs k, v.
-        num_splits: key splits per (sequence, kv head); None: the kernel's heuristic. Results agree
-            across split counts within fp32 rounding.
-        return_lse: also return the log-sum-exp [B, H, L] (float32; -inf for a row that sees no key).
+        num_splits: key splits per (sequence, kv head); None: the kernel's heuristic (results agree within fp32
+            rounding). return_lse: also return the log-sum-exp [B, H, L] (float32; -inf for a row seeing no key).
         sinks: attention sinks [H] (gpt-oss; flash-attn's ``s_aux``): one logit per query head added to each
             row's softmax denominator only (Note [Attention sinks] in ``attnlab.kernels.lse``); lse includes it.
 
     Returns: out [B, L, H, Dv] in q's dtype (a row that sees no key is 0), and lse with return_lse.
 
-    Equivalent to (per sequence b, with n = cache_seqlens[b] + Lnew, after the append):
-    ``attnlab.attention(q[b].transpose(0, 1), k_cache[b, :n].transpose(0, 1), v_cache[b, :n].transpose(0, 1),
-    enable_gqa=True, pattern=causal("bottom_right"))`` transposed back. Forward only (inference).
-    Cost: reads each sequence's K/V once per kv head group (``decode_kernel.kv_bytes``), split across
-    threads (flash-decoding); memory O(B·H·L·Dv·splits). The kernel is the planner's choice
-    (``kernels.planner.plan_cache``): the decode kernel, or PyTorch's SDPA on views of the cache for a plain call
-    (one int length, a contiguous floating cache, every query seeing every key, no lse) where the planner's one
-    SDPA-or-decode rule says SDPA is faster (Note [Plain MHA decode]). A plain step the rule gives the decode
-    kernel runs as one extension call that checks, appends and attends (csrc Note [One-call decode step]).
+    Equivalent to ``attnlab.attention`` per sequence b on its first ``cache_seqlens[b] + Lnew`` keys (after the
+    append) with ``enable_gqa=True, pattern=causal("bottom_right")``. Forward only. Cost: each K/V row read once
+    per kv head group, split across threads. The kernel is the planner's (``kernels.planner.plan_cache``): the
+    decode kernel (a plain step in one extension call), or SDPA on a plain heads-first cache where it is faster.
     """
     if torch.compiler.is_compiling():  # functional's Note [Doors as torch ops]: under compile the door is an op
         return _ops.kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
                                  alibi_slopes, rotary, rotary_cos, rotary_sin, scale, num_splits, return_lse, sinks)
     if ((type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62 or type(cache_seqlens) is torch.Tensor)
-            and type(k_cache) is torch.Tensor
-            and type(q) is torch.Tensor and q.dim() == 4 and k_cache.dim() == 4 and q.device.type == "cpu"
+            and type(k_cache) is torch.Tensor and type(q) is torch.Tensor and q.dim() == 4 and k_cache.dim() == 4
+            and q.device.type == "cpu"
             and rotary is None and rotary_cos is None and window_size is None and not return_lse
             and num_splits is None and alibi_slopes is None and not softcap and sinks is None
             and (scale is None or type(scale) in (int, float) and math.isfinite(scale))):
-        # Note [Plain steps on the decode kernel]: the plain step is the decode kernel's direct path (one extension
-        # call: check, append, attend), taken wherever the planner's one rule gives a plain step the decode kernel:
-        # always for a page pool or a length per sequence (SDPA reads neither view: its ``cache_views``) and on
-        # flash-attn's tokens-first cache (SDPA reads heads-first caches only: Note [Cache layouts] in
-        # kernels/cacheview.py), and on a heads-first cache (attnlab's [B, Hkv, S, D], transposed) where the
-        # plain-decode rule does not give it SDPA; that call is checked, appended and planned below.
+        # Note [Plain steps on the decode kernel]: the decode kernel's direct path (one extension call), wherever the
+        # one rule gives a plain step that kernel: always for pages, per-sequence lengths or a tokens-first cache
+        # (SDPA reads none of them: Note [Cache layouts]); on a heads-first cache where SDPA does not win.
         if (block_table is not None or type(cache_seqlens) is not int or layout_of(k_cache) == "tokens-first"
                 or plain_decode_kernel(q.dtype, q.shape[2], k_cache.shape[2], cache_seqlens + (
                     k.shape[1] if type(k) is torch.Tensor and k.dim() == 4 else 0)) is DECODE):
@@ -116,8 +107,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                             alibi_slopes, rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits,
                             return_lse, sinks)
     except (AttentionInputError, TypeError) as e:  # every message names the function, on one line
-        if str(e).startswith("attention_with_kvcache") or type(e) not in (AttentionInputError, AttentionDtypeError,
-                                                                          TypeError):
+        if str(e).startswith("attention_with_kvcache") or type(e) not in (AttentionInputError, AttentionDtypeError, TypeError):
             raise
         raise type(e)(f"attention_with_kvcache: {' '.join(str(e).split())}") from None
     if c.k is not None:
