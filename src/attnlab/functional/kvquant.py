@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.cacheview import dequantize_rows
 from ..shapes import AttentionDtypeError, AttentionInputError, shape_str
 from .storage import _check_shape, empty_kv_cache
 
@@ -298,15 +299,6 @@ def quantize_rows(x: torch.Tensor, group_size: int | None = None) -> tuple[torch
     """x [.., D] -> (int8 data, float32 scale): one scale per row ([..]), or per ``group_size`` channels
     ([.., D / group_size]; Note [int8 KV groups])."""
     return _quantize(x, _groups("quantize_rows", x.shape[-1], group_size))
-
-
-def dequantize_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 data [.., D] and its float32 scale [..] (per row) or [.., groups] -> data · scale, float32 [.., D]."""
-    x = data.to(torch.float32)
-    if scale.dim() == data.dim():  # (.., groups): each group of D / groups channels times its scale
-        ng = scale.shape[-1]
-        return (x.reshape(*x.shape[:-1], ng, -1) * scale.unsqueeze(-1)).reshape(x.shape)
-    return x * scale.unsqueeze(-1)
 
 
 # -- the two points where a cache's format meets a decode call (attention_with_kvcache, the HF int8 cache) ----

@@ -19,7 +19,7 @@ import torch
 
 from .spec import Request
 
-__all__ = ["CacheCall", "UNBOUNDED", "layout_of"]
+__all__ = ["CacheCall", "UNBOUNDED", "layout_of", "dequantize_rows"]
 
 #: a window side that is not bounded (keys i - left .. i + right; far beyond any cache, no int64 overflow)
 UNBOUNDED = 1 << 50
@@ -38,13 +38,15 @@ def layout_of(t: torch.Tensor) -> str:
     return "heads-first" if t.shape[2] == 1 or t.stride(2) >= t.shape[1] * t.stride(1) else "tokens-first"
 
 
-def _dequantized(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 rows x [P, T, Hkv, D] and their float32 scales [P, T, Hkv] (per row) or [P, T, Hkv, G] (per group of
-    D / G channels: functional.kvquant's Note [int8 KV groups]) -> float32 x · scale."""
-    xf = x.to(torch.float32)
-    if scale.dim() == 4:
-        return (xf.unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)).flatten(-2)  # (P, T, Hkv, G, D/G)
-    return xf * scale.unsqueeze(-1)
+def dequantize_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 data [.., D] and its float32 scale [..] (per row) or [.., groups] (per group of D / groups channels:
+    functional.kvquant's Note [int8 KV groups]) -> data · scale, float32 [.., D]. The one dequantisation of
+    attnlab's int8 rows (``functional.kvquant`` reads it from here)."""
+    x = data.to(torch.float32)
+    if scale.dim() == data.dim():  # (.., groups): each group of D / groups channels times its scale
+        ng = scale.shape[-1]
+        return (x.reshape(*x.shape[:-1], ng, -1) * scale.unsqueeze(-1)).reshape(x.shape)
+    return x * scale.unsqueeze(-1)
 
 
 @dataclass
@@ -99,6 +101,11 @@ class CacheCall:
         """An int8 cache (k and v int8 with per-row scales)."""
         return self.k_scale is not None
 
+    @property
+    def windowed(self) -> bool:
+        """Whether the window can hide a key at some S (else no key is hidden at any S: ``banded`` is False)."""
+        return self.left < UNBOUNDED or self.right < self.q.shape[1] - 1
+
     def banded(self, S: int | None = None) -> bool:
         """Whether the window hides some key from some query (the last query at S - 1 sees back to key 0 when
         left >= S - 1; the first, at S - L, sees the last key when right >= L - 1)."""
@@ -121,9 +128,8 @@ class CacheCall:
         window), as a tuple: the memo key of ``planner.plan_cache`` (Note [Cache plans]). Whether the window
         hides keys is judged at S."""
         a, q = self.alibi_slopes, self.q
-        windowed = self.left < UNBOUNDED or self.right < q.shape[1] - 1  # (else no key is hidden at any S)
         return (self.kind, self.layout, self.k_scale is not None, q.shape, q.dtype, q.device.type, self.k.shape[2], self.v.shape[3],
-                windowed and self.banded(S), self.keep is not None, bool(self.softcap),
+                self.windowed and self.banded(S), self.keep is not None, bool(self.softcap),
                 None if a is None else a.dim(), self.need_lse, self.sinks is not None)
 
     # -- the cache as ordinary tensors, for kernels that read no view (and for other devices) -----------------
@@ -139,7 +145,7 @@ class CacheCall:
         B, S = self.q.shape[0], self.S
         k, v = self.k, self.v
         if self.quantized:
-            k, v = _dequantized(k, self.k_scale), _dequantized(v, self.v_scale)
+            k, v = dequantize_rows(k, self.k_scale), dequantize_rows(v, self.v_scale)
         if self.block_table is None:
             kd, vd = k[:, :S], v[:, :S]
         else:

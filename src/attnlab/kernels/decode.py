@@ -264,10 +264,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         # and ``.contiguous()`` is a no-op for a size-1 last dim of any stride (compiled's Note [Operand strides])
         return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
-    if k_scale is not None and k_scale.dim() == 4:  # group scales: each row's groups side by side (csrc Note
-        k_scale, v_scale = last(k_scale), last(v_scale)  # [Decode int8 groups])
-    elif v_scale is not None and v_scale.dim() == 4:
-        v_scale = last(v_scale)
+    # group scales [P, T, Hkv, G]: each row's groups side by side (csrc Note [Decode int8 groups]); per-row scales
+    # [P, T, Hkv] are read through any strides
+    k_scale, v_scale = (s if s is None or s.dim() != 4 else last(s) for s in (k_scale, v_scale))
     res = ext.forward(last(q), last(k), last(v), out, block_table, seqlens, smax if smax is not None else 0, moff,
                       int(moff_all), int(left), int(right), keep,
                       bias, slopes, aoff, float(scale), float(softcap or 0.0), int(ns), hs, bool(return_partials),

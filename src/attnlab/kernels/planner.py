@@ -31,7 +31,7 @@ from .. import cpu
 from .. import kernels as K
 from ..files import format_bytes
 from . import KERNELS, Kernel, Request, Tiling, rates
-from .cacheview import UNBOUNDED, CacheCall
+from .cacheview import CacheCall
 from .rates import (COMPILED_BLOCK_SPEED, COMPILED_DENSE_DTYPES, PLAIN_MHA_DECODE_ON_SDPA, SPARSE_BLOCK_SPEED,
                     SPARSE_OVER_COMPILED)  # the built-in table, read here by its old names
 from . import compiled as compiled_kernel
@@ -440,7 +440,7 @@ def plan_cache(call: CacheCall, method: str = "auto", *, costs: bool = False) ->
     if not costs:  # Note [Cache plans]
         q, contiguous = call.q, call.kind == "contiguous"
         # (S only where it can matter: the rule's SDPA test reads a contiguous call's, a window is judged at it)
-        S = call.S if contiguous or call.left < UNBOUNDED or call.right < q.shape[1] - 1 else None
+        S = call.S if contiguous or call.windowed else None
         sdpa_wins = (contiguous and not call.quantized
                      and rates.current().plain_decode_on_sdpa(q.dtype, q.shape[2] != call.k.shape[2], S))
         key = (call.plan_key(S), method, sdpa_wins, S is None or S > 0)
