@@ -1,5 +1,55 @@
-"""The calibration grid's measurements (``functional.calibration``): inputs, ratios of interleaved timings, the
-fits of the size thresholds, and the training and decode steps of the grid.
+"""The calibration grid's measurements (``functional.calibration``): what it measures, its sizes
+(``CalibrationConfig``) and errors, inputs, ratios of interleaved timings, the fits of the size thresholds, and
+the training and decode steps of the grid.
+
+The grid (each case timed against the others it decides between, interleaved rounds, medians):
+
+1. the compiled kernel on dense fp32 at each block shape of ``planner.COMPILED_BLOCK_SPEED`` → its
+   relative speed per pair (the fastest 1.0), and its best tiles' GFLOP/s (``KERNEL_GFLOPS["compiled"]``);
+2. the gathered sparse kernel on a causal sliding window at each block edge of ``SPARSE_BLOCK_SPEED``
+   → GFLOP/s of the pairs it computes;
+3. SDPA, the tiled and the dense kernel on the same dense fp32 call → their GFLOP/s (``KERNEL_GFLOPS``:
+   the built-in ``Kernel.gflops`` are estimates from another machine);
+4. per dtype and size (``dense_ns``, the last one ``n``), dense and causal, MHA and GQA (``plain_heads``
+   query heads on ``plain_heads`` or ``gqa_kv_heads`` key/value heads: Note [The plain grid's heads]), the
+   compiled kernel against SDPA → ``COMPILED_DENSE_MIN_PAIRS`` (MHA) and ``COMPILED_GQA_MIN_PAIRS``: per
+   dtype and mask (dense, causal), the calls' pairs (H·n²) from which the compiled kernel is at least
+   ``MARGIN`` faster (Note [No margin for SDPA]), by a line fitted to log(speed ratio) over log(pairs)
+   (``_least_pairs``; None: it never wins), and ``COMPILED_DENSE_DTYPES``: the dtypes where it wins both
+   MHA cases at the largest size (``bench planner`` showed the choice turns on the size: on a 2-core Zen 5
+   the compiled kernel ran dense bf16 1.4-2.3x SDPA from n = 1024 but about half SDPA's speed at 8 x 512²).
+   Note [Calibration against the sweep]: one fit for dense and causal together, MHA alone, and ratios of
+   medians of 5 rounds disagreed with ``bench planner`` by 9-16 % under ``ONEDNN_MAX_CPU_ISA=AVX2`` (bf16:
+   causal's ratios pulled dense's line under MARGIN, "never" where the sweep had the compiled kernel
+   1.10-1.13x SDPA from 8 x 2048²; GQA, which SDPA runs on copied K/V, won from 2 x 8 x 512² where MHA lost).
+   So each mask kind and MHA/GQA has its own line, and every ratio is the median of per-round ratios (each
+   round times the two kernels back to back, so a load change between rounds cancels) over at least
+   ``min_rounds``. What pairing cannot fix: under a load above the core count (2.8 on 2 cores) every 2-thread
+   call waits for a descheduled thread, so calls shorter than the scheduler's 4 ms tick read whole ticks (a
+   0.3 ms decode call and its SDPA both 8.00 ms, an fp32 512² call 8.0 against 11.6 ms), ratios collapse
+   towards 1 and under MARGIN, and the file would say SDPA everywhere: the grid refuses such samples
+   (Note [Tick-bound samples] in ``functional.calibration``);
+5. on the same window, the compiled and the sparse kernel at their chosen blocks → ``SPARSE_OVER_COMPILED``:
+   the compiled kernel's speed per computed pair over the sparse kernel's;
+6. per dtype, plain decode calls (one query, ``decode_heads`` heads, MHA and GQA, cache lengths
+   ``decode_ns``) on the decode path against SDPA → ``DECODE_OVER_SDPA``: SDPA's time over the decode
+   path's at each length, and ``DECODE_MIN_KEYS``: the length from which the decode path wins, where a
+   line fitted to log(ratio) over log(S) crosses 1 (``_least_keys``; Note [Plain MHA decode] in
+   ``attnlab.kernels.planner``). The lengths span the sweep's (2048 ... 8192, with 4096 between: on the Zen
+   machine the decode path went from 0.73x SDPA at 2048 to 1.29x at 8192). One ratio per dtype and heads,
+   the geometric mean over the lengths, could not follow that: it said "SDPA" (0.97-0.99) where the sweep's
+   4096 measured the decode path 1.16x, or "decode path" where S = 1024 ran SDPA 1.2x faster.
+
+Note [The plain grid's heads]: 4) ran on the grid's ``heads`` (4; GQA 4 on 1) and the AVX2 sweep then
+missed 4 of its 62 calls by 10-14 %: on one key/value head SDPA's GQA copy is a quarter of the sweep's
+(B = 2, H = 8 on Hkv = 2), and fp32 GQA measured at most 1.08x SDPA at 4 x 2048², fitting "never" where the
+sweep's 2 x 8 x 1024² ran the compiled kernel 1.14x; bf16 MHA's points, 4 x 1024² (0.95x) and 4 x 2048²
+(1.10x), put the threshold above the sweep's 8 x 1024² (1.10x). 4) now runs 8 query heads, on 8 or 2
+key/value heads (the group size of the sweep's GQA and of common models; pairs 8n², so n = 1024 is 8.4M
+pairs, the sweep's point): with samples of at least ``min_sample_s`` the larger calls cost about 10 % more.
+
+Without the compiled extension only 2) and 3) are measured (the others keep the built-in table's values);
+without the decode extension 6) is skipped.
 
 Legend: H heads, L query length, S key length, D head dim; n the grid's sequence length.
 """
@@ -7,7 +57,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -16,14 +67,66 @@ from ..kernels import planner
 from ..kernels.spec import Request
 from ..shapes import prepare
 
-if TYPE_CHECKING:
-    from .calibration import CalibrationConfig
+__all__ = ["kernel_call", "decode_ratios", "train_ratios", "MARGIN", "CalibrationConfig", "TooNoisy",
+           "Preempted", "Cancelled", "Tick"]
 
-__all__ = ["kernel_call", "decode_ratios", "train_ratios", "MARGIN"]
-
+# Note [No margin for SDPA]: the compiled kernel takes a plain dense/causal call where it measured faster than
+# SDPA at all (MARGIN = 1), not by a safety margin. The planner's promise is "the fastest kernel", judged
+# within 5 %: where the two are within 5 % of each other either pick keeps it, so a margin can only turn
+# calls the compiled kernel wins by 5-13 % over to SDPA. With MARGIN = 1.05 the quiet AVX2 sweep
+# (ONEDNN_MAX_CPU_ISA=AVX2, 62 calls) picked within 5 % in 91.9 % of them: every miss a causal call the
+# compiled kernel ran 1.06-1.15x faster while the grid measured it 1.00-1.04x; refitted from the same
+# calibration's measurements with MARGIN = 1 (``bench.planner.replay``), 98.4 % (natively 96.8 -> 98.4 %).
 #: the speed ratio over SDPA from which the compiled kernel takes plain dense/causal calls of a dtype
-#: (Note [No margin for SDPA] in ``functional.calibration``)
 MARGIN = 1.0
+
+
+class TooNoisy(RuntimeError):
+    """The calibration's samples were tick-bound or scattered (Note [Tick-bound samples]): nothing was fitted
+    or written."""
+
+
+class Preempted(RuntimeError):
+    """The process's own work ran while the background grid timed (Note [Calibration yields]): the grid stopped
+    at its next clock reading; nothing was fitted or written."""
+
+
+class Cancelled(RuntimeError):
+    """The calibration was cancelled (its ``cancel`` event was set: the interpreter is exiting, Note [Calibration
+    at exit]) before it finished: nothing was fitted or written."""
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """The grid's sizes: q, k, v [1, heads, n, dim]; ``window`` for the band cases; ``dtypes`` for 4) and 6);
+    decode: q [1, decode_heads, 1, dim] against K/V of each length in ``decode_ns`` (GQA: 4 query heads per
+    key/value head)."""
+
+    n: int = 2048
+    heads: int = 4
+    dense_ns: tuple = (512, 1024)  # smaller sizes of 4), below n
+    # 4)'s head layouts (Note [The plain grid's heads]): MHA plain_heads x plain_heads, GQA plain_heads query heads
+    # on gqa_kv_heads key/value heads
+    plain_heads: int = 8
+    gqa_kv_heads: int = 2
+    dim: int = 64
+    window: int = 256
+    dtypes: tuple = (torch.float32, torch.bfloat16)
+    decode_heads: int = 8
+    decode_ns: tuple = (2048, 4096, 8192)
+    # 7) forward + backward (Note [Plan the pass that runs]): plain_heads x plain_heads MHA at these lengths
+    train_ns: tuple = (512, 1024, 2048)
+    # each sample spans many 4 ms scheduler ticks: on a shared machine a 20 ms sample is quantised to them
+    # (bench planner's rounds under a load of 4-6 on 2 cores read 8.00, 16.02, 20.04 ms)
+    # (Note [Calibration against the sweep]: 5 rounds' medians moved a ratio by 10 %; 9 rounds, never fewer
+    # than 5, fit the 60 s budget on 2 cores)
+    rounds: int = 9
+    min_rounds: int = 5
+    min_sample_s: float = 0.05
+    budget_s: float = 50.0
+
+
+Tick = Callable[[int, int, str], None]
 
 
 def _qkv(cfg: CalibrationConfig, dtype, kv_heads: int | None = None, heads: int | None = None):
@@ -60,10 +163,10 @@ def _dense_flops(H: int, L: int, S: int, D: int) -> int:
 
 def _least_pairs(points: list[tuple[float, float]]) -> float | None:
     """The pairs from which the compiled kernel is ``MARGIN`` faster than SDPA, from ``points`` = [(pairs,
-    SDPA's time / the compiled kernel's)] over the grid's sizes of one mask kind (Note [Calibration against the sweep]): a least-squares
-    line of log(ratio) against log(pairs) (one noisy size moves it less than it moves a per-size verdict),
-    where it crosses log(MARGIN). None when the line is under it at the largest size; never below the
-    smallest size measured (SDPA, the default, keeps the calls the grid did not measure)."""
+    SDPA's time / the compiled kernel's)] over the grid's sizes of one mask kind (Note [Calibration against the
+    sweep]): a least-squares line of log(ratio) against log(pairs) (one noisy size moves it less than it moves a
+    per-size verdict), where it crosses log(MARGIN). None when the line is under it at the largest size; never
+    below the smallest size measured (SDPA, the default, keeps the calls the grid did not measure)."""
     xs = [math.log(p) for p, _ in points]
     ys = [math.log(r) for _, r in points]
     lo, hi = min(xs), max(xs)
