@@ -204,7 +204,15 @@ def test_least_pairs_is_where_the_fitted_speed_ratio_crosses_the_margin():
     pts = [(p, MARGIN * (p / 4e6) ** 0.5) for p in (1e6, 4e6, 16e6) for _ in range(2)]
     assert _least_pairs(pts) == pytest.approx(4e6)
     assert _least_pairs([(1e6, 1.5), (16e6, 1.6)]) == 1e6  # wins over the whole grid: from its smallest size
-    assert _least_pairs([(1e6, 2.0), (16e6, 0.9)]) is None  # loses at the largest size: never
+    assert _least_pairs([(1e6, 2.0), (16e6, 0.9)]) is None  # loses at the largest size, falling: never
+    # rising but under the margin at the largest size (Note [One size past the grid]): the line's crossing, kept
+    # up to EXTRAPOLATE_PAIRS times the largest pairs, not further
+    from attnlab.functional.calibration_grid import EXTRAPOLATE_PAIRS
+
+    rising = [(p, MARGIN * (p / 32e6) ** 0.25) for p in (2e6, 8e6, 16e6)]  # crosses at 32e6, 2x the largest
+    assert _least_pairs(rising) == pytest.approx(32e6)
+    far = 16e6 * EXTRAPOLATE_PAIRS * 2
+    assert _least_pairs([(p, MARGIN * (p / far) ** 0.25) for p in (2e6, 8e6, 16e6)]) is None
     assert _least_pairs([(1e6, 0.5), (4e6, 3.0), (16e6, 1.2)]) is not None  # one noisy size moves the line only
     assert _least_pairs([(p, MARGIN * (p / 16e6)) for p in (1e6, 4e6, 16e6)]) == pytest.approx(16e6)  # just there
 

@@ -227,7 +227,7 @@ class Rule:
 #: n = 4096 MHA sent to SDPA where the decode path ran 1.06x faster, had two causes: one ratio per (dtype,
 #: heads), the mean over the lengths, and a grid that timed the decode path's ``run``, which rebuilds its
 #: arguments each call, where a repeated call runs it direct (12-25 us less: Note [Calibrate what runs] in
-#: ``functional.calibration``). Uncalibrated, float32 MHA goes to SDPA at every length
+#: ``functional.calibration_grid``). Uncalibrated, float32 MHA goes to SDPA at every length
 #: (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
 
 
