@@ -100,3 +100,37 @@ def test_kept_cache_plans_equal_fresh_ones(skewed):
     assert _CACHE_PLANS
     rates.make_current(rates.current())
     assert not _CACHE_PLANS
+
+
+def test_sdpa_step_is_the_full_path(skewed, monkeypatch):
+    """csrc Note [SDPA steps]: where the rule gives a plain heads-first step to SDPA, its direct path (the decode
+    extension's checks and append, then SDPA on views) appends the same rows and returns the same bits as the full
+    path's SDPA (checks in Python, ``SDPA.run_cache``); against float64; a call whose checks fail writes nothing."""
+    from attnlab.kernels import SDPA
+
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D, S = 8, 2, 64, 300
+    q, = (torch.randn(2, 1, H, D, generator=g),)
+    knew, vnew = (torch.randn(2, 1, Hkv, D, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(2, Hkv, S + 4, D, generator=g).transpose(1, 2) for _ in range(2))  # heads-first views
+    kc2, vc2 = kc.clone(), vc.clone()
+    k_old, v_old = kc[:, :S].clone(), vc[:, :S].clone()
+    taken = []
+    real = SDPA.step
+    monkeypatch.setattr(SDPA, "step", lambda *a: taken.append(real(*a)) or taken[-1])
+    with torch.no_grad():
+        out = attnlab.attention_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=S)
+        assert len(taken) == 1 and taken[0] is not None, "the SDPA step was not taken"
+        monkeypatch.setattr(SDPA, "step", lambda *a: None)  # the full path
+        full = attnlab.attention_with_kvcache(q, kc2, vc2, knew, vnew, cache_seqlens=S)
+        assert torch.equal(out, full) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        k = torch.cat([k_old, knew], 1).double().transpose(1, 2)
+        v = torch.cat([v_old, vnew], 1).double().transpose(1, 2)
+        ref = torch.as_tensor(reference.attention(q.double().transpose(1, 2), k, v, enable_gqa=True)[0])
+        assert (out.transpose(1, 2) - ref).abs().max() <= 1e-5  # fp32 arithmetic over S ~ 300 keys
+        before = kc.clone(), vc.clone()
+        for bad in ({"n0": S + 4}, {"n0": -1}, {"k": knew.double(), "v": vnew.double()}):
+            args = {"n0": S, "k": knew, "v": vnew} | bad
+            assert real(q, kc, vc, args["k"], args["v"], args["n0"], 0.125) is None, bad
+            assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]), f"{bad}: the caches changed"
+

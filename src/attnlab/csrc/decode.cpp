@@ -1297,12 +1297,17 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
 // each sequence's start: the full path's Python (checks, two index_put appends, the plan) cost 60-90 us over
 // the kernel at S = 512 once the kernel had evicted the caches. Other dtypes, a negative length or an overflow
 // return None, as above.
+//
+// Note [SDPA steps]: where the planner's plain-decode rule gives a plain step to SDPA (a heads-first cache,
+// kernels/planner.py Note [Plain MHA decode]), the step's checks and append run here (``attend`` false: an empty
+// tensor says they passed) and SDPA attends on views of the cache. The full path's Python in front of SDPA cost
+// bench decode's cold-cache MHA calls 1.5-1.7x SDPA's time at S 4,096 (B 1, H 8, D 64).
 std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                                       const std::optional<at::Tensor>& kn, const std::optional<at::Tensor>& vn,
                                       int64_t n0, const std::optional<at::Tensor>& table_in, bool causal,
                                       double scale, int64_t forced_splits, int64_t units_per_thread,
                                       int64_t min_split_keys, int64_t max_queries, int64_t unbounded,
-                                      const std::optional<at::Tensor>& lens_in) {
+                                      const std::optional<at::Tensor>& lens_in, bool attend) {
   const bool has_new = kn && kn->defined();
   if (has_new != (vn && vn->defined())) return std::nullopt;
   const auto dt = q.scalar_type();
@@ -1376,6 +1381,7 @@ std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc,
         }
     }
   }
+  if (!attend) return at::empty({0}, q.options());  // checked and appended: SDPA attends (Note [SDPA steps])
   // the head span and split count of kernels/decode.py (head_span, num_splits)
   const int64_t hs = Hkv > 1 && T > 1 && std::abs(kc.stride(2)) < std::abs(kc.stride(1)) ? Hkv : 1;
   int64_t ns = forced_splits;

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..kernels import DECODE, Declined
+from ..kernels import DECODE, SDPA, Declined
 from ..kernels.cacheview import layout_of
 from ..kernels.planner import plain_decode_kernel, plan_cache
 from ..shapes import AttentionDtypeError, AttentionInputError
@@ -88,20 +88,21 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                                  alibi_slopes, rotary, rotary_cos, rotary_sin, scale, num_splits, return_lse, sinks)
     if ((type(cache_seqlens) is int and 0 <= cache_seqlens < 2**62 or type(cache_seqlens) is torch.Tensor)
             and type(k_cache) is torch.Tensor and type(q) is torch.Tensor and q.dim() == 4 and k_cache.dim() == 4
-            and q.device.type == "cpu"
-            and rotary is None and rotary_cos is None and window_size is None and not return_lse
-            and num_splits is None and alibi_slopes is None and not softcap and sinks is None
+            and q.device.type == "cpu" and rotary is None and rotary_cos is None and window_size is None
+            and not return_lse and num_splits is None and alibi_slopes is None and not softcap and sinks is None
             and (scale is None or type(scale) in (int, float) and math.isfinite(scale))):
-        # Note [Plain steps on the decode kernel]: the decode kernel's direct path (one extension call), wherever the
-        # one rule gives a plain step that kernel: always for pages, per-sequence lengths or a tokens-first cache
-        # (SDPA reads none of them: Note [Cache layouts]); on a heads-first cache where SDPA does not win.
+        # Note [Plain steps on the decode kernel]: a plain step takes the direct path of the kernel the one rule gives
+        # it: the decode kernel for pages, per-sequence lengths or a tokens-first cache (SDPA reads none: Note [Cache
+        # layouts]); on a heads-first cache the rule's pick. The checks and the append are one extension call.
+        sc, out = scale if scale is not None else 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0, None
         if (block_table is not None or type(cache_seqlens) is not int or layout_of(k_cache) == "tokens-first"
                 or plain_decode_kernel(q.dtype, q.shape[2], k_cache.shape[2], cache_seqlens + (
                     k.shape[1] if type(k) is torch.Tensor and k.dim() == 4 else 0)) is DECODE):
-            sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[3]) if q.shape[3] else 1.0
             out = DECODE.step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, bool(is_causal), sc)
-            if out is not None:
-                return out
+        elif q.shape[1] == 1 or not is_causal:  # SDPA's direct path, every query seeing every key (Note [SDPA steps])
+            out = SDPA.step(q, k_cache, v_cache, k, v, cache_seqlens, sc)
+        if out is not None:
+            return out
     try:
         c = cacheargs.check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, window_size, softcap,
                             alibi_slopes, rotary, rotary_cos, rotary_sin, rotary_interleaved, scale, num_splits,
@@ -110,9 +111,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
         if str(e).startswith("attention_with_kvcache") or type(e) not in (AttentionInputError, AttentionDtypeError, TypeError):
             raise
         raise type(e)(f"attention_with_kvcache: {' '.join(str(e).split())}") from None
-    if c.k is not None:
-        append_kv(c.k_cache, c.k, c.start, pos=c.pos, block_table=c.call.block_table)
-        append_kv(c.v_cache, c.v, c.start, pos=c.pos, block_table=c.call.block_table)
+    for cache, new in ((c.k_cache, c.k), (c.v_cache, c.v)) if c.k is not None else ():  # checked, then appended
+        append_kv(cache, new, c.start, pos=c.pos, block_table=c.call.block_table)
     out, lse = _run(c.call)
     return (out, lse) if return_lse else out
 

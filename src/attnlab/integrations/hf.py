@@ -41,7 +41,7 @@ from .. import mechanisms
 from .. import patterns as P
 from ..functional import METHODS, attention
 from ..functional.storage import append_kv
-from ..kernels import DECODE, Declined
+from ..kernels import DECODE, SDPA, Declined
 from ..kernels.cacheview import CacheCall, layout_of
 from ..kernels.planner import plain_decode_kernel, plan_cache
 from ..nn.hooks import AttentionHooks, HookContext
@@ -185,13 +185,15 @@ def _decode_step(mech, query, key, value, mask, scaling, module, is_causal, need
                               or not sinks.dtype.is_floating_point):
         return None  # attnlab.attention checks them and says what is wrong
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if mask is None and not softcap and sinks is None and (
-            mech != "auto" or plain_decode_kernel(q.dtype, H, k.shape[2], S, layout_of(k)) is DECODE):
-        # a plain step the one rule gives the decode kernel: its direct path (planner Note [Plain MHA decode],
-        # csrc Note [One-call decode step]), without building the call and its plan
-        out = DECODE.step(q, k, v, None, None, S, None, bool(is_causal), scale)
+    if mask is None and not softcap and sinks is None:
+        # a plain step: the direct path of the kernel the one rule gives it (planner Note [Plain MHA decode]; csrc
+        # Notes [One-call decode step], [SDPA steps]), without building the call and its plan
+        if mech != "auto" or plain_decode_kernel(q.dtype, H, k.shape[2], S, layout_of(k)) is DECODE:
+            out = DECODE.step(q, k, v, None, None, S, None, bool(is_causal), scale)
+        else:
+            out = SDPA.step(q, k, v, None, None, S, scale)
         if out is not None:
-            return out
+            return out.contiguous()
     call = CacheCall(q, k, v, scale, S, keep=mask, softcap=softcap or None, sinks=sinks)
     try:
         plan = plan_cache(call, _STEP_MECHANISMS[mech])

@@ -278,14 +278,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
 
 def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, n0: int | torch.Tensor, block_table: torch.Tensor | None, causal: bool,
-                scale: float) -> torch.Tensor | None:
+                scale: float, attend: bool = True) -> torch.Tensor | None:
     """The plain decode step in one extension call (csrc Note [One-call decode step]): append k, v [B, Lnew,
     Hkv, D|Dv] (or none) at token ``n0`` of every sequence of the floating cache [B, S, Hkv, D] (or page pool
     with an int32 ``block_table``), or at ``n0[b]`` of sequence b for an int32 / int64 tensor [B] (csrc Note
     [One-call step lengths]), then attend q [B, L, H, D] to each sequence's keys up to its new length
     (bottom-right causal or every key): out [B, L, H, Dv]. Returns None, having written nothing, where the
     extension is missing or the call is anything else (or bad input): the caller's full path then runs and names
-    the error."""
+    the error. ``attend=False``: the checks and the append only (an empty tensor where they passed: csrc Note
+    [SDPA steps])."""
     ext = _load()
     if ext is None:
         return None
@@ -293,7 +294,7 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
     lens = n0 if type(n0) is torch.Tensor else None
     return ext.step(q, k_cache, v_cache, k, v, 0 if lens is not None else n0, block_table, bool(causal),
                     float(scale), max(1, int(forced)) if forced else 0, UNITS_PER_THREAD, MIN_SPLIT_KEYS,
-                    MAX_QUERIES, UNBOUNDED, lens)
+                    MAX_QUERIES, UNBOUNDED, lens, bool(attend))
 
 
 def step_heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .decode import decode_step
 from .kernel import Declined, Kernel, materialize
 from .spec import KernelSpec, Request, Tiling, alibi_mask_bytes, io_bytes
 
@@ -235,6 +236,19 @@ class SDPAKernel(Kernel):
             return out, None, None
         return sdpa(p.q, k, v, materialize(mask, p), p.dropout_p, False, info.scale, gqa), None, None
 
+
+    def step(self, q, k_cache, v_cache, k, v, n0: int, scale: float):
+        """A plain step on a heads-first cache (every query sees every key), its direct path (csrc Note [SDPA
+        steps]): the decode extension checks and appends k, v [B, Lnew, Hkv, D|Dv] at token n0 (one length), then
+        SDPA on views of the cache's first n0 + Lnew rows: out [B, L, H, Dv] (a view), or None, nothing written,
+        where the checks do not pass (the caller's full path then names the error)."""
+        if decode_step(q, k_cache, v_cache, k, v, n0, None, False, scale, attend=False) is None:
+            return None
+        n = n0 + (k.shape[1] if k is not None else 0)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :n].transpose(1, 2),
+                                             v_cache[:, :n].transpose(1, 2), scale=scale,
+                                             enable_gqa=q.shape[2] != k_cache.shape[2])
+        return out.transpose(1, 2)
 
     def run_cache(self, c):
         """(out [B, L, H, Dv], None) for a contiguous KV-cache view (the one cache view it declares): SDPA on views
