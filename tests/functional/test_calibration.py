@@ -316,18 +316,23 @@ def test_explain_says_which_measured_decode_ratio_at_which_length_decided(calibr
                                rtol=2e-5, atol=2e-5)
 
 
-def test_least_keys_is_where_the_fitted_decode_ratio_crosses_one():
+def test_least_keys_is_where_the_fitted_decode_ratio_crosses_the_margin():
+    """Note [SDPA keeps decode by a margin]: the decode path takes plain decode from where SDPA's time over its
+    own, on the fitted line, reaches 1 / DECODE_MARGIN."""
     from attnlab.functional.calibration import _least_keys
+    from attnlab.functional.calibration_grid import DECODE_MARGIN
 
-    # ratio = (S / 3000) ** 0.3: crosses 1 at exactly 3000 keys
-    assert _least_keys([(n, (n / 3000) ** 0.3) for n in (2048, 4096, 8192)]) == pytest.approx(3000)
+    # ratio = (S / 3000) ** 0.3 / DECODE_MARGIN: reaches 1 / DECODE_MARGIN at exactly 3000 keys
+    assert _least_keys([(n, (n / 3000) ** 0.3 / DECODE_MARGIN) for n in (2048, 4096, 8192)]) == pytest.approx(3000)
     # wins at every length measured: every length (the line is not extrapolated below the shortest)
     assert _least_keys([(n, (n / 500) ** 0.3) for n in (2048, 4096, 8192)]) == 0.0
-    assert _least_keys([(2048, 0.7), (8192, 0.9)]) is None  # loses at the longest: never
+    assert _least_keys([(2048, 0.7), (8192, 0.9)]) is None  # SDPA more than the margin faster at the longest: never
     assert _least_keys([(2048, 1.5), (8192, 1.2)]) == 0.0  # wins at the longest and more below: everywhere
     assert _least_keys([(64, 1.1)]) == 0.0 and _least_keys([(64, 0.9)]) is None  # one length: its verdict
+    tie = 1 / DECODE_MARGIN ** 0.5  # SDPA faster, but by less than the margin: the decode path
+    assert _least_keys([(64, tie)]) == 0.0 and _least_keys([(2048, tie), (4096, tie), (8192, tie)]) == 0.0
     # the probe of Note [Plain MHA decode]: one noisy length moves the line, not the verdict at the others
-    least = _least_keys([(2048, 0.92), (4096, 1.28), (8192, 1.12)])
+    least = _least_keys([(2048, 0.85), (4096, 1.28), (8192, 1.12)])  # (SDPA over the margin faster at 2048)
     assert 1024 < least < 4096
 
 

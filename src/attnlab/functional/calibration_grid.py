@@ -195,16 +195,30 @@ def _least_pairs(points: list[tuple[float, float]]) -> float | None:
     return float(math.exp(mx + (target - my) / slope))  # slope > 0 here: it crosses between lo and hi
 
 
+# Note [SDPA keeps decode by a margin]: the plain-decode rule serves three doors, and the grid times the calls of
+# one, ``attention()``'s direct calls. At the KV-cache door and the HF step a plain step is one extension call on
+# the decode kernel, but checks, views and SDPA on SDPA's side: per call, in one harness on the AMX Xeon (MHA 8 x
+# 64, S 2048-8192, 9 interleaved rounds, hot / after a 64 MiB pass), that side took 1.08-1.24x / 1.14-1.47x the
+# time of ``DECODE.step``, while SDPA called direct took 0.81-1.05x / 0.92-0.98x. Multi-head decode sits at that
+# tie (the grid's ratios 0.98, 1.05, 0.98 over S 2048-8192 in fp32), so the fit's verdict flipped between runs,
+# and on SDPA's side bench decode's cold MHA rows at S 4096 ran 0.73-0.84x SDPA at the KV-cache door where the
+# decode kernel had run 1.00x. So SDPA keeps a plain decode call only where it measured DECODE_MARGIN faster: in
+# a tie the decode kernel, which ``attention()`` runs within that margin and the other doors run faster.
+#: how much faster SDPA must measure (SDPA's time over the decode path's under 1 / this) to keep plain decode
+DECODE_MARGIN = 1.05
+
+
 def _least_keys(points: list[tuple[int, float]]) -> float | None:
-    """The cache length from which the decode path beats SDPA on plain decode calls, from ``points`` = [(S,
-    SDPA's time / the decode path's)] (step 6): where a least-squares line of log(ratio) against log(S) crosses
-    0, never outside the lengths measured: 0.0 (every length) when the line is over 0 at the shortest and at
-    the longest length (the one-length case included: its verdict), None (never) when it is under 0 at the
-    longest (the threshold model has no "up to": a line falling with S that wins only short caches keeps
-    SDPA). Not extrapolated below the shortest length: a busy grid measured bf16 MHA at 1.00-1.10x where
-    a quiet one measured 10x, and its line's extrapolation sent caches under 1615 keys to SDPA."""
+    """The cache length from which the decode path takes plain decode calls, from ``points`` = [(S, SDPA's time /
+    the decode path's)] (step 6): where a least-squares line of log(ratio) against log(S) crosses
+    -log(DECODE_MARGIN) (Note [SDPA keeps decode by a margin]), never outside the lengths measured: 0.0 (every
+    length) when the line is over it at the shortest and at the longest length (the one-length case included:
+    its verdict), None (never) when it is under it at the longest (the threshold model has no "up to": a line
+    falling with S that wins only short caches keeps SDPA). Not extrapolated below the shortest length: a busy
+    grid measured bf16 MHA at 1.00-1.10x where a quiet one measured 10x, and its line's extrapolation sent caches
+    under 1615 keys to SDPA."""
     xs = [math.log(n) for n, _ in points]
-    ys = [math.log(r) for _, r in points]
+    ys = [math.log(r) + math.log(DECODE_MARGIN) for _, r in points]  # 0: SDPA exactly DECODE_MARGIN faster
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
