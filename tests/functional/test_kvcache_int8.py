@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attnlab
 from attnlab import reference
@@ -301,3 +303,61 @@ def test_bad_group_scales_raise():
         QuantizedKV(data, torch.zeros(2, 10, 2, 4))
     with pytest.raises(ValueError, match="group_size must divide the head dim D=64"):
         QuantizedKV.quantize(torch.randn(2, 10, 2, 64), group_size=48)
+
+
+# -- the group-scaled format, fuzzed against float64 ---------------------------------------------------
+@needs_ext
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_group_scaled_cache_fuzzed_against_float64(data):
+    """Note [int8 KV groups]: random batches, head layouts, head dims, group sizes, per-sequence lengths, appends,
+    query counts, rotated or plain keys and page sizes, through ``attention_with_kvcache`` on a group-scaled int8
+    cache. The oracle is float64 attention on what the cache holds after the call (its rows dequantised in
+    float64, bottom-right causal over each sequence's keys). The budget is the kernel's own arithmetic: fp32
+    rounding of the scores and the sum (a few eps of |q||k| D^-1/2 and of max|v|) plus the int16 query's
+    rounding (csrc Note [Decode int8 scores], ``_q16_score_error``); a score error ds moves an output by at most
+    2 ds max|v|."""
+    B = data.draw(st.integers(1, 3), label="B")
+    Hkv = data.draw(st.integers(1, 2), label="Hkv")
+    H = Hkv * data.draw(st.integers(1, 3), label="group")
+    D = data.draw(st.sampled_from([32, 64, 96, 128]), label="D")
+    gs = data.draw(st.sampled_from([g for g in (32, 64, 96, 128) if D % g == 0]), label="group_size")
+    S = data.draw(st.integers(2, 90), label="capacity")
+    Lnew = data.draw(st.integers(0, 2), label="Lnew")
+    L = data.draw(st.integers(1, 2), label="L")
+    rotate = data.draw(st.booleans(), label="rotate")
+    page = data.draw(st.sampled_from([None, 5, 16]), label="page")
+    lens = torch.tensor([data.draw(st.integers(max(0, L - Lnew), S - Lnew), label=f"len{b}") for b in range(B)])
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
+    k0[..., :32] *= data.draw(st.sampled_from([1.0, 20.0]), label="outlier")  # a group far above the others
+    kq = QuantizedKV.quantize(k0, group_size=gs, rotate=rotate)
+    vq = QuantizedKV.quantize(v0, group_size=gs)
+    table = None
+    if page is not None:
+        g1 = lambda: torch.Generator().manual_seed(1)  # noqa: E731  (the same pages for every tensor)
+        kd, table = _paged(kq.data, page, g1())
+        kq = QuantizedKV(kd, _paged(kq.scale, page, g1())[0], rotation=kq.rotation)
+        vq = QuantizedKV(_paged(vq.data, page, g1())[0], _paged(vq.scale, page, g1())[0])
+    q = torch.randn(B, L, H, D, generator=gen)
+    kn, vn = (torch.randn(B, Lnew, Hkv, D, generator=gen) for _ in range(2)) if Lnew else (None, None)
+    with torch.no_grad():
+        out = attnlab.attention_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=lens, block_table=table)
+    n = lens + Lnew
+    kf, vf = kq.dequantize(torch.float64), vq.dequantize(torch.float64)  # what the cache holds now
+    if table is not None:  # the pool's rows back in sequence order
+        j = torch.arange(int(n.max()))
+        kf, vf = kf[table.long()[:, j // page], j % page], vf[table.long()[:, j // page], j % page]
+    kh, vh = kf[:, : int(n.max())].transpose(1, 2), vf[:, : int(n.max())].transpose(1, 2)
+    j = torch.arange(kh.shape[2]).view(1, 1, -1)
+    pos = torch.arange(L).view(1, L, 1) + (n - L).view(B, 1, 1)
+    keep = ((j < n.view(B, 1, 1)) & (j <= pos)).unsqueeze(1)  # (B, 1, L, S): bottom-right causal
+    ref = torch.as_tensor(reference.attention(q.double().transpose(1, 2), kh, vh, attn_mask=keep,
+                                              enable_gqa=True)[0])
+    eps = torch.finfo(torch.float32).eps
+    qr = q if kq.rotation is None else q @ kq.rotation.T
+    kr = kh.float() if kq.rotation is None else kh.float() @ kq.rotation.T
+    ds = 4 * eps * float(q.norm(dim=-1).max() * kh.norm(dim=-1).max()) * D ** -0.5 + _q16_score_error(qr, kr)
+    tol = 2 * (2 * ds + 4 * eps) * float(vh.abs().max())
+    err = float((out.transpose(1, 2).double() - ref).abs().max())
+    assert err <= tol, (err, tol)
