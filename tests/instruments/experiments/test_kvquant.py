@@ -1,10 +1,13 @@
 """attnlab experiment kvquant (``experiments/kvquant.py``): its q8_0 simulation equals ggml's definition written
-here, the decode kernel's error on attnlab's formats equals the simulated one within the kernel's rounding, the
-chosen format (Hadamard-rotated keys) is at most q8_0's error on keys with outlier channels, and the report is
-written. SmolLM2 is not loaded (tokens=0): its measurement is the experiment's full run."""
+here, its group formats (int8-g32, int8-g32-hadamard) equal Note [int8 KV groups]'s definition written here, the
+decode kernel's error on attnlab's formats (the group formats included) equals the simulated one within the
+kernel's rounding, the chosen format (Hadamard-rotated keys) is at most q8_0's error on keys with outlier channels,
+groups of 32 are at most the per-token rows' error on Gaussian keys, and the report is written. SmolLM2 is not
+loaded (tokens=0): its measurement is the experiment's full run."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,41 @@ def test_q8_0_is_ggml_s():
         E.q8_0(torch.zeros(2, 40))
 
 
+def _hadamard(D):
+    """Sylvester's Hadamard matrix of a power-of-2 D, normalised, float32 (built in float64)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < D:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(D)).float()
+
+
+def _groups(x, gs, rotate):
+    """Note [int8 KV groups] (float64 out): keys rotated in float32 first (x Rᵀ), then per gs channels of each row
+    s = max|group| / 127 in float32, q = round(x / s) (half to even, |q| <= 127), dequantised as q · s (@ R)."""
+    h = _hadamard(x.shape[-1])
+    xf = x.float() @ h.T if rotate else x.float()
+    xg = xf.reshape(*xf.shape[:-1], -1, gs)
+    s = xg.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.where(s > 0, xg / safe, torch.zeros_like(xg)).round().clamp(-127, 127)
+    y = (q.double() * s.double()).reshape(x.shape)
+    return y @ h.double() if rotate else y
+
+
+@pytest.mark.parametrize("shape", [(1, 512, 2, 128), (1, 300, 3, 64)])
+def test_group_formats_are_the_notes(shape):
+    """Bit for bit, keys and values, at the experiment's sizes (synthetic [1, S, Hkv, 128] and SmolLM2's
+    [1, S, 3, 64]: rows enough that the library rotates by one float32 matmul, as the oracle does), with an outlier
+    channel and an all-zero row (scale 0)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 3
+    x[..., 5] *= 20
+    x[0, 0, 0] = 0
+    for name, rot in (("int8-g32", False), ("int8-g32-hadamard", True)):
+        assert name in E.FORMATS and name in E.KERNEL_FORMATS
+        assert torch.equal(E.fake_quant(name, x, "k", 64), _groups(x, 32, rot)), name
+        assert torch.equal(E.fake_quant(name, x, "v", 64), _groups(x, 32, False)), name  # values never rotated
+
+
 @pytest.mark.skipif(not dk.available(), reason="decode extension")
 def test_quick_run_and_report(tmp_path, one_thread):
     """Kernel and simulation agree within 1 % of the error itself (the kernel's float32 and int16-query
@@ -38,11 +76,16 @@ def test_quick_run_and_report(tmp_path, one_thread):
     cfg = E.KvquantConfig(quick=True, seeds=(0,), S=512, H=8, Hkv=2, D=128, n0=64, tokens=0)
     r = E.run(cfg)
     assert set(r.errors) == {"outlier keys", "gaussian keys"}
+    assert set(r.kernel) == set(r.errors)
     for data, e in r.kernel.items():
+        assert set(e) == set(E.KERNEL_FORMATS) >= {"int8-g32", "int8-g32-hadamard"}, data
         for f, x in e.items():
             assert abs(x - r.errors[data][f]) <= 0.01 * r.errors[data][f], (data, f)
-    out = r.errors["outlier keys"]
+    out, gauss = r.errors["outlier keys"], r.errors["gaussian keys"]
     assert out["int8-hadamard"] <= out["q8_0"] < out["int8"]
+    assert out["int8-g32-hadamard"] <= out["q8_0"] and out["int8-g32"] <= out["int8"]
+    # a block of 32 Gaussians has a smaller max than a row of 128 (Note [int8 KV groups]): a smaller step
+    assert gauss["int8-g32"] <= gauss["int8"] and gauss["int8-g32-hadamard"] <= gauss["int8-hadamard"]
     paths = r.write(tmp_path)
     res = json.loads(Path(paths["results"]).read_text())
     assert res["experiment"] == "kvquant" and (tmp_path / "kvquant.png").exists()
