@@ -41,7 +41,26 @@ def _paged_caches(kq: QuantizedKV, vq: QuantizedKV, page):
     ks, _ = _paged(kq.scale.unsqueeze(-1), page, gen())
     vd, _ = _paged(vq.data, page, gen())
     vs, _ = _paged(vq.scale.unsqueeze(-1), page, gen())
-    return QuantizedKV(kd, ks[..., 0].contiguous()), QuantizedKV(vd, vs[..., 0].contiguous()), table
+    return (QuantizedKV(kd, ks[..., 0].contiguous(), kq.channel, kq.rotation),
+            QuantizedKV(vd, vs[..., 0].contiguous(), vq.channel, vq.rotation), table)
+
+
+def _vnni_same_bits(kq: QuantizedKV, vq: QuantizedKV, page, gen) -> None:
+    """Outputs and lse of a decode call (B 2, S 90, GQA 6/2, 3 queries, per-sequence lengths) through int8 caches
+    kq, vq [2, 90, 2, D] (paged by ``page``), equal bit for bit with the VNNI scores on and off."""
+    kq, vq, table = _paged_caches(kq, vq, page)
+    q = torch.randn(2, 3, 6, kq.shape[3], generator=gen)
+    lens = torch.tensor([90 - 3, 41])
+    run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table,  # noqa: E731
+                                                 return_lse=True)
+    try:
+        a = run()
+        dk.set_vnni(False)
+        assert not dk.vnni()
+        b = run()
+    finally:
+        dk.set_vnni(True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def _q16_score_error(q: torch.Tensor, k: torch.Tensor) -> float:
@@ -212,22 +231,9 @@ def test_vnni_scores_give_the_same_bits(D, page):
     if not dk.vnni():
         pytest.skip("this CPU lacks avx512_vnni (or the decode build is not AVX-512): one path only")
     gen = torch.Generator().manual_seed(D)
-    B, S, H, Hkv, L = 2, 90, 6, 2, 3
-    kq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen))
-    vq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen))
-    kq, vq, table = _paged_caches(kq, vq, page)
-    q = torch.randn(B, L, H, D, generator=gen)
-    lens = torch.tensor([S - L, 41])
-    run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table,  # noqa: E731
-                                                 return_lse=True)
-    try:
-        a = run()
-        dk.set_vnni(False)
-        assert not dk.vnni()
-        b = run()
-    finally:
-        dk.set_vnni(True)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    kq = QuantizedKV.quantize(torch.randn(2, 90, 2, D, generator=gen))
+    vq = QuantizedKV.quantize(torch.randn(2, 90, 2, D, generator=gen))
+    _vnni_same_bits(kq, vq, page, gen)
 
 
 @needs_ext
@@ -240,22 +246,9 @@ def test_vnni_group_scores_give_the_same_bits(D, page):
     if not dk.vnni():
         pytest.skip("this CPU lacks avx512_vnni (or the decode build is not AVX-512): one path only")
     gen = torch.Generator().manual_seed(D + 1)
-    B, S, H, Hkv, L = 2, 90, 6, 2, 3
-    kq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen), rotate=True, group_size=32)
-    vq = QuantizedKV.quantize(torch.randn(B, S, Hkv, D, generator=gen), group_size=32)
-    kq, vq, table = _paged_caches(kq, vq, page)
-    q = torch.randn(B, L, H, D, generator=gen)
-    lens = torch.tensor([S - L, 41])
-    run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table,  # noqa: E731
-                                                 return_lse=True)
-    try:
-        a = run()
-        dk.set_vnni(False)
-        assert not dk.vnni()
-        b = run()
-    finally:
-        dk.set_vnni(True)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    kq = QuantizedKV.quantize(torch.randn(2, 90, 2, D, generator=gen), rotate=True, group_size=32)
+    vq = QuantizedKV.quantize(torch.randn(2, 90, 2, D, generator=gen), group_size=32)
+    _vnni_same_bits(kq, vq, page, gen)
 
 
 @needs_ext
@@ -333,12 +326,7 @@ def test_group_scaled_cache_fuzzed_against_float64(data):
     k0[..., :32] *= data.draw(st.sampled_from([1.0, 20.0]), label="outlier")  # a group far above the others
     kq = QuantizedKV.quantize(k0, group_size=gs, rotate=rotate)
     vq = QuantizedKV.quantize(v0, group_size=gs)
-    table = None
-    if page is not None:
-        g1 = lambda: torch.Generator().manual_seed(1)  # noqa: E731  (the same pages for every tensor)
-        kd, table = _paged(kq.data, page, g1())
-        kq = QuantizedKV(kd, _paged(kq.scale, page, g1())[0], rotation=kq.rotation)
-        vq = QuantizedKV(_paged(vq.data, page, g1())[0], _paged(vq.scale, page, g1())[0])
+    kq, vq, table = _paged_caches(kq, vq, page)
     q = torch.randn(B, L, H, D, generator=gen)
     kn, vn = (torch.randn(B, Lnew, Hkv, D, generator=gen) for _ in range(2)) if Lnew else (None, None)
     with torch.no_grad():
