@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+import attnlab
 from attnlab import sysinfo
 from attnlab.kernels import compiled
 from attnlab.verify import record
@@ -80,7 +82,16 @@ def test_the_command_refuses_to_replace_this_class_record_without_force(tmp_path
 
 def test_headline_pass_runs_on_small_sizes():
     """The headline stage's measurements run (small sizes here; the record uses the targets' sizes) and give
-    positive ratios for every call."""
+    positive ratios for every call, each kernel call naming auto's pick (Note [Headline pairs])."""
     h = record._headline_once(n=128, n_window=512, s_decode=1024, sample_s=0.004, rounds=2)
     assert {"float32 dense forward", "bfloat16 causal forward+backward"} <= set(h)
-    assert all(v > 0 for r in h.values() for v in r.values())
+    assert all(v > 0 for r in h.values() for v in r.values() if not isinstance(v, str))
+    for call in ("float32 dense forward", "bfloat16 causal forward+backward"):
+        assert h[call]["auto's pick"] == attnlab_pick(call)
+
+
+def attnlab_pick(call: str) -> str:
+    """What auto plans for a headline call at the test's n = 128 (a grad call is planned for its backward)."""
+    dt = torch.bfloat16 if call.startswith("bfloat16") else torch.float32
+    q = torch.randn(1, 8, 128, 64).to(dt).requires_grad_("backward" in call)
+    return attnlab.explain(q, q, q, is_causal="causal" in call).method
