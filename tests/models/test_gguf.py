@@ -182,3 +182,8 @@ def test_bench_generate_gguf_quick(tmp_path):
     for impl in ("attnlab", "sdpa"):
         assert row[impl]["prefill_seconds"] > 0 and row[impl]["decode_seconds_per_token"] > 0
     assert row["prefill_speedup"] > 0 and row["decode_speedup"] > 0
+    # Note [Paired generate rounds]: each speedup is the median of the rounds' paired ratios, recomputed here
+    import statistics
+    for key in ("prefill_speedup", "decode_speedup"):
+        rounds = row[key + "_rounds"]
+        assert rounds and all(r > 0 for r in rounds) and row[key] == statistics.median(rounds)

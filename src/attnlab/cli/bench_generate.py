@@ -60,8 +60,8 @@ def render(res: GenerateBench) -> None:
     if m.get("hf"):
         t = Table(title=f"{m['model']} generate ({m['layers']} layers, d={m['d_model']}, {m['heads']}/{m['kv_heads']} "
                         f"heads), greedy, {n_new} new tokens: attnlab vs transformers sdpa")
-        for col in ("prompt", "attnlab prefill s", "sdpa prefill s", "prefill speedup", "attnlab ms/token",
-                    "sdpa ms/token", "decode speedup", "same tokens"):
+        for col in ("prompt", "attnlab prefill s", "sdpa prefill s", "prefill speedup (paired)",
+                    "attnlab ms/token", "sdpa ms/token", "decode speedup (paired)", "same tokens"):
             t.add_column(col, justify="right")
         for r in res.rows:
             a, b = r["attnlab"], r["sdpa"]
