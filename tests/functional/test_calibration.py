@@ -492,3 +492,32 @@ def test_cli_calibrate_json_lists_every_fitted_entry(calibration_on, monkeypatch
     assert all(printed[name] == saved[name] for name in rates.RATE_NAMES)
     if compiled.available():
         assert set(printed["COMPILED_GQA_MIN_PAIRS"]) == {"float32 dense", "float32 causal"}
+
+
+@pytest.mark.skipif(kernels.DECODE.unavailable_reason() is not None, reason="no decode extension here")
+def test_decode_ratios_are_the_geometric_mean_of_both_doors():
+    """Note [Calibrate both doors]: step 6 times each door's plain decode call, attention()'s prepared one and the
+    KV-cache steps, each call once per round (called for real, so the calls run), and fits the geometric mean of
+    the two ratios. The timings are replaced by known ones: SDPA over decode is 0.5 at attention's door and 2.0
+    for the steps at every length, so the rule's ratio is exactly 1."""
+    from attnlab.functional.calibration_grid import _decode_ratios
+    from attnlab.timing import Timing
+
+    seen = []
+
+    def timed(calls):
+        for f in calls.values():
+            assert f() is not None  # every timed call runs, the steps included
+        seen.append(sorted(calls))
+        out = {}
+        for name in calls:  # decode 1 ms; SDPA 0.5 ms at attention's door, 2 ms as a step
+            t = 1e-3 if name.startswith("decode") else (2e-3 if " step " in name else 0.5e-3)
+            out[name] = Timing(times=[t, t * 1.01, t])
+        return out
+
+    cfg = CalibrationConfig(decode_ns=(64, 128), dtypes=(torch.float32,))
+    got = _decode_ratios(cfg, timed, lambda *a: None)
+    assert set(got) == {(torch.float32, False), (torch.float32, True)}
+    for pts in got.values():
+        assert set(pts) == {64, 128} and all(abs(x - 1.0) < 1e-9 for x in pts.values())
+    assert any(n.startswith("decode step ") for n in seen[0]) and any(n.startswith("sdpa step ") for n in seen[0])

@@ -282,19 +282,22 @@ def _train_ratios(cfg: CalibrationConfig, timings, step, ratio) -> dict:
     return out
 
 
-# Note [Calibrate the steps]: step 6 times the plain steps the doors run in a generation loop, the KV-cache API's
-# and the HF step's direct paths on a heads-first cache (``DECODE.step``, the one-call step; ``SDPA.step``, its
-# checks in the extension and SDPA on views: csrc Notes [One-call decode step], [SDPA steps]), not
-# ``attention(q, k, v)``'s prepared calls. Those two disagreed on the AMX Xeon (bf16, H 8, D 64, hot, medians of
-# per-round ratios, one session): SDPA's time over the decode path's 0.75 / 1.00 / 1.01 at S 2048 / 4096 / 8192
-# through ``attention``, 1.06 / 1.24 / 1.08 for the steps (the SDPA step's checks and views cost 12 us hot,
-# 80 cold). Fitted on the first, the rule sent bf16 MHA steps to SDPA at every length, and ``bench decode``'s
-# cold calls ran 0.71x SDPA's speed at S 4096 (the door's SDPA step at 1.4x plain SDPA's time, where the
-# one-call step ran 1.15x faster than plain SDPA). ``attention``'s plain decode calls follow the same rule;
-# on the same machine its two kernels measured within 1 % of each other there (0.99 at 2048), a tie either way.
+# Note [Calibrate both doors]: step 6 times plain decode calls at the two doors that take them, and the rule's
+# ratio is the geometric mean of the two: SDPA's time over the decode path's for ``attention(q, k, v)``'s prepared
+# calls (each kernel's direct path, Note [Calibrate what runs]), and for the plain steps of the KV-cache API and
+# the HF step on a heads-first cache (``DECODE.step``, the one-call step, against ``SDPA.step``, its checks in the
+# extension and SDPA on views: csrc Notes [One-call decode step], [SDPA steps]). The doors' fixed costs differ,
+# so their crossings do: on the AMX Xeon (bf16 MHA, H 8, D 64, hot, paired rounds) SDPA over the decode path
+# read 0.75 / 0.74 / 0.84 at S 512 / 1024 / 2048 through ``attention`` and 1.30 / 1.08 / 1.10 for the steps
+# (the SDPA step's checks and views cost about 8 us hot, 80 cold). Fitted on ``attention``'s calls alone, the
+# rule sent every bf16 MHA step to SDPA and ``bench decode``'s cold calls ran 0.71x SDPA's speed at S 4096 (the
+# one-call step 1.15x faster than plain SDPA there); fitted on the steps alone, the sweep's ``attention`` call at
+# S 1024 ran the decode path 1.36x SDPA's time. One rule serves both doors (the same call, the same kernel:
+# tests/functional/test_kvcache.py), so it is fitted between them: near its crossing each door gives up at most
+# half the gap between the two doors' ratios.
 def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> dict:
     """{(dtype, gqa): {S: SDPA's time over the decode path's at cache length S}} over ``cfg.decode_ns`` (step 6):
-    the plain steps on a heads-first cache, each kernel's direct path (Note [Calibrate the steps])."""
+    the geometric mean of the two doors' ratios (Note [Calibrate both doors])."""
     out = {}
     H, D = cfg.decode_heads, cfg.dim
     g = torch.Generator().manual_seed(1)
@@ -307,19 +310,25 @@ def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> di
                 k, v = (torch.randn(1, Hkv, S, D, generator=g).to(dt) for _ in range(2))
                 if K.DECODE.name in planner.refusals(prepare(q, k, v, None, 0.0, False, None, gqa).request()):
                     continue  # e.g. a dtype the decode kernel does not take, or no extension
-                # q [1, 1, H, D], the cache [1, S, Hkv, D]: views of heads-first storage, as both doors pass them
-                qf, kc, vc, sc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), D ** -0.5
-                if K.DECODE.step(qf, kc, vc, None, None, S, None, False, sc) is None:
-                    continue  # the step declines (no extension build for this CPU): nothing to fit
                 case = f"{'gqa' if gqa else 'mha'} {name} S={S}"
-                calls[f"decode {case}"] = lambda qf=qf, kc=kc, vc=vc, S=S, sc=sc: K.DECODE.step(
-                    qf, kc, vc, None, None, S, None, False, sc)
-                calls[f"{K.SDPA.name} {case}"] = lambda qf=qf, kc=kc, vc=vc, S=S, sc=sc: K.SDPA.step(
-                    qf, kc, vc, None, None, S, sc)
-                cases.append((gqa, S, case))
+                calls[f"decode {case}"] = _kernel_call(q, k, v, K.DECODE, enable_gqa=gqa)[0]
+                calls[f"{K.SDPA.name} {case}"] = _kernel_call(q, k, v, K.SDPA, enable_gqa=gqa)[0]
+                # the steps: q [1, 1, H, D], the cache [1, S, Hkv, D], views of heads-first storage
+                qf, kc, vc, sc = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), D ** -0.5
+                steps = K.DECODE.step(qf, kc, vc, None, None, S, None, False, sc) is not None
+                if steps:  # (None: no extension build for this CPU takes the step)
+                    calls[f"decode step {case}"] = lambda qf=qf, kc=kc, vc=vc, S=S, sc=sc: K.DECODE.step(
+                        qf, kc, vc, None, None, S, None, False, sc)
+                    calls[f"{K.SDPA.name} step {case}"] = lambda qf=qf, kc=kc, vc=vc, S=S, sc=sc: K.SDPA.step(
+                        qf, kc, vc, None, None, S, sc)
+                cases.append((gqa, S, case, steps))
         t = timed_rounds(calls) if calls else {}
-        for gqa, S, c in cases:
-            out.setdefault((dt, gqa), {})[S] = (ratio or _ratio)(t, f"{K.SDPA.name} {c}", f"decode {c}")
+        r = ratio or _ratio
+        for gqa, S, c, steps in cases:
+            x = r(t, f"{K.SDPA.name} {c}", f"decode {c}")
+            if steps:
+                x = math.sqrt(x * r(t, f"{K.SDPA.name} step {c}", f"decode step {c}"))
+            out.setdefault((dt, gqa), {})[S] = x
         step(f"decode path vs sdpa, {name}")
     return out
 
