@@ -35,7 +35,10 @@ The grid (each case timed against the others it decides between, interleaved rou
    ``decode_ns``) on the decode path against SDPA → ``DECODE_OVER_SDPA``: SDPA's time over the decode
    path's at each length, and ``DECODE_MIN_KEYS``: the length from which the decode path wins, where a
    line fitted to log(ratio) over log(S) crosses 1 (``_least_keys``; Note [Plain MHA decode] in
-   ``attnlab.kernels.planner``). The lengths span the sweep's (2048 ... 8192, with 4096 between: on the Zen
+   ``attnlab.kernels.planner``; both doors' calls: Note [Calibrate both doors]). The lengths span the sweep's
+   (1024 ... 8192: the fit is not extrapolated below the shortest, and on the AMX Xeon bf16 MHA's two doors
+   measured 0.74 and 1.08 at 1024, 0.84 and 1.10 at 2048, so a grid from 2048 sent the sweep's S 1024 to the
+   decode path at 1.34x SDPA's time; on the Zen
    machine the decode path went from 0.73x SDPA at 2048 to 1.29x at 8192). One ratio per dtype and heads,
    the geometric mean over the lengths, could not follow that: it said "SDPA" (0.97-0.99) where the sweep's
    4096 measured the decode path 1.16x, or "decode path" where S = 1024 ran SDPA 1.2x faster.
@@ -113,7 +116,7 @@ class CalibrationConfig:
     window: int = 256
     dtypes: tuple = (torch.float32, torch.bfloat16)
     decode_heads: int = 8
-    decode_ns: tuple = (2048, 4096, 8192)
+    decode_ns: tuple = (1024, 2048, 4096, 8192)
     # 7) forward + backward (Note [Plan the pass that runs]): plain_heads x plain_heads MHA at these lengths
     train_ns: tuple = (512, 1024, 2048)
     # each sample spans many 4 ms scheduler ticks: on a shared machine a 20 ms sample is quantised to them
