@@ -1,6 +1,8 @@
 """An int8 KV cache for transformers' ``generate``: keys and values stored as ``functional.kvquant.QuantizedKV``
-(int8 rows, one float32 scale per token and kv head; keys Hadamard-rotated by default: Note [int8 key rotation])
-and read by attnlab's decode kernel as they are.
+and read by attnlab's decode kernel as they are. By default the group format of Note [int8 KV groups] (one float32
+scale per 32 channels of each token and kv head, keys and values) with the keys Hadamard-rotated first (Note [int8
+key rotation]): llama.cpp q8_0's grouping, at 0.52x its next-token KL on SmolLM2 (Note [int8 KV format choice] in
+experiments/kvquant.py); ``group_size=None`` keeps one scale per token and kv head.
 
     >>> from attnlab.integrations import hf_int8
     >>> model.set_attn_implementation(hf_int8.register())          # "attnlab_int8"
@@ -10,12 +12,17 @@ Legend: B batch, H query heads, Hkv key/value heads, L new tokens, S cached toke
 
 Note [HF int8 cache]: transformers' attention modules call ``cache.update(k, v, layer)`` and pass what it returns
 to the attention function as key and value. An ``Int8Layer`` writes the new rows into its int8 storage
-([B, capacity, Hkv, D], flash-attn's layout, the format's ``encode`` hook) and returns placeholders: [B, Hkv, S, D]
+([B, capacity, Hkv, D], flash-attn's layout, the format's ``encode`` hook; scales [B, capacity, Hkv, D / group_size],
+or [B, capacity, Hkv] per token) and returns placeholders: [B, Hkv, S, D]
 NaN tensors of no storage (a stride-0 expand) that carry the layer's caches. The "attnlab_int8" attention
 function recognises them and runs ``attention_with_kvcache`` on the int8 caches (the query through the format's
 ``query`` hook there; bottom-right causal, so a prefill and every step see exactly the keys before them); a
 float mask (padding), asked-for weights or training take the dequantised K/V through the "attnlab" function
 instead. Any other attention implementation reads the placeholders as NaN: never silently wrong numbers.
+The layer's format (rotation, smoothing, group size) is fixed at construction; its storage is allocated at the
+first update, where the head dim is known and checked against the group size, grows by doubling past capacity,
+and is indexed along the batch for ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave``
+(beam search), the scales (one more dim in the group format) with their rows.
 """
 from __future__ import annotations
 
@@ -50,13 +57,15 @@ def _int8_classes():
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     class Int8Layer(DynamicLayer):
-        """A DynamicLayer whose keys and values live in int8 storage (``QuantizedKV`` [B, capacity, Hkv, D]);
-        ``keys`` / ``values`` are placeholders carrying it (Note [HF int8 cache]). Storage doubles past
-        ``capacity``."""
+        """A DynamicLayer whose keys and values live in int8 storage (``QuantizedKV`` [B, capacity, Hkv, D];
+        ``group_size``: one scale per that many channels, None one per row: Note [int8 KV groups]); ``keys`` /
+        ``values`` are placeholders carrying it (Note [HF int8 cache]). Storage doubles past ``capacity``."""
 
-        def __init__(self, capacity: int = 0, rotate: bool = True, smooth: bool = False, **kwargs):
+        def __init__(self, capacity: int = 0, rotate: bool = True, smooth: bool = False,
+                     group_size: int | None = kvquant.GROUP_SIZE, **kwargs):
             super().__init__(**kwargs)
             self.capacity, self.rotate, self.smooth = int(capacity), bool(rotate), bool(smooth)
+            self.group_size = _check_group_size(group_size)
             self.k_cache = self.v_cache = None
             self.n = 0
 
@@ -69,11 +78,15 @@ def _int8_classes():
             if kc is None or need > kc.shape[1] or kc.shape[0] != B:
                 if kc is not None and kc.shape[0] != B:
                     raise NotImplementedError(f"the int8 cache holds a batch of {kc.shape[0]} but this step has "
-                                              f"{B} sequences (beam search / batch changes are not supported)")
+                                              f"{B} sequences (change its batch with batch_select_indices / "
+                                              f"batch_repeat_interleave first)")
+                if kc is None:  # the head dims are known from here on
+                    _check_group_size(self.group_size, D, value_states.shape[3])
                 cap = max(need, self.capacity, 2 * (kc.shape[1] if kc is not None else 0), 16)
-                nk = QuantizedKV.empty(B, cap, Hkv, D, rotate=self.rotate, smooth=self.smooth)
-                nv = QuantizedKV.empty(B, cap, Hkv, value_states.shape[3])
-                if kc is not None:  # (grown: the rows so far, and the fixed channel scales)
+                gs = self.group_size
+                nk = QuantizedKV.empty(B, cap, Hkv, D, rotate=self.rotate, smooth=self.smooth, group_size=gs)
+                nv = QuantizedKV.empty(B, cap, Hkv, value_states.shape[3], group_size=gs)
+                if kc is not None:  # (grown: the rows so far, their scales, and the fixed channel scales)
                     for old, new in ((kc, nk), (self.v_cache, nv)):
                         new.data[:, :self.n] = old.data[:, :self.n]
                         new.scale[:, :self.n] = old.scale[:, :self.n]
@@ -81,7 +94,7 @@ def _int8_classes():
                             new.channel.copy_(old.channel)
                 self.k_cache, self.v_cache = nk, nv
             # both encoded before either is written (functional.kvcache's Note [Checked, then appended])
-            kd, ks = kvquant.encode(self.k_cache, key_states.transpose(1, 2))  # (B, L, Hkv, D), (B, L, Hkv)
+            kd, ks = kvquant.encode(self.k_cache, key_states.transpose(1, 2))  # (B, L, Hkv, D), (B, L, Hkv[, ng])
             vd, vs = kvquant.encode(self.v_cache, value_states.transpose(1, 2))
             self.k_cache.data[:, self.n:need], self.k_cache.scale[:, self.n:need] = kd, ks
             self.v_cache.data[:, self.n:need], self.v_cache.scale[:, self.n:need] = vd, vs
@@ -103,14 +116,27 @@ def _int8_classes():
             self.keys = _placeholder(self.k_cache, self.v_cache, self.n, self.keys.dtype, "k")
             self.values = _placeholder(self.k_cache, self.v_cache, self.n, self.values.dtype, "v")
 
+        def _take(self, pick) -> None:
+            """New storage from ``pick(t)`` of each batch-leading tensor (rows and scales alike, a group scale's
+            extra dim included); the per-head channel scales and rotation are shared by every sequence."""
+            if self.k_cache is None:
+                return
+            self.k_cache, self.v_cache = (
+                QuantizedKV(pick(c.data), pick(c.scale), c.channel, c.rotation) for c in (self.k_cache, self.v_cache))
+            self.keys = _placeholder(self.k_cache, self.v_cache, self.n, self.keys.dtype, "k")
+            self.values = _placeholder(self.k_cache, self.v_cache, self.n, self.values.dtype, "v")
+
         def batch_repeat_interleave(self, repeats: int) -> None:
-            raise NotImplementedError("the int8 cache does not support beam search or batch expansion")
+            """Each sequence ``repeats`` times in a row, as DynamicLayer.batch_repeat_interleave."""
+            self._take(lambda t: t.repeat_interleave(repeats, dim=0))
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            raise NotImplementedError("the int8 cache does not support selecting sequences of a batch")
+            """Keep the sequences ``indices`` (in that order), as DynamicLayer.batch_select_indices."""
+            self._take(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
         def reorder_cache(self, beam_idx) -> None:
-            raise NotImplementedError("the int8 cache does not support beam search")
+            """Sequence i becomes sequence beam_idx[i] of before (beam search), as DynamicLayer.reorder_cache."""
+            self._take(lambda t: t.index_select(0, torch.as_tensor(beam_idx, device=t.device)))
 
         def reset(self) -> None:
             """Drop the cached rows (the storage and the channel scales too)."""
@@ -121,34 +147,69 @@ def _int8_classes():
     class Int8Cache(DynamicCache):
         """transformers' DynamicCache with its full-attention layers as Int8Layer."""
 
-        def __init__(self, config=None, capacity: int = 0, rotate: bool = True, smooth: bool = False):
+        def __init__(self, config=None, capacity: int = 0, rotate: bool = True, smooth: bool = False,
+                     group_size: int | None = kvquant.GROUP_SIZE):
             super().__init__(config=config)
             if self.layer_class_to_replicate is not None:
-                self.layer_class_to_replicate = lambda: Int8Layer(capacity, rotate, smooth)
-            self.layers = [Int8Layer(capacity, rotate, smooth) if type(layer) is DynamicLayer else layer
+                self.layer_class_to_replicate = lambda: Int8Layer(capacity, rotate, smooth, group_size)
+            self.layers = [Int8Layer(capacity, rotate, smooth, group_size) if type(layer) is DynamicLayer else layer
                            for layer in self.layers]
 
     _STATE["classes"] = (Int8Layer, Int8Cache)
     return _STATE["classes"]
 
 
-def int8_cache(config=None, capacity: int = 0, *, rotate: bool = True, smooth: bool = False):
-    """A transformers ``DynamicCache`` (pass it as ``cache=``, ``past_key_values=`` before transformers 5.24) whose full-attention layers keep K/V in
-    int8 (Note [HF int8 cache]); the model must run on ``register()``'s implementation. ``capacity``: positions
-    reserved at the first update; ``rotate``: the keys' Hadamard rotation (Note [int8 key rotation]; with
-    ``rotate=False, smooth=False`` the per-token format); ``smooth``: key channel smoothing fixed by the prefill
-    (Note [int8 key channel smoothing]). ``config``: the model's config (its layer types; its attn implementation
-    is checked)."""
+def int8_cache(config=None, capacity: int = 0, *, rotate: bool = True, smooth: bool = False,
+               group_size: int | None = kvquant.GROUP_SIZE):
+    """A transformers ``DynamicCache`` (pass it as ``cache=``, ``past_key_values=`` before transformers 5.24) whose
+    full-attention layers keep K/V in int8 (Note [HF int8 cache]); the model must run on ``register()``'s
+    implementation. ``capacity``: positions reserved at the first update; ``rotate``: the keys' Hadamard rotation
+    (Note [int8 key rotation]; rotation, then groups); ``smooth``: key channel smoothing fixed by the prefill (Note
+    [int8 key channel smoothing]); ``group_size``: one float32 scale per that many channels of each token and kv
+    head, keys and values (Note [int8 KV groups]; a positive multiple of kvquant.GROUP_MULTIPLE dividing the head
+    dim), None or 0 one per token and kv head (with ``rotate=False, smooth=False`` the per-token format).
+    ``config``: the model's config (its layer types; its attn implementation is checked, and its head dim against
+    ``group_size`` where it states one: else at the first update)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise ValueError(f"int8_cache: capacity must be an int >= 0 (positions to reserve), got {capacity!r}")
     for name, val in (("rotate", rotate), ("smooth", smooth)):
         if not isinstance(val, bool):
             raise TypeError(f"int8_cache: {name} must be a bool, got {type(val).__name__}")
+    group_size = _check_group_size(group_size, _head_dim(config))
     impl = getattr(config, "_attn_implementation", None)
     if config is not None and isinstance(impl, str) and impl != INT8_IMPLEMENTATION:
         raise ValueError(f"int8_cache: the model runs attn_implementation={impl!r}, which cannot read an int8 "
                          f"cache; call model.set_attn_implementation(attnlab.integrations.hf_int8.register()) first")
-    return _int8_classes()[1](config, capacity, rotate, smooth)
+    return _int8_classes()[1](config, capacity, rotate, smooth, group_size)
+
+
+def _check_group_size(group_size, *head_dims: int | None) -> int | None:
+    """``group_size`` as the layers take it (None: per-token rows; 0 means that too); ValueError in one line naming
+    it and the head dim unless it is a positive multiple of kvquant.GROUP_MULTIPLE dividing each known head dim."""
+    if group_size is None or (type(group_size) is int and group_size == 0):
+        return None
+    dims = sorted({d for d in head_dims if d is not None})
+    where = f"the head dim D={'/'.join(map(str, dims))}" if dims else "the head dim"
+    if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0
+            or group_size % kvquant.GROUP_MULTIPLE or any(d % group_size for d in dims)):
+        raise ValueError(f"int8_cache: group_size must be a positive multiple of {kvquant.GROUP_MULTIPLE} dividing "
+                         f"{where} (or None / 0: one scale per token and kv head), got {group_size!r}")
+    return group_size
+
+
+def _head_dim(config) -> int | None:
+    """The attention head dim a config states (``head_dim``, else hidden_size / num_attention_heads), or None
+    where it states none or keys and values differ (``v_head_dim``): the first update checks those."""
+    if config is None:
+        return None
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "v_head_dim", None) is not None:
+        return None
+    d = getattr(text, "head_dim", None)
+    if not isinstance(d, int) or isinstance(d, bool):
+        h, n = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+        d = h // n if isinstance(h, int) and isinstance(n, int) and n > 0 and h % n == 0 else None
+    return d if d and d > 0 else None
 
 
 def _dequantized(kc: QuantizedKV, vc: QuantizedKV, n: int, dtype: torch.dtype):

@@ -2,8 +2,9 @@
 here, its group formats (int8-g32, int8-g32-hadamard) equal Note [int8 KV groups]'s definition written here, the
 decode kernel's error on attnlab's formats (the group formats included) equals the simulated one within the
 kernel's rounding, the chosen format (Hadamard-rotated keys) is at most q8_0's error on keys with outlier channels,
-groups of 32 are at most the per-token rows' error on Gaussian keys, and the report is written. SmolLM2 is not
-loaded (tokens=0): its measurement is the experiment's full run."""
+groups of 32 are at most the per-token rows' error on Gaussian keys, the report is written, and the in-model
+metrics through the real HF int8 caches (group-scaled among them) match their simulated formats on a tiny random
+Llama. SmolLM2 is not loaded (tokens=0): its measurement is the experiment's full run."""
 from __future__ import annotations
 
 import json
@@ -91,3 +92,44 @@ def test_quick_run_and_report(tmp_path, one_thread):
     assert res["experiment"] == "kvquant" and (tmp_path / "kvquant.png").exists()
     with pytest.raises(ValueError, match="unknown formats"):
         E.KvquantConfig(formats=("int4",)).resolved()
+
+
+#: each real-cache row of model_metrics and the simulated format it stores
+_CACHE_FORMATS = {"int8 (HF cache)": "int8", "int8-hadamard (HF cache)": "int8-hadamard",
+                  "int8-g32-hadamard (HF cache)": "int8-g32-hadamard"}
+
+
+@pytest.mark.skipif(not dk.available(), reason="decode extension")
+def test_model_metrics_through_the_real_caches(one_thread, monkeypatch):
+    """On a tiny random Llama (head dim 64: two groups of 32), model_metrics runs the real HF int8 cache in every
+    CACHE_ROWS format, the group-scaled one included (its key and value caches group-scaled), and each row's KL
+    against the fp32 cache is its simulated format's within 4 %: the decode kernel's rounding (int16 query, float32)
+    is at most 1 % of the output error the format's rounding makes (test_quick_run_and_report), and the KL is
+    quadratic in that error, (1.01)^2 - 1 = 2 %; twice that. Weights drawn at std 0.2 (transformers' default: 0.02)
+    put the KL near SmolLM2's (1e-4 nats and up), far above float32's rounding of the log-probabilities (eps |log p|
+    ~ 5e-7), which at the default's KL (4e-7) moved it by 5 %."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.integrations import hf_int8
+
+    assert set(E.CACHE_ROWS) == set(_CACHE_FORMATS)
+    assert E.CACHE_ROWS["int8-g32-hadamard (HF cache)"] == {"rotate": True, "group_size": 32}
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   head_dim=64, initializer_range=0.2)
+    model = E._sim_model(transformers.LlamaForCausalLM(cfg).eval())
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(1))
+    seen = []
+    make = hf_int8.int8_cache
+
+    def spy(*a, **kw):
+        seen.append(make(*a, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(hf_int8, "int8_cache", spy)
+    m = E.model_metrics(model, ids, list(dict.fromkeys(_CACHE_FORMATS.values())), 16, cache_chunk=4)
+    assert [c.get_seq_length() for c in seen] == [48] * 3
+    assert [c.layers[0].v_cache.scale.shape[3:] for c in seen] == [(), (), (2,)]
+    assert model.config._attn_implementation == "attnlab_kvquant_sim"  # put back
+    for row, f in _CACHE_FORMATS.items():
+        assert m[f]["kl"] > 0 and abs(m[row]["kl"] - m[f]["kl"]) <= 0.04 * m[f]["kl"], (row, m[row], m[f])
