@@ -281,9 +281,17 @@ def test_generate_and_misuse():
     assert layer.k_cache is None and layer.get_seq_length() == 0
     small = _model(16)
     small.set_attn_implementation(hf_int8.register())
-    with pytest.raises(ValueError, match="dividing the head dim D=16 "):  # the default on a head dim of 16
-        hf_int8.int8_cache(small.config)
-    hf_int8.int8_cache(small.config, group_size=None)
+    with pytest.raises(ValueError, match="dividing the head dim D=16 "):  # groups of 32 asked on a head dim of 16
+        hf_int8.int8_cache(small.config, group_size=32)
+    # the default, "auto": groups of 32 where 32 divides the head dim, one scale per token where not, whether the
+    # config states the head dim or the first update shows it
+    for m, config, groups in ((small, small.config, None), (small, None, None), (model, model.config, 2),
+                              (model, None, 2)):
+        m.set_attn_implementation(hf_int8.register())
+        cache = hf_int8.int8_cache(config)
+        m.generate(torch.tensor([[3, 5, 7, 9]]), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        scale = cache.layers[0].k_cache.scale
+        assert (scale.dim() == 3) if groups is None else (scale.shape[3] == groups)
     model.set_attn_implementation("sdpa")
     with pytest.raises(ValueError, match="int8_cache: the model runs attn_implementation='sdpa'") as e:
         hf_int8.int8_cache(model.config)

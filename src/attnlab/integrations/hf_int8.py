@@ -2,7 +2,8 @@
 and read by attnlab's decode kernel as they are. By default the group format of Note [int8 KV groups] (one float32
 scale per 32 channels of each token and kv head, keys and values) with the keys Hadamard-rotated first (Note [int8
 key rotation]): llama.cpp q8_0's grouping, at 0.52x its next-token KL on SmolLM2 (Note [int8 KV format choice] in
-experiments/kvquant.py); ``group_size=None`` keeps one scale per token and kv head.
+experiments/kvquant.py), where 32 divides the head dim (``group_size="auto"``; one scale per token and kv head
+where it does not); ``group_size=None`` keeps one scale per token and kv head.
 
     >>> from attnlab.integrations import hf_int8
     >>> model.set_attn_implementation(hf_int8.register())          # "attnlab_int8"
@@ -62,7 +63,7 @@ def _int8_classes():
         ``values`` are placeholders carrying it (Note [HF int8 cache]). Storage doubles past ``capacity``."""
 
         def __init__(self, capacity: int = 0, rotate: bool = True, smooth: bool = False,
-                     group_size: int | None = kvquant.GROUP_SIZE, **kwargs):
+                     group_size: int | str | None = "auto", **kwargs):
             super().__init__(**kwargs)
             self.capacity, self.rotate, self.smooth = int(capacity), bool(rotate), bool(smooth)
             self.group_size = _check_group_size(group_size)
@@ -80,8 +81,8 @@ def _int8_classes():
                     raise NotImplementedError(f"the int8 cache holds a batch of {kc.shape[0]} but this step has "
                                               f"{B} sequences (change its batch with batch_select_indices / "
                                               f"batch_repeat_interleave first)")
-                if kc is None:  # the head dims are known from here on
-                    _check_group_size(self.group_size, D, value_states.shape[3])
+                if kc is None:  # the head dims are known from here on ("auto" resolved)
+                    self.group_size = _check_group_size(self.group_size, D, value_states.shape[3])
                 cap = max(need, self.capacity, 2 * (kc.shape[1] if kc is not None else 0), 16)
                 gs = self.group_size
                 nk = QuantizedKV.empty(B, cap, Hkv, D, rotate=self.rotate, smooth=self.smooth, group_size=gs)
@@ -148,7 +149,7 @@ def _int8_classes():
         """transformers' DynamicCache with its full-attention layers as Int8Layer."""
 
         def __init__(self, config=None, capacity: int = 0, rotate: bool = True, smooth: bool = False,
-                     group_size: int | None = kvquant.GROUP_SIZE):
+                     group_size: int | str | None = "auto"):
             super().__init__(config=config)
             if self.layer_class_to_replicate is not None:
                 self.layer_class_to_replicate = lambda: Int8Layer(capacity, rotate, smooth, group_size)
@@ -160,14 +161,15 @@ def _int8_classes():
 
 
 def int8_cache(config=None, capacity: int = 0, *, rotate: bool = True, smooth: bool = False,
-               group_size: int | None = kvquant.GROUP_SIZE):
+               group_size: int | str | None = "auto"):
     """A transformers ``DynamicCache`` (pass it as ``cache=``, ``past_key_values=`` before transformers 5.24) whose
     full-attention layers keep K/V in int8 (Note [HF int8 cache]); the model must run on ``register()``'s
     implementation. ``capacity``: positions reserved at the first update; ``rotate``: the keys' Hadamard rotation
     (Note [int8 key rotation]; rotation, then groups); ``smooth``: key channel smoothing fixed by the prefill (Note
     [int8 key channel smoothing]); ``group_size``: one float32 scale per that many channels of each token and kv
     head, keys and values (Note [int8 KV groups]; a positive multiple of kvquant.GROUP_MULTIPLE dividing the head
-    dim), None or 0 one per token and kv head (with ``rotate=False, smooth=False`` the per-token format).
+    dim); "auto" (the default) kvquant.GROUP_SIZE where it divides the head dim, else one scale per token (a head
+    dim of 80, say); None or 0 one per token and kv head (with ``rotate=False, smooth=False`` the per-token format).
     ``config``: the model's config (its layer types; its attn implementation is checked, and its head dim against
     ``group_size`` where it states one: else at the first update)."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
@@ -184,16 +186,22 @@ def int8_cache(config=None, capacity: int = 0, *, rotate: bool = True, smooth: b
 
 
 def _check_group_size(group_size, *head_dims: int | None) -> int | None:
-    """``group_size`` as the layers take it (None: per-token rows; 0 means that too); ValueError in one line naming
-    it and the head dim unless it is a positive multiple of kvquant.GROUP_MULTIPLE dividing each known head dim."""
+    """``group_size`` as the layers take it (None: per-token rows; 0 means that too; "auto": kvquant.GROUP_SIZE
+    where it divides every known head dim, else None, and "auto" while none is known); ValueError in one line
+    naming it and the head dim unless it is a positive multiple of kvquant.GROUP_MULTIPLE dividing each known head
+    dim."""
     if group_size is None or (type(group_size) is int and group_size == 0):
         return None
     dims = sorted({d for d in head_dims if d is not None})
+    if isinstance(group_size, str) and group_size == "auto":
+        if not dims:
+            return "auto"
+        return kvquant.GROUP_SIZE if all(d % kvquant.GROUP_SIZE == 0 for d in dims) else None
     where = f"the head dim D={'/'.join(map(str, dims))}" if dims else "the head dim"
     if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0
             or group_size % kvquant.GROUP_MULTIPLE or any(d % group_size for d in dims)):
         raise ValueError(f"int8_cache: group_size must be a positive multiple of {kvquant.GROUP_MULTIPLE} dividing "
-                         f"{where} (or None / 0: one scale per token and kv head), got {group_size!r}")
+                         f"{where} ('auto', or None / 0: one scale per token and kv head), got {group_size!r}")
     return group_size
 
 
