@@ -296,7 +296,7 @@ def _train_ratios(cfg: CalibrationConfig, timings, step, ratio) -> dict:
 # rule sent every bf16 MHA step to SDPA and ``bench decode``'s cold calls ran 0.71x SDPA's speed at S 4096 (the
 # one-call step 1.15x faster than plain SDPA there); fitted on the steps alone, the sweep's ``attention`` call at
 # S 1024 ran the decode path 1.36x SDPA's time. One rule serves both doors (the same call, the same kernel:
-# tests/functional/test_kvcache.py), so it is fitted between them: near its crossing each door gives up at most
+# tests/functional/test_one_decode_rule.py), so it is fitted between them: near its crossing each door gives up at most
 # half the gap between the two doors' ratios.
 def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> dict:
     """{(dtype, gqa): {S: SDPA's time over the decode path's at cache length S}} over ``cfg.decode_ns`` (step 6):

@@ -185,7 +185,7 @@ def int8_cache(config=None, capacity: int = 0, *, rotate: bool = True, smooth: b
     return _int8_classes()[1](config, capacity, rotate, smooth, group_size)
 
 
-def _check_group_size(group_size, *head_dims: int | None) -> int | None:
+def _check_group_size(group_size, *head_dims: int | None) -> int | str | None:
     """``group_size`` as the layers take it (None: per-token rows; 0 means that too; "auto": kvquant.GROUP_SIZE
     where it divides every known head dim, else None, and "auto" while none is known); ValueError in one line
     naming it and the head dim unless it is a positive multiple of kvquant.GROUP_MULTIPLE dividing each known head
