@@ -185,8 +185,7 @@ def test_layer_stores_rounded_rotated_rows(gs):
 def test_crop_reorder_select_repeat_with_groups():
     """On a group-scaled layer, batch of 3: reorder_cache, batch_select_indices, batch_repeat_interleave give the
     rows (int8 data and group scales, bit for bit) of those sequences in that order, and what follows appends to
-    them; crop drops rows from the end (negative) or keeps the first ones (positive), and the next update
-    overwrites them; reset drops everything, the next update starting fresh in the same format."""
+    them; crop drops rows from the end, and the next update overwrites them; reset drops everything, the next update starting fresh in the same format."""
     layer = hf_int8._int8_classes()[0](capacity=8, group_size=32)
     g = torch.Generator().manual_seed(6)
     k, v = torch.randn(3, 2, 12, 64, generator=g), torch.randn(3, 2, 12, 64, generator=g)
@@ -213,7 +212,7 @@ def test_crop_reorder_select_repeat_with_groups():
     layer.update(k2, v2)
     k, v = torch.cat([k[:, :, :6], k2], 2), torch.cat([v[:, :, :6], v2], 2)
     _check_rows(layer, k, v, 32)
-    layer.crop(4)  # keep the first 4
+    layer.crop(-5)  # 9 -> 4 rows
     assert layer.get_seq_length() == 4
     layer.batch_repeat_interleave(2)
     k, v = k[:, :, :4].repeat_interleave(2, 0), v[:, :, :4].repeat_interleave(2, 0)
@@ -222,6 +221,35 @@ def test_crop_reorder_select_repeat_with_groups():
     assert layer.get_seq_length() == 0 and layer.k_cache is None
     layer.update(k[:1, :, :2], v[:1, :, :2])
     _check_rows(layer, k[:1, :, :2], v[:1, :, :2], 32)
+
+
+def test_crop_follows_the_installed_dynamic_layer():
+    """Note [Crop semantics]: the same crops on transformers' own DynamicLayer (the oracle) and the int8 layer
+    leave the same lengths, and the int8 rows kept are the first ones as they were; whatever DynamicLayer
+    refuses (a positive count in transformers 5) the int8 layer refuses with the same error type."""
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(2, 2, 10, 64, generator=g), torch.randn(2, 2, 10, 64, generator=g)
+    ref, layer = DynamicLayer(), hf_int8._int8_classes()[0](capacity=4)
+    ref.update(k, v)
+    layer.update(k, v)
+    data = layer.k_cache.data.clone()
+    for n in (0, -2, 0, 7, 3, -1, 0, -20):
+        want = err = None
+        try:
+            ref.crop(n)
+            want = ref.get_seq_length()
+        except Exception as e:  # noqa: BLE001 - the oracle's refusal is what the layer must match
+            err = type(e)
+        if err is not None:
+            with pytest.raises(err):
+                layer.crop(n)
+            continue
+        layer.crop(n)
+        assert layer.get_seq_length() == want, (n, layer.get_seq_length(), want)
+        assert layer.keys.shape[2] == want and torch.equal(layer.k_cache.data[:, :want], data[:, :want])
+    assert ref.get_seq_length() < 10  # the sequence did crop something
 
 
 def test_reordered_cache_steps_like_a_fresh_one():

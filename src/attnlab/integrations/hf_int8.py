@@ -27,6 +27,7 @@ and is indexed along the batch for ``reorder_cache`` / ``batch_select_indices`` 
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -56,6 +57,13 @@ def _int8_classes():
     if "classes" in _STATE:
         return _STATE["classes"]
     from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    # Note [Crop semantics]: transformers 5 changed DynamicLayer.crop's argument from a length to keep
+    # (`max_length`: n >= 0 keeps the first n rows, n < 0 drops -n) to a count to drop (`tokens_to_remove`: 0 drops
+    # nothing, and generate's deferred stop check calls crop(0) every step; a positive count raises). The int8
+    # layer follows whichever DynamicLayer is installed, told apart by that parameter's name
+    # (tests/models/test_hf_int8.py runs the same crops on both layers).
+    _CROP_REMOVES = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
 
     class Int8Layer(DynamicLayer):
         """A DynamicLayer whose keys and values live in int8 storage (``QuantizedKV`` [B, capacity, Hkv, D];
@@ -107,10 +115,14 @@ def _int8_classes():
         def get_seq_length(self) -> int:
             return self.n
 
-        def crop(self, max_length: int) -> None:
-            """Keep the first ``max_length`` rows (negative: drop that many from the end), as DynamicLayer.crop."""
-            if max_length < 0:
-                max_length = self.n - abs(max_length)
+        def crop(self, n: int) -> None:
+            """As the installed DynamicLayer.crop (Note [Crop semantics]): a negative ``n`` drops that many rows
+            from the end; transformers 5 takes 0 as "nothing to drop" and refuses a positive ``n``, transformers
+            4 keeps the first ``n`` rows."""
+            if _CROP_REMOVES and n > 0:
+                raise ValueError(f"Calling `crop` with a positive value (`{n}`) is not supported. Please use a "
+                                 "negative integer to remove that number of tokens from the cache instead.")
+            max_length = self.n - abs(n) if n < 0 or _CROP_REMOVES else n
             if self.k_cache is None or self.n <= max_length:
                 return
             self.n = max(max_length, 0)
