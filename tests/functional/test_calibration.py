@@ -70,7 +70,9 @@ def test_calibrate_writes_this_machine_s_file_and_the_planner_reads_it(calibrati
     if compiled.available() and decode.available():  # a ratio per cache length, and a fitted length, MHA and GQA
         keys = {(torch.float32, False), (torch.float32, True)}
         assert set(cur.decode_over_sdpa) == set(cur.decode_min_keys) == keys
-        assert all(set(pts) == set(cfg.decode_ns) for pts in cur.decode_over_sdpa.values())
+        assert set(cur.step_over_sdpa) == set(cur.step_min_keys) == keys  # each door its crossing
+        assert all(set(pts) == set(cfg.decode_ns) for pts in (*cur.decode_over_sdpa.values(),
+                                                               *cur.step_over_sdpa.values()))
     assert all(s > 0 for s in (*cur.sparse_block_speed.values(), *cur.compiled_block_speed.values()))
     q = torch.randn(1, 2, 16, 8)
     assert f"rates: calibrated on this CPU" in str(attnlab.explain(q, q, q))
@@ -263,12 +265,19 @@ def test_measured_kernel_rates_and_decode_ratios_round_trip_and_decide(calibrati
     assert not b.plain_decode_on_sdpa(torch.bfloat16, False, 4096)
     points = {(torch.float32, False): {2048: 0.9, 4096: 1.1, 8192: 1.25}, (torch.bfloat16, True): {2048: 0.5}}
     least = {(torch.float32, False): 3000.0, (torch.bfloat16, True): None, (torch.float16, False): 0.0}
+    step_points, step_least = {(torch.float32, False): {2048: 1.2, 4096: 1.3}}, {(torch.float32, False): 0.0}
     fitted = dataclasses.replace(b, source="calibrated on this CPU", kernel_gflops={"tiled": 123.0, "dense": 4.5},
-                                 decode_over_sdpa=points, decode_min_keys=least)
+                                 decode_over_sdpa=points, decode_min_keys=least, step_over_sdpa=step_points,
+                                 step_min_keys=step_least)
     rates.save(fitted)
     cur = rates.current()
     assert cur.kernel_gflops == {"tiled": 123.0, "dense": 4.5}
     assert cur.decode_over_sdpa == points and cur.decode_min_keys == least
+    assert cur.step_over_sdpa == step_points and cur.step_min_keys == step_least
+    # Note [Each door its crossing]: the steps by their own length where measured, else by attention's
+    assert not cur.plain_decode_on_sdpa(torch.float32, False, 2999, step=True)
+    assert "the decode path at every length" in cur.decode_evidence(torch.float32, False, 2500, step=True)
+    assert cur.plain_decode_on_sdpa(torch.bfloat16, True, 10**6, step=True)
     assert cur.plain_decode_on_sdpa(torch.float32, False, 2999)  # under the fitted length: SDPA is faster
     assert not cur.plain_decode_on_sdpa(torch.float32, False, 3000)  # from it on: the decode path
     assert cur.plain_decode_on_sdpa(torch.bfloat16, True, 10**6)  # None: SDPA at every length
@@ -495,11 +504,11 @@ def test_cli_calibrate_json_lists_every_fitted_entry(calibration_on, monkeypatch
 
 
 @pytest.mark.skipif(kernels.DECODE.unavailable_reason() is not None, reason="no decode extension here")
-def test_decode_ratios_are_the_geometric_mean_of_both_doors():
-    """Note [Calibrate both doors]: step 6 times each door's plain decode call, attention()'s prepared one and the
-    KV-cache steps, each call once per round (called for real, so the calls run), and fits the geometric mean of
-    the two ratios. The timings are replaced by known ones: SDPA over decode is 0.5 at attention's door and 2.0
-    for the steps at every length, so the rule's ratio is exactly 1."""
+def test_decode_ratios_are_measured_per_door():
+    """Note [Each door its crossing]: step 6 times each door's plain decode call, attention()'s prepared one and the
+    KV-cache steps, each call once per round (called for real, so the calls run), and keeps each door's ratio. The
+    timings are replaced by known ones: SDPA over decode is 0.5 at attention's door and 2.0 for the steps at every
+    length, and the fitted crossings send attention's calls to SDPA and the steps to the decode path."""
     from attnlab.functional.calibration_grid import _decode_ratios
     from attnlab.timing import Timing
 
@@ -516,8 +525,18 @@ def test_decode_ratios_are_the_geometric_mean_of_both_doors():
         return out
 
     cfg = CalibrationConfig(decode_ns=(64, 128), dtypes=(torch.float32,))
-    got = _decode_ratios(cfg, timed, lambda *a: None)
-    assert set(got) == {(torch.float32, False), (torch.float32, True)}
-    for pts in got.values():
-        assert set(pts) == {64, 128} and all(abs(x - 1.0) < 1e-9 for x in pts.values())
+    calls, steps = _decode_ratios(cfg, timed, lambda *a: None)
+    assert set(calls) == set(steps) == {(torch.float32, False), (torch.float32, True)}
+    for pts, want in ((p, 0.5) for p in calls.values()):
+        assert set(pts) == {64, 128} and all(abs(x - want) < 1e-9 for x in pts.values())
+    for pts in steps.values():
+        assert set(pts) == {64, 128} and all(abs(x - 2.0) < 1e-9 for x in pts.values())
+    from attnlab.functional.calibration_grid import _least_keys
+
+    r = dataclasses.replace(rates.builtin(), decode_over_sdpa=calls, step_over_sdpa=steps,
+                            decode_min_keys={k: _least_keys(list(p.items())) for k, p in calls.items()},
+                            step_min_keys={k: _least_keys(list(p.items())) for k, p in steps.items()})
+    for gqa in (False, True):
+        assert r.plain_decode_on_sdpa(torch.float32, gqa, 96) and not r.plain_decode_on_sdpa(torch.float32, gqa, 96,
+                                                                                              step=True)
     assert any(n.startswith("decode step ") for n in seen[0]) and any(n.startswith("sdpa step ") for n in seen[0])

@@ -165,7 +165,7 @@ def _no_kernel(call):
 class _SdpaRates:
     """kernel_rates.current() whose plain-decode rule says SDPA (the SDPA-on-views path of the full path)."""
 
-    def plain_decode_on_sdpa(self, *a):
+    def plain_decode_on_sdpa(self, *a, **kw):
         return True
 
 

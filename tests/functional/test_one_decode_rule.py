@@ -1,6 +1,8 @@
 """One SDPA-or-decode rule: on a calibrated machine the HF generation step and ``attention()`` send the same plain
-decode call to the same kernel (``Rates.plain_decode_on_sdpa``, kernels.planner Note [Plain MHA decode]); the HF
-step once decided by the uncalibrated constant alone. Both results match the float64 reference."""
+decode call to the same kernel (``Rates.plain_decode_on_sdpa``, kernels.planner Note [Plain MHA decode]) where the
+calibration fitted one crossing; the HF step once decided by the uncalibrated constant alone. Where it fitted each
+door its own (functional.calibration_grid Note [Each door its crossing]), each door follows its own, asked of the same
+function. Every result matches the float64 reference."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +29,45 @@ def skewed():
     rates.make_current(r)
     yield
     rates.make_current(before)
+
+
+@pytest.fixture
+def doors():
+    """Rates whose crossings differ by door: fp32 plain decode on SDPA below 1000 keys through ``attention``, and
+    the steps (the KV-cache API's, the HF step's) on the decode path at every length."""
+    before = rates.current()
+    r = dataclasses.replace(rates.builtin(), source="test: a crossing per door",
+                            decode_min_keys={(torch.float32, False): 1000.0, (torch.float32, True): 1000.0},
+                            step_min_keys={(torch.float32, False): 0.0, (torch.float32, True): 0.0})
+    rates.make_current(r)
+    yield
+    rates.make_current(before)
+
+
+@pytest.mark.parametrize("Hkv", [8, 2], ids=["mha", "gqa"])
+def test_each_door_follows_its_crossing(doors, monkeypatch, Hkv):
+    """At 500 keys ``attention`` runs SDPA (its door's crossing is 1000), while the HF step and the KV-cache API's
+    plain step on a heads-first cache run the decode step (theirs is 0); explain names the door's evidence."""
+    S, H, D = 500, 8, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, H, 1, D, generator=g)
+    k, v = (torch.randn(1, Hkv, S, D, generator=g) for _ in range(2))
+    used = []
+    real = dk.decode_step
+    monkeypatch.setattr(dk, "decode_step", lambda *a, **kw: (used.append("decode"), real(*a, **kw))[1])
+    with torch.no_grad():
+        assert attnlab.explain(q, k, v, enable_gqa=Hkv != H).kernel.name == "sdpa"
+        out_a = attnlab.attention(q, k, v, enable_gqa=Hkv != H)
+        assert not used
+        out_h = hf._decode_step("auto", q, k, v, None, None, SimpleNamespace(training=False), False, False)
+        assert used == ["decode"]
+        used.clear()
+        kc, vc = k.transpose(1, 2), v.transpose(1, 2)  # heads-first views: SDPA could read them
+        out_c = attnlab.attention_with_kvcache(q.transpose(1, 2), kc, vc, cache_seqlens=S)
+        assert used and used[-1] == "decode"
+    ref = torch.as_tensor(reference.attention(q.double(), k.double(), v.double(), enable_gqa=Hkv != H)[0])
+    for out in (out_a, out_h.transpose(1, 2), out_c.transpose(1, 2)):
+        assert (out - ref).abs().max() <= 1e-5  # fp32 arithmetic over 500 keys
 
 
 @pytest.mark.parametrize("Hkv", [8, 2], ids=["mha", "gqa"])

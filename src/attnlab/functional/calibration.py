@@ -226,11 +226,13 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
             speed = {kk: plan.flops[kk.name] / t[f"{kk.name} chosen window float32"] for kk, (_, plan) in runs.items()}
             soc = speed[cc] / speed[sp]
             step("compiled vs sparse on a window")
-        decode_keys = {}
+        decode_keys, steps, step_keys = {}, {}, {}
         if have_decode:
-            # 6) plain decode calls: the decode path against SDPA, MHA and GQA, per dtype and cache length
-            decode = _decode_ratios(cfg, timings, step, ratio)
+            # 6) plain decode calls: the decode path against SDPA, MHA and GQA, per dtype and cache length, at
+            # attention's door and the steps' (Note [Each door its crossing])
+            decode, steps = _decode_ratios(cfg, timings, step, ratio)
             decode_keys = {key: _least_keys(list(pts.items())) for key, pts in decode.items()}
+            step_keys = {key: _least_keys(list(pts.items())) for key, pts in steps.items()}
     spread = sorted(spreads)[len(spreads) // 2] if spreads else 0.0
     if spread > MAX_RATIO_SPREAD:
         raise TooNoisy(f"the machine is too busy to calibrate (the kernels' per-round speed ratios scatter by "
@@ -239,7 +241,7 @@ def calibrate(cfg: CalibrationConfig | None = None, tick: Tick | None = None, sa
     fitted = rates.Rates(sparse_speed, block_speed, tuple(dense_dtypes), float(soc), "calibrated on this CPU",
                          compiled_dense_min_pairs=min_pairs, kernel_gflops=gflops, decode_over_sdpa=decode,
                          compiled_gqa_min_pairs=gqa_pairs, decode_min_keys=decode_keys,
-                         compiled_train_min_pairs=train_pairs)
+                         compiled_train_min_pairs=train_pairs, step_over_sdpa=steps, step_min_keys=step_keys)
     path = rates.save(fitted, measured) if save else None
     return (rates.current() if save else fitted), measured, path
 

@@ -35,7 +35,8 @@ The grid (each case timed against the others it decides between, interleaved rou
    ``decode_ns``) on the decode path against SDPA → ``DECODE_OVER_SDPA``: SDPA's time over the decode
    path's at each length, and ``DECODE_MIN_KEYS``: the length from which the decode path wins, where a
    line fitted to log(ratio) over log(S) crosses 1 (``_least_keys``; Note [Plain MHA decode] in
-   ``attnlab.kernels.planner``; both doors' calls: Note [Calibrate both doors]). The lengths span the sweep's
+   ``attnlab.kernels.planner``); the same for the plain steps → ``STEP_OVER_SDPA``, ``STEP_MIN_KEYS`` (each door
+   its own crossing: Note [Each door its crossing]). The lengths span the sweep's
    (1024 ... 8192: the fit is not extrapolated below the shortest, and on the AMX Xeon bf16 MHA's two doors
    measured 0.74 and 1.08 at 1024, 0.84 and 1.10 at 2048, so a grid from 2048 sent the sweep's S 1024 to the
    decode path at 1.34x SDPA's time; on the Zen
@@ -285,23 +286,28 @@ def _train_ratios(cfg: CalibrationConfig, timings, step, ratio) -> dict:
     return out
 
 
-# Note [Calibrate both doors]: step 6 times plain decode calls at the two doors that take them, and the rule's
-# ratio is the geometric mean of the two: SDPA's time over the decode path's for ``attention(q, k, v)``'s prepared
-# calls (each kernel's direct path, Note [Calibrate what runs]), and for the plain steps of the KV-cache API and
-# the HF step on a heads-first cache (``DECODE.step``, the one-call step, against ``SDPA.step``, its checks in the
-# extension and SDPA on views: csrc Notes [One-call decode step], [SDPA steps]). The doors' fixed costs differ,
-# so their crossings do: on the AMX Xeon (bf16 MHA, H 8, D 64, hot, paired rounds) SDPA over the decode path
-# read 0.75 / 0.74 / 0.84 at S 512 / 1024 / 2048 through ``attention`` and 1.30 / 1.08 / 1.10 for the steps
-# (the SDPA step's checks and views cost about 8 us hot, 80 cold). Fitted on ``attention``'s calls alone, the
-# rule sent every bf16 MHA step to SDPA and ``bench decode``'s cold calls ran 0.71x SDPA's speed at S 4096 (the
-# one-call step 1.15x faster than plain SDPA there); fitted on the steps alone, the sweep's ``attention`` call at
-# S 1024 ran the decode path 1.36x SDPA's time. One rule serves both doors (the same call, the same kernel:
-# tests/functional/test_one_decode_rule.py), so it is fitted between them: near its crossing each door gives up at most
-# half the gap between the two doors' ratios.
-def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> dict:
-    """{(dtype, gqa): {S: SDPA's time over the decode path's at cache length S}} over ``cfg.decode_ns`` (step 6):
-    the geometric mean of the two doors' ratios (Note [Calibrate both doors])."""
-    out = {}
+# Note [Each door its crossing]: step 6 times plain decode calls at the two doors that take them, and each door
+# gets its own crossing: SDPA's time over the decode path's for ``attention(q, k, v)``'s prepared calls (each
+# kernel's direct path, Note [Calibrate what runs]), fitted to ``Rates.decode_min_keys``; and for the plain steps of
+# the KV-cache API and the HF step on a heads-first cache (``DECODE.step``, the one-call step, against
+# ``SDPA.step``, its checks in the extension and SDPA on views: csrc Notes [One-call decode step], [SDPA steps]),
+# fitted to ``Rates.step_min_keys``. The doors' fixed costs differ, so their crossings do. On the AMX Xeon (H 8,
+# D 64, hot, 9 paired rounds) SDPA over the decode path read, at S 1024 / 2048 / 4096 / 8192:
+#   attention's calls  fp32 MHA 0.89 / 0.95 / 1.02 / 0.97   bf16 MHA 0.69 / 0.70 / 0.96 / 0.84
+#   the steps          fp32 MHA 1.35 / 1.25 / 1.20 / 1.11   bf16 MHA 1.06 / 1.08 / 1.24 / 0.99
+# (GQA: the decode path faster at both, 1.03-3.6x). SDPA's step pays 12-20 us more than SDPA on the caller's
+# tensors (the views of the cache, sliced and transposed back), and the decode path's direct call 6-12 us more
+# than its step (the transposes and a Python layer). One rule fitted between the doors (the geometric mean of
+# the two ratios, the stop before this one) sent fp32 MHA to the decode path at both, and ``bench planner``'s
+# ``attention`` decode calls ran 1.07-1.21x the fastest kernel's time at S 1024 and 4096 in three sweeps. The
+# rule is still one function, ``Rates.plain_decode_on_sdpa``, which every door asks with its own door
+# (tests/functional/test_one_decode_rule.py); a table without the steps' crossing (written before it) gives the
+# steps ``attention``'s.
+def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> tuple[dict, dict]:
+    """({(dtype, gqa): {S: SDPA's time over the decode path's at cache length S}} for ``attention``'s calls, the same
+    for the plain steps) over ``cfg.decode_ns`` (step 6; Note [Each door its crossing]). The steps' dict lacks a
+    key where no extension build takes the step."""
+    calls_out, steps_out = {}, {}
     H, D = cfg.decode_heads, cfg.dim
     g = torch.Generator().manual_seed(1)
     for dt in cfg.dtypes:
@@ -328,12 +334,11 @@ def _decode_ratios(cfg: CalibrationConfig, timed_rounds, step, ratio=None) -> di
         t = timed_rounds(calls) if calls else {}
         r = ratio or _ratio
         for gqa, S, c, steps in cases:
-            x = r(t, f"{K.SDPA.name} {c}", f"decode {c}")
+            calls_out.setdefault((dt, gqa), {})[S] = r(t, f"{K.SDPA.name} {c}", f"decode {c}")
             if steps:
-                x = math.sqrt(x * r(t, f"{K.SDPA.name} step {c}", f"decode step {c}"))
-            out.setdefault((dt, gqa), {})[S] = x
+                steps_out.setdefault((dt, gqa), {})[S] = r(t, f"{K.SDPA.name} step {c}", f"decode step {c}")
         step(f"decode path vs sdpa, {name}")
-    return out
+    return calls_out, steps_out
 
 
 kernel_call, decode_ratios, train_ratios = _kernel_call, _decode_ratios, _train_ratios

@@ -228,22 +228,27 @@ class Rule:
 #: heads), the mean over the lengths, and a grid that timed the decode path's ``run``, which rebuilds its
 #: arguments each call, where a repeated call runs it direct (12-25 us less: Note [Calibrate what runs] in
 #: ``functional.calibration_grid``). Uncalibrated, float32 MHA goes to SDPA at every length
-#: (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``).
+#: (``rates.PLAIN_MHA_DECODE_ON_SDPA``, ``Rates.plain_decode_on_sdpa``). The crossing depends on the door: SDPA's
+#: step on a KV-cache view pays for views that ``attention``'s SDPA call does not, so the calibration fits one per
+#: door (``Rates.step_min_keys`` for the KV-cache API's and the HF step's plain steps) and every door asks the same
+#: function with its own (Note [Each door its crossing] in ``functional.calibration_grid``).
 
 
 def _plain_on_sdpa(rates, r: Request) -> bool:
     """The one SDPA-or-decode decision (Note [Plain MHA decode]): whether a plain decode call (no mask but
-    causal, no score modification, no log-sum-exp asked) runs faster on SDPA than on the decode kernel here."""
-    return rates.plain_decode_on_sdpa(r.dtype, r.H != r.Hkv, r.S)
+    causal, no score modification, no log-sum-exp asked) runs faster on SDPA than on the decode kernel here, at
+    its door: a KV-cache view's by the steps' crossing, ``attention``'s by its own (Note [Each door its crossing]
+    in ``functional.calibration_grid``)."""
+    return rates.plain_decode_on_sdpa(r.dtype, r.H != r.Hkv, r.S, step=r.cache is not None)
 
 
 def plain_decode_kernel(dtype: torch.dtype, H: int, Hkv: int, S: int, layout: str = "heads-first") -> Kernel:
     """The kernel auto runs a plain decode call on (SDPA or the decode kernel), by the rule ``_decode`` applies,
     for a cache of ``layout`` (Note [Cache layouts]: SDPA reads heads-first caches only): for doors that take
-    plain steps without preparing a call (the KV-cache API's one-call step)."""
+    plain steps without preparing a call (the KV-cache API's one-call step, the HF step): the steps' crossing."""
     if layout not in K.SDPA.spec.cache_layouts:
         return K.DECODE
-    return K.SDPA if rates.current().plain_decode_on_sdpa(dtype, H != Hkv, S) else K.DECODE
+    return K.SDPA if rates.current().plain_decode_on_sdpa(dtype, H != Hkv, S, step=True) else K.DECODE
 
 
 def _decode(c: _Call):
@@ -255,14 +260,15 @@ def _decode(c: _Call):
         if not c.explaining:
             return K.SDPA, "plain decode: SDPA faster here (Note [Plain MHA decode])"
         heads, dt = "GQA" if gqa else "multi-head", str(r.dtype).removeprefix("torch.")
-        why = c.rates.decode_evidence(r.dtype, gqa, r.S)
+        why = c.rates.decode_evidence(r.dtype, gqa, r.S, step=r.cache is not None)
         how = (f"SDPA faster at S = {r.S} here ({why}; {c.rates.source})" if why else
                "PyTorch's fused kernel reads K/V as fast (built-in default)")
         return K.SDPA, f"plain {heads} decode in {dt}: {how} (Note [Plain MHA decode])"
     # (the full reason, with splits and bytes, only when explain asks: it is built on every call otherwise)
     if not c.explaining:
         return k, "decode kernel"
-    why = c.rates.decode_evidence(r.dtype, gqa, r.S) if c.plain and K.SDPA in c.ok else None
+    why = (c.rates.decode_evidence(r.dtype, gqa, r.S, step=r.cache is not None) if c.plain and K.SDPA in c.ok
+           else None)
     return k, k.decode_reason(c.p, True) + (f"; over SDPA at S = {r.S}: {why} (Note [Plain MHA decode])" if why else "")
 
 
@@ -442,7 +448,7 @@ def plan_cache(call: CacheCall, method: str = "auto", *, costs: bool = False) ->
         # (S only where it can matter: the rule's SDPA test reads a contiguous call's, a window is judged at it)
         S = call.S if contiguous or call.windowed else None
         sdpa_wins = (contiguous and not call.quantized
-                     and rates.current().plain_decode_on_sdpa(q.dtype, q.shape[2] != call.k.shape[2], S))
+                     and rates.current().plain_decode_on_sdpa(q.dtype, q.shape[2] != call.k.shape[2], S, step=True))
         key = (call.plan_key(S), method, sdpa_wins, S is None or S > 0)
         hit = _CACHE_PLANS.get(key)
         if hit is not None:

@@ -48,8 +48,8 @@ FORMAT = 2
 _MASK_KINDS = dict(dense=False, causal=True)
 RATE_NAMES = ("SPARSE_BLOCK_SPEED", "COMPILED_BLOCK_SPEED", "COMPILED_DENSE_DTYPES", "SPARSE_OVER_COMPILED",
               "COMPILED_DENSE_MIN_PAIRS", "COMPILED_GQA_MIN_PAIRS", "COMPILED_TRAIN_MIN_PAIRS", "KERNEL_GFLOPS",
-              "DECODE_OVER_SDPA", "DECODE_MIN_KEYS")
-#: the head layouts of a DECODE_OVER_SDPA / DECODE_MIN_KEYS key ("<dtype> <heads>") and whether each is GQA
+              "DECODE_OVER_SDPA", "DECODE_MIN_KEYS", "STEP_OVER_SDPA", "STEP_MIN_KEYS")
+#: the head layouts of a DECODE_OVER_SDPA / DECODE_MIN_KEYS (STEP_...) key ("<dtype> <heads>") and whether each is GQA
 _HEAD_KINDS = dict(mha=False, gqa=True)
 
 
@@ -94,7 +94,11 @@ class Rates:
     (few queries, no mask but causal)}}, measured at a few cache lengths (what ``explain`` quotes);
     decode_min_keys: {(dtype, gqa): the cache length from which the decode path beats SDPA on those calls,
     fitted to ``decode_over_sdpa``'s ratios (0: at every length; None: at none)}; a key missing here falls back
-    on ``decode_sdpa_dtypes`` (``plain_decode_on_sdpa``; Note [Plain MHA decode]).
+    on ``decode_sdpa_dtypes`` (``plain_decode_on_sdpa``; Note [Plain MHA decode]). These two are ``attention``'s
+    door: its repeated calls run each kernel direct.
+    step_over_sdpa, step_min_keys: the same for the plain steps of the KV-cache API and the HF step (the one-call
+    decode step against SDPA's step: Note [Each door its crossing] in ``functional.calibration_grid``); a key
+    missing here falls back on ``decode_min_keys``.
     compiled_gqa_min_pairs: as ``compiled_dense_min_pairs`` for GQA calls (fewer key/value heads than query
     heads, ``enable_gqa``): SDPA copies K/V per query head there and the compiled kernel reads them in place,
     so it wins from smaller calls (``bench planner``: 1.15x SDPA at 2 x 8 x 512² fp32 GQA where MHA of the same
@@ -118,6 +122,8 @@ class Rates:
     decode_sdpa_dtypes: tuple = PLAIN_MHA_DECODE_ON_SDPA
     decode_min_keys: dict = field(default_factory=dict)
     compiled_train_min_pairs: dict = field(default_factory=dict)
+    step_over_sdpa: dict = field(default_factory=dict)
+    step_min_keys: dict = field(default_factory=dict)
 
     def dense_threshold(self, dtype: torch.dtype, causal: bool = False, gqa: bool = False,
                         grad: bool = False) -> tuple[bool, float | None]:
@@ -145,25 +151,35 @@ class Rates:
             return least is not None and pairs >= least
         return dtype in self.compiled_dense_dtypes
 
-    def plain_decode_on_sdpa(self, dtype: torch.dtype, gqa: bool, S: int) -> bool:
+    def _decode_rule(self, dtype: torch.dtype, gqa: bool, step: bool) -> tuple[dict, dict]:
+        """(min keys, ratios) of the door: the steps' where the calibration timed them, else ``attention``'s."""
+        if step and (dtype, bool(gqa)) in self.step_min_keys:
+            return self.step_min_keys, self.step_over_sdpa
+        return self.decode_min_keys, self.decode_over_sdpa
+
+    def plain_decode_on_sdpa(self, dtype: torch.dtype, gqa: bool, S: int, step: bool = False) -> bool:
         """Whether SDPA runs a plain decode call (few queries against a KV cache of ``S`` keys, no mask but
-        causal) of ``dtype`` faster than the decode path: by the cache length fitted to the measured ratios
-        where the calibration timed them (``decode_min_keys``: SDPA below it), else the built-in default
-        (``decode_sdpa_dtypes``, multi-head only: under GQA SDPA has no way to read K/V heads in place that
-        matches the decode path's)."""
+        causal) of ``dtype`` faster than the decode path at its door (``step``: a plain step of the KV-cache API
+        or the HF step; else ``attention``'s call): by the cache length fitted to the ratios measured at that
+        door where the calibration timed them (``step_min_keys`` / ``decode_min_keys``: SDPA below it; a step
+        falls back on ``attention``'s), else the built-in default (``decode_sdpa_dtypes``, multi-head only:
+        under GQA SDPA has no way to read K/V heads in place that matches the decode path's)."""
         key = (dtype, bool(gqa))
-        if key in self.decode_min_keys:
-            least = self.decode_min_keys[key]
+        least_keys, _ = self._decode_rule(dtype, gqa, step)
+        if key in least_keys:
+            least = least_keys[key]
             return least is None or S < least
         return not gqa and dtype in self.decode_sdpa_dtypes
 
-    def decode_evidence(self, dtype: torch.dtype, gqa: bool, S: int) -> str | None:
-        """What decided ``plain_decode_on_sdpa`` for a cache of ``S`` keys, in words: the fitted length and the
-        measured ratio at the length nearest S (in log S), or None where no calibration measured this key."""
+    def decode_evidence(self, dtype: torch.dtype, gqa: bool, S: int, step: bool = False) -> str | None:
+        """What decided ``plain_decode_on_sdpa`` for a cache of ``S`` keys at that door, in words: the fitted
+        length and the measured ratio at the length nearest S (in log S), or None where no calibration measured
+        this key."""
         key = (dtype, bool(gqa))
-        if key not in self.decode_min_keys:
+        least_keys, ratios = self._decode_rule(dtype, gqa, step)
+        if key not in least_keys:
             return None
-        least, pts = self.decode_min_keys[key], self.decode_over_sdpa.get(key, {})
+        least, pts = least_keys[key], ratios.get(key, {})
         rule = ("the decode path at no length" if least is None else "the decode path at every length" if least == 0
                 else f"the decode path from S = {least:.0f}")
         if not pts:
@@ -254,17 +270,25 @@ def _from_json(doc: dict, path: Path, source: str | None = None) -> Rates:
     gflops = {str(n): float(g) for n, g in r.get("KERNEL_GFLOPS", {}).items()}
     if any(not (g > 0 and g < float("inf")) for g in gflops.values()):
         raise ValueError("KERNEL_GFLOPS must be finite and > 0")
-    decode = {key: {int(n): float(x) for n, x in per_length.items()}
-              for key, per_length in _decode_keys(r, "DECODE_OVER_SDPA").items()}
-    if any(n < 1 or not (x > 0 and x < float("inf")) for pts in decode.values() for n, x in pts.items()):
-        raise ValueError("DECODE_OVER_SDPA must be {cache length >= 1: ratio finite and > 0} per key")
-    decode_keys = {key: None if x is None else float(x) for key, x in _decode_keys(r, "DECODE_MIN_KEYS").items()}
-    if any(x is not None and not (x >= 0 and x < float("inf")) for x in decode_keys.values()):
-        raise ValueError("DECODE_MIN_KEYS must be finite and >= 0, or null (never)")
+    decode, decode_keys = _decode_rule(r, "DECODE")
+    steps, step_keys = _decode_rule(r, "STEP")
     when = doc.get("created", "?")
     return Rates(sbs, cbs, dtypes, soc, source or f"calibrated on this CPU {when} ({path})", doc.get("measured", {}),
                  compiled_dense_min_pairs=least, kernel_gflops=gflops, decode_over_sdpa=decode,
-                 compiled_gqa_min_pairs=least_gqa, decode_min_keys=decode_keys, compiled_train_min_pairs=least_train)
+                 compiled_gqa_min_pairs=least_gqa, decode_min_keys=decode_keys, compiled_train_min_pairs=least_train,
+                 step_over_sdpa=steps, step_min_keys=step_keys)
+
+
+def _decode_rule(r: dict, door: str) -> tuple[dict, dict]:
+    """(ratios, min keys) from a file's ``<door>_OVER_SDPA`` and ``<door>_MIN_KEYS`` entries, or ValueError."""
+    ratios = {key: {int(n): float(x) for n, x in per_length.items()}
+              for key, per_length in _decode_keys(r, f"{door}_OVER_SDPA").items()}
+    if any(n < 1 or not (x > 0 and x < float("inf")) for pts in ratios.values() for n, x in pts.items()):
+        raise ValueError(f"{door}_OVER_SDPA must be {{cache length >= 1: ratio finite and > 0}} per key")
+    least = {key: None if x is None else float(x) for key, x in _decode_keys(r, f"{door}_MIN_KEYS").items()}
+    if any(x is not None and not (x >= 0 and x < float("inf")) for x in least.values()):
+        raise ValueError(f"{door}_MIN_KEYS must be finite and >= 0, or null (never)")
+    return ratios, least
 
 
 def _decode_keys(r: dict, field_name: str) -> dict:
@@ -308,7 +332,11 @@ def as_json(rates: Rates) -> dict:
             "DECODE_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}":
                                  {str(n): x for n, x in pts.items()} for (d, g), pts in rates.decode_over_sdpa.items()},
             "DECODE_MIN_KEYS": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": x
-                                for (d, g), x in rates.decode_min_keys.items()}}
+                                for (d, g), x in rates.decode_min_keys.items()},
+            "STEP_OVER_SDPA": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}":
+                               {str(n): x for n, x in pts.items()} for (d, g), pts in rates.step_over_sdpa.items()},
+            "STEP_MIN_KEYS": {f"{str(d).removeprefix('torch.')} {'gqa' if g else 'mha'}": x
+                              for (d, g), x in rates.step_min_keys.items()}}
 
 
 def save(rates: Rates, measured: dict | None = None, path: Path | None = None, *, reload_now: bool = True) -> Path:
