@@ -2,6 +2,7 @@
 an oracle computed here (call logs, a buffer of known size, the files on disk, a run without resume)."""
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -77,11 +78,29 @@ def test_a_pair_shares_its_calls_per_sample():
 def test_paired_ratio_is_the_median_of_per_round_ratios():
     """Not the ratio of the medians: a slow round slows both of a pair and cancels."""
     a, b = Hn.Timing([1.0, 2.0, 10.0]), Hn.Timing([1.0, 1.0, 8.0])  # rounds 2-3 slowed a (and b in round 3)
-    assert Hn.paired_ratio(a, b) == pytest.approx(1.25)  # median of 1.0, 2.0, 1.25
+    assert Hn.paired_ratio(a, b) == pytest.approx(1.25)  # median of 1.0, 2.0, 1.25 (too few rounds per order)
     assert a.median / b.median == pytest.approx(2.0)
     assert Hn.paired_ratio(Hn.Timing(), Hn.Timing()) is None
     with pytest.raises(ValueError, match="per round"):
         Hn.paired_ratio(Hn.Timing([1.0]), Hn.Timing([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("rounds", [4, 7, 8, 11])
+def test_paired_ratio_cancels_the_pair_order(rounds):
+    """Note [Pair order]: two callables of the same cost, timed in pairs whose order flips each round (a first
+    on even rounds), where the pair's first sample runs 20 % slower and the rounds' speed scatters: the paired
+    ratio is 1 exactly, at an odd count of rounds too; the plain median of the per-round ratios is not."""
+    slow = [1.0 + 0.3 * ((7 * r) % 5) for r in range(rounds)]  # the machine's state in round r
+    a = Hn.Timing([s * (1.2 if r % 2 == 0 else 1.0) for r, s in enumerate(slow)])
+    b = Hn.Timing([s * (1.0 if r % 2 == 0 else 1.2) for r, s in enumerate(slow)])
+    assert Hn.paired_ratio(a, b) == pytest.approx(1.0)
+    assert Hn.paired_ratio(b, a) == pytest.approx(1.0)
+    if rounds % 2:
+        assert statistics.median(x / y for x, y in zip(a.times, b.times)) == pytest.approx(1.2)
+    # a real difference survives: a 10 % slower in both orders
+    c = Hn.Timing([t * 1.1 for t in b.times])
+    assert Hn.paired_ratio(Hn.Timing([t * 1.1 for t in a.times]), a) == pytest.approx(1.1)
+    assert Hn.paired_ratio(c, b) == pytest.approx(1.1)
 
 
 def test_median_rate_ignores_an_outlier():
