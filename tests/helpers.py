@@ -43,6 +43,48 @@ def max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
+# -- the int8 cache's scale search (Note [int8 scale search]) ---------------------------------------
+def int8_candidate_errors(xg: torch.Tensor, candidates: int) -> torch.Tensor:
+    """The oracle of Note [int8 scale search], float64: groups xg [.., n] -> the squared error of each candidate
+    scale max|group| / m, m = 127, 126, ..., 128 - candidates, every element rounded to nearest: [.., candidates]
+    (0 for an all-zero group)."""
+    x = xg.double()
+    amax = x.abs().amax(-1, keepdim=True)  # (.., 1)
+    m = 127.0 - torch.arange(candidates, dtype=torch.float64)
+    s = (amax / m).unsqueeze(-1)  # (.., K, 1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = (x.unsqueeze(-2) / safe).round().clamp(-127, 127)
+    return (x.unsqueeze(-2) - q * s).square().sum(-1)
+
+
+def check_int8_searched(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, candidates: int,
+                        what: str = "") -> None:
+    """Groups x [.., n] (the values quantised) stored as int8 ``data`` [.., n] with one float32 ``scale`` [..]
+    each: every element within half its scale's step (round to nearest, nothing clipped); the scale one of the
+    candidates max|group| / m (m an integer in [128 - candidates, 127], to float32 rounding); and the group's
+    squared error no larger than the best candidate's in float64, up to the rounding of the float32 errors the
+    quantiser compares (n products and sums of eps each: 4 n eps relative) and of the stored float32 scale."""
+    eps = torch.finfo(torch.float32).eps
+    x64, s64 = x.double(), scale.double()
+    dq = data.double() * s64.unsqueeze(-1)
+    assert bool(((x64 - dq).abs() <= s64.unsqueeze(-1) / 2 * (1 + 4 * eps) + 1e-300).all()), f"{what}: a half step"
+    amax = x64.abs().amax(-1)
+    live = s64 > 0
+    assert torch.equal(live, amax > 0), f"{what}: zero scales are the all-zero groups"
+    m = amax[live] / s64[live]
+    assert bool(((m - m.round()).abs() <= 4 * eps * m).all()), f"{what}: a scale that is not max|group| / m"
+    assert bool(((m.round() <= 127) & (m.round() >= 128 - candidates)).all()), f"{what}: m out of range"
+    err = (x64 - dq).square().sum(-1)
+    best = int8_candidate_errors(x64, candidates).amin(-1)
+    n = x.shape[-1]
+    # the stored float32 scale moves each element by up to 127 eps s: the error by up to that squared n times,
+    # plus twice its product with the error's root
+    moved = 127 * eps * s64
+    bad = err > best * (1 + 4 * n * eps) + n * moved.square() + 2 * (best * n).sqrt() * moved + 1e-300
+    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} groups above the best candidate's error, worst "
+                                 f"{float((err / best.clamp_min(1e-300))[bad].max()):.6g}x")
+
+
 # -- memory layouts ---------------------------------------------------------------------------------
 # A kernel sees sizes, strides and a storage offset, nothing else: a tensor built by ``as_strided`` over
 # a scratch buffer is, to it, the view that has those strides (``expand`` gives stride 0, ``.mT`` swaps

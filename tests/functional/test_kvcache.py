@@ -456,8 +456,8 @@ def test_grad_calls_do_not_take_the_decode_path():
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_other_decode_builds_in_subprocesses(capability):
     """The decode kernel's AVX2 (_decode_avx2) and baseline (_decode) builds, which this CPU would not load by
-    itself, run the append-and-attend cases against float64, the int8 cache's dequantisation and the one-call
-    step against the full path (ATEN_CPU_CAPABILITY picks the build)."""
+    itself, run the append-and-attend cases against float64, the int8 cache's dequantisation and quantiser (Note
+    [int8 scale search]) and the one-call step against the full path (ATEN_CPU_CAPABILITY picks the build)."""
     import os
     import subprocess
     import sys
@@ -471,7 +471,7 @@ def test_other_decode_builds_in_subprocesses(capability):
     bf16 = os.path.join(os.path.dirname(__file__), "test_kvcache_bf16.py")  # widened bf16 scores, prefetch modes
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, int8, bf16,
                           "-k", "appends_and_attends or dequantises_like or int16_query or vnni or bf16_scores "
-                          "or prefetch or one_call_step"],
+                          "or prefetch or one_call_step or quantises_by_search or within_half_a_step"],
                          capture_output=True, text=True, env=env,
                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -13,7 +13,8 @@ import attnlab
 from attnlab import reference
 from attnlab.functional.kvcache import INT8_ERROR_BUDGET, QuantizedKV
 from attnlab.kernels import decode as dk
-from helpers import max_err
+from attnlab.functional import kvquant
+from helpers import check_int8_searched, max_err
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 needs_ext = pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
@@ -73,17 +74,55 @@ def _q16_score_error(q: torch.Tensor, k: torch.Tensor) -> float:
 
 
 def test_quantize_within_half_a_step():
-    """|x - data·scale| <= scale / 2 per element (round to nearest), scale = max|row| / 127; a zero row is
-    exactly 0 with scale 0."""
+    """Per-token rows: |x - data·scale| <= scale / 2 per element (round to nearest), the scale the best of the
+    candidates max|row| / m (Note [int8 scale search], float64 oracle); a zero row is exactly 0 with scale 0."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 17, 2, 24, generator=gen) * torch.rand(3, 17, 2, 1, generator=gen) * 5
     x[0, 3, 1] = 0.0
     qk = QuantizedKV.quantize(x)
     assert qk.data.dtype == torch.int8 and qk.scale.shape == (3, 17, 2)
-    assert torch.equal(qk.scale, x.abs().amax(-1) / 127)
-    err = (qk.dequantize() - x).abs()
-    assert bool((err <= qk.scale.unsqueeze(-1) / 2 * (1 + 1e-6) + 1e-30).all())
+    check_int8_searched(x, qk.data, qk.scale, kvquant.SCALE_CANDIDATES, "per-token rows")
     assert torch.equal(qk.dequantize()[0, 3, 1], torch.zeros(24)) and float(qk.scale[0, 3, 1]) == 0.0
+    plain = (x / (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)).round() * x.abs().amax(-1, keepdim=True) / 127
+    assert float((qk.dequantize() - x).norm()) < float((plain - x).norm())  # the search found better scales here
+
+
+@pytest.mark.parametrize("path", ["extension", "torch"])
+@pytest.mark.parametrize("gs,D", [(32, 64), (32, 128), (64, 128), (None, 64), (None, 7)])
+def test_int8_quantises_by_search(monkeypatch, path, gs, D):
+    """Note [int8 scale search], in the extension's quantiser and in its torch twin (``kvquant._search``, which
+    runs without the extension): every group (or row) of Gaussian, outlier, constant and tiny values within half a
+    step and at the best candidate scale's error (float64 oracle, ``check_int8_searched``), rotated keys too (the
+    rows of x Rᵀ, checked against the float64 rotation within its float32 rounding); inf or NaN anywhere in x
+    raises before anything is returned."""
+    if path == "extension" and not dk.available():
+        pytest.skip(f"decode extension: {dk.unavailable_reason()}")
+    if path == "torch":
+        monkeypatch.setattr(kvquant.kdecode, "quantize_rows", lambda *a: None)
+    gen = torch.Generator().manual_seed(D + (gs or 0))
+    x = torch.randn(2, 40, 3, D, generator=gen) * 2
+    x[0, :5, 0] *= 1e-30  # tiny rows: scales near the float32 floor
+    x[0, 5, 1] = 0.25  # a constant row: every candidate but m = 127 is worse
+    x[1, :, 2, 1] *= 30  # an outlier channel
+    x[1, 7, 0] = 0.0
+    for group_size in ((gs,) if gs else (None,)):
+        qk = QuantizedKV.quantize(x, group_size=group_size)
+        n = group_size or D
+        check_int8_searched(x.reshape(*x.shape[:-1], -1, n), qk.data.reshape(*x.shape[:-1], -1, n),
+                            qk.scale.reshape(*x.shape[:-1], -1), kvquant.SCALE_CANDIDATES, f"{path} gs {gs}")
+        assert torch.equal(qk.data[0, 5, 1], torch.full((D,), 127, dtype=torch.int8))  # m = 127, exact there
+    if D & (D - 1) == 0:  # rotated keys: x Rᵀ in float32 (the fast transform) within its rounding of float64
+        qr = QuantizedKV.quantize(x, rotate=True, group_size=gs)
+        rot = x.double() @ kvquant.hadamard(D).double().T
+        slack = D * torch.finfo(torch.float32).eps * float(x.abs().max())
+        n = gs or D
+        stored = (qr.data.double().reshape(*x.shape[:-1], -1, n) * qr.scale.double().reshape(*x.shape[:-1], -1, 1))
+        assert float((stored.reshape(x.shape) - rot).abs().max()) <= float(qr.scale.max()) / 2 + slack
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 3, 2, D - 1] = bad
+        with pytest.raises(ValueError, match="finite keys and values"):
+            QuantizedKV.quantize(y, group_size=gs)
 
 
 @needs_ext

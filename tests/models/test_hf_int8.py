@@ -14,8 +14,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from attnlab.functional import kvquant
 from attnlab.integrations import hf_int8
 from attnlab.kernels import decode as dk
+from helpers import check_int8_searched
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")]
@@ -26,14 +28,6 @@ def _sylvester(D: int) -> torch.Tensor:
     while h.shape[0] < D:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h / math.sqrt(D)
-
-
-def _rows(x: torch.Tensor, gs: int | None = None) -> torch.Tensor:
-    """Symmetric int8 round trip per row, or per ``gs`` channels of a row (scale = max|group| / 127, round to
-    nearest), float64."""
-    xg = x.reshape(*x.shape[:-1], -1, gs) if gs else x
-    s = xg.abs().amax(-1, keepdim=True) / 127
-    return (torch.where(s > 0, torch.round(xg / torch.where(s > 0, s, 1)), 0) * s).reshape(x.shape)
 
 
 def _scales(c, n: int) -> torch.Tensor:
@@ -147,9 +141,10 @@ def test_default_is_rotated_groups_of_32():
 def _check_rows(layer, k: torch.Tensor, v: torch.Tensor, gs: int | None):
     """The layer holds k, v [B, Hkv, n, D] as the format defines them: keys k Rᵀ (R Sylvester's Hadamard), each
     element within half its own scale's step (its group's, or its row's) of the float64 rotation, plus the float32
-    rotation's rounding (D eps max|k|) and that step's float32 rounding; each scale max|group| / 127 of k Rᵀ
-    within that rounding (so a row's scales are its groups' own, not the row's); values v rounded the same way
-    without the rotation, within the float32 scale's rounding (127 eps scale per element, max|v| eps)."""
+    rotation's rounding (D eps max|k|) and that step's float32 rounding; each scale max|group| / m of k Rᵀ for an
+    integer m of Note [int8 scale search] within that rounding (so a row's scales are its groups' own, not the
+    row's); values v rounded the same way without the rotation, each group at the best candidate scale's error
+    (``check_int8_searched``, float64)."""
     B, Hkv, n, D = k.shape
     eps = torch.finfo(torch.float32).eps
     kc, vc = layer.k_cache, layer.v_cache
@@ -159,10 +154,14 @@ def _check_rows(layer, k: torch.Tensor, v: torch.Tensor, gs: int | None):
     slack = D * eps * float(k.abs().max())
     steps = _scales(kc, n)
     assert bool(((_stored(kc, n) - rot).abs() <= steps / 2 * (1 + 2 * eps) + slack).all())
-    want = rot.abs().reshape(B, n, Hkv, -1, gs or D).amax(-1).repeat_interleave(gs or D, -1) / 127
-    assert float((steps - want).abs().max()) <= slack / 127 + eps * float(want.max())
-    torch.testing.assert_close(_stored(vc, n), _rows(v.transpose(1, 2).double(), gs), rtol=0,
-                               atol=2 * eps * float(v.abs().max()))
+    amax = rot.abs().reshape(B, n, Hkv, -1, gs or D).amax(-1).repeat_interleave(gs or D, -1)
+    m = amax / steps  # an integer m in [128 - candidates, 127], to the rotation's rounding
+    tol = (slack + eps * amax) / steps
+    assert bool(((m - m.round()).abs() <= tol).all())
+    assert bool(((m.round() <= 127) & (m.round() >= 128 - kvquant.SCALE_CANDIDATES)).all())
+    vg, ng = v.transpose(1, 2), (D // gs) if gs else 1
+    check_int8_searched(vg.reshape(B, n, Hkv, ng, -1), vc.data[:, :n].reshape(B, n, Hkv, ng, -1),
+                        vc.scale[:, :n].reshape(B, n, Hkv, ng), kvquant.SCALE_CANDIDATES, "values")
 
 
 @pytest.mark.parametrize("gs", [32, None])

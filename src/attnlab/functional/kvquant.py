@@ -13,15 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import decode as kdecode
 from ..kernels.cacheview import dequantize_rows
 from ..shapes import AttentionDtypeError, AttentionInputError, shape_str
 from .storage import _check_shape, empty_kv_cache
 
 __all__ = ["QuantizedKV", "transform_quantize", "INT8_ERROR_BUDGET", "SMOOTH_ALPHA", "GROUP_SIZE", "GROUP_MULTIPLE",
-           "quantize_rows", "dequantize_rows", "channel_scales", "hadamard", "encode", "query"]
+           "quantize_rows", "dequantize_rows", "channel_scales", "hadamard", "encode", "query", "SCALE_CANDIDATES"]
 
 #: Note [int8 KV error budget]: an int8 row is x ≈ data · scale with scale = max|x| / 127 (symmetric, per token
-#: and kv head, round to nearest), so each element is off by at most scale / 2 = max|x| / 254. On Gaussian rows
+#: and kv head, round to nearest), so each element is off by at most scale / 2 = max|x| / 254 (since Note [int8
+#: scale search] the scale is max|x| / m for the best m of 127, 126, ...: still at most scale / 2, and never a
+#: larger squared error than m = 127's). On Gaussian rows
 #: (D = 64..128, max|x| ≈ 2.5 σ) that is an RMS element error 3.9x bf16 rounding's (measured over 10^5 rows; a
 #: per-row clipped scale only makes it worse), and decode's output error is to first order a linear image of
 #: the K/V element errors, while a bf16 cache also rounds q and the output: so through an int8 cache (fp32 q and
@@ -82,6 +85,14 @@ SMOOTH_ALPHA = 0.75
 #: groups are multiples of GROUP_MULTIPLE channels (one AVX-512 int16 step, two AVX2 ones).
 GROUP_SIZE = 32
 GROUP_MULTIPLE = 32
+
+#: Note [int8 scale search] (csrc/decode.cpp has the measurements): every format's scale, per row or per
+#: group, is max|x| / m for the m of 127, 126, ..., 128 - SCALE_CANDIDATES whose rounding leaves the least
+#: squared error (the first on a tie, so m = 127 where it is best); no element is clipped. On Gaussian groups of
+#: 32 the element error is 0.89x llama.cpp q8_0's (0.9998x with m = 127 alone). The extension's quantiser
+#: (``kernels.decode.quantize_rows``) runs it with the rotation of Note [int8 key rotation]; ``_search``, the
+#: same search in torch, runs where the extension does not.
+SCALE_CANDIDATES = 16
 
 
 @dataclass(frozen=True)
@@ -164,8 +175,9 @@ class QuantizedKV:
     @classmethod
     def quantize(cls, x: torch.Tensor, *, rotate: bool = False, smooth: bool = False,
                  group_size: int | None = None) -> "QuantizedKV":
-        """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / 127, round to nearest;
-        with ``group_size``, max|group| / 127 per group of that many channels: Note [int8 KV groups]); for keys
+        """x [.., Hkv, D] floating -> the int8 rows and their scales (scale = max|row| / m, m the best of 127,
+        126, ... by Note [int8 scale search], round to nearest; with ``group_size``, one such scale per group of
+        that many channels: Note [int8 KV groups]); for keys
         ``rotate`` (Note [int8 key rotation]: rotation, then groups) and ``smooth`` (channel scales fixed from x
         itself: Note [int8 key channel smoothing])."""
         _check_flags("QuantizedKV.quantize", rotate=rotate, smooth=smooth)
@@ -257,11 +269,15 @@ def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 def transform_quantize(x: torch.Tensor, c: torch.Tensor | None, r: torch.Tensor | None, groups: int = 0):
     """x [.., Hkv, D] -> the int8 rows and scales of (x / c) Rᵀ (either transform may be None; ``groups`` as
-    ``_quantize``'s: the rotation first, then the groups)."""
+    ``_quantize``'s: the rotation first, then the groups). ``hadamard(D)`` as R runs inside the quantiser."""
     xf = x.detach().to(torch.float32)
     if c is not None:
         xf = xf / c
     if r is not None:
+        D = xf.shape[-1]
+        n = D & -D
+        if r.device == xf.device and torch.equal(r, _hadamard(D).to(r.device)):
+            return _quantize(xf, groups, n if n > 1 else 0)
         xf = _rotate(xf, r)
     return _quantize(xf, groups)
 
@@ -280,18 +296,49 @@ def channel_scales(x: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor
     return torch.where(c.amax(-1, keepdim=True) > 0, c, torch.ones_like(c)).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def _quantize(x: torch.Tensor, groups: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [.., D] -> (int8 [.., D], float32 scale [..]) with x ≈ data · scale (Note [int8 KV error budget]); with
-    ``groups`` > 0, scale [.., groups], one per D / groups channels (Note [int8 KV groups])."""
+def _quantize(x: torch.Tensor, groups: int = 0, hadamard_n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [.., D] -> (int8 [.., D], float32 scale [..]) with x ≈ data · scale (Note [int8 KV error budget], the
+    scale searched: Note [int8 scale search]); with ``groups`` > 0, scale [.., groups], one per D / groups
+    channels (Note [int8 KV groups]). ``hadamard_n`` > 0: rows of x Rᵀ instead, R = ``hadamard(D)`` (blocks of
+    hadamard_n channels, Note [int8 key rotation])."""
     xf = x.detach().to(torch.float32)
     D = xf.shape[-1]
-    xg = xf.reshape(*xf.shape[:-1], groups, D // groups) if groups else xf  # (.., groups, gs) or (.., D)
-    amax = xg.abs().amax(-1)  # (..) or (.., groups)
-    if not bool(torch.isfinite(amax).all()):
+    rows = xf.reshape(-1, D)  # (N, D)
+    ng = groups or 1
+    got = kdecode.quantize_rows(rows, ng, hadamard_n, SCALE_CANDIDATES) if rows.device.type == "cpu" else None
+    if got is None:
+        got = _search(_rotate(rows, _hadamard(D).to(rows.device)) if hadamard_n else rows, ng)
+    data, scale = got
+    if not bool(torch.isfinite(scale).all()):  # a group holding inf or NaN (Note [int8 scale search])
         raise AttentionInputError("an int8 cache takes finite keys and values only (k or v holds inf or NaN)")
-    scale = amax / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    data = (xg / safe).round_().clamp_(-127, 127).to(torch.int8).reshape(xf.shape)
+    return data.reshape(xf.shape), scale.reshape(*xf.shape[:-1], groups) if groups else scale.reshape(xf.shape[:-1])
+
+
+#: rows per pass of ``_search`` (its candidates' products are SCALE_CANDIDATES times the rows' size)
+_SEARCH_ROWS = 4096
+
+
+def _search(rows: torch.Tensor, ng: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Note [int8 scale search] in torch: rows float32 [N, D] -> (int8 [N, D], float32 scale [N, ng]); a group
+    holding inf or NaN gets a NaN scale."""
+    N, D = rows.shape
+    m = 127.0 - torch.arange(SCALE_CANDIDATES, dtype=torch.float32, device=rows.device)  # (K,)
+    data = torch.empty(N, D, dtype=torch.int8, device=rows.device)
+    scale = torch.empty(N, ng, dtype=torch.float32, device=rows.device)
+    for r0 in range(0, N, _SEARCH_ROWS):
+        xg = rows[r0:r0 + _SEARCH_ROWS].reshape(-1, ng, D // ng)  # (n, ng, gs)
+        amax = xg.abs().amax(-1)  # (n, ng)
+        s = amax.unsqueeze(-1) / m  # (n, ng, K)
+        div = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
+        u = xg.unsqueeze(-2) / div  # (n, ng, K, gs): x in units of each candidate's step
+        q = u.round().clamp_(-127, 127)
+        err = (u - q).square_().sum(-1) / m.square()  # (n, ng, K), the order of the squared error / max|x|^2
+        j = err.nan_to_num(nan=math.inf).argmin(-1, keepdim=True)  # the first least error
+        best = s.gather(-1, j).squeeze(-1)  # (n, ng)
+        qb = q.gather(-2, j.unsqueeze(-1).expand(*j.shape[:-1], 1, xg.shape[-1])).squeeze(-2)  # (n, ng, gs)
+        finite = torch.isfinite(xg).all(-1)
+        scale[r0:r0 + _SEARCH_ROWS] = torch.where(finite, best, torch.full_like(best, float("nan")))
+        data[r0:r0 + _SEARCH_ROWS] = torch.where(finite.unsqueeze(-1), qb, torch.zeros_like(qb)).to(torch.int8).reshape(-1, D)
     return data, scale
 
 

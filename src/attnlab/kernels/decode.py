@@ -31,13 +31,13 @@ from .kernel import Kernel, Cost
 from .lse import sink_scale
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
-__all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits",
+__all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYPES", "num_splits", "quantize_rows",
            "decode_attention", "kv_bytes", "head_span", "num_splits_for", "predicted_seconds", "read_bandwidth", "UNBOUNDED",
            "DecodePlan", "plan", "decode_step", "step_heads_first", "SPEC", "KERNEL", "DecodeKernel",
            "decode_args", "run_prepared", "direct"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 8
+ABI_VERSION = 9
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -295,6 +295,19 @@ def decode_step(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
     return ext.step(q, k_cache, v_cache, k, v, 0 if lens is not None else n0, block_table, bool(causal),
                     float(scale), max(1, int(forced)) if forced else 0, UNITS_PER_THREAD, MIN_SPLIT_KEYS,
                     MAX_QUERIES, UNBOUNDED, lens, bool(attend))
+
+
+def quantize_rows(x: torch.Tensor, groups: int, hadamard: int, candidates: int):
+    """The int8 cache's quantiser in the extension (csrc Note [int8 scale search]): x float32 [N, D] ->
+    (int8 [N, D], float32 scale [N, groups]), each group's scale the best of ``candidates`` (max|group| / m,
+    m = 127, 126, ...), rows first rotated by the Walsh-Hadamard transform on blocks of ``hadamard`` channels
+    (0: none). A group holding inf or NaN gets a NaN scale. None without the extension (the caller's torch
+    path then runs the same search)."""
+    ext = _load()
+    if ext is None:
+        return None
+    data, scale = ext.quantize(x if x.is_contiguous() else x.contiguous(), groups, hadamard, candidates)
+    return data, scale
 
 
 def step_heads_first(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,

@@ -35,39 +35,64 @@ def test_q8_0_is_ggml_s():
         E.q8_0(torch.zeros(2, 40))
 
 
-def _hadamard(D):
-    """Sylvester's Hadamard matrix of a power-of-2 D, normalised, float32 (built in float64)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < D:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(D)).float()
+def _fwht32(x):
+    """x Rᵀ for R the normalised Sylvester Hadamard matrix of a power-of-2 D, in float32 as Note [int8 key
+    rotation] defines the transform: butterflies [a + b, a - b] from the widest level down, then times
+    float32(D^-1/2)."""
+    y = x.float().clone()
+    D = y.shape[-1]
+    h = D // 2
+    while h >= 1:
+        z = y.reshape(*y.shape[:-1], D // (2 * h), 2, h)
+        a, b = z[..., 0, :].clone(), z[..., 1, :].clone()
+        z[..., 0, :], z[..., 1, :] = a + b, a - b
+        y = z.reshape(y.shape)
+        h //= 2
+    return y * torch.tensor(1 / math.sqrt(D), dtype=torch.float32)
 
 
-def _groups(x, gs, rotate):
-    """Note [int8 KV groups] (float64 out): keys rotated in float32 first (x Rᵀ), then per gs channels of each row
-    s = max|group| / 127 in float32, q = round(x / s) (half to even, |q| <= 127), dequantised as q · s (@ R)."""
-    h = _hadamard(x.shape[-1])
-    xf = x.float() @ h.T if rotate else x.float()
+def _groups(x, gs, rotate, candidates):
+    """Note [int8 KV groups] with Note [int8 scale search] (float64 out): keys rotated in float32 first (x Rᵀ),
+    then per gs channels s = max|group| / m in float32 for the m in 127, 126, ... whose float64 squared error is
+    least, q = round(x / s) (half to even), dequantised as q · s (@ R). Also: the groups whose two best candidates
+    are within the quantiser's float32 comparison of each other (either may be taken there)."""
+    xf = _fwht32(x) if rotate else x.float()
     xg = xf.reshape(*xf.shape[:-1], -1, gs)
-    s = xg.abs().amax(-1, keepdim=True) / 127
+    amax = xg.abs().amax(-1, keepdim=True)
+    m = 127.0 - torch.arange(candidates, dtype=torch.float32)
+    s = (amax / m).unsqueeze(-1)  # (.., ng, K, 1), float32 as stored
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.where(s > 0, xg / safe, torch.zeros_like(xg)).round().clamp(-127, 127)
-    y = (q.double() * s.double()).reshape(x.shape)
-    return y @ h.double() if rotate else y
+    q = (xg.unsqueeze(-2) / safe).round().clamp(-127, 127)  # (.., ng, K, gs)
+    err = (xg.unsqueeze(-2).double() - q.double() * s.double()).square().sum(-1)  # (.., ng, K)
+    two = err.topk(2, -1, largest=False).values
+    unsure = two[..., 1] <= two[..., 0] * (1 + 8 * gs * torch.finfo(torch.float32).eps)
+    j = err.argmin(-1)
+    pick = lambda t: t.gather(-2, j[..., None, None].expand(*j.shape, 1, t.shape[-1])).squeeze(-2)  # noqa: E731
+    y = (pick(q).double() * pick(s.expand_as(q)).double()).reshape(x.shape)
+    h = _fwht32(torch.eye(x.shape[-1])).double()  # R, rows of the transform of the identity: R = Rᵀ
+    return (y @ h if rotate else y), unsure.repeat_interleave(gs, -1).reshape(x.shape)
 
 
 @pytest.mark.parametrize("shape", [(1, 512, 2, 128), (1, 300, 3, 64)])
 def test_group_formats_are_the_notes(shape):
     """Bit for bit, keys and values, at the experiment's sizes (synthetic [1, S, Hkv, 128] and SmolLM2's
-    [1, S, 3, 64]: rows enough that the library rotates by one float32 matmul, as the oracle does), with an outlier
-    channel and an all-zero row (scale 0)."""
+    [1, S, 3, 64]), with an outlier channel and an all-zero row (scale 0); only a group whose two best scales
+    are within the float32 rounding of the errors compared may differ (at most 1 % of them)."""
+    from attnlab.functional import kvquant
+
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 3
     x[..., 5] *= 20
     x[0, 0, 0] = 0
     for name, rot in (("int8-g32", False), ("int8-g32-hadamard", True)):
         assert name in E.FORMATS and name in E.KERNEL_FORMATS
-        assert torch.equal(E.fake_quant(name, x, "k", 64), _groups(x, 32, rot)), name
-        assert torch.equal(E.fake_quant(name, x, "v", 64), _groups(x, 32, False)), name  # values never rotated
+        for kind, r in (("k", rot), ("v", False)):  # values never rotated
+            want, unsure = _groups(x, 32, r, kvquant.SCALE_CANDIDATES)
+            got = E.fake_quant(name, x, kind, 64)
+            if not r:
+                assert torch.equal(got[~unsure], want[~unsure]), (name, kind)
+            else:  # the same stored rows, rotated back in float64 by two different R products
+                torch.testing.assert_close(got[~unsure], want[~unsure], rtol=0, atol=1e-12 * float(x.abs().max()))
+            assert float(unsure.float().mean()) <= 0.01, (name, kind)
 
 
 @pytest.mark.skipif(not dk.available(), reason="decode extension")
