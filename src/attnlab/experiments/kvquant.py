@@ -55,6 +55,20 @@ alone at the full run's settings, 198 s on the same machine, after that change):
 (0.73x), unrotated 6.22e-4 (2.00x), as before. Errors split on SmolLM2 (per-token int8): keys alone 1.50e-2, values
 alone 0.57e-2; rotating the values too (which needs a hook after the kernel: out = out' R) took the
 rotated format from 1.11e-2 to 1.03e-2.
+
+A third full run after Note [int8 scale search] (every scale max|x| / m for the best m of 127..112; ``attnlab
+experiment kvquant --threads 2``, 182 s, the quiet AMX Xeon), ratios to q8_0 in the same run (q8_0's absolute
+values as in the first table):
+
+    format                     outlier keys  Gaussian keys  SmolLM2 K/V  SmolLM2 KL  (before the search)
+    int8 per token             1.70          1.15           1.18         1.70        1.69 / 1.20 / 1.32 / 1.99
+    int8, keys Hadamard        0.335         1.16           0.838        0.628       0.40 / 1.20 / 0.90 / 0.72
+    int8-g32                   0.861         0.883          0.878        0.822       1.00 / 0.999 / 1.00 / 1.02
+    int8-g32-hadamard          0.286         0.899          0.67         0.428       0.30 / 1.003 / 0.73 / 0.52
+    the same, real HF cache    -             -              -            0.43 (KL 1.34e-4 nats, perplexity 7.760)
+
+So the HF int8 cache's format is now below q8_0's error on all three data sets, Gaussian keys included (0.90x
+where it was 1.003x: the rotation still changes no Gaussian; the search takes a tenth off every format's error).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """An int8 KV cache for transformers' ``generate``: keys and values stored as ``functional.kvquant.QuantizedKV``
 and read by attnlab's decode kernel as they are. By default the group format of Note [int8 KV groups] (one float32
 scale per 32 channels of each token and kv head, keys and values) with the keys Hadamard-rotated first (Note [int8
-key rotation]): llama.cpp q8_0's grouping, at 0.52x its next-token KL on SmolLM2 (Note [int8 KV format choice] in
-experiments/kvquant.py), where 32 divides the head dim (``group_size="auto"``; one scale per token and kv head
+key rotation]) and searched scales (Note [int8 scale search]): llama.cpp q8_0's grouping, at 0.43x its next-token
+KL on SmolLM2 (Note [int8 KV format choice] in experiments/kvquant.py), where 32 divides the head dim (``group_size="auto"``; one scale per token and kv head
 where it does not); ``group_size=None`` keeps one scale per token and kv head.
 
     >>> from attnlab.integrations import hf_int8
