@@ -686,3 +686,48 @@ def test_repeated_plain_decode_calls_take_the_one_call_step(monkeypatch, dtype):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     keep = torch.ones(2, 1, 1, 41, dtype=torch.bool)
     _check(outs[2], _ref(q, k, v, keep), _naive(q, k, v, keep), f"{dtype}")
+
+
+def test_balanced_splits_fill_the_last_round():
+    """Note [Decode balanced units]: a split count whose units leave more than 5 % of the threads' last round idle
+    is raised to the least count (at most twice it, at most ``top``) that fills every round; else kept."""
+    assert dk.balanced_splits(3, 3, 8, 2) == 4  # 9 units on 2 threads -> 12
+    assert dk.balanced_splits(3, 3, 3, 2) == 3  # no room above: kept
+    assert dk.balanced_splits(3, 2, 8, 2) == 2  # 6 units: full rounds
+    assert dk.balanced_splits(8, 1, 8, 2) == 1
+    assert dk.balanced_splits(9, 1, 8, 2) == 2  # 5 of 4.5 rounds (11 % idle) -> 18 units
+    assert dk.balanced_splits(41, 1, 8, 2) == 1  # 21 of 20.5 rounds: 2.4 % idle, kept
+    assert dk.balanced_splits(5, 2, 8, 3) == 3  # 10 units on 3 threads -> 15
+    assert dk.balanced_splits(7, 5, 8, 1) == 5  # one thread: always full
+
+
+@needs_ext
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("B,Hkv,S", [(1, 3, 4096), (1, 9, 2048), (2, 5, 3000), (1, 1, 700)])
+def test_one_call_step_splits_as_the_full_path(B, Hkv, S, threads):
+    """The one-call step (csrc decode_step) and the full path (kernels/decode.py num_splits) take the same split
+    count, balanced or not (Note [Decode balanced units]): the same bits out, against float64 within fp32
+    rounding, at thread counts where the balance moves the count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(S + Hkv)
+        H, D = 3 * Hkv, 32
+        q = torch.randn(B, 1, H, D, generator=gen)
+        # heads-first storage (transformers' and the in-place cache's): one kv head per unit
+        kc = torch.randn(B, Hkv, S + 8, D, generator=gen).transpose(1, 2)
+        vc = torch.randn(B, Hkv, S + 8, D, generator=gen).transpose(1, 2)
+        out = dk.decode_step(q, kc, vc, None, None, S, None, False, D ** -0.5)
+        assert out is not None
+        ns = dk.num_splits_for(kc, B, S)
+        if (B, Hkv, S, threads) == (1, 3, 4096, 2):
+            assert ns == 4  # 9 units raised to 12
+        full, _ = dk.decode_attention(q, kc[:, :S], vc[:, :S], scale=D ** -0.5, blhd=True)  # its own split count
+        assert torch.equal(out, full), ns
+        other, _ = dk.decode_attention(q, kc[:, :S], vc[:, :S], scale=D ** -0.5, splits=ns + 1, blhd=True)
+        assert not torch.equal(out, other)  # the split count shows in the bits, so the equality above tests it
+        ref = reference.attention(q.transpose(1, 2).double(), kc[:, :S].transpose(1, 2).double(),
+                                  vc[:, :S].transpose(1, 2).double(), enable_gqa=True)[0]  # [B, H, 1, D]
+        assert max_err(out.transpose(1, 2), ref) < 1e-5
+    finally:
+        torch.set_num_threads(old)

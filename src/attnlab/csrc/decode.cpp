@@ -1386,8 +1386,17 @@ std::optional<at::Tensor> decode_step(const at::Tensor& q, const at::Tensor& kc,
   const int64_t hs = Hkv > 1 && T > 1 && std::abs(kc.stride(2)) < std::abs(kc.stride(1)) ? Hkv : 1;
   int64_t ns = forced_splits;
   if (ns <= 0) {
-    const int64_t want = units_per_thread * at::get_num_threads(), pairs = std::max<int64_t>(1, B * (Hkv / hs));
-    ns = pairs >= want ? 1 : std::max<int64_t>(1, std::min<int64_t>((want + pairs - 1) / pairs, n / min_split_keys));
+    const int64_t threads = at::get_num_threads(), want = units_per_thread * threads;
+    const int64_t pairs = std::max<int64_t>(1, B * (Hkv / hs)), top = std::max<int64_t>(1, n / min_split_keys);
+    ns = pairs >= want ? 1 : std::max<int64_t>(1, std::min<int64_t>((want + pairs - 1) / pairs, top));
+    // kernels/decode.py balanced_splits (Note [Decode balanced units]), unbalanced = 0.05
+    const int64_t units = pairs * ns, rounds = (units + threads - 1) / threads;
+    if (threads > 1 && units % threads != 0 && static_cast<double>(rounds * threads) > units * 1.05)
+      for (int64_t c = ns + 1; c <= std::min(top, 2 * ns); ++c)
+        if ((pairs * c) % threads == 0) {
+          ns = c;
+          break;
+        }
   }
   at::Tensor out = at::empty({B, L, H, Dv}, q.options());
   if (!per_seq) {
