@@ -56,8 +56,16 @@ def _tidy_unit_strides(t: torch.Tensor) -> torch.Tensor:
     after it is expanded (stride 0), no stride fixes it: the fuzz found q [1, 3, 33, 5] with strides [0, 0, 0, 1]
     right as it was and wrong once its batch stride was set to 1 (errors up to 1e29, and NaN, changing from call
     to call: the kernel reads past the data). Such a tensor is copied row-major instead (a layout that odd is
-    rare, and the copy is what SDPA's math path would make)."""
+    rare, and the copy is what SDPA's math path would make), also when its size-1 strides are already the ones
+    this rule would give: q [1, 2, 2] with strides [1, 0, 1] (4-D: [1, 1, 2, 2], strides [1, 1, 0, 1]) gave one
+    uninitialised output element from public SDPA (found by the layout fuzz in `attnlab verify`, seed 4219)."""
     shape, st = t.shape, list(t.stride())
+    expanded = False  # a dim of size >= 2 with stride 0 after the one looked at
+    for d in range(t.dim() - 1, -1, -1):
+        if shape[d] > 1 and st[d] == 0:
+            expanded = True
+        elif shape[d] == 1 and expanded:  # whatever its stride (the fuzz found [1, 2, 2] strides [1, 0, 1],
+            return t.clone(memory_format=torch.contiguous_format)  # already "tidy", wrong in SDPA's output)
     changed = False
     for d in range(t.dim() - 2, -1, -1):
         if shape[d] == 1:
@@ -66,8 +74,6 @@ def _tidy_unit_strides(t: torch.Tensor) -> torch.Tensor:
                 st[d], changed = want, True
     if not changed:
         return t
-    if any(s == 0 and n > 1 for s, n in zip(st, shape)):
-        return t.clone(memory_format=torch.contiguous_format)
     return t.as_strided(shape, st, t.storage_offset())
 
 
