@@ -95,3 +95,35 @@ def attnlab_pick(call: str) -> str:
     dt = torch.bfloat16 if call.startswith("bfloat16") else torch.float32
     q = torch.randn(1, 8, 128, 64).to(dt).requires_grad_("backward" in call)
     return attnlab.explain(q, q, q, is_causal="causal" in call).method
+
+
+def test_busy_pass_takes_more_rounds_and_budget(monkeypatch):
+    """Note [Busy rounds]: beside a CPU-bound process the paired calls take the stage's busy rounds within twice
+    the budget, the small calls twice those rounds; quiet keeps its rounds; the stage asks for BUSY_ROUNDS."""
+    seen = []
+    real = record.interleaved
+
+    def spy(calls, **kw):
+        seen.append((tuple(calls), kw["rounds"], kw["budget_s"], kw["min_sample_s"]))
+        return real(calls, **{**kw, "rounds": 2, "budget_s": 1.0})
+
+    monkeypatch.setattr(record, "interleaved", spy)
+    small = dict(n=128, n_window=512, s_decode=1024, sample_s=0.004)
+    record._headline_once(**small, rounds=15)
+    quiet, seen[:] = list(seen), []
+    record._headline_once(**small, rounds=9, busy=True)
+    busy = list(seen)
+    assert len(quiet) == len(busy)
+    for (names, rq, bq, sq), (_, rb, bb, sb) in zip(quiet, busy):
+        if "auto" in names and "sdpa" in names and len(names) == 2:  # a small call
+            assert (rq, rb) == (19, 17) and sb < sq
+        elif "pick" in names:  # a headline call: auto paired with its pick
+            assert (rq, rb) == (15, 9) and bb == 2 * bq
+        else:  # the window and decode medians keep 15 rounds
+            assert rb in (15, 17) and bb == bq
+    calls = []
+    monkeypatch.setattr(record, "_headline_once", lambda **kw: calls.append(kw) or {})
+    monkeypatch.setattr(record, "_busy_process", lambda: type("P", (), {"kill": lambda s: None,
+                                                                       "wait": lambda s: None})())
+    record._stage_headline(record.VerifyConfig(busy=True), None, lambda msg: None)
+    assert calls == [{}, {"rounds": record.BUSY_ROUNDS, "busy": True}]
