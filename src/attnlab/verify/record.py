@@ -300,10 +300,11 @@ def _headline_once(n: int = 4096, n_window: int = 8192, s_decode: int = 32768, s
             pick_over_sdpa = c if pick == "compiled" else 1.0
             fastest = min(1.0, c) / pick_over_sdpa / auto_over_pick
             return {"compiled": 1 / c, "auto": 1 / (pick_over_sdpa * auto_over_pick), "auto / fastest": fastest,
-                    "auto's pick": pick}
+                    "auto's pick": pick, "rounds": len(t["auto"].times)}
         best = min(t["sdpa"].median, t["compiled"].median)
         return {"compiled": t["sdpa"].median / t["compiled"].median, "auto": t["sdpa"].median / t["auto"].median,
-                "auto / fastest": best / t[pick].median / auto_over_pick, "auto's pick": pick}
+                "auto / fastest": best / t[pick].median / auto_over_pick, "auto's pick": pick,
+                "rounds": len(t["auto"].times)}
 
     budget = 2.0 if busy else 1.0  # Note [Busy rounds]
     small_rounds, small_sample_s = (2 * rounds - 1, sample_s / 10) if busy else (rounds + 4, sample_s / 4)
@@ -345,7 +346,8 @@ def _headline_once(n: int = 4096, n_window: int = 8192, s_decode: int = 32768, s
             t = interleaved({"sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
                              "auto": lambda: attnlab.attention(q, k, v)}, rounds=small_rounds,
                             min_sample_s=small_sample_s, budget_s=budget * 20, pairs={"auto": "sdpa"})
-        out[f"small call {list(shape)} fp32, time over SDPA's"] = {"auto": paired_ratio(t["auto"], t["sdpa"])}
+        out[f"small call {list(shape)} fp32, time over SDPA's"] = {"auto": paired_ratio(t["auto"], t["sdpa"]),
+                                                                    "rounds": len(t["auto"].times)}
     # a causal sliding window (256 keys) against SDPA's causal at n = 8192, fp32 forward
     n2 = n_window
     q, k, v = (torch.randn(1, 8, n2, 64, generator=g) for _ in range(3))
@@ -529,7 +531,8 @@ def markdown(rec: dict) -> str:
             lines.append(f"| {call} | " + " | ".join(cells) + " |")
         lines += ["", "compiled and auto: SDPA's time over the kernel's (above 1: faster than SDPA); auto / fastest: the "
                   "faster of SDPA and compiled over auto's time (1: auto ran the fastest); the compiled kernel paired "
-                  "with SDPA and auto with its pick, 15 rounds (Note [Headline pairs]); small calls: auto's time over SDPA's, paired (below 1.5 and 1.05 are "
+                  f"with SDPA and auto with its pick, 15 rounds quiet and {BUSY_ROUNDS} busy (Notes [Headline pairs], "
+                  "[Busy rounds]); small calls: auto's time over SDPA's, paired (below 1.5 and 1.05 are "
                   "the targets); decode: the K/V bytes read per second against the read bandwidth measured in the same "
                   "process. Busy: beside one CPU-bound process. Auto planned as a "
                   f"fresh install does: {st['headline'].get('rates', '?')}.", ""]
