@@ -290,12 +290,12 @@ def flex_compiler():
     except ImportError as e:
         return None, f"FlexAttention is not available in torch {torch.__version__}: {e}"
     try:
-        import torch._dynamo
+        from torch import _dynamo  # (``import torch._dynamo`` here would make ``torch`` local to the function)
 
         # each case's mask_mod is a new graph: allow more than the default 8 before dynamo falls back
         for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+            if hasattr(_dynamo.config, name):
+                setattr(_dynamo.config, name, max(64, getattr(_dynamo.config, name)))
         return torch.compile(flex_attention, dynamic=False), None
     except Exception as e:
         return None, f"torch.compile(flex_attention) failed: {type(e).__name__}: {e}"

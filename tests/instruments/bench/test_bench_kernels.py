@@ -121,3 +121,15 @@ def test_cli_runs_and_refuses_bad_input(tmp_path, capsys):
     assert cli.main(["bench", "kernels", "--out", str(tmp_path), "--densities", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "densities" in err[0]
+
+
+def test_flex_compiler_names_a_missing_flex_attention(monkeypatch):
+    """Where torch has no FlexAttention, the bench skips it with the reason (it raised UnboundLocalError: the
+    function's own ``import torch._dynamo`` made ``torch`` a local name)."""
+    import sys
+
+    from attnlab.bench import kernels_cases
+
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)  # import fails
+    fn, why = kernels_cases.flex_compiler()
+    assert fn is None and "FlexAttention is not available" in why and torch.__version__ in why
