@@ -5,6 +5,7 @@ Legend: B batch, H heads, n sequence length (L = S = n), D head dim, ρ fraction
 """
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -290,12 +291,13 @@ def flex_compiler():
     except ImportError as e:
         return None, f"FlexAttention is not available in torch {torch.__version__}: {e}"
     try:
-        from torch import _dynamo  # (``import torch._dynamo`` here would make ``torch`` local to the function)
+        # (``import torch._dynamo`` here would make ``torch`` a local name, unbound in the except clause above)
+        dynamo = importlib.import_module("torch._dynamo")
 
         # each case's mask_mod is a new graph: allow more than the default 8 before dynamo falls back
         for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(_dynamo.config, name):
-                setattr(_dynamo.config, name, max(64, getattr(_dynamo.config, name)))
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, max(64, getattr(dynamo.config, name)))
         return torch.compile(flex_attention, dynamic=False), None
     except Exception as e:
         return None, f"torch.compile(flex_attention) failed: {type(e).__name__}: {e}"
