@@ -118,3 +118,25 @@ def test_tour_shapes_plan_as_real_tensors(label, B, H, L, S, E, kw):
     meta = attnlab.explain(*(torch.empty(B, H, n, E, device="meta") for n in (L, S, S)), device="cpu", **kw)
     real = attnlab.explain(*(torch.zeros(B, H, n, E) for n in (L, S, S)), **kw)
     assert _fields(meta) == _fields(real)
+
+
+def test_explain_says_when_the_estimates_rank_another_kernel_first():
+    """A rule may choose by a measurement or a capability while the rows' FLOP-rate times rank another kernel first:
+    the plan's text then says so, naming both; where the chosen kernel is also the estimates' first, it says
+    nothing of the kind. Refused kernels are not ranked."""
+    from attnlab.kernels.planner import Plan
+
+    ranked = Plan(method="compiled", reason="measured faster [rule: a threshold]", rule="a threshold",
+                  seconds={"sdpa": 0.239, "compiled": 0.291, "tiled": 0.4})
+    line = [ln for ln in str(ranked).splitlines() if ln.startswith("estimates:")]
+    assert line == ["estimates: the ≈ times (FLOPs over rates) rank sdpa first; the rule on the first line chose "
+                    "compiled"]
+    agree = Plan(method="sdpa", reason="fastest", rule="fastest", seconds={"sdpa": 0.239, "compiled": 0.291})
+    refused = Plan(method="compiled", reason="only one", rule="r", seconds={"sdpa": 0.1, "compiled": 0.3},
+                   refused={"sdpa": "cannot"})
+    assert not any(ln.startswith("estimates:") for p in (agree, refused) for ln in str(p).splitlines())
+    # a real plan renders, and its line (if any) names the kernel the plan chose
+    q = torch.randn(1, 4, 64, 32)
+    text = str(attnlab.explain(q, q, q))
+    assert all(ln.endswith(f"chose {attnlab.explain(q, q, q).method}") for ln in text.splitlines()
+               if ln.startswith("estimates:"))

@@ -116,6 +116,15 @@ class Plan:
             lines.append(f"  {m:<8} {state:<50} {cost}")
             if m in self.notes:
                 lines.append(f"  {'':<8} note: {self.notes[m]}")
+        est = {m: t for m, t in self.seconds.items() if m not in self.refused}
+        first = min(est, key=est.get) if est else None
+        if self.method in est and first != self.method and est[first] < est[self.method]:
+            # a rule may choose by a measurement (a size threshold, a decode ratio) or by a capability, where the
+            # rows' times are FLOPs over rates: say so where they rank another kernel first (fp32 GQA causal n 8000
+            # on the AMX Xeon: compiled ≈ 291 ms, SDPA ≈ 239 ms, and the size threshold rightly picks compiled, 0.93x
+            # SDPA's time measured)
+            lines.append(f"estimates: the ≈ times (FLOPs over rates) rank {first} first; the rule on the first line "
+                         f"chose {self.method}")
         lines += [f"assumed: {a}" for a in self.assumptions]
         if self.rates_source:
             lines.append(f"rates: {self.rates_source}")
