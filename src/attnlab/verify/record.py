@@ -272,14 +272,15 @@ def _busy_process():
 # over its pick. A pick that is neither (a third kernel) keeps the medians.
 # Note [Busy rounds]: beside a CPU-bound process a paired round's ratio spreads far wider than quiet: two
 # threads and the spinning process share two cores, and a round's time depends on when a thread was
-# descheduled. Auto against the very kernel it runs (the AMX Xeon, n 4096, 101 rounds; /tmp/busyhead.py of the
-# 2026-12-05 stop): the rounds' log ratios spread 0.15 (fp32 dense forward) and 0.17 (bf16 causal forward), so
-# the paired ratio of 15 rounds spreads about 1.25 * 0.16 / sqrt(15) = 5 %: as wide as the target's margin,
-# which is how the record of 2026-12-05 read auto 0.90-0.94x "the fastest" in five busy calls where auto ran the
-# fastest kernel (and 101 rounds of two of them read 0.96x and 1.02x). The small calls spread wider still (SDPA's
-# [1, 12, 128, 64] 234 us quiet, 2.6 ms busy, rounds 0.5-1.4x). So the busy pass takes BUSY_ROUNDS rounds (about
-# 2 % spread) within twice the budgets, and the small calls twice as many rounds of shorter samples; quiet
-# rounds spread about 3 % and keep 15.
+# descheduled. Auto against the very kernel it runs (the AMX Xeon, n 4096, 101 paired rounds of the calls below,
+# one process): the rounds' log ratios spread 0.15 (fp32 dense forward) and 0.17 (bf16 causal forward), so the
+# paired ratio of 15 rounds spreads about 1.25 * 0.16 / sqrt(15) = 5 %: as wide as the target's margin, which is
+# how the record of 2026-12-05 read auto 0.90-0.94x "the fastest" in five busy calls where auto ran the fastest
+# kernel (and 101 rounds of two of them read 0.96x and 1.02x). The small calls spread wider still (SDPA's
+# [1, 12, 128, 64] 234 us quiet, 2.6 ms busy, rounds 0.5-1.4x). So the busy pass asks for BUSY_ROUNDS rounds
+# (about 2 % spread) within twice the budgets, and the small calls for twice as many rounds of shorter samples.
+# The forward+backward calls fit 46-70 of them in the budget (about 3 %; the record stores each call's rounds).
+# Quiet rounds spread about 4 % (Note [Sweep rounds]) around a ratio that moves less, and keep 15.
 BUSY_ROUNDS = 101
 
 
