@@ -57,6 +57,27 @@ def int8_candidate_errors(xg: torch.Tensor, candidates: int) -> torch.Tensor:
     return (x.unsqueeze(-2) - q * s).square().sum(-1)
 
 
+def int_pv_error(q: torch.Tensor, kf: torch.Tensor, v_scale: torch.Tensor, n: torch.Tensor | int,
+                 scale: float | None = None) -> float:
+    """The most the decode kernel's integer P @ V moves an output element (csrc Note [Decode int8 P @ V],
+    ``attnlab.kernels.decode.int_pv_bound``), from float64 softmax probabilities: q [B, L, H, D], kf the
+    (dequantised) keys the scores take [B, S, Hkv, D] and v_scale each key's value scale [B, S, Hkv], both in key
+    order, n [B] (or an int) keys per sequence, bottom-right causal. An upper bound wherever the path runs, so
+    a budget may add it where it does not."""
+    from attnlab.kernels import decode as dk
+
+    B, L, H, D = q.shape
+    S, Hkv = kf.shape[1], kf.shape[2]
+    n = torch.as_tensor(n).expand(B)
+    k = kf.double().repeat_interleave(H // Hkv, 2).permute(0, 2, 1, 3)  # (B, H, S, D)
+    s = q.double().transpose(1, 2) @ k.transpose(-1, -2) * (D ** -0.5 if scale is None else scale)
+    j = torch.arange(S).view(1, 1, S)
+    keep = (j < n.view(B, 1, 1)) & (j <= torch.arange(L).view(1, L, 1) + (n - L).view(B, 1, 1))
+    p = s.masked_fill(~keep.unsqueeze(1), float("-inf")).softmax(-1).nan_to_num(0.0)
+    vs = v_scale.double().repeat_interleave(H // Hkv, 2).permute(0, 2, 1).unsqueeze(2)  # (B, H, 1, S)
+    return float(dk.int_pv_bound(p, vs).max())
+
+
 def check_int8_searched(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, candidates: int,
                         what: str = "") -> None:
     """Groups x [.., n] (the values quantised) stored as int8 ``data`` [.., n] with one float32 ``scale`` [..]

@@ -14,7 +14,7 @@ from attnlab import reference
 from attnlab.functional.kvcache import INT8_ERROR_BUDGET, QuantizedKV
 from attnlab.kernels import decode as dk
 from attnlab.functional import kvquant
-from helpers import check_int8_searched, max_err
+from helpers import check_int8_searched, int_pv_error, max_err
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 needs_ext = pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
@@ -138,15 +138,21 @@ def test_kernel_dequantises_like_the_fp32_cache(qdtype, page, H, Hkv, D):
     half a step of max|q_row| / 32767 per element, ``_q16_score_error``). Each product then moves by at
     most 2 eps relative, a score by 2 eps |q| |k| scale plus the int16 rounding, a probability by twice the
     largest score change (relative), an output by that times max|v| plus 2 eps max|v|; the budget is twice
-    that. The appended row is the quantised new k, v."""
+    that, plus twice the integer P @ V's rounding where the build has it (csrc Note [Decode int8 P @ V],
+    ``helpers.int_pv_error``: D = 64 here). The appended row is the quantised new k, v."""
     gen = torch.Generator().manual_seed(H * D + (page or 0))
     B, S, L = 3, 150, 1
     k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
     kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0)
+    kseq, vseq = kq.dequantize(), vq.scale.clone()  # key order, for the integer P @ V's bound
     kq, vq, table = _paged_caches(kq, vq, page)
     lens = torch.tensor([0, 77, S - 1])
     q = torch.randn(B, L, H, D, generator=gen).to(qdtype)
     kn, vn = torch.randn(B, L, Hkv, D, generator=gen).to(qdtype), torch.randn(B, L, Hkv, D, generator=gen).to(qdtype)
+    for b in range(B):
+        kseq[b, int(lens[b])] = QuantizedKV.quantize(kn[b:b + 1].float()).dequantize()[0, 0]
+        vseq[b, int(lens[b])] = QuantizedKV.quantize(vn[b:b + 1].float()).scale[0, 0]
+    pv = 2 * int_pv_error(q.float(), kseq, vseq, lens + L)
     out = attnlab.attention_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=lens, block_table=table, num_splits=2)
     nq = QuantizedKV.quantize(kn)
     for b in range(B):  # the appended rows, where flash-attn writes them
@@ -159,11 +165,11 @@ def test_kernel_dequantises_like_the_fp32_cache(qdtype, page, H, Hkv, D):
     if qdtype == torch.float32:
         eps = torch.finfo(torch.float32).eps
         ds = 2 * eps * float(q.norm(dim=-1).max() * kf.norm(dim=-1).max()) * D ** -0.5 + _q16_score_error(q, kf)
-        tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
+        tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max()) + pv
         assert max_err(out, want) <= tol, (max_err(out, want), tol)
         assert not torch.equal(kf, kq.data.float())  # the scales are not 1: the test sees them applied
     else:  # q and out in bf16: the kernel widens q and rounds out exactly as for a bf16 cache
-        assert max_err(out, want) <= 2 * torch.finfo(torch.bfloat16).eps * float(want.abs().max()) + 1e-6
+        assert max_err(out, want) <= 2 * torch.finfo(torch.bfloat16).eps * float(want.abs().max()) + 1e-6 + pv
 
 
 @needs_ext
@@ -172,7 +178,8 @@ def test_int16_query_on_its_grid_is_exact(D):
     """Note [Decode int8 scores]: a query whose scaled rows already lie on their int16 grid (integers n,
     max |n| = 32767, times a power of two; softmax scale 1/8) is taken exactly, so the int8 cache's result
     is then the dequantised fp32 cache's within fp32 rounding alone (no int16 term in the budget of
-    test_kernel_dequantises_like_the_fp32_cache). D = 40 runs a whole step and a tail, 128 whole steps."""
+    test_kernel_dequantises_like_the_fp32_cache). D = 40 runs a whole step and a tail, 128 whole steps. The
+    integer P @ V (csrc Note [Decode int8 P @ V]) is off here: its own rounding would hide the query's."""
     gen = torch.Generator().manual_seed(D)
     B, S, H, Hkv = 2, 97, 6, 2
     k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
@@ -180,7 +187,11 @@ def test_int16_query_on_its_grid_is_exact(D):
     n = torch.randint(-32767, 32768, (B, 1, H, D), generator=gen).float()
     n[..., 3] = 32767.0  # every row's max |n|: its step is exactly 2^-20 / 8
     q = n * 2.0 ** -20
-    out = attnlab.attention_with_kvcache(q, kq, vq, is_causal=False, scale=0.125)
+    dk.set_int_pv(False)
+    try:
+        out = attnlab.attention_with_kvcache(q, kq, vq, is_causal=False, scale=0.125)
+    finally:
+        dk.set_int_pv(True)
     kf, vf = kq.dequantize(), vq.dequantize()
     want = attnlab.attention_with_kvcache(q, kf, vf, is_causal=False, scale=0.125)
     eps = torch.finfo(torch.float32).eps
@@ -259,14 +270,70 @@ def test_fallback_dequantises(monkeypatch):
         assert max_err(attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens), fb) <= tol + tol8
 
 
+def _int_pv_on_off(q, kq, vq, lens, table=None):
+    """attention_with_kvcache through int8 caches with the integer P @ V on, then off: (on, off)."""
+    run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table)  # noqa: E731
+    try:
+        dk.set_int_pv(True)
+        on = run()
+        dk.set_int_pv(False)
+        off = run()
+    finally:
+        dk.set_int_pv(True)
+    return on, off
+
+
+@needs_ext
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("H,Hkv,D,S", [(8, 2, 128, 301), (9, 3, 64, 1000), (5, 5, 192, 77)],
+                         ids=["gqa4-odd-tail", "smollm-gqa3", "mha"])
+def test_integer_pv_within_its_rounding(page, H, Hkv, D, S):
+    """csrc Note [Decode int8 P @ V]: with the integer P @ V on (4, 2 + 1 and 1 rows a block; a tile of an odd
+    number of keys; paged or not) the output is the fp32 P @ V's (the same scores and softmax) within twice the
+    bound of its weights' int16 rounding (``dk.int_pv_bound`` on float64 probabilities) plus fp32 rounding of
+    both sums; and it differs, so the path runs. Skips where the build has no integer P @ V."""
+    if not dk.int_pv():
+        pytest.skip("the decode build is not AVX-512 (or set_int_pv is off): no integer P @ V to check")
+    gen = torch.Generator().manual_seed(D + S)
+    B = 2
+    k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen) * 3
+    kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0)
+    q, lens = torch.randn(B, 1, H, D, generator=gen), torch.tensor([S, S - 45])
+    bound = int_pv_error(q, kq.dequantize(), vq.scale, lens)
+    kp, vp, table = _paged_caches(kq, vq, page)
+    on, off = _int_pv_on_off(q, kp, vp, lens, table)
+    vmax = float(vq.dequantize().abs().max())
+    eps = torch.finfo(torch.float32).eps
+    tol = 2 * bound + 2 * (32 + S / 32 + 2) * eps * vmax  # fp32: a tile's 32 products, S / 32 tiles summed
+    assert max_err(on, off) <= tol, (max_err(on, off), tol)
+    assert not torch.equal(on, off)
+    assert bound < 1e-3 * vmax  # the budget stays far below the int8 cache's own error (a step of 1/254)
+
+
+@needs_ext
+def test_integer_pv_falls_back_where_weights_leave_its_grid():
+    """Values so small that a tile's largest weight p * v_scale is under 2^-100 (and a query of NaN) take the
+    fp32 P @ V: the same bits with the integer P @ V on and off."""
+    gen = torch.Generator().manual_seed(5)
+    k0, v0 = torch.randn(1, 200, 2, 64, generator=gen), torch.randn(1, 200, 2, 64, generator=gen) * 1e-32
+    kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0)
+    q = torch.randn(1, 1, 8, 64, generator=gen)
+    on, off = _int_pv_on_off(q, kq, vq, 200)
+    assert torch.equal(on, off) and float(on.abs().max()) > 0
+    q[0, 0, 3, 5] = float("nan")
+    on, off = _int_pv_on_off(q, kq, vq, 200)
+    assert torch.equal(on.isnan(), off.isnan()) and torch.equal(on.nan_to_num(), off.nan_to_num())
+
+
 @needs_ext
 @pytest.mark.parametrize("D", [40, 128])
 @pytest.mark.parametrize("page", [None, 7], ids=["contiguous", "page7"])
 def test_vnni_scores_give_the_same_bits(D, page):
     """Note [Decode int8 scores]: vpdpwssd sums the same int16 x int16 pairs into int32 lanes as vpmaddwd +
     vpaddd, exactly either way, so the two give the same outputs and lse bit for bit (GQA, L = 3, a tail of
-    the head for D = 40, one page or pages of 7, across a tile's page boundary). Skips, with a reason, where
-    the CPU or the build has no VNNI path to compare."""
+    the head for D = 40, one page or pages of 7, across a tile's page boundary). At D = 128 the integer P @ V
+    (csrc Note [Decode int8 P @ V]) runs too, on either instruction. Skips, with a reason, where the CPU or the
+    build has no VNNI path to compare."""
     if not dk.vnni():
         pytest.skip("this CPU lacks avx512_vnni (or the decode build is not AVX-512): one path only")
     gen = torch.Generator().manual_seed(D)

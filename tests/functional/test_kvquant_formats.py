@@ -14,6 +14,7 @@ import attnlab
 from attnlab.functional import kvquant
 from attnlab.functional.kvquant import SMOOTH_ALPHA, QuantizedKV
 from attnlab.kernels import decode as dk
+from helpers import int_pv_error
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 needs_ext = pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
@@ -123,7 +124,8 @@ def test_kernel_reads_a_transformed_cache(page, flags):
     attention on the dequantised cache within the int8 kernel's budget (tests/functional/test_kvcache_int8.py: a
     score off by 2 eps |q'| |k'| D^-1/2 plus the int16 query's rounding, q' = (q ⊙ c) Rᵀ and k' = data · scale
     the rows the kernel multiplies, plus the float32 rounding of q' itself, D eps |q'| |k'| D^-1/2 at most; a
-    probability by twice that relative; the output by that times max|v| plus 2 eps max|v|; budget twice that)."""
+    probability by twice that relative; the output by that times max|v| plus 2 eps max|v|; budget twice that;
+    plus twice the integer P @ V's rounding, ``helpers.int_pv_error``)."""
     k, v, q = _keys(1, S=300, Hkv=2, D=64)
     B, S, Hkv, D = k.shape
     if page is None:
@@ -151,7 +153,8 @@ def test_kernel_reads_a_transformed_cache(page, flags):
     step = float(qc.abs().amax()) * D ** -0.5 / 32767
     ds = (2 + D) * eps * float(qc.norm(dim=-1).max() * ks.norm(dim=-1).max()) * D ** -0.5 \
         + step / 2 * float(ks.abs().sum(-1).max())
-    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
+    vs = vc.scale if table is None else vc.scale[table[0].long()].reshape(1, -1, Hkv)[:, :S]
+    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max()) + 2 * int_pv_error(q, kf, vs, S)
     assert float((out.double() - want).abs().max()) <= tol
 
 

@@ -78,7 +78,8 @@ def _check_against_float64(seen, rotate: bool):
     the int16 query's rounding, half a step of max|q'| D^-1/2 / 32767 per element times |k'|_1 (a group's scale
     applied to its own exact int32 dot product: the same sum over the row), plus 2 (D + 2) eps |q| |k| D^-1/2 for
     float32 (the rotation of q and k included), a probability by twice that relative, an output by that times
-    max|v| plus 2 eps max|v|; twice that. The dequantised path (a mask) rounds no query: within it too."""
+    max|v| plus 2 eps max|v|; twice that; plus twice the integer P @ V's rounding where the values have one scale
+    per row (``dk.int_pv_bound``). The dequantised path (a mask) rounds no query: within it too."""
     eps = torch.finfo(torch.float32).eps
     for q, kc, vc, n, out, scale, mask in seen:
         B, H, L, D = q.shape
@@ -99,7 +100,10 @@ def _check_against_float64(seen, rotate: bool):
         step = float(qr.abs().amax()) * scale / 32767
         ds = step / 2 * float(stored.abs().sum(-1).max()) \
             + 2 * (D + 2) * eps * float(q.norm(dim=-1).max() * k.norm(dim=-1).max()) * scale
-        tol = 2 * (2 * ds + 2 * eps) * float(v.abs().max())
+        vs = vc.scale[:, :n].double()
+        vs = (vs.amax(-1) if vs.dim() == 4 else vs).repeat_interleave(G, 2).permute(0, 2, 1).unsqueeze(2)
+        pv = float(dk.int_pv_bound(s.softmax(-1).nan_to_num(0.0), vs).max())  # csrc Note [Decode int8 P @ V]
+        tol = 2 * (2 * ds + 2 * eps) * float(v.abs().max()) + 2 * pv
         assert float((out - want)[rows].abs().max()) <= tol
 
 

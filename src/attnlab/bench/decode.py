@@ -198,14 +198,21 @@ def _layout(kc, vc, layout: str, B: int, S: int, gen):
     return _paged(kc, table, page), _paged(vc, table, page), table
 
 
-def _budget(dtype: str, q, k, v, sdpa_err: float, exact) -> float:
+def _budget(dtype: str, q, k, v, sdpa_err: float, exact, v_scale=None) -> float:
     """A case's error budget: ERROR_FACTOR x SDPA's own error plus a floor of 4 eps; an int8 cache adds its
     int16 query's rounding (csrc Note [Decode int8 scores]): half a step of max|q| D^-1/2 / 32767 per element
-    moves a score by ds <= that times max |k|_1, an output by 2 ds max|v|; twice that."""
+    moves a score by ds <= that times max |k|_1, an output by 2 ds max|v|; twice that; and twice its integer
+    P @ V's rounding (csrc Note [Decode int8 P @ V]: ``int_pv_bound`` on float64 probabilities, v_scale
+    [B, S, Hkv] each key's value scale)."""
     budget = ERROR_FACTOR * sdpa_err + 4 * torch.finfo(q.dtype).eps * max(1.0, float(exact.abs().max()))
     if dtype == "int8":
         ds = float(q.abs().amax()) * q.shape[-1] ** -0.5 / 32767 / 2 * float(k.abs().sum(-1).max())
         budget += 2 * 2 * ds * float(v.abs().max())
+        G = q.shape[1] // k.shape[1]
+        kk = k.double().repeat_interleave(G, 1)  # (B, H, S, D)
+        probs = (q.double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)  # (B, H, 1, S)
+        vs = v_scale.double().repeat_interleave(G, 2).permute(0, 2, 1).unsqueeze(2)  # (B, H, 1, S)
+        budget += 2 * float(decode_kernel.int_pv_bound(probs, vs).max())
     return budget
 
 
@@ -238,7 +245,7 @@ def _group(gid, name, S, B, variants, rounds, buf, gen) -> list[dict]:
         ref_lo = theirs()
         exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
         sdpa_err = float((ref_lo.double() - exact).abs().max())
-        budget = _budget(d, q, k, v, sdpa_err, exact)
+        budget = _budget(d, q, k, v, sdpa_err, exact, vc.scale if isinstance(vc, QuantizedKV) else None)
         for key, kl, out in outs:
             data = kl.data if d == "int8" else kl
             meta[key] = {"max_err": float((out.transpose(1, 2).double() - exact).abs().max()), "sdpa_err": sdpa_err,

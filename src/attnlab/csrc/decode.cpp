@@ -87,11 +87,12 @@
 // tile rows]) and the scores scaled as one vector (put_scores_v), an int8 cache decodes at 0.56-0.64x the bf16
 // cache's time (Zen 5, 2 threads, GQA 32/8, D = 128, S = 32768, caches flushed, medians of 15 interleaved
 // rounds, five runs; `bench decode`: 0.55, where it had been 0.84-1.15); vpmaddwd + vpaddd instead: 0.63-0.76.
-// Tried and not kept: (1) P @ V on integers too (p * v_scale rounded to int16 per row and tile, key pairs'
-// V rows interleaved by vpunpck{l,h}wd, vpdpwssd into int32 and one conversion per tile): 2.5-3% faster in
-// cache (1 thread, S = 4096), no change cold (2.62 vs 2.62 ms), for one more rounding. (2) Prefetching the
-// row scales of the tile after the next one into L1: cold, with the scales of a [B, S, Hkv] cache, 3.6-5.9 ms
-// against 2.6 ms without (three process pairs).
+// P @ V on integers too (Note [Decode int8 P @ V]) measured 2.5-3% faster in cache on that Zen 5 (1 thread,
+// S = 4096) and no change cold (2.62 vs 2.62 ms), for one more rounding; on the Intel cores, whose FP work
+// shares port 0, it took 4-7 % off the int8 call cold, so it is kept (set_int_pv(False) or
+// ATTNLAB_DECODE_NO_INT_PV=1 turns it off). Tried and not kept: prefetching the row scales of the tile after
+// the next one into L1: cold, with the scales of a [B, S, Hkv] cache, 3.6-5.9 ms against 2.6 ms without (three
+// process pairs).
 //
 // Note [Decode int8 groups]: a group-scaled int8 cache (functional/kvquant.py Note [int8 KV groups]: llama.cpp
 // q8_0's grouping) holds one float32 scale per group of gs channels (gs a multiple of 32) of each token and kv
@@ -179,6 +180,7 @@ struct Args {
   int prefetch = 2;           // Note [Decode prefetch]: 0 none, 1 into L1, 2 into L2
   bool bf16_dot = false;      // Note [Decode bf16 scores]
   bool vnni = false;          // vpdpwssd for an int8 cache's scores (Note [Decode int8 VNNI])
+  bool int_pv = false;        // an int8 cache's P @ V on integers (Note [Decode int8 P @ V])
   float* part_out = nullptr;  // [ns, B, H, L, Dv] when ns > 1
   float* part_lse = nullptr;  // [ns, B, H, L]
   float* lse = nullptr;       // [B, H, L]
@@ -650,6 +652,12 @@ void dot_keys_f32g(const float* q, const int8_t* const* krows, const float* ksc,
 // have to cost under a third of what it does.
 
 std::atomic<bool> g_vnni{!env_on("ATTNLAB_DECODE_NO_VNNI")};
+std::atomic<bool> g_int_pv{!env_on("ATTNLAB_DECODE_NO_INT_PV")};  // Note [Decode int8 P @ V]
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kHasIntPv = true;
+#else
+constexpr bool kHasIntPv = false;
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
@@ -804,6 +812,106 @@ inline void pv_rows(const float* p, const T* const* vrows, int64_t ps, int64_t v
   if (next)
     next->all();
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Note [Decode int8 P @ V]: P @ V of a per-row-scaled int8 cache on integers, for RB rows weighing all nt keys
+// of a tile: per row, w = p * v_scale (pw, the caller's) is rounded to int16 on the row's own grid for this
+// tile, f = max|w| / 32767 (each weight off by at most f / 2); pairs of keys' V rows are sign-extended to int16
+// and interleaved (vpunpck{l,h}wd), each 16 channels of a pair summed into int32 lanes by one vpdpwssd (VNNI) or
+// vpmaddwd + vpaddd (exactly the same sums: the same bits either way, tested), and each row's int32 sums
+// converted once per tile, unpermuted, and added to its fp32 output by one FMA with f. int32 cannot overflow:
+// a lane sums 2 x 16 products of |w| <= 32767 and |v8| <= 127 per tile (2^27 at most). Returns false, having
+// written nothing, where a row's weights are not finite or too small for their grid (max|w| < 2^-100; the
+// caller's fp32 P @ V then takes the rows). Columns in steps of 64 (Dv % 64 == 0, checked by the caller). The
+// AVX2 and default builds, group-scaled values (Note [Decode int8 groups]) and other Dv keep the fp32 P @ V.
+// Why: on an Intel core the fp32 P @ V widens every V vector (vpmovsxbd, then vcvtdq2ps on port 0) and runs 4
+// FMAs per vector and key for 4 rows: 48 vector uops a key against 16 vpdpwssd and 8 shuffles here. Measured
+// on the model-207 AMX Xeon (2 vCPUs, KVM), int8 over bf16 cache time, one process, caches flushed, medians of
+// 15 interleaved rounds, fp32 P @ V -> integer: 2 threads, S = 32768, GQA 32/8 D = 128 0.609 / 0.592 / 0.579
+// -> 0.572 / 0.559 / 0.555 (three runs); MHA 8/8 D = 64 (one row a block) 0.591 -> 0.577; MQA 32/1 D = 128
+// 0.776 -> 0.689; 1 thread, S = 2048 in cache, 201 rounds, GQA 0.791 -> 0.731. Output error against float64
+// (GQA 32/8, S = 4097): relative L2 2.7e-5 -> 4.3e-5, far below the int8 cache's own. With the accumulators
+// through the vpdpwssd intrinsic (its target attribute on the function) GCC copied them every step and the
+// variant was slower; the inline assembly of i32_dot_add keeps them in registers. Tried and not kept: the next
+// int8 item's rows prefetched into L1 instead of L2 (a tile of int8 K and V is 8 KiB): 0.591 / 0.575 / 0.558
+// against the 0.572 / 0.559 / 0.555 above, MHA 0.560, 1 thread in cache 0.722: no consistent gain.
+template <int RB, bool VNNI>
+bool pv_i8(const float* pw, const int8_t* const* vrows, int64_t nt, float* o, int64_t Dv,
+           const NextRows<int8_t>* next) {
+  alignas(64) int16_t w[RB][TK + 2];
+  float f[RB];
+  constexpr float kTiny = 0x1p-100f;
+  for (int rr = 0; rr < RB; ++rr) {
+    const float* p = pw + rr * TK;
+    float amax = 0.f, tot = 0.f;  // tot: a NaN that max may drop
+    if (nt == TK) {
+      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      tot = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    } else {
+      for (int64_t t = 0; t < nt; ++t) { amax = std::max(amax, std::abs(p[t])); tot += p[t]; }
+    }
+    if (!std::isfinite(amax) || !std::isfinite(tot) || (amax > 0.f && amax < kTiny)) return false;
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    f[rr] = amax / 32767.f;
+    if (nt == TK) {
+      const __m512 iv = _mm512_set1_ps(inv);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&w[rr][0]),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p), iv))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&w[rr][16]),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + 16), iv))));
+    } else {
+      for (int64_t t = 0; t < nt; ++t) w[rr][t] = static_cast<int16_t>(std::nearbyint(p[t] * inv));
+      w[rr][nt] = 0;  // an odd tile's last pair weighs its second key 0
+    }
+  }
+  const int64_t np = (nt + 1) / 2;
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+    __m512i acc[RB][4];
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[rr][c] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < np; ++j) {
+      if (next && d0 == 0) {  // the next item's V rows, two a pair (Note [Decode prefetch])
+        next->row(2 * j);
+        next->row(2 * j + 1);
+      }
+      const int8_t* a0 = vrows[2 * j] + d0;
+      const int8_t* a1 = 2 * j + 1 < nt ? vrows[2 * j + 1] + d0 : a0;  // (weighed 0)
+      const __m512i x0 = i8_to_i16(a0), x1 = i8_to_i16(a0 + 32), y0 = i8_to_i16(a1), y1 = i8_to_i16(a1 + 32);
+      // int16 lanes (k0[c], k1[c]) pairs: unpack works within 128-bit lanes, undone by i0 / i1 below
+      const __m512i v[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                            _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) {
+        int32_t pair;
+        std::memcpy(&pair, &w[rr][2 * j], 4);
+        const __m512i pp = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[rr][c] = i32_madd<VNNI>(acc[rr][c], pp, v[c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) {
+      const __m512 fv = _mm512_set1_ps(f[rr]);
+      float* orow = o + rr * Dv + d0;
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512 lo = _mm512_cvtepi32_ps(acc[rr][2 * h]), hi = _mm512_cvtepi32_ps(acc[rr][2 * h + 1]);
+        float* oo = orow + 32 * h;
+        _mm512_storeu_ps(oo, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i0, hi), fv, _mm512_loadu_ps(oo)));
+        _mm512_storeu_ps(oo + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i1, hi), fv, _mm512_loadu_ps(oo + 16)));
+      }
+    }
+  }
+  if (next)  // the next item's rows past this tile's pairs (a partial tile before a whole one)
+    for (int64_t e = 2 * np; e < next->n; ++e) next->row(e);
+  return true;
+}
+#endif
 
 // TQ: q's and out's type; T: the cache's (TQ, or int8: Note [Decode int8 cache])
 template <typename TQ, typename T>
@@ -1031,6 +1139,23 @@ void decode_impl(const Args& a) {
                               vscl + n * TK, nt);
             pp = pw.data();
           }
+#if defined(CPU_CAPABILITY_AVX512)
+          if constexpr (std::is_same_v<T, int8_t>) {  // Note [Decode int8 P @ V]
+            if (a.int_pv && a.vng == 1 && Dv % 64 == 0) {
+              auto run = [&](auto rb) {
+                constexpr int RB = decltype(rb)::value;
+                for (; r_first + RB <= R; r_first += RB, nv = nullptr) {
+                  const bool ok = a.vnni ? pv_i8<RB, true>(pp + r_first * ps, vrows, nt, o_g + r_first * Dv, Dv, nv)
+                                         : pv_i8<RB, false>(pp + r_first * ps, vrows, nt, o_g + r_first * Dv, Dv, nv);
+                  if (!ok) return false;
+                }
+                return true;
+              };
+              run(std::integral_constant<int, 4>{}) && run(std::integral_constant<int, 2>{}) &&
+                  run(std::integral_constant<int, 1>{});
+            }
+          }
+#endif
           for (; r_first + 4 <= R; r_first += 4, nv = nullptr)
             pv_rows<4>(pp + r_first * ps, vrows, ps, vgs, nt, o_g + r_first * Dv, Dv, nv);
           for (; r_first + 2 <= R; r_first += 2, nv = nullptr)
@@ -1248,6 +1373,7 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
   a.prefetch = g_prefetch_mode.load(std::memory_order_relaxed);
   a.bf16_dot = kHasBf16Dot && g_bf16_dot.load(std::memory_order_relaxed);
   a.vnni = kHasVnni && g_vnni.load(std::memory_order_relaxed);
+  a.int_pv = kHasIntPv && g_int_pv.load(std::memory_order_relaxed);
   TORCH_CHECK(num_splits >= 1, "attnlab._decode: num_splits must be >= 1");
   a.ns = num_splits;
   TORCH_CHECK(head_span >= 1 && a.Hkv % head_span == 0, "attnlab._decode: head_span must divide Hkv = ", a.Hkv);
@@ -1567,9 +1693,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an int8 cache's integer dot products on vpdpwssd where the CPU has avx512_vnni");
   m.def("vnni", [] { return kHasVnni && g_vnni.load(std::memory_order_relaxed); },
         "whether an int8 cache's integer dot products run on vpdpwssd: the CPU has avx512_vnni and set_vnni left it on");
+  m.def("set_int_pv", [](bool on) { g_int_pv.store(on, std::memory_order_relaxed); },
+        "an int8 cache's P @ V on integers in the AVX-512 build (Note [Decode int8 P @ V])");
+  m.def("int_pv", [] { return kHasIntPv && g_int_pv.load(std::memory_order_relaxed); },
+        "whether an int8 cache's P @ V runs on integers: an AVX-512 build and set_int_pv left it on");
   m.def("prefetch", [] { return static_cast<int64_t>(g_prefetch_mode.load(std::memory_order_relaxed)); });
   m.def("quantize", &quantize_rows,
         "x float32 [N, D] -> [int8 data [N, D], float32 scale [N, groups]], each group's scale searched (Note [int8 "
         "scale search]), rows first rotated by the Walsh-Hadamard transform on blocks of `hadamard` channels (0: none)");
-  ATTNLAB_MODULE_ATTRS(m, 9);
+  ATTNLAB_MODULE_ATTRS(m, 10);
 }

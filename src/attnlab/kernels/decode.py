@@ -37,7 +37,7 @@ __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYP
            "decode_args", "run_prepared", "direct"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 9
+ABI_VERSION = 10
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,6 +103,34 @@ def set_vnni(on: bool) -> None:
     ext = _load()
     if ext is not None:
         ext.set_vnni(bool(on))
+
+
+def int_pv() -> bool:
+    """True when an int8 cache's P @ V runs on integers (the AVX-512 decode build, per-row scales, Dv a
+    multiple of 64, and ``set_int_pv`` left it on; csrc Note [Decode int8 P @ V]). It adds one rounding: each
+    weight p * v_scale on its row's int16 grid for the tile, at most max(p * v_scale) / 65534 off."""
+    ext = _load()
+    return bool(ext is not None and ext.int_pv())
+
+
+def int_pv_bound(probs: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """The most the integer P @ V (csrc Note [Decode int8 P @ V]) moves an output element, per query row:
+    within a tile of at most 32 consecutive keys each weight p_t * v_scale_t is off by at most the tile's
+    largest over 65534, and |v8| <= 127, so a tile adds at most 32 x that max x 127 / 65534. Any tile holding
+    key t lies within t - 31 .. t + 31, so the sum over keys of that window's largest weight bounds the sum over
+    tiles, whatever the split and page boundaries. probs [..., n]: the softmax probabilities, key order (0
+    where masked); v_scale [..., n] (broadcast): each key's value scale. Returns [...]."""
+    w = (probs.double() * v_scale.double()).reshape(-1, 1, probs.shape[-1])
+    win = torch.nn.functional.max_pool1d(w, kernel_size=63, stride=1, padding=31)
+    return (win.sum(-1) * (127 / 65534)).reshape(probs.shape[:-1])
+
+
+def set_int_pv(on: bool) -> None:
+    """Turn the integer P @ V on or off for this process (off: the fp32 P @ V, the dequantised cache's products).
+    A no-op without the AVX-512 build."""
+    ext = _load()
+    if ext is not None:
+        ext.set_int_pv(bool(on))
 
 
 def prefetch_mode() -> int:

@@ -39,6 +39,8 @@ def paths(flags: frozenset[str] | None) -> list[Path]:
         Path("AVX512-BF16 decode scores", (r"test_kvcache_bf16\.py",), "avx512_bf16", "bf16 caches"),
         Path("VNNI int8 decode scores", (r"test_kvcache_int8\.py::test_vnni_(group_)?scores_give_the_same_bits",), "avx512_vnni",
              "vpdpwssd against vpmaddwd, same bits"),
+        Path("int8 decode P @ V on integers", (r"test_kvcache_int8\.py::test_integer_pv_",), "avx512f",
+             "the AVX-512 decode build, on and off within its rounding"),
         Path("AVX-512 build (_C_avx512, _decode_avx512)", (r"test_compiled_backends\.py::test_conformance_on_each_backend",),
              "avx512f", "the build this CPU loads"),
         Path("AVX2 build (_C_avx2, _decode_avx2)",
