@@ -826,15 +826,21 @@ inline void pv_rows(const float* p, const T* const* vrows, int64_t ps, int64_t v
 // AVX2 and default builds, group-scaled values (Note [Decode int8 groups]) and other Dv keep the fp32 P @ V.
 // Why: on an Intel core the fp32 P @ V widens every V vector (vpmovsxbd, then vcvtdq2ps on port 0) and runs 4
 // FMAs per vector and key for 4 rows: 48 vector uops a key against 16 vpdpwssd and 8 shuffles here. Measured
-// on the model-207 AMX Xeon (2 vCPUs, KVM), int8 over bf16 cache time, one process, caches flushed, medians of
-// 15 interleaved rounds, fp32 P @ V -> integer: 2 threads, S = 32768, GQA 32/8 D = 128 0.609 / 0.592 / 0.579
-// -> 0.572 / 0.559 / 0.555 (three runs); MHA 8/8 D = 64 (one row a block) 0.591 -> 0.577; MQA 32/1 D = 128
-// 0.776 -> 0.689; 1 thread, S = 2048 in cache, 201 rounds, GQA 0.791 -> 0.731. Output error against float64
-// (GQA 32/8, S = 4097): relative L2 2.7e-5 -> 4.3e-5, far below the int8 cache's own. With the accumulators
+// on the model-207 AMX Xeon (2 vCPUs, KVM), int8 over bf16 cache time, fp32 P @ V -> integer. `bench decode`
+// (2 threads, S = 32768, GQA 32/8 D = 128, each call after a 1 GiB read, medians of 15 interleaved rounds; one
+// process per setting, ATTNLAB_DECODE_NO_INT_PV, alternated): 0.658 / 0.644 -> 0.620 / 0.637 / 0.622 / 0.655.
+// One process toggling set_int_pv, caches flushed by writing 256 MiB (dirty lines, which slow the bf16 call
+// more, so lower ratios than the bench's), 15 interleaved rounds: GQA 0.609 / 0.592 / 0.579 -> 0.572 / 0.559 /
+// 0.555; MHA 8/8 D = 64 (one row a block) 0.591 -> 0.577; MQA 32/1 D = 128 0.776 -> 0.689; 1 thread, S = 2048
+// in cache, 201 rounds, GQA 0.791 -> 0.731. Cold, 33 % of the variant's samples (perf, 1 thread) sit on its
+// prefetcht1 of the next item's V rows: the misses pace it at least as much as the arithmetic. Output error
+// against float64 (GQA 32/8, S = 4097): relative L2 2.7e-5 -> 4.3e-5, far below the int8 cache's own. With the accumulators
 // through the vpdpwssd intrinsic (its target attribute on the function) GCC copied them every step and the
 // variant was slower; the inline assembly of i32_dot_add keeps them in registers. Tried and not kept: the next
 // int8 item's rows prefetched into L1 instead of L2 (a tile of int8 K and V is 8 KiB): 0.591 / 0.575 / 0.558
-// against the 0.572 / 0.559 / 0.555 above, MHA 0.560, 1 thread in cache 0.722: no consistent gain.
+// against the 0.572 / 0.559 / 0.555 above, MHA 0.560, 1 thread in cache 0.722: no consistent gain. Those
+// prefetches spread over every (column chunk, pair) step instead of issued in the first chunk: `bench decode`
+// 0.639 / 0.602 against 0.622 / 0.655 in the same alternation, no difference within its spread.
 template <int RB, bool VNNI>
 bool pv_i8(const float* pw, const int8_t* const* vrows, int64_t nt, float* o, int64_t Dv,
            const NextRows<int8_t>* next) {
