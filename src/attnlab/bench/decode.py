@@ -208,9 +208,12 @@ def _budget(dtype: str, q, k, v, sdpa_err: float, exact, v_scale=None) -> float:
     if dtype == "int8":
         ds = float(q.abs().amax()) * q.shape[-1] ** -0.5 / 32767 / 2 * float(k.abs().sum(-1).max())
         budget += 2 * 2 * ds * float(v.abs().max())
-        G = q.shape[1] // k.shape[1]
-        kk = k.double().repeat_interleave(G, 1)  # (B, H, S, D)
-        probs = (q.double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)  # (B, H, 1, S)
+        B, H, _, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        G = H // Hkv
+        # each kv head's G query heads against its keys, without repeating K (GB at S 65536, B 8)
+        s = q.double().reshape(B, Hkv, G, D) @ k.double().transpose(-1, -2) * D ** -0.5  # (B, Hkv, G, S)
+        probs = s.softmax(-1).reshape(B, H, 1, S)
         vs = v_scale.double().repeat_interleave(G, 2).permute(0, 2, 1).unsqueeze(2)  # (B, H, 1, S)
         budget += 2 * float(decode_kernel.int_pv_bound(probs, vs).max())
     return budget
