@@ -61,9 +61,10 @@ def int_pv_error(q: torch.Tensor, kf: torch.Tensor, v_scale: torch.Tensor, n: to
                  scale: float | None = None) -> float:
     """The most the decode kernel's integer P @ V moves an output element (csrc Note [Decode int8 P @ V],
     ``attnlab.kernels.decode.int_pv_bound``), from float64 softmax probabilities: q [B, L, H, D], kf the
-    (dequantised) keys the scores take [B, S, Hkv, D] and v_scale each key's value scale [B, S, Hkv], both in key
-    order, n [B] (or an int) keys per sequence, bottom-right causal. An upper bound wherever the path runs, so
-    a budget may add it where it does not."""
+    (dequantised) keys the scores take [B, S, Hkv, D] and v_scale each key's value scale [B, S, Hkv] (or its
+    group scales [B, S, Hkv, groups]: the largest stands for the row, the kernel's one grid a row and tile), both
+    in key order, n [B] (or an int) keys per sequence, bottom-right causal. An upper bound wherever the path
+    runs, so a budget may add it where it does not."""
     from attnlab.kernels import decode as dk
 
     B, L, H, D = q.shape
@@ -74,6 +75,7 @@ def int_pv_error(q: torch.Tensor, kf: torch.Tensor, v_scale: torch.Tensor, n: to
     j = torch.arange(S).view(1, 1, S)
     keep = (j < n.view(B, 1, 1)) & (j <= torch.arange(L).view(1, L, 1) + (n - L).view(B, 1, 1))
     p = s.masked_fill(~keep.unsqueeze(1), float("-inf")).softmax(-1).nan_to_num(0.0)
+    v_scale = v_scale.amax(-1) if v_scale.dim() == 4 else v_scale
     vs = v_scale.double().repeat_interleave(H // Hkv, 2).permute(0, 2, 1).unsqueeze(2)  # (B, H, 1, S)
     return float(dk.int_pv_bound(p, vs).max())
 

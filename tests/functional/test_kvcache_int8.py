@@ -285,19 +285,24 @@ def _int_pv_on_off(q, kq, vq, lens, table=None):
 
 @needs_ext
 @pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "page16"])
-@pytest.mark.parametrize("H,Hkv,D,S", [(8, 2, 128, 301), (9, 3, 64, 1000), (5, 5, 192, 77)],
-                         ids=["gqa4-odd-tail", "smollm-gqa3", "mha"])
-def test_integer_pv_within_its_rounding(page, H, Hkv, D, S):
+@pytest.mark.parametrize("H,Hkv,D,S,gs", [(8, 2, 128, 301, None), (9, 3, 64, 1000, None), (5, 5, 192, 77, None),
+                                          (8, 2, 128, 301, 32), (9, 3, 64, 1000, 32), (4, 2, 192, 99, 64)],
+                         ids=["gqa4-odd-tail", "smollm-gqa3", "mha", "gqa4-g32", "smollm-g32", "gqa2-g64"])
+def test_integer_pv_within_its_rounding(page, H, Hkv, D, S, gs):
     """csrc Note [Decode int8 P @ V]: with the integer P @ V on (4, 2 + 1 and 1 rows a block; a tile of an odd
-    number of keys; paged or not) the output is the fp32 P @ V's (the same scores and softmax) within twice the
-    bound of its weights' int16 rounding (``dk.int_pv_bound`` on float64 probabilities) plus fp32 rounding of
-    both sums; and it differs, so the path runs. Skips where the build has no integer P @ V."""
+    number of keys; paged or not; one value scale a row, or a scale per group of 32 or 64 channels, whose chunks
+    of 64 columns then take one group's weights or two) the output is the fp32 P @ V's (the same scores and
+    softmax) within twice the bound of its weights' int16 rounding (``dk.int_pv_bound`` on float64
+    probabilities) plus fp32 rounding of both sums; and it differs, so the path runs. Skips where the build has
+    no integer P @ V."""
     if not dk.int_pv():
         pytest.skip("the decode build is not AVX-512 (or set_int_pv is off): no integer P @ V to check")
     gen = torch.Generator().manual_seed(D + S)
     B = 2
     k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen) * 3
-    kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0)
+    if gs:
+        v0[..., gs:2 * gs] *= 8  # groups far apart: the row's one grid is set by the largest
+    kq, vq = QuantizedKV.quantize(k0, group_size=gs), QuantizedKV.quantize(v0, group_size=gs)
     q, lens = torch.randn(B, 1, H, D, generator=gen), torch.tensor([S, S - 45])
     bound = int_pv_error(q, kq.dequantize(), vq.scale, lens)
     kp, vp, table = _paged_caches(kq, vq, page)
@@ -311,12 +316,13 @@ def test_integer_pv_within_its_rounding(page, H, Hkv, D, S):
 
 
 @needs_ext
-def test_integer_pv_falls_back_where_weights_leave_its_grid():
+@pytest.mark.parametrize("gs", [None, 32], ids=["per-row", "g32"])
+def test_integer_pv_falls_back_where_weights_leave_its_grid(gs):
     """Values so small that a tile's largest weight p * v_scale is under 2^-100 (and a query of NaN) take the
-    fp32 P @ V: the same bits with the integer P @ V on and off."""
+    fp32 P @ V: the same bits with the integer P @ V on and off (one value scale a row, or one a group)."""
     gen = torch.Generator().manual_seed(5)
     k0, v0 = torch.randn(1, 200, 2, 64, generator=gen), torch.randn(1, 200, 2, 64, generator=gen) * 1e-32
-    kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0)
+    kq, vq = QuantizedKV.quantize(k0), QuantizedKV.quantize(v0, group_size=gs)
     q = torch.randn(1, 1, 8, 64, generator=gen)
     on, off = _int_pv_on_off(q, kq, vq, 200)
     assert torch.equal(on, off) and float(on.abs().max()) > 0
@@ -365,7 +371,8 @@ def test_group_scaled_cache_dequantises_like_the_fp32_cache(rotate, page, H, Hkv
     """Note [int8 KV groups] (csrc Note [Decode int8 groups]): a decode step through a cache with one scale per
     32 channels (keys rotated or not; per-sequence lengths, paged or not) matches the kernel on the dequantised
     cache in fp32 within the budget of test_kernel_dequantises_like_the_fp32_cache (a group's scale moves one
-    multiplication as a row's does)."""
+    multiplication as a row's does), plus twice the integer P @ V's rounding (csrc Note [Decode int8 P @ V],
+    ``helpers.int_pv_error``: the fp32-cache call takes the fp32 P @ V)."""
     gen = torch.Generator().manual_seed(H * D + (page or 0))
     B, S = 3, 150
     k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
@@ -385,12 +392,18 @@ def test_group_scaled_cache_dequantises_like_the_fp32_cache(rotate, page, H, Hkv
     kn, vn = torch.randn(B, 1, Hkv, D, generator=gen), torch.randn(B, 1, Hkv, D, generator=gen)
     out = attnlab.attention_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=lens, block_table=table, num_splits=2)
     kf, vf = kq.dequantize(), vq.dequantize()
+    if table is None:
+        pv = int_pv_error(q, kf, vq.scale, lens + 1)
+    else:  # the pool's rows in sequence order
+        j = torch.arange(S)
+        seq = lambda x: x[table.long()[:, j // page], j % page]  # noqa: E731
+        pv = int_pv_error(q, seq(kf), seq(vq.scale), lens + 1)
     want = attnlab.attention_with_kvcache(q, kf, vf, cache_seqlens=lens + 1, block_table=table, num_splits=2)
     qr = q if kq.rotation is None else q @ kq.rotation.T
     kr = kf if kq.rotation is None else kf @ kq.rotation.T
     eps = torch.finfo(torch.float32).eps
     ds = 2 * eps * float(q.norm(dim=-1).max() * kf.norm(dim=-1).max()) * D ** -0.5 + _q16_score_error(qr, kr)
-    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max())
+    tol = 2 * (2 * ds + 2 * eps) * float(vf.abs().max()) + 2 * pv
     assert max_err(out, want) <= tol, (max_err(out, want), tol)
 
 
@@ -415,7 +428,7 @@ def test_group_scaled_cache_fuzzed_against_float64(data):
     float64, bottom-right causal over each sequence's keys). The budget is the kernel's own arithmetic: fp32
     rounding of the scores and the sum (a few eps of |q||k| D^-1/2 and of max|v|) plus the int16 query's
     rounding (csrc Note [Decode int8 scores], ``_q16_score_error``); a score error ds moves an output by at most
-    2 ds max|v|."""
+    2 ds max|v|; plus twice the integer P @ V's rounding (csrc Note [Decode int8 P @ V], ``helpers.int_pv_error``)."""
     B = data.draw(st.integers(1, 3), label="B")
     Hkv = data.draw(st.integers(1, 2), label="Hkv")
     H = Hkv * data.draw(st.integers(1, 3), label="group")
@@ -442,6 +455,9 @@ def test_group_scaled_cache_fuzzed_against_float64(data):
     if table is not None:  # the pool's rows back in sequence order
         j = torch.arange(int(n.max()))
         kf, vf = kf[table.long()[:, j // page], j % page], vf[table.long()[:, j // page], j % page]
+        vs = vq.scale[table.long()[:, j // page], j % page]
+    else:
+        vs = vq.scale
     kh, vh = kf[:, : int(n.max())].transpose(1, 2), vf[:, : int(n.max())].transpose(1, 2)
     j = torch.arange(kh.shape[2]).view(1, 1, -1)
     pos = torch.arange(L).view(1, L, 1) + (n - L).view(B, 1, 1)
@@ -452,6 +468,7 @@ def test_group_scaled_cache_fuzzed_against_float64(data):
     qr = q if kq.rotation is None else q @ kq.rotation.T
     kr = kh.float() if kq.rotation is None else kh.float() @ kq.rotation.T
     ds = 4 * eps * float(q.norm(dim=-1).max() * kh.norm(dim=-1).max()) * D ** -0.5 + _q16_score_error(qr, kr)
-    tol = 2 * (2 * ds + 4 * eps) * float(vh.abs().max())
+    pv = int_pv_error(q, kh.transpose(1, 2), vs[:, : kh.shape[2]], n)
+    tol = 2 * (2 * ds + 4 * eps) * float(vh.abs().max()) + 2 * pv
     err = float((out.transpose(1, 2).double() - ref).abs().max())
     assert err <= tol, (err, tol)

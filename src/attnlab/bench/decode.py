@@ -13,6 +13,9 @@ FUSED_ERROR_FACTOR times SDPA's own error in the case's dtype, plus a floor); a 
 
 dtype "int8": an int8 cache (``QuantizedKV``, per-token per-head scales) with float32 queries; SDPA runs on the
 dequantised float32 keys (the same values), and the int8 target compares its time with the bf16 case's.
+dtype "int8g32": the same with one float32 scale per 32 channels (llama.cpp q8_0's blocks: the format of the HF
+int8 cache, ``integrations.hf_int8``, whose key rotation is the query's and not timed here), held to the same
+target.
 
 Head configurations (the issue-23 shapes): gqa H=32, Hkv=8, D=128; mha H=8, Hkv=8, D=64; mqa H=32, Hkv=1,
 D=128. Targets (issue 23, for a quiet machine): gqa, B=1, S=4096 and 32768: time <= 1.25x the memory-bound
@@ -48,6 +51,9 @@ QUICK = dict(seq_lens=(256, 1024), dtypes=("float32", "bfloat16"), heads=("gqa",
              layouts=("contiguous", "paged16"), rounds=3, bandwidth_mib=64)
 FULL = dict(seq_lens=(1024, 4096, 8192, 32768, 65536), dtypes=("float32", "bfloat16", "int8"), heads=("gqa", "mha", "mqa"),
             batches=(1, 8), layouts=("contiguous", "paged16", "paged64", "paged256"), rounds=9, bandwidth_mib=1024)
+#: the --dtypes names; "int8" and "int8g32" are int8 caches (INT8_GROUPS: scale groups of a row, 0 per row)
+DTYPES = ("float32", "bfloat16", "float16", "int8", "int8g32")
+INT8_GROUPS = {"int8": 0, "int8g32": 32}
 #: a case whose caches would take more than this many bytes is skipped (recorded)
 CASE_BYTES_LIMIT = 8 * 2**30
 #: cases of one (heads, S, B) share rounds while their caches fit in this many bytes (Note [Decode bench round groups])
@@ -78,8 +84,8 @@ class DecodeConfig:
         base = QUICK if self.quick else FULL
         v = {k: base[k] if getattr(self, k) is None else getattr(self, k) for k in base}
         for d in v["dtypes"]:
-            if d not in ("float32", "bfloat16", "float16", "int8"):
-                raise ValueError(f"--dtypes: {d!r} is not one of float32, bfloat16, float16, int8")
+            if d not in DTYPES:
+                raise ValueError(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
         for h in v["heads"]:
             if h not in HEADS:
                 raise ValueError(f"--heads: {h!r} is not one of {', '.join(HEADS)}")
@@ -146,15 +152,25 @@ def _bandwidth_once(buf: torch.Tensor) -> float:
     return buf.numel() * buf.element_size() / (time.perf_counter() - t)
 
 
-def _quantized_cache(x: torch.Tensor):
+def _torch_dtype(name: str) -> torch.dtype:
+    return torch.int8 if name in INT8_GROUPS else getattr(torch, name)
+
+
+def _kv_bytes(B, Hkv, S, D, name: str) -> int:
+    """K/V bytes a call reads (``kernels.decode.kv_bytes``; a group-scaled cache one scale per group)."""
+    gs = INT8_GROUPS.get(name, 0)
+    return decode_kernel.kv_bytes(B, Hkv, S, D, D, _torch_dtype(name), groups=D // gs if gs else 1)
+
+
+def _quantized_cache(x: torch.Tensor, group_size: int = 0):
     """x [B, S, Hkv, D] -> a QuantizedKV laid out as the other dtypes' contiguous case: data and scales in
     [B, Hkv, S, ·] storage (``empty_kv_cache``: huge pages where offered) seen as [B, S, Hkv, ·] views, so the
     int8 target compares like with like (the same layout, head span and splits as the bf16 cache)."""
 
-    q = QuantizedKV.quantize(x)
+    q = QuantizedKV.quantize(x, group_size=group_size or None)
     B, S, Hkv, D = x.shape
     data = empty_kv_cache(B, Hkv, S, D, dtype=torch.int8).transpose(1, 2)
-    scale = empty_kv_cache(B, Hkv, S, dtype=torch.float32).transpose(1, 2)
+    scale = empty_kv_cache(B, Hkv, S, *q.scale.shape[3:], dtype=torch.float32).transpose(1, 2)
     data.copy_(q.data)
     scale.copy_(q.scale)
     return QuantizedKV(data, scale)
@@ -170,8 +186,8 @@ def _inputs(name, S, dtype, B, gen):
     """One dtype's inputs: q [B, H, 1, D], SDPA's k, v [B, Hkv, S, D] and attnlab's contiguous cache (views of
     the same memory in [B, S, Hkv, D]; an int8 cache's SDPA keys are its dequantised values)."""
     H, Hkv, D = HEADS[name]
-    dt = getattr(torch, dtype)
-    int8 = dt == torch.int8
+    dt = _torch_dtype(dtype)
+    int8 = dtype in INT8_GROUPS
     if int8:  # float32 queries against an int8 cache; SDPA on the dequantised values
         dt = torch.float32
     q = torch.randn(B, H, 1, D, generator=gen).to(dt)
@@ -180,7 +196,7 @@ def _inputs(name, S, dtype, B, gen):
     v = empty_kv_cache(B, Hkv, S, D, dtype=dt).copy_(torch.randn(B, Hkv, S, D, generator=gen))
     kc, vc = k.transpose(1, 2), v.transpose(1, 2)  # views: the same memory SDPA reads
     if int8:
-        kc, vc = _quantized_cache(kc), _quantized_cache(vc)
+        kc, vc = _quantized_cache(kc, INT8_GROUPS[dtype]), _quantized_cache(vc, INT8_GROUPS[dtype])
         k, v = kc.dequantize().transpose(1, 2), vc.dequantize().transpose(1, 2)
     return q, k, v, kc, vc
 
@@ -203,9 +219,10 @@ def _budget(dtype: str, q, k, v, sdpa_err: float, exact, v_scale=None) -> float:
     int16 query's rounding (csrc Note [Decode int8 scores]): half a step of max|q| D^-1/2 / 32767 per element
     moves a score by ds <= that times max |k|_1, an output by 2 ds max|v|; twice that; and twice its integer
     P @ V's rounding (csrc Note [Decode int8 P @ V]: ``int_pv_bound`` on float64 probabilities, v_scale
-    [B, S, Hkv] each key's value scale)."""
+    [B, S, Hkv] each key's value scale, or [B, S, Hkv, groups] its group scales, whose largest stands for the
+    row)."""
     budget = ERROR_FACTOR * sdpa_err + 4 * torch.finfo(q.dtype).eps * max(1.0, float(exact.abs().max()))
-    if dtype == "int8":
+    if dtype in INT8_GROUPS:
         ds = float(q.abs().amax()) * q.shape[-1] ** -0.5 / 32767 / 2 * float(k.abs().sum(-1).max())
         budget += 2 * 2 * ds * float(v.abs().max())
         B, H, _, D = q.shape
@@ -214,6 +231,7 @@ def _budget(dtype: str, q, k, v, sdpa_err: float, exact, v_scale=None) -> float:
         # each kv head's G query heads against its keys, without repeating K (GB at S 65536, B 8)
         s = q.double().reshape(B, Hkv, G, D) @ k.double().transpose(-1, -2) * D ** -0.5  # (B, Hkv, G, S)
         probs = s.softmax(-1).reshape(B, H, 1, S)
+        v_scale = v_scale.amax(-1) if v_scale.dim() == 4 else v_scale
         vs = v_scale.double().repeat_interleave(G, 2).permute(0, 2, 1).unsqueeze(2)  # (B, H, 1, S)
         budget += 2 * float(decode_kernel.int_pv_bound(probs, vs).max())
     return budget
@@ -250,7 +268,7 @@ def _group(gid, name, S, B, variants, rounds, buf, gen) -> list[dict]:
         sdpa_err = float((ref_lo.double() - exact).abs().max())
         budget = _budget(d, q, k, v, sdpa_err, exact, vc.scale if isinstance(vc, QuantizedKV) else None)
         for key, kl, out in outs:
-            data = kl.data if d == "int8" else kl
+            data = kl.data if d in INT8_GROUPS else kl
             meta[key] = {"max_err": float((out.transpose(1, 2).double() - exact).abs().max()), "sdpa_err": sdpa_err,
                          "err_budget": budget, "splits": decode_kernel.num_splits_for(data, B, S),
                          "huge_pages_fraction": _huge_fraction(data)}
@@ -266,7 +284,7 @@ def _group(gid, name, S, B, variants, rounds, buf, gen) -> list[dict]:
     bwm = float(np.median(bw))
     rows = []
     for (d, lay), m in meta.items():
-        nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d))
+        nbytes = _kv_bytes(B, Hkv, S, D, d)
         ms = float(np.median(times[d, lay])) * 1e3
         ss = float(np.median(times[d, "sdpa"])) * 1e3
         bound_ms = nbytes / bwm * 1e3
@@ -286,8 +304,8 @@ def _group_bytes(name, S, B, variants) -> int:
     H, Hkv, D = HEADS[name]
     total = 0
     for d in dict.fromkeys(d for d, _ in variants):
-        cache = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d))
-        total += cache + (decode_kernel.kv_bytes(B, Hkv, S, D, D, torch.float32) if d == "int8" else 0)
+        cache = _kv_bytes(B, Hkv, S, D, d)
+        total += cache + (decode_kernel.kv_bytes(B, Hkv, S, D, D, torch.float32) if d in INT8_GROUPS else 0)
         total += cache * sum(1 for dd, lay in variants if dd == d and lay != "contiguous")
     return total
 
@@ -320,9 +338,9 @@ def _targets(rows: list[dict]) -> list[dict]:
                         "paged_over_contiguous": ratio, "met": ratio <= TARGETS["paged_over_contiguous"],
                         "side_by_side": r["round_group"] == c["round_group"]})
         b16 = by.get((r["heads"], r["S"], "bfloat16", r["B"], r["layout"]))
-        if r["dtype"] == "int8" and r["S"] == 32768 and b16 is not None:
+        if r["dtype"] in INT8_GROUPS and r["S"] == 32768 and b16 is not None:
             ratio = r["attnlab_ms"] / b16["attnlab_ms"]
-            out.append({"case": f"{r['heads']} S=32768 int8 vs bf16 B={r['B']} {r['layout']}", "int8_over_bf16": ratio,
+            out.append({"case": f"{r['heads']} S=32768 {r['dtype']} vs bf16 B={r['B']} {r['layout']}", "int8_over_bf16": ratio,
                         "met": ratio <= TARGETS["int8_over_bf16"], "side_by_side": r["round_group"] == b16["round_group"]})
     for r in rows:
         if r["layout"] != "contiguous" or r["B"] != 1:
@@ -363,7 +381,7 @@ def _run(config: DecodeConfig, v: dict, progress) -> DecodeBench:
                 variants = []
                 for d in v["dtypes"]:
                     for lay in v["layouts"]:
-                        nbytes = decode_kernel.kv_bytes(B, Hkv, S, D, D, getattr(torch, d)) * (2 if lay != "contiguous" else 1)
+                        nbytes = _kv_bytes(B, Hkv, S, D, d) * (2 if lay != "contiguous" else 1)
                         if nbytes > CASE_BYTES_LIMIT:
                             res.skipped.append({"case": f"{h} S={S} {d} B={B} {lay}",
                                                 "why": f"caches {nbytes / 2**30:.1f} GiB > {CASE_BYTES_LIMIT / 2**30:.0f}"})

@@ -17,7 +17,7 @@ def build_parser(p) -> None:
     add_force(p)
     p.add_argument("--seq-lens", type=positive_int_list, default=None,
                    help="comma-separated KV lengths (default 1024,4096,8192,32768,65536)")
-    p.add_argument("--dtypes", type=names, default=None, help="comma-separated: float32, bfloat16, float16, int8 (an int8 cache, float32 queries); default float32,bfloat16,int8")
+    p.add_argument("--dtypes", type=names, default=None, help="comma-separated: float32, bfloat16, float16, int8 (an int8 cache, float32 queries), int8g32 (one scale per 32 channels: the HF int8 cache's format); default float32,bfloat16,int8")
     p.add_argument("--heads", type=names, default=None,
                    help="comma-separated of gqa (32/8, D=128), mha (8/8, D=64), mqa (32/1, D=128); default all")
     p.add_argument("--batches", type=positive_int_list, default=None, help="comma-separated batch sizes (default 1,8)")

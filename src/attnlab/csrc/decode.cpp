@@ -73,7 +73,9 @@
 // vector; the page walk's per-row pointers and scales): 0.6x came with Note [Decode int8 VNNI]. A query that
 // already lies on its grid is taken exactly (tests/functional/test_kvcache_int8.py); otherwise the tests add
 // the int16 rounding, (qsc / 2) |k|_1 per score, to the fp32 budget. A default build, and heads over
-// kIntDotMaxD, keep the fp32 path. Tried and not kept: a block's 16 dot products summed across lanes in int32
+// kIntDotMaxD, keep the fp32 path. The AVX-512 build rounds the query with vector max and round (the scalar
+// loops' results, NaN handling included: a serial max over every row of the unit had been an eighth of the
+// unit's time outside its loops, perf, 1 thread, S = 2048). Tried and not kept: a block's 16 dot products summed across lanes in int32
 // (the tree of Note [Decode dot products] on vpaddd) and converted once instead of each lane converted and
 // summed in fp32: the same time (1 thread, GQA 32/8, D = 128, S = 2048, in cache, interleaved: 0.995 and 1.004
 // for the two cache layouts). Passing the int32 accumulators themselves to the out-of-line sum (their address
@@ -104,7 +106,18 @@
 // (row, key, group), vectorised per tile ([R, groups, TK]), and each column vector of V takes its group's p
 // (a broadcast per column vector instead of per row: the FMA's memory operand). Without an integer path the
 // scores are per-group fp32 sums (dot_keys_f32g). The result is the dequantised cache's within the same
-// roundings as the per-row format (tests/functional/test_kvquant_formats.py).
+// roundings as the per-row format (tests/functional/test_kvquant_formats.py). The AVX-512 build takes groups of
+// 32 (q8_0's, the HF int8 cache's default) on dot_keys_i8g32, one vpmaddwd a group and no int32 accumulators
+// beside the fp32 ones, and group-scaled values on the integer P @ V (Note [Decode int8 P @ V]: each chunk of 64
+// columns takes its one or two groups' weights, all rounded on one grid a row and tile). Its scale copies are
+// gathers (tile_rows) and its query's int16 rounding is vectorised. Measured on the model-207 AMX Xeon (2 vCPUs,
+// KVM), GQA 32/8, D = 128, against a bf16 cache in the same rounds, the build before -> after, one process each,
+// alternated: in cache (1 thread, S = 2048, medians of 101 interleaved rounds) 0.74-0.76 -> 0.52-0.57 ms, where
+// the per-row format takes 0.40-0.44 and bf16 0.52-0.57; cold (2 threads, S = 32768, each call after a 1 GiB
+// read, 15 rounds) time over bf16's 0.78-0.97 -> 0.52-0.76, and `bench decode --dtypes bfloat16,int8,int8g32`
+// 0.78 and 0.86 (the per-row format 0.59 and 0.67 in the same runs). The rest of the gap to the per-row format
+// is the scores: a group's int32 lanes converted and weighed apiece (2 more vector operations per row, key and
+// group) where a row converts once per key.
 //
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
@@ -243,7 +256,9 @@ inline Vf load_tail(const T* p, int64_t n) {
 // been a third of the int8 unit's own time outside the score and P @ V loops (1 thread, GQA 32/8, D = 128,
 // S = 2048, perf), and the bf16 call went 0.37-0.39 -> 0.32-0.33 ms (1 thread, S = 2048, in L3).
 // With ng > 1 scale groups per row (Note [Decode int8 groups]) the scales go group-major, scales[n * TK + t],
-// so that a group's scales of a key block, or of every key of the tile, are one vector.
+// so that a group's scales of a key block, or of every key of the tile, are one vector. A whole tile's scales
+// in one page are two gathers a group in the AVX-512 build (the scalar copy, two TK loads and stores a group,
+// had been a quarter of the group-scaled unit's time outside the score and P @ V loops: perf, 1 thread, S = 2048).
 template <typename T>
 inline void tile_rows(const T* base, const int64_t* st, const float* sc, const int64_t* ss, int64_t ng, const Args& a,
                       int64_t b, int64_t g, int64_t j0, int64_t nt, const T** rows, float* scales) {
@@ -257,6 +272,16 @@ inline void tile_rows(const T* base, const int64_t* st, const float* sc, const i
     if constexpr (std::is_same_v<T, int8_t>) {
       const float* s0 = sc + page * ss[0] + off * ss[1] + g * ss[2];
       const int64_t sstep = ss[1];
+#if defined(CPU_CAPABILITY_AVX512)
+      if (nt == TK && sstep <= (int64_t{1} << 26)) {  // two gathers a group (scalar: 2 TK loads and stores)
+        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(static_cast<int32_t>(sstep)));
+        for (int64_t n = 0; n < ng; ++n) {
+          _mm512_storeu_ps(scales + n * TK, _mm512_i32gather_ps(idx, s0 + n, 4));
+          _mm512_storeu_ps(scales + n * TK + 16, _mm512_i32gather_ps(idx, s0 + 16 * sstep + n, 4));
+        }
+      } else
+#endif
       if (ng == 1) {
         for (int64_t t = 0; t < nt; ++t) scales[t] = s0[t * sstep];
       } else {
@@ -599,6 +624,44 @@ __attribute__((noinline)) void dot_keys_i8g(const int16_t* q16, int64_t Dp, cons
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// dot_keys_i8g at gs = KW = 32 (llama.cpp q8_0's blocks: the HF int8 cache's default, Note [Decode int8
+// groups]): one step a group, so a (row, key, group)'s 16 int32 lanes come from one vpmaddwd, are converted and
+// weighed by the group's scale into the key's fp32 lanes at once: the same operations in the same order as the
+// general loop (the same bits), without its 16 int32 accumulators live beside the 16 fp32 ones, and with the
+// query's int16 rows loaded once a group instead of once a key.
+template <int RB>
+__attribute__((noinline)) void dot_keys_i8g32(const int16_t* q16, int64_t Dp, const float* qsc,
+                                              const int8_t* const* krows, const float* ksc, int64_t t, int64_t D,
+                                              float* s) {
+  constexpr int KB = static_cast<int>(W) / RB;
+  __m512 acc[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += KW) {
+    const float* kg = ksc + (d / KW) * TK + t;  // this group's scales of the block's keys
+    __m512i qv[RB];
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) qv[rr] = i16_load(q16 + rr * Dp + d);
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) {
+      const __m512i kv = i8_to_i16(krows[t + kk] + d);
+      const __m512 f = _mm512_set1_ps(kg[kk]);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr)
+        acc[rr * KB + kk] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(qv[rr], kv)), f, acc[rr * KB + kk]);
+    }
+  }
+  Vf accv[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) accv[i] = Vf(acc[i]);
+  float sums[W];
+  hsum_all_call(accv, sums);
+  alignas(64) static constexpr float kOnes[W] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  put_scores_v<RB>(sums, row_key_factors<RB>(qsc, kOnes), t, s);
+}
+#endif
+
 // The scores of a group-scaled key cache where no integer path runs (a default build, heads over kIntDotMaxD):
 // per group an fp32 dot product of the scaled query with the int8 values, times the group's scale.
 template <int RB>
@@ -717,6 +780,11 @@ inline void dot_tile(const float* q, const int16_t* q16, int64_t Dp, const float
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<T, int8_t>) {
       if (q16 && kgs) {
+#if defined(CPU_CAPABILITY_AVX512)
+        if (kgs == KW)
+          dot_keys_i8g32<RB>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, s + r0 * TK);
+        else
+#endif
         if (vnni)
           dot_keys_i8g<RB, true>(q16 + r0 * Dp, Dp, qsc + r0, krows, ksc, t, D, kgs, s + r0 * TK);
         else
@@ -823,7 +891,11 @@ inline void pv_rows(const float* p, const T* const* vrows, int64_t ps, int64_t v
 // a lane sums 2 x 16 products of |w| <= 32767 and |v8| <= 127 per tile (2^27 at most). Returns false, having
 // written nothing, where a row's weights are not finite or too small for their grid (max|w| < 2^-100; the
 // caller's fp32 P @ V then takes the rows). Columns in steps of 64 (Dv % 64 == 0, checked by the caller). The
-// AVX2 and default builds, group-scaled values (Note [Decode int8 groups]) and other Dv keep the fp32 P @ V.
+// AVX2 and default builds and other Dv keep the fp32 P @ V. Group-scaled values (Note [Decode int8 groups],
+// up to kPvMaxGroups a row) take it with w = p * the group's v_scale: a chunk's first and last 32 columns each
+// lie in one group; a row's weights of every group share one grid (f = the largest over its groups), so the
+// error bound is the per-row one with each key's largest group scale (int_pv_bound), and the per-group grids
+// first tried (a max and a sum reduced per row and group) cost more than the integer sums saved.
 // Why: on an Intel core the fp32 P @ V widens every V vector (vpmovsxbd, then vcvtdq2ps on port 0) and runs 4
 // FMAs per vector and key for 4 rows: 48 vector uops a key against 16 vpdpwssd and 8 shuffles here. Measured
 // on the model-207 AMX Xeon (2 vCPUs, KVM), int8 over bf16 cache time, fp32 P @ V -> integer. `bench decode`
@@ -841,80 +913,121 @@ inline void pv_rows(const float* p, const T* const* vrows, int64_t ps, int64_t v
 // against the 0.572 / 0.559 / 0.555 above, MHA 0.560, 1 thread in cache 0.722: no consistent gain. Those
 // prefetches spread over every (column chunk, pair) step instead of issued in the first chunk: `bench decode`
 // 0.639 / 0.602 against 0.622 / 0.655 in the same alternation, no difference within its spread.
-template <int RB, bool VNNI>
-bool pv_i8(const float* pw, const int8_t* const* vrows, int64_t nt, float* o, int64_t Dv,
+
+// one chunk of 64 columns of pv_i8: its first 32 take group ga's weights, its last 32 group gb's (groups are
+// multiples of 32 columns); SAME (ga == gb): one broadcast a row and key pair
+template <int RB, bool VNNI, bool SAME>
+__attribute__((always_inline)) inline void pv_i8_chunk(const int16_t (*w)[TK + 2], const float* f, int64_t ng,
+                                                       int64_t ga, int64_t gb, int64_t d0,
+                                                       const int8_t* const* vrows, int64_t nt, float* o, int64_t Dv,
+                                                       const NextRows<int8_t>* next) {
+  const int64_t np = (nt + 1) / 2;
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512i acc[RB][4];
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[rr][c] = _mm512_setzero_si512();
+  for (int64_t j = 0; j < np; ++j) {
+    if (next && d0 == 0) {  // the next item's V rows, two a pair (Note [Decode prefetch])
+      next->row(2 * j);
+      next->row(2 * j + 1);
+    }
+    const int8_t* a0 = vrows[2 * j] + d0;
+    const int8_t* a1 = 2 * j + 1 < nt ? vrows[2 * j + 1] + d0 : a0;  // (weighed 0)
+    const __m512i x0 = i8_to_i16(a0), x1 = i8_to_i16(a0 + 32), y0 = i8_to_i16(a1), y1 = i8_to_i16(a1 + 32);
+    // int16 lanes (k0[c], k1[c]) pairs: unpack works within 128-bit lanes, undone by i0 / i1 below
+    const __m512i v[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                          _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) {
+      int32_t pair;
+      std::memcpy(&pair, &w[rr * ng + ga][2 * j], 4);
+      const __m512i pa = _mm512_set1_epi32(pair);
+      __m512i pb = pa;
+      if constexpr (!SAME) {
+        std::memcpy(&pair, &w[rr * ng + gb][2 * j], 4);
+        pb = _mm512_set1_epi32(pair);
+      }
+      acc[rr][0] = i32_madd<VNNI>(acc[rr][0], pa, v[0]);
+      acc[rr][1] = i32_madd<VNNI>(acc[rr][1], pa, v[1]);
+      acc[rr][2] = i32_madd<VNNI>(acc[rr][2], pb, v[2]);
+      acc[rr][3] = i32_madd<VNNI>(acc[rr][3], pb, v[3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr) {
+    float* orow = o + rr * Dv + d0;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512 fv = _mm512_set1_ps(f[rr]);
+      const __m512 lo = _mm512_cvtepi32_ps(acc[rr][2 * h]), hi = _mm512_cvtepi32_ps(acc[rr][2 * h + 1]);
+      float* oo = orow + 32 * h;
+      _mm512_storeu_ps(oo, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i0, hi), fv, _mm512_loadu_ps(oo)));
+      _mm512_storeu_ps(oo + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i1, hi), fv, _mm512_loadu_ps(oo + 16)));
+    }
+  }
+}
+
+// the most scale groups per value row the integer P @ V takes (Dv / vgs; more take the fp32 P @ V)
+constexpr int64_t kPvMaxGroups = 16;
+
+// GROUPED: vgs > 0 channels a value scale, each row's weights p * v_scale one [TK] run per group (ps apart a row)
+template <int RB, bool VNNI, bool GROUPED>
+bool pv_i8(const float* pw, int64_t ps, int64_t vgs, const int8_t* const* vrows, int64_t nt, float* o, int64_t Dv,
            const NextRows<int8_t>* next) {
-  alignas(64) int16_t w[RB][TK + 2];
+  const int64_t ng = GROUPED ? Dv / vgs : 1;
+  alignas(64) int16_t w[RB * (GROUPED ? kPvMaxGroups : 1)][TK + 2];
   float f[RB];
   constexpr float kTiny = 0x1p-100f;
-  for (int rr = 0; rr < RB; ++rr) {
-    const float* p = pw + rr * TK;
+  for (int rr = 0; rr < RB; ++rr) {  // one grid a row for all its groups' weights (w[rr * ng + group])
+    const float* p = pw + rr * ps;
     float amax = 0.f, tot = 0.f;  // tot: a NaN that max may drop
     if (nt == TK) {
-      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-      amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      tot = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      __m512 mx = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+      for (int64_t n = 0; n < ng; ++n) {
+        const __m512 a = _mm512_loadu_ps(p + n * TK), b = _mm512_loadu_ps(p + n * TK + 16);
+        mx = _mm512_max_ps(mx, _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        sm = _mm512_add_ps(sm, _mm512_add_ps(a, b));
+      }
+      amax = _mm512_reduce_max_ps(mx);
+      tot = _mm512_reduce_add_ps(sm);
     } else {
-      for (int64_t t = 0; t < nt; ++t) { amax = std::max(amax, std::abs(p[t])); tot += p[t]; }
+      for (int64_t n = 0; n < ng; ++n)
+        for (int64_t t = 0; t < nt; ++t) { amax = std::max(amax, std::abs(p[n * TK + t])); tot += p[n * TK + t]; }
     }
     if (!std::isfinite(amax) || !std::isfinite(tot) || (amax > 0.f && amax < kTiny)) return false;
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     f[rr] = amax / 32767.f;
-    if (nt == TK) {
-      const __m512 iv = _mm512_set1_ps(inv);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(&w[rr][0]),
-                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p), iv))));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(&w[rr][16]),
-                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + 16), iv))));
-    } else {
-      for (int64_t t = 0; t < nt; ++t) w[rr][t] = static_cast<int16_t>(std::nearbyint(p[t] * inv));
-      w[rr][nt] = 0;  // an odd tile's last pair weighs its second key 0
+    for (int64_t n = 0; n < ng; ++n) {
+      const float* pn = p + n * TK;
+      int16_t* wn = w[rr * ng + n];
+      if (nt == TK) {
+        const __m512 iv = _mm512_set1_ps(inv);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wn),
+                           _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pn), iv))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wn + 16),
+                           _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(pn + 16), iv))));
+      } else {
+        for (int64_t t = 0; t < nt; ++t) wn[t] = static_cast<int16_t>(std::nearbyint(pn[t] * inv));
+        wn[nt] = 0;  // an odd tile's last pair weighs its second key 0
+      }
     }
   }
-  const int64_t np = (nt + 1) / 2;
-  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
-    __m512i acc[RB][4];
-#pragma GCC unroll 4
-    for (int rr = 0; rr < RB; ++rr)
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[rr][c] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < np; ++j) {
-      if (next && d0 == 0) {  // the next item's V rows, two a pair (Note [Decode prefetch])
-        next->row(2 * j);
-        next->row(2 * j + 1);
-      }
-      const int8_t* a0 = vrows[2 * j] + d0;
-      const int8_t* a1 = 2 * j + 1 < nt ? vrows[2 * j + 1] + d0 : a0;  // (weighed 0)
-      const __m512i x0 = i8_to_i16(a0), x1 = i8_to_i16(a0 + 32), y0 = i8_to_i16(a1), y1 = i8_to_i16(a1 + 32);
-      // int16 lanes (k0[c], k1[c]) pairs: unpack works within 128-bit lanes, undone by i0 / i1 below
-      const __m512i v[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
-                            _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
-#pragma GCC unroll 4
-      for (int rr = 0; rr < RB; ++rr) {
-        int32_t pair;
-        std::memcpy(&pair, &w[rr][2 * j], 4);
-        const __m512i pp = _mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) acc[rr][c] = i32_madd<VNNI>(acc[rr][c], pp, v[c]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int rr = 0; rr < RB; ++rr) {
-      const __m512 fv = _mm512_set1_ps(f[rr]);
-      float* orow = o + rr * Dv + d0;
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m512 lo = _mm512_cvtepi32_ps(acc[rr][2 * h]), hi = _mm512_cvtepi32_ps(acc[rr][2 * h + 1]);
-        float* oo = orow + 32 * h;
-        _mm512_storeu_ps(oo, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i0, hi), fv, _mm512_loadu_ps(oo)));
-        _mm512_storeu_ps(oo + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i1, hi), fv, _mm512_loadu_ps(oo + 16)));
-      }
+    if constexpr (GROUPED) {
+      const int64_t ga = d0 / vgs, gb = (d0 + 32) / vgs;
+      if (ga == gb)
+        pv_i8_chunk<RB, VNNI, true>(w, f, ng, ga, gb, d0, vrows, nt, o, Dv, next);
+      else
+        pv_i8_chunk<RB, VNNI, false>(w, f, ng, ga, gb, d0, vrows, nt, o, Dv, next);
+    } else {
+      pv_i8_chunk<RB, VNNI, true>(w, f, 1, 0, 0, d0, vrows, nt, o, Dv, next);
     }
   }
   if (next)  // the next item's rows past this tile's pairs (a partial tile before a whole one)
-    for (int64_t e = 2 * np; e < next->n; ++e) next->row(e);
+    for (int64_t e = 2 * ((nt + 1) / 2); e < next->n; ++e) next->row(e);
   return true;
 }
 #endif
@@ -967,10 +1080,28 @@ void decode_impl(const Args& a) {
           const float* x = qs.data() + rr * D;
           int16_t* y = q16.data() + rr * Dp;
           float amax = 0.f;
-          for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+          int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+          // (max_ps returns its second operand where the first is NaN: a NaN dropped, as std::max drops it)
+          __m512 mx = _mm512_setzero_ps();
+          for (; d + 16 <= D; d += 16) mx = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + d)), mx);
+          amax = _mm512_reduce_max_ps(mx);
+#endif
+          for (; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
           const bool ok = std::isfinite(amax) && amax > 0.f;
           const float inv = ok ? 32767.f / amax : 0.f;
-          for (int64_t d = 0; d < Dp; ++d)
+          d = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+          // the scalar loop's clamps: min_ps / max_ps return the bound where the value is NaN, as it does
+          const __m512 iv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(32767.f), lo = _mm512_set1_ps(-32767.f);
+          for (; d + 16 <= D; d += 16) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + d), iv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, hi), lo))));
+          }
+#endif
+          for (; d < Dp; ++d)
             y[d] = d < D ? static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(x[d] * inv)))) : 0;
           // a non-finite q gives NaN scores (its row's output NaN, as an fp32 q . k would make it)
           qsc[rr] = ok ? amax / 32767.f : (amax > 0.f ? std::numeric_limits<float>::quiet_NaN() : 0.f);
@@ -1147,12 +1278,16 @@ void decode_impl(const Args& a) {
           }
 #if defined(CPU_CAPABILITY_AVX512)
           if constexpr (std::is_same_v<T, int8_t>) {  // Note [Decode int8 P @ V]
-            if (a.int_pv && a.vng == 1 && Dv % 64 == 0) {
+            if (a.int_pv && Dv % 64 == 0 && a.vng <= kPvMaxGroups) {
               auto run = [&](auto rb) {
                 constexpr int RB = decltype(rb)::value;
                 for (; r_first + RB <= R; r_first += RB, nv = nullptr) {
-                  const bool ok = a.vnni ? pv_i8<RB, true>(pp + r_first * ps, vrows, nt, o_g + r_first * Dv, Dv, nv)
-                                         : pv_i8<RB, false>(pp + r_first * ps, vrows, nt, o_g + r_first * Dv, Dv, nv);
+                  const float* pr = pp + r_first * ps;
+                  float* orr = o_g + r_first * Dv;
+                  const bool ok = vgs ? (a.vnni ? pv_i8<RB, true, true>(pr, ps, vgs, vrows, nt, orr, Dv, nv)
+                                                : pv_i8<RB, false, true>(pr, ps, vgs, vrows, nt, orr, Dv, nv))
+                                      : (a.vnni ? pv_i8<RB, true, false>(pr, ps, vgs, vrows, nt, orr, Dv, nv)
+                                                : pv_i8<RB, false, false>(pr, ps, vgs, vrows, nt, orr, Dv, nv));
                   if (!ok) return false;
                 }
                 return true;
@@ -1707,5 +1842,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize_rows,
         "x float32 [N, D] -> [int8 data [N, D], float32 scale [N, groups]], each group's scale searched (Note [int8 "
         "scale search]), rows first rotated by the Walsh-Hadamard transform on blocks of `hadamard` channels (0: none)");
-  ATTNLAB_MODULE_ATTRS(m, 10);
+  ATTNLAB_MODULE_ATTRS(m, 11);
 }

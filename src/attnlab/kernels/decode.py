@@ -37,7 +37,7 @@ __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYP
            "decode_args", "run_prepared", "direct"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 10
+ABI_VERSION = 11
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -119,7 +119,9 @@ def int_pv_bound(probs: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
     largest over 65534, and |v8| <= 127, so a tile adds at most 32 x that max x 127 / 65534. Any tile holding
     key t lies within t - 31 .. t + 31, so the sum over keys of that window's largest weight bounds the sum over
     tiles, whatever the split and page boundaries. probs [..., n]: the softmax probabilities, key order (0
-    where masked); v_scale [..., n] (broadcast): each key's value scale. Returns [...]."""
+    where masked); v_scale [..., n] (broadcast): each key's value scale, or for group-scaled values the largest of
+    its group scales (the kernel rounds a row's weights of every group on one grid a tile: the largest weight
+    of any group sets it). Returns [...]."""
     w = (probs.double() * v_scale.double()).reshape(-1, 1, probs.shape[-1])
     win = torch.nn.functional.max_pool1d(w, kernel_size=63, stride=1, padding=31)
     return (win.sum(-1) * (127 / 65534)).reshape(probs.shape[:-1])
@@ -194,10 +196,10 @@ def num_splits_for(k: torch.Tensor, B: int, S: int) -> int:
     return num_splits(B, k.shape[2] // head_span(k), S)
 
 
-def kv_bytes(B: int, Hkv: int, S: int, D: int, Dv: int, dtype: torch.dtype) -> int:
+def kv_bytes(B: int, Hkv: int, S: int, D: int, Dv: int, dtype: torch.dtype, groups: int = 1) -> int:
     """Bytes of K and V a decode call reads: B·Hkv·S·(D + Dv) elements (each row once per kv group); an
-    int8 cache also reads its two float32 scales per (token, kv head)."""
-    scales = B * Hkv * S * 2 * 4 if dtype == torch.int8 else 0
+    int8 cache also reads its two float32 scales per (token, kv head), or per scale group of each."""
+    scales = B * Hkv * S * 2 * 4 * groups if dtype == torch.int8 else 0
     return B * Hkv * S * (D + Dv) * dtype.itemsize + scales
 
 

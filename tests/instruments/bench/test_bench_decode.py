@@ -38,13 +38,15 @@ def test_bench_decode_toy(tmp_path, capsys, monkeypatch):
 def test_bench_decode_bad_arguments(tmp_path):
     assert cli.main(["bench", "decode", "--heads", "gqa,xyz", "--out", str(tmp_path)]) == 2
     assert cli.main(["bench", "decode", "--layouts", "pagedX", "--out", str(tmp_path)]) == 2
+    assert cli.main(["bench", "decode", "--dtypes", "int8g16", "--out", str(tmp_path)]) == 2
 
 
 @pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
 def test_bench_decode_int8_and_layout_targets(tmp_path):
     """--dtypes int8 measures the int8 cache (1 byte an element + two float32 scales a row, checked against
-    SDPA on the dequantised values); the targets compare paged with contiguous and int8 with bf16."""
-    code = cli.main(["bench", "decode", "--seq-lens", "32768", "--dtypes", "bfloat16,int8", "--heads", "mqa",
+    SDPA on the dequantised values), int8g32 the group-scaled one (a float32 scale per 32 channels, paged
+    too); the targets compare paged with contiguous and each int8 format with bf16."""
+    code = cli.main(["bench", "decode", "--seq-lens", "32768", "--dtypes", "bfloat16,int8,int8g32", "--heads", "mqa",
                      "--layouts", "contiguous,paged64", "--batches", "1", "--rounds", "1", "--bandwidth-mib", "8",
                      "--threads", "1", "--out", str(tmp_path)])
     assert code == 0
@@ -52,13 +54,15 @@ def test_bench_decode_int8_and_layout_targets(tmp_path):
     rows = {(r["dtype"], r["layout"]): r for r in data["rows"]}
     assert all(r["correct"] for r in rows.values())
     assert rows["int8", "contiguous"]["kv_bytes"] == 32768 * (2 * 128 + 8)
+    assert rows["int8g32", "contiguous"]["kv_bytes"] == 32768 * 2 * (128 + 4 * 4)
     targets = {t["case"]: t for t in data["targets"]}
     paged = targets["mqa S=32768 int8 B=1 paged64 vs contiguous"]
     assert paged["paged_over_contiguous"] == pytest.approx(rows["int8", "paged64"]["attnlab_ms"]
                                                            / rows["int8", "contiguous"]["attnlab_ms"])
-    i8 = targets["mqa S=32768 int8 vs bf16 B=1 contiguous"]
-    assert i8["int8_over_bf16"] == pytest.approx(rows["int8", "contiguous"]["attnlab_ms"]
-                                                 / rows["bfloat16", "contiguous"]["attnlab_ms"])
+    for name in ("int8", "int8g32"):
+        i8 = targets[f"mqa S=32768 {name} vs bf16 B=1 contiguous"]
+        assert i8["int8_over_bf16"] == pytest.approx(rows[name, "contiguous"]["attnlab_ms"]
+                                                     / rows["bfloat16", "contiguous"]["attnlab_ms"])
 
 
 @pytest.mark.skipif(not dk.available(), reason=f"decode extension: {dk.unavailable_reason()}")
