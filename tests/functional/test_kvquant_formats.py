@@ -74,7 +74,7 @@ def test_hadamard_from_its_definition():
         h = kvquant.hadamard(D).double()
         assert float((h @ h.T - torch.eye(D, dtype=torch.float64)).abs().max()) <= 4 * torch.finfo(torch.float32).eps
     for D, rows in ((2, 5), (8, 5), (24, 5), (64, 5), (128, 5), (7, 5), (128, 400), (96, 400)):
-        # what the format applies is x Hᵀ: the elementwise transform for a step's few rows, a matmul for many
+        # what the format applies is x Hᵀ: a matmul for a tiny step or many rows, else the elementwise transform
         x = torch.randn(rows, 3, D, generator=torch.Generator().manual_seed(D))
         want = x.double() @ kvquant.hadamard(D).double().T
         assert float((kvquant._rotate(x, kvquant.hadamard(D)) - want).abs().max()) \

@@ -242,6 +242,8 @@ def _hadamard(D: int) -> torch.Tensor:
 
 #: below this many elements _rotate runs the elementwise transform (PyTorch's serial grain: no thread pool)
 _SERIAL_ROTATE = 1 << 15
+#: at most this many multiply-adds (rows x D x D) _rotate takes as one GEMM all the same (Note [Tiny rotation])
+_TINY_ROTATE = 1 << 16
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -250,8 +252,17 @@ def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     PyTorch's parallel grain); otherwise one matmul. Measured on the busy 2-core machine, GQA 32/8, D 128: a
     decode step's query as a [32, 128] x [128, 128] GEMM took 30 µs in the median but 6.5 ms at the 90th
     percentile (the GEMM's second thread waiting for a core), which made a rotated cache's decode 1.05x bf16's
-    time against 0.76x unrotated; the elementwise transform takes 77 µs median, 122 µs at most."""
+    time against 0.76x unrotated; the elementwise transform takes 77 µs median, 122 µs at most.
+
+    Note [Tiny rotation]: the elementwise transform is a few dozen PyTorch calls, 68-118 µs whatever the size
+    (model-207 AMX Xeon, 2 threads, quiet and busy, 2800 calls: [9, 64] 76 / 84 µs at p50 / p90, [32, 128] 118
+    / 129), a decode step's query rotated in each layer: 30 layers of SmolLM2 spent more on it than its int8
+    cache saved in reading, and its int8 cache decoded at 0.90x the float32 cache's speed. A GEMM of at most
+    _TINY_ROTATE multiply-adds, 8x under the one that stalled, takes 4.5-4.7 µs at p50 and 7.0-7.7 at p99 on
+    that machine, quiet and busy ([9, 64], SmolLM2's step: 36,864)."""
     D = x.shape[-1]
+    if x.numel() * D <= _TINY_ROTATE:
+        return x @ r.T
     if x.numel() >= _SERIAL_ROTATE or r.device != x.device or not torch.equal(r, _hadamard(D).to(r.device)):
         return x @ r.T
     n = D & -D
