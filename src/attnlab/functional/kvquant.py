@@ -261,9 +261,8 @@ def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     _TINY_ROTATE multiply-adds, 8x under the one that stalled, takes 4.5-4.7 µs at p50 and 7.0-7.7 at p99 on
     that machine, quiet and busy ([9, 64], SmolLM2's step: 36,864)."""
     D = x.shape[-1]
-    if x.numel() * D <= _TINY_ROTATE:
-        return x @ r.T
-    if x.numel() >= _SERIAL_ROTATE or r.device != x.device or not torch.equal(r, _hadamard(D).to(r.device)):
+    if (x.numel() * D <= _TINY_ROTATE or x.numel() >= _SERIAL_ROTATE or r.device != x.device
+            or not torch.equal(r, _hadamard(D).to(r.device))):
         return x @ r.T
     n = D & -D
     if n == 1:
