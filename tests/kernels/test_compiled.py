@@ -113,6 +113,30 @@ def test_planner_layout_block_sizes_and_rank():
             _check_fwd(out, q, k, v, m, f"{shape_q} {kw}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [600, 1100])
+def test_causal_inference_tiles_are_smaller_and_exact(dtype, n):
+    """Note [Causal tile size]: a causal inference call visits its diagonal in smaller tiles than the dense ones
+    (64 or 128 square here, by the cost model), a call that needs grad keeps the dense tiles, and both match float64
+    within the fused-kernel budget (GQA 6/2, L = S not a multiple of the tile, so the diagonal's and the edge's
+    tiles are partial)."""
+    from attnlab.kernels import rates
+    from attnlab.shapes import prepare
+    q, k, v = _qkv((1, 6, n, 64), (1, 2, n, 64), dtype=dtype)
+    speed = rates.current().compiled_block_speed
+    infer = compiled.compiled_block(prepare(q, k, v, None, 0.0, True, None, True), speed)
+    assert infer[0] * infer[1] < compiled.COMPILED_DENSE_BLOCK[0] * compiled.COMPILED_DENSE_BLOCK[1], infer
+    with torch.no_grad():
+        out = attnlab.attention(q, k, v, is_causal=True, enable_gqa=True, method="compiled")
+    m = P.causal().materialize(n, n)
+    _check_fwd(out, q, k, v, m, f"causal inference {n} {dtype} {infer}")
+    q.requires_grad_(True)
+    train = compiled.compiled_block(prepare(q, k, v, None, 0.0, True, None, True), speed)
+    assert train == compiled.clip_blocks(*compiled.COMPILED_DENSE_BLOCK, n, n)
+    out = attnlab.attention(q, k, v, is_causal=True, enable_gqa=True, method="compiled")
+    _check_fwd(out.detach(), q.detach(), k, v, m, f"causal training {n} {dtype}")
+
+
 @pytest.mark.parametrize("kind", ["bool", "bool_per_head", "float", "float_and_pattern", "bool_and_pattern"])
 def test_user_masks_are_read_inside_tiles(kind):
     q, k, v = _qkv((2, 3, L, 16), (2, 3, S, 16))

@@ -55,7 +55,7 @@ from ..caches import ByteLRU
 from ..files import format_bytes
 from .extension import Extension, transformed
 from .masks import MaskSpec
-from .kernel import Kernel, masked_tiling, nonempty_blocks
+from .kernel import Kernel, causal_blocks, masked_tiling, nonempty_blocks
 from .lse import sink_scale
 from .spec import KernelSpec, Request, Tiling, io_bytes
 
@@ -812,6 +812,39 @@ COMPILED_DENSE_BLOCK = (256, 512)
 COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skipped at this grain
 
 
+#: Note [Causal tile size]: a causal call visits its diagonal's tiles whole, so its work is the visited tiles'
+#: pairs plus a fixed cost per tile (the tile's softmax bookkeeping and products' set-up), which this counts as
+#: that many pairs. Fitted on the model-207 AMX Xeon (fp32, GQA 9/3, D 64, 2 threads, L = S = 4096, blocks of
+#: 64, 128 and 256 through ``block_size``): 0.30 us a tile against 0.78 ns a pair, 381 pairs. The fit
+#: predicted L = 8000 within 0.5-2 % (64: 247.8 against 248.9 ms measured). By it an inference call takes
+#: 64 x 64 tiles at 512, 128 x 128 from 1024 to 8000, where the dense tiles (256 x 512) had been kept. Those
+#: had cost causal calls the diagonal's waste: time over SDPA's on SmolLM2's attention shape (quiet, medians of
+#: 9-61 interleaved rounds), dense tiles -> these: 512 0.99x -> 1.40x (64), 1024 0.99x -> 1.26x (128), 4096
+#: 1.06x -> 1.12x (128), 8000 1.09x -> 1.11x (128). Half types pair faster on AMX, so the same fixed cost is
+#: more pairs: bf16 MHA 16/16 D 128 at 4096 ran 128 x 128 tiles 1.04x and 256 x 256 1.09x the dense tiles' speed
+#: (2048: 1.20x and 1.17x), which 1024 pairs a tile separates. A call that needs grad keeps the dense tiles: the
+#: backward reuses the forward's tiles and was not measured at these sizes.
+COMPILED_TILE_PAIRS = 384
+COMPILED_TILE_PAIRS_HALF = 1024
+
+
+def _causal_block(p, speed: dict) -> tuple[int, int]:
+    """A causal inference call's (block_q, block_k): of the square shapes in ``speed`` and the dense tiles, the
+    least (visited tiles x (pairs a tile + a tile's fixed cost in pairs)) / relative speed (Note [Causal tile
+    size]: COMPILED_TILE_PAIRS, or COMPILED_TILE_PAIRS_HALF for bf16 and fp16)."""
+    L, S = p.info.L, p.info.S
+    shapes = {clip_blocks(*b, L, S) for b in speed if b[0] == b[1]} | {clip_blocks(*COMPILED_DENSE_BLOCK, L, S)}
+    fixed = COMPILED_TILE_PAIRS_HALF if p.q.dtype in (torch.bfloat16, torch.float16) else COMPILED_TILE_PAIRS
+
+    def cost(b):
+        s = speed.get(b)
+        if s is None:  # a clipped shape: the nearest by area
+            s = speed[min(speed, key=lambda x: abs(x[0] * x[1] - b[0] * b[1]))]
+        return causal_blocks(L, S, *b) * (b[0] * b[1] + fixed) / s
+
+    return min(sorted(shapes, key=lambda b: -b[0] * b[1]), key=cost)  # (ties: the larger tiles)
+
+
 def _no_mask_tiles(p) -> bool:
     """No pattern, user mask or bias: the kernel reads no mask tile (it computes ALiBi itself)."""
     m = p.mask
@@ -825,6 +858,8 @@ def compiled_block(p, speed: dict) -> tuple[int, int]:
     Clipped to the sequence (rounded up to 16)."""
     pat, mask = p.mask.pattern, p.mask
     L, S = p.info.L, p.info.S
+    if p.is_causal_only and not p.needs_grad and speed:
+        return _causal_block(p, speed)
     if _no_mask_tiles(p) or p.is_causal_only:
         return clip_blocks(*COMPILED_DENSE_BLOCK, L, S)
     if pat is None or mask.keep is not None or mask.bias is not None:
