@@ -137,7 +137,8 @@ def _decode() -> dict:
     return {"status": "ok", "capability": decode_kernel.capability(),
             "bf16_scores": "vdpbf16ps" if decode_kernel.bf16_dot() else "widened to fp32",
             "int8_scores": ("vpdpwssd" if decode_kernel.vnni() else
-                            "widened to fp32" if decode_kernel.capability() == "DEFAULT" else "vpmaddwd"),
+                            "widened to fp32" if decode_kernel.capability() == "DEFAULT" else "vpmaddwd")
+            + (" on key columns" if decode_kernel.int_cols() else ""),
             "prefetch": {0: "off", 1: "into L1", 2: "into L2"}[decode_kernel.prefetch_mode()]}
 
 

@@ -472,3 +472,56 @@ def test_group_scaled_cache_fuzzed_against_float64(data):
     tol = 2 * (2 * ds + 4 * eps) * float(vh.abs().max()) + 2 * pv
     err = float((out.transpose(1, 2).double() - ref).abs().max())
     assert err <= tol, (err, tol)
+
+
+# -- the scores on key columns (csrc Note [Decode int8 key columns]) ---------------------------------------
+@needs_ext
+@pytest.mark.parametrize("gs", [0, 32, 64], ids=["per_row", "g32", "g64"])
+@pytest.mark.parametrize("page", [None, 7], ids=["contiguous", "page7"])
+@pytest.mark.parametrize("H,Hkv,L,D,S", [(6, 2, 1, 64, 53), (8, 2, 1, 128, 150), (4, 2, 1, 128, 37),
+                                         (8, 1, 2, 192, 90), (16, 2, 1, 64, 33)],
+                         ids=["gqa3_d64", "gqa4_d128", "gqa2_d128", "mqa8_l2_d192", "gqa8_d64"])
+def test_key_column_scores_against_float64(gs, page, H, Hkv, L, D, S):
+    """csrc Note [Decode int8 key columns]: the AVX-512 build's scores with 16 keys in the lanes (per-row or group
+    scales; 2 to 16 rows a kv head, partial key blocks, pages of 7 across a block, D 64 to 192) against float64
+    attention on what the cache holds, within the kernel's own budget (fp32 rounding of the scores and the sum,
+    the int16 query's rounding, twice the integer P @ V's); and the same call on the lane kernels (set_int_cols
+    off) within that budget of it. Asserts the column kernel is on for these shapes (it takes G L >= 3 rows with
+    per-row scales, >= 2 with groups); skips, with a reason, where the build has none."""
+    if not dk.int_cols():
+        pytest.skip("the decode build is not AVX-512 (or set_int_cols is off): no key-column scores to check")
+    gen = torch.Generator().manual_seed(H * D + S + gs + (page or 0))
+    B = 2
+    k0, v0 = torch.randn(B, S, Hkv, D, generator=gen), torch.randn(B, S, Hkv, D, generator=gen)
+    k0[..., :32] *= 8  # one group far above the others
+    kq = QuantizedKV.quantize(k0, group_size=gs or None)
+    vq = QuantizedKV.quantize(v0, group_size=gs or None)
+    kq, vq, table = _paged_caches(kq, vq, page)
+    lens = torch.tensor([S, S - 20])
+    q = torch.randn(B, L, H, D, generator=gen)
+    run = lambda: attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=lens, block_table=table,  # noqa: E731
+                                                 num_splits=2)
+    with torch.no_grad():
+        cols = run()
+        dk.set_int_cols(False)
+        try:
+            lanes = run()
+        finally:
+            dk.set_int_cols(True)
+    kf, vf = kq.dequantize(torch.float64), vq.dequantize(torch.float64)
+    vs = vq.scale
+    if table is not None:  # the pool's rows back in sequence order
+        j = torch.arange(S)
+        kf, vf, vs = (x[table.long()[:, j // page], j % page] for x in (kf, vf, vs))
+    kh, vh = kf.transpose(1, 2), vf.transpose(1, 2)
+    jj = torch.arange(S).view(1, 1, -1)
+    keep = ((jj < lens.view(B, 1, 1)) & (jj <= torch.arange(L).view(1, L, 1) + (lens - L).view(B, 1, 1))).unsqueeze(1)
+    ref = torch.as_tensor(reference.attention(q.double().transpose(1, 2), kh, vh, attn_mask=keep,
+                                              enable_gqa=True)[0]).transpose(1, 2)
+    eps = torch.finfo(torch.float32).eps
+    ds = 4 * eps * float(q.norm(dim=-1).max() * kh.norm(dim=-1).max()) * D ** -0.5 + _q16_score_error(q, kh.float())
+    tol = 2 * (2 * ds + 4 * eps) * float(vh.abs().max()) + 2 * int_pv_error(q, kf, vs, lens)
+    for name, out in (("columns", cols), ("lanes", lanes)):
+        err = float((out.double() - ref).abs().max())
+        assert err <= tol, (name, err, tol)
+    assert float((cols - lanes).abs().max()) <= tol

@@ -117,7 +117,8 @@
 // read, 15 rounds) time over bf16's 0.78-0.97 -> 0.52-0.76, and `bench decode --dtypes bfloat16,int8,int8g32`
 // 0.78 and 0.86 (the per-row format 0.59 and 0.67 in the same runs). The rest of the gap to the per-row format
 // is the scores: a group's int32 lanes converted and weighed apiece (2 more vector operations per row, key and
-// group) where a row converts once per key.
+// group) where a row converts once per key. Since, where a kv head has 2 or more rows, the scores take key
+// columns (Note [Decode int8 key columns]): one conversion and FMA per (row, group, 16 keys).
 //
 // Note [Decode page walk]: a tile's rows are located by walking the page table (page and offset advanced
 // row by row) instead of a division by the page size T per row (three per row: K, V and the prefetched
@@ -194,6 +195,7 @@ struct Args {
   bool bf16_dot = false;      // Note [Decode bf16 scores]
   bool vnni = false;          // vpdpwssd for an int8 cache's scores (Note [Decode int8 VNNI])
   bool int_pv = false;        // an int8 cache's P @ V on integers (Note [Decode int8 P @ V])
+  bool int_cols = false;      // an int8 cache's scores on key columns (Note [Decode int8 key columns])
   float* part_out = nullptr;  // [ns, B, H, L, Dv] when ns > 1
   float* part_lse = nullptr;  // [ns, B, H, L]
   float* lse = nullptr;       // [B, H, L]
@@ -662,6 +664,150 @@ __attribute__((noinline)) void dot_keys_i8g32(const int16_t* q16, int64_t Dp, co
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Note [Decode int8 key columns]: the AVX-512 build takes an int8 cache's scores (per-row or group scales, D a
+// multiple of 64) with keys in the lanes instead of channels: 16 keys' rows of 64 channels are transposed as
+// 16 x 16 dwords (64 shuffles), so lane j of column vector c holds key j's channels 4c .. 4c + 3; each column is
+// split into two int16 vectors, words (k[4c], k[4c + 2]) and (k[4c + 1], k[4c + 3]) (a shift pair and a shift,
+// shared by every row), and multiplied by a row's int16 query words broadcast in the same order (q16_columns),
+// summed into int32 lanes by vpdpwssd (VNNI) or vpmaddwd + vpaddd: the same exact integer dot products as
+// dot_keys_i8 / dot_keys_i8g32 (Note [Decode int8 scores]), 16 keys a vector. A group's (or 64 channels', per
+// row) int32 sums are converted and weighed by the group's 16 scales at once (one vector: the scales are
+// group-major, Note [Decode tile rows]), and the 16 scores leave as one vector per row: no horizontal sums
+// (hsum_all), and one conversion and FMA per (row, group, 16 keys) where the lane layout took one per (row,
+// group, key). The sums are the same integers; only the fp32 order of a key's group terms differs (within
+// fp32 rounding: tests/functional/test_kvquant_formats.py compares both paths). int32 cannot overflow: a lane
+// sums at most 64 products of |q16| <= 32767 and |k8| <= 127 between conversions (2^28). set_int_cols(False)
+// (kernels/decode.py) or ATTNLAB_DECODE_NO_INT_COLS=1 turns it off. The transpose is shared by a kv head's G L
+// rows, so a unit takes the columns from kColRows rows (kColRowsGroups with group scales). Measured on the
+// model-207 AMX Xeon (2 vCPUs, KVM), time on the lane kernels over time on the columns, one process toggling
+// set_int_cols, interleaved, medians. In cache (1 thread, 61 rounds), per-row / group scales: GQA 32/8 D 128
+// S 2048 1.06 / 1.14-1.15; 32/4 1.16 / 1.25; 32/8 with 4 queries 1.20 / 1.35; SmolLM2's 9/3 D 64 S 4096
+// 1.08 / 1.14; 16/8 (2 rows) 0.94 / 1.03 and MHA 8/8 (1 row) 0.89 / 0.94, hence the row thresholds. Cold
+// (2 threads, S 32768, GQA 32/8, each call after a 1 GiB read, 15 rounds, three runs), time over the bf16
+// cache's: groups of 32 0.751 / 0.770 / 0.763 -> 0.709 / 0.756 / 0.720, per-row 0.606 / 0.653 / 0.636 ->
+// 0.631 / 0.656 / 0.637 (no change: cold, the memory time is most of the rest). The column kernel is p0-bound on
+// vpdpwssd (512 a tile of 32 keys, 4 rows, D 128); an int8 query on vpdpbusd would halve that, for a rounding of
+// q to 2^-8 of its group's max (llama.cpp's q8_0 dot rounds q so too): not taken.
+constexpr int64_t kColKeys = 16;  // keys of one column vector
+// the fewest rows (G L) a unit's kv head needs for the columns to pay: a key block's transpose is shared by
+// its rows (measured, Note [Decode int8 key columns]); per-row scales, and group scales
+constexpr int64_t kColRows = 3, kColRowsGroups = 2;
+
+// q16 in the column kernel's word order: (q[4c], q[4c + 2], q[4c + 1], q[4c + 3]) for every 4 channels
+inline void q16_columns(const int16_t* q, int64_t D, int16_t* y) {
+  for (int64_t c = 0; c < D; c += 4) {
+    y[c] = q[c];
+    y[c + 1] = q[c + 2];
+    y[c + 2] = q[c + 1];
+    y[c + 3] = q[c + 3];
+  }
+}
+
+// r[j] = 16 dwords of row j -> r[c] lane j = row j's dword c
+__attribute__((always_inline)) inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // u[4i + m], 128-bit lane L: dword 4L + m of rows 4i .. 4i + 3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) {
+    const __m512i a = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), b = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88), d = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xDD);
+    r[m] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[8 + m] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    r[4 + m] = _mm512_shuffle_i32x4(b, d, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+}
+
+// keys t .. t + 15 as columns: kt[2c] words (k[4c], k[4c + 2]), kt[2c + 1] words (k[4c + 1], k[4c + 3]),
+// sign-extended, lane j key t + j (D a multiple of 64)
+inline void key_columns(const int8_t* const* krows, int64_t t, int64_t D, __m512i* kt) {
+  for (int64_t d = 0; d < D; d += 64) {
+    __m512i r[kColKeys];
+#pragma GCC unroll 16
+    for (int j = 0; j < kColKeys; ++j) {
+      r[j] = _mm512_loadu_si512(krows[t + j] + d);
+    }
+    transpose16(r);
+    __m512i* o = kt + d / 2;
+#pragma GCC unroll 16
+    for (int c = 0; c < kColKeys; ++c) {
+      o[2 * c] = _mm512_srai_epi16(_mm512_slli_epi16(r[c], 8), 8);
+      o[2 * c + 1] = _mm512_srai_epi16(r[c], 8);
+    }
+  }
+}
+
+// s[rr * TK + t + j] for RB rows and the 16 keys of kt (Note [Decode int8 key columns]): qt rows Dp apart in
+// q16_columns order; kgs > 0: group scales (ksc group-major), else one scale a key (ksc[t + j])
+template <int RB, bool VNNI>
+__attribute__((noinline)) void dot_cols_i8(const int16_t* qt, int64_t Dp, const float* qsc, const __m512i* kt,
+                                           const float* ksc, int64_t t, int64_t D, int64_t kgs, float* s) {
+  const int64_t cs = kgs ? kgs : 64;  // channels between conversions
+  __m512 f[RB];
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr) f[rr] = _mm512_setzero_ps();
+  for (int64_t d0 = 0; d0 < D; d0 += cs) {
+    __m512i a0[RB], a1[RB];  // two chains a row: the words of k[4c], k[4c + 2] and of k[4c + 1], k[4c + 3]
+#pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) a0[rr] = a1[rr] = _mm512_setzero_si512();
+    for (int64_t d = d0; d < d0 + cs; d += 4) {
+      const __m512i x = kt[d / 2], y = kt[d / 2 + 1];
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) {
+        int32_t w0, w1;
+        std::memcpy(&w0, qt + rr * Dp + d, 4);
+        std::memcpy(&w1, qt + rr * Dp + d + 2, 4);
+        a0[rr] = i32_madd<VNNI>(a0[rr], _mm512_set1_epi32(w0), x);
+        a1[rr] = i32_madd<VNNI>(a1[rr], _mm512_set1_epi32(w1), y);
+      }
+    }
+    if (kgs) {
+      const __m512 sv = _mm512_loadu_ps(ksc + (d0 / kgs) * TK + t);
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr)
+        f[rr] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0[rr], a1[rr])), sv, f[rr]);
+    } else {
+#pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) f[rr] = _mm512_add_ps(f[rr], _mm512_cvtepi32_ps(_mm512_add_epi32(a0[rr], a1[rr])));
+    }
+  }
+  const __m512 ks = kgs ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(ksc + t);
+#pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+    _mm512_storeu_ps(s + rr * TK + t, _mm512_mul_ps(f[rr], _mm512_mul_ps(_mm512_set1_ps(qsc[rr]), ks)));
+}
+
+// every row's scores against the tile's nt keys on key columns (rows whole key blocks of 16: Note [Decode tile
+// rows]); kt: D / 2 vectors of scratch
+template <bool VNNI>
+void dot_tile_cols(const int16_t* qt, int64_t Dp, const float* qsc, int64_t R, const int8_t* const* krows,
+                   const float* ksc, int64_t kgs, int64_t nt, int64_t D, float* s, __m512i* kt,
+                   const NextRows<int8_t>& next) {
+  for (int64_t t = 0; t < nt; t += kColKeys) {
+    key_columns(krows, t, D, kt);
+    for (int64_t e = t; e < t + kColKeys; ++e) next.row(e);
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) dot_cols_i8<4, VNNI>(qt + r0 * Dp, Dp, qsc + r0, kt, ksc, t, D, kgs, s + r0 * TK);
+    for (; r0 + 2 <= R; r0 += 2) dot_cols_i8<2, VNNI>(qt + r0 * Dp, Dp, qsc + r0, kt, ksc, t, D, kgs, s + r0 * TK);
+    for (; r0 < R; ++r0) dot_cols_i8<1, VNNI>(qt + r0 * Dp, Dp, qsc + r0, kt, ksc, t, D, kgs, s + r0 * TK);
+  }
+  if (nt < next.n)
+    for (int64_t e = (nt + kColKeys - 1) / kColKeys * kColKeys; e < next.n; ++e) next.row(e);
+}
+#endif
+
 // The scores of a group-scaled key cache where no integer path runs (a default build, heads over kIntDotMaxD):
 // per group an fp32 dot product of the scaled query with the int8 values, times the group's scale.
 template <int RB>
@@ -716,6 +862,7 @@ void dot_keys_f32g(const float* q, const int8_t* const* krows, const float* ksc,
 
 std::atomic<bool> g_vnni{!env_on("ATTNLAB_DECODE_NO_VNNI")};
 std::atomic<bool> g_int_pv{!env_on("ATTNLAB_DECODE_NO_INT_PV")};  // Note [Decode int8 P @ V]
+std::atomic<bool> g_int_cols{!env_on("ATTNLAB_DECODE_NO_INT_COLS")};  // Note [Decode int8 key columns]
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kHasIntPv = true;
 #else
@@ -1050,6 +1197,13 @@ void decode_impl(const Args& a) {
     const int64_t Dp = (D + KW - 1) / KW * KW;
     std::vector<int16_t> q16(i8dot ? RR * Dp : 0);
     std::vector<float> qsc(i8dot ? RR : 0);
+#if defined(CPU_CAPABILITY_AVX512)
+    // the scores on key columns (Note [Decode int8 key columns]): q16 in their word order, qt [RR, Dp], and a
+    // key block's columns, kt [D / 2]
+    const bool icols = i8dot && a.int_cols && D % 64 == 0 && R >= (a.kng > 1 ? kColRowsGroups : kColRows);
+    std::vector<int16_t> qt(icols ? RR * Dp : 0);
+    std::vector<__m512i> kt(icols ? D / 2 : 0);
+#endif
     // a bf16 cache's scores by VDPBF16PS take the unscaled bf16 query: qb [RR, Db] (Note [Decode bf16 scores])
     const bool bdot = std::is_same_v<TQ, at::BFloat16> && std::is_same_v<T, at::BFloat16> && a.bf16_dot;
     const int64_t Db = (D + 31) / 32 * 32;
@@ -1105,6 +1259,9 @@ void decode_impl(const Args& a) {
             y[d] = d < D ? static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(x[d] * inv)))) : 0;
           // a non-finite q gives NaN scores (its row's output NaN, as an fp32 q . k would make it)
           qsc[rr] = ok ? amax / 32767.f : (amax > 0.f ? std::numeric_limits<float>::quiet_NaN() : 0.f);
+#if defined(CPU_CAPABILITY_AVX512)
+          if (icols) q16_columns(y, Dp, qt.data() + rr * Dp);
+#endif
         }
       }
       for (int64_t r = 0; r < R; ++r) {  // ranges depend on the query only
@@ -1161,6 +1318,19 @@ void decode_impl(const Args& a) {
         float* const o_g = o.data() + gl * R * Dv;
         const float* const qs_g = qs.data() + gl * R * D;
         // 2) scores of every row against the tile's keys
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (std::is_same_v<T, int8_t>) {
+          if (icols) {
+            if (a.vnni)
+              dot_tile_cols<true>(qt.data() + gl * R * Dp, Dp, qsc.data() + gl * R, R, krows, kscl, kgs, nt, D,
+                                  sc.data(), kt.data(), next_k);
+            else
+              dot_tile_cols<false>(qt.data() + gl * R * Dp, Dp, qsc.data() + gl * R, R, krows, kscl, kgs, nt, D,
+                                   sc.data(), kt.data(), next_k);
+          }
+        }
+        if (!(std::is_same_v<T, int8_t> && icols))
+#endif
         dot_tile(qs_g, i8dot ? q16.data() + gl * R * Dp : nullptr, Dp, i8dot ? qsc.data() + gl * R : nullptr,
                  bdot ? qb.data() + gl * R * Db : nullptr, Db, a.scale, R,
                  krows, kscl, kgs, nt, D, sc.data(), next_k, a.vnni);  // rows sharing each K load
@@ -1515,6 +1685,7 @@ std::vector<at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
   a.bf16_dot = kHasBf16Dot && g_bf16_dot.load(std::memory_order_relaxed);
   a.vnni = kHasVnni && g_vnni.load(std::memory_order_relaxed);
   a.int_pv = kHasIntPv && g_int_pv.load(std::memory_order_relaxed);
+  a.int_cols = kHasIntPv && g_int_cols.load(std::memory_order_relaxed);
   TORCH_CHECK(num_splits >= 1, "attnlab._decode: num_splits must be >= 1");
   a.ns = num_splits;
   TORCH_CHECK(head_span >= 1 && a.Hkv % head_span == 0, "attnlab._decode: head_span must divide Hkv = ", a.Hkv);
@@ -1838,9 +2009,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an int8 cache's P @ V on integers in the AVX-512 build (Note [Decode int8 P @ V])");
   m.def("int_pv", [] { return kHasIntPv && g_int_pv.load(std::memory_order_relaxed); },
         "whether an int8 cache's P @ V runs on integers: an AVX-512 build and set_int_pv left it on");
+  m.def("set_int_cols", [](bool on) { g_int_cols.store(on, std::memory_order_relaxed); },
+        "an int8 cache's scores on key columns (AVX-512 builds, D a multiple of 64)");
+  m.def("int_cols", [] { return kHasIntPv && g_int_cols.load(std::memory_order_relaxed); },
+        "whether an int8 cache's scores run on key columns: an AVX-512 build and set_int_cols left it on");
   m.def("prefetch", [] { return static_cast<int64_t>(g_prefetch_mode.load(std::memory_order_relaxed)); });
   m.def("quantize", &quantize_rows,
         "x float32 [N, D] -> [int8 data [N, D], float32 scale [N, groups]], each group's scale searched (Note [int8 "
         "scale search]), rows first rotated by the Walsh-Hadamard transform on blocks of `hadamard` channels (0: none)");
-  ATTNLAB_MODULE_ATTRS(m, 11);
+  ATTNLAB_MODULE_ATTRS(m, 12);
 }

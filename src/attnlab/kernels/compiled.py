@@ -816,8 +816,10 @@ COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skip
 #: pairs plus a fixed cost per tile (the tile's softmax bookkeeping and products' set-up), which this counts as
 #: that many pairs. Fitted on the model-207 AMX Xeon (fp32, GQA 9/3, D 64, 2 threads, L = S = 4096, blocks of
 #: 64, 128 and 256 through ``block_size``): 0.30 us a tile against 0.78 ns a pair, 381 pairs. The fit
-#: predicted L = 8000 within 0.5-2 % (64: 247.8 against 248.9 ms measured). By it an inference call takes
-#: 64 x 64 tiles at 512, 128 x 128 from 1024 to 8000, where the dense tiles (256 x 512) had been kept. Those
+#: predicted L = 8000 within 0.5-2 % (64: 247.8 against 248.9 ms measured). By it, with the rate table it was
+#: fitted against, an inference call took 64 x 64 tiles at 512 and 128 x 128 from 1024 to 8000 (with the table
+#: re-measured at this code: 128 x 128 from 512 to 8000, 256 x 256 at 16384), where the dense tiles (256 x 512)
+#: had been kept. Those
 #: had cost causal calls the diagonal's waste: time over SDPA's on SmolLM2's attention shape (quiet, medians of
 #: 9-61 interleaved rounds), dense tiles -> these: 512 0.99x -> 1.40x (64), 1024 0.99x -> 1.26x (128), 4096
 #: 1.06x -> 1.12x (128), 8000 1.09x -> 1.11x (128). Half types pair faster on AMX, so the same fixed cost is
@@ -826,6 +828,12 @@ COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skip
 #: backward reuses the forward's tiles and was not measured at these sizes.
 COMPILED_TILE_PAIRS = 384
 COMPILED_TILE_PAIRS_HALF = 1024
+
+
+def block_speed(speed: dict, b: tuple[int, int]) -> float:
+    """A tile shape's relative speed from ``speed``: its own, or (a clipped shape) the nearest shape's by area."""
+    s = speed.get(b)
+    return s if s is not None else speed[min(speed, key=lambda x: abs(x[0] * x[1] - b[0] * b[1]))]
 
 
 def _causal_block(p, speed: dict) -> tuple[int, int]:
@@ -837,10 +845,7 @@ def _causal_block(p, speed: dict) -> tuple[int, int]:
     fixed = COMPILED_TILE_PAIRS_HALF if p.q.dtype in (torch.bfloat16, torch.float16) else COMPILED_TILE_PAIRS
 
     def cost(b):
-        s = speed.get(b)
-        if s is None:  # a clipped shape: the nearest by area
-            s = speed[min(speed, key=lambda x: abs(x[0] * x[1] - b[0] * b[1]))]
-        return causal_blocks(L, S, *b) * (b[0] * b[1] + fixed) / s
+        return causal_blocks(L, S, *b) * (b[0] * b[1] + fixed) / block_speed(speed, b)
 
     return min(sorted(shapes, key=lambda b: -b[0] * b[1]), key=cost)  # (ties: the larger tiles)
 
@@ -899,10 +904,8 @@ class CompiledKernel(Kernel):
         relative speed (the nearest shape by area when not in the table)."""
         speed = rates.compiled_block_speed
         b = (t.block_q, t.block_k) if t is not None else COMPILED_DENSE_BLOCK
-        s = speed.get(b)
-        if s is None:
-            s = speed[min(speed, key=lambda x: abs(x[0] * x[1] - b[0] * b[1]))]
-        return rates.kernel_gflops.get(self.spec.name, self.gflops) * s / max(speed.values()), rates.source
+        return (rates.kernel_gflops.get(self.spec.name, self.gflops) * block_speed(speed, b) / max(speed.values()),
+                rates.source)
 
     def run(self, p, t: Tiling | None, need_weights: bool = False, need_lse: bool = False):
         """(out, None, lse) from the tiles."""

@@ -37,7 +37,7 @@ __all__ = ["available", "unavailable_reason", "capability", "MAX_QUERIES", "DTYP
            "decode_args", "run_prepared", "direct"]
 
 #: must equal the extension's abi_version (csrc/decode.cpp)
-ABI_VERSION = 11
+ABI_VERSION = 12
 #: the longest query the decode path takes (decode, speculative verification, chunked-prefill tails)
 MAX_QUERIES = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -133,6 +133,22 @@ def set_int_pv(on: bool) -> None:
     ext = _load()
     if ext is not None:
         ext.set_int_pv(bool(on))
+
+
+def int_cols() -> bool:
+    """True when an int8 cache's scores run on key columns (the AVX-512 decode build, D a multiple of 64, and
+    ``set_int_cols`` left it on; csrc Note [Decode int8 key columns]): 16 keys a vector instead of a key's
+    channels. The integer dot products are the same; only the fp32 order of a key's group terms differs."""
+    ext = _load()
+    return bool(ext is not None and ext.int_cols())
+
+
+def set_int_cols(on: bool) -> None:
+    """Turn the key-column scores on or off for this process (off: the lane kernels of Note [Decode int8
+    scores]). A no-op without the AVX-512 build."""
+    ext = _load()
+    if ext is not None:
+        ext.set_int_cols(bool(on))
 
 
 def prefetch_mode() -> int:
