@@ -824,8 +824,12 @@ COMPILED_MASK_BLOCK = (128, 256)  # user masks: blocks they leave empty are skip
 #: 9-61 interleaved rounds), dense tiles -> these: 512 0.99x -> 1.40x (64), 1024 0.99x -> 1.26x (128), 4096
 #: 1.06x -> 1.12x (128), 8000 1.09x -> 1.11x (128). Half types pair faster on AMX, so the same fixed cost is
 #: more pairs: bf16 MHA 16/16 D 128 at 4096 ran 128 x 128 tiles 1.04x and 256 x 256 1.09x the dense tiles' speed
-#: (2048: 1.20x and 1.17x), which 1024 pairs a tile separates. A call that needs grad keeps the dense tiles: the
-#: backward reuses the forward's tiles and was not measured at these sizes.
+#: (2048: 1.20x and 1.17x), which 1024 pairs a tile separates. A call that needs grad takes the same tiles (the
+#: backward reuses the forward's): forward + backward, dense tiles' time over these (2 threads, medians of 3-21
+#: interleaved rounds, the plan cache cleared at each switch): fp32 GQA 9/3 D 64 1.47-1.51x at 512, 1.27-1.28x
+#: at 1024, 1.11-1.13x at 2048, 1.01-1.03x at 4096; fp32 MHA 16/16 D 128 1.30x at 1024, 1.12-1.15x at 2048;
+#: bf16 GQA 9/3 D 64 1.40-1.44x at 2048; bf16 MHA 16/16 D 128 1.10-1.18x at 2048, 1.03-1.04x at 4096. A
+#: larger fixed cost for the backward (4x) chose larger tiles and was no better (0.99-1.32x, the same rows).
 COMPILED_TILE_PAIRS = 384
 COMPILED_TILE_PAIRS_HALF = 1024
 
@@ -863,7 +867,7 @@ def compiled_block(p, speed: dict) -> tuple[int, int]:
     Clipped to the sequence (rounded up to 16)."""
     pat, mask = p.mask.pattern, p.mask
     L, S = p.info.L, p.info.S
-    if p.is_causal_only and not p.needs_grad and speed:
+    if p.is_causal_only and speed:
         return _causal_block(p, speed)
     if _no_mask_tiles(p) or p.is_causal_only:
         return clip_blocks(*COMPILED_DENSE_BLOCK, L, S)
