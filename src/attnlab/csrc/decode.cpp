@@ -688,7 +688,9 @@ __attribute__((noinline)) void dot_keys_i8g32(const int16_t* q16, int64_t Dp, co
 // cache's: groups of 32 0.751 / 0.770 / 0.763 -> 0.709 / 0.756 / 0.720, per-row 0.606 / 0.653 / 0.636 ->
 // 0.631 / 0.656 / 0.637 (no change: cold, the memory time is most of the rest). The column kernel is p0-bound on
 // vpdpwssd (512 a tile of 32 keys, 4 rows, D 128); an int8 query on vpdpbusd would halve that, for a rounding of
-// q to 2^-8 of its group's max (llama.cpp's q8_0 dot rounds q so too): not taken.
+// q to 2^-8 of its group's max (llama.cpp's q8_0 dot rounds q so too): not taken. Tried and not kept: keys
+// widened to int16 before a transpose of (k[2c], k[2c + 1]) words (no shifts, two transposes per 64 channels):
+// in cache 0.43-0.44 against 0.40 ms (GQA 32/8, groups of 32, three process pairs).
 constexpr int64_t kColKeys = 16;  // keys of one column vector
 // the fewest rows (G L) a unit's kv head needs for the columns to pay: a key block's transpose is shared by
 // its rows (measured, Note [Decode int8 key columns]); per-row scales, and group scales
