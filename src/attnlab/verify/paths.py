@@ -41,6 +41,8 @@ def paths(flags: frozenset[str] | None) -> list[Path]:
              "vpdpwssd against vpmaddwd, same bits"),
         Path("int8 decode P @ V on integers", (r"test_kvcache_int8\.py::test_integer_pv_",), "avx512f",
              "the AVX-512 decode build, on and off within its rounding"),
+        Path("int8 decode scores on key columns", (r"test_kvcache_int8\.py::test_key_column_scores_against_float64",),
+             "avx512f", "the AVX-512 decode build, against float64 and the lane kernels"),
         Path("AVX-512 build (_C_avx512, _decode_avx512)", (r"test_compiled_backends\.py::test_conformance_on_each_backend",),
              "avx512f", "the build this CPU loads"),
         Path("AVX2 build (_C_avx2, _decode_avx2)",
