@@ -525,3 +525,32 @@ def test_key_column_scores_against_float64(gs, page, H, Hkv, L, D, S):
         err = float((out.double() - ref).abs().max())
         assert err <= tol, (name, err, tol)
     assert float((cols - lanes).abs().max()) <= tol
+
+
+@needs_ext
+@pytest.mark.parametrize("D,gs", [(1024, 512), (1088, 544)], ids=["g512", "g544"])
+def test_key_column_scores_hold_large_groups_exactly(D, gs):
+    """csrc Note [Decode int8 key columns]: a lane's int32 sum holds a group's products, |q16| <= 32767 and
+    |k8| <= 127 each; at the worst case (every q16 = 32767, every k8 = 127: a constant query, keys that are
+    multiples of ones) 512 channels stay under 2^31 and 544 would not, so the columns take groups up to 512 and
+    larger ones run on the lane kernels. Both match float64 attention on the dequantised cache within the
+    kernel's budget (the keys' scores, 1.9 apart, and so the softmax, would be off by 2^32 times a key's scale
+    after an overflow: 0.55 on the outputs here, measured before the bound)."""
+    S, H, Hkv = 40, 4, 2
+    gen = torch.Generator().manual_seed(gs)
+    k0 = torch.linspace(0.2, 2.0, S).view(1, S, 1, 1) * torch.ones(1, S, Hkv, D)
+    v0 = torch.randn(1, S, Hkv, D, generator=gen)
+    kq, vq = QuantizedKV.quantize(k0, group_size=gs), QuantizedKV.quantize(v0, group_size=gs)
+    assert int(kq.data.max()) == 127 and kq.scale.shape[-1] == 2
+    q = torch.full((1, 1, H, D), 0.03)
+    with torch.no_grad():
+        out = attnlab.attention_with_kvcache(q, kq, vq, cache_seqlens=S)
+    kf, vf = kq.dequantize(torch.float64), vq.dequantize(torch.float64)
+    ref = torch.as_tensor(reference.attention(q.double().transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2),
+                                              enable_gqa=True)[0]).transpose(1, 2)
+    s = float(q.norm() * kf.norm(dim=-1).max()) * D ** -0.5
+    eps = torch.finfo(torch.float32).eps
+    tol = 2 * (2 * (4 * eps * s + _q16_score_error(q, kf.float())) + 4 * eps) * float(vf.abs().max()) \
+        + 2 * int_pv_error(q, kf, vq.scale, S)
+    err = float((out.double() - ref).abs().max())
+    assert err <= tol, (err, tol)

@@ -666,35 +666,37 @@ __attribute__((noinline)) void dot_keys_i8g32(const int16_t* q16, int64_t Dp, co
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Note [Decode int8 key columns]: the AVX-512 build takes an int8 cache's scores (per-row or group scales, D a
-// multiple of 64) with keys in the lanes instead of channels: 16 keys' rows of 64 channels are transposed as
-// 16 x 16 dwords (64 shuffles), so lane j of column vector c holds key j's channels 4c .. 4c + 3; each column is
-// split into two int16 vectors, words (k[4c], k[4c + 2]) and (k[4c + 1], k[4c + 3]) (a shift pair and a shift,
-// shared by every row), and multiplied by a row's int16 query words broadcast in the same order (q16_columns),
-// summed into int32 lanes by vpdpwssd (VNNI) or vpmaddwd + vpaddd: the same exact integer dot products as
-// dot_keys_i8 / dot_keys_i8g32 (Note [Decode int8 scores]), 16 keys a vector. A group's (or 64 channels', per
-// row) int32 sums are converted and weighed by the group's 16 scales at once (one vector: the scales are
-// group-major, Note [Decode tile rows]), and the 16 scores leave as one vector per row: no horizontal sums
-// (hsum_all), and one conversion and FMA per (row, group, 16 keys) where the lane layout took one per (row,
-// group, key). The sums are the same integers; only the fp32 order of a key's group terms differs (within
-// fp32 rounding: tests/functional/test_kvquant_formats.py compares both paths). int32 cannot overflow: a lane
-// sums at most 64 products of |q16| <= 32767 and |k8| <= 127 between conversions (2^28). set_int_cols(False)
-// (kernels/decode.py) or ATTNLAB_DECODE_NO_INT_COLS=1 turns it off. The transpose is shared by a kv head's G L
-// rows, so a unit takes the columns from kColRows rows (kColRowsGroups with group scales). Measured on the
-// model-207 AMX Xeon (2 vCPUs, KVM), time on the lane kernels over time on the columns, one process toggling
-// set_int_cols, interleaved, medians. In cache (1 thread, 61 rounds), per-row / group scales: GQA 32/8 D 128
-// S 2048 1.06 / 1.14-1.15; 32/4 1.16 / 1.25; 32/8 with 4 queries 1.20 / 1.35; SmolLM2's 9/3 D 64 S 4096
-// 1.08 / 1.14; 16/8 (2 rows) 0.94 / 1.03 and MHA 8/8 (1 row) 0.89 / 0.94, hence the row thresholds. Cold
-// (2 threads, S 32768, GQA 32/8, each call after a 1 GiB read, 15 rounds, three runs), time over the bf16
-// cache's: groups of 32 0.751 / 0.770 / 0.763 -> 0.709 / 0.756 / 0.720, per-row 0.606 / 0.653 / 0.636 ->
-// 0.631 / 0.656 / 0.637 (no change: cold, the memory time is most of the rest). The column kernel is p0-bound on
-// vpdpwssd (512 a tile of 32 keys, 4 rows, D 128); an int8 query on vpdpbusd would halve that, for a rounding of
-// q to 2^-8 of its group's max (llama.cpp's q8_0 dot rounds q so too): not taken. Tried and not kept: keys
-// widened to int16 before a transpose of (k[2c], k[2c + 1]) words (no shifts, two transposes per 64 channels):
-// in cache 0.43-0.44 against 0.40 ms (GQA 32/8, groups of 32, three process pairs).
+// multiple of 64) with keys in the lanes instead of channels: 16 keys' rows of 64 channels are transposed as 16 x 16
+// dwords (64 shuffles), so lane j of column vector c holds key j's channels 4c .. 4c + 3; each column is split into
+// two int16 vectors, words (k[4c], k[4c + 2]) and (k[4c + 1], k[4c + 3]) (a shift pair and a shift, shared by every
+// row), and multiplied by a row's int16 query words broadcast in the same order (q16_columns), summed into int32
+// lanes by vpdpwssd (VNNI) or vpmaddwd + vpaddd: the same exact integer dot products as dot_keys_i8 / dot_keys_i8g32
+// (Note [Decode int8 scores]), 16 keys a vector. A group's (or 64 channels', per row) int32 sums are converted and
+// weighed by the group's 16 scales at once (one vector: the scales are group-major, Note [Decode tile rows]), and
+// the 16 scores leave as one vector per row: no horizontal sums (hsum_all), and one conversion and FMA per (row,
+// group, 16 keys) where the lane layout took one per (row, group, key). The sums are the same integers; only the
+// fp32 order of a key's group terms differs (within fp32 rounding: tests/functional/test_kvcache_int8.py compares
+// both paths). int32 cannot overflow: a lane sums the products of a group (per-row scales: of 64 channels) between
+// conversions, |q16| <= 32767 and |k8| <= 127 each, so groups over kColMaxGroup = 512 channels (which 2^31 would not
+// hold) keep the lane kernels. set_int_cols(False) (kernels/decode.py) or ATTNLAB_DECODE_NO_INT_COLS=1 turns it off.
+// The transpose is shared by a kv head's G L rows, so a unit takes the columns from kColRows rows (kColRowsGroups
+// with group scales). Measured on the model-207 AMX Xeon (2 vCPUs, KVM), time on the lane kernels over time on the
+// columns, one process toggling set_int_cols, interleaved, medians. In cache (1 thread, 61 rounds), per-row / group
+// scales: GQA 32/8 D 128 S 2048 1.06 / 1.14-1.15; 32/4 1.16 / 1.25; 32/8 with 4 queries 1.20 / 1.35; SmolLM2's 9/3 D
+// 64 S 4096 1.08 / 1.14; 16/8 (2 rows) 0.94 / 1.03 and MHA 8/8 (1 row) 0.89 / 0.94, hence the row thresholds. Cold
+// (2 threads, S 32768, GQA 32/8, each call after a 1 GiB read, 15 rounds, three runs), time over the bf16 cache's:
+// groups of 32 0.751 / 0.770 / 0.763 -> 0.709 / 0.756 / 0.720, per-row 0.606 / 0.653 / 0.636 -> 0.631 / 0.656 /
+// 0.637 (no change: cold, the memory time is most of the rest). The column kernel is p0-bound on vpdpwssd (512 a
+// tile of 32 keys, 4 rows, D 128); an int8 query on vpdpbusd would halve that, for a rounding of q to 2^-8 of its
+// group's max (llama.cpp's q8_0 dot rounds q so too): not taken. Tried and not kept: keys widened to int16 before a
+// transpose of (k[2c], k[2c + 1]) words (no shifts, two transposes per 64 channels): in cache 0.43-0.44 against 0.40
+// ms (GQA 32/8, groups of 32, three process pairs).
 constexpr int64_t kColKeys = 16;  // keys of one column vector
 // the fewest rows (G L) a unit's kv head needs for the columns to pay: a key block's transpose is shared by
 // its rows (measured, Note [Decode int8 key columns]); per-row scales, and group scales
 constexpr int64_t kColRows = 3, kColRowsGroups = 2;
+// the largest group the columns take: a lane's int32 sum holds a group's products (512 x 32767 x 127 < 2^31)
+constexpr int64_t kColMaxGroup = 512;
 
 // q16 in the column kernel's word order: (q[4c], q[4c + 2], q[4c + 1], q[4c + 3]) for every 4 channels
 inline void q16_columns(const int16_t* q, int64_t D, int16_t* y) {
@@ -1202,7 +1204,8 @@ void decode_impl(const Args& a) {
 #if defined(CPU_CAPABILITY_AVX512)
     // the scores on key columns (Note [Decode int8 key columns]): q16 in their word order, qt [RR, Dp], and a
     // key block's columns, kt [D / 2]
-    const bool icols = i8dot && a.int_cols && D % 64 == 0 && R >= (a.kng > 1 ? kColRowsGroups : kColRows);
+    const bool icols = i8dot && a.int_cols && D % 64 == 0 && R >= (a.kng > 1 ? kColRowsGroups : kColRows) &&
+                       (a.kng == 1 || D / a.kng <= kColMaxGroup);
     std::vector<int16_t> qt(icols ? RR * Dp : 0);
     std::vector<__m512i> kt(icols ? D / 2 : 0);
 #endif
