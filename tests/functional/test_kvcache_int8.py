@@ -486,8 +486,9 @@ def test_key_column_scores_against_float64(gs, page, H, Hkv, L, D, S):
     scales; 2 to 16 rows a kv head, partial key blocks, pages of 7 across a block, D 64 to 192) against float64
     attention on what the cache holds, within the kernel's own budget (fp32 rounding of the scores and the sum,
     the int16 query's rounding, twice the integer P @ V's); and the same call on the lane kernels (set_int_cols
-    off) within that budget of it. Asserts the column kernel is on for these shapes (it takes G L >= 3 rows with
-    per-row scales, >= 2 with groups); skips, with a reason, where the build has none."""
+    off) within that budget of it. The columns take G L >= 3 rows with per-row scales and >= 2 with groups, so
+    gqa2_d128 per_row runs the lane kernels in both calls (a mutation of the columns fails every other case);
+    skips, with a reason, where the build has no columns (``int_cols()`` False)."""
     if not dk.int_cols():
         pytest.skip("the decode build is not AVX-512 (or set_int_cols is off): no key-column scores to check")
     gen = torch.Generator().manual_seed(H * D + S + gs + (page or 0))
@@ -533,9 +534,10 @@ def test_key_column_scores_hold_large_groups_exactly(D, gs):
     """csrc Note [Decode int8 key columns]: a lane's int32 sum holds a group's products, |q16| <= 32767 and
     |k8| <= 127 each; at the worst case (every q16 = 32767, every k8 = 127: a constant query, keys that are
     multiples of ones) 512 channels stay under 2^31 and 544 would not, so the columns take groups up to 512 and
-    larger ones run on the lane kernels. Both match float64 attention on the dequantised cache within the
-    kernel's budget (the keys' scores, 1.9 apart, and so the softmax, would be off by 2^32 times a key's scale
-    after an overflow: 0.55 on the outputs here, measured before the bound)."""
+    larger ones run on the lane kernels (on a build without the columns both run there). Both match float64
+    attention on the dequantised cache within the kernel's budget (the keys' scores, 1.9 apart, and so the
+    softmax, would be off by 2^32 times a key's scale after an overflow: 0.55 on the outputs here, measured
+    before the bound)."""
     S, H, Hkv = 40, 4, 2
     gen = torch.Generator().manual_seed(gs)
     k0 = torch.linspace(0.2, 2.0, S).view(1, S, 1, 1) * torch.ones(1, S, Hkv, D)
