@@ -504,11 +504,17 @@ def test_key_column_scores_against_float64(gs, page, H, Hkv, L, D, S):
                                                  num_splits=2)
     with torch.no_grad():
         cols = run()
+        pv = dk.int_pv()
         dk.set_int_cols(False)
         try:
             lanes = run()
+            dk.set_int_pv(False)  # both paths on the fp32 P @ V: they may differ only by the scores' fp32 order
+            lanes_f = run()
+            dk.set_int_cols(True)
+            cols_f = run()
         finally:
             dk.set_int_cols(True)
+            dk.set_int_pv(pv)
     kf, vf = kq.dequantize(torch.float64), vq.dequantize(torch.float64)
     vs = vq.scale
     if table is not None:  # the pool's rows back in sequence order
@@ -526,6 +532,11 @@ def test_key_column_scores_against_float64(gs, page, H, Hkv, L, D, S):
         err = float((out.double() - ref).abs().max())
         assert err <= tol, (name, err, tol)
     assert float((cols - lanes).abs().max()) <= tol
+    # the same integer sums on both: a score moves only by the fp32 order of its group terms (a few eps of
+    # sum |term|, bounded by |q| |k| D^-1/2), not by the int16 query's rounding, which both share
+    ds_order = 4 * eps * float(q.norm(dim=-1).max() * kh.norm(dim=-1).max()) * D ** -0.5
+    tight = 2 * (2 * ds_order + 4 * eps) * float(vh.abs().max())
+    assert float((cols_f - lanes_f).abs().max()) <= tight, (float((cols_f - lanes_f).abs().max()), tight)
 
 
 @needs_ext
