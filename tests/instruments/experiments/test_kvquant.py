@@ -27,6 +27,32 @@ def _q8_0(x):
     return (q.double() * d.half().double()).reshape(x.shape)
 
 
+def test_query_rounding_formats():
+    """Note [int8 query rounding]: q8_0-dot's query is ggml's q8_0 of it (written above); int8-g32-hadamard-q8's
+    is the rotated query q Hᵀ on an int8 grid per 32 channels (d = amax / 127 of the rotated block, within half a
+    step of it), rotated back; every other format's query is left as it is. On Gaussian keys each rounded query
+    adds error to its cache's (seeded, GQA 8/2, D 64, S 256)."""
+    from attnlab.functional import kvquant
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 4, 64, generator=gen) * 2
+    q[..., 7] *= 15
+    assert torch.equal(E.round_query("q8_0-dot", q), _q8_0(q))
+    assert E.round_query("int8-g32-hadamard", q) is q and E.round_query("int8", q) is q
+    h = kvquant.hadamard(64).double()
+    y, yq = q.double() @ h.T, E.round_query("int8-g32-hadamard-q8", q) @ h.T  # the rotated query and its rounding
+    yb, ybq = y.reshape(*y.shape[:-1], 2, 32), yq.reshape(*y.shape[:-1], 2, 32)
+    d = (yb.float().abs().amax(-1, keepdim=True) / 127).double()  # d in float32, as the definition
+    n = ybq / d
+    assert float((n - n.round()).abs().max()) < 1e-6 and float(n.abs().max()) <= 127 + 1e-6  # on the int8 grid
+    assert bool(((ybq - yb).abs() <= d / 2 * (1 + 1e-5)).all())  # to nearest
+    qs, k, v = E.synthetic(3, S=256, H=8, Hkv=2, D=64)
+    ref = E._attend64(qs, k, v, 1 / 8)
+    err = {f: E.decode_error(qs, k, v, f, 64, ref=ref) for f in ("q8_0", "q8_0-dot", "int8-g32-hadamard",
+                                                                  "int8-g32-hadamard-q8")}
+    assert err["q8_0-dot"] > err["q8_0"] and err["int8-g32-hadamard-q8"] > err["int8-g32-hadamard"], err
+
+
 def test_q8_0_is_ggml_s():
     x = torch.randn(3, 5, 2, 64, generator=torch.Generator().manual_seed(0)) * 4
     x[0, 0, 0] = 0
@@ -158,3 +184,11 @@ def test_model_metrics_through_the_real_caches(one_thread, monkeypatch):
     assert model.config._attn_implementation == "attnlab_kvquant_sim"  # put back
     for row, f in _CACHE_FORMATS.items():
         assert m[f]["kl"] > 0 and abs(m[row]["kl"] - m[f]["kl"]) <= 0.04 * m[f]["kl"], (row, m[row], m[f])
+
+
+def test_simulation_only_run():
+    """``--no-kernel`` (kernel=False) simulates every format and runs no kernel: it had divided by the kernel's
+    empty error lists."""
+    cfg = E.KvquantConfig(quick=True, seeds=(0,), S=256, H=8, Hkv=2, D=64, n0=32, tokens=0, kernel=False)
+    r = E.run(cfg)
+    assert r.kernel == {} and set(r.errors["gaussian keys"]) == set(E.FORMATS)
