@@ -173,6 +173,7 @@ def check_attention_inputs(
         scale_f = float(scale)
         if not math.isfinite(scale_f):
             raise AttentionInputError(f"scale must be finite, got {scale!r}")
+        check_scale_range(scale_f, q.dtype)
     if attn_mask is not None:
         m = _require_tensor("attn_mask", attn_mask)
         if m.dtype != torch.bool and not m.dtype.is_floating_point:
@@ -399,6 +400,25 @@ def mask4d(m: torch.Tensor, batch_shape: tuple[int, ...]) -> torch.Tensor:
     return m.expand(*batch_shape[:-1], *m.shape[-3:]).reshape(math.prod(batch_shape[:-1]), *m.shape[-3:])
 
 
+# Note [Scalars in float32]: the kernels take scale and softcap as float32 (flash-attn's and FlexAttention's
+# kernels do too), so a finite float64 value past float32's range became inf there, and a positive softcap below
+# float32's smallest subnormal became 0, which means "no capping": a float32 call with scale 1e39 came back as
+# zeros (auto) or NaN, and softcap 1e-46 ran uncapped, silently. Such values are refused instead, as alibi_slopes
+# past float32's range are (Note [ALiBi slopes in float32]); float64 inputs keep their float64 scale. (A softcap
+# past float32's largest stays: it is the identity, its limit: Note [Soft-cap at infinity], kernels/masks.py.)
+_F32 = torch.finfo(torch.float32)
+_F32_TINY = _F32.smallest_normal * 2.0 ** -23  # float32's smallest subnormal
+
+
+def check_scale_range(scale: float, dtype: torch.dtype, where: str = "") -> None:
+    """Raise naming ``scale`` where it is finite but past float32's range and the call computes in float32 (any
+    dtype but float64) (Note [Scalars in float32])."""
+    if dtype != torch.float64 and abs(scale) > _F32.max:
+        raise AttentionInputError(f"{where}scale must be at most {_F32.max:.6g} in magnitude (float32's largest "
+                                  f"value: {str(dtype).removeprefix('torch.')} inputs are computed in float32), "
+                                  f"got {scale!r}")
+
+
 def check_softcap(softcap) -> float | None:
     """``softcap``: None or 0.0 (off, as flash-attn's default ``softcap=0.0``) or a finite float > 0."""
     if softcap is None:
@@ -410,6 +430,10 @@ def check_softcap(softcap) -> float | None:
     if not (math.isfinite(softcap) and softcap > 0):
         raise AttentionInputError(f"softcap must be a finite float > 0 (0.0 or None turn soft-capping off), "
                                   f"got {softcap!r}")
+    if softcap < _F32_TINY:  # Note [Scalars in float32] (a cap past float32's largest is the identity: Note
+        # [Soft-cap at infinity] in kernels/masks.py)
+        raise AttentionInputError(f"softcap must be at least {_F32_TINY:.3g} (float32's smallest subnormal: the "
+                                  f"kernels cap in float32, where it would be 0, which means no capping), got {softcap!r}")
     return float(softcap)
 
 

@@ -347,3 +347,50 @@ def test_no_keys_gives_zeros_even_for_an_infinite_query(method):
         lambda *a: attnlab.attention(*a, method=method))
     out = run(q, k, v)
     assert out.shape == (1, 1, 3, 5) and (out == 0).all() and out.requires_grad
+
+
+@pytest.mark.parametrize("door", ["attention", "attention_with_kvcache", "flex_attention"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scalars_past_float32_are_refused(door, dtype):
+    """shapes' Note [Scalars in float32]: the kernels take scale and softcap as float32, where scale 1e39 had
+    been inf (a float32 call came back as zeros or NaN) and softcap 1e-46 had been 0 (no capping), silently; each
+    door refuses them naming the argument, and the largest float32 scale still runs (SDPA's result: a NaN where
+    the scores overflow, as torch's own). float64 inputs keep a float64 scale (float64 reference). (A softcap past
+    float32's largest is the identity: test_score_mods.py.)"""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 3, 16, generator=g, dtype=dtype)
+    kv = torch.randn(1, 2, 8, 16, generator=g, dtype=dtype)
+    calls = {"attention": lambda **kw: attnlab.attention(q, kv, kv, **kw),
+             "attention_with_kvcache": lambda **kw: attnlab.attention_with_kvcache(
+                 q.transpose(1, 2)[:, :1], kv.transpose(1, 2).contiguous(), kv.transpose(1, 2).contiguous(),
+                 cache_seqlens=5, **kw),
+             "flex_attention": lambda **kw: attnlab.flex_attention(q, kv, kv, **kw)}
+    call = calls[door]
+    for bad in (1e39, -1e39, 1e300):
+        with pytest.raises(attnlab.AttentionInputError, match=r"scale must be at most 3\.40282e\+38 in magnitude"):
+            call(scale=bad)
+    if door != "flex_attention":  # (flex takes soft-capping as a score_mod)
+        for bad in (1e-46, 5e-324):
+            with pytest.raises(attnlab.AttentionInputError, match=r"softcap must be at least 1\.4e-45.*no capping"):
+                call(softcap=bad)
+        assert torch.isfinite(call(softcap=1e-40).float()).all()  # a float32 subnormal is a cap
+    with torch.no_grad():
+        call(scale=3e38)  # representable: runs (whatever the overflow of its scores gives)
+    if door == "attention" and dtype == torch.float32:
+        qd, kd = q.double(), kv.double()
+        out = attnlab.attention(qd, kd, kd, scale=1e39)
+        ref = _ref(qd, kd, kd, scale=1e39)
+        assert torch.isfinite(out).all() and max_err(out, ref) <= 1e-12
+
+
+def test_kvcache_alibi_slopes_past_float32_are_refused():
+    """The decode kernel's ALiBi is float32 (shapes' Note [ALiBi slopes in float32]): float64 slopes past float32's
+    range had passed the finiteness check and come back as zeros; now one error, as attention() gives; the largest
+    float32 slope still runs (each query on its own key, against the float64 reference)."""
+    g = torch.Generator().manual_seed(0)
+    q, kc, vc = torch.randn(1, 1, 4, 16, generator=g), torch.randn(1, 8, 2, 16, generator=g), torch.randn(1, 8, 2, 16, generator=g)
+    with pytest.raises(attnlab.AttentionInputError, match=r"alibi_slopes must be at most 3\.40282e\+38"):
+        attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, alibi_slopes=torch.full((4,), 1e39, dtype=torch.float64))
+    with torch.no_grad():
+        out = attnlab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, alibi_slopes=torch.full((4,), 3e38))
+    assert max_err(out, vc[:, 4:5].repeat_interleave(2, 2)) <= 1e-6

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..functional import attention_with_lse
 from ..kernels.lse import acc_dtype, merge_into
+from ..shapes import check_scale_range
 from .layout import LAYOUTS, check_layout, chunk_sizes, shard_segments
 
 __all__ = ["ring_attention", "RingAttentionError", "DEFAULT_BLOCK_SIZE", "comm_stats"]
@@ -471,6 +472,8 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"ring_attention: scale must be a finite float or None, got {scale!r}")
+    if scale is not None:
+        check_scale_range(float(scale), query.dtype, "ring_attention: ")  # shapes' Note [Scalars in float32]
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("ring_attention needs an initialised torch.distributed process group: call "
                            "torch.distributed.init_process_group(...) or launch with torchrun "

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.cacheview import UNBOUNDED, CacheCall
 from ..kernels import DECODE
-from ..shapes import AttentionDtypeError, AttentionInputError, check_sinks, check_softcap, shape_str
+from ..shapes import AttentionDtypeError, AttentionInputError, check_scale_range, check_sinks, check_softcap, shape_str
 from . import kvquant
 from .kvquant import QuantizedKV
 
@@ -171,7 +171,7 @@ def _check_num_splits(num_splits) -> int | None:
     return num_splits
 
 
-def _check_scale(scale, D: int) -> float:
+def _check_scale(scale, D: int, dtype: torch.dtype) -> float:
     if scale is None:
         return 1.0 / math.sqrt(D) if D else 1.0
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -179,6 +179,7 @@ def _check_scale(scale, D: int) -> float:
                         f"({type(scale).__name__})")
     if not math.isfinite(scale):
         raise AttentionInputError(f"attention_with_kvcache: scale must be finite, got {scale}")
+    check_scale_range(float(scale), dtype, "attention_with_kvcache: ")  # (shapes' Note [Scalars in float32])
     return float(scale)
 
 
@@ -192,6 +193,11 @@ def _slopes(alibi_slopes, B: int, H: int):
         raise AttentionInputError(f"alibi_slopes {shape_str(a)} must be [H] = [{H}] or [B, H] = [{B}, {H}]")
     if not bool(torch.isfinite(a).all()):
         raise AttentionInputError("alibi_slopes must be finite")
+    fmax = torch.finfo(torch.float32).max  # the decode kernel's ALiBi is float32 (shapes' Note [ALiBi slopes in float32])
+    if not bool(torch.isfinite(a.to(torch.float32)).all()):
+        raise AttentionInputError(f"alibi_slopes must be at most {fmax:.6g} in magnitude (float32's largest value: "
+                                  f"ALiBi is computed in float32, as in flash-attn), got max |slope| "
+                                  f"{float(a.abs().max()):.6g}")
     return a.detach().to(device="cpu", dtype=torch.float32)
 
 
@@ -305,7 +311,7 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, wind
     slopes = _slopes(alibi_slopes, B, H)
     sinks = check_sinks(sinks, H, q.device, f"q {shape_str(q)} has H = {H}")
     rot = _rotary(rotary, rotary_cos, rotary_sin, rotary_interleaved, D)
-    scale = _check_scale(scale, D)
+    scale = _check_scale(scale, D, q.dtype)
     splits = _check_num_splits(num_splits)
     if block_table is not None:  # every page read or written, in the caller's dtype (Note [Checked, then appended])
         _check_pages(block_table, seqlens, T, P_, kc_t)

@@ -32,7 +32,7 @@ from .. import patterns as P
 from ..kernels import COMPILED, KERNELS, planner, transformed
 from ..kernels.spec import Request
 from ..files import format_bytes
-from ..shapes import AttentionInputError, prepare, shape_str
+from ..shapes import AttentionInputError, check_scale_range, prepare, shape_str
 from .flex_masks import GENERAL_BLOCK, FlexMask, read_block_mask
 from .flex_general import general
 from .flex_trace import ScoreModKind, classify_score_mod
@@ -116,6 +116,8 @@ def _check_inputs(query, key, value, scale, enable_gqa):
     if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
                                   and math.isfinite(scale)):
         raise AttentionInputError(f"flex_attention: scale must be a finite float or None, got {scale!r}")
+    if scale is not None:
+        check_scale_range(float(scale), query.dtype, "flex_attention: ")  # shapes' Note [Scalars in float32]
     return 1.0 / math.sqrt(E) if scale is None else float(scale)
 
 

@@ -34,6 +34,8 @@ from .storage import append_kv
 
 __all__ = ["attention_with_kvcache", "QuantizedKV", "Rotary", "INT8_ERROR_BUDGET"]
 
+_F32_MAX = torch.finfo(torch.float32).max  # a larger or non-finite scale takes the checks (shapes' Note [Scalars in float32])
+
 
 def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
@@ -90,7 +92,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache, v_cache,
             and type(k_cache) is torch.Tensor and type(q) is torch.Tensor and q.dim() == 4 and k_cache.dim() == 4
             and q.device.type == "cpu" and rotary is None and rotary_cos is None and window_size is None
             and not return_lse and num_splits is None and alibi_slopes is None and not softcap and sinks is None
-            and (scale is None or type(scale) in (int, float) and math.isfinite(scale))):
+            and (scale is None or type(scale) in (int, float) and abs(scale) <= _F32_MAX)):  # (finite in float32)
         # Note [Plain steps on the decode kernel]: a plain step takes the direct path of the kernel the one rule gives
         # it: the decode kernel for pages, per-sequence lengths or a tokens-first cache (SDPA reads none: Note [Cache
         # layouts]); on a heads-first cache the rule's pick. The checks and the append are one extension call.
