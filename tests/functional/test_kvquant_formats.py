@@ -207,3 +207,38 @@ def test_gathered_path_reads_a_rotated_cache():
     want = (s.softmax(-1) @ vf.repeat_interleave(G, 2).transpose(1, 2)).transpose(1, 2)
     tol = 8 * D * torch.finfo(torch.float32).eps * float(vf.abs().max())
     assert float((out.double() - want).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("flags", [{"rotate": True}, {"smooth": True}], ids=["rotated", "smoothed"])
+def test_a_transformed_value_cache_is_refused(flags):
+    """A rotation or channel scales transform the keys and the query to match; nothing undoes them on the values,
+    so a value cache that has one had decoded values still rotated or divided (error 4.2 and 2.2 against the
+    dequantised cache): refused naming v_cache, the caches unwritten (L 1 and 17, the kernel and the gathered path)."""
+    g = torch.Generator().manual_seed(0)
+    B, S, H, Hkv, D = 1, 32, 4, 2, 64
+    for L in (1, 17):
+        kc, vc = QuantizedKV.empty(B, S, Hkv, D), QuantizedKV.empty(B, S, Hkv, D, **flags)
+        q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((L, H), (L, Hkv), (L, Hkv)))
+        with pytest.raises(attnlab.AttentionInputError, match="v_cache has (a rotation|channel scales), which only a key cache"):
+            attnlab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=0)
+        assert not kc.data.any() and not vc.data.any() and not kc.scale.any()
+
+
+def test_a_refused_first_append_leaves_the_channel_scales_unfixed():
+    """Note [Checked, then appended]: a smoothed key cache fixes its channel scales at its first append; a first
+    call refused for a non-finite v had fixed them from its k all the same, so the next call ran on another cache's
+    scales. Now they stay 0 until a call succeeds, and that call equals the same call on a fresh cache."""
+    g = torch.Generator().manual_seed(1)
+    B, S, H, Hkv, D = 1, 32, 4, 2, 64
+    q, k, v = torch.randn(B, 1, H, D, generator=g), torch.randn(B, 8, Hkv, D, generator=g), torch.randn(B, 8, Hkv, D, generator=g)
+    kc, vc = QuantizedKV.empty(B, S, Hkv, D, smooth=True), QuantizedKV.empty(B, S, Hkv, D)
+    bad_v = v.clone()
+    bad_v[0, 3, 1, 5] = float("inf")
+    with pytest.raises(attnlab.AttentionInputError, match="finite keys and values only"):
+        attnlab.attention_with_kvcache(q, kc, vc, k * 50, bad_v, cache_seqlens=0)
+    assert not kc.channel.any() and not kc.data.any() and not vc.data.any()
+    kf, vf = QuantizedKV.empty(B, S, Hkv, D, smooth=True), QuantizedKV.empty(B, S, Hkv, D)
+    with torch.no_grad():
+        out = attnlab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=0)
+        fresh = attnlab.attention_with_kvcache(q, kf, vf, k, v, cache_seqlens=0)
+    assert torch.equal(kc.channel, kf.channel) and torch.equal(out, fresh)

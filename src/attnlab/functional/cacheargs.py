@@ -226,6 +226,12 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, wind
     if quant != isinstance(v_cache, QuantizedKV):
         raise AttentionDtypeError("k_cache and v_cache must both be int8 (QuantizedKV) or both floating, got "
                                   f"{type(k_cache).__name__} and {type(v_cache).__name__}")
+    if quant and (v_cache.rotation is not None or v_cache.channel is not None):
+        # (a rotated or smoothed value row would come back transformed: only the query is transformed, to match keys)
+        raise AttentionInputError(
+            f"v_cache has {'a rotation' if v_cache.rotation is not None else 'channel scales'}, which only a key cache "
+            f"takes (Note [int8 key rotation]: the query is transformed to match its keys, nothing undoes it on the "
+            f"values): make the value cache with QuantizedKV.empty(..., rotate=False, smooth=False)")
     kc_t = k_cache.data if quant else k_cache
     vc_t = v_cache.data if quant else v_cache
     for name, t in (("q", q), ("k_cache", kc_t), ("v_cache", vc_t), ("k", k), ("v", v)):
@@ -331,8 +337,10 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, wind
     Lnew_pos = None
     start = n0 if cache is None else None
     if k is not None and Lnew:
-        if quant:  # both encoded before either is written: a non-finite v leaves k's cache untouched too
-            k, v = kvquant.encode(k_cache, k), kvquant.encode(v_cache, v)
+        if quant:  # both encoded before either is written: v first, so that a non-finite v leaves k's cache
+            # untouched too (a smoothed key cache's first encode fixes its channel scales: kvquant.encode)
+            v = kvquant.encode(v_cache, v)
+            k = kvquant.encode(k_cache, k)
         if cache is not None or block_table is not None:
             start = None
             Lnew_pos = (torch.arange(n0, n0 + Lnew).expand(B, Lnew) if cache is None

@@ -103,8 +103,10 @@ def _int8_classes():
                             new.channel.copy_(old.channel)
                 self.k_cache, self.v_cache = nk, nv
             # both encoded before either is written (functional.kvcache's Note [Checked, then appended])
-            kd, ks = kvquant.encode(self.k_cache, key_states.transpose(1, 2))  # (B, L, Hkv, D), (B, L, Hkv[, ng])
+            # (values first: a non-finite value leaves a smoothed key cache's channel scales unfixed, as in
+            # functional.cacheargs.check)
             vd, vs = kvquant.encode(self.v_cache, value_states.transpose(1, 2))
+            kd, ks = kvquant.encode(self.k_cache, key_states.transpose(1, 2))  # (B, L, Hkv, D), (B, L, Hkv[, ng])
             self.k_cache.data[:, self.n:need], self.k_cache.scale[:, self.n:need] = kd, ks
             self.v_cache.data[:, self.n:need], self.v_cache.scale[:, self.n:need] = vd, vs
             self.n = need
