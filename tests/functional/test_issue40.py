@@ -109,6 +109,26 @@ def test_d2_the_classification_follows_what_the_score_mod_reads():
     cap = 5.0  # a closure cell rebound
     assert flex.classify_score_mod(capped).softcap == 5.0
     assert_close(attnlab.flex_attention(q, k, v, capped), torch_flex(q, k, v, capped), **F64, what="cap 5")
+    assert flex.classify_score_mod(capped) is flex.classify_score_mod(capped)  # kept while nothing it reads moves
+
+    import types
+
+    cfg = types.ModuleType("cfg")  # attributes of a module or class it reads (had been keyed by identity alone)
+
+    class Cfg:
+        factor = 1.0
+    cfg.cap = 50.0
+
+    def module_cap(s, b, h, i, j):
+        return cfg.cap * torch.tanh(s / cfg.cap)
+
+    def class_factor(s, b, h, i, j):
+        return Cfg.factor * s
+    assert flex.classify_score_mod(module_cap).softcap == 50.0 and flex.classify_score_mod(class_factor).factor == 1.0
+    cfg.cap, Cfg.factor = 2.0, 3.0
+    assert flex.classify_score_mod(module_cap).softcap == 2.0 and flex.classify_score_mod(class_factor).factor == 3.0
+    for sm in (module_cap, class_factor):
+        assert_close(attnlab.flex_attention(q, k, v, sm), torch_flex(q, k, v, sm), **F64, what=sm.__name__)
 
 
 def test_d2_first_classification_is_cheap():

@@ -157,11 +157,12 @@ def attention_with_lse(query, key, value, attn_mask=None, is_causal=False, scale
                 alibi_slopes=alibi_slopes, sinks=sinks).live()  # Note [Dead keys]
     lead = p.out_shape[:-1]
     acc = lse_merge.acc_dtype(p.q.dtype)
-    if p.empty:
-        out = torch.zeros(p.out_shape, dtype=p.q.dtype, device=p.q.device)
+    if p.empty:  # 0 joined to the inputs' graph, as attention's (zero gradients, not none); with sinks a row
+        # with no key has its sink's logit alone as lse, differentiable in the sinks
+        out = p.empty_result()[0].reshape(p.out_shape)
         lse = torch.full(p.q.shape[:-1], float("-inf"), dtype=acc, device=p.q.device)  # (B, H, L)
-        if p.mask.sinks is not None:  # a row with no key: its sink alone
-            lse = lse_merge.sink_scale(lse, p.mask.sinks.detach())[1]
+        if p.mask.sinks is not None:
+            lse = lse_merge.sink_scale(lse, p.mask.sinks)[1]
         return out, lse.reshape(lead)
     usable, refused = planner.choose_lse_kernel(p, block_size)
     for kernel, tiling in usable:

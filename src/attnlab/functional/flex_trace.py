@@ -213,7 +213,10 @@ def _classify(score_mod, name) -> ScoreModKind:
 # kind is kept per score_mod object (weakly: it goes with the function), with a snapshot of what the function
 # reads besides its arguments: its code, defaults, closure cells and the globals its code names (recursively
 # into the functions among them, a few levels), numbers and strings by value, tensors by identity and
-# ``_version`` (an in-place write bumps it: a captured scale changed in place is seen), containers item by item.
+# ``_version`` (an in-place write bumps it: a captured scale changed in place is seen), containers item by item,
+# a module or class by identity and the attributes of it that the code names (``cfg.cap``, ``Cfg.factor``: these
+# had been keyed by identity alone, so a cap changed on a config module kept the first call's kind; the
+# functions among those attributes by identity).
 # A call whose snapshot equals the kept one reuses the kind; any difference traces again. A callable whose
 # state cannot be snapshotted so (a bound method, an nn.Module, functools.partial, an object with
 # attributes) is traced again on every call: its answer is never stale. A learned table updated by an
@@ -232,23 +235,39 @@ def _global_names(code) -> list[str]:
     return names
 
 
-def _key(v, depth: int):
-    """A comparable stand-in for v (Note [Classified once per score_mod]), or None where there is none."""
+def _key(v, depth: int, names: frozenset = frozenset(), path: tuple = ()):
+    """A comparable stand-in for v (Note [Classified once per score_mod]), or None where there is none.
+    ``names``: the names the score_mod's code reads (a module's or class's attributes among them are part of its
+    key)."""
     if v is _EMPTY or isinstance(v, _SCALARS):
         return ("v", type(v), v)
     if isinstance(v, torch.Tensor):
         return ("t", v, v._version, v.requires_grad)
-    if isinstance(v, types.ModuleType) or isinstance(v, type) or isinstance(
-            v, (types.BuiltinFunctionType, types.BuiltinMethodType, torch._ops.OpOverloadPacket)):
+    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType, torch._ops.OpOverloadPacket)):
         return ("o", v)
+    if isinstance(v, types.ModuleType) or isinstance(v, type):
+        if any(v is u for u in path):  # a cycle (torch.torch is torch): the outer key holds its attributes
+            return ("o", v)
+        if depth > 3:
+            return None
+        attrs = []
+        for n in sorted(names):
+            a = v.__dict__.get(n, _EMPTY) if isinstance(v, types.ModuleType) else inspect.getattr_static(v, n, _EMPTY)
+            if a is _EMPTY:
+                continue
+            k = ("o", a) if isinstance(a, types.FunctionType) else _key(a, depth + 1, names, path + (v,))
+            if k is None:
+                return None
+            attrs.append((n, k))
+        return ("m", v, tuple(attrs))
     if isinstance(v, types.FunctionType):
         snap = _snapshot(v, depth + 1)
         return None if snap is None else ("f", snap)
     if type(v) in (tuple, list) and len(v) <= _MAX_ITEMS:
-        items = tuple(_key(x, depth + 1) for x in v)
+        items = tuple(_key(x, depth + 1, names) for x in v)
         return None if any(i is None for i in items) else ("s", type(v), items)
     if type(v) is dict and len(v) <= _MAX_ITEMS and all(isinstance(k, _SCALARS) for k in v):
-        items = tuple((k, _key(x, depth + 1)) for k, x in v.items())
+        items = tuple((k, _key(x, depth + 1, names)) for k, x in v.items())
         return None if any(i is None for _, i in items) else ("d", items)
     return None
 
@@ -264,10 +283,11 @@ def _snapshot(fn, depth: int = 0):
         except ValueError:  # an empty cell
             vals.append(_EMPTY)
     g = fn.__globals__
-    vals += [g.get(n, _EMPTY) for n in _global_names(fn.__code__)]
-    keys = [fn.__code__]
+    names = _global_names(fn.__code__)
+    vals += [g.get(n, _EMPTY) for n in names]
+    keys, read = [fn.__code__], frozenset(names)
     for v in vals:
-        k = _key(v, depth)
+        k = _key(v, depth, read)
         if k is None:
             return None
         keys.append(k)
