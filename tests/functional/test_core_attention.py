@@ -348,3 +348,23 @@ def test_sparse_training_function_matches_dense_gradients(dtype, monkeypatch):
         assert_close(out, ref, **tol, what=f"{kw} output")
         for a, b, name in zip(grads, torch.autograd.grad((ref * w).sum(), (q, k, v)), "qkv"):
             assert_close(a, b, **tol, what=f"{kw} d{name}")
+
+
+@pytest.mark.parametrize("masked", ["pattern", "mask"])
+def test_lse_of_a_fully_masked_call_stays_on_the_graph(masked):
+    """Every key masked: attention_with_lse's output had been a fresh zero tensor, off the graph (backward raised;
+    in a larger graph q, k, v got no gradient from it). Now as attention's: zeros joined to the inputs, zero
+    gradients; lse -inf, or with sinks each head's sink (float64 reference: logaddexp(-inf, s) = s), whose
+    gradient is the count of its rows."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g, requires_grad=True) for _ in range(3))
+    kw = dict(pattern=P.key_padding([0])) if masked == "pattern" else dict(attn_mask=torch.zeros(5, 5, dtype=torch.bool))
+    out, lse = attnlab.attention_with_lse(q, k, v, **kw)
+    assert out.requires_grad and not out.any() and bool((lse == float("-inf")).all())
+    out.sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in (q, k, v))
+    s = torch.tensor([0.5, -1.25], dtype=torch.float64, requires_grad=True)
+    out, lse = attnlab.attention_with_lse(q.detach().double(), k.detach().double(), v.detach().double(), sinks=s, **kw)
+    assert torch.equal(lse, s.detach().view(1, 2, 1).expand(1, 2, 5))
+    lse.sum().backward()
+    assert torch.equal(s.grad, torch.tensor([5.0, 5.0], dtype=torch.float64))
