@@ -354,3 +354,40 @@ def test_padded_batch_takes_the_dequantised_cache(group_size):
     kc = cache.layers[0].k_cache
     assert kc.data.dtype == torch.int8 and kc.rotation is not None and bool(kc.scale[1, 3:12].gt(0).all())
     assert kc.scale.dim() == (4 if group_size else 3)
+
+
+def test_int8_cache_takes_the_sinks():
+    """gpt-oss's attention sinks (``s_aux``) reach the int8 cache's kernel call (they had been dropped there: the
+    logits did not move with the sinks). A tiny random GptOss (no download), the full-attention layer's sinks set
+    to 3 (weighty) and to -1e4 (none): the int8 cache's distance from eager with the sinks stays within 4x its own
+    distance without them (the int8 rounding), while the sinks move eager's logits by far more."""
+    import copy
+    import warnings
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    name = hf_int8.register()
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, sliding_window=7, num_local_experts=4, num_experts_per_tok=2,
+                       layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
+    cfg._experts_implementation = "eager"
+    base = GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if p.dim() == 2 and "proj" in n:
+                p.normal_(0, 0.15)
+    ids = torch.randint(3, 97, (1, 24))
+
+    def logits(impl, sink, int8):
+        m = copy.deepcopy(base)
+        m.set_attn_implementation(impl)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m.model.layers[1].self_attn.sinks.fill_(sink)
+            kw = {"past_key_values": hf_int8.int8_cache(m.config)} if int8 else {}
+            return m(input_ids=ids, use_cache=True, **kw).logits
+
+    err = {s: float((logits(name, s, True) - logits("eager", s, False)).abs().max()) for s in (3.0, -1e4)}
+    moved = float((logits("eager", 3.0, False) - logits("eager", -1e4, False)).abs().max())
+    assert err[3.0] <= 4 * err[-1e4] and moved > 20 * err[-1e4], (err, moved)

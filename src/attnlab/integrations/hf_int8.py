@@ -255,13 +255,13 @@ def register(name: str = INT8_IMPLEMENTATION) -> str:
             return base(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         kc, vc, n = st
         if (attention_mask is not None or module.training or hf._weights_asked(kwargs)
-                or (torch.is_grad_enabled() and query.requires_grad)):
+                or kwargs.get("position_bias") is not None or (torch.is_grad_enabled() and query.requires_grad)):
             k, v = _dequantized(kc, vc, n, query.dtype)
             return base(module, query, k, v, attention_mask, scaling, dropout, **kwargs)
         D = query.shape[-1]
         out = attention_with_kvcache(query.transpose(1, 2), kc, vc, cache_seqlens=n, is_causal=True,
                                      scale=float(scaling) if scaling is not None else 1.0 / math.sqrt(D),
-                                     softcap=kwargs.get("softcap"))
+                                     softcap=kwargs.get("softcap"), sinks=hf._sinks(kwargs))
         return out, None  # (B, L, H, Dv)
 
     AttentionInterface.register(name, attnlab_int8_attention)
