@@ -213,6 +213,9 @@ def test_every_approximation_declares_a_band_and_no_exact_one_does():
     (["heads", "--sentence", "hi", "--layer", "6"], "argument --layer: must be an integer in [0, 5]"),
     (["tour", "--skip", "nope"], "--skip nope: nope is not a piece of the tour; choose from explain"),
     (["experiment", "scaling", "--quick", "--d-model", "7"], "attnlab experiment scaling: error: unrecognized arguments: --d-model 7"),
+    # 100000 had started that many OpenMP threads in each worker and stalled the machine
+    (["bench", "all", "--quick", "--threads", "100000"], "argument --threads: must be from 1 to "),
+    (["experiment", "kvquant", "--quick", "--threads", "0"], "argument --threads: must be from 1 to "),
 ])
 def test_errors_name_the_option_typed_and_its_limits(argv, says, capsys, tmp_path):
     rc = cli.main([*argv, "--out", str(tmp_path / "o")] if argv[0] in ("viz", "retrieve", "heads", "tour") else argv)

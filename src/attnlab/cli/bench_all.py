@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from attnlab.bench.mechanisms import AllConfig, AllResult, run as run_all
 from attnlab.harness import fmt
-from .options import nonneg_int, positive_float, positive_int, positive_int_list
+from .options import nonneg_int, positive_float, positive_int, positive_int_list, thread_count
 
 from .bench_common import run_suite
 from .common import console as new_console
@@ -38,7 +38,7 @@ def build_parser(p) -> None:
     p.add_argument("--isolation", choices=("config", "suite"), default=None,
                    help="config: a fresh process per configuration (default); suite: one worker process, peak "
                         "memory reset between configurations (quick's default)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads in the workers (default: all cores)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads in the workers (default: all cores)")
     p.add_argument("--no-lra", action="store_true", help="skip the LRA-style training-efficiency table")
     p.add_argument("--lra-lengths", type=_lengths, default=None,
                    help="lengths of the LRA-style table (default 1024,2048,3072,4096)")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.decode import DecodeBench, DecodeConfig, run as run_decode
-from .options import names, positive_int, positive_int_list
+from .options import names, positive_int, positive_int_list, thread_count
 
 from .bench_common import config_of, run_suite
 from .common import add_force
@@ -26,7 +26,7 @@ def build_parser(p) -> None:
     p.add_argument("--rounds", type=positive_int, default=None, help="interleaved timed rounds (median; default 9)")
     p.add_argument("--bandwidth-mib", type=positive_int, default=None,
                    help="buffer of the read-bandwidth probe, MiB (default 1024; quick 64)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads (default: torch's current setting)")
 
 
 def config_from_args(args) -> DecodeConfig:

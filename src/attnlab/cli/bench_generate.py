@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.generate import GenerateBench, GenerateConfig, run as run_generate
-from .options import positive_int, positive_int_list
+from .options import positive_int, positive_int_list, thread_count
 
 from .bench_common import run_suite
 from .common import add_force
@@ -23,7 +23,7 @@ def build_parser(p) -> None:
     p.add_argument("--layers", type=positive_int, default=None, help="Transformer layers (default 4; quick 2)")
     p.add_argument("--heads", type=positive_int, default=None, help="attention heads (default 8; quick 4)")
     p.add_argument("--mechanism", default="auto", help="attention mechanism of the model (default auto)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads (default: torch's current setting)")
     p.add_argument("--hf", action="store_true",
                    help="a Hugging Face Llama-shaped model: generate on attn_implementation='attnlab' vs transformers' "
                         "'sdpa' (needs transformers; contexts are prompt lengths, default 2048,16384; 2 layers, "

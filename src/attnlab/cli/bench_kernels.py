@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.kernels import KernelsConfig, KernelsResult, run as run_kernels
-from .options import nonneg_int, positive_int, positive_int_list
+from .options import nonneg_int, positive_int, positive_int_list, thread_count
 
 from .bench_common import run_suite
 from .common import add_force
@@ -43,7 +43,7 @@ def build_parser(p):
     p.add_argument("--rounds", type=positive_int, help=f"interleaved rounds per case (default {d.rounds})")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--no-contention", action="store_true", help="skip the busy-CPU repeat")
-    p.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=thread_count, help="torch threads (default: torch's)")
 
 
 def config_from_args(args) -> KernelsConfig:

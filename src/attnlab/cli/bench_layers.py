@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from attnlab.bench.all_report import format_seconds
 from attnlab.bench.layers import LAYERS, LayersConfig, LayersResult, run as run_layers
-from .options import nonneg_int, positive_float, positive_int
+from .options import nonneg_int, positive_float, positive_int, thread_count
 
 from .bench_common import run_suite
 from .common import add_force
@@ -39,7 +39,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=nonneg_int, help="attention window w (keys on each side; r = 2w+1)")
     p.add_argument("--kernel", type=positive_int, help="convolution kernel size k (odd)")
     p.add_argument("--min-time", type=positive_float, help="seconds of repetitions per measurement")
-    p.add_argument("--threads", type=positive_int, help="torch intra-op threads for the run (default: torch's)")
+    p.add_argument("--threads", type=thread_count, help="torch intra-op threads for the run (default: torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurements")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 

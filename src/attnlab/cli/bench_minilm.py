@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.minilm import MiniLMBench, MiniLMConfig, run as run_minilm
-from .options import positive_int
+from .options import positive_int, thread_count
 
 from .bench_common import run_suite
 from .common import add_force
@@ -21,7 +21,7 @@ def build_parser(p) -> None:
     p.add_argument("--repeats", type=positive_int, default=None,
                    help="timed repeats per implementation (default 5; quick 2)")
     p.add_argument("--mechanisms", default="auto,tiled", help="attnlab mechanisms to time (default auto,tiled)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's current setting)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads (default: torch's current setting)")
 
 
 def config_from_args(args) -> MiniLMConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from attnlab.bench.planner import KINDS, METHODS, TOLERANCE, PlannerConfig, PlannerResult
 from attnlab.bench.planner import run as run_planner
 
-from .options import names, positive_float, positive_int
+from .options import names, positive_float, positive_int, thread_count
 
 from .bench_common import config_of, run_suite
 from .common import add_force
@@ -28,7 +28,7 @@ def build_parser(p) -> None:
                    help=f"a sample repeats a short call to last this long (default {d.min_sample_s})")
     p.add_argument("--budget-s", type=positive_float, default=d.budget_s,
                    help=f"seconds one configuration's rounds may take (default {d.budget_s:g})")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads (default: torch's)")
 
 
 def config_from_args(args) -> PlannerConfig:

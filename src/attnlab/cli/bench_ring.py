@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.bench.ring import TARGET_N, TARGET_PROCS, RingBenchResult, RingConfig, run as run_ring
-from .options import positive_float, positive_int
+from .options import positive_float, positive_int, thread_count
 
 from .bench_common import run_suite
 from .common import add_force
@@ -23,7 +23,7 @@ def build_parser(p) -> None:
     p.add_argument("--no-causal", action="store_true", help="full attention instead of causal")
     p.add_argument("--backward", action="store_true", help="measure forward + backward (training step)")
     p.add_argument("--block-size", type=positive_int, default=None, help="ring piece size (default: ring_attention's)")
-    p.add_argument("--threads", type=positive_int, default=None, help="total threads per configuration (default: cores)")
+    p.add_argument("--threads", type=thread_count, default=None, help="total threads per configuration (default: cores)")
     p.add_argument("--timeout", type=positive_float, default=None, help="seconds per configuration (default 1800; quick 180)")
     p.add_argument("--out", default=RingConfig.out, help=f"output folder (default {RingConfig.out})")
     add_force(p)

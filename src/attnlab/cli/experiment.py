@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .options import output_dir, positive_float, positive_int, positive_int_list
+from .options import output_dir, positive_float, positive_int, positive_int_list, thread_count
 
 from .common import add_force
 from .common import console as new_console
@@ -53,7 +53,7 @@ def _common(p: argparse.ArgumentParser, *, seeds: str = "0,1,2") -> None:
     p.add_argument("--seeds", default=seeds, help=f"comma-separated seeds (default {seeds})")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps per run (overrides the default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=positive_int, default=1,
+    p.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads while this runs (default 1: tiny models train fastest single-threaded, "
                         "and a shared machine stays usable)")
 
@@ -118,7 +118,7 @@ def _approximation_args(p) -> None:
     p.add_argument("--minilm-tokens", type=positive_int, default=None, help="tokens of MiniLM text (default 256; quick 48)")
     p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K/V")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    p.add_argument("--threads", type=positive_int, default=1,
+    p.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads for every timing (default 1: the same resources for SDPA and each "
                         "mechanism, and a shared machine stays usable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

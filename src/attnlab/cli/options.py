@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from ..resources import RUN_MARKERS, OptionError, check_memory, memory_budget, output_dir, output_file
 
@@ -29,6 +30,20 @@ def positive_int(text: str) -> int:
     v = _int(text, "a positive integer")
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
+#: the most torch threads a --threads takes: 4x this machine's CPUs (oversubscribed runs stay possible; 100000
+#: had started 100000 OpenMP threads in each worker and stalled the machine)
+MAX_THREADS = 4 * (os.cpu_count() or 1)
+
+
+def thread_count(text: str) -> int:
+    """argparse type for --threads: an integer from 1 to MAX_THREADS."""
+    v = _int(text, "a positive integer")
+    if not 1 <= v <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_THREADS} (4x this machine's {os.cpu_count()} "
+                                         f"CPUs), got {text!r}")
     return v
 
 
