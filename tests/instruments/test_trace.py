@@ -189,6 +189,11 @@ def test_renderers_escape_labels_and_cut_large_matrices():
     assert "<b>x</b>" not in h and "&lt;b&gt;x&lt;/b&gt;" in h
     md = tr.to_markdown(t, max_show=5)
     assert "a\\|b" in md and "…" in md  # 20 columns cut to 5
+    assert "<b>" not in md  # the tokens line too (it had been raw)
+    c = tr.check_table("# <b>x</b>\n[[0.3, 0.7],[0.6, 0.4]]", tr.trace_qkv(np.eye(2), np.eye(2), np.eye(2),
+                                                                        labels=["<b>x</b>", "y"]))
+    cm = tr.check_markdown(c)
+    assert "<b>" not in cm and "&lt;b&gt;x&lt;/b&gt;" in cm
     from rich.console import Console
 
     buf = io.StringIO()

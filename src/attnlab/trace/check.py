@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .render import _md
+
 __all__ = ["TableCheck", "parse_printed_table", "check_table", "decimals_of", "check_markdown", "check_html", "check_rich"]
 
 # float64 rounding of the exact value may sit a hair past the half-unit boundary; this much is forgiven
@@ -159,15 +161,16 @@ def _cell_text(c: TableCheck, i: int, j: int) -> tuple[str, bool]:
 
 def check_markdown(c: TableCheck) -> str:
     """Markdown: the printed table with each wrong cell struck through and followed by its correct value."""
-    lines = [f"## Check of the printed '{c.step}' table", "", c.summary(), "",
-             "| | " + " | ".join(c.cols) + " | printed row sum |", "|---" * (len(c.cols) + 2) + "|"]
+    # labels and the table's name are user text: escaped, as to_markdown's
+    lines = [f"## Check of the printed '{_md(c.step)}' table", "", _md(c.summary()), "",
+             "| | " + " | ".join(_md(x) for x in c.cols) + " | printed row sum |", "|---" * (len(c.cols) + 2) + "|"]
     for i, r in enumerate(c.rows):
         cells = []
         for j in range(len(c.cols)):
             d = int(c.decimals[i, j])
             cells.append(f"~~{c.printed[i, j]:.{d}f}~~ **{c.correct_as_printed(i, j)}**" if c.wrong[i, j]
                          else f"{c.printed[i, j]:.{d}f}")
-        lines.append(f"| {r} | " + " | ".join(cells) + f" | {c.printed[i].sum():.4g} |")
+        lines.append(f"| {_md(r)} | " + " | ".join(cells) + f" | {c.printed[i].sum():.4g} |")
     lines += ["", "Struck-through cells are wrong; the bold number is the exact value at the printed precision."]
     return "\n".join(lines) + "\n"
 

@@ -123,7 +123,7 @@ def to_markdown(trace: Trace, *, max_show: int = 8, digits: int = 3) -> str:
     """The trace as Markdown: header, one table per step and head (at most ``max_show`` rows and columns,
     ``digits`` decimals), the comparison with standard attention, notes. User text is escaped."""
     lines = [f"# attnlab trace ({trace.source})", ""]
-    lines += [f"- {x}" for x in _header_lines(trace)] + [""]
+    lines += [f"- {_md(x)}" for x in _header_lines(trace)] + [""]  # (the tokens are user text)
     if trace.source == "summary":
         lines += ["| step | formula | shape | FLOPs | bytes | mean | var | min | max | extra |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
