@@ -100,12 +100,14 @@ def check_budget(shape, S=None, only=None, text=None) -> None:
     """Refuse, before anything is allocated, shapes whose [B, H, L, S] score matrices do not fit the
     memory budget (``attnlab.resources.memory_budget``): the oracle is dense and float64."""
 
-    B, H, L, _ = shape
+    B, H, L, E = shape
     S = L if S is None else S
     S_max = 2 * S + 3 if only is None or "L!=S" in only else S  # the L != S case doubles the keys
     where = f"--shape {text or ','.join(map(str, shape))}" + (f" --kv-len {S}" if S != L else "")
-    check_memory(where, _SCORE_COPIES * 8 * B * H * L * S_max,
-                 f"the float64 reference's [B, H, L, S] scores, S up to {S_max}")
+    # the scores, and the q, k, v (and out) in float64 with their copies in the case's dtype: E had been left
+    # out, so a head dim of 10^8 passed the budget and allocated gigabytes
+    check_memory(where, _SCORE_COPIES * 8 * B * H * L * S_max + 2 * 8 * B * H * (2 * L + 2 * S_max) * E,
+                 f"the float64 reference's [B, H, L, S] scores (S up to {S_max}) and its q, k, v, out [.., E]")
 
 
 def make_cases(shape, S=None, dtype=torch.float32, seed=0, only=None) -> list[Case]:

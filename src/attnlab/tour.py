@@ -74,6 +74,9 @@ class TourConfig:
                 raise ValueError(f"{name} must be positive integers, got {vals}")
         if self.window < 1 or self.heads < 1 or self.head_dim < 1 or self.repeats < 1:
             raise ValueError("window, heads, head_dim and repeats must be >= 1")
+        if not isinstance(self.sentence, str) or not self.sentence.strip():  # (checked before the tour runs: an
+            # empty one had failed its piece only after the timings)
+            raise ValueError(f"--sentence must be a non-empty sentence, got {self.sentence!r}")
 
 
 @dataclass

@@ -103,15 +103,24 @@ def test_a_broken_install_is_one_line_and_exit_1(tmp_path):
 
 
 def test_sigint_is_handed_back_before_the_command_runs(monkeypatch, capsys):
-    """The commands' own Ctrl-C handling (checkpoints, ``interrupted_message``) needs Python's handler back."""
+    """The commands' own Ctrl-C handling (checkpoints, ``interrupted_message``) needs a handler that raises
+    KeyboardInterrupt: Python's, wrapped by cli.main so that the first Ctrl-C raises and later ones are ignored
+    (a second one had interrupted the exit with a traceback); Python's own is back after the command."""
     import attnlab.cli.list_cmd as L
 
     seen = []
     monkeypatch.setattr(L, "run", lambda args: seen.append(signal.getsignal(signal.SIGINT)) or {"exit_code": 0})
     monkeypatch.setattr(sys, "argv", ["attnlab", "list"])
     before = signal.getsignal(signal.SIGINT)
+    assert before is signal.default_int_handler
     assert attnlab_launch.main() == 0
-    assert seen == [before] and signal.getsignal(signal.SIGINT) is before
+    assert len(seen) == 1 and callable(seen[0]) and signal.getsignal(signal.SIGINT) is before
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            seen[0](signal.SIGINT, None)  # the first Ctrl-C raises ...
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # ... and the next ones are ignored
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_the_console_script_is_the_launcher_and_is_installed():

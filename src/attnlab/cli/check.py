@@ -10,7 +10,7 @@ import argparse
 
 from attnlab.conformance import (CASES, DTYPES, TOL_FACTOR, TOL_FLOOR, check, check_budget, make_cases,
                                  run_conformance, sized_instance)
-from .options import positive_int
+from .options import positive_int, seed
 
 from .common import UsageError, progress_display
 from .common import console as new_console
@@ -26,7 +26,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mechanism", "-m", action="append", metavar="NAME",
                    help="check only these mechanisms (repeat); default: every registered one")
     p.add_argument("--case", action="append", choices=list(CASES), help="only these cases (repeat)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (a bar on a terminal, a line per mechanism and case when piped)")

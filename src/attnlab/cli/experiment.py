@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .options import output_dir, positive_float, positive_int, positive_int_list, thread_count
+from .options import output_dir, positive_float, positive_int, positive_int_list, seed, thread_count
 
 from .common import add_force
 from .common import console as new_console
@@ -117,7 +117,7 @@ def _approximation_args(p) -> None:
                    help="length of the linear-vs-SDPA headline (default 16384; quick 1024)")
     p.add_argument("--minilm-tokens", type=positive_int, default=None, help="tokens of MiniLM text (default 256; quick 48)")
     p.add_argument("--no-minilm", action="store_true", help="skip MiniLM's real Q/K/V")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs")
     p.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads for every timing (default 1: the same resources for SDPA and each "
                         "mechanism, and a shared machine stays usable)")

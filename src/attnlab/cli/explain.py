@@ -69,6 +69,8 @@ def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pat
     L = shape[-2]
     S = kv_len if kv_len is not None else L
     kshape = list(shape[:-2]) + [S, shape[-1]]
+    if math.prod(kshape) >= 2**62:  # as --shape's own check: torch's element count is an int64
+        raise UsageError(f"--kv-len {S}: the key shape {kshape} holds 2^62 or more elements")
     if kv_heads is not None:
         if len(shape) < 3:
             raise UsageError("--kv-heads needs a shape with a head dim (B,H,L,E)")
@@ -85,6 +87,9 @@ def explain_shape(shape, *, kv_len=None, kv_heads=None, dtype=torch.float32, pat
     if alibi:
         if len(shape) < 3:
             raise UsageError("--alibi needs a shape with a head dim (B,H,L,E)")
+        # the slopes are real: H floats (about 60 bytes each while built), checked before (a head count of 2^31
+        # had taken 5 GB and 14 s before failing)
+        check_memory(f"--shape {','.join(map(str, shape))} with --alibi", 64 * shape[-3], "the ALiBi slopes of H heads")
         kw["alibi_slopes"] = alibi_slopes(shape[-3]).to(q.device)
     plan = attnlab.explain(q, k, k, pattern=pat, device="cpu", **kw)  # what a CPU run of these shapes does
     return {"shape": list(shape), "S": S, "pattern": pattern, "options": {k: True if isinstance(v, torch.Tensor) else v for k, v in kw.items()

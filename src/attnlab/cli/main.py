@@ -145,6 +145,38 @@ def _out_error_line(prog: str, e: BaseException, args) -> tuple[str, int] | None
             f"({e.strerror or 'No such file or directory'}); choose a folder you can write to"), 1
 
 
+def _ignore_more_interrupts() -> None:
+    """After the first Ctrl-C the process is on its way out: a second one (a double press, or ``timeout -s INT``,
+    which signals the command and then its process group) had interrupted the message or the exit handlers and
+    printed a traceback. From here SIGINT is ignored."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
+
+
+def _interrupt_once():
+    """Ctrl-C raises KeyboardInterrupt once and ignores SIGINT from then on (_ignore_more_interrupts), in the
+    signal handler itself: a second SIGINT 5 ms after the first had landed while the first unwound, before the
+    handler in ``invoke`` could ignore it. Returns the handler it replaced (None where it replaced none)."""
+    import signal
+
+    def first(signum, frame):
+        _ignore_more_interrupts()
+        raise KeyboardInterrupt
+
+    try:
+        prev = signal.getsignal(signal.SIGINT)
+        if prev is signal.default_int_handler:  # (not where SIGINT is ignored already)
+            signal.signal(signal.SIGINT, first)
+            return prev
+    except ValueError:  # not the main thread
+        pass
+    return None
+
+
 def _exit_interrupted() -> None:
     """Exit 130 now. Note [Exit 130 after Ctrl-C]: when the interrupt lands inside an import that C code
     runs (torch imports _dynamo, seconds, on first use of torch.optim), CPython can remember it as
@@ -169,6 +201,24 @@ def invoke(argv: list[str] | None = None) -> Outcome:
     ``python -m attnlab.cli.main`` call it) reads ``sys.argv``; only then does Ctrl-C end the process."""
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    prev_handler = _interrupt_once() if from_command_line else None
+    try:
+        return _invoke(argv, from_command_line)
+    finally:
+        if prev_handler is not None:
+            _restore_handler(prev_handler)
+
+
+def _restore_handler(handler) -> None:
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+def _invoke(argv: list[str], from_command_line: bool) -> Outcome:
     args = None
     try:
         parser = build_parser(lazy=True)
@@ -187,6 +237,8 @@ def invoke(argv: list[str] | None = None) -> Outcome:
         finally:
             set_width(previous_width)
     except KeyboardInterrupt:
+        if from_command_line:
+            _ignore_more_interrupts()
         print(interrupted_message(args, argv), file=sys.stderr)
         if from_command_line:
             _exit_interrupted()
@@ -202,6 +254,8 @@ def invoke(argv: list[str] | None = None) -> Outcome:
     if code is None and isinstance(result, dict):
         code = result.get("exit_code")
     if code == 130:  # the command caught Ctrl-C itself, after writing what it had
+        if from_command_line:
+            _ignore_more_interrupts()
         print(interrupted_message(args, argv), file=sys.stderr)
         if from_command_line:
             _exit_interrupted()

@@ -47,6 +47,15 @@ def thread_count(text: str) -> int:
     return v
 
 
+def seed(text: str) -> int:
+    """argparse type for --seed: an integer from 0 to 2^63 - 1 (what torch's and NumPy's generators take; a
+    larger one had failed deep in torch with "Overflow when unpacking long long")."""
+    v = _int(text, "an integer >= 0")
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2^63 - 1, got {text!r}")
+    return v
+
+
 def nonneg_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     v = _int(text, "an integer >= 0")

@@ -8,7 +8,7 @@ import math
 from .. import retrieval as R
 from ..retrieval import DEFAULT_QUERY
 from .common import UsageError, add_force, console, progress_display
-from .options import int_in, nonneg_int, output_dir, positive_float, positive_int
+from .options import int_in, nonneg_int, output_dir, positive_float, positive_int, seed
 
 __all__ = ["build_parser", "run", "render"]
 
@@ -24,7 +24,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subjects", type=int_in(1, len(R.NAMES), f"the corpus generator knows {len(R.NAMES)} names"),
                    default=len(R.NAMES),
                    help=f"people in the generated corpus, 1..{len(R.NAMES)} (its list of names); 6 sentences each")
-    p.add_argument("--seed", type=int, default=0, help="corpus and train/held-out split seed")
+    p.add_argument("--seed", type=seed, default=0, help="corpus and train/held-out split seed")
     p.add_argument("--no-learn", action="store_true", help="skip fitting the W_Q, W_K projection")
     p.add_argument("--target", default=R.DEFAULT_TARGET, choices=list(R.RELATIONS),
                    help="which sentence answers 'Tell me about X.' in the labelled pairs")

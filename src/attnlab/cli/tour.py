@@ -62,6 +62,10 @@ def run(args: argparse.Namespace):
         if line is not None:
             line.close()
     _render(res)
+    failed = [p.name for p in res.pieces if p.status == "failed"]
+    if failed:  # the table above says why; stderr gets the one line of a failed command
+        print(f"attnlab tour: {len(failed)} of {len(res.pieces)} pieces failed ({', '.join(failed)}); "
+              f"see {res.index}", file=sys.stderr)
     summary = res.to_dict()
     return summary
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .common import UsageError, add_force, show_or_write
-from .options import MINILM_HEADS, MINILM_LAYERS, int_in, nonneg_int, output_file, positive_int
+from .options import MINILM_HEADS, MINILM_LAYERS, int_in, nonneg_int, output_file, positive_int, seed
 
 if TYPE_CHECKING:
     from ..trace import TraceConfig
@@ -38,7 +38,7 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, default=512, dest="seq_len", help="--summary: sequence length")
     p.add_argument("--batch", type=positive_int, default=1, help="--summary: batch size")
     p.add_argument("--dtype", default="float32", help="--summary: dtype whose bytes are counted")
-    p.add_argument("--seed", type=int, default=0, help="seed of the example's / summary's random numbers")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the example's / summary's random numbers")
     fm = p.add_argument_group("failure modes from the tutorial")
     fm.add_argument("--scale", choices=("none", "sqrt", "dk"), default="sqrt",
                     help="divide scores by 1, √d_k (standard) or d_k")

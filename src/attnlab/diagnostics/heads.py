@@ -289,12 +289,13 @@ def run_heads(config: HeadsConfig) -> HeadsResult:
         raise ValueError(f"{name} is not a causal decoder; the head measures of an encoder read MiniLM's [CLS] "
                          "and [SEP]: use the default model")
     result = HeadsResult(**res, sentences=sentences, layers=layers, files=[], model_name=name, kind=kind)
-    result.files.append(str(atomic_write_json(out / "heads.json", result.to_dict())))
+    pngs = []  # heads.png first: heads.json, the run's marker, last (an interrupted run leaves no marker)
     if config.plot:
         from ..viz.heatmaps import plot_head_stats  # defers matplotlib (viz) until a plot is asked for
 
         kw = {} if kind == "encoder" else {"measures": DECODER_MEASURES, "title": f"what {name}'s heads do: labels, "
                                            "and the mean attention of a token to prev/same/the first token/induction"}
-        result.files.append(str(plot_head_stats(res["stats"], out / "heads.png", num_layers=nl,
-                                                num_heads=res["num_heads"], **kw)))
+        pngs.append(str(plot_head_stats(res["stats"], out / "heads.png", num_layers=nl,
+                                        num_heads=res["num_heads"], **kw)))
+    result.files += [str(atomic_write_json(out / "heads.json", result.to_dict())), *pngs]
     return result

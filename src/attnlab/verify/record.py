@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -141,8 +142,10 @@ class VerifyConfig:
         bad = [s for s in self.stages if s not in STAGES]
         if bad:
             raise ValueError(f"--stages: {', '.join(bad)} not among {', '.join(STAGES)}")
-        if self.fuzz_minutes < 0:
-            raise ValueError(f"--fuzz-minutes must be >= 0, got {self.fuzz_minutes}")
+        if not self.stages:  # (an empty list had run nothing and written an incomplete record)
+            raise ValueError(f"--stages names no stage; choose from {', '.join(STAGES)}")
+        if not (self.fuzz_minutes >= 0 and math.isfinite(self.fuzz_minutes)):  # (NaN passed "< 0")
+            raise ValueError(f"--fuzz-minutes must be a finite number >= 0, got {self.fuzz_minutes}")
         key = cpu_class()["key"]
         out = Path(self.out)
         if self.force is False and (out / f"{key}.json").exists() and not (

@@ -122,10 +122,13 @@ def run_viz(config: VizConfig) -> VizResult:
     else:
         data = hf_attention_data(c.text, c.loaded if c.loaded is not None else load_model(c.model),
                                  dense_max_tokens=c.dense_max, max_length=c.max_length, topk=c.topk)
-    path = write_page(out, data)
-    files = [str(path)]
+    # heads.png before index.html, the run's marker: a run interrupted between them had left index.html alone, which
+    # the rerun the message suggests then refused as an earlier run
+    pngs = []
     if c.png and data["mode"] == "dense":
-        files.append(str(plot_heads(dense_weights(data), out / "heads.png", tokens=data["tokens"],
-                                    title="layer 0 attention per head")))
+        pngs.append(str(plot_heads(dense_weights(data), out / "heads.png", tokens=data["tokens"],
+                                   title="layer 0 attention per head")))
+    path = write_page(out, data)
+    files = [str(path), *pngs]
     return VizResult(page=path, files=files, mode=data["mode"], T=data["T"], tokens=data["tokens"],
                      size_bytes=path.stat().st_size)
