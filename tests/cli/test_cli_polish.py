@@ -216,6 +216,15 @@ def test_every_approximation_declares_a_band_and_no_exact_one_does():
     # 100000 had started that many OpenMP threads in each worker and stalled the machine
     (["bench", "all", "--quick", "--threads", "100000"], "argument --threads: must be from 1 to "),
     (["experiment", "kvquant", "--quick", "--threads", "0"], "argument --threads: must be from 1 to "),
+    # each refused before it ran (they had run the whole tour, written an incomplete record, failed deep in torch,
+    # or allocated gigabytes)
+    (["tour", "--sentence", " "], "--sentence must be a non-empty sentence"),
+    (["verify", "--stages", ""], "--stages names no stage"),
+    (["verify", "--stages", "fuzz", "--fuzz-minutes", "nan"], "--fuzz-minutes must be a finite number >= 0"),
+    (["check", "--seed", "99999999999999999999999"], "argument --seed: must be an integer from 0 to 2^63 - 1"),
+    (["explain", "--shape", "1,1,10,64", "--kv-len", "99999999999999999999999"], "--kv-len 99999999999999999999999: the key shape"),
+    (["explain", "--alibi", "--shape", "1,2147483648,1,1"], "(the ALiBi slopes of H heads), over the memory budget"),
+    (["check", "--shape", "1,1,4,100000000", "-m", "dense", "--case", "random"], "its q, k, v, out [.., E]), over the memory budget"),
 ])
 def test_errors_name_the_option_typed_and_its_limits(argv, says, capsys, tmp_path):
     rc = cli.main([*argv, "--out", str(tmp_path / "o")] if argv[0] in ("viz", "retrieve", "heads", "tour") else argv)

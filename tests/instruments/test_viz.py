@@ -137,3 +137,23 @@ def test_minilm_page_weights_match_model():
     for li in (0, 5):
         assert_close(_dense(data, li), att[li][0], Q8 + 1e-6, what=f"layer {li}")
     assert math.isfinite(data["head_stats"][3][7]["entropy"])
+
+
+def test_an_interrupted_png_run_leaves_no_marker(tmp_path, monkeypatch, capsys):
+    """index.html is the run's marker, written last: a Ctrl-C while heads.png was drawn had left index.html alone,
+    and the rerun the message suggests was refused as an earlier run. Now nothing marks the folder, and the same
+    command runs again."""
+    import attnlab.viz.build as B
+
+    out = tmp_path / "v"
+    real = B.plot_heads
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "plot_heads", interrupted)
+    assert main(["viz", "the cat sat", "--model", "random", "--out", str(out), "--png"]) == 130
+    assert not (out / "index.html").exists()
+    monkeypatch.setattr(B, "plot_heads", real)
+    assert main(["viz", "the cat sat", "--model", "random", "--out", str(out), "--png"]) == 0
+    assert (out / "index.html").exists() and (out / "heads.png").read_bytes()[:8] == PNG
