@@ -419,6 +419,14 @@ def check_scale_range(scale: float, dtype: torch.dtype, where: str = "") -> None
                                   f"got {scale!r}")
 
 
+def check_slopes_fit_float32(a: torch.Tensor) -> None:
+    """Raise naming ``alibi_slopes`` where a finite slope is past float32's range (Note [ALiBi slopes in float32])."""
+    if a.dtype == torch.float64 and not bool(torch.isfinite(a.to(torch.float32)).all()):
+        raise AttentionInputError(f"alibi_slopes must be at most {_F32.max:.6g} in magnitude (float32's largest "
+                                  f"value: ALiBi is computed in float32, as in flash-attn), got max |slope| "
+                                  f"{float(a.abs().max()):.6g}")
+
+
 def check_softcap(softcap) -> float | None:
     """``softcap``: None or 0.0 (off, as flash-attn's default ``softcap=0.0``) or a finite float > 0."""
     if softcap is None:
@@ -461,11 +469,8 @@ def check_alibi_slopes(alibi_slopes, query: torch.Tensor, info: AttentionInputs)
         raise AttentionInputError(f"alibi_slopes must be finite, got {a.tolist() if a.numel() <= 16 else 'non-finite values'}")
     # Note [ALiBi slopes in float32]: the compiled kernel (like flash-attn) computes ALiBi in float32, where
     # a float64 slope past float32's range is inf and inf·0 on the aligned key is NaN; every method refuses it
-    fmax = torch.finfo(torch.float32).max
-    if a.device.type != "meta" and a.dtype == torch.float64 and not bool(torch.isfinite(a.to(torch.float32)).all()):
-        raise AttentionInputError(f"alibi_slopes must be at most {fmax:.6g} in magnitude (float32's largest value: "
-                                  f"ALiBi is computed in float32, as in flash-attn), got max |slope| "
-                                  f"{float(a.abs().max()):.6g}")
+    if a.device.type != "meta":
+        check_slopes_fit_float32(a)
     a = a.to(torch.float64 if a.dtype == torch.float64 else torch.float32)
     N = math.prod(lead[:-1]) if len(lead) >= 2 else 1
     if a.dim() == 1 or N == 1:

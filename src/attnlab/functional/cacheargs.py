@@ -15,7 +15,8 @@ import torch
 
 from ..kernels.cacheview import UNBOUNDED, CacheCall
 from ..kernels import DECODE
-from ..shapes import AttentionDtypeError, AttentionInputError, check_scale_range, check_sinks, check_softcap, shape_str
+from ..shapes import (AttentionDtypeError, AttentionInputError, check_scale_range, check_sinks,
+                      check_slopes_fit_float32, check_softcap, shape_str)
 from . import kvquant
 from .kvquant import QuantizedKV
 
@@ -193,11 +194,7 @@ def _slopes(alibi_slopes, B: int, H: int):
         raise AttentionInputError(f"alibi_slopes {shape_str(a)} must be [H] = [{H}] or [B, H] = [{B}, {H}]")
     if not bool(torch.isfinite(a).all()):
         raise AttentionInputError("alibi_slopes must be finite")
-    fmax = torch.finfo(torch.float32).max  # the decode kernel's ALiBi is float32 (shapes' Note [ALiBi slopes in float32])
-    if not bool(torch.isfinite(a.to(torch.float32)).all()):
-        raise AttentionInputError(f"alibi_slopes must be at most {fmax:.6g} in magnitude (float32's largest value: "
-                                  f"ALiBi is computed in float32, as in flash-attn), got max |slope| "
-                                  f"{float(a.abs().max()):.6g}")
+    check_slopes_fit_float32(a)  # the decode kernel's ALiBi is float32 too
     return a.detach().to(device="cpu", dtype=torch.float32)
 
 
