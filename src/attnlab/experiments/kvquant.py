@@ -123,16 +123,23 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
+def _blocks_of_32(x: torch.Tensor, round_fn, fp16_scale: bool) -> torch.Tensor:
+    """x [.., D] rounded to int8 per block of 32 channels, d = amax / 127 in float32, q = round_fn(x / d),
+    dequantised in float64 as q · d (d stored as float16 first with ``fp16_scale``)."""
+    D = x.shape[-1]
+    xb = x.detach().to(torch.float32).reshape(*x.shape[:-1], D // 32, 32)  # (.., D/32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = round_fn(xb * inv)
+    return (q.double() * (d.half() if fp16_scale else d).double()).reshape(x.shape)
+
+
 def q8_0(x: torch.Tensor) -> torch.Tensor:
     """x [.., D] (D a multiple of 32) -> its q8_0 round trip, float64 (ggml quantize_row_q8_0_ref)."""
     D = x.shape[-1]
     if D % 32:
         raise ValueError(f"q8_0 needs a head dim that is a multiple of 32, got D={D}")
-    xb = x.detach().to(torch.float32).reshape(*x.shape[:-1], D // 32, 32)  # (.., D/32, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = _roundf(xb * inv)
-    return (q.double() * d.half().double()).reshape(x.shape)
+    return _blocks_of_32(x, _roundf, fp16_scale=True)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -171,16 +178,6 @@ def fake_quant(name: str, x: torch.Tensor, kind: str, n0: int) -> torch.Tensor:
     raise ValueError(f"unknown format {name!r}; known: fp32, {', '.join(FORMATS)}")
 
 
-def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [.., D] rounded to int8 per block of 32 channels, d = amax / 127 in float32, to nearest even (what
-    vcvtps2dq does), dequantised in float64 with that d."""
-    D = x.shape[-1]
-    xb = x.detach().to(torch.float32).reshape(*x.shape[:-1], D // 32, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(xb * inv).double() * d.double()).reshape(x.shape)
-
-
 def round_query(name: str, q: torch.Tensor) -> torch.Tensor:
     """q [.., D] as format ``name``'s scores see it (Note [int8 query rounding]): q8_0-dot rounds it to q8_0
     (llama.cpp converts the query to its K cache's dot type once a row), int8-g32-hadamard-q8 rounds the rotated
@@ -190,7 +187,7 @@ def round_query(name: str, q: torch.Tensor) -> torch.Tensor:
         return q8_0(q)
     if name == "int8-g32-hadamard-q8":
         r = kvquant.hadamard(q.shape[-1]).double()
-        return _int8_blocks(q.double() @ r.T) @ r
+        return _blocks_of_32(q.double() @ r.T, torch.round, fp16_scale=False) @ r  # (to nearest even: vcvtps2dq)
     return q
 
 

@@ -119,17 +119,21 @@ def _sinks(kwargs):
 # it (a tiny random T5's logits 0.18 off eager, where sdpa is 1e-6 off). It is folded into one additive float mask
 # as transformers' sdpa does (``create_position_bias_mask``): the bias where a key is visible, -inf where the mask
 # or causality (top-left, as there) hides it; the call is then not causal, its mask holding that.
-def _with_position_bias(bias: torch.Tensor, mask, is_causal: bool, query, key) -> torch.Tensor:
-    """The additive float mask [.., L, S] of Note [HF position bias], in query's dtype."""
+def _with_position_bias(kwargs, mask, is_causal: bool, query, key):
+    """(mask, is_causal) for the call: with a ``position_bias`` in kwargs, the additive float mask [.., L, S] of
+    Note [HF position bias] in query's dtype and False; else as given."""
+    bias = kwargs.get("position_bias")
+    if bias is None:
+        return mask, is_causal
     bias = bias.to(query.dtype)
     if mask is None:
         if not is_causal:
-            return bias
+            return bias, False
         L, S = query.shape[2], key.shape[2]
         mask = torch.arange(L, device=query.device)[:, None] >= torch.arange(S, device=query.device)[None, :]
     if mask.dtype == torch.bool:
-        return bias.masked_fill(~mask, float("-inf"))
-    return bias + mask.to(query.dtype)
+        return bias.masked_fill(~mask, float("-inf")), False
+    return bias + mask.to(query.dtype), False
 
 
 def _is_causal(module, query, attention_mask, kwargs) -> bool:
@@ -241,9 +245,7 @@ def attention_function(mechanism="auto", pattern: P.Pattern | None = None):
         is_causal = _is_causal(module, query, attention_mask, kwargs)
         softcap = kwargs.get("softcap")
         sinks = _sinks(kwargs)
-        if kwargs.get("position_bias") is not None:  # Note [HF position bias]
-            attention_mask = _with_position_bias(kwargs["position_bias"], attention_mask, is_causal, query, key)
-            is_causal = False
+        attention_mask, is_causal = _with_position_bias(kwargs, attention_mask, is_causal, query, key)
         if steps and not torch.compiler.is_compiling():  # Note [HF decode step]; under compile the door's op
             # (functional's Note [Doors as torch ops]) takes the step
             out = _decode_step(mech, query, key, value, attention_mask, scaling, module, is_causal, need_weights,
@@ -549,9 +551,7 @@ def _hooked_function(mechanism, pattern):
         ad = _HOOKED.get(module)
         need_weights = _weights_asked(kwargs)
         is_causal = _is_causal(module, query, attention_mask, kwargs)
-        if kwargs.get("position_bias") is not None:  # Note [HF position bias]
-            attention_mask = _with_position_bias(kwargs["position_bias"], attention_mask, is_causal, query, key)
-            is_causal = False
+        attention_mask, is_causal = _with_position_bias(kwargs, attention_mask, is_causal, query, key)
         if ad is None or not ad.hooks:
             out, w = _attend(mech, pattern, module, query, key, value, attention_mask, scaling, dropout, is_causal,
                              need_weights, kwargs.get("softcap"), _sinks(kwargs))
